@@ -1,0 +1,38 @@
+# Two commands do everything on a fresh machine:
+#   make demo   train a small model with a functopt chain (installs into .venv first)
+#   make test   run the test suite, the doctests, the linters and the strict docs build
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-deep lint docs bench clean
+
+$(STAMP): requirements-dev.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements-dev.txt
+	$(PY) -m pip install --quiet --no-deps -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest
+	$(MAKE) --no-print-directory lint docs
+
+test-deep: $(STAMP)
+	HYPOTHESIS_PROFILE=deep $(PY) -m pytest
+
+lint: $(STAMP)
+	$(PY) -m ruff check functopt tests examples benchmarks
+
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict --quiet --site-dir build/site
+
+bench: $(STAMP)
+	$(PY) benchmarks/run.py
+
+clean:
+	rm -rf $(VENV) build site

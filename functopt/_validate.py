@@ -1,0 +1,74 @@
+"""Hyperparameter checks shared by every factory.
+
+Factories check Python numbers when the transform is built, so that a bad value fails at
+construction with the value in the message. Tensor hyperparameters (as passed by
+``inject_hyperparams`` or by a user differentiating through them) are trusted: reading their
+value would need a host sync, and under ``torch.func`` it may not exist at all.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_number(owner: str, name: str, value: Any, *, allow_callable: bool = False) -> None:
+    """Raise ``TypeError`` unless ``value`` is a number, a tensor (or a schedule if allowed)."""
+    if _is_number(value) or isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and value.dim() != 0:
+            raise ValueError(
+                f"{owner}: {name} must be a number or a 0-d tensor, got a tensor of shape "
+                f"{tuple(value.shape)}. Fix: pass a scalar (use .reshape(()) on a 1-element tensor)."
+            )
+        return
+    if allow_callable and callable(value):
+        return
+    expected = "a number, a 0-d tensor or a schedule (step -> value)" if allow_callable else (
+        "a number or a 0-d tensor"
+    )
+    raise TypeError(f"{owner}: {name} must be {expected}, got {type(value).__name__} {value!r}.")
+
+
+def check_range(
+    owner: str,
+    name: str,
+    value: Any,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    allow_callable: bool = False,
+    hint: str = "",
+) -> None:
+    """Check that a hyperparameter lies in an interval; the message shows the interval."""
+    check_number(owner, name, value, allow_callable=allow_callable)
+    if not _is_number(value):
+        return
+    bad = math.isnan(value)
+    if low is not None:
+        bad = bad or value < low or (low_open and value == low)
+    if high is not None:
+        bad = bad or value > high or (high_open and value == high)
+    if bad:
+        lo = "(-inf" if low is None else ("(" if low_open else "[") + f"{low:g}"
+        hi = "inf)" if high is None else f"{high:g}" + (")" if high_open else "]")
+        fix = f" {hint}" if hint else ""
+        raise ValueError(f"{owner}: {name} must be in {lo}, {hi}, got {value!r}.{fix}")
+
+
+def check_dtype(owner: str, name: str, value: Any) -> None:
+    """``None`` or a floating torch dtype."""
+    if value is None:
+        return
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise TypeError(
+            f"{owner}: {name} must be None or a floating torch.dtype (e.g. torch.bfloat16), "
+            f"got {value!r}."
+        )

@@ -1,0 +1,182 @@
+"""Hypothesis strategies for pytrees of tensors and for the gradients that hit them.
+
+The strategies reach the values optimizers get wrong: zeros, values near zero and
+subnormals, huge magnitudes near the dtype's maximum, tiny ones near its smallest normal,
+and (when asked) inf and nan, across float16, bfloat16, float32 and float64 leaves of mixed
+shapes, including 0-d and empty tensors.
+
+Example:
+    >>> from hypothesis import given, settings
+    >>> from functopt.testing import strategies as fst
+    >>> @settings(max_examples=5)
+    ... @given(fst.params_and_gradients())
+    ... def test_shapes(pg):
+    ...     params, grads = pg
+    ...     assert fst.same_layout(params, grads)
+    >>> test_shapes()
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from hypothesis import strategies as st
+
+from functopt.tree import _core
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "ValueKind",
+    "dtypes",
+    "gradients_like",
+    "params",
+    "params_and_gradients",
+    "pytrees",
+    "same_layout",
+    "shapes",
+    "tensors",
+    "values",
+]
+
+FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+ValueKind = Literal["typical", "finite", "any"]
+"""``typical``: moderate finite values and zeros; ``finite``: also near-zero, subnormal, tiny
+and huge magnitudes; ``any``: also inf, -inf and nan."""
+
+
+def dtypes(choices: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> st.SearchStrategy[torch.dtype]:
+    """One of ``choices``."""
+    return st.sampled_from(choices)
+
+
+def shapes(*, max_dims: int = 3, max_side: int = 4, allow_empty: bool = True) -> st.SearchStrategy[tuple[int, ...]]:
+    """Tensor shapes, including ``()`` and (with ``allow_empty``) shapes with a 0 side."""
+    side = st.integers(0 if allow_empty else 1, max_side)
+    return st.lists(side, min_size=0, max_size=max_dims).map(tuple)
+
+
+def values(dtype: torch.dtype, kind: ValueKind = "finite") -> st.SearchStrategy[float]:
+    """Python floats representable (after rounding) in ``dtype``, of the given ``kind``."""
+    info = torch.finfo(dtype)
+    typical = st.one_of(
+        st.just(0.0),
+        st.just(-0.0),
+        st.floats(-10.0, 10.0, allow_nan=False, allow_infinity=False),
+        st.integers(-4, 4).map(float),
+    )
+    if kind == "typical":
+        return typical
+    magnitude = st.one_of(
+        st.floats(info.smallest_normal * 2 ** -8, info.smallest_normal * 4),  # subnormal / tiny
+        st.floats(info.eps / 4, info.eps * 4),  # near zero, relative to one
+        st.floats(info.max / 64, info.max),  # huge
+        st.floats(1e-3, 1e3),
+    )
+    signed = st.tuples(st.sampled_from((1.0, -1.0)), magnitude).map(lambda sm: sm[0] * sm[1])
+    finite = st.one_of(typical, signed)
+    if kind == "finite":
+        return finite
+    return st.one_of(finite, st.sampled_from((float("inf"), float("-inf"), float("nan"))))
+
+
+@st.composite
+def tensors(
+    draw: st.DrawFn,
+    dtype: torch.dtype | st.SearchStrategy[torch.dtype] | None = None,
+    shape: tuple[int, ...] | st.SearchStrategy[tuple[int, ...]] | None = None,
+    kind: ValueKind = "finite",
+) -> torch.Tensor:
+    """A tensor of the given (or drawn) dtype and shape, with values of ``kind``."""
+    if dtype is None:
+        dtype = dtypes()
+    if isinstance(dtype, st.SearchStrategy):
+        dtype = draw(dtype)
+    if shape is None:
+        shape = shapes()
+    if isinstance(shape, st.SearchStrategy):
+        shape = draw(shape)
+    numel = 1
+    for side in shape:
+        numel *= side
+    flat = draw(st.lists(values(dtype, kind), min_size=numel, max_size=numel))
+    return torch.tensor(flat, dtype=torch.float64).reshape(shape).to(dtype)
+
+
+def pytrees(leaves: st.SearchStrategy[Any], *, max_leaves: int = 6) -> st.SearchStrategy[Any]:
+    """Nested dicts, lists and tuples whose leaves come from ``leaves``."""
+    keys = st.text(alphabet="abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=6)
+    return st.recursive(
+        leaves,
+        lambda children: st.one_of(
+            st.dictionaries(keys, children, min_size=1, max_size=3),
+            st.lists(children, min_size=1, max_size=3),
+            st.lists(children, min_size=1, max_size=3).map(tuple),
+        ),
+        max_leaves=max_leaves,
+    )
+
+
+def params(
+    *,
+    dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES,
+    kind: ValueKind = "typical",
+    max_leaves: int = 6,
+    shape: st.SearchStrategy[tuple[int, ...]] | None = None,
+    allow_none: bool = False,
+) -> st.SearchStrategy[Any]:
+    """Pytrees of parameter tensors of mixed dtypes and shapes (0-d and empty included)."""
+    leaf: st.SearchStrategy[Any] = tensors(st.sampled_from(dtypes), shape or shapes(), kind)
+    if allow_none:
+        leaf = st.one_of(leaf, st.none())
+    return pytrees(leaf, max_leaves=max_leaves)
+
+
+@st.composite
+def gradients_like(
+    draw: st.DrawFn, reference: Any, *, kind: ValueKind = "finite", allow_none: bool = False
+) -> Any:
+    """A tree of gradients with ``reference``'s structure, shapes and dtypes.
+
+    With ``allow_none``, some gradient leaves are ``None`` (params that got no gradient).
+    """
+    leaves, treespec = _core.flatten(reference)
+    out = []
+    for leaf in leaves:
+        if leaf is None or (allow_none and draw(st.booleans())):
+            out.append(None)
+        else:
+            out.append(draw(tensors(leaf.dtype, tuple(leaf.shape), kind)))
+    return _core.unflatten(treespec, out)
+
+
+@st.composite
+def params_and_gradients(
+    draw: st.DrawFn,
+    *,
+    dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES,
+    param_kind: ValueKind = "typical",
+    grad_kind: ValueKind = "finite",
+    max_leaves: int = 6,
+    allow_none: bool = False,
+) -> tuple[Any, Any]:
+    """A ``(params, grads)`` pair of the same layout."""
+    p = draw(params(dtypes=dtypes, kind=param_kind, max_leaves=max_leaves))
+    g = draw(gradients_like(p, kind=grad_kind, allow_none=allow_none))
+    return p, g
+
+
+def same_layout(a: Any, b: Any) -> bool:
+    """Whether two trees have the same structure and, leaf by leaf, shape, dtype and device
+    (``None`` matches ``None`` only)."""
+    a_leaves, a_spec = _core.flatten(a)
+    b_leaves, b_spec = _core.flatten(b)
+    if a_spec != b_spec:
+        return False
+    for x, y in zip(a_leaves, b_leaves, strict=True):
+        if (x is None) != (y is None):
+            return False
+        if x is not None and (x.shape != y.shape or x.dtype != y.dtype or x.device != y.device):
+            return False
+    return True

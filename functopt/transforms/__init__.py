@@ -1,0 +1,1 @@
+"""The built-in transforms, one module per family (all re-exported from ``functopt``)."""

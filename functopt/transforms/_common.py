@@ -1,0 +1,87 @@
+"""Helpers shared by the built-in transforms (private).
+
+The built-ins flatten the updates once, line the state and params up against the updates'
+treespec, and write their maths per leaf with ordinary (out-of-place) torch ops: that form
+is pure, works on DTensor local shards, and works under ``torch.func.grad`` / ``vmap``
+(PyTorch's ``_foreach_*`` ops do not, as of 2.13). Fast paths live elsewhere and are tested
+equal to these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from functopt.tree import _core
+
+INT32_MAX = 2**31 - 1
+
+
+def flatten_updates(updates: Any) -> tuple[list[Any], _core.TreeSpec]:
+    """Flatten the updates; every leaf must be a floating tensor or None."""
+    leaves, treespec = _core.flatten(updates)
+    _core.check_tensors(leaves, treespec, name="updates", floating=True)
+    return leaves, treespec
+
+
+def flatten_params(params: Any) -> tuple[list[Any], _core.TreeSpec]:
+    """Flatten params for ``init``; every leaf must be a floating tensor or None."""
+    leaves, treespec = _core.flatten(params)
+    _core.check_tensors(leaves, treespec, name="params", floating=True)
+    return leaves, treespec
+
+
+def params_like(
+    treespec: _core.TreeSpec, params: Any, updates: Sequence[Any], *, owner: str
+) -> list[Any]:
+    """The params' leaves lined up with the updates (for transforms that read params)."""
+    if params is None:
+        raise ValueError(
+            f"{owner} reads the params, but update() was called without them. "
+            f"Fix: call update(updates, state, params)."
+        )
+    leaves = _core.flatten_like(treespec, params, name="params", reference="updates")
+    _core.check_tensors(leaves, treespec, name="params", floating=True)
+    _core.check_like(updates, leaves, treespec, name="update", reference_name="param")
+    return leaves
+
+
+def state_like(treespec: _core.TreeSpec, tree: Any, *, name: str) -> list[Any]:
+    """A per-leaf state field lined up with the updates."""
+    return _core.flatten_like(treespec, tree, name=name, reference="updates")
+
+
+def first_device(leaves: Sequence[Any]) -> torch.device:
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    return torch.device("cpu")
+
+
+def zero_count(leaves: Sequence[Any]) -> torch.Tensor:
+    """A 0-d int32 step counter on the device of the first tensor leaf."""
+    return torch.zeros((), dtype=torch.int32, device=first_device(leaves))
+
+
+def safe_increment(count: torch.Tensor) -> torch.Tensor:
+    """``count + 1``, saturating at the int32 maximum instead of wrapping to negative."""
+    return torch.where(count < INT32_MAX, count + 1, count)
+
+
+def bias_correction(decay: Any, count: torch.Tensor) -> torch.Tensor:
+    """``1 - decay ** count`` as a 0-d float64 tensor.
+
+    Float64 keeps the factor exact enough to match torch.optim (which uses Python floats) in
+    float64 runs; a 0-d tensor does not promote the dimensioned leaves it multiplies.
+    """
+    return 1 - decay ** count.to(torch.float64)
+
+
+def zeros_like(leaf: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return torch.zeros_like(leaf, dtype=dtype or leaf.dtype)
+
+
+def unflatten(treespec: _core.TreeSpec, leaves: Sequence[Any]) -> Any:
+    return _core.unflatten(treespec, leaves)

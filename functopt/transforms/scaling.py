@@ -1,0 +1,136 @@
+"""Scaling by constants and schedules: ``scale``, ``scale_by_learning_rate``,
+``scale_by_schedule``."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from functopt import _validate
+from functopt._base import (
+    EmptyState,
+    GradientTransformation,
+    Numeric,
+    Params,
+    ScalarOrSchedule,
+    Schedule,
+    Updates,
+)
+from functopt.transforms import _common
+
+__all__ = [
+    "ScaleByScheduleState",
+    "scale",
+    "scale_by_learning_rate",
+    "scale_by_schedule",
+]
+
+
+def scale(step_size: Numeric) -> GradientTransformation:
+    r"""Multiply every update by a constant: :math:`u \leftarrow \text{step\_size}\cdot u`.
+
+    Args:
+        step_size: the factor (a number or a 0-d tensor).
+
+    Returns:
+        A stateless :class:`~functopt.GradientTransformation`.
+
+    Example:
+        >>> import torch, functopt
+        >>> tx = functopt.scale(2.0)
+        >>> tx.update({"w": torch.tensor([1.0, -3.0])}, tx.init(None))[0]
+        {'w': tensor([ 2., -6.])}
+    """
+    _validate.check_number("scale", "step_size", step_size)
+
+    def init_fn(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update_fn(
+        updates: Updates, state: EmptyState, params: Params | None = None, **extra_args: Any
+    ) -> tuple[Updates, EmptyState]:
+        del params, extra_args
+        leaves, treespec = _common.flatten_updates(updates)
+        new = [None if g is None else g * step_size for g in leaves]
+        return _common.unflatten(treespec, new), state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+class ScaleByScheduleState(NamedTuple):
+    """State of :func:`scale_by_schedule`."""
+
+    count: torch.Tensor  # int32, shape (): number of updates done so far
+
+
+def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
+    r"""Multiply updates by ``step_size_fn(count)``, where ``count`` counts the updates done.
+
+    The schedule receives the 0-d int32 count tensor (0 on the first update) and returns a
+    number or a 0-d tensor; nothing is read back to the host.
+
+    Args:
+        step_size_fn: a schedule, ``count -> factor`` (see :mod:`functopt.schedules`).
+
+    Example:
+        >>> import torch, functopt
+        >>> tx = functopt.scale_by_schedule(lambda count: 1.0 / (count + 1))
+        >>> state = tx.init({"w": torch.zeros(1)})
+        >>> u, state = tx.update({"w": torch.ones(1)}, state)
+        >>> u, state = tx.update({"w": torch.ones(1)}, state)
+        >>> u["w"]
+        tensor([0.5000])
+    """
+    if not callable(step_size_fn):
+        raise TypeError(
+            f"scale_by_schedule: step_size_fn must be callable (count -> value), got "
+            f"{type(step_size_fn).__name__}. Fix: use functopt.scale for a constant."
+        )
+
+    def init_fn(params: Params) -> ScaleByScheduleState:
+        leaves, _ = _common.flatten_params(params)
+        return ScaleByScheduleState(count=_common.zero_count(leaves))
+
+    def update_fn(
+        updates: Updates,
+        state: ScaleByScheduleState,
+        params: Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[Updates, ScaleByScheduleState]:
+        del params, extra_args
+        leaves, treespec = _common.flatten_updates(updates)
+        step_size = step_size_fn(state.count)
+        new = [None if g is None else (g * step_size).to(g.dtype) for g in leaves]
+        count = _common.safe_increment(state.count)
+        return _common.unflatten(treespec, new), ScaleByScheduleState(count=count)
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def scale_by_learning_rate(
+    learning_rate: ScalarOrSchedule, *, flip_sign: bool = True
+) -> GradientTransformation:
+    r"""Scale by the learning rate, negated by default (so that ``apply_updates`` descends).
+
+    :math:`u \leftarrow -\eta\, u` with ``flip_sign=True`` (the default), where
+    :math:`\eta` is ``learning_rate`` or ``learning_rate(count)`` for a schedule.
+
+    Args:
+        learning_rate: a number, a 0-d tensor, or a schedule.
+        flip_sign: negate the learning rate (gradient descent). ``False`` for ascent.
+
+    Example:
+        >>> import torch, functopt
+        >>> tx = functopt.scale_by_learning_rate(0.1)
+        >>> tx.update({"w": torch.tensor([1.0])}, tx.init(None))[0]
+        {'w': tensor([-0.1000])}
+    """
+    _validate.check_number("scale_by_learning_rate", "learning_rate", learning_rate,
+                           allow_callable=True)
+    sign = -1 if flip_sign else 1
+    if callable(learning_rate) and not isinstance(learning_rate, torch.Tensor):
+        schedule = learning_rate
+        return scale_by_schedule(lambda count: sign * schedule(count))
+    return scale(sign * learning_rate)
