@@ -1,0 +1,186 @@
+"""Loss scales: the rule that moves the scale of a mixed-precision step, as pure functions.
+
+A loss scale is a pair of functions over an explicit :class:`LossScaleState` (0-d tensors,
+so no host sync is needed and nothing recompiles when the scale moves). One dynamic rule
+covers both systems users migrate between:
+
+* ``hysteresis=1`` and no floor: PyTorch's ``GradScaler`` rule (backoff on every overflow;
+  grow after ``growth_interval`` finite steps in a row; never grow to inf), the rule of
+  PyTorch's own ``torch._amp_update_scale_`` kernel.
+* ``hysteresis=H``: Megatron-LM's ``DynamicGradScaler`` (also LightRFT's): an overflow
+  resets the growth count and uses up one of ``H`` tolerated overflows; the scale backs off
+  only when none is left; the count of tolerated overflows is refilled on growth, not on
+  every finite step. The scale is clamped to ``[min_scale, max_scale]``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from functopt import _validate
+
+__all__ = [
+    "LossScale",
+    "LossScaleState",
+    "dynamic_loss_scale",
+    "static_loss_scale",
+]
+
+
+class LossScaleState(NamedTuple):
+    """State of a loss scale."""
+
+    scale: torch.Tensor  # float32, shape (): the current loss scale
+    growth_tracker: torch.Tensor  # int32, shape (): finite steps since the last growth/overflow
+    hysteresis_tracker: torch.Tensor  # int32, shape (): overflows still tolerated before backoff
+
+
+class LossScale(NamedTuple):
+    """A loss-scale rule: ``init(device=None) -> state``, ``adjust(state, found_inf) -> state``.
+
+    ``found_inf`` is a 0-d tensor (bool, or float as PyTorch's kernels produce: nonzero
+    means the step's gradients had an inf or nan). ``dynamic`` tells whether ``adjust`` can
+    move the scale.
+    """
+
+    init: Callable[..., LossScaleState]
+    adjust: Callable[[LossScaleState, torch.Tensor], LossScaleState]
+    dynamic: bool
+
+
+def _check_scale(owner: str, name: str, value: float | None) -> None:
+    if value is None:
+        return
+    _validate.check_range(owner, name, value, low=0.0, low_open=True)
+    if not math.isfinite(value) or value > torch.finfo(torch.float32).max:
+        raise ValueError(f"{owner}: {name} must be a finite float32 value, got {value!r}.")
+
+
+def _state(scale: float, hysteresis: int, device: torch.device | str | None) -> LossScaleState:
+    return LossScaleState(
+        scale=torch.tensor(scale, dtype=torch.float32, device=device),
+        growth_tracker=torch.zeros((), dtype=torch.int32, device=device),
+        hysteresis_tracker=torch.tensor(hysteresis, dtype=torch.int32, device=device),
+    )
+
+
+def static_loss_scale(scale: float) -> LossScale:
+    """A constant loss scale (``adjust`` returns the state unchanged).
+
+    Example:
+        >>> import torch, functopt
+        >>> ls = functopt.static_loss_scale(128.0)
+        >>> state = ls.adjust(ls.init(), torch.tensor(True))
+        >>> state.scale
+        tensor(128.)
+    """
+    _check_scale("static_loss_scale", "scale", scale)
+
+    def init(device: torch.device | str | None = None) -> LossScaleState:
+        return _state(scale, 1, device)
+
+    def adjust(state: LossScaleState, found_inf: torch.Tensor) -> LossScaleState:
+        del found_inf
+        return state
+
+    return LossScale(init, adjust, dynamic=False)
+
+
+def dynamic_loss_scale(
+    init_scale: float = 2.0**16,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+    hysteresis: int = 1,
+    min_scale: float | None = None,
+    max_scale: float | None = None,
+) -> LossScale:
+    r"""A dynamic loss scale: back off on overflow, grow after a run of finite steps.
+
+    On a finite step the growth count rises; when it reaches ``growth_interval`` the scale
+    is multiplied by ``growth_factor`` (unless that would overflow float32), the count
+    restarts and the hysteresis count is refilled to ``hysteresis``. On an overflow the
+    growth count restarts and the hysteresis count drops by one; when it reaches zero the
+    scale is multiplied by ``backoff_factor``. The result is clamped to
+    ``[min_scale, max_scale]``.
+
+    ``hysteresis=1`` with no ``min_scale``/``max_scale`` is PyTorch's ``GradScaler`` rule
+    (bitwise the rule of ``torch._amp_update_scale_``); ``hysteresis=2, min_scale=1`` is
+    Megatron-LM's defaults for its ``DynamicGradScaler``.
+
+    Args:
+        init_scale: the first scale (PyTorch: 2**16; Megatron: 2**32).
+        growth_factor: > 1. Powers of two keep scaling and unscaling exact.
+        backoff_factor: in (0, 1).
+        growth_interval: finite steps in a row before a growth, >= 1.
+        hysteresis: overflows tolerated (since the last growth) before a backoff, >= 1.
+        min_scale: floor of the scale, or None.
+        max_scale: ceiling of the scale, or None.
+
+    Example:
+        >>> import torch, functopt
+        >>> ls = functopt.dynamic_loss_scale(init_scale=16.0, growth_interval=3, hysteresis=2,
+        ...                                  min_scale=1.0)
+        >>> state, trace = ls.init(), []
+        >>> for overflow in "FFFIFIIIFFF":
+        ...     state = ls.adjust(state, torch.tensor(overflow == "I"))
+        ...     trace.append(int(state.scale))
+        >>> trace  # Megatron's rule
+        [16, 16, 32, 32, 32, 16, 8, 4, 4, 4, 8]
+    """
+    owner = "dynamic_loss_scale"
+    _check_scale(owner, "init_scale", init_scale)
+    _validate.check_range(owner, "growth_factor", growth_factor, low=1.0, low_open=True)
+    _validate.check_range(owner, "backoff_factor", backoff_factor, low=0.0, high=1.0,
+                          low_open=True, high_open=True)
+    for name, value in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{owner}: {name} must be an int >= 1, got {value!r}.")
+    _check_scale(owner, "min_scale", min_scale)
+    _check_scale(owner, "max_scale", max_scale)
+    if min_scale is not None and max_scale is not None and min_scale > max_scale:
+        raise ValueError(
+            f"{owner}: min_scale ({min_scale!r}) must not exceed max_scale ({max_scale!r})."
+        )
+    if min_scale is not None and init_scale < min_scale or (
+        max_scale is not None and init_scale > max_scale
+    ):
+        raise ValueError(
+            f"{owner}: init_scale {init_scale!r} lies outside [min_scale, max_scale] = "
+            f"[{min_scale!r}, {max_scale!r}]."
+        )
+
+    def init(device: torch.device | str | None = None) -> LossScaleState:
+        return _state(init_scale, hysteresis, device)
+
+    def adjust(state: LossScaleState, found_inf: torch.Tensor) -> LossScaleState:
+        overflow = found_inf.to(device=state.scale.device, dtype=torch.bool)
+        one = torch.ones((), dtype=torch.int32, device=state.scale.device)
+        # Overflow branch: spend one tolerated overflow; back off when none is left.
+        # (Floored at 0: below that every overflow backs off anyway, and int32 cannot wrap.)
+        hysteresis_left = torch.clamp(state.hysteresis_tracker - one, min=0)
+        # Products in float64, rounded once to float32, as PyTorch's kernel computes them.
+        wide = state.scale.to(torch.float64)
+        backed_off = torch.where(
+            hysteresis_left <= 0, (wide * backoff_factor).to(torch.float32), state.scale
+        )
+        # Finite branch: count; grow (if the grown scale stays finite) at the interval.
+        grown_count = state.growth_tracker + one
+        at_interval = grown_count >= growth_interval
+        candidate = (wide * growth_factor).to(torch.float32)
+        grows = at_interval & torch.isfinite(candidate)
+        scale = torch.where(overflow, backed_off, torch.where(grows, candidate, state.scale))
+        if min_scale is not None or max_scale is not None:
+            scale = torch.clamp(scale, min=min_scale, max=max_scale)
+        growth_tracker = torch.where(overflow | at_interval, 0 * one, grown_count)
+        hysteresis_tracker = torch.where(
+            overflow, hysteresis_left, torch.where(at_interval, hysteresis * one,
+                                                   state.hysteresis_tracker)
+        )
+        return LossScaleState(scale, growth_tracker, hysteresis_tracker)
+
+    return LossScale(init, adjust, dynamic=True)
