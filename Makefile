@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-deep lint docs bench clean
+.PHONY: demo test test-deep lint docs clean
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,13 +26,10 @@ test-deep: $(STAMP)
 	HYPOTHESIS_PROFILE=deep $(PY) -m pytest
 
 lint: $(STAMP)
-	$(PY) -m ruff check functopt tests examples benchmarks
+	$(PY) -m ruff check functopt tests examples
 
 docs: $(STAMP)
-	$(PY) -m mkdocs build --strict --quiet --site-dir build/site
-
-bench: $(STAMP)
-	$(PY) benchmarks/run.py
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir build/site
 
 clean:
 	rm -rf $(VENV) build site

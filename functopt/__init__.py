@@ -1,6 +1,11 @@
-"""functopt: functional, optax-style optimizer transforms for PyTorch."""
+"""functopt: functional, optax-style optimizer transforms for PyTorch.
 
-from functopt import precision, tree
+The public surface is this module's ``__all__`` and the documented subpackages
+``functopt.schedules``, ``functopt.tree``, ``functopt.precision`` and ``functopt.testing``
+(the last imports hypothesis, so it is not imported here).
+"""
+
+from functopt import precision, schedules, tree
 from functopt._apply import apply_updates, apply_updates_
 from functopt._base import (
     EmptyState,
@@ -19,23 +24,20 @@ from functopt._base import (
     stateless_with_tree_map,
     with_extra_args_support,
 )
-from functopt.transforms import (
-    accumulation as _accumulation,
-    adding as _adding,
-    clipping as _clipping,
-    combining as _combining,
-    conditionality as _conditionality,
-    constrain as _constrain,
-    factored as _factored,
-    hyperparams as _hyperparams,
-    masking as _masking,
-    moments as _moments,
-    multi_steps as _multi_steps,
-    partition as _partition,
-    projection as _projection,
-    scaling as _scaling,
-    sign as _sign,
-    trust_ratio as _trust_ratio,
+from functopt.optimizers import (
+    adafactor,
+    adagrad,
+    adam,
+    adamw,
+    amsgrad,
+    lamb,
+    lars,
+    lion,
+    nadam,
+    nadamw,
+    rmsprop,
+    sgd,
+    sign_sgd,
 )
 from functopt.precision.loss_scale import (
     LossScale,
@@ -43,63 +45,181 @@ from functopt.precision.loss_scale import (
     dynamic_loss_scale,
     static_loss_scale,
 )
-from functopt.transforms.accumulation import *  # noqa: F403  (made explicit at integration)
-from functopt.transforms.adding import *  # noqa: F403
-from functopt.transforms.clipping import *  # noqa: F403
-from functopt.transforms.combining import *  # noqa: F403
-from functopt.transforms.conditionality import *  # noqa: F403
-from functopt.transforms.constrain import *  # noqa: F403
-from functopt.transforms.factored import *  # noqa: F403
-from functopt.transforms.hyperparams import *  # noqa: F403
-from functopt.transforms.masking import *  # noqa: F403
-from functopt.transforms.moments import *  # noqa: F403
-from functopt.transforms.multi_steps import *  # noqa: F403
-from functopt.transforms.partition import *  # noqa: F403
-from functopt.transforms.projection import *  # noqa: F403
-from functopt.transforms.scaling import *  # noqa: F403
-from functopt.transforms.sign import *  # noqa: F403
-from functopt.transforms.trust_ratio import *  # noqa: F403
+from functopt.transforms.accumulation import (
+    EmaState,
+    TraceState,
+    ema,
+    trace,
+)
+from functopt.transforms.adding import (
+    AddDecayedWeightsState,
+    add_decayed_weights,
+)
+from functopt.transforms.clipping import (
+    adaptive_grad_clip,
+    clip,
+    clip_by_block_rms,
+    clip_by_global_norm,
+)
+from functopt.transforms.combining import (
+    chain,
+    named_chain,
+)
+from functopt.transforms.conditionality import (
+    ApplyIfFiniteState,
+    apply_if_finite,
+)
+from functopt.transforms.constrain import (
+    ZeroNansState,
+    keep_params_nonnegative,
+    zero_nans,
+)
+from functopt.transforms.factored import (
+    FactoredState,
+    scale_by_factored_rms,
+)
+from functopt.transforms.hyperparams import (
+    InjectHyperparamsState,
+    inject_hyperparams,
+)
+from functopt.transforms.masking import (
+    MaskedState,
+    masked,
+)
+from functopt.transforms.moments import (
+    ScaleByAdamState,
+    ScaleByAmsgradState,
+    ScaleByLionState,
+    scale_by_adam,
+    scale_by_amsgrad,
+    scale_by_lion,
+)
+from functopt.transforms.multi_steps import (
+    MultiSteps,
+    MultiStepsState,
+    ShouldSkipUpdateFunction,
+    skip_large_updates,
+    skip_not_finite,
+)
+from functopt.transforms.partition import (
+    PartitionState,
+    partition,
+)
+from functopt.transforms.projection import (
+    centralize,
+)
+from functopt.transforms.rms import (
+    ScaleByRmsState,
+    ScaleByRssState,
+    ScaleByRStdDevState,
+    scale_by_rms,
+    scale_by_rss,
+    scale_by_stddev,
+)
+from functopt.transforms.scaling import (
+    ScaleByScheduleState,
+    scale,
+    scale_by_learning_rate,
+    scale_by_param_block_norm,
+    scale_by_param_block_rms,
+    scale_by_schedule,
+)
+from functopt.transforms.sign import (
+    scale_by_sign,
+)
+from functopt.transforms.trust_ratio import (
+    scale_by_trust_ratio,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AddDecayedWeightsState",
+    "ApplyIfFiniteState",
+    "EmaState",
     "EmptyState",
+    "FactoredState",
+    "GradientTransformation",
+    "InjectHyperparamsState",
     "LossScale",
     "LossScaleState",
-    "GradientTransformation",
+    "MaskedState",
+    "MultiSteps",
+    "MultiStepsState",
     "Numeric",
     "Params",
+    "PartitionState",
     "ScalarOrSchedule",
+    "ScaleByAdamState",
+    "ScaleByAmsgradState",
+    "ScaleByLionState",
+    "ScaleByRStdDevState",
+    "ScaleByRmsState",
+    "ScaleByRssState",
+    "ScaleByScheduleState",
     "Schedule",
+    "ShouldSkipUpdateFunction",
     "State",
+    "TraceState",
     "TransformInitFn",
     "TransformUpdateFn",
     "Updates",
+    "ZeroNansState",
+    "adafactor",
+    "adagrad",
+    "adam",
+    "adamw",
+    "adaptive_grad_clip",
+    "add_decayed_weights",
+    "amsgrad",
+    "apply_if_finite",
     "apply_updates",
     "apply_updates_",
+    "centralize",
+    "chain",
+    "clip",
+    "clip_by_block_rms",
+    "clip_by_global_norm",
     "dynamic_loss_scale",
+    "ema",
     "identity",
+    "inject_hyperparams",
+    "keep_params_nonnegative",
+    "lamb",
+    "lars",
+    "lion",
+    "masked",
+    "nadam",
+    "nadamw",
+    "named_chain",
+    "partition",
     "precision",
+    "rmsprop",
+    "scale",
+    "scale_by_adam",
+    "scale_by_amsgrad",
+    "scale_by_factored_rms",
+    "scale_by_learning_rate",
+    "scale_by_lion",
+    "scale_by_param_block_norm",
+    "scale_by_param_block_rms",
+    "scale_by_rms",
+    "scale_by_rss",
+    "scale_by_schedule",
+    "scale_by_sign",
+    "scale_by_stddev",
+    "scale_by_trust_ratio",
+    "schedules",
     "set_to_zero",
-    "static_loss_scale",
+    "sgd",
+    "sign_sgd",
+    "skip_large_updates",
+    "skip_not_finite",
     "stateless",
     "stateless_with_tree_map",
+    "static_loss_scale",
+    "trace",
     "tree",
     "with_extra_args_support",
-    *_accumulation.__all__,
-    *_adding.__all__,
-    *_clipping.__all__,
-    *_combining.__all__,
-    *_conditionality.__all__,
-    *_constrain.__all__,
-    *_factored.__all__,
-    *_hyperparams.__all__,
-    *_masking.__all__,
-    *_moments.__all__,
-    *_multi_steps.__all__,
-    *_partition.__all__,
-    *_projection.__all__,
-    *_scaling.__all__,
-    *_sign.__all__,
-    *_trust_ratio.__all__,
+    "zero_nans",
 ]

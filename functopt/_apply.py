@@ -27,7 +27,7 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     casts an update silently (for low-precision params, keep a float32 master copy with the
     mixed-precision stages instead).
 
-    Example:
+    Examples:
         >>> import torch, functopt
         >>> functopt.apply_updates({"w": torch.ones(2)}, {"w": torch.tensor([0.5, -1.0])})
         {'w': tensor([1.5000, 0.0000])}
@@ -45,9 +45,9 @@ def apply_updates_(params: Params, updates: Updates) -> None:
 
     The write happens under ``torch.no_grad()``, so leaf parameters that require grad can
     be updated; the autograd version counter moves as with any in-place op. Same checks as
-    :func:`apply_updates`.
+    [`apply_updates`][functopt.apply_updates].
 
-    Example:
+    Examples:
         >>> import torch, functopt
         >>> model = torch.nn.Linear(2, 1)
         >>> params = dict(model.named_parameters())

@@ -1,6 +1,6 @@
 """The transform protocol: the one abstraction everything else in functopt is built from.
 
-A :class:`GradientTransformation` is a pair of pure functions. ``init(params)`` builds the
+A [`GradientTransformation`][functopt.GradientTransformation] is a pair of pure functions. ``init(params)`` builds the
 state; ``update(updates, state, params=None, **extra_args)`` returns new updates and a new
 state, without touching its inputs. Optimizers are chains of such transforms; the caller
 holds the state and passes it back on the next step.
@@ -53,7 +53,7 @@ class GradientTransformation(NamedTuple):
     feed every transform of a chain, each reading what it needs, such as ``value`` or
     ``loss``).
 
-    Example:
+    Examples:
         >>> import torch, functopt
         >>> tx = functopt.scale(-0.1)
         >>> params = {"w": torch.ones(2)}
@@ -74,7 +74,7 @@ class EmptyState(NamedTuple):
 def identity() -> GradientTransformation:
     """The transform that returns its updates unchanged (the neutral element of ``chain``).
 
-    Example:
+    Examples:
         >>> import torch, functopt
         >>> tx = functopt.identity()
         >>> tx.update({"w": torch.ones(1)}, tx.init({"w": torch.zeros(1)}))[0]
@@ -97,7 +97,7 @@ def identity() -> GradientTransformation:
 def set_to_zero() -> GradientTransformation:
     """Replace every update by zeros (frozen parameters: use it inside ``partition``).
 
-    Example:
+    Examples:
         >>> import torch, functopt
         >>> tx = functopt.set_to_zero()
         >>> tx.update({"w": torch.ones(2)}, tx.init(None))[0]
@@ -120,7 +120,7 @@ def stateless(
 ) -> GradientTransformation:
     """Make a stateless transform from ``f(updates, params) -> updates`` over whole trees.
 
-    Example:
+    Examples:
         >>> import torch, functopt
         >>> halve = functopt.stateless(lambda u, p: {k: v / 2 for k, v in u.items()})
         >>> halve.update({"w": torch.ones(1)}, halve.init(None))[0]
@@ -144,7 +144,7 @@ def stateless_with_tree_map(
     ``f`` is not called where the update is ``None`` (a parameter without gradient); the
     param passed is ``None`` when ``update`` is called without params.
 
-    Example:
+    Examples:
         >>> import torch, functopt
         >>> tx = functopt.stateless_with_tree_map(lambda g, p: g.clamp(-1, 1))
         >>> tx.update([torch.tensor([3.0, -0.5])], tx.init(None))[0]

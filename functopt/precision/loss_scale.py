@@ -1,6 +1,6 @@
 """Loss scales: the rule that moves the scale of a mixed-precision step, as pure functions.
 
-A loss scale is a pair of functions over an explicit :class:`LossScaleState` (0-d tensors,
+A loss scale is a pair of functions over an explicit [`LossScaleState`][functopt.LossScaleState] (0-d tensors,
 so no host sync is needed and nothing recompiles when the scale moves). One dynamic rule
 covers both systems users migrate between:
 
@@ -71,7 +71,7 @@ def _state(scale: float, hysteresis: int, device: torch.device | str | None) -> 
 def static_loss_scale(scale: float) -> LossScale:
     """A constant loss scale (``adjust`` returns the state unchanged).
 
-    Example:
+    Examples:
         >>> import torch, functopt
         >>> ls = functopt.static_loss_scale(128.0)
         >>> state = ls.adjust(ls.init(), torch.tensor(True))
@@ -121,7 +121,7 @@ def dynamic_loss_scale(
         min_scale: floor of the scale, or None.
         max_scale: ceiling of the scale, or None.
 
-    Example:
+    Examples:
         >>> import torch, functopt
         >>> ls = functopt.dynamic_loss_scale(init_scale=16.0, growth_interval=3, hysteresis=2,
         ...                                  min_scale=1.0)
@@ -146,7 +146,7 @@ def dynamic_loss_scale(
         raise ValueError(
             f"{owner}: min_scale ({min_scale!r}) must not exceed max_scale ({max_scale!r})."
         )
-    if min_scale is not None and init_scale < min_scale or (
+    if (min_scale is not None and init_scale < min_scale) or (
         max_scale is not None and init_scale > max_scale
     ):
         raise ValueError(

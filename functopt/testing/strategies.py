@@ -5,7 +5,7 @@ subnormals, huge magnitudes near the dtype's maximum, tiny ones near its smalles
 and (when asked) inf and nan, across float16, bfloat16, float32 and float64 leaves of mixed
 shapes, including 0-d and empty tensors.
 
-Example:
+Examples:
     >>> from hypothesis import given, settings
     >>> from functopt.testing import strategies as fst
     >>> @settings(max_examples=5)
@@ -127,7 +127,9 @@ def params(
     allow_none: bool = False,
 ) -> st.SearchStrategy[Any]:
     """Pytrees of parameter tensors of mixed dtypes and shapes (0-d and empty included)."""
-    leaf: st.SearchStrategy[Any] = tensors(st.sampled_from(dtypes), shape or shapes(), kind)
+    leaf: st.SearchStrategy[Any] = tensors(
+        st.sampled_from(dtypes), shape if shape is not None else shapes(), kind
+    )
     if allow_none:
         leaf = st.one_of(leaf, st.none())
     return pytrees(leaf, max_leaves=max_leaves)

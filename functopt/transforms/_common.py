@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from functopt import _validate
+from functopt._base import Numeric
 from functopt.tree import _core
 
 INT32_MAX = 2**31 - 1
@@ -38,6 +40,10 @@ def params_like(
 ) -> list[Any]:
     """The params' leaves lined up with the updates (for transforms that read params)."""
     if params is None:
+        if all(u is None for u in updates):
+            # Nothing to update (e.g. `masked` selected no leaf of a one-tensor tree, whose
+            # masked params tree is then None itself): nothing needs the params either.
+            return [None] * len(updates)
         raise ValueError(
             f"{owner} reads the params, but update() was called without them. "
             f"Fix: call update(updates, state, params)."
@@ -85,3 +91,58 @@ def zeros_like(leaf: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Te
 
 def unflatten(treespec: _core.TreeSpec, leaves: Sequence[Any]) -> Any:
     return _core.unflatten(treespec, leaves)
+
+
+def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The dtype moment maths runs in: the widest of ``dtypes`` and float32."""
+    out = torch.float32
+    for dtype in dtypes:
+        out = torch.promote_types(out, dtype)
+    return out
+
+
+def check_state_present(
+    owner: str, treespec: _core.TreeSpec, grads: list[Any], *, same_shape: bool = True,
+    **fields: list[Any],
+) -> None:
+    """Raise naming the first leaf whose state cannot go with its gradient.
+
+    A state leaf is None where the param was None at ``init`` but now gets a gradient; with
+    ``same_shape`` a state leaf must also have the gradient's shape (torch would otherwise
+    broadcast a stale state silently).
+    """
+    for name, leaves in fields.items():
+        for i, (g, s) in enumerate(zip(grads, leaves, strict=True)):
+            if g is None:
+                continue
+            if s is None:
+                raise ValueError(
+                    f"{owner}: {_core.paths(treespec)[i]!r} has a gradient but state.{name} "
+                    f"holds None there (its param was None when init ran). Fix: call init on "
+                    f"params that hold a tensor at every leaf you will update."
+                )
+            if same_shape and s.shape != g.shape:
+                raise ValueError(
+                    f"{owner}: {_core.paths(treespec)[i]!r}: state.{name} has shape "
+                    f"{tuple(s.shape)} but the gradient has shape {tuple(g.shape)}. Fix: build "
+                    f"the state with init(params) on the params these gradients belong to."
+                )
+
+
+def check_betas(owner: str, *, closed: bool = False, **betas: Any) -> None:
+    hint = "Fix: decay rates are in [0, 1]." if closed else (
+        "Fix: decay rates are in [0, 1) (the bias correction divides by 1 - decay**t); "
+        "0.9 and 0.999 are usual."
+    )
+    for name, value in betas.items():
+        _validate.check_range(owner, name, value, low=0.0, high=1.0, high_open=not closed,
+                              hint=hint)
+
+
+def full(leaves: list[Any], value: Numeric) -> list[Any]:
+    """Per-leaf tensors of the param's dtype filled with ``value`` (None where the param is).
+
+    ``zeros + value`` rather than ``full_like`` so that a 0-d tensor ``value`` works without
+    reading it back to the host.
+    """
+    return [None if p is None else torch.zeros_like(p) + value for p in leaves]

@@ -1,3 +1,182 @@
-"""(being written)."""
+"""Accumulating updates across steps: ``trace`` (momentum) and ``ema`` (moving average)."""
 
-__all__: list[str] = []
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from functopt import _validate
+from functopt._base import GradientTransformation, Numeric, Params, Updates
+from functopt.transforms import _common
+
+__all__ = [
+    "EmaState",
+    "TraceState",
+    "ema",
+    "trace",
+]
+
+
+class TraceState(NamedTuple):
+    """State of [`trace`][functopt.trace]."""
+
+    trace: Updates  # like params, dtype accumulator_dtype (default: the param's): momentum
+
+
+def trace(
+    decay: Numeric,
+    nesterov: bool = False,
+    accumulator_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
+    r"""Momentum: a decaying sum of past updates.
+
+    With update $g_t$ and trace $m_0 = 0$:
+
+    $$
+    m_t = g_t + \text{decay}\cdot m_{t-1}, \qquad
+    u_t = m_t \quad\text{or, with nesterov,}\quad u_t = g_t + \text{decay}\cdot m_t.
+    $$
+
+    Chained with ``scale(-lr)`` this is ``torch.optim.SGD(lr, momentum=decay,
+    nesterov=nesterov)`` with ``dampening=0``. Compare [`ema`][functopt.ema], which weights the new
+    update by ``1 - decay``. The trace is computed in the wider of the update's and the
+    trace's dtype and stored in the trace's; the update keeps its dtype. Where an update is
+    ``None`` the trace is left as it is.
+
+    Args:
+        decay: the momentum coefficient, >= 0.
+        nesterov: use Nesterov momentum.
+        accumulator_dtype: storage dtype of the trace (default: the param's dtype).
+
+    Returns:
+        A [`GradientTransformation`][functopt.GradientTransformation] with [`TraceState`][functopt.TraceState].
+
+    Examples:
+        >>> import torch, functopt
+        >>> tx = functopt.trace(0.5)
+        >>> state = tx.init({"w": torch.zeros(1)})
+        >>> u, state = tx.update({"w": torch.tensor([1.0])}, state)
+        >>> u, state = tx.update({"w": torch.tensor([1.0])}, state)
+        >>> u["w"]
+        tensor([1.5000])
+
+    References:
+        Polyak, *Some methods of speeding up the convergence of iteration methods*, 1964.
+        Sutskever et al., *On the importance of initialization and momentum in deep
+        learning*, 2013.
+    """
+    owner = "trace"
+    _validate.check_range(owner, "decay", decay, low=0.0,
+                          hint="Fix: pass a momentum coefficient such as 0.9.")
+    _validate.check_dtype(owner, "accumulator_dtype", accumulator_dtype)
+
+    def init_fn(params: Params) -> TraceState:
+        leaves, treespec = _common.flatten_params(params)
+        trace_ = [None if p is None else _common.zeros_like(p, accumulator_dtype) for p in leaves]
+        return TraceState(trace=_common.unflatten(treespec, trace_))
+
+    def update_fn(
+        updates: Updates, state: TraceState, params: Params | None = None, **extra_args: Any
+    ) -> tuple[Updates, TraceState]:
+        del params, extra_args
+        grads, treespec = _common.flatten_updates(updates)
+        traces = _common.state_like(treespec, state.trace, name="state.trace")
+        new_updates: list[Any] = []
+        new_traces: list[Any] = []
+        for g, t in zip(grads, traces, strict=True):
+            if g is None:
+                new_updates.append(None)
+                new_traces.append(t)
+                continue
+            m = g + decay * t.to(torch.promote_types(g.dtype, t.dtype))
+            u = g + decay * m if nesterov else m
+            new_updates.append(u.to(g.dtype))
+            new_traces.append(m.to(t.dtype))
+        return _common.unflatten(treespec, new_updates), TraceState(
+            trace=_common.unflatten(treespec, new_traces)
+        )
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+class EmaState(NamedTuple):
+    """State of [`ema`][functopt.ema]."""
+
+    count: torch.Tensor  # int32, shape (): number of updates done so far
+    ema: Updates  # like params, dtype accumulator_dtype (default: the param's): the average
+
+
+def ema(
+    decay: Numeric,
+    debias: bool = True,
+    accumulator_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
+    r"""An exponential moving average of past updates, optionally debiased.
+
+    With update $g_t$, $e_0 = 0$ and $t$ counting from 1:
+
+    $$
+    e_t = (1 - \text{decay})\, g_t + \text{decay}\cdot e_{t-1}, \qquad
+    u_t = e_t / (1 - \text{decay}^t) \ \text{(debias)} \quad\text{or}\quad u_t = e_t.
+    $$
+
+    The stored average is never debiased, only the returned update. Computed in the wider
+    of the update's and the average's dtype, stored in the average's; the update keeps its
+    dtype. Where an update is ``None`` the average is left as it is (the count still
+    advances, as it is shared by all leaves).
+
+    Args:
+        decay: the decay rate, in [0, 1) (in [0, 1] with ``debias=False``).
+        debias: divide by $1 - \text{decay}^t$ to remove the bias towards zero.
+        accumulator_dtype: storage dtype of the average (default: the param's dtype).
+
+    Returns:
+        A [`GradientTransformation`][functopt.GradientTransformation] with [`EmaState`][functopt.EmaState].
+
+    Examples:
+        >>> import torch, functopt
+        >>> tx = functopt.ema(0.9)
+        >>> state = tx.init({"w": torch.zeros(1)})
+        >>> u, state = tx.update({"w": torch.tensor([2.0])}, state)
+        >>> u["w"], state.ema["w"]  # debiased update, raw average
+        (tensor([2.]), tensor([0.2000]))
+    """
+    owner = "ema"
+    _validate.check_range(owner, "decay", decay, low=0.0, high=1.0, high_open=debias,
+                          hint="Fix: pass a decay rate such as 0.9 (1 only with debias=False).")
+    _validate.check_dtype(owner, "accumulator_dtype", accumulator_dtype)
+
+    def init_fn(params: Params) -> EmaState:
+        leaves, treespec = _common.flatten_params(params)
+        averages = [None if p is None else _common.zeros_like(p, accumulator_dtype) for p in leaves]
+        return EmaState(count=_common.zero_count(leaves),
+                        ema=_common.unflatten(treespec, averages))
+
+    def update_fn(
+        updates: Updates, state: EmaState, params: Params | None = None, **extra_args: Any
+    ) -> tuple[Updates, EmaState]:
+        del params, extra_args
+        grads, treespec = _common.flatten_updates(updates)
+        averages = _common.state_like(treespec, state.ema, name="state.ema")
+        count = _common.safe_increment(state.count)
+        correction = _common.bias_correction(decay, count) if debias else None
+        new_updates: list[Any] = []
+        new_averages: list[Any] = []
+        for g, e in zip(grads, averages, strict=True):
+            if g is None:
+                new_updates.append(None)
+                new_averages.append(e)
+                continue
+            # Widen g too: (1 - decay) * g would otherwise round in g's (maybe float16) dtype
+            # before it meets a wider average.
+            wide = torch.promote_types(g.dtype, e.dtype)
+            e_t = (1 - decay) * g.to(wide) + decay * e.to(wide)
+            u = e_t / correction if debias else e_t
+            new_updates.append(u.to(g.dtype))
+            new_averages.append(e_t.to(e.dtype))
+        return _common.unflatten(treespec, new_updates), EmaState(
+            count=count, ema=_common.unflatten(treespec, new_averages)
+        )
+
+    return GradientTransformation(init_fn, update_fn)

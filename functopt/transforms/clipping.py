@@ -1,3 +1,302 @@
-"""(being written)."""
+"""Clipping updates: elementwise (``clip``), per leaf (``clip_by_block_rms``), over the whole
+tree (``clip_by_global_norm``) and per unit relative to the params (``adaptive_grad_clip``).
 
-__all__: list[str] = []
+Norms are reduced in float32 (float64 where float64 leaves are involved), so float16 and
+bfloat16 updates neither overflow nor lose precision in the sum; the clipped updates keep
+their dtype.
+
+Non-finite norms. A norm that is inf or nan cannot give a meaningful scale: dividing by it
+would turn the finite entries into zeros (optax and ``torch.nn.utils.clip_grad_norm_`` do
+that) and would do so silently where the norm overflowed although every entry is finite.
+The norm-based clips here therefore return nan wherever the norm they scale by is not
+finite (the whole tree for [`clip_by_global_norm`][functopt.clip_by_global_norm], the leaf for
+[`clip_by_block_rms`][functopt.clip_by_block_rms], the unit for [`adaptive_grad_clip`][functopt.adaptive_grad_clip]), so that a finite check
+further down the chain (``apply_if_finite``, the loss scaler's overflow check) sees the
+problem and skips the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from functopt import _validate
+from functopt._base import EmptyState, GradientTransformation, Numeric, Params, Updates
+from functopt.transforms import _common
+from functopt.tree import _core, global_norm
+
+__all__ = [
+    "adaptive_grad_clip",
+    "clip",
+    "clip_by_block_rms",
+    "clip_by_global_norm",
+]
+
+# Keeps a zero unit norm from dividing by zero in adaptive_grad_clip; as in optax it can only
+# matter when clipping * max(param_norm, eps) is below it.
+_DIV_EPS = 1e-6
+
+
+def _init_empty(params: Params) -> EmptyState:
+    del params
+    return EmptyState()
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _nan_unless_finite(norm: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` where ``norm`` is finite, nan elsewhere (see the module docstring)."""
+    return torch.where(torch.isfinite(norm), value, torch.nan)
+
+
+def clip(max_delta: Numeric) -> GradientTransformation:
+    r"""Clip every update elementwise to $[-\text{max\_delta}, \text{max\_delta}]$.
+
+    $u \leftarrow \min(\max(u, -\text{max\_delta}), \text{max\_delta})$. nan stays nan;
+    $\pm\infty$ becomes $\pm\text{max\_delta}$.
+
+    Args:
+        max_delta: the largest magnitude an update element may have, >= 0.
+
+    Returns:
+        A stateless [`GradientTransformation`][functopt.GradientTransformation].
+
+    Examples:
+        >>> import torch, functopt
+        >>> tx = functopt.clip(1.0)
+        >>> tx.update({"w": torch.tensor([3.0, -0.5, -7.0])}, tx.init(None))[0]
+        {'w': tensor([ 1.0000, -0.5000, -1.0000])}
+    """
+    _validate.check_range("clip", "max_delta", max_delta, low=0.0,
+                          hint="Fix: max_delta is a magnitude; pass a non-negative bound.")
+
+    def update_fn(
+        updates: Updates, state: EmptyState, params: Params | None = None, **extra_args: Any
+    ) -> tuple[Updates, EmptyState]:
+        del params, extra_args
+        leaves, treespec = _common.flatten_updates(updates)
+        new = [
+            None if g is None else torch.clamp(g, -max_delta, max_delta).to(g.dtype)  # type: ignore[arg-type]
+            for g in leaves
+        ]
+        return _common.unflatten(treespec, new), state
+
+    return GradientTransformation(_init_empty, update_fn)
+
+
+def clip_by_block_rms(threshold: Numeric) -> GradientTransformation:
+    r"""Clip each leaf ("block") of the updates to a root mean square of at most ``threshold``.
+
+    For each leaf $u$ with $n$ elements,
+    $\text{rms} = \sqrt{\tfrac{1}{n}\sum_i u_i^2}$ and
+    $u \leftarrow u / \max(1, \text{rms} / \text{threshold})$. A leaf whose rms is not
+    finite (it holds inf or nan, or its sum of squares overflows) becomes nan; see the module
+    docstring.
+
+    Args:
+        threshold: the largest rms a leaf may have, > 0.
+
+    Returns:
+        A stateless [`GradientTransformation`][functopt.GradientTransformation].
+
+    Examples:
+        >>> import torch, functopt
+        >>> tx = functopt.clip_by_block_rms(1.0)
+        >>> tx.update({"w": torch.tensor([3.0, -3.0]), "b": torch.tensor([0.5])}, tx.init(None))[0]
+        {'w': tensor([ 1., -1.]), 'b': tensor([0.5000])}
+    """
+    _validate.check_range("clip_by_block_rms", "threshold", threshold, low=0.0, low_open=True,
+                          hint="Fix: pass a positive rms bound, such as 1.0.")
+
+    def clip_leaf(u: torch.Tensor) -> torch.Tensor:
+        norm = torch.linalg.vector_norm(u, dtype=_accumulation_dtype(u.dtype))
+        rms = norm / max(u.numel(), 1) ** 0.5
+        denom = _nan_unless_finite(rms, torch.clamp(rms / threshold, min=1.0))
+        return (u / denom).to(u.dtype)
+
+    def update_fn(
+        updates: Updates, state: EmptyState, params: Params | None = None, **extra_args: Any
+    ) -> tuple[Updates, EmptyState]:
+        del params, extra_args
+        leaves, treespec = _common.flatten_updates(updates)
+        return _common.unflatten(treespec, _core.map_leaves(clip_leaf, leaves)), state
+
+    return GradientTransformation(_init_empty, update_fn)
+
+
+def clip_by_global_norm(max_norm: Numeric) -> GradientTransformation:
+    r"""Clip the updates by their global norm (Pascanu et al., 2012).
+
+    With $\lVert u\rVert$ the L2 norm of all leaves together
+    ([`functopt.tree.global_norm`][functopt.tree.global_norm]): the updates are returned unchanged when
+    $\lVert u\rVert < \text{max\_norm}$, and scaled by
+    $\text{max\_norm} / \lVert u\rVert$ otherwise, so that their global norm becomes
+    ``max_norm``. ``None`` leaves are skipped.
+
+    Where the global norm is not finite (an update holds inf or nan, or the float32 sum of
+    squares overflows), every update becomes nan instead of optax's zeros (finite entries)
+    and nan (non-finite ones): zeros would be a silent no-op step where the sum overflowed,
+    and a finite check downstream should skip such a step anyway. The scale is computed with
+    the norm clamped to at least ``max_norm``, so that gradients through a tensor
+    ``max_norm`` stay finite when the updates are all zero.
+
+    Args:
+        max_norm: the largest global norm the updates may have, > 0.
+
+    Returns:
+        A stateless [`GradientTransformation`][functopt.GradientTransformation].
+
+    Examples:
+        >>> import torch, functopt
+        >>> tx = functopt.clip_by_global_norm(1.0)
+        >>> tx.update({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}, tx.init(None))[0]
+        {'a': tensor([0.6000]), 'b': tensor([0.8000])}
+
+    References:
+        Pascanu et al., *On the difficulty of training Recurrent Neural Networks*, 2012.
+    """
+    _validate.check_range("clip_by_global_norm", "max_norm", max_norm, low=0.0, low_open=True,
+                          hint="Fix: pass a positive norm bound, such as 1.0.")
+
+    def update_fn(
+        updates: Updates, state: EmptyState, params: Params | None = None, **extra_args: Any
+    ) -> tuple[Updates, EmptyState]:
+        del params, extra_args
+        leaves, treespec = _common.flatten_updates(updates)
+        norm = global_norm(updates)
+        keep = norm < max_norm
+        scale = _nan_unless_finite(norm, max_norm / torch.clamp(norm, min=max_norm))
+        new = [
+            None if g is None else torch.where(keep, g, (g * scale).to(g.dtype))
+            for g in leaves
+        ]
+        return _common.unflatten(treespec, new), state
+
+    return GradientTransformation(_init_empty, update_fn)
+
+
+def _reduction_dims(x: torch.Tensor, axis: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    """The dims a unit spans; ``None`` means the whole tensor is one unit."""
+    if axis is not None:
+        return axis
+    if sum(1 for side in x.shape if side != 1) <= 1:  # scalars and vectors, maybe unsqueezed
+        return None
+    return tuple(range(1, x.dim()))
+
+
+def _unitwise_norm(x: torch.Tensor, axis: tuple[int, ...] | None) -> torch.Tensor:
+    """The L2 norm of each unit of ``x`` (float32 or wider), broadcast to ``x``'s shape."""
+    dims = _reduction_dims(x, axis)
+    norm = torch.linalg.vector_norm(
+        x, dim=dims, keepdim=dims is not None, dtype=_accumulation_dtype(x.dtype)
+    )
+    out: torch.Tensor = norm.expand(x.shape)
+    return out
+
+
+def _canonical_axis(axis: Any) -> tuple[int, ...] | None:
+    if axis is None:
+        return None
+    items = (axis,) if isinstance(axis, int) else axis
+    if (
+        isinstance(axis, bool)
+        or not isinstance(items, (tuple, list))
+        or not items
+        or not all(isinstance(a, int) and not isinstance(a, bool) for a in items)
+    ):
+        raise TypeError(
+            f"adaptive_grad_clip: axis must be None, an int or a non-empty tuple of ints, got "
+            f"{axis!r}. Fix: axis=(1, 2, 3) makes each out-channel of an (out, in, h, w) "
+            f"weight a unit."
+        )
+    return tuple(items)
+
+
+def adaptive_grad_clip(
+    clipping: Numeric, eps: Numeric = 1e-3, axis: int | Sequence[int] | None = None
+) -> GradientTransformation:
+    r"""Clip each unit of the updates relative to the norm of its params (AGC; Brock et al., 2021).
+
+    For each unit with update $g$ and param $p$:
+    $m = \text{clipping}\cdot\max(\lVert p\rVert, \text{eps})$; the unit is kept when
+    $\lVert g\rVert < m$ and scaled to $g\, m / \max(\lVert g\rVert, 10^{-6})$
+    otherwise. ``eps`` keeps zero-initialised params from freezing. A unit whose update norm
+    is not finite becomes nan (see the module docstring). Norms are computed in float32
+    (float64 for float64 leaves).
+
+    A unit is one output unit in PyTorch's layout: the slice ``x[i]`` along the first dim (a
+    row of a ``Linear`` weight of shape ``(out, in)``, an output channel of a ``Conv`` weight
+    of shape ``(out, in, *kernel)``), for any number of dims; a leaf with at most one dim
+    longer than 1 (a scalar, a bias) is a single unit. ``axis`` names the reduction dims
+    instead, for every leaf. This differs from optax on purpose: optax's defaults follow
+    JAX/Flax layouts (``(in, out)`` kernels, HWIO convolutions) and reduce over the leading
+    dims, which on PyTorch weights would clip per input unit; optax also rejects leaves with
+    more than 4 dims.
+
+    Args:
+        clipping: the largest allowed ratio of unit update norm to unit param norm, >= 0.
+        eps: the smallest param norm used, >= 0.
+        axis: the dims each unit's norm reduces over (default: per output unit, as above).
+
+    Returns:
+        A stateless [`GradientTransformation`][functopt.GradientTransformation]; ``update`` needs ``params``.
+
+    Examples:
+        >>> import torch, functopt
+        >>> tx = functopt.adaptive_grad_clip(0.1)
+        >>> params = {"w": torch.tensor([[3.0, 4.0], [30.0, 40.0]])}
+        >>> tx.update({"w": torch.tensor([[6.0, 8.0], [0.6, 0.8]])}, tx.init(params), params)[0]
+        {'w': tensor([[0.3000, 0.4000],
+                [0.6000, 0.8000]])}
+
+    References:
+        Brock, Smith, De & Simonyan, *High-Performance Large-Scale Image Recognition Without
+        Normalization*, 2021.
+    """
+    owner = "adaptive_grad_clip"
+    _validate.check_range(owner, "clipping", clipping, low=0.0,
+                          hint="Fix: pass a ratio such as 0.01.")
+    _validate.check_range(owner, "eps", eps, low=0.0)
+    dims = _canonical_axis(axis)
+
+    def clip_leaf(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        g_norm = _unitwise_norm(g, dims)
+        max_norm = clipping * torch.clamp(_unitwise_norm(p, dims), min=eps)
+        ratio = _nan_unless_finite(g_norm, max_norm / torch.clamp(g_norm, min=_DIV_EPS))
+        return torch.where(g_norm < max_norm, g, (g * ratio).to(g.dtype))
+
+    def check_leaf(g: torch.Tensor, p: torch.Tensor | None, i: int, treespec: Any) -> None:
+        if p is None:
+            where = _core.paths(treespec)[i]
+            raise ValueError(
+                f"{owner}: leaf {where!r} has an update but its param is None. Fix: pass the "
+                f"param, or pass None as its update too."
+            )
+        if dims is not None and any(not -g.dim() <= d < g.dim() for d in dims):
+            where = _core.paths(treespec)[i]
+            raise ValueError(
+                f"{owner}: axis={axis!r} does not fit leaf {where!r} of shape "
+                f"{tuple(g.shape)}. Fix: apply this transform with masked(...) or "
+                f"partition(...) only to leaves that have those dims."
+            )
+
+    def update_fn(
+        updates: Updates, state: EmptyState, params: Params | None = None, **extra_args: Any
+    ) -> tuple[Updates, EmptyState]:
+        del extra_args
+        leaves, treespec = _common.flatten_updates(updates)
+        param_leaves = _common.params_like(treespec, params, leaves, owner=owner)
+        new: list[torch.Tensor | None] = []
+        for i, (g, p) in enumerate(zip(leaves, param_leaves, strict=True)):
+            if g is None:
+                new.append(None)
+                continue
+            check_leaf(g, p, i, treespec)
+            new.append(clip_leaf(g, p))
+        return _common.unflatten(treespec, new), state
+
+    return GradientTransformation(_init_empty, update_fn)

@@ -19,10 +19,21 @@ __all__ = [
 
 
 def _check_transform(owner: str, where: str, tx: Any) -> GradientTransformation:
+    """Check that ``tx`` is a transform (with a hint for the usual mistakes); wrap it so that
+    it ignores extra args it does not take."""
     if not isinstance(tx, GradientTransformation):
-        hint = ""
-        if callable(tx):
-            hint = " It is callable: did you pass the factory instead of calling it (adam vs adam(1e-3))?"
+        if hasattr(tx, "gradient_transformation"):
+            hint = " Fix: pass tx.gradient_transformation() (e.g. for functopt.MultiSteps)."
+        elif isinstance(tx, type) or (callable(tx) and not isinstance(tx, tuple)):
+            name = getattr(tx, "__name__", type(tx).__name__)
+            hint = (
+                f" It is callable ({name}): did you pass the factory instead of calling it? "
+                f"Fix: pass {name}(...), as in scale_by_adam() or adam(1e-3), not adam."
+            )
+        elif isinstance(tx, tuple) and len(tx) == 2 and all(map(callable, tx)):
+            hint = " Fix: wrap the pair as functopt.GradientTransformation(init_fn, update_fn)."
+        else:
+            hint = " Fix: build it with a functopt transform factory, e.g. functopt.scale(-0.1)."
         raise TypeError(
             f"{owner}: {where} must be a functopt.GradientTransformation, got "
             f"{type(tx).__name__}.{hint}"
@@ -38,11 +49,16 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     chains nest associatively in their updates (``chain(a, chain(b, c))`` computes what
     ``chain(a, b, c)`` does; only the nesting of the state tuple differs).
 
-    Example:
+    Transforms whose ``update`` does not take ``**extra_args`` are wrapped with
+    [`with_extra_args_support`][functopt.with_extra_args_support], so extra arguments given to the chain reach
+    the transforms that accept them and are dropped for the others.
+
+    Examples:
         >>> import torch, functopt
-        >>> tx = functopt.chain(functopt.clip(1.0), functopt.scale(-0.5))
-        >>> tx.update({"w": torch.tensor([4.0, 0.2])}, tx.init({"w": torch.zeros(2)}))[0]
-        {'w': tensor([-0.5000, -0.1000])}
+        >>> tx = functopt.chain(functopt.scale_by_adam(), functopt.scale(-0.1))
+        >>> state = tx.init({"w": torch.zeros(2)})
+        >>> tx.update({"w": torch.tensor([4.0, 0.2])}, state)[0]  # first Adam step: sign(g)
+        {'w': tensor([-0.1000, -0.1000])}
     """
     txs = tuple(_check_transform("chain", f"argument {i}", tx) for i, tx in enumerate(transforms))
 
@@ -53,9 +69,9 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         updates: Updates, state: tuple[State, ...], params: Params | None = None,
         **extra_args: Any,
     ) -> tuple[Updates, tuple[State, ...]]:
-        if not isinstance(state, tuple) or len(state) != len(txs):
+        if not isinstance(state, (tuple, list)) or len(state) != len(txs):
             got = f"a {type(state).__name__}" + (
-                f" of length {len(state)}" if isinstance(state, tuple) else ""
+                f" of length {len(state)}" if isinstance(state, (tuple, list)) else ""
             )
             raise ValueError(
                 f"chain of {len(txs)} transforms expects a tuple of {len(txs)} states, got "
@@ -71,29 +87,40 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
 
 def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTransformation:
-    """Like :func:`chain`, but the state is a dict keyed by the given names.
+    """Like [`chain`][functopt.chain], but the state is a dict keyed by the given names.
 
-    Names make states readable and addressable (``state["clip"]``,
-    ``functopt.tree.get(state, "count")``), and keep checkpoints stable when a chain is
-    edited.
+    Names make states readable and addressable (``state["adam"].count``), and keep
+    checkpoints stable when a chain is edited.
 
-    Example:
+    Examples:
         >>> import torch, functopt
-        >>> tx = functopt.named_chain(("clip", functopt.clip(1.0)), ("lr", functopt.scale(-0.1)))
-        >>> sorted(tx.init({"w": torch.zeros(1)}))
-        ['clip', 'lr']
+        >>> tx = functopt.named_chain(("adam", functopt.scale_by_adam()), ("lr", functopt.scale(-0.1)))
+        >>> state = tx.init({"w": torch.zeros(1)})
+        >>> sorted(state)
+        ['adam', 'lr']
+        >>> updates, state = tx.update({"w": torch.ones(1)}, state)
+        >>> state["adam"].count
+        tensor(1, dtype=torch.int32)
     """
     names: list[str] = []
     txs: list[GradientTransformation] = []
     for i, item in enumerate(transforms):
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            hint = (
+                " It is a transform without a name."
+                if isinstance(item, GradientTransformation) else ""
+            )
             raise TypeError(
-                f"named_chain: argument {i} must be a (name, transform) pair, got "
-                f"{type(item).__name__}. Fix: named_chain(('clip', clip(1.0)), ...)."
+                f"named_chain: argument {i} must be a (name, transform) pair with a str name, "
+                f"got {type(item).__name__}.{hint} Fix: named_chain(('adam', scale_by_adam()), "
+                f"('lr', scale(-0.1)))."
             )
         name, tx = item
         if name in names:
-            raise ValueError(f"named_chain: the name {name!r} is used twice; names must be unique.")
+            raise ValueError(
+                f"named_chain: the name {name!r} is used twice (arguments {names.index(name)} "
+                f"and {i}); names key the state dict, so they must be unique. Fix: rename one."
+            )
         names.append(name)
         txs.append(_check_transform("named_chain", f"transform {name!r}", tx))
 
@@ -104,10 +131,13 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
         updates: Updates, state: dict[str, State], params: Params | None = None,
         **extra_args: Any,
     ) -> tuple[Updates, dict[str, State]]:
-        if not isinstance(state, dict) or sorted(state) != sorted(names):
-            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+        if not isinstance(state, dict) or set(state) != set(names):
+            got = (
+                f"a dict with keys {list(state)}" if isinstance(state, dict)
+                else f"a {type(state).__name__}"
+            )
             raise ValueError(
-                f"named_chain expects a state dict with keys {sorted(names)}, got {got}. "
+                f"named_chain expects a state dict with keys {names}, got {got}. "
                 f"Fix: pass the state returned by this chain's init/update."
             )
         new_state = {}

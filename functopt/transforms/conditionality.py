@@ -1,3 +1,186 @@
-"""(being written)."""
+"""Skipping steps on non-finite gradients: ``apply_if_finite``."""
 
-__all__: list[str] = []
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from functopt._base import GradientTransformation, Params, State, Updates
+from functopt.transforms import _common
+from functopt.transforms.combining import _check_transform
+from functopt.tree import _core
+
+__all__ = [
+    "ApplyIfFiniteState",
+    "apply_if_finite",
+]
+
+
+class ApplyIfFiniteState(NamedTuple):
+    """State of [`apply_if_finite`][functopt.apply_if_finite]."""
+
+    notfinite_count: torch.Tensor  # int32, shape (): non-finite steps in a row (0 if last finite)
+    last_finite: torch.Tensor  # bool, shape (): whether the last updates were all finite
+    total_notfinite: torch.Tensor  # int32, shape (): non-finite steps since init (never reset)
+    inner_state: State  # the inner transform's state, bitwise unchanged by a skipped step
+
+
+def _all_finite(leaves: list[Any], device: torch.device) -> torch.Tensor:
+    """A 0-d bool tensor on ``device``: whether every tensor leaf is free of inf and nan."""
+    flags = [torch.isfinite(x).all().to(device) for x in leaves if x is not None]
+    if not flags:
+        return torch.ones((), dtype=torch.bool, device=device)
+    return torch.stack(flags).all()
+
+
+class _Selector:
+    """``torch.where(apply, new, old)`` with the condition moved once per device."""
+
+    def __init__(self, apply: torch.Tensor) -> None:
+        self._by_device = {apply.device: apply}
+
+    def cond(self, device: torch.device) -> torch.Tensor:
+        if device not in self._by_device:
+            self._by_device[device] = next(iter(self._by_device.values())).to(device)
+        return self._by_device[device]
+
+
+def _select_state(selector: _Selector, new: State, old: State) -> State:
+    """Leaf by leaf, the new inner state where the step is applied and the old one elsewhere."""
+    old_leaves, treespec = _core.flatten(old)
+    new_leaves = _core.flatten_like(
+        treespec, new, name="the inner transform's new state", reference="its old state"
+    )
+    out = []
+    for i, (o, n) in enumerate(zip(old_leaves, new_leaves, strict=True)):
+        if n is o:
+            out.append(o)  # unchanged leaves (None, constants) need no select
+            continue
+        if not (isinstance(o, torch.Tensor) and isinstance(n, torch.Tensor)):
+            where = _core.paths(treespec)[i]
+            raise TypeError(
+                f"apply_if_finite: inner state leaf {where!r} went from {_core._describe(o)} to "
+                f"{_core._describe(n)}; expected tensors (or the same object, such as None). "
+                f"Fix: keep every changing value of the inner state in a tensor, so that a "
+                f"skipped step can restore it without reading it on the host."
+            )
+        if n.shape != o.shape:
+            where = _core.paths(treespec)[i]
+            raise ValueError(
+                f"apply_if_finite: inner state leaf {where!r} changed shape from "
+                f"{tuple(o.shape)} to {tuple(n.shape)}; a skipped step must restore it. "
+                f"Fix: keep the inner state's shapes fixed from step to step."
+            )
+        out.append(torch.where(selector.cond(o.device), n.to(o.dtype), o))
+    return _core.unflatten(treespec, out)
+
+
+def apply_if_finite(
+    inner: GradientTransformation, max_consecutive_errors: int
+) -> GradientTransformation:
+    r"""Skip the inner transform's step when the updates hold an inf or a nan.
+
+    With $c$ the number of consecutive steps whose updates were not all finite
+    (counting this one; 0 when this one is finite), the step is applied when
+
+    $$
+    \text{finite}(u) \;\lor\; c > \text{max\_consecutive\_errors}.
+    $$
+
+    An applied step returns the inner transform's updates and state. A skipped step returns
+    zeros (the updates' dtypes and shapes) and leaves the inner state bitwise as it was, so
+    that after ``max_consecutive_errors`` skipped steps in a row the next non-finite update
+    goes through (the wrapper gives up, as in optax).
+
+    No host sync: the finiteness flag stays a 0-d device tensor; the inner update is always
+    computed and ``torch.where`` picks, leaf by leaf, its result or the old value (optax
+    branches with ``lax.cond`` instead, which under ``jit`` also computes both sides).
+    ``None`` update leaves are ignored by the check and pass through.
+
+    Args:
+        inner: the transform to protect.
+        max_consecutive_errors: how many non-finite steps in a row are skipped (an int
+            >= 0); the next one is applied.
+
+    Returns:
+        A [`GradientTransformation`][functopt.GradientTransformation] with [`ApplyIfFiniteState`][functopt.ApplyIfFiniteState].
+
+    Examples:
+        >>> import torch, functopt
+        >>> tx = functopt.apply_if_finite(functopt.scale_by_adam(), max_consecutive_errors=2)
+        >>> state = tx.init({"w": torch.zeros(2)})
+        >>> updates, state = tx.update({"w": torch.tensor([1.0, float("nan")])}, state)
+        >>> updates["w"], state.notfinite_count, state.inner_state.count
+        (tensor([0., 0.]), tensor(1, dtype=torch.int32), tensor(0, dtype=torch.int32))
+        >>> updates, state = tx.update({"w": torch.tensor([1.0, -1.0])}, state)
+        >>> updates["w"], state.notfinite_count, state.total_notfinite
+        (tensor([ 1.0000, -1.0000]), tensor(0, dtype=torch.int32), tensor(1, dtype=torch.int32))
+    """
+    if (
+        not isinstance(max_consecutive_errors, int)
+        or isinstance(max_consecutive_errors, bool)
+    ):
+        raise TypeError(
+            f"apply_if_finite: max_consecutive_errors must be an int, got "
+            f"{type(max_consecutive_errors).__name__} {max_consecutive_errors!r}."
+        )
+    if max_consecutive_errors < 0:
+        raise ValueError(
+            f"apply_if_finite: max_consecutive_errors must be >= 0, got "
+            f"{max_consecutive_errors}. Fix: 0 skips no step in a row, 5 skips up to five."
+        )
+    inner = _check_transform("apply_if_finite", "inner", inner)
+
+    def init_fn(params: Params) -> ApplyIfFiniteState:
+        leaves, _ = _core.flatten(params)
+        count = _common.zero_count(leaves)
+        return ApplyIfFiniteState(
+            notfinite_count=count,
+            last_finite=torch.ones((), dtype=torch.bool, device=count.device),
+            total_notfinite=count,
+            inner_state=inner.init(params),
+        )
+
+    def update_fn(
+        updates: Updates, state: ApplyIfFiniteState, params: Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[Updates, ApplyIfFiniteState]:
+        if not isinstance(state, ApplyIfFiniteState):
+            raise ValueError(
+                f"apply_if_finite expects an ApplyIfFiniteState, got {type(state).__name__}. "
+                f"Fix: pass the state returned by this transform's init/update."
+            )
+        leaves, treespec = _common.flatten_updates(updates)
+        device = state.notfinite_count.device
+        finite = _all_finite(leaves, device)
+        notfinite_count = torch.where(
+            finite, torch.zeros_like(state.notfinite_count),
+            _common.safe_increment(state.notfinite_count),
+        )
+        total_notfinite = torch.where(
+            finite, state.total_notfinite, _common.safe_increment(state.total_notfinite)
+        )
+        apply = finite | (notfinite_count > max_consecutive_errors)
+
+        new_updates, new_inner_state = inner.update(
+            updates, state.inner_state, params, **extra_args
+        )
+        selector = _Selector(apply)
+        out_leaves = _core.flatten_like(
+            treespec, new_updates, name="the inner transform's updates", reference="updates"
+        )
+        # A scalar 0 keeps each leaf's dtype, and where() never lets a nan of the rejected
+        # side through.
+        out = [
+            None if u is None else torch.where(selector.cond(u.device), u, 0)
+            for u in out_leaves
+        ]
+        return _core.unflatten(treespec, out), ApplyIfFiniteState(
+            notfinite_count=notfinite_count,
+            last_finite=finite,
+            total_notfinite=total_notfinite,
+            inner_state=_select_state(selector, new_inner_state, state.inner_state),
+        )
+
+    return GradientTransformation(init_fn, update_fn)

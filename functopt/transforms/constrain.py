@@ -1,3 +1,122 @@
-"""(being written)."""
+"""Constraints on updates and params: ``zero_nans`` and ``keep_params_nonnegative``."""
 
-__all__: list[str] = []
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from functopt._base import EmptyState, GradientTransformation, Params, Updates
+from functopt.transforms import _common
+from functopt.tree import _core
+
+__all__ = [
+    "ZeroNansState",
+    "keep_params_nonnegative",
+    "zero_nans",
+]
+
+
+class ZeroNansState(NamedTuple):
+    """State of [`zero_nans`][functopt.zero_nans]."""
+
+    found_nan: Any  # like params, bool, shape (): whether the leaf's last update held a nan
+
+
+def zero_nans() -> GradientTransformation:
+    r"""Replace nan in the updates by 0, and record per leaf whether there was one.
+
+    $u_i \leftarrow 0$ where $u_i$ is nan; inf and every other value pass
+    unchanged. ``found_nan`` in the state holds, per leaf, a 0-d bool tensor: whether that
+    leaf's update held a nan at the last ``update``. It is for monitoring only; the
+    transform never reads it. Where an update is ``None`` the flag is left as it is.
+
+    Returns:
+        A [`GradientTransformation`][functopt.GradientTransformation] with [`ZeroNansState`][functopt.ZeroNansState].
+
+    Examples:
+        >>> import torch, functopt
+        >>> tx = functopt.zero_nans()
+        >>> params = {"w": torch.zeros(3)}
+        >>> u, state = tx.update({"w": torch.tensor([1.0, float("nan"), float("inf")])},
+        ...                      tx.init(params))
+        >>> u["w"], state.found_nan["w"]
+        (tensor([1., 0., inf]), tensor(True))
+    """
+
+    def init_fn(params: Params) -> ZeroNansState:
+        leaves, treespec = _common.flatten_params(params)
+        flags = [
+            None if p is None else torch.zeros((), dtype=torch.bool, device=p.device)
+            for p in leaves
+        ]
+        return ZeroNansState(found_nan=_common.unflatten(treespec, flags))
+
+    def update_fn(
+        updates: Updates, state: ZeroNansState, params: Params | None = None, **extra_args: Any
+    ) -> tuple[Updates, ZeroNansState]:
+        del params, extra_args
+        leaves, treespec = _common.flatten_updates(updates)
+        flags = _common.state_like(treespec, state.found_nan, name="state.found_nan")
+        new_updates: list[Any] = []
+        new_flags: list[Any] = []
+        for g, flag in zip(leaves, flags, strict=True):
+            if g is None:
+                new_updates.append(None)
+                new_flags.append(flag)
+                continue
+            is_nan = torch.isnan(g)
+            new_updates.append(torch.where(is_nan, 0.0, g))
+            new_flags.append(is_nan.any())
+        return _common.unflatten(treespec, new_updates), ZeroNansState(
+            found_nan=_common.unflatten(treespec, new_flags)
+        )
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def keep_params_nonnegative() -> GradientTransformation:
+    r"""Change the updates so that no param becomes negative: $u \leftarrow -p$ where
+    $p + u < 0$, else $u$.
+
+    Put it last in a chain (it must see the final updates). It expects non-negative params:
+    a negative param with any update that keeps it negative is moved to 0. A ``None`` update
+    stays ``None``.
+
+    Returns:
+        A stateless [`GradientTransformation`][functopt.GradientTransformation]; ``update`` needs ``params``.
+
+    Examples:
+        >>> import torch, functopt
+        >>> tx = functopt.keep_params_nonnegative()
+        >>> params = {"w": torch.tensor([1.0, 2.0])}
+        >>> tx.update({"w": torch.tensor([-3.0, -1.0])}, tx.init(params), params)[0]
+        {'w': tensor([-1., -1.])}
+    """
+    owner = "keep_params_nonnegative"
+
+    def init_fn(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update_fn(
+        updates: Updates, state: EmptyState, params: Params | None = None, **extra_args: Any
+    ) -> tuple[Updates, EmptyState]:
+        del extra_args
+        leaves, treespec = _common.flatten_updates(updates)
+        param_leaves = _common.params_like(treespec, params, leaves, owner=owner)
+        new: list[torch.Tensor | None] = []
+        for i, (u, p) in enumerate(zip(leaves, param_leaves, strict=True)):
+            if u is None:
+                new.append(None)
+            elif p is None:
+                where = _core.paths(treespec)[i]
+                raise ValueError(
+                    f"{owner}: leaf {where!r} has an update but its param is None. Fix: pass "
+                    f"the param, or pass None as its update too."
+                )
+            else:
+                new.append(torch.where(p + u < 0, -p, u))
+        return _common.unflatten(treespec, new), state
+
+    return GradientTransformation(init_fn, update_fn)

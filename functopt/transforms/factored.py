@@ -1,3 +1,250 @@
-"""(being written)."""
+"""Adafactor's factored second-moment estimate: ``scale_by_factored_rms``."""
 
-__all__: list[str] = []
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from functopt import _validate
+from functopt._base import GradientTransformation, Numeric, Params, Updates
+from functopt.transforms import _common
+from functopt.tree import _core
+
+__all__ = [
+    "FactoredState",
+    "scale_by_factored_rms",
+]
+
+
+def _decay_rate_pow(step: torch.Tensor, exponent: Numeric = 0.8) -> torch.Tensor:
+    r"""Adafactor's schedule $\hat\beta_{2,t} = 1 - t^{-\text{exponent}}$, ``t = step + 1``.
+
+    Computed in float32, as optax does (so 0 on the first step, tending to 1).
+    """
+    t = (step + 1).to(torch.float32)
+    return 1.0 - t ** (-exponent)
+
+
+def _factored_dims(
+    shape: Sequence[int], factored: bool, min_dim_size_to_factor: int
+) -> tuple[int, int] | None:
+    """``(second largest dim, largest dim)``, or None where the leaf is not factored.
+
+    A leaf is factored when it has at least 2 dims and its second largest side is at least
+    ``min_dim_size_to_factor``. Ties keep the lower index first (a stable sort), so a square
+    matrix gets ``(0, 1)`` as in optax. optax uses numpy's default argsort, which is not
+    stable for every shape of 3+ dims (it orders ``(1, 1, 0, 0)`` as ``[3, 2, 1, 0]`` on
+    some builds); there the two may lay the state out differently, but the estimate is the
+    same, since it is symmetric in two equal sides.
+    """
+    if not factored or len(shape) < 2:
+        return None
+    order = sorted(range(len(shape)), key=lambda i: shape[i])
+    if shape[order[-2]] < min_dim_size_to_factor:
+        return None
+    return order[-2], order[-1]
+
+
+def _state_shapes(
+    shape: torch.Size, dims: tuple[int, int] | None
+) -> tuple[torch.Size, torch.Size, torch.Size]:
+    """Shapes of ``(v_row, v_col, v)`` for a leaf of ``shape`` factored over ``dims``."""
+    placeholder = torch.Size((1,))
+    if dims is None:
+        return placeholder, placeholder, shape
+    d1, d0 = dims
+    return shape[:d0] + shape[d0 + 1:], shape[:d1] + shape[d1 + 1:], placeholder
+
+
+class FactoredState(NamedTuple):
+    """State of [`scale_by_factored_rms`][functopt.scale_by_factored_rms].
+
+    Each leaf uses either ``v_row`` and ``v_col`` (factored) or ``v`` (not factored); the
+    unused fields hold a placeholder ``zeros((1,))`` of the param's dtype, as in optax.
+    For a factored leaf with dims ``(d1, d0) = (second largest, largest)``:
+    """
+
+    count: torch.Tensor  # int32, shape (): number of updates done so far
+    v_row: Updates  # like params, param's dtype; param shape without d0: mean over d0 of the EMA
+    v_col: Updates  # like params, param's dtype; param shape without d1: mean over d1 of the EMA
+    v: Updates  # like params, param's dtype and shape (unfactored leaves): EMA of g**2 + epsilon
+
+
+def scale_by_factored_rms(
+    factored: bool = True,
+    decay_rate: Numeric = 0.8,
+    step_offset: int = 0,
+    min_dim_size_to_factor: int = 128,
+    epsilon: Numeric = 1e-30,
+    decay_rate_fn: Callable[[torch.Tensor, Any], Any] = _decay_rate_pow,
+) -> GradientTransformation:
+    r"""Rescale by Adafactor's factored estimate of the gradient's RMS (Shazeer & Stern).
+
+    With $\beta_t =$ ``decay_rate_fn(count - step_offset, decay_rate)`` (``count``
+    the number of updates before this one; by default $1 - (\text{count} -
+    \text{step\_offset} + 1)^{-\text{decay\_rate}}$, so 0 on the first step) and
+    $G = g^2 + \text{epsilon}$:
+
+    - a leaf with at least two dims whose second largest side is ``>=
+      min_dim_size_to_factor`` (and ``factored=True``) keeps two reduced statistics. With
+      ``d0`` its largest dim and ``d1`` the second largest (ties: lower index first),
+
+      $$
+      R_t = \beta_t R_{t-1} + (1-\beta_t)\,\text{mean}_{d_0}(G), \quad
+      C_t = \beta_t C_{t-1} + (1-\beta_t)\,\text{mean}_{d_1}(G), \\
+      \hat V_t = R_t\, C_t / \text{mean}_{d_1}(R_t), \quad u = g / \sqrt{\hat V_t},
+      $$
+
+      (``R`` is ``v_row``, ``C`` is ``v_col``; the rank-1 estimate is broadcast along the
+      remaining dims, which are treated as a batch);
+    - any other leaf keeps the full EMA $V_t = \beta_t V_{t-1} + (1-\beta_t) G$ and
+      gets $u = g / \sqrt{V_t}$.
+
+    State leaves have the param's dtype (as optax); the maths runs in at least float32, so
+    ``epsilon = 1e-30`` survives for float16 params and a zero float16 gradient gives a
+    zero update rather than optax's ``0 * inf = NaN``. ``None`` gradients leave their
+    statistics unchanged. Which leaves are factored depends on the param's shape only.
+
+    Args:
+        factored: use the factored estimate where a leaf qualifies.
+        decay_rate: the second argument of ``decay_rate_fn`` (the default schedule's
+            exponent), >= 0.
+        step_offset: subtracted from the count before ``decay_rate_fn`` sees it (set it to
+            the first step of a fine-tuning run to restart the schedule).
+        min_dim_size_to_factor: the second largest side a leaf needs to be factored, >= 0.
+        epsilon: added to the squared gradient, >= 0.
+        decay_rate_fn: ``(step, decay_rate) -> decay``, where ``step`` is a 0-d int32
+            tensor; it returns a number or a 0-d tensor in [0, 1].
+
+    Returns:
+        A [`GradientTransformation`][functopt.GradientTransformation] with [`FactoredState`][functopt.FactoredState]. Unlike
+        optax, ``update`` does not require ``params`` (a gradient has its param's shape,
+        which is all the layout depends on); when given they are checked against it.
+
+    Examples:
+        >>> import torch, functopt
+        >>> tx = functopt.scale_by_factored_rms(min_dim_size_to_factor=2, epsilon=0.0)
+        >>> params = {"w": torch.zeros(2, 3)}
+        >>> state = tx.init(params)
+        >>> tuple(state.v_row["w"].shape), tuple(state.v_col["w"].shape)
+        ((2,), (3,))
+        >>> u, state = tx.update({"w": torch.ones(2, 3)}, state, params)
+        >>> u["w"]
+        tensor([[1., 1., 1.],
+                [1., 1., 1.]])
+
+    References:
+        Shazeer & Stern, *Adafactor: Adaptive Learning Rates with Sublinear Memory Cost*,
+        ICML 2018.
+        Zhai et al., *Scaling Vision Transformers*, 2021 (capped decay schedules).
+    """
+    owner = "scale_by_factored_rms"
+    if not isinstance(factored, bool):
+        raise TypeError(f"{owner}: factored must be a bool, got {type(factored).__name__} "
+                        f"{factored!r}.")
+    _validate.check_range(owner, "decay_rate", decay_rate, low=0.0)
+    if isinstance(step_offset, bool) or not isinstance(step_offset, (int, torch.Tensor)):
+        raise TypeError(f"{owner}: step_offset must be an int, got "
+                        f"{type(step_offset).__name__} {step_offset!r}.")
+    if (isinstance(min_dim_size_to_factor, bool) or not isinstance(min_dim_size_to_factor, int)
+            or min_dim_size_to_factor < 0):
+        raise ValueError(
+            f"{owner}: min_dim_size_to_factor must be an int >= 0, got "
+            f"{min_dim_size_to_factor!r}. Fix: it is a side length (optax's default is 128)."
+        )
+    _validate.check_range(owner, "epsilon", epsilon, low=0.0)
+    if not callable(decay_rate_fn):
+        raise TypeError(f"{owner}: decay_rate_fn must be callable (step, decay_rate) -> decay, "
+                        f"got {type(decay_rate_fn).__name__}.")
+
+    def init_fn(params: Params) -> FactoredState:
+        leaves, treespec = _common.flatten_params(params)
+        v_row: list[Any] = []
+        v_col: list[Any] = []
+        v: list[Any] = []
+        for p in leaves:
+            if p is None:
+                v_row.append(None)
+                v_col.append(None)
+                v.append(None)
+                continue
+            dims = _factored_dims(p.shape, factored, min_dim_size_to_factor)
+            row_shape, col_shape, full_shape = _state_shapes(p.shape, dims)
+            v_row.append(p.new_zeros(row_shape))
+            v_col.append(p.new_zeros(col_shape))
+            v.append(p.new_zeros(full_shape))
+        return FactoredState(
+            count=_common.zero_count(leaves),
+            v_row=_common.unflatten(treespec, v_row),
+            v_col=_common.unflatten(treespec, v_col),
+            v=_common.unflatten(treespec, v),
+        )
+
+    def update_fn(
+        updates: Updates, state: FactoredState, params: Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[Updates, FactoredState]:
+        del extra_args
+        grads, treespec = _common.flatten_updates(updates)
+        if params is not None:  # only checked: a gradient has its param's shape
+            _common.params_like(treespec, params, grads, owner=owner)
+        rows = _common.state_like(treespec, state.v_row, name="state.v_row")
+        cols = _common.state_like(treespec, state.v_col, name="state.v_col")
+        fulls = _common.state_like(treespec, state.v, name="state.v")
+        _common.check_state_present(owner, treespec, grads, same_shape=False, v_row=rows, v_col=cols,
+                             v=fulls)
+        decay = decay_rate_fn(state.count - step_offset, decay_rate)
+
+        new_updates: list[Any] = []
+        new_rows: list[Any] = []
+        new_cols: list[Any] = []
+        new_fulls: list[Any] = []
+        for i, (g, row, col, full) in enumerate(zip(grads, rows, cols, fulls, strict=True)):
+            if g is None:
+                new_updates.append(None)
+                new_rows.append(row)
+                new_cols.append(col)
+                new_fulls.append(full)
+                continue
+            dims = _factored_dims(g.shape, factored, min_dim_size_to_factor)
+            expected = _state_shapes(g.shape, dims)
+            if (row.shape, col.shape, full.shape) != expected:
+                raise ValueError(
+                    f"{owner}: {_core.paths(treespec)[i]!r}: the state (v_row, v_col, v) has "
+                    f"shapes {tuple(row.shape)}, {tuple(col.shape)}, {tuple(full.shape)}, but a "
+                    f"gradient of shape {tuple(g.shape)} needs {', '.join(map(str, expected))}. "
+                    f"Fix: build the state with init(params) on the params these gradients "
+                    f"belong to."
+                )
+            wide = g.to(_common.compute_dtype(g.dtype, row.dtype, col.dtype, full.dtype))
+            grad_sqr = wide * wide + epsilon
+            if dims is None:
+                full_t = decay * full.to(wide.dtype) + (1 - decay) * grad_sqr
+                u = wide * torch.rsqrt(full_t)
+                new_rows.append(row)
+                new_cols.append(col)
+                new_fulls.append(full_t.to(full.dtype))
+            else:
+                d1, d0 = dims
+                row_t = decay * row.to(wide.dtype) + (1 - decay) * grad_sqr.mean(dim=d0)
+                col_t = decay * col.to(wide.dtype) + (1 - decay) * grad_sqr.mean(dim=d1)
+                # In row_t (d0 removed) the d1 axis moves down by one if it came after d0.
+                d1_in_row = d1 - 1 if d1 > d0 else d1
+                row_factor = torch.rsqrt(row_t / row_t.mean(dim=d1_in_row, keepdim=True))
+                col_factor = torch.rsqrt(col_t)
+                u = wide * row_factor.unsqueeze(d0) * col_factor.unsqueeze(d1)
+                new_rows.append(row_t.to(row.dtype))
+                new_cols.append(col_t.to(col.dtype))
+                new_fulls.append(full)
+            new_updates.append(u.to(g.dtype))
+        new_state = FactoredState(
+            count=_common.safe_increment(state.count),
+            v_row=_common.unflatten(treespec, new_rows),
+            v_col=_common.unflatten(treespec, new_cols),
+            v=_common.unflatten(treespec, new_fulls),
+        )
+        return _common.unflatten(treespec, new_updates), new_state
+
+    return GradientTransformation(init_fn, update_fn)

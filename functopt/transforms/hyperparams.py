@@ -1,3 +1,282 @@
-"""(being written)."""
+"""Hyperparameters that live in the state: ``inject_hyperparams``."""
 
-__all__: list[str] = []
+from __future__ import annotations
+
+import functools
+import inspect
+import types
+import typing
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import torch
+
+from functopt._base import (
+    GradientTransformation,
+    Params,
+    State,
+    Updates,
+    with_extra_args_support,
+)
+from functopt.transforms import _common
+from functopt.tree import _core
+
+__all__ = [
+    "InjectHyperparamsState",
+    "inject_hyperparams",
+]
+
+
+class InjectHyperparamsState(NamedTuple):
+    """State of a transform built by [`inject_hyperparams`][functopt.inject_hyperparams].
+
+    ``hyperparams`` holds the value each injected hyperparameter had in the last update
+    (after ``init``: the value the first update will use). Assign a new value to a constant
+    one between updates to change the next update; a scheduled one is recomputed from
+    ``count`` on every update, so assigning to it has no effect.
+    """
+
+    count: torch.Tensor  # int32, shape (): number of updates done so far
+    hyperparams: dict[str, torch.Tensor]  # name -> 0-d tensor (float64 for Python numbers)
+    inner_state: State  # the inner transform's state
+
+
+def _declared_int(parameter: inspect.Parameter, hints: dict[str, Any]) -> bool:
+    """Whether a factory parameter is declared as an int or bool (by annotation or default).
+
+    Such parameters make structural choices (a size, a flag); injecting them as tensors
+    would break the factory, so an int passed for one stays a Python int. A parameter whose
+    annotation also admits floats or tensors (``Numeric``) is not counted.
+    """
+    annotation = hints.get(parameter.name, parameter.annotation)
+    if annotation is inspect.Parameter.empty:
+        return isinstance(parameter.default, int)
+    if isinstance(annotation, str):
+        members = {part.strip() for part in annotation.split("|")} - {"None"}
+        return bool(members) and members <= {"int", "bool"}
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        members = set(typing.get_args(annotation)) - {type(None)}
+    else:
+        members = {annotation}
+    return bool(members) and members <= {int, bool}
+
+
+def _type_hints(fn: Callable[..., Any]) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(fn)
+    except Exception:  # unresolvable annotations: fall back to their strings
+        return {}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _first_value(
+    owner: str, factory: str, arg: str, schedule: Callable[[Any], Any], zero: torch.Tensor
+) -> Any:
+    """``schedule(0)``, checked to be a number or a 0-d tensor (a callable that is not a
+    schedule, such as a mask function, must be named in ``static_args``)."""
+    fix = (f"If {arg!r} is not a schedule, name it in static_args: "
+           f"inject_hyperparams({factory}, static_args={arg!r}).")
+    try:
+        value = schedule(zero)
+    except Exception as error:
+        raise TypeError(
+            f"{owner}({factory}): the callable passed as {arg!r} is taken for a schedule, but "
+            f"calling it with the step count (a 0-d int32 tensor) failed: "
+            f"{type(error).__name__}: {error}. {fix}"
+        ) from error
+    if not (_is_number(value) or (isinstance(value, torch.Tensor) and value.dim() == 0)):
+        raise TypeError(
+            f"{owner}({factory}): the callable passed as {arg!r} is taken for a schedule, but "
+            f"at step 0 it returned {type(value).__name__}, not a number or a 0-d tensor. {fix}"
+        )
+    return value
+
+
+def inject_hyperparams(
+    inner_factory: Callable[..., GradientTransformation],
+    static_args: str | Iterable[str] = (),
+    hyperparam_dtype: torch.dtype | None = None,
+) -> Callable[..., GradientTransformation]:
+    r"""Turn a transform factory's numeric arguments into state that can change step to step.
+
+    ``inject_hyperparams(factory)(**args)`` builds a transform whose state,
+    [`InjectHyperparamsState`][functopt.InjectHyperparamsState], holds each numeric hyperparameter as a 0-d tensor in
+    ``state.hyperparams``. Every update rebuilds ``factory(**args)`` from those tensors, so:
+
+    - a schedule given for a hyperparameter (any callable not named in ``static_args``) is
+      evaluated at the state's ``count`` on each update, and the value used is recorded in
+      ``state.hyperparams``;
+    - a constant can be edited between updates (``state.hyperparams["learning_rate"] =
+      torch.tensor(1e-4, dtype=torch.float64)``, or ``functopt.tree.set(state,
+      learning_rate=...)``) and the next update uses it; as the value is a tensor, nothing
+      recompiles under ``torch.compile``;
+    - a tensor hyperparameter keeps its autograd graph, so meta-gradients flow through it
+      (under ``torch.func.grad`` too).
+
+    Which arguments are injected (as in optax): ``bool`` arguments, arguments named in
+    ``static_args``, and Python ``int`` values of parameters declared ``int``/``bool`` stay
+    as they are, as does every value that is not a number, a tensor or a callable. The rest
+    is injected.
+
+    Storage dtype (a deliberate difference from optax, which stores in the params' highest
+    dtype): Python numbers are stored as float64 0-d tensors on the params' device, and
+    tensors keep their dtype, unless ``hyperparam_dtype`` is given, which then applies to
+    every floating hyperparameter. Float64 does not promote the updates (a 0-d tensor does
+    not promote the tensors with dimensions it meets) and keeps ``1 - b1`` or ``b1 ** t`` as
+    exact as with the Python number, so on the CPU an injected transform is bitwise equal to
+    the same transform built from Python numbers, for every leaf with at least one
+    dimension. A 0-d leaf meets a 0-d float64 hyperparameter as an equal, so its maths runs
+    in float64 (the transforms cast their results back to the leaf's dtype). On an
+    accelerator a device 0-d tensor is not a CPU scalar, and a kernel may round it to a
+    bfloat16/float16 leaf's dtype where a Python number keeps float32 precision; pass the
+    hyperparameters as CPU tensors (which are kept where they are) if that last bit matters.
+
+    The factory is called once when the transform is built, with the values as given and
+    schedules evaluated at step 0, so that its argument checks run on the Python numbers.
+
+    Args:
+        inner_factory: a function returning a [`GradientTransformation`][functopt.GradientTransformation],
+            such as ``functopt.adam`` or a factory of your own; it must accept 0-d tensors
+            for the hyperparameters that get injected.
+        static_args: names of arguments never to inject (needed for callables that are
+            not schedules).
+        hyperparam_dtype: the floating dtype to store hyperparameters in (default: float64
+            for Python numbers, a tensor's own dtype for tensors).
+
+    Returns:
+        A factory with ``inner_factory``'s signature that builds the injected transform.
+
+    Examples:
+        >>> import torch, functopt
+        >>> def sgd(learning_rate):
+        ...     return functopt.scale_by_learning_rate(learning_rate)
+        >>> tx = functopt.inject_hyperparams(sgd)(learning_rate=0.1)
+        >>> state = tx.init({"w": torch.zeros(1)})
+        >>> state.hyperparams["learning_rate"]
+        tensor(0.1000, dtype=torch.float64)
+        >>> state.hyperparams["learning_rate"] = torch.tensor(0.5, dtype=torch.float64)
+        >>> tx.update({"w": torch.ones(1)}, state)[0]
+        {'w': tensor([-0.5000])}
+    """
+    owner = "inject_hyperparams"
+    if not callable(inner_factory):
+        raise TypeError(
+            f"{owner}: inner_factory must be a transform factory such as functopt.adam, got "
+            f"{type(inner_factory).__name__}. Fix: pass the factory itself, not a transform."
+        )
+    static = {static_args} if isinstance(static_args, str) else {*static_args}
+    if hyperparam_dtype is not None and (
+        not isinstance(hyperparam_dtype, torch.dtype) or not hyperparam_dtype.is_floating_point
+    ):
+        raise TypeError(
+            f"{owner}: hyperparam_dtype must be None or a floating torch.dtype, got "
+            f"{hyperparam_dtype!r}."
+        )
+    signature = inspect.signature(inner_factory)
+    name = getattr(inner_factory, "__name__", "inner_factory")
+    unknown = sorted(static - set(signature.parameters))
+    if unknown:
+        raise ValueError(
+            f"{owner}: static_args {unknown} are not parameters of {name}, whose parameters "
+            f"are {list(signature.parameters)}."
+        )
+    hints = _type_hints(inner_factory)
+
+    @functools.wraps(inner_factory)
+    def wrapped_factory(*args: Any, **kwargs: Any) -> GradientTransformation:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as error:
+            raise TypeError(f"{owner}({name}): {error}. Its signature is {signature}.") from None
+        bound.apply_defaults()
+        schedules: dict[str, Callable[[torch.Tensor], Any]] = {}
+        numeric: dict[str, Any] = {}
+        other: dict[str, Any] = {}
+        for arg, value in bound.arguments.items():
+            parameter = signature.parameters[arg]
+            if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD,
+                                  parameter.POSITIONAL_ONLY):
+                raise TypeError(
+                    f"{owner}({name}): {name} takes {arg!r} as {parameter.kind.description}; "
+                    f"inject_hyperparams rebuilds the transform by keyword, so it needs a "
+                    f"factory whose parameters can all be passed by name."
+                )
+            if arg in static or isinstance(value, bool):
+                other[arg] = value
+            elif _declared_int(parameter, hints) and (
+                _is_number(value)
+                or (isinstance(value, torch.Tensor) and value.dim() == 0
+                    and not value.is_floating_point())
+            ):
+                other[arg] = int(value)
+            elif isinstance(value, torch.Tensor) or _is_number(value):
+                numeric[arg] = value
+            elif callable(value):
+                schedules[arg] = value
+            else:
+                other[arg] = value
+
+        # Build once with the plain values, so that the factory's checks (which skip
+        # tensors) see the Python numbers and fail now, naming the bad value.
+        zero = torch.zeros((), dtype=torch.int32)
+        first = {k: _first_value(owner, name, k, f, zero) for k, f in schedules.items()}
+        inner_factory(**other, **numeric, **first)
+
+        def as_tensor(key: str, value: Any, device: torch.device) -> torch.Tensor:
+            if isinstance(value, torch.Tensor):
+                if hyperparam_dtype is not None and value.is_floating_point():
+                    return value.to(hyperparam_dtype)
+                return value
+            if not _is_number(value):
+                raise TypeError(
+                    f"{owner}({name}): state.hyperparams[{key!r}] must be a number or a "
+                    f"tensor, got {type(value).__name__} {value!r}."
+                )
+            return torch.tensor(value, dtype=hyperparam_dtype or torch.float64, device=device)
+
+        def values_at(count: torch.Tensor, constants: dict[str, Any]) -> dict[str, torch.Tensor]:
+            device = count.device
+            hyperparams = {k: as_tensor(k, v, device) for k, v in constants.items()}
+            for k, f in schedules.items():
+                hyperparams[k] = as_tensor(k, f(count), device)
+            return hyperparams
+
+        def init_fn(params: Params) -> InjectHyperparamsState:
+            leaves, _ = _core.flatten(params)
+            count = _common.zero_count(leaves)
+            hyperparams = values_at(count, numeric)
+            inner = inner_factory(**other, **hyperparams)
+            return InjectHyperparamsState(count, hyperparams, inner.init(params))
+
+        def update_fn(
+            updates: Updates,
+            state: InjectHyperparamsState,
+            params: Params | None = None,
+            **extra_args: Any,
+        ) -> tuple[Updates, InjectHyperparamsState]:
+            if not isinstance(state, InjectHyperparamsState):
+                raise TypeError(
+                    f"{owner}({name}): expected an InjectHyperparamsState, "
+                    f"got {type(state).__name__}. Fix: pass the state returned by this "
+                    f"transform's init/update."
+                )
+            expected = sorted(numeric) + sorted(schedules)
+            if sorted(state.hyperparams) != sorted(expected):
+                raise ValueError(
+                    f"{owner}({name}): state.hyperparams has keys "
+                    f"{sorted(state.hyperparams)}, expected {sorted(expected)}. Fix: edit "
+                    f"the values of the existing keys only."
+                )
+            constants = {k: state.hyperparams[k] for k in numeric}
+            hyperparams = values_at(state.count, constants)
+            inner = with_extra_args_support(inner_factory(**other, **hyperparams))
+            updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+            count = _common.safe_increment(state.count)
+            return updates, InjectHyperparamsState(count, hyperparams, inner_state)
+
+        return GradientTransformation(init_fn, update_fn)
+
+    return wrapped_factory

@@ -1,4 +1,13 @@
-"""Rescaling by moment estimates of the gradient: ``scale_by_adam`` and its relatives."""
+"""Rescaling by moment estimates of the gradient: ``scale_by_adam`` and its relatives.
+
+Every transform here follows one numeric rule: the moment maths runs in the widest of the
+gradient's dtype, the moment's storage dtype and float32, and only then is each result
+rounded to where it lives (the moment to its storage dtype, the update to the gradient's
+dtype). A float16 gradient of 300 therefore squares to 90,000 without overflowing, and
+``eps = 1e-8`` is not flushed to zero for half-precision params. Where a gradient is
+``None`` (a param without gradient) the update stays ``None`` and that leaf's moments are
+left exactly as they were; only the shared step counter moves.
+"""
 
 from __future__ import annotations
 
@@ -9,21 +18,20 @@ import torch
 from functopt import _validate
 from functopt._base import GradientTransformation, Numeric, Params, Updates
 from functopt.transforms import _common
+from functopt.transforms.sign import _sign
 
 __all__ = [
     "ScaleByAdamState",
+    "ScaleByAmsgradState",
+    "ScaleByLionState",
     "scale_by_adam",
+    "scale_by_amsgrad",
+    "scale_by_lion",
 ]
 
 
-def _check_betas(owner: str, **betas: Any) -> None:
-    for name, value in betas.items():
-        _validate.check_range(owner, name, value, low=0.0, high=1.0, high_open=True,
-                              hint="Fix: decay rates are in [0, 1); 0.9 and 0.999 are usual.")
-
-
 class ScaleByAdamState(NamedTuple):
-    """State of :func:`scale_by_adam`."""
+    """State of [`scale_by_adam`][functopt.scale_by_adam]."""
 
     count: torch.Tensor  # int32, shape (): number of updates done so far
     mu: Updates  # like params, dtype mu_dtype (default: the param's): EMA of the gradient
@@ -42,18 +50,20 @@ def scale_by_adam(
 ) -> GradientTransformation:
     r"""Rescale updates by Adam's bias-corrected moment estimates (Kingma & Ba, 2014).
 
-    With gradient :math:`g_t` and :math:`t` counting from 1:
+    With gradient $g_t$ and $t$ counting from 1:
 
-    .. math::
-        m_t = \beta_1 m_{t-1} + (1-\beta_1) g_t, \quad
-        v_t = \beta_2 v_{t-1} + (1-\beta_2) g_t^2, \\
-        \hat m_t = m_t / (1-\beta_1^t), \quad \hat v_t = v_t / (1-\beta_2^t), \quad
-        u_t = \hat m_t / (\sqrt{\hat v_t + \epsilon_{root}} + \epsilon).
+    $$
+    m_t = \beta_1 m_{t-1} + (1-\beta_1) g_t, \quad
+    v_t = \beta_2 v_{t-1} + (1-\beta_2) g_t^2, \\
+    \hat m_t = m_t / (1-\beta_1^t), \quad \hat v_t = v_t / (1-\beta_2^t), \quad
+    u_t = \hat m_t / (\sqrt{\hat v_t + \epsilon_{root}} + \epsilon).
+    $$
 
-    With ``nesterov=True`` (NAdam), :math:`\hat m_t = \beta_1 m_t / (1-\beta_1^{t+1}) +
-    (1-\beta_1) g_t / (1-\beta_1^t)`. The moments are computed in the wider of the gradient's
-    and the moment's dtype, then stored in ``mu_dtype`` / ``nu_dtype``; the update keeps the
-    gradient's dtype. Where a gradient is ``None`` the moments are left as they are.
+    With ``nesterov=True`` (NAdam), $\hat m_t = \beta_1 m_t / (1-\beta_1^{t+1}) +
+    (1-\beta_1) g_t / (1-\beta_1^t)$. The moments are computed in the widest of the
+    gradient's dtype, the moment's dtype and float32, then stored in ``mu_dtype`` /
+    ``nu_dtype``; the update keeps the gradient's dtype. Where a gradient is ``None`` the
+    moments are left as they are.
 
     Args:
         b1: decay of the first moment, in [0, 1).
@@ -62,12 +72,13 @@ def scale_by_adam(
         eps_root: added to the second moment inside the root, >= 0 (for meta-gradients).
         mu_dtype: storage dtype of the first moment (default: the param's dtype).
         nesterov: use Nesterov momentum (NAdam).
-        nu_dtype: storage dtype of the second moment (default: the param's dtype).
+        nu_dtype: storage dtype of the second moment (default: the param's dtype). Not in
+            optax, which always stores ``nu`` in the param's dtype.
 
     Returns:
-        A :class:`~functopt.GradientTransformation` with :class:`ScaleByAdamState`.
+        A [`GradientTransformation`][functopt.GradientTransformation] with [`ScaleByAdamState`][functopt.ScaleByAdamState].
 
-    Example:
+    Examples:
         >>> import torch, functopt
         >>> tx = functopt.scale_by_adam()
         >>> state = tx.init({"w": torch.zeros(2)})
@@ -80,7 +91,7 @@ def scale_by_adam(
         Dozat, *Incorporating Nesterov Momentum into Adam*, 2016.
     """
     owner = "scale_by_adam"
-    _check_betas(owner, b1=b1, b2=b2)
+    _common.check_betas(owner, b1=b1, b2=b2)
     _validate.check_range(owner, "eps", eps, low=0.0)
     _validate.check_range(owner, "eps_root", eps_root, low=0.0)
     _validate.check_dtype(owner, "mu_dtype", mu_dtype)
@@ -104,6 +115,7 @@ def scale_by_adam(
         grads, treespec = _common.flatten_updates(updates)
         mus = _common.state_like(treespec, state.mu, name="state.mu")
         nus = _common.state_like(treespec, state.nu, name="state.nu")
+        _common.check_state_present(owner, treespec, grads, mu=mus, nu=nus)
         count = _common.safe_increment(state.count)
         bc1 = _common.bias_correction(b1, count)
         bc2 = _common.bias_correction(b2, count)
@@ -118,12 +130,13 @@ def scale_by_adam(
                 new_mus.append(mu)
                 new_nus.append(nu)
                 continue
-            # Compute in the wider of the two dtypes: a bfloat16 moment is widened before
-            # it is decayed, so storage precision is the only precision given up.
-            mu_t = b1 * mu.to(torch.promote_types(g.dtype, mu.dtype)) + (1 - b1) * g
-            nu_t = b2 * nu.to(torch.promote_types(g.dtype, nu.dtype)) + (1 - b2) * (g * g)
+            # Storage precision is the only precision given up: a bfloat16 moment is
+            # widened before it is decayed, and g*g cannot overflow a float16 range.
+            wide = g.to(_common.compute_dtype(g.dtype, mu.dtype, nu.dtype))
+            mu_t = b1 * mu.to(wide.dtype) + (1 - b1) * wide
+            nu_t = b2 * nu.to(wide.dtype) + (1 - b2) * (wide * wide)
             if nesterov:
-                mu_hat = b1 * mu_t / bc1_next + (1 - b1) * g / bc1
+                mu_hat = b1 * mu_t / bc1_next + (1 - b1) * wide / bc1
             else:
                 mu_hat = mu_t / bc1
             u = mu_hat / (torch.sqrt(nu_t / bc2 + eps_root) + eps)
@@ -134,6 +147,222 @@ def scale_by_adam(
             count=count,
             mu=_common.unflatten(treespec, new_mus),
             nu=_common.unflatten(treespec, new_nus),
+        )
+        return _common.unflatten(treespec, new_updates), new_state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+class ScaleByAmsgradState(NamedTuple):
+    """State of [`scale_by_amsgrad`][functopt.scale_by_amsgrad]."""
+
+    count: torch.Tensor  # int32, shape (): number of updates done so far
+    mu: Updates  # like params, dtype mu_dtype (default: the param's): EMA of the gradient
+    nu: Updates  # like params, dtype nu_dtype (default: the param's): EMA of its square
+    nu_max: Updates  # like params, dtype as nu: running max of the (corrected) EMA nu
+
+
+def scale_by_amsgrad(
+    b1: Numeric = 0.9,
+    b2: Numeric = 0.999,
+    eps: Numeric = 1e-8,
+    eps_root: Numeric = 0.0,
+    mu_dtype: torch.dtype | None = None,
+    bias_correction_mu: bool = True,
+    bias_correction_nu: bool = True,
+    *,
+    nu_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
+    r"""Rescale updates by AMSGrad: Adam with a never-decreasing second moment.
+
+    With Adam's $m_t, v_t$ (see [`scale_by_adam`][functopt.scale_by_adam]) and $t$ from 1:
+
+    $$
+    \hat m_t = m_t / (1-\beta_1^t), \quad
+    \hat v_t = v_t / (1-\beta_2^t), \quad
+    v^{max}_t = \max(v^{max}_{t-1}, \hat v_t), \quad
+    u_t = \hat m_t / (\sqrt{v^{max}_t + \epsilon_{root}} + \epsilon).
+    $$
+
+    ``bias_correction_mu=False`` uses $m_t$ for $\hat m_t$, and
+    ``bias_correction_nu=False`` uses $v_t$ for $\hat v_t$ (both ``False`` is
+    the algorithm of the paper). This is optax's definition: the maximum is taken over the
+    *bias-corrected* $\hat v$. ``torch.optim.Adam(amsgrad=True)`` differs: it keeps
+    the maximum of the raw $v_t$ and divides it by the current
+    $1-\beta_2^t$, i.e. $\sqrt{\max_{s\le t} v_s / (1-\beta_2^t)}$. The two
+    agree while $v_t$ grows, and differ once it shrinks (then torch's denominator
+    keeps shrinking as $1-\beta_2^t \to 1$ while optax's stays at its peak).
+
+    Args:
+        b1: decay of the first moment, in [0, 1).
+        b2: decay of the second moment, in [0, 1).
+        eps: added to the root of the second moment, >= 0.
+        eps_root: added to the second moment inside the root, >= 0 (for meta-gradients).
+        mu_dtype: storage dtype of the first moment (default: the param's dtype).
+        bias_correction_mu: bias-correct the first moment.
+        bias_correction_nu: bias-correct the second moment before taking the maximum.
+        nu_dtype: storage dtype of ``nu`` and ``nu_max`` (default: the param's dtype). Not
+            in optax.
+
+    Returns:
+        A [`GradientTransformation`][functopt.GradientTransformation] with [`ScaleByAmsgradState`][functopt.ScaleByAmsgradState].
+
+    Examples:
+        >>> import torch, functopt
+        >>> tx = functopt.scale_by_amsgrad()
+        >>> state = tx.init({"w": torch.zeros(1)})
+        >>> u, state = tx.update({"w": torch.tensor([2.0])}, state)
+        >>> u, state = tx.update({"w": torch.tensor([0.0])}, state)
+        >>> state.nu_max["w"]  # stays at the peak of the corrected second moment
+        tensor([4.])
+
+    References:
+        Reddi, Kale & Kumar, *On the Convergence of Adam and Beyond*, ICLR 2018.
+    """
+    owner = "scale_by_amsgrad"
+    _common.check_betas(owner, b1=b1, b2=b2)
+    _validate.check_range(owner, "eps", eps, low=0.0)
+    _validate.check_range(owner, "eps_root", eps_root, low=0.0)
+    _validate.check_dtype(owner, "mu_dtype", mu_dtype)
+    _validate.check_dtype(owner, "nu_dtype", nu_dtype)
+
+    def init_fn(params: Params) -> ScaleByAmsgradState:
+        leaves, treespec = _common.flatten_params(params)
+        mu = [None if p is None else _common.zeros_like(p, mu_dtype) for p in leaves]
+        nu = [None if p is None else _common.zeros_like(p, nu_dtype) for p in leaves]
+        nu_max = [None if p is None else _common.zeros_like(p, nu_dtype) for p in leaves]
+        return ScaleByAmsgradState(
+            count=_common.zero_count(leaves),
+            mu=_common.unflatten(treespec, mu),
+            nu=_common.unflatten(treespec, nu),
+            nu_max=_common.unflatten(treespec, nu_max),
+        )
+
+    def update_fn(
+        updates: Updates, state: ScaleByAmsgradState, params: Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[Updates, ScaleByAmsgradState]:
+        del params, extra_args
+        grads, treespec = _common.flatten_updates(updates)
+        mus = _common.state_like(treespec, state.mu, name="state.mu")
+        nus = _common.state_like(treespec, state.nu, name="state.nu")
+        maxes = _common.state_like(treespec, state.nu_max, name="state.nu_max")
+        _common.check_state_present(owner, treespec, grads, mu=mus, nu=nus, nu_max=maxes)
+        count = _common.safe_increment(state.count)
+        bc1 = _common.bias_correction(b1, count)
+        bc2 = _common.bias_correction(b2, count)
+
+        new_updates: list[Any] = []
+        new_mus: list[Any] = []
+        new_nus: list[Any] = []
+        new_maxes: list[Any] = []
+        for g, mu, nu, nu_max in zip(grads, mus, nus, maxes, strict=True):
+            if g is None:
+                new_updates.append(None)
+                new_mus.append(mu)
+                new_nus.append(nu)
+                new_maxes.append(nu_max)
+                continue
+            wide = g.to(_common.compute_dtype(g.dtype, mu.dtype, nu.dtype, nu_max.dtype))
+            mu_t = b1 * mu.to(wide.dtype) + (1 - b1) * wide
+            nu_t = b2 * nu.to(wide.dtype) + (1 - b2) * (wide * wide)
+            mu_hat = mu_t / bc1 if bias_correction_mu else mu_t
+            nu_hat = nu_t / bc2 if bias_correction_nu else nu_t
+            max_t = torch.maximum(nu_max.to(wide.dtype), nu_hat)
+            u = mu_hat / (torch.sqrt(max_t + eps_root) + eps)
+            new_updates.append(u.to(g.dtype))
+            new_mus.append(mu_t.to(mu.dtype))
+            new_nus.append(nu_t.to(nu.dtype))
+            new_maxes.append(max_t.to(nu_max.dtype))
+        new_state = ScaleByAmsgradState(
+            count=count,
+            mu=_common.unflatten(treespec, new_mus),
+            nu=_common.unflatten(treespec, new_nus),
+            nu_max=_common.unflatten(treespec, new_maxes),
+        )
+        return _common.unflatten(treespec, new_updates), new_state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+class ScaleByLionState(NamedTuple):
+    """State of [`scale_by_lion`][functopt.scale_by_lion]."""
+
+    count: torch.Tensor  # int32, shape (): number of updates done so far
+    mu: Updates  # like params, dtype mu_dtype (default: the param's): EMA of the gradient
+
+
+def scale_by_lion(
+    b1: Numeric = 0.9,
+    b2: Numeric = 0.99,
+    mu_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
+    r"""Rescale updates by Lion: the sign of an interpolation of momentum and gradient.
+
+    $$
+    u_t = \operatorname{sign}\big((1-\beta_1)\, g_t + \beta_1 m_{t-1}\big), \quad
+    m_t = \beta_2 m_{t-1} + (1-\beta_2)\, g_t.
+    $$
+
+    The update uses the *previous* momentum; the momentum is then refreshed with its own
+    decay ``b2``. Where the interpolation is ±0 or NaN the update is that value (NaN is not
+    hidden as 0, unlike ``torch.sign``).
+
+    Recent optax versions add keyword-only ``mode`` / ``smooth_beta`` (tanh or clipped
+    variants of the sign); they are not provided here (compose the variant you need from
+    [`scale_by_lion`][functopt.scale_by_lion]'s maths or a custom transform).
+
+    Args:
+        b1: weight of the momentum in the interpolation, in [0, 1].
+        b2: decay of the momentum, in [0, 1].
+        mu_dtype: storage dtype of the momentum (default: the param's dtype).
+
+    Returns:
+        A [`GradientTransformation`][functopt.GradientTransformation] with [`ScaleByLionState`][functopt.ScaleByLionState].
+
+    Examples:
+        >>> import torch, functopt
+        >>> tx = functopt.scale_by_lion()
+        >>> state = tx.init({"w": torch.zeros(3)})
+        >>> u, state = tx.update({"w": torch.tensor([0.3, -2.0, 0.0])}, state)
+        >>> u["w"]
+        tensor([ 1., -1.,  0.])
+
+    References:
+        Chen et al., *Symbolic Discovery of Optimization Algorithms*, 2023.
+    """
+    owner = "scale_by_lion"
+    _common.check_betas(owner, closed=True, b1=b1, b2=b2)
+    _validate.check_dtype(owner, "mu_dtype", mu_dtype)
+
+    def init_fn(params: Params) -> ScaleByLionState:
+        leaves, treespec = _common.flatten_params(params)
+        mu = [None if p is None else _common.zeros_like(p, mu_dtype) for p in leaves]
+        return ScaleByLionState(
+            count=_common.zero_count(leaves), mu=_common.unflatten(treespec, mu)
+        )
+
+    def update_fn(
+        updates: Updates, state: ScaleByLionState, params: Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[Updates, ScaleByLionState]:
+        del params, extra_args
+        grads, treespec = _common.flatten_updates(updates)
+        mus = _common.state_like(treespec, state.mu, name="state.mu")
+        _common.check_state_present(owner, treespec, grads, mu=mus)
+        new_updates: list[Any] = []
+        new_mus: list[Any] = []
+        for g, mu in zip(grads, mus, strict=True):
+            if g is None:
+                new_updates.append(None)
+                new_mus.append(mu)
+                continue
+            wide = g.to(_common.compute_dtype(g.dtype, mu.dtype))
+            mu_prev = mu.to(wide.dtype)
+            new_updates.append(_sign((1 - b1) * wide + b1 * mu_prev).to(g.dtype))
+            new_mus.append((b2 * mu_prev + (1 - b2) * wide).to(mu.dtype))
+        new_state = ScaleByLionState(
+            count=_common.safe_increment(state.count), mu=_common.unflatten(treespec, new_mus)
         )
         return _common.unflatten(treespec, new_updates), new_state
 

@@ -1,5 +1,5 @@
-"""Scaling by constants and schedules: ``scale``, ``scale_by_learning_rate``,
-``scale_by_schedule``."""
+"""Scaling by constants, schedules and param magnitudes: ``scale``, ``scale_by_learning_rate``,
+``scale_by_schedule``, ``scale_by_param_block_rms``, ``scale_by_param_block_norm``."""
 
 from __future__ import annotations
 
@@ -23,20 +23,22 @@ __all__ = [
     "ScaleByScheduleState",
     "scale",
     "scale_by_learning_rate",
+    "scale_by_param_block_norm",
+    "scale_by_param_block_rms",
     "scale_by_schedule",
 ]
 
 
 def scale(step_size: Numeric) -> GradientTransformation:
-    r"""Multiply every update by a constant: :math:`u \leftarrow \text{step\_size}\cdot u`.
+    r"""Multiply every update by a constant: $u \leftarrow \text{step\_size}\cdot u$.
 
     Args:
         step_size: the factor (a number or a 0-d tensor).
 
     Returns:
-        A stateless :class:`~functopt.GradientTransformation`.
+        A stateless [`GradientTransformation`][functopt.GradientTransformation].
 
-    Example:
+    Examples:
         >>> import torch, functopt
         >>> tx = functopt.scale(2.0)
         >>> tx.update({"w": torch.tensor([1.0, -3.0])}, tx.init(None))[0]
@@ -53,14 +55,15 @@ def scale(step_size: Numeric) -> GradientTransformation:
     ) -> tuple[Updates, EmptyState]:
         del params, extra_args
         leaves, treespec = _common.flatten_updates(updates)
-        new = [None if g is None else g * step_size for g in leaves]
+        # A 0-d tensor factor would promote a 0-d float16 leaf to float32: cast back.
+        new = [None if g is None else (g * step_size).to(g.dtype) for g in leaves]
         return _common.unflatten(treespec, new), state
 
     return GradientTransformation(init_fn, update_fn)
 
 
 class ScaleByScheduleState(NamedTuple):
-    """State of :func:`scale_by_schedule`."""
+    """State of [`scale_by_schedule`][functopt.scale_by_schedule]."""
 
     count: torch.Tensor  # int32, shape (): number of updates done so far
 
@@ -72,9 +75,9 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
     number or a 0-d tensor; nothing is read back to the host.
 
     Args:
-        step_size_fn: a schedule, ``count -> factor`` (see :mod:`functopt.schedules`).
+        step_size_fn: a schedule, ``count -> factor`` (see `functopt.schedules`).
 
-    Example:
+    Examples:
         >>> import torch, functopt
         >>> tx = functopt.scale_by_schedule(lambda count: 1.0 / (count + 1))
         >>> state = tx.init({"w": torch.zeros(1)})
@@ -114,14 +117,14 @@ def scale_by_learning_rate(
 ) -> GradientTransformation:
     r"""Scale by the learning rate, negated by default (so that ``apply_updates`` descends).
 
-    :math:`u \leftarrow -\eta\, u` with ``flip_sign=True`` (the default), where
-    :math:`\eta` is ``learning_rate`` or ``learning_rate(count)`` for a schedule.
+    $u \leftarrow -\eta\, u$ with ``flip_sign=True`` (the default), where
+    $\eta$ is ``learning_rate`` or ``learning_rate(count)`` for a schedule.
 
     Args:
         learning_rate: a number, a 0-d tensor, or a schedule.
         flip_sign: negate the learning rate (gradient descent). ``False`` for ascent.
 
-    Example:
+    Examples:
         >>> import torch, functopt
         >>> tx = functopt.scale_by_learning_rate(0.1)
         >>> tx.update({"w": torch.tensor([1.0])}, tx.init(None))[0]
@@ -134,3 +137,64 @@ def scale_by_learning_rate(
         schedule = learning_rate
         return scale_by_schedule(lambda count: sign * schedule(count))
     return scale(sign * learning_rate)
+
+
+def _param_block_scale(owner: str, min_scale: Numeric, reduce: str) -> GradientTransformation:
+    _validate.check_range(owner, "min_scale", min_scale, low=0.0)
+
+    def init_fn(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update_fn(
+        updates: Updates, state: EmptyState, params: Params | None = None, **extra_args: Any
+    ) -> tuple[Updates, EmptyState]:
+        del extra_args
+        leaves, treespec = _common.flatten_updates(updates)
+        param_leaves = _common.params_like(treespec, params, leaves, owner=owner)
+
+        def leaf(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+            wide = p.to(torch.promote_types(p.dtype, torch.float32))
+            if reduce == "rms":
+                block = torch.sqrt(torch.mean(wide * wide)) if p.numel() else wide.new_zeros(())
+            else:
+                block = torch.linalg.vector_norm(wide)
+            return (g * torch.clamp(block, min=min_scale)).to(g.dtype)
+
+        new = [None if g is None else leaf(g, p) for g, p in zip(leaves, param_leaves, strict=True)]
+        return _common.unflatten(treespec, new), state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def scale_by_param_block_rms(min_scale: Numeric = 1e-3) -> GradientTransformation:
+    r"""Scale each update by the root mean square of its param, floored at ``min_scale``.
+
+    $u \leftarrow u \cdot \max(\sqrt{\operatorname{mean}(p^2)}, \text{min\_scale})$,
+    one factor per tensor (Adafactor's ``multiply_by_parameter_scale``). The RMS is taken
+    in float32 (float64 for float64 params). Reads the params.
+
+    Examples:
+        >>> import torch, functopt
+        >>> tx = functopt.scale_by_param_block_rms()
+        >>> p = {"w": torch.tensor([3.0, -3.0])}
+        >>> tx.update({"w": torch.ones(2)}, tx.init(p), p)[0]
+        {'w': tensor([3., 3.])}
+    """
+    return _param_block_scale("scale_by_param_block_rms", min_scale, "rms")
+
+
+def scale_by_param_block_norm(min_scale: Numeric = 1e-3) -> GradientTransformation:
+    r"""Scale each update by the L2 norm of its param, floored at ``min_scale``.
+
+    $u \leftarrow u \cdot \max(\lVert p \rVert_2, \text{min\_scale})$, one factor per
+    tensor. Reads the params.
+
+    Examples:
+        >>> import torch, functopt
+        >>> tx = functopt.scale_by_param_block_norm()
+        >>> p = {"w": torch.tensor([3.0, 4.0])}
+        >>> tx.update({"w": torch.ones(2)}, tx.init(p), p)[0]
+        {'w': tensor([5., 5.])}
+    """
+    return _param_block_scale("scale_by_param_block_norm", min_scale, "norm")

@@ -90,6 +90,8 @@ def _first_difference(reference: Tree, other: Tree, path: str) -> str:
         return f"at {path!r}: expected {_describe(reference)}, got {_describe(other)}"
     oth_children, _, oth_entries = oth
     if list(ref_entries) != list(oth_entries):
+        if isinstance(reference, dict) and set(reference) != set(other):
+            return f"at {path!r}: {_describe_key_difference(reference, other)}"
         return f"at {path!r}: expected {_describe(reference)}, got {_describe(other)}"
     for entry, ref_child, oth_child in zip(ref_entries, ref_children, oth_children, strict=True):
         child_path = str(entry) if path == "<root>" else f"{path}.{entry}"
@@ -99,6 +101,20 @@ def _first_difference(reference: Tree, other: Tree, path: str) -> str:
         except (ValueError, TypeError):
             return _first_difference(ref_child, oth_child, child_path)
     return f"at {path!r}"
+
+
+def _describe_key_difference(reference: dict[Any, Any], other: dict[Any, Any]) -> str:
+    """Name the missing and the unexpected keys of ``other`` (a dict, like ``reference``)."""
+    missing = [k for k in reference if k not in other]
+    unexpected = [k for k in other if k not in reference]
+    parts = []
+    if missing:
+        parts.append(f"missing key{'s' if len(missing) > 1 else ''} "
+                     f"{', '.join(map(repr, sorted(missing, key=str)))}")
+    if unexpected:
+        parts.append(f"unexpected key{'s' if len(unexpected) > 1 else ''} "
+                     f"{', '.join(map(repr, sorted(unexpected, key=str)))}")
+    return f"{' and '.join(parts)} (expected keys {sorted(map(str, reference))})"
 
 
 def _children(node: Any) -> tuple[list[Any], Any, list[Any]] | None:
@@ -172,7 +188,7 @@ def check_like(
 
     Shapes must be equal (no broadcasting), and, with ``check_dtype``, dtypes and devices too.
     ``None`` on either side is skipped; both lists must already have passed
-    :func:`check_tensors`. Raises ``ValueError``/``TypeError`` naming the leaf.
+    `check_tensors`. Raises ``ValueError``/``TypeError`` naming the leaf.
     """
     for i, (leaf, ref) in enumerate(zip(leaves, reference, strict=True)):
         if leaf is None or ref is None:

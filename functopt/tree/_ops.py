@@ -1,14 +1,183 @@
-"""Public tree utilities: reductions, casts, constructors and field access."""
+"""Public tree utilities: maps, casts, constructors and reductions.
+
+Every function here treats ``None`` as a leaf that stays ``None`` (a parameter without a
+gradient, or the state of such a parameter), and names leaves by dotted path in its errors.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from functopt.tree import _core
 
-__all__ = ["global_norm"]
+__all__ = [
+    "cast",
+    "full_like",
+    "global_norm",
+    "map",
+    "map_with_path",
+    "ones_like",
+    "sum",
+    "vdot",
+    "zeros_like",
+]
+
+
+def _flatten_rest(treespec: _core.TreeSpec, rest: tuple[Any, ...]) -> list[list[Any]]:
+    return [
+        _core.flatten_like(treespec, other, name=f"rest[{i}]", reference="tree")
+        for i, other in enumerate(rest)
+    ]
+
+
+def map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
+    """Apply ``fn`` leaf by leaf: ``fn(leaf, *leaves_of_rest)``, where ``tree``'s leaf is not None.
+
+    ``None`` counts as a leaf (functopt's convention): where ``tree`` holds ``None`` the
+    result is ``None`` and ``fn`` is not called, so a tree of params with some ``None``
+    gradients maps without special cases. The trees in ``rest`` must have ``tree``'s
+    structure (a mismatch is reported by path); their leaves may be ``None`` anywhere and are
+    passed to ``fn`` as they are.
+
+    Args:
+        fn: called as ``fn(x, *ys)`` for each leaf ``x`` of ``tree`` that is not ``None``.
+        tree: the tree that sets the structure.
+        *rest: more trees with ``tree``'s structure.
+
+    Returns:
+        A tree of ``tree``'s structure holding ``fn``'s results.
+
+    Examples:
+        >>> import torch, functopt
+        >>> functopt.tree.map(lambda x, y: x + y, {"a": torch.ones(1), "b": None},
+        ...                   {"a": torch.ones(1), "b": None})
+        {'a': tensor([2.]), 'b': None}
+    """
+    leaves, treespec = _core.flatten(tree)
+    others = _flatten_rest(treespec, rest)
+    return _core.unflatten(treespec, _core.map_leaves(fn, leaves, *others))
+
+
+def map_with_path(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
+    """Like [`map`][functopt.tree.map], with the leaf's dotted path first: ``fn(path, leaf, *leaves_of_rest)``.
+
+    Paths are the strings functopt uses in its error messages (``'layers.0.weight'``,
+    ``'mu.bias'``; ``'<root>'`` for a tree that is a single leaf). ``fn`` is not called where
+    ``tree`` holds ``None``.
+
+    Examples:
+        >>> import torch, functopt
+        >>> params = {"layer": {"weight": torch.ones(2), "bias": None}}
+        >>> functopt.tree.map_with_path(lambda path, x: path, params)
+        {'layer': {'weight': 'layer.weight', 'bias': None}}
+    """
+    leaves, treespec = _core.flatten(tree)
+    others = _flatten_rest(treespec, rest)
+    new = [
+        None if x is None else fn(path, x, *ys)
+        for path, x, *ys in zip(_core.paths(treespec), leaves, *others, strict=True)
+    ]
+    return _core.unflatten(treespec, new)
+
+
+def _check_dtype(owner: str, dtype: Any, *, floating: bool) -> None:
+    if dtype is None:
+        return
+    if not isinstance(dtype, torch.dtype) or (floating and not dtype.is_floating_point):
+        kind = "a floating torch.dtype (e.g. torch.bfloat16)" if floating else "a torch.dtype"
+        raise TypeError(f"functopt.tree.{owner}: dtype must be None or {kind}, got {dtype!r}.")
+
+
+def cast(tree: Any, dtype: torch.dtype | None) -> Any:
+    """Cast every floating-point tensor of ``tree`` to ``dtype``; everything else stays as is.
+
+    Integer and boolean tensors (step counters, masks), ``None`` and non-tensor leaves are
+    returned unchanged, so a whole optimizer state can be cast without breaking its
+    counters. Unlike ``optax.tree.cast`` (which casts every leaf), only floating leaves
+    move. ``dtype=None`` returns ``tree`` unchanged. The cast is differentiable.
+
+    Args:
+        tree: any pytree.
+        dtype: a floating ``torch.dtype``, or ``None`` to do nothing.
+
+    Returns:
+        A tree of ``tree``'s structure.
+
+    Examples:
+        >>> import torch, functopt
+        >>> state = {"count": torch.tensor(3, dtype=torch.int32), "mu": torch.ones(2), "nu": None}
+        >>> functopt.tree.cast(state, torch.bfloat16)
+        {'count': tensor(3, dtype=torch.int32), 'mu': tensor([1., 1.], dtype=torch.bfloat16), 'nu': None}
+    """
+    _check_dtype("cast", dtype, floating=True)
+    if dtype is None:
+        return tree
+    leaves, treespec = _core.flatten(tree)
+    new = [
+        x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+        for x in leaves
+    ]
+    return _core.unflatten(treespec, new)
+
+
+def _like(owner: str, tree: Any, make: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    leaves, treespec = _core.flatten(tree)
+    _core.check_tensors(leaves, treespec, name=f"functopt.tree.{owner}: tree")
+    return _core.unflatten(treespec, _core.map_leaves(make, leaves))
+
+
+def zeros_like(tree: Any, dtype: torch.dtype | None = None) -> Any:
+    """A tree of zeros shaped like ``tree`` (``None`` stays ``None``).
+
+    Args:
+        tree: a pytree of tensors (and ``None``).
+        dtype: the dtype of every new tensor (default: each leaf's own).
+
+    Examples:
+        >>> import torch, functopt
+        >>> functopt.tree.zeros_like({"w": torch.ones(2), "b": None})
+        {'w': tensor([0., 0.]), 'b': None}
+    """
+    _check_dtype("zeros_like", dtype, floating=False)
+    return _like("zeros_like", tree, lambda x: torch.zeros_like(x, dtype=dtype))
+
+
+def ones_like(tree: Any, dtype: torch.dtype | None = None) -> Any:
+    """A tree of ones shaped like ``tree`` (``None`` stays ``None``).
+
+    Examples:
+        >>> import torch, functopt
+        >>> functopt.tree.ones_like([torch.zeros(2, dtype=torch.float16)])
+        [tensor([1., 1.], dtype=torch.float16)]
+    """
+    _check_dtype("ones_like", dtype, floating=False)
+    return _like("ones_like", tree, lambda x: torch.ones_like(x, dtype=dtype))
+
+
+def full_like(tree: Any, fill_value: float | int | bool, dtype: torch.dtype | None = None) -> Any:
+    """A tree filled with ``fill_value``, shaped like ``tree`` (``None`` stays ``None``).
+
+    Args:
+        tree: a pytree of tensors (and ``None``).
+        fill_value: a Python number (a tensor would need a host read on some devices).
+        dtype: the dtype of every new tensor (default: each leaf's own).
+
+    Examples:
+        >>> import torch, functopt
+        >>> functopt.tree.full_like({"w": torch.zeros(2)}, 0.5)
+        {'w': tensor([0.5000, 0.5000])}
+    """
+    if not isinstance(fill_value, (int, float, bool)):
+        raise TypeError(
+            f"functopt.tree.full_like: fill_value must be a Python number, got "
+            f"{type(fill_value).__name__}. Fix: for a tensor value use "
+            f"functopt.tree.map(lambda x: torch.zeros_like(x) + value, tree)."
+        )
+    _check_dtype("full_like", dtype, floating=False)
+    return _like("full_like", tree, lambda x: torch.full_like(x, fill_value, dtype=dtype))
 
 
 def _accumulation_dtype(leaves: list[Any]) -> torch.dtype:
@@ -17,15 +186,69 @@ def _accumulation_dtype(leaves: list[Any]) -> torch.dtype:
     return torch.float32
 
 
+def _tensor_leaves(owner: str, tree: Any) -> tuple[list[Any], _core.TreeSpec]:
+    leaves, treespec = _core.flatten(tree)
+    _core.check_tensors(leaves, treespec, name=f"functopt.tree.{owner}: tree")
+    return leaves, treespec
+
+
+def _total(terms: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    if not terms:
+        return torch.zeros((), dtype=dtype)
+    device = terms[0].device
+    return torch.stack([t.to(device) for t in terms]).sum()
+
+
+def sum(tree: Any) -> torch.Tensor:
+    """The sum of every element of every leaf, as a 0-d tensor.
+
+    Each leaf is summed in float32 (float64 if any leaf is float64), so low-precision leaves
+    neither overflow nor lose the small terms; optax's ``tree.sum`` keeps the leaves' dtype.
+    ``None`` leaves are skipped; an empty tree sums to 0. Nothing is read back to the host.
+
+    Examples:
+        >>> import torch, functopt
+        >>> functopt.tree.sum({"a": torch.tensor([1.0, 2.0]), "b": torch.tensor(3.0), "c": None})
+        tensor(6.)
+    """
+    leaves, _ = _tensor_leaves("sum", tree)
+    tensors = [x for x in leaves if x is not None]
+    dtype = _accumulation_dtype(tensors)
+    return _total([x.sum(dtype=dtype) for x in tensors], dtype)
+
+
+def vdot(tree_x: Any, tree_y: Any) -> torch.Tensor:
+    r"""The inner product of two trees, $\sum_i \langle x_i, y_i \rangle$, as a 0-d tensor.
+
+    The trees must have the same structure, and paired leaves the same shape (no
+    broadcasting); a ``None`` on either side counts as zero. Products are summed in float32
+    (float64 if any leaf is float64), whatever the leaves' dtypes.
+
+    Examples:
+        >>> import torch, functopt
+        >>> functopt.tree.vdot({"a": torch.tensor([1.0, 2.0]), "b": None},
+        ...                    {"a": torch.tensor([3.0, -1.0]), "b": torch.ones(3)})
+        tensor(1.)
+    """
+    xs, treespec = _tensor_leaves("vdot", tree_x)
+    ys = _core.flatten_like(treespec, tree_y, name="tree_y", reference="tree_x")
+    _core.check_tensors(ys, treespec, name="functopt.tree.vdot: tree_y")
+    _core.check_like(xs, ys, treespec, name="tree_x", reference_name="tree_y", check_dtype=False)
+    pairs = [(x, y) for x, y in zip(xs, ys, strict=True) if x is not None and y is not None]
+    dtype = _accumulation_dtype([t for pair in pairs for t in pair])
+    terms = [(x.to(dtype) * y.to(dtype)).sum() for x, y in pairs]
+    return _total(terms, dtype)
+
+
 def global_norm(tree: Any) -> torch.Tensor:
-    r"""The L2 norm of all leaves together, :math:`\sqrt{\sum_i \lVert x_i \rVert_2^2}`.
+    r"""The L2 norm of all leaves together, $\sqrt{\sum_i \lVert x_i \rVert_2^2}$.
 
     Each leaf is reduced in float32 (float64 if any leaf is float64), so bfloat16 and
     float16 leaves do not lose precision or overflow in the sum. ``None`` leaves are
     skipped; an empty tree has norm 0. The result is a 0-d tensor on the first leaf's
     device; nothing is read back to the host.
 
-    Example:
+    Examples:
         >>> import torch, functopt
         >>> functopt.tree.global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0]), "c": None})
         tensor(5.)
@@ -39,3 +262,4 @@ def global_norm(tree: Any) -> torch.Tensor:
     device = tensors[0].device
     squares = [torch.linalg.vector_norm(x, dtype=dtype).to(device) ** 2 for x in tensors]
     return torch.sqrt(torch.stack(squares).sum())
+

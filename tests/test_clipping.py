@@ -1,0 +1,355 @@
+"""clip, clip_by_block_rms, clip_by_global_norm, adaptive_grad_clip: against float64
+references written here, torch.nn.utils.clip_grad_norm_, and their non-finite rules."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import functopt
+from functopt.testing import strategies as fst
+
+F32_MAX = torch.finfo(torch.float32).max
+RTOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-5, torch.float64: 1e-12}
+
+
+def _leaves(tree: Any) -> list[Any]:
+    return functopt.tree.flatten(tree)[0]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _snapshot(tree: Any) -> list[Any]:
+    return [None if x is None else x.clone() for x in _leaves(tree)]
+
+
+def _assert_unchanged(before: list[Any], tree: Any) -> None:
+    for old, new in zip(before, _leaves(tree), strict=True):
+        assert (old is None) == (new is None)
+        if old is not None:
+            assert old.dtype == new.dtype and torch.equal(_bits(old), _bits(new))
+
+
+def _update(tx, grads, params=None):
+    """One update, checking purity (inputs bitwise unchanged) and the output layout."""
+    state = tx.init(params if params is not None else grads)
+    before = (_snapshot(grads), _snapshot(params))
+    out, new_state = tx.update(grads, state, params, unused_extra_arg=1.0)
+    _assert_unchanged(before[0], grads)
+    _assert_unchanged(before[1], params)
+    assert fst.same_layout(out, grads)
+    assert new_state == functopt.EmptyState()
+    return out
+
+
+def _assert_matches(out: torch.Tensor, expected64: torch.Tensor) -> None:
+    dtype = out.dtype
+    torch.testing.assert_close(
+        out.double(), expected64.to(dtype).double(), rtol=RTOL[dtype],
+        atol=torch.finfo(dtype).smallest_normal, equal_nan=True,
+    )
+
+
+def _accumulates_in_float32(t: torch.Tensor) -> bool:
+    return t.dtype != torch.float64
+
+
+# --------------------------------------------------------------------------------------- clip
+
+
+@given(fst.params_and_gradients(grad_kind="any", allow_none=True), st.floats(0.0, 10.0))
+def test_clip_is_an_elementwise_clamp(pg, max_delta) -> None:
+    _, grads = pg
+    out = _update(functopt.clip(max_delta), grads)
+    for g, o in zip(_leaves(grads), _leaves(out), strict=True):
+        if g is None:
+            assert o is None
+            continue
+        expected = g.double().clamp(-max_delta, max_delta).to(g.dtype)
+        assert torch.equal(o.isnan(), expected.isnan())
+        assert torch.equal(torch.nan_to_num(o), torch.nan_to_num(expected))
+
+
+def test_clip_tensor_bound_is_differentiable() -> None:
+    bound = torch.tensor(1.0, requires_grad=True)
+    tx = functopt.clip(bound)
+    out = tx.update({"w": torch.tensor([3.0, -5.0, 0.5, 2.0])}, tx.init(None))[0]["w"]
+    (d_bound,) = torch.autograd.grad(out.sum(), bound)
+    assert out.tolist() == [1.0, -1.0, 0.5, 1.0]
+    assert d_bound.item() == 1.0  # +1 twice from the top, -1 once from the bottom
+
+
+# ---------------------------------------------------------------------------- clip_by_block_rms
+
+
+def _block_rms_reference(g: torch.Tensor, threshold: float) -> torch.Tensor:
+    g64 = g.double()
+    sum_sq = (g64 * g64).sum()
+    if _accumulates_in_float32(g) and sum_sq > F32_MAX:
+        return torch.full_like(g64, math.nan)
+    rms = torch.sqrt(sum_sq / max(g.numel(), 1))
+    if not torch.isfinite(rms):
+        return torch.full_like(g64, math.nan)
+    return g64 / max(1.0, (rms / threshold).item())
+
+
+@given(fst.params_and_gradients(grad_kind="any", allow_none=True), st.floats(0.01, 10.0))
+def test_clip_by_block_rms_matches_reference(pg, threshold) -> None:
+    _, grads = pg
+    out = _update(functopt.clip_by_block_rms(threshold), grads)
+    for g, o in zip(_leaves(grads), _leaves(out), strict=True):
+        if g is not None:
+            _assert_matches(o, _block_rms_reference(g, threshold))
+
+
+def test_clip_by_block_rms_bounds_each_leaf_separately() -> None:
+    tx = functopt.clip_by_block_rms(1.0)
+    u = {"big": torch.full((4,), 10.0), "small": torch.full((3,), 0.5)}
+    out = tx.update(u, tx.init(None))[0]
+    torch.testing.assert_close(out["big"], torch.ones(4))
+    assert out["small"] is not u["small"] and torch.equal(out["small"], u["small"])
+
+
+# -------------------------------------------------------------------------- clip_by_global_norm
+
+
+@given(fst.params_and_gradients(grad_kind="any", allow_none=True), st.floats(0.01, 10.0))
+def test_clip_by_global_norm_matches_reference(pg, max_norm) -> None:
+    _, grads = pg
+    out = _update(functopt.clip_by_global_norm(max_norm), grads)
+    pairs = [(g, o) for g, o in zip(_leaves(grads), _leaves(out), strict=True) if g is not None]
+    if not torch.isfinite(functopt.tree.global_norm(grads)):
+        # The documented rule: no meaningful scale exists, every update becomes nan.
+        assert all(o.isnan().all() for _, o in pairs)
+        return
+    norm64 = math.sqrt(sum((g.double() ** 2).sum().item() for g, _ in pairs))
+    factor = 1.0 if norm64 < max_norm else max_norm / norm64
+    for g, o in pairs:
+        _assert_matches(o, g.double() * factor)
+    out_norm = math.sqrt(sum((o.double() ** 2).sum().item() for _, o in pairs))
+    assert out_norm <= max_norm * (1 + 2e-2) or math.isclose(out_norm, norm64, rel_tol=2e-2)
+
+
+def test_clip_by_global_norm_matches_torch_clip_grad_norm() -> None:
+    gen = torch.Generator().manual_seed(0)
+    grads = {"w": torch.randn(5, 3, generator=gen, dtype=torch.float64),
+             "b": torch.randn(5, generator=gen, dtype=torch.float64)}
+    for max_norm in (0.5, 2.0, 100.0):
+        tx = functopt.clip_by_global_norm(max_norm)
+        ours = tx.update(grads, tx.init(grads))[0]
+        params = [torch.zeros_like(g, requires_grad=True) for g in grads.values()]
+        for p, g in zip(params, grads.values(), strict=True):
+            p.grad = g.clone()
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+        for p, key in zip(params, grads, strict=True):
+            # torch divides by norm + 1e-6, hence the tolerance.
+            torch.testing.assert_close(ours[key], p.grad, rtol=1e-5, atol=0)
+
+
+def test_clip_by_global_norm_leaves_small_updates_unchanged_bitwise() -> None:
+    tx = functopt.clip_by_global_norm(10.0)
+    u = {"a": torch.tensor([3.0, -4.0], dtype=torch.bfloat16), "b": None}
+    out = tx.update(u, tx.init(None))[0]
+    assert out["b"] is None
+    assert torch.equal(_bits(out["a"]), _bits(u["a"]))
+
+
+@pytest.mark.parametrize(
+    ("values", "dtype"),
+    [
+        ([1.0, math.nan], torch.float32),
+        ([1.0, math.inf], torch.float32),
+        ([-math.inf, 2.0], torch.bfloat16),
+        ([1e20, 1e20], torch.float32),  # finite entries, but the float32 sum of squares overflows
+    ],
+    ids=["nan", "inf", "-inf-bf16", "overflow"],
+)
+def test_clip_by_global_norm_non_finite_norm_gives_nan_everywhere(values, dtype) -> None:
+    tx = functopt.clip_by_global_norm(1.0)
+    u = {"bad": torch.tensor(values, dtype=dtype), "fine": torch.tensor([0.25, -0.5]), "none": None}
+    out = tx.update(u, tx.init(None))[0]
+    assert out["none"] is None
+    assert out["bad"].isnan().all() and out["fine"].isnan().all()  # never silently zero
+
+
+def test_clip_by_global_norm_gradient_through_max_norm_is_finite() -> None:
+    max_norm = torch.tensor(1.0, dtype=torch.float64, requires_grad=True)
+    tx = functopt.clip_by_global_norm(max_norm)
+    zeros = {"w": torch.zeros(3, dtype=torch.float64)}
+    (d_zero,) = torch.autograd.grad(tx.update(zeros, tx.init(None))[0]["w"].sum(), max_norm)
+    assert d_zero.item() == 0.0  # not nan: the unused branch divides by max(norm, max_norm)
+    g = {"w": torch.tensor([3.0, 4.0, 0.0], dtype=torch.float64)}
+    (d_clip,) = torch.autograd.grad(tx.update(g, tx.init(None))[0]["w"].sum(), max_norm)
+    torch.testing.assert_close(d_clip, torch.tensor(7.0 / 5.0, dtype=torch.float64))
+
+
+# --------------------------------------------------------------------------- adaptive_grad_clip
+
+
+def _units(x: torch.Tensor) -> list[Any]:
+    """Index expressions of the units of ``x`` in PyTorch's layout."""
+    if sum(1 for side in x.shape if side != 1) <= 1:
+        return [...]
+    return list(range(x.shape[0]))
+
+
+def _agc_reference(g: torch.Tensor, p: torch.Tensor, clipping: float, eps: float) -> torch.Tensor:
+    g64, p64 = g.double(), p.double()
+    out = g64.clone()
+    for unit in _units(g):
+        sum_sq = (g64[unit] ** 2).sum()
+        g_norm = sum_sq.sqrt().item()
+        max_norm = clipping * max((p64[unit] ** 2).sum().sqrt().item(), eps)
+        overflow = _accumulates_in_float32(g) and sum_sq > F32_MAX
+        if overflow or not math.isfinite(g_norm):
+            out[unit] = math.nan
+        elif not g_norm < max_norm:
+            out[unit] = g64[unit] * (max_norm / max(g_norm, 1e-6))
+    return out
+
+
+@settings(max_examples=20)
+@given(
+    fst.params_and_gradients(grad_kind="any", allow_none=True),
+    st.floats(0.0, 2.0),
+    st.sampled_from([1e-3, 0.0, 0.5]),
+)
+def test_adaptive_grad_clip_matches_reference(pg, clipping, eps) -> None:
+    params, grads = pg
+    out = _update(functopt.adaptive_grad_clip(clipping, eps), grads, params)
+    for g, p, o in zip(_leaves(grads), _leaves(params), _leaves(out), strict=True):
+        if g is None:
+            assert o is None
+        else:
+            _assert_matches(o, _agc_reference(g, p, clipping, eps))
+
+
+def test_adaptive_grad_clip_units_are_output_rows_in_pytorch_layout() -> None:
+    linear = torch.nn.Linear(3, 2)  # weight (out=2, in=3)
+    params = {"weight": torch.tensor([[1.0, 0.0, 0.0], [0.0, 10.0, 0.0]])}
+    grads = {"weight": torch.tensor([[0.0, 2.0, 0.0], [0.0, 0.0, 2.0]])}
+    assert linear.weight.shape == params["weight"].shape
+    tx = functopt.adaptive_grad_clip(1.0)
+    out = tx.update(grads, tx.init(params), params)[0]["weight"]
+    # Row 0: |g| = 2 > 1 * |p| = 1, clipped to norm 1. Row 1: |g| = 2 < 10, kept.
+    torch.testing.assert_close(out, torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 2.0]]))
+
+
+def test_adaptive_grad_clip_treats_a_column_shaped_leaf_as_one_unit() -> None:
+    # As optax: a tensor with one dim longer than 1, such as (3, 1), is a vector: one unit.
+    params = {"w": torch.tensor([[3.0], [4.0], [0.0]])}  # norm 5
+    grads = {"w": torch.tensor([[0.0], [0.0], [2.0]])}  # norm 2 < 0.5 * 5: kept as a whole
+    tx = functopt.adaptive_grad_clip(0.5)
+    out = tx.update(grads, tx.init(params), params)[0]["w"]
+    assert torch.equal(out, grads["w"])
+
+
+def test_adaptive_grad_clip_axis_selects_the_reduction_dims() -> None:
+    gen = torch.Generator().manual_seed(3)
+    p = torch.randn(4, 3, generator=gen, dtype=torch.float64)
+    g = 5 * torch.randn(4, 3, generator=gen, dtype=torch.float64)
+    tx_rows = functopt.adaptive_grad_clip(0.5)
+    tx_cols = functopt.adaptive_grad_clip(0.5, axis=0)  # optax's default for 2-d kernels
+    by_rows = tx_rows.update({"w": g}, tx_rows.init({"w": p}), {"w": p})[0]["w"]
+    by_cols = tx_cols.update({"w": g}, tx_cols.init({"w": p}), {"w": p})[0]["w"]
+    torch.testing.assert_close(by_rows, _agc_reference(g, p, 0.5, 1e-3))
+    torch.testing.assert_close(by_cols, _agc_reference(g.T, p.T, 0.5, 1e-3).T)
+
+
+def test_adaptive_grad_clip_accepts_five_dim_conv3d_weights() -> None:
+    gen = torch.Generator().manual_seed(4)
+    p = torch.randn(2, 3, 2, 2, 2, generator=gen, dtype=torch.float64)
+    g = 10 * torch.randn(2, 3, 2, 2, 2, generator=gen, dtype=torch.float64)
+    tx = functopt.adaptive_grad_clip(0.1)
+    out = tx.update({"w": g}, tx.init({"w": p}), {"w": p})[0]["w"]
+    torch.testing.assert_close(out, _agc_reference(g, p, 0.1, 1e-3))
+
+
+def test_adaptive_grad_clip_non_finite_unit_becomes_nan_and_others_are_kept() -> None:
+    params = {"w": torch.ones(2, 2)}
+    grads = {"w": torch.tensor([[math.inf, 0.0], [0.1, 0.1]])}
+    tx = functopt.adaptive_grad_clip(1.0)
+    out = tx.update(grads, tx.init(params), params)[0]["w"]
+    assert out[0].isnan().all()
+    assert torch.equal(out[1], grads["w"][1])
+
+
+# ------------------------------------------------------------------ hyperparameters as tensors
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda v: functopt.clip(v),
+        lambda v: functopt.clip_by_block_rms(v),
+        lambda v: functopt.clip_by_global_norm(v),
+        lambda v: functopt.adaptive_grad_clip(v),
+    ],
+    ids=["clip", "block_rms", "global_norm", "agc"],
+)
+def test_tensor_hyperparameters_give_the_number_results(make) -> None:
+    gen = torch.Generator().manual_seed(5)
+    params = {"w": torch.randn(3, 4, generator=gen), "b": torch.randn(3, generator=gen)}
+    grads = {k: 3 * torch.randn(v.shape, generator=gen) for k, v in params.items()}
+    outs = []
+    for value in (0.3, torch.tensor(0.3, dtype=torch.float64)):
+        tx = make(value)
+        outs.append(tx.update(grads, tx.init(params), params)[0])
+    for key in params:
+        assert outs[1][key].dtype == torch.float32
+        torch.testing.assert_close(outs[0][key], outs[1][key])
+
+
+# ------------------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (lambda: functopt.clip(-1.0), ValueError, r"clip: max_delta must be in \[0, inf\), got -1.0"),
+        (lambda: functopt.clip("1"), TypeError, r"clip: max_delta must be a number or a 0-d tensor"),
+        (lambda: functopt.clip_by_block_rms(0.0), ValueError, r"threshold must be in \(0, inf\)"),
+        (lambda: functopt.clip_by_global_norm(0.0), ValueError, r"max_norm must be in \(0, inf\), got 0.0"),
+        (lambda: functopt.clip_by_global_norm(math.nan), ValueError, r"max_norm must be in"),
+        (lambda: functopt.clip_by_global_norm(torch.ones(2)), ValueError, r"0-d tensor, got a tensor of shape \(2,\)"),
+        (lambda: functopt.adaptive_grad_clip(-0.1), ValueError, r"adaptive_grad_clip: clipping must be in \[0, inf\)"),
+        (lambda: functopt.adaptive_grad_clip(0.1, eps=-1.0), ValueError, r"eps must be in \[0, inf\)"),
+        (lambda: functopt.adaptive_grad_clip(0.1, axis="rows"), TypeError, r"axis must be None, an int or a non-empty tuple of ints, got 'rows'"),
+        (lambda: functopt.adaptive_grad_clip(0.1, axis=()), TypeError, r"non-empty tuple"),
+    ],
+)
+def test_bad_hyperparameters_are_rejected(make, error, match) -> None:
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_adaptive_grad_clip_needs_params() -> None:
+    tx = functopt.adaptive_grad_clip(0.1)
+    with pytest.raises(ValueError, match=r"adaptive_grad_clip reads the params, but update\(\) was called without them"):
+        tx.update({"w": torch.ones(2)}, tx.init(None))
+
+
+def test_adaptive_grad_clip_names_the_leaf_whose_param_is_missing() -> None:
+    tx = functopt.adaptive_grad_clip(0.1)
+    with pytest.raises(ValueError, match=r"leaf 'layer.bias' has an update but its param is None"):
+        tx.update({"layer": {"bias": torch.ones(2)}}, tx.init(None), {"layer": {"bias": None}})
+
+
+def test_adaptive_grad_clip_names_the_leaf_an_axis_does_not_fit() -> None:
+    tx = functopt.adaptive_grad_clip(0.1, axis=(1, 2))
+    params = {"conv": torch.ones(2, 2, 2), "bias": torch.ones(2)}
+    with pytest.raises(ValueError, match=r"axis=\(1, 2\) does not fit leaf 'bias' of shape \(2,\)"):
+        tx.update(params, tx.init(params), params)
+
+
+def test_clipping_rejects_integer_updates_by_path() -> None:
+    tx = functopt.clip_by_global_norm(1.0)
+    with pytest.raises(TypeError, match=r"updates leaf 'steps' is a int64 tensor"):
+        tx.update({"steps": torch.ones(2, dtype=torch.int64)}, tx.init(None))
