@@ -11,6 +11,7 @@ from functopt.precision.loss_scale import (
     dynamic_loss_scale,
     static_loss_scale,
 )
+from functopt.precision.master import MasterWeights, float32_master
 from functopt.precision.stats import GradStats, grad_stats, unpack_grad_stats
 from functopt.precision.step import (
     MixedPrecisionState,
@@ -25,10 +26,12 @@ __all__ = [
     "GradStats",
     "LossScale",
     "LossScaleState",
+    "MasterWeights",
     "MixedPrecisionState",
     "MixedPrecisionTransformation",
     "StepMetrics",
     "dynamic_loss_scale",
+    "float32_master",
     "grad_stats",
     "mixed_precision",
     "scale_loss",

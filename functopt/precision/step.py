@@ -35,6 +35,7 @@ import torch
 from functopt import _validate
 from functopt._base import GradientTransformation, Params, State, with_extra_args_support
 from functopt.precision.loss_scale import LossScale, LossScaleState, static_loss_scale
+from functopt.precision.master import MasterWeights, float32_master
 from functopt.precision.stats import grad_stats, unpack_grad_stats
 from functopt.tree import _core
 
@@ -61,9 +62,10 @@ class MixedPrecisionState(NamedTuple):
     """State of [`mixed_precision`][functopt.precision.mixed_precision]."""
 
     loss_scale: LossScaleState  # the loss scale and its counters
-    master: Params  # like params: a master_dtype copy of each low-precision param, else None
+    master: Params  # like params: each leaf's master-weight store (float32 copy, ...) or None
     inner_state: State  # the inner transform's state, built on the master params
     metrics: StepMetrics  # statistics of the last step
+    key: torch.Tensor  # int64, (), on the CPU: steps taken; seeds random rounding
 
 
 class MixedPrecisionTransformation(NamedTuple):
@@ -117,17 +119,18 @@ def mixed_precision(
     inner: GradientTransformation,
     *,
     loss_scale: LossScale | None = None,
-    master_dtype: torch.dtype = torch.float32,
+    master_weights: MasterWeights | None = None,
     max_grad_norm: float | None = None,
 ) -> MixedPrecisionTransformation:
     r"""A complete mixed-precision optimizer step around ``inner``.
 
-    Params of a dtype narrower than ``master_dtype`` (bfloat16, float16) get a master copy
-    in ``master_dtype``; ``inner`` sees only master-precision gradients and params. After
-    every step each such param is bitwise ``master.to(param.dtype)``. On overflow (an inf
-    or nan anywhere, or a global norm that overflows float32) the step is skipped: params,
-    master and inner state stay bitwise as they were; only the loss scale and the metrics
-    move. See the module docstring for the order of operations.
+    With the default [`float32_master`][functopt.precision.float32_master], params narrower
+    than float32 (bfloat16, float16) get a float32 master copy; ``inner`` sees only float32
+    gradients and params, and after every step each such param is bitwise
+    ``master.to(param.dtype)``. On overflow (an inf or nan anywhere, or a global norm that
+    overflows float32) the step is skipped: params, master and inner state stay bitwise as
+    they were; only the loss scale, the metrics and the key move. See the module docstring
+    for the order of operations.
 
     Args:
         inner: the update rule, e.g. ``functopt.adamw(1e-3)`` (without its own clipping:
@@ -135,7 +138,7 @@ def mixed_precision(
         loss_scale: [`dynamic_loss_scale`][functopt.dynamic_loss_scale] (float16),
             [`static_loss_scale`][functopt.static_loss_scale], or None for no scaling
             (usual for bfloat16).
-        master_dtype: the precision of the master copy and of the update maths.
+        master_weights: how params are kept exact (default: a float32 master copy).
         max_grad_norm: clip the unscaled gradients to this global L2 norm, or None.
 
     Returns:
@@ -169,28 +172,29 @@ def mixed_precision(
             f"static_loss_scale(...)) or None, got {type(loss_scale).__name__}."
         )
     scale_rule = loss_scale if loss_scale is not None else static_loss_scale(1.0)
-    if not isinstance(master_dtype, torch.dtype) or not master_dtype.is_floating_point:
-        raise TypeError(f"{owner}: master_dtype must be a floating torch.dtype, got {master_dtype!r}.")
+    if master_weights is None:
+        master_weights = float32_master()
+    if not isinstance(master_weights, MasterWeights):
+        raise TypeError(
+            f"{owner}: master_weights must be a functopt.precision.MasterWeights (from "
+            f"float32_master(), ...), got {type(master_weights).__name__}."
+        )
+    mw = master_weights
     if max_grad_norm is not None:
         _validate.check_range(owner, "max_grad_norm", max_grad_norm, low=0.0, low_open=True)
-
-    def needs_master(p: torch.Tensor) -> bool:
-        return torch.finfo(p.dtype).bits < torch.finfo(master_dtype).bits
 
     def init_fn(params: Params) -> MixedPrecisionState:
         leaves, treespec = _core.flatten(params)
         _core.check_tensors(leaves, treespec, name="params", floating=True)
-        master = [
-            p.detach().to(master_dtype) if p is not None and needs_master(p) else None
-            for p in leaves
-        ]
-        work = [m if m is not None else p for m, p in zip(master, leaves, strict=True)]
+        store = [None if p is None else mw.init(p) for p in leaves]
+        view = [None if p is None else mw.view(p, s) for p, s in zip(leaves, store, strict=True)]
         device = next((p.device for p in leaves if p is not None), torch.device("cpu"))
         return MixedPrecisionState(
             loss_scale=scale_rule.init(device),
-            master=_core.unflatten(treespec, master),
-            inner_state=inner.init(_core.unflatten(treespec, work)),
+            master=_core.unflatten(treespec, store),
+            inner_state=inner.init(_core.unflatten(treespec, view)),
             metrics=_zero_metrics(device),
+            key=torch.zeros((), dtype=torch.int64),
         )
 
     def step_fn(
@@ -200,14 +204,15 @@ def mixed_precision(
         _core.check_tensors(param_leaves, treespec, name="params", floating=True)
         grad_leaves = _core.flatten_like(treespec, grads, name="grads", reference="params")
         _core.check_tensors(grad_leaves, treespec, name="grads", floating=True)
-        _check_grads(grad_leaves, param_leaves, treespec, master_dtype)
-        master_leaves = _core.flatten_like(treespec, state.master, name="state.master",
-                                           reference="params")
-        work = [m if m is not None else p for m, p in zip(master_leaves, param_leaves, strict=True)]
+        _check_grads(grad_leaves, param_leaves, treespec, mw.dtype)
+        store = _core.flatten_like(treespec, state.master, name="state.master",
+                                   reference="params")
+        view = [None if p is None else mw.view(p, s)
+                for p, s in zip(param_leaves, store, strict=True)]
 
         # 1. unscale in master precision; 1/scale rounded once, as GradScaler does.
         inv_scale = state.loss_scale.scale.double().reciprocal().float()
-        unscaled = [None if g is None else g.to(master_dtype) * inv_scale for g in grad_leaves]
+        unscaled = [None if g is None else g.to(mw.dtype) * inv_scale for g in grad_leaves]
         # 2. one statistics pass; 3. the loss scale moves whatever happens.
         stats = unpack_grad_stats(grad_stats(unscaled, device=state.loss_scale.scale.device))
         new_loss_scale = scale_rule.adjust(state.loss_scale, stats.found_inf)
@@ -216,26 +221,30 @@ def mixed_precision(
             factor = torch.where(stats.norm > max_grad_norm, max_grad_norm / stats.norm,
                                  torch.ones_like(stats.norm))
             unscaled = [None if g is None else g * factor.to(g.dtype) for g in unscaled]
-        # 5. the inner rule on master params; 6. select the new values only if finite.
+        # 5. the inner rule on master-precision params.
         updates, new_inner = inner.update(
             _core.unflatten(treespec, unscaled), state.inner_state,
-            _core.unflatten(treespec, work), **extra_args,
+            _core.unflatten(treespec, view), **extra_args,
         )
         update_leaves = _core.flatten_like(treespec, updates, name="inner updates",
                                            reference="params")
+        # 6. write through the strategy, then keep the old values where the step overflowed.
+        generator = None
+        if mw.needs_generator:
+            device = next((p.device for p in param_leaves if p is not None), torch.device("cpu"))
+            generator = torch.Generator(device=device)
+            generator.manual_seed(int(state.key))  # a CPU tensor: no device sync
         found = stats.found_inf
-        new_work = [
-            w if (w is None or u is None) else torch.where(found, w, w + u)
-            for w, u in zip(work, update_leaves, strict=True)
-        ]
-        # 7. write params from the master copy (exact by construction).
-        new_params = [
-            p if (p is None or u is None) else (nw.to(p.dtype) if m is not None else nw)
-            for p, m, nw, u in zip(param_leaves, master_leaves, new_work, update_leaves,
-                                   strict=True)
-        ]
-        new_master = [None if m is None else nw for m, nw in zip(master_leaves, new_work,
-                                                                 strict=True)]
+        new_params: list[Any] = []
+        new_store: list[Any] = []
+        for p, s, v, u in zip(param_leaves, store, view, update_leaves, strict=True):
+            if p is None or u is None:
+                new_params.append(p)
+                new_store.append(s)
+                continue
+            wp, ws = mw.write(p, s, v + u, generator)
+            new_params.append(torch.where(found, p, wp))
+            new_store.append(None if s is None else torch.where(found, s, ws))
         metrics = StepMetrics(
             grad_norm=stats.norm,
             found_inf=found,
@@ -244,9 +253,10 @@ def mixed_precision(
         )
         new_state = MixedPrecisionState(
             loss_scale=new_loss_scale,
-            master=_core.unflatten(treespec, new_master),
+            master=_core.unflatten(treespec, new_store),
             inner_state=select_tree(found, state.inner_state, new_inner, name="inner state"),
             metrics=metrics,
+            key=state.key + 1,
         )
         return _core.unflatten(treespec, new_params), new_state
 
