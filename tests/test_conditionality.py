@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functopt
-from functopt.testing import conformance
+from functopt.testing import bitwise_equal, conformance
+from functopt.testing import clone_tree as clone
 from functopt.testing import strategies as fst
 from functopt.tree import _core
 
@@ -20,27 +19,8 @@ INF = float("inf")
 # --------------------------------------------------------------------------- helpers
 
 
-def clone(tree: Any) -> Any:
-    leaves, spec = _core.flatten(tree)
-    return _core.unflatten(spec, [x if x is None else x.clone() for x in leaves])
 
 
-def bitwise_equal(a: Any, b: Any) -> bool:
-    """Same structure and, leaf by leaf, same dtype, shape and bits (nan-safe)."""
-    la, sa = _core.flatten(a)
-    lb, sb = _core.flatten(b)
-    if sa != sb:
-        return False
-    for x, y in zip(la, lb, strict=True):
-        if x is None or y is None:
-            if x is not y:
-                return False
-            continue
-        if x.dtype != y.dtype or x.shape != y.shape:
-            return False
-        if not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
-            return False
-    return True
 
 
 def counters(state: functopt.ApplyIfFiniteState) -> tuple[int, bool, int]:

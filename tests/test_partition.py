@@ -10,34 +10,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functopt
-from functopt.testing import conformance
+from functopt.testing import bitwise_equal, conformance
+from functopt.testing import clone_tree as clone
 from functopt.testing import strategies as fst
 from functopt.tree import _core
 
 # --------------------------------------------------------------------------- helpers
 
 
-def clone(tree: Any) -> Any:
-    leaves, spec = _core.flatten(tree)
-    return _core.unflatten(spec, [x if x is None else x.clone() for x in leaves])
 
 
-def bitwise_equal(a: Any, b: Any) -> bool:
-    """Same structure and, leaf by leaf, same dtype, shape and bits (nan-safe)."""
-    la, sa = _core.flatten(a)
-    lb, sb = _core.flatten(b)
-    if sa != sb:
-        return False
-    for x, y in zip(la, lb, strict=True):
-        if x is None or y is None:
-            if x is not y:
-                return False
-            continue
-        if x.dtype != y.dtype or x.shape != y.shape:
-            return False
-        if not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
-            return False
-    return True
 
 
 def recording(log: list[dict[str, Any]]) -> functopt.GradientTransformation:

@@ -138,3 +138,36 @@ class Snapshot:
                         f"check_purity: {call} changed the values of leaf {path!r} of {label}: "
                         f"{difference} (now vs before).{fix}"
                     )
+
+
+def clone_tree(tree: Any) -> Any:
+    """A copy of ``tree`` whose tensor leaves are clones (to compare against later)."""
+    leaves, spec = _core.flatten(tree)
+    return _core.unflatten(
+        spec, [x.clone() if isinstance(x, torch.Tensor) else x for x in leaves]
+    )
+
+
+def bitwise_equal(actual: Any, expected: Any) -> bool:
+    """Whether two trees have the same structure and bitwise-equal leaves.
+
+    Tensors compare by dtype, shape, device and bit pattern (so ``nan`` equals the same
+    ``nan`` and ``-0.0`` differs from ``0.0``); other leaves by ``==``.
+
+    Examples:
+        >>> import torch
+        >>> from functopt.testing import bitwise_equal
+        >>> nan = torch.tensor([float("nan")])
+        >>> bitwise_equal({"a": nan}, {"a": nan.clone()}), bitwise_equal([torch.tensor(0.0)], [torch.tensor(-0.0)])
+        (True, False)
+    """
+    a_leaves, a_spec = _core.flatten(actual)
+    e_leaves, e_spec = _core.flatten(expected)
+    if a_spec != e_spec:
+        return False
+    return all(leaf_difference(a, e) is None for a, e in zip(a_leaves, e_leaves, strict=True))
+
+
+def assert_bitwise_equal(actual: Any, expected: Any, *, what: str = "trees") -> None:
+    """Raise ``AssertionError`` naming the first leaf (by path) where the trees differ."""
+    assert_trees_equal(actual, expected, check="assert_bitwise_equal", what=what)
