@@ -26,7 +26,7 @@ test-deep: $(STAMP)
 	HYPOTHESIS_PROFILE=deep $(PY) -m pytest
 
 lint: $(STAMP)
-	$(PY) -m ruff check functopt tests examples
+	$(PY) -m ruff check functopt tests examples benchmarks
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir build/site

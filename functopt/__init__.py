@@ -1,11 +1,12 @@
 """functopt: functional, optax-style optimizer transforms for PyTorch.
 
 The public surface is this module's ``__all__`` and the documented subpackages
-``functopt.schedules``, ``functopt.tree``, ``functopt.precision`` and ``functopt.testing``
+``functopt.schedules``, ``functopt.tree``, ``functopt.precision``, ``functopt.distributed``
+and ``functopt.testing``
 (the last imports hypothesis, so it is not imported here).
 """
 
-from functopt import precision, schedules, tree
+from functopt import distributed, precision, schedules, tree
 from functopt._apply import apply_updates, apply_updates_
 from functopt._base import (
     EmptyState,
@@ -24,6 +25,7 @@ from functopt._base import (
     stateless_with_tree_map,
     with_extra_args_support,
 )
+from functopt.adapters import MixedPrecisionOptimizer, Optimizer
 from functopt.optimizers import (
     adafactor,
     adagrad,
@@ -144,9 +146,11 @@ __all__ = [
     "LossScale",
     "LossScaleState",
     "MaskedState",
+    "MixedPrecisionOptimizer",
     "MultiSteps",
     "MultiStepsState",
     "Numeric",
+    "Optimizer",
     "Params",
     "PartitionState",
     "ScalarOrSchedule",
@@ -180,6 +184,7 @@ __all__ = [
     "clip",
     "clip_by_block_rms",
     "clip_by_global_norm",
+    "distributed",
     "dynamic_loss_scale",
     "ema",
     "identity",

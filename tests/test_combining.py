@@ -225,3 +225,9 @@ def test_error_wrong_state_for_named_chain():
         tx.update([torch.ones(1)], {"a": ()})
     with pytest.raises(ValueError, match=r"keys \['a', 'b'\], got a tuple"):
         tx.update([torch.ones(1)], ((), ()))
+
+
+def test_chain_rejects_a_step_level_object_with_the_right_advice() -> None:
+    step = functopt.precision.mixed_precision(functopt.sgd(0.1))
+    with pytest.raises(TypeError, match=r"returns new params, not updates.*mixed_precision\(chain"):
+        functopt.chain(step)

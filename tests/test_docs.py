@@ -6,7 +6,9 @@
 - Every module of ``functopt/transforms/`` and every documented subpackage has a ``:::``
   directive, and every page is in the nav.
 - Every ```` ```python ```` block of the guides and the README runs (each block on its own) without error;
-  the blocks end in ``assert`` statements, so they check what the prose claims.
+  the blocks end in ``assert`` statements, so they check what the prose claims. Blocks inside
+  content tabs (indented fences) run too. Code of other systems that cannot run here
+  (Megatron-LM, LightRFT) is fenced as ```` ```text ```` and says so in the prose.
 
 The strict build (warnings are errors) is ``make docs``; this test checks coverage, not style.
 """
@@ -18,6 +20,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -30,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 API = DOCS / "api"
 DIRECTIVE = re.compile(r"^:::\s+([\w.]+)\s*$", re.MULTILINE)
-PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```\s*$", re.MULTILINE | re.DOTALL)
+# A fence may be indented (inside a content tab or an admonition): the block is dedented.
+PYTHON_BLOCK = re.compile(r"^( *)```python\n(.*?)^\1```\s*$", re.MULTILINE | re.DOTALL)
 ANCHOR = re.compile(r'id="(functopt(?:\.\w+)+)"')
 
 
@@ -119,7 +123,7 @@ def test_every_module_has_a_directive() -> None:
         for path in (ROOT / "functopt" / "testing").glob("*.py")
         if not path.stem.startswith("_")
     }
-    for optional in ("functopt.optimizers", "functopt.precision"):
+    for optional in ("functopt.optimizers", "functopt.precision", "functopt.adapters"):
         if (ROOT / optional.replace(".", "/")).with_suffix(".py").exists() or (
             ROOT / optional.replace(".", "/")
         ).is_dir():
@@ -154,8 +158,9 @@ def test_every_page_is_in_the_nav() -> None:
 def python_blocks() -> list[Any]:
     blocks = []
     for page in [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]:
-        for i, code in enumerate(PYTHON_BLOCK.findall(page.read_text())):
-            blocks.append(pytest.param(page, code, id=f"{page.relative_to(ROOT)}-{i}"))
+        for i, (_, code) in enumerate(PYTHON_BLOCK.findall(page.read_text())):
+            blocks.append(pytest.param(page, textwrap.dedent(code),
+                                       id=f"{page.relative_to(ROOT)}-{i}"))
     return blocks
 
 
@@ -165,8 +170,16 @@ BLOCKS = python_blocks()
 def test_guides_have_code() -> None:
     pages = {block.values[0].name for block in BLOCKS}
     for page in ("README.md", "index.md", "getting-started.md", "concepts.md", "coming-from-optax.md",
-                 "coming-from-torch-optim.md", "testing.md"):
+                 "coming-from-torch-optim.md", "testing.md", "mixed-precision.md"):
         assert page in pages, f"docs/{page} has no ```python block"
+
+
+def test_every_python_fence_is_collected() -> None:
+    """No ```python fence escapes the runner (an unterminated or oddly indented one would)."""
+    for page in [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]:
+        text = page.read_text()
+        fences = len(re.findall(r"^ *```python *$", text, re.MULTILINE))
+        assert len(PYTHON_BLOCK.findall(text)) == fences, f"{page}: a ```python block is not run"
 
 
 @pytest.mark.parametrize(("page", "code"), BLOCKS)

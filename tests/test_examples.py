@@ -12,6 +12,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -61,6 +62,10 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     return run_example("demo.py", "--quick", "--out", str(out)).stdout, out
 
 
+QUICK_INJECTED = [24, 42]  # 40% and 70% of the 60 quick steps
+NUM_PARAMS = 2 * 64 + 64 + 64 * 64 + 64 + 64 + 1
+
+
 def test_demo_trains(demo_run: tuple[str, Path]) -> None:
     stdout, _ = demo_run
     assert int(number(r"steps:\s+(\d+)", stdout)) == 60  # --quick
@@ -70,7 +75,42 @@ def test_demo_trains(demo_run: tuple[str, Path]) -> None:
     baseline = number(r"predicting the mean:\s+([\d.]+)", stdout)
     assert last < 0.8 * first, stdout
     assert test_loss < baseline, stdout  # it learned something that generalises
-    assert number(r"params:\s+([\d,]+)", stdout) == 2 * 64 + 64 + 64 * 64 + 64 + 64 + 1
+    assert number(r"params:\s+([\d,]+)", stdout) == NUM_PARAMS
+    assert "in 6 tensors, torch.bfloat16" in stdout
+
+
+def test_demo_reports_the_skipped_steps(demo_run: tuple[str, Path]) -> None:
+    stdout, _ = demo_run
+    assert f"injected at steps {QUICK_INJECTED}" in stdout
+    assert f"skipped steps:   2 {QUICK_INJECTED} (the state counts 2)" in stdout
+    for step in QUICK_INJECTED:
+        assert re.search(rf"step {step}: injected overflow .* params unchanged bitwise: True", stdout)
+    # PyTorch's rule halves the scale on each overflow; with growth_interval=50 and an overflow
+    # at step 24 (which restarts the count), 60 steps never grow it: 1024 -> 512 -> 256.
+    assert "loss scale 1024 -> 512" in stdout and "loss scale 512 -> 256" in stdout
+    assert re.search(r"loss scale:\s+1024 -> 256 ", stdout), stdout
+
+
+def test_demo_master_weights_are_exact(demo_run: tuple[str, Path]) -> None:
+    stdout, _ = demo_run
+    assert f"exact master:    True (bf16 param == float32 master rounded to bfloat16, bitwise, " \
+           f"for {NUM_PARAMS:,} of {NUM_PARAMS:,} elements)" in stdout
+    # float32 master (4) + AdamW mu and nu (4 + 4) + a few 0-d scalars, per param.
+    bytes_per_param = number(r"state bytes:\s+([\d.]+) per param", stdout)
+    assert 12.0 < bytes_per_param < 12.1, stdout
+    assert number(r"float32 master ([\d.]+)", stdout) == 4.0
+
+
+def test_demo_exactness_check_can_fail() -> None:
+    """The printed exactness line is computed: a master off by one float32 ulp is caught."""
+    demo = load_demo()
+    p = torch.tensor([1.0, -0.5, 3.0], dtype=torch.bfloat16)
+    master = p.float()
+    assert demo.exactness({"w": p}, {"w": master}) == (3, 3)
+    # 1 + 2**-8 + 2**-23 rounds up to the next bfloat16 (1 + 2**-7), not to the param 1.0.
+    master_off = master.clone()
+    master_off[0] = 1.0 + 2.0**-8 + 2.0**-23
+    assert demo.exactness({"w": p}, {"w": master_off}) == (2, 3)
 
 
 def test_demo_writes_loss_plot(demo_run: tuple[str, Path]) -> None:
@@ -78,7 +118,7 @@ def test_demo_writes_loss_plot(demo_run: tuple[str, Path]) -> None:
     png = out / "demo_loss.png"
     assert str(png) in stdout
     width, height = png_size(png)
-    assert width >= 400 and height >= 200
+    assert width >= 400 and height >= 500  # two panels: loss and loss scale
 
 
 def load_demo() -> ModuleType:
@@ -93,6 +133,8 @@ def test_demo_steps_option(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     load_demo().main(["--steps", "3", "--out", str(tmp_path)])
     stdout = capsys.readouterr().out
     assert int(number(r"steps:\s+(\d+)", stdout)) == 3
+    assert "injected at steps none" in stdout  # too short a run to show a recovery
+    assert "skipped steps:   0 []" in stdout
     assert png_size(tmp_path / "demo_loss.png")[0] > 0
 
 

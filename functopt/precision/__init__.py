@@ -3,6 +3,12 @@
 [`mixed_precision`][functopt.precision.mixed_precision] wraps any gradient transformation
 into a complete float16/bfloat16 step that owns a float32 master copy and the write of the
 params (see its module for the order of operations and why the write must be its own).
+The master-weight strategies trade memory for precision:
+[`float32_master`][functopt.precision.float32_master] (exact),
+[`kahan_summation`][functopt.precision.kahan_summation] (a compensation word) and
+[`stochastic_rounding`][functopt.precision.stochastic_rounding] (no store, unbiased).
+[`Policy`][functopt.precision.Policy] and [`get_policy`][functopt.precision.get_policy]
+are jmp's dtype policies: which dtype params are kept in, computed in, and returned in.
 """
 
 from functopt.precision.loss_scale import (
@@ -11,7 +17,13 @@ from functopt.precision.loss_scale import (
     dynamic_loss_scale,
     static_loss_scale,
 )
-from functopt.precision.master import MasterWeights, float32_master
+from functopt.precision.master import (
+    MasterWeights,
+    float32_master,
+    kahan_summation,
+    stochastic_rounding,
+)
+from functopt.precision.policy import Policy, get_policy
 from functopt.precision.stats import GradStats, grad_stats, unpack_grad_stats
 from functopt.precision.step import (
     MixedPrecisionState,
@@ -29,13 +41,17 @@ __all__ = [
     "MasterWeights",
     "MixedPrecisionState",
     "MixedPrecisionTransformation",
+    "Policy",
     "StepMetrics",
     "dynamic_loss_scale",
     "float32_master",
+    "get_policy",
     "grad_stats",
+    "kahan_summation",
     "mixed_precision",
     "scale_loss",
     "select_tree",
     "static_loss_scale",
+    "stochastic_rounding",
     "unpack_grad_stats",
 ]

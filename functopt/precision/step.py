@@ -1,4 +1,4 @@
-"""The mixed-precision step: unscale, check, skip, clip, update a master copy, write params.
+r"""The mixed-precision step: unscale, check, skip, clip, update a master copy, write params.
 
 A gradient transformation returns updates and leaves the write ``params + updates`` to the
 caller. That cannot keep low-precision params exact: ``p + (q - p)`` rounded to bfloat16 is
@@ -11,9 +11,12 @@ on float32 gradients and float32 master params.
 
 Order of operations in ``step(grads, state, params)``, one pass each:
 
-1. cast each gradient to ``master_dtype`` and unscale it by ``1 / loss_scale``;
-2. one statistics pass over all leaves: sum of squares, non-finite count, zero count,
-   packed into one tensor (one all-reduce when distributed);
+1. cast each gradient to the precision of the value it updates (the master's; a param
+   without master, such as a float32 or float64 one, its own dtype) and multiply it by
+   ``inv_scale``, the float32 rounding of ``1 / loss_scale`` (as ``GradScaler`` rounds it);
+2. one statistics pass over all leaves: sum of squares (float64), non-finite count, zero
+   count, packed into one tensor; with DTensor params (FSDP2) each rank counts its local
+   shards and one all-reduce sums them (see ``functopt.distributed``);
 3. adjust the loss scale with ``found_inf``;
 4. clip by the global norm of step 2 (``max_grad_norm``; no second reduction);
 5. the inner transform's update, on the master params (so weight decay reads the master);
@@ -21,6 +24,27 @@ Order of operations in ``step(grads, state, params)``, one pass each:
    inner state and the new params (``torch.where``: bitwise the old values on overflow);
 7. params = ``master.to(param.dtype)``: each low-precision param is exactly its master
    rounded to nearest.
+
+Unscaling is exact when the loss scale is a power of two (the defaults of
+[`dynamic_loss_scale`][functopt.dynamic_loss_scale] and every scale it reaches from a
+power-of-two ``init_scale`` with ``growth_factor=2`` and ``backoff_factor=0.5``): then
+``inv_scale`` is exact and multiplying by it only moves the exponent, so a gradient
+``g`` scaled in its own dtype, ``g * scale``, unscales to ``g`` bitwise whenever
+``g * scale`` neither overflows (that is an overflow: the step is skipped) nor underflows
+into the subnormals (a scale below 1 can do that; the lost bits cannot come back). With any
+other scale (a non-power-of-two ``init_scale``, ``growth_factor`` or ``backoff_factor``)
+the step still works, but unscaling rounds: ``inv_scale`` is ``1 / scale`` rounded to
+float32 and the product is rounded again, so a float32 scaled gradient ``fl(g * scale)``
+unscales to $g(1 + \delta)$ with $|\delta| < 2^{-22}$ (three roundings of at most
+$2^{-24}$ each), not to ``g`` bitwise. ``GradScaler`` and Megatron-LM behave the same;
+exactness is promised only for power-of-two scales, and other scales raise no error.
+
+The overflow check reads the *unscaled* gradients (``GradScaler`` checks the scaled ones:
+the two differ only when a scale below 1 makes a finite float32 gradient overflow when
+unscaled, which this step catches), and gradients whose global float32 norm overflows
+count as an overflow too. ``metrics.num_zeros`` counts zeros of the unscaled gradients
+before clipping (Megatron-LM counts after clipping, which can differ only where clipping
+underflows an element to zero); it saves a second pass.
 
 Nothing is read back to the host: the overflow decision is a tensor.
 """
@@ -31,12 +55,16 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from functopt import _validate
 from functopt._base import GradientTransformation, Params, State, with_extra_args_support
+from functopt.distributed.dtensor import _infer_group, _leaf_names
+from functopt.distributed.reduce import _local_stats, all_reduce_stats
 from functopt.precision.loss_scale import LossScale, LossScaleState, static_loss_scale
 from functopt.precision.master import MasterWeights, float32_master
-from functopt.precision.stats import grad_stats, unpack_grad_stats
+from functopt.precision.stats import _clip_factor, unpack_grad_stats
+from functopt.transforms import _common
 from functopt.tree import _core
 
 __all__ = [
@@ -76,7 +104,10 @@ class MixedPrecisionTransformation(NamedTuple):
 
 
 def scale_loss(loss: torch.Tensor, state: MixedPrecisionState | LossScaleState) -> torch.Tensor:
-    """``loss * scale``, computed in float32 (a float16 loss times 2**16 would overflow).
+    """``loss * scale``, computed in float32 or wider.
+
+    A float16 loss is widened first (times ``2**16`` it would overflow float16); a float64
+    loss stays float64, as ``GradScaler.scale`` leaves it.
 
     Examples:
         >>> import torch, functopt
@@ -94,16 +125,61 @@ def scale_loss(loss: torch.Tensor, state: MixedPrecisionState | LossScaleState) 
 def select_tree(found_inf: torch.Tensor, old: Any, new: Any, *, name: str = "state") -> Any:
     """Leaf by leaf, ``old`` where ``found_inf`` is true and ``new`` elsewhere.
 
-    Bitwise: a selected old leaf is exactly the old tensor's values (nan payloads and signed
-    zeros included). ``old`` and ``new`` must have the same structure; ``None`` stays ``None``.
+    Bitwise: a selected old leaf is exactly the old tensor (nan payloads and signed zeros
+    included), and every result leaf has the old leaf's dtype, so a state's dtypes do not
+    drift from step to step. ``old`` and ``new`` must have the same structure and, leaf by
+    leaf, the same shape (``torch.where`` would otherwise broadcast a stale value silently);
+    a leaf that is the same object on both sides (``None``, a constant) is kept as it is.
+
+    Raises:
+        ValueError: the structures differ, or a leaf changed shape (naming the leaf).
+        TypeError: a leaf that changed is not a tensor on both sides (naming the leaf).
+
+    Examples:
+        >>> import torch
+        >>> from functopt.precision import select_tree
+        >>> old = {"m": torch.tensor([1.0]), "c": None}
+        >>> new = {"m": torch.tensor([2.0]), "c": None}
+        >>> select_tree(torch.tensor(True), old, new), select_tree(torch.tensor(False), old, new)
+        ({'m': tensor([1.]), 'c': None}, {'m': tensor([2.]), 'c': None})
     """
     old_leaves, treespec = _core.flatten(old)
     new_leaves = _core.flatten_like(treespec, new, name=f"new {name}", reference=f"old {name}")
-    out = [
-        n if (o is None or n is None) else torch.where(found_inf, o, n)
-        for o, n in zip(old_leaves, new_leaves, strict=True)
-    ]
+    cond = _OnDevice(found_inf)
+    out = []
+    for i, (o, n) in enumerate(zip(old_leaves, new_leaves, strict=True)):
+        if n is o:
+            out.append(o)
+            continue
+        if not (isinstance(o, torch.Tensor) and isinstance(n, torch.Tensor)):
+            raise TypeError(
+                f"select_tree: {name} leaf {_core.paths(treespec)[i]!r} went from "
+                f"{_core._describe(o)} to {_core._describe(n)}; expected a tensor on both "
+                f"sides (or the same object, such as None). Fix: keep every value that changes "
+                f"from step to step in a tensor, so that a skipped step can restore it without "
+                f"reading it on the host."
+            )
+        if n.shape != o.shape:
+            raise ValueError(
+                f"select_tree: {name} leaf {_core.paths(treespec)[i]!r} changed shape from "
+                f"{tuple(o.shape)} to {tuple(n.shape)}; a skipped step must restore the old "
+                f"value. Fix: keep the shapes of a state fixed from step to step."
+            )
+        out.append(torch.where(cond.on(o.device), o, n.to(o.dtype)))
     return _core.unflatten(treespec, out)
+
+
+class _OnDevice:
+    """A 0-d condition, moved once to each device it is needed on."""
+
+    def __init__(self, cond: torch.Tensor) -> None:
+        self._by_device = {cond.device: cond}
+        self._cond = cond
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        if device not in self._by_device:
+            self._by_device[device] = self._cond.to(device)
+        return self._by_device[device]
 
 
 def _zero_metrics(device: torch.device) -> StepMetrics:
@@ -120,7 +196,8 @@ def mixed_precision(
     *,
     loss_scale: LossScale | None = None,
     master_weights: MasterWeights | None = None,
-    max_grad_norm: float | None = None,
+    max_grad_norm: float | torch.Tensor | None = None,
+    process_group: dist.ProcessGroup | None = None,
 ) -> MixedPrecisionTransformation:
     r"""A complete mixed-precision optimizer step around ``inner``.
 
@@ -129,8 +206,23 @@ def mixed_precision(
     gradients and params, and after every step each such param is bitwise
     ``master.to(param.dtype)``. On overflow (an inf or nan anywhere, or a global norm that
     overflows float32) the step is skipped: params, master and inner state stay bitwise as
-    they were; only the loss scale, the metrics and the key move. See the module docstring
-    for the order of operations.
+    they were; only the loss scale, the metrics and the key move. Params without a master
+    (float32, float64) are updated as ``param + update`` in their own precision.
+
+    The order of operations (as Megatron-LM's ``MixedPrecisionOptimizer.step``): unscale
+    the gradients into the master precision, compute their norm, non-finite count and zero
+    count in one pass, adjust the loss scale, clip by that norm, run ``inner`` on the
+    masters (so weight decay reads the master), and write the params from the new masters
+    where the step is finite. Unscaling is exact for power-of-two loss scales (every scale
+    of [`dynamic_loss_scale`][functopt.dynamic_loss_scale] with its default factors and a
+    power-of-two ``init_scale``); other scales work but round, to a relative error below
+    $2^{-22}$, as in ``GradScaler``.
+
+    Gradients come in each param's dtype (as autograd makes them) or in its master's
+    precision (float32 main grads, as Megatron-LM accumulates them). The step raises, naming
+    the leaf, on gradients of another structure, shape, dtype or device, on a gradient for
+    a ``None`` param, and on a state whose masters do not fit the params. A ``None``
+    gradient leaves its param, master and per-leaf inner state unchanged.
 
     Args:
         inner: the update rule, e.g. ``functopt.adamw(1e-3)`` (without its own clipping:
@@ -139,7 +231,13 @@ def mixed_precision(
             [`static_loss_scale`][functopt.static_loss_scale], or None for no scaling
             (usual for bfloat16).
         master_weights: how params are kept exact (default: a float32 master copy).
-        max_grad_norm: clip the unscaled gradients to this global L2 norm, or None.
+        max_grad_norm: clip the unscaled gradients to this global L2 norm, or None
+            (a positive number, or a 0-d tensor). ``metrics.grad_norm`` is the norm before
+            clipping, as in Megatron-LM and ``torch.nn.utils.clip_grad_norm_``.
+        process_group: the ranks the gradient statistics are summed over, with one
+            ``all_reduce`` per step. ``None`` infers it from DTensor params (FSDP2): the
+            group of their device mesh; plain tensor params need no reduction. Pass a group
+            to sum plain tensors over its ranks as this rank's part of the gradients.
 
     Returns:
         A [`MixedPrecisionTransformation`][functopt.precision.MixedPrecisionTransformation].
@@ -161,15 +259,24 @@ def mixed_precision(
     """
     owner = "mixed_precision"
     if not isinstance(inner, GradientTransformation):
+        hint = (
+            " It is callable: did you pass the factory instead of calling it "
+            "(functopt.adamw instead of functopt.adamw(1e-3))?" if callable(inner) else ""
+        )
         raise TypeError(
             f"{owner}: inner must be a functopt.GradientTransformation, got "
-            f"{type(inner).__name__}. Fix: mixed_precision(functopt.adamw(1e-3), ...)."
+            f"{type(inner).__name__}.{hint} Fix: mixed_precision(functopt.adamw(1e-3), ...)."
         )
     inner = with_extra_args_support(inner)
     if loss_scale is not None and not isinstance(loss_scale, LossScale):
+        hint = (
+            f" For a constant scale pass functopt.static_loss_scale({loss_scale!r})."
+            if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool) else ""
+        )
         raise TypeError(
             f"{owner}: loss_scale must be a functopt.LossScale (from dynamic_loss_scale() or "
-            f"static_loss_scale(...)) or None, got {type(loss_scale).__name__}."
+            f"static_loss_scale(...)) or None, got {type(loss_scale).__name__} "
+            f"{loss_scale!r}.{hint}"
         )
     scale_rule = loss_scale if loss_scale is not None else static_loss_scale(1.0)
     if master_weights is None:
@@ -181,14 +288,22 @@ def mixed_precision(
         )
     mw = master_weights
     if max_grad_norm is not None:
-        _validate.check_range(owner, "max_grad_norm", max_grad_norm, low=0.0, low_open=True)
+        _validate.check_range(owner, "max_grad_norm", max_grad_norm, low=0.0, low_open=True,
+                              hint="Fix: pass a positive norm bound such as 1.0, or None "
+                                   "for no clipping.")
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            f"{owner}: process_group must be a torch.distributed.ProcessGroup or None (to "
+            f"infer it from DTensor params), got {type(process_group).__name__}. Fix: pass "
+            f"e.g. torch.distributed.group.WORLD or device_mesh.get_group()."
+        )
 
     def init_fn(params: Params) -> MixedPrecisionState:
         leaves, treespec = _core.flatten(params)
         _core.check_tensors(leaves, treespec, name="params", floating=True)
         store = [None if p is None else mw.init(p) for p in leaves]
         view = [None if p is None else mw.view(p, s) for p, s in zip(leaves, store, strict=True)]
-        device = next((p.device for p in leaves if p is not None), torch.device("cpu"))
+        device = _first_device(leaves)
         return MixedPrecisionState(
             loss_scale=scale_rule.init(device),
             master=_core.unflatten(treespec, store),
@@ -200,55 +315,84 @@ def mixed_precision(
     def step_fn(
         grads: Any, state: MixedPrecisionState, params: Params, **extra_args: Any
     ) -> tuple[Params, MixedPrecisionState]:
+        if not isinstance(state, MixedPrecisionState):
+            raise TypeError(
+                f"{owner}: state must be the MixedPrecisionState returned by init or step, got "
+                f"{type(state).__name__}. Fix: call step(grads, state, params) in this order, "
+                f"with state = opt.init(params) before the first step."
+            )
         param_leaves, treespec = _core.flatten(params)
         _core.check_tensors(param_leaves, treespec, name="params", floating=True)
         grad_leaves = _core.flatten_like(treespec, grads, name="grads", reference="params")
         _core.check_tensors(grad_leaves, treespec, name="grads", floating=True)
-        _check_grads(grad_leaves, param_leaves, treespec, mw.dtype)
         store = _core.flatten_like(treespec, state.master, name="state.master",
                                    reference="params")
         view = [None if p is None else mw.view(p, s)
                 for p, s in zip(param_leaves, store, strict=True)]
+        _check_views(view, param_leaves, store, treespec, mw.dtype)
+        _check_grads(grad_leaves, param_leaves, view, treespec)
 
-        # 1. unscale in master precision; 1/scale rounded once, as GradScaler does.
+        # 1. unscale in the precision of the value updated; 1/scale rounded once to float32,
+        # as GradScaler does (exact for power-of-two scales).
         inv_scale = state.loss_scale.scale.double().reciprocal().float()
-        unscaled = [None if g is None else g.to(mw.dtype) * inv_scale for g in grad_leaves]
-        # 2. one statistics pass; 3. the loss scale moves whatever happens.
-        stats = unpack_grad_stats(grad_stats(unscaled, device=state.loss_scale.scale.device))
+        # (_check_grads made sure that every gradient has a param, hence a view.)
+        unscaled = [None if g is None or v is None else g.to(v.dtype) * inv_scale
+                    for g, v in zip(grad_leaves, view, strict=True)]
+        # 2. one statistics pass over the local shards, one all-reduce when the params are
+        # DTensors (or a group is given): every rank then skips or steps alike.
+        # 3. The loss scale moves whatever happens.
+        name = _leaf_names(treespec)
+        group = process_group if process_group is not None else _infer_group(param_leaves, name)
+        packed = all_reduce_stats(
+            _local_stats(unscaled, name, state.loss_scale.scale.device), group
+        )
+        stats = unpack_grad_stats(packed)
         new_loss_scale = scale_rule.adjust(state.loss_scale, stats.found_inf)
-        # 4. clip with the same norm (optax's rule: only when the norm exceeds the bound).
+        # 4. clip with the same statistics (optax's rule: only when the norm exceeds the bound).
         if max_grad_norm is not None:
-            factor = torch.where(stats.norm > max_grad_norm, max_grad_norm / stats.norm,
-                                 torch.ones_like(stats.norm))
+            factor = _clip_factor(packed, max_grad_norm)
             unscaled = [None if g is None else g * factor.to(g.dtype) for g in unscaled]
         # 5. the inner rule on master-precision params.
         updates, new_inner = inner.update(
             _core.unflatten(treespec, unscaled), state.inner_state,
             _core.unflatten(treespec, view), **extra_args,
         )
-        update_leaves = _core.flatten_like(treespec, updates, name="inner updates",
+        update_leaves = _core.flatten_like(treespec, updates, name="the inner updates",
                                            reference="params")
+        _check_updates(update_leaves, view, treespec)
         # 6. write through the strategy, then keep the old values where the step overflowed.
         generator = None
         if mw.needs_generator:
-            device = next((p.device for p in param_leaves if p is not None), torch.device("cpu"))
-            generator = torch.Generator(device=device)
+            generator = torch.Generator(device=_first_device(param_leaves))
             generator.manual_seed(int(state.key))  # a CPU tensor: no device sync
         found = stats.found_inf
+        cond = _OnDevice(found)
         new_params: list[Any] = []
         new_store: list[Any] = []
-        for p, s, v, u in zip(param_leaves, store, view, update_leaves, strict=True):
+        for i, (p, s, v, u) in enumerate(
+            zip(param_leaves, store, view, update_leaves, strict=True)
+        ):
             if p is None or u is None:
                 new_params.append(p)
                 new_store.append(s)
                 continue
             wp, ws = mw.write(p, s, v + u, generator)
-            new_params.append(torch.where(found, p, wp))
-            new_store.append(None if s is None else torch.where(found, s, ws))
+            if wp.dtype != p.dtype or wp.shape != p.shape:
+                raise ValueError(
+                    f"{owner}: {_core.paths(treespec)[i]!r}: the master-weight strategy wrote "
+                    f"{_core._describe(wp)} for {_core._describe(p)}. Fix: build the state with "
+                    f"init(params) on the params you step (state.master must match them)."
+                )
+            keep = cond.on(p.device)
+            new_params.append(torch.where(keep, p, wp))
+            new_store.append(None if s is None or ws is None else torch.where(keep, s, ws))
         metrics = StepMetrics(
             grad_norm=stats.norm,
             found_inf=found,
-            skipped_steps=state.metrics.skipped_steps + found.to(torch.int32),
+            skipped_steps=torch.where(
+                found, _common.safe_increment(state.metrics.skipped_steps),
+                state.metrics.skipped_steps,
+            ),
             num_zeros=stats.num_zeros,
         )
         new_state = MixedPrecisionState(
@@ -263,20 +407,81 @@ def mixed_precision(
     return MixedPrecisionTransformation(init_fn, step_fn)
 
 
-def _check_grads(grads: list[Any], params: list[Any], treespec: _core.TreeSpec,
-                 master_dtype: torch.dtype) -> None:
-    """Gradients come in the param's dtype (the model's) or already in master precision."""
-    for i, (g, p) in enumerate(zip(grads, params, strict=True)):
-        if g is None or p is None:
+def _first_device(leaves: list[Any]) -> torch.device:
+    return next((p.device for p in leaves if p is not None), torch.device("cpu"))
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_views(views: list[Any], params: list[Any], stores: list[Any],
+                 treespec: _core.TreeSpec, master_dtype: torch.dtype) -> None:
+    """state.master fits the params: each param's master-precision value has its shape and
+    at least the bits of the strategy's dtype (a store missing from a state built for other
+    params would leave it narrower)."""
+    for i, (v, p, s) in enumerate(zip(views, params, stores, strict=True)):
+        if v is None:
             continue
+        fix = "Fix: build the state with init(params) on the params you step."
+        if v.shape != p.shape:
+            raise ValueError(
+                f"mixed_precision: {_core.paths(treespec)[i]!r}: state.master holds "
+                f"{_core._describe(v)} for {_core._describe(p)}. {fix}"
+            )
+        if torch.finfo(v.dtype).bits < torch.finfo(master_dtype).bits:
+            held = "None" if s is None else _core._describe(s)
+            raise ValueError(
+                f"mixed_precision: {_core.paths(treespec)[i]!r}: state.master holds {held} "
+                f"for a {_dtype(p.dtype)} param, so it would be updated in "
+                f"{_dtype(v.dtype)} rather than in the master dtype {_dtype(master_dtype)} "
+                f"(was the state built for params of another dtype?). {fix}"
+            )
+
+
+def _check_grads(grads: list[Any], params: list[Any], views: list[Any],
+                 treespec: _core.TreeSpec) -> None:
+    """A gradient comes in its param's dtype (as autograd makes it) or in the precision of the
+    value it updates (a float32 main grad for a bfloat16 param, as Megatron accumulates)."""
+    for i, (g, p, v) in enumerate(zip(grads, params, views, strict=True)):
+        if g is None:
+            continue
+        where = _core.paths(treespec)[i]
+        if p is None:
+            raise ValueError(
+                f"mixed_precision: {where!r}: grads hold {_core._describe(g)} where params "
+                f"hold None. Fix: pass None as the gradient of a leaf that is not optimized."
+            )
         if g.shape != p.shape:
             raise ValueError(
-                f"{_core.paths(treespec)[i]!r}: grad has shape {tuple(g.shape)} but the param "
+                f"mixed_precision: {where!r}: grad has shape {tuple(g.shape)} but the param "
                 f"has shape {tuple(p.shape)}. Fix: pass the gradients of these params."
             )
-        if g.dtype not in (p.dtype, master_dtype):
+        if g.dtype not in (p.dtype, v.dtype):
+            allowed = _dtype(p.dtype) if v.dtype == p.dtype else (
+                f"{_dtype(p.dtype)} (the param's) or {_dtype(v.dtype)} (its master's)"
+            )
             raise TypeError(
-                f"{_core.paths(treespec)[i]!r}: {g.dtype} grad for a {p.dtype} param; "
-                f"mixed_precision takes gradients in the param's dtype or in the master dtype "
-                f"({master_dtype}). Fix: pass param.grad as autograd produced it."
+                f"mixed_precision: {where!r}: {_dtype(g.dtype)} grad for a {_dtype(p.dtype)} "
+                f"param; expected a {allowed} grad. Fix: pass param.grad as autograd "
+                f"produced it."
+            )
+        if g.device != p.device:
+            raise ValueError(
+                f"mixed_precision: {where!r}: grad is on {g.device} but the param is on "
+                f"{p.device}. Fix: move the gradients to their params' devices."
+            )
+
+
+def _check_updates(updates: list[Any], views: list[Any], treespec: _core.TreeSpec) -> None:
+    """The inner transform keeps the shape and dtype of what it updates (no silent promotion
+    of the master or of a float32 param)."""
+    for i, (u, v) in enumerate(zip(updates, views, strict=True)):
+        if u is None or v is None:
+            continue
+        if not isinstance(u, torch.Tensor) or u.shape != v.shape or u.dtype != v.dtype:
+            raise TypeError(
+                f"mixed_precision: {_core.paths(treespec)[i]!r}: the inner transform returned "
+                f"{_core._describe(u)} to update {_core._describe(v)}. Fix: the inner "
+                f"transform must return updates of its gradients' dtype and shape."
             )

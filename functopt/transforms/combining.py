@@ -22,7 +22,12 @@ def _check_transform(owner: str, where: str, tx: Any) -> GradientTransformation:
     """Check that ``tx`` is a transform (with a hint for the usual mistakes); wrap it so that
     it ignores extra args it does not take."""
     if not isinstance(tx, GradientTransformation):
-        if hasattr(tx, "gradient_transformation"):
+        if hasattr(tx, "step") and hasattr(tx, "init"):
+            hint = (
+                f" A {type(tx).__name__} returns new params, not updates, so it goes around a "
+                f"chain rather than inside one. Fix: mixed_precision(chain(...), ...)."
+            )
+        elif hasattr(tx, "gradient_transformation"):
             hint = " Fix: pass tx.gradient_transformation() (e.g. for functopt.MultiSteps)."
         elif isinstance(tx, type) or (callable(tx) and not isinstance(tx, tuple)):
             name = getattr(tx, "__name__", type(tx).__name__)

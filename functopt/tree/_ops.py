@@ -240,13 +240,36 @@ def vdot(tree_x: Any, tree_y: Any) -> torch.Tensor:
     return _total(terms, dtype)
 
 
+def _sum_of_squares(x: torch.Tensor) -> torch.Tensor:
+    """``sum(x**2)`` as a 0-d float64 tensor, accumulated in float32 (float64 for float64 x).
+
+    The one definition of a leaf's squared norm in functopt (``global_norm``, the
+    mixed-precision step's statistics and their distributed form all use it), so that
+    every path agrees on when a norm overflows: like ``torch.nn.utils.clip_grad_norm_``
+    and Megatron, a float32 leaf whose norm exceeds about ``1.8e19`` gives inf.
+    """
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return torch.linalg.vector_norm(x, dtype=acc).to(torch.float64) ** 2
+
+
+def _leaf_stats(x: torch.Tensor) -> torch.Tensor:
+    """``[sum of squares, non-finite count, zero count]`` of one tensor, float64, shape (3,)."""
+    return torch.stack([
+        _sum_of_squares(x),
+        torch.sum(~torch.isfinite(x), dtype=torch.float64),
+        torch.sum(x == 0, dtype=torch.float64),
+    ])
+
+
 def global_norm(tree: Any) -> torch.Tensor:
     r"""The L2 norm of all leaves together, $\sqrt{\sum_i \lVert x_i \rVert_2^2}$.
 
-    Each leaf is reduced in float32 (float64 if any leaf is float64), so bfloat16 and
-    float16 leaves do not lose precision or overflow in the sum. ``None`` leaves are
-    skipped; an empty tree has norm 0. The result is a 0-d tensor on the first leaf's
-    device; nothing is read back to the host.
+    Each leaf is reduced in float32 (float64 for float64 leaves), so bfloat16 and float16
+    leaves do not lose precision or overflow in the sum, and the leaves' squares are
+    summed in float64. The result is float32 (float64 if any leaf is float64). ``None``
+    leaves are skipped; an empty tree has norm 0. The result is a 0-d tensor on the first
+    leaf's device; nothing is read back to the host. A float32 leaf whose own norm exceeds
+    about ``1.8e19`` overflows to inf, as in ``torch.nn.utils.clip_grad_norm_``.
 
     Examples:
         >>> import torch, functopt
@@ -260,6 +283,6 @@ def global_norm(tree: Any) -> torch.Tensor:
     if not tensors:
         return torch.zeros((), dtype=dtype)
     device = tensors[0].device
-    squares = [torch.linalg.vector_norm(x, dtype=dtype).to(device) ** 2 for x in tensors]
-    return torch.sqrt(torch.stack(squares).sum())
+    squares = [_sum_of_squares(x).to(device) for x in tensors]
+    return torch.sqrt(torch.stack(squares).sum()).to(dtype)
 

@@ -1,0 +1,266 @@
+"""The optimizer steps being compared: functopt's pure paths and PyTorch's best idioms.
+
+A contender owns its params, grads and optimizer state, and exposes ``step()`` (one full
+optimizer step, nothing else), ``result()`` (the float32 values to compare between
+contenders after the timed steps) and ``tensors()`` (what it holds between steps, by role,
+for the memory accounting). Every contender of a case starts from the same values and is
+stepped the same number of times, so their results must agree to rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import optree
+import torch
+
+import functopt
+
+# Hyperparameters shared by every contender (torch.optim.AdamW's defaults, except the
+# weight decay, which is passed explicitly: functopt/optax default to 1e-4, torch to 1e-2).
+LR = 1e-3
+BETAS = (0.9, 0.999)
+EPS = 1e-8
+WEIGHT_DECAY = 1e-2
+MAX_GRAD_NORM = 1.0
+INIT_SCALE = 2.0**16
+GROWTH_FACTOR, BACKOFF_FACTOR, GROWTH_INTERVAL = 2.0, 0.5, 2000
+
+# One transformer-like block, cycled until the leaf count is reached: square and
+# rectangular matrices (attention, MLP) and vectors (biases, norm scales). Each entry is
+# (rows, cols) in units of the hidden size d; cols == 0 means a vector of rows * d.
+_BLOCK = [(3, 1), (3, 0), (1, 1), (1, 0), (1, 0), (4, 1), (4, 0), (1, 4), (1, 0), (1, 0)]
+
+
+def make_shapes(total: int, leaves: int) -> list[tuple[int, ...]]:
+    """``leaves`` shapes of a transformer-like model with about ``total`` elements.
+
+    The hidden size ``d`` is the largest with ``sum(numel) <= total`` (at least 1); the
+    caller reports the actual count, which is within a few percent of ``total``.
+    """
+    kinds = [_BLOCK[i % len(_BLOCK)] for i in range(leaves)]
+    quad = sum(r * c for r, c in kinds if c)  # coefficient of d*d
+    lin = sum(r for r, c in kinds if not c)  # coefficient of d
+    d = max(1, int((-lin + math.sqrt(lin * lin + 4 * quad * total)) / (2 * quad)))
+    return [(r * d, c * d) if c else (r * d,) for r, c in kinds]
+
+
+def make_values(shapes: list[tuple[int, ...]], seed: int, grad_scale: float = 1.0,
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Float32 params (~N(0, 0.02)) and grads (~N(0, 0.01) * grad_scale), reproducibly."""
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
+    grads = [torch.randn(s, generator=gen) * (0.01 * grad_scale) for s in shapes]
+    return params, grads
+
+
+def _names(n: int) -> list[str]:
+    width = len(str(n))
+    return [f"layer{i:0{width}d}" for i in range(n)]
+
+
+def state_tensors(tree: Any) -> list[torch.Tensor]:
+    return [x for x in optree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+class Contender:
+    """Base class: ``steps`` counts the optimizer steps taken."""
+
+    name = "?"
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def result(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Tensors held between steps, by role: params, grads, state, master, main_grads."""
+        raise NotImplementedError
+
+    def invariant(self) -> bool:
+        """A property of the contender's own result that must hold after any step."""
+        return True
+
+
+def _params_are_rounded_masters(params: list[torch.Tensor], master: list[torch.Tensor]) -> bool:
+    return all(torch.equal(p, m.to(p.dtype)) for p, m in zip(params, master, strict=True))
+
+
+class FunctoptAdamW(Contender):
+    """``functopt.adamw`` on the pure path: ``tx.update`` then ``functopt.apply_updates``."""
+
+    name = "functopt"
+
+    def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        super().__init__()
+        names = _names(len(params))
+        self.params = {k: p.clone() for k, p in zip(names, params, strict=True)}
+        self.grads = {k: g.clone() for k, g in zip(names, grads, strict=True)}
+        self.tx = functopt.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS,
+                                 weight_decay=WEIGHT_DECAY)
+        self.state = self.tx.init(self.params)
+
+    def step(self) -> None:
+        updates, self.state = self.tx.update(self.grads, self.state, self.params)
+        self.params = functopt.apply_updates(self.params, updates)
+        self.steps += 1
+
+    def result(self) -> list[torch.Tensor]:
+        return list(self.params.values())
+
+    def tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {"params": list(self.params.values()), "grads": list(self.grads.values()),
+                "state": state_tensors(self.state)}
+
+
+class TorchAdamW(Contender):
+    """``torch.optim.AdamW(foreach=True)`` or ``(fused=True)``, stepping in place."""
+
+    def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor], *,
+                 fused: bool) -> None:
+        super().__init__()
+        self.name = "torch fused" if fused else "torch foreach"
+        self.params = [p.clone() for p in params]
+        for p, g in zip(self.params, grads, strict=True):
+            p.grad = g.clone()
+        self.opt = torch.optim.AdamW(
+            self.params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+            foreach=None if fused else True, fused=True if fused else None,
+        )
+
+    def step(self) -> None:
+        self.opt.step()
+        self.steps += 1
+
+    def result(self) -> list[torch.Tensor]:
+        return self.params
+
+    def tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {"params": self.params,
+                "grads": [p.grad for p in self.params if p.grad is not None],
+                "state": [t for s in self.opt.state.values() for t in s.values()
+                          if isinstance(t, torch.Tensor)]}
+
+
+def _bf16_setup(params: list[torch.Tensor], grads: list[torch.Tensor],
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The model's bfloat16 params, and its bfloat16 grads of the loss scaled by INIT_SCALE."""
+    return ([p.to(torch.bfloat16) for p in params],
+            [(g * INIT_SCALE).to(torch.bfloat16) for g in grads])
+
+
+class FunctoptMixed(Contender):
+    """``functopt.precision.mixed_precision(adamw, dynamic_loss_scale(), max_grad_norm=1)``.
+
+    bfloat16 params and grads (grads of the scaled loss); the float32 master copy, the
+    loss scale and Adam's moments live in the explicit state.
+    """
+
+    name = "functopt"
+
+    def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        super().__init__()
+        names = _names(len(params))
+        bf_params, bf_grads = _bf16_setup(params, grads)
+        self.params = dict(zip(names, bf_params, strict=True))
+        self.grads = dict(zip(names, bf_grads, strict=True))
+        self.mp = functopt.precision.mixed_precision(
+            functopt.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY),
+            loss_scale=functopt.dynamic_loss_scale(
+                init_scale=INIT_SCALE, growth_factor=GROWTH_FACTOR,
+                backoff_factor=BACKOFF_FACTOR, growth_interval=GROWTH_INTERVAL),
+            max_grad_norm=MAX_GRAD_NORM,
+        )
+        self.state = self.mp.init(self.params)
+
+    def step(self) -> None:
+        self.params, self.state = self.mp.step(self.grads, self.state, self.params)
+        self.steps += 1
+
+    def result(self) -> list[torch.Tensor]:
+        return [*self.state.master.values(), self.state.loss_scale.scale.reshape(1)]
+
+    def invariant(self) -> bool:
+        return _params_are_rounded_masters(list(self.params.values()),
+                                           list(self.state.master.values()))
+
+    def tensors(self) -> dict[str, list[torch.Tensor]]:
+        master = state_tensors(self.state.master)
+        ids = {id(t) for t in master}
+        return {"params": list(self.params.values()), "grads": list(self.grads.values()),
+                "master": master,
+                "state": [t for t in state_tensors(self.state) if id(t) not in ids]}
+
+
+class TorchMixedIdiom(Contender):
+    """The best PyTorch idiom for the same step, as GradScaler + Megatron-style masters do it.
+
+    Per step: copy the bfloat16 model grads into persistent float32 main grads
+    (``_foreach_copy_``); unscale them and set ``found_inf`` in one fused kernel
+    (``_amp_foreach_non_finite_check_and_unscale_``, with ``1/scale`` computed in float64
+    as ``GradScaler.unscale_`` does); ``clip_grad_norm_(foreach=True)``; fused AdamW on the
+    float32 masters, which skips the step itself when ``optimizer.found_inf`` is set (the
+    attribute ``GradScaler.step`` hands to optimizers with ``_step_supports_amp_scaling``,
+    so there is no host sync); copy the masters back into the bfloat16 params; and move the
+    scale with ``_amp_update_scale_`` as ``GradScaler.update`` does.
+    """
+
+    name = "torch idiom"
+
+    def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.params, self.grads = _bf16_setup(params, grads)
+        self.master = [p.float() for p in self.params]
+        self.main_grads = [torch.zeros_like(m) for m in self.master]
+        for m, g in zip(self.master, self.main_grads, strict=True):
+            m.grad = g
+        self.opt = torch.optim.AdamW(self.master, lr=LR, betas=BETAS, eps=EPS,
+                                     weight_decay=WEIGHT_DECAY, fused=True)
+        self.scale = torch.full((), INIT_SCALE, dtype=torch.float32)
+        self.growth_tracker = torch.zeros((), dtype=torch.int32)
+        self.found_inf = torch.zeros((), dtype=torch.float32)
+        # Read by the fused kernel, which then skips the step on overflow (GradScaler.step
+        # sets this attribute the same way).
+        self.opt.found_inf = self.found_inf  # type: ignore[attr-defined]
+
+    def step(self) -> None:
+        torch._foreach_copy_(self.main_grads, self.grads)
+        self.found_inf.zero_()
+        inv_scale = self.scale.double().reciprocal().float()
+        torch._amp_foreach_non_finite_check_and_unscale_(self.main_grads, self.found_inf,
+                                                         inv_scale)
+        torch.nn.utils.clip_grad_norm_(self.master, MAX_GRAD_NORM, foreach=True)
+        self.opt.step()
+        torch._foreach_copy_(self.params, self.master)
+        torch._amp_update_scale_(self.scale, self.growth_tracker, self.found_inf,
+                                 GROWTH_FACTOR, BACKOFF_FACTOR, GROWTH_INTERVAL)
+        self.steps += 1
+
+    def result(self) -> list[torch.Tensor]:
+        return [*self.master, self.scale.reshape(1)]
+
+    def invariant(self) -> bool:
+        return _params_are_rounded_masters(self.params, self.master)
+
+    def tensors(self) -> dict[str, list[torch.Tensor]]:
+        state = [t for s in self.opt.state.values() for t in s.values()
+                 if isinstance(t, torch.Tensor)]
+        return {"params": self.params, "grads": self.grads, "master": self.master,
+                "main_grads": self.main_grads,
+                "state": [*state, self.scale, self.growth_tracker, self.found_inf]}
+
+
+def adamw_contenders(shapes: list[tuple[int, ...]], seed: int = 0) -> list[Contender]:
+    params, grads = make_values(shapes, seed)
+    return [FunctoptAdamW(params, grads), TorchAdamW(params, grads, fused=False),
+            TorchAdamW(params, grads, fused=True)]
+
+
+def mixed_contenders(shapes: list[tuple[int, ...]], seed: int = 0) -> list[Contender]:
+    params, grads = make_values(shapes, seed)
+    return [FunctoptMixed(params, grads), TorchMixedIdiom(params, grads)]

@@ -1,0 +1,413 @@
+"""``MixedPrecisionOptimizer``: the stateful facade training stacks call, over the functional step.
+
+LightRFT's ``FSDPadaptOptimizer`` and Megatron-LM's mixed-precision optimizers are objects
+that own the parameters, scale the loss in ``backward``, and report whether ``step`` was
+taken. This facade has their interface and none of their maths: each ``step()`` gathers
+``p.grad`` into a tree keyed by parameter names, runs
+[`mixed_precision`][functopt.precision.mixed_precision] on it, and copies the returned
+params into the ``nn.Parameter`` objects in place. The state it keeps is that step's state,
+so everything the functional step guarantees (bitwise skips, params exactly
+``master.to(param.dtype)``) holds here too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+from functopt._base import GradientTransformation, Params
+from functopt.adapters import _param_groups, _state_dict
+from functopt.precision.loss_scale import LossScale, dynamic_loss_scale
+from functopt.precision.master import float32_master
+from functopt.precision.step import (
+    MixedPrecisionState,
+    MixedPrecisionTransformation,
+    mixed_precision,
+    scale_loss,
+)
+from functopt.transforms.partition import partition
+from functopt.tree import _core
+
+__all__ = ["MixedPrecisionOptimizer"]
+
+_OWNER = "MixedPrecisionOptimizer"
+
+TransformOrFactory = GradientTransformation | Callable[..., GradientTransformation]
+"""A transform for every param, or a factory ``(**group_options) -> transform``."""
+
+
+def _inner_transform(
+    transform: Any, groups: list[_param_groups.ParamGroup]
+) -> GradientTransformation:
+    """One transform over all params; per-group options go through a factory and ``partition``."""
+    if isinstance(transform, GradientTransformation):
+        for i, group in enumerate(groups):
+            if group.options:
+                raise TypeError(
+                    f"{_OWNER}: param group {i} sets {sorted(group.options)}, but transform is "
+                    f"a GradientTransformation, whose hyperparameters are fixed when it is "
+                    f"built. Fix: pass a factory that builds each group's transform from its "
+                    f"options, e.g. transform=lambda weight_decay=0.01: "
+                    f"functopt.adamw(1e-3, weight_decay=weight_decay)."
+                )
+        return transform
+    if not callable(transform):
+        raise TypeError(
+            f"{_OWNER}: transform must be a functopt.GradientTransformation (e.g. "
+            f"functopt.adamw(1e-3)) or a factory (**group_options) -> GradientTransformation, "
+            f"got {type(transform).__name__}."
+        )
+    transforms: dict[Hashable, GradientTransformation] = {}
+    for i, group in enumerate(groups):
+        try:
+            tx = transform(**group.options)
+        except TypeError as error:
+            raise TypeError(
+                f"{_OWNER}: the transform factory failed on the options of param group {i} "
+                f"({sorted(group.options)}): {error}. Fix: give the factory a keyword argument "
+                f"for every option the groups set."
+            ) from error
+        if not isinstance(tx, GradientTransformation):
+            raise TypeError(
+                f"{_OWNER}: the transform factory returned a {type(tx).__name__} for param "
+                f"group {i}; expected a functopt.GradientTransformation."
+            )
+        transforms[i] = tx
+    if len(groups) == 1:
+        return transforms[0]
+    labels = {name: i for i, group in enumerate(groups) for name in group.names}
+    return partition(transforms, labels)
+
+
+def _unaliased(state: MixedPrecisionState, params: list[torch.Tensor]) -> MixedPrecisionState:
+    """``state`` with a copy of every tensor that shares memory with a param.
+
+    A transform may keep the params it is initialised with (slow weights, a reference
+    point); in the functional world they never change, but here ``step()`` writes the
+    params in place, which would change that state behind the transform's back.
+    """
+    storages = {p.untyped_storage().data_ptr() for p in params if p.numel() > 0}
+    leaves, treespec = _core.flatten(state)
+    out = [
+        leaf.clone()
+        if isinstance(leaf, torch.Tensor) and leaf.numel() > 0
+        and leaf.untyped_storage().data_ptr() in storages
+        else leaf
+        for leaf in leaves
+    ]
+    unaliased: MixedPrecisionState = _core.unflatten(treespec, out)
+    return unaliased
+
+
+class MixedPrecisionOptimizer:
+    r"""A LightRFT/Megatron-style mixed-precision optimizer over ``nn.Parameter`` objects.
+
+    The calls of a training loop, and what they do:
+
+    - ``backward(loss)``: ``(loss * scale).backward()`` with the loss in float32
+      ([`scale_loss`][functopt.precision.scale_loss]).
+    - ``step() -> bool``: one [`mixed_precision`][functopt.precision.mixed_precision] step
+      over the params' ``.grad`` (unscale, one statistics pass, loss-scale update, clip,
+      ``transform`` on float32 master params, exact write), then
+      ``param.copy_(new_param)`` under ``torch.no_grad()``. Returns False when the
+      gradients overflowed and the step was skipped (params, master weights and the
+      transform's state bitwise unchanged; only the loss scale moved). Reading that
+      decision is the step's one host sync.
+    - ``zero_grad(set_to_none=True)``: as ``torch.optim``. ``step()`` leaves the gradients
+      alone (LightRFT's ``step`` clears them itself; here, as in ``torch.optim`` and
+      Megatron, the loop calls ``zero_grad``).
+
+    Params narrower than ``master_dtype`` (bfloat16, float16) get a master copy; after
+    every step each such param is bitwise ``master.to(param.dtype)``. Params of
+    ``master_dtype`` or wider (float32, float64) have no copy and are updated in their own
+    dtype. A param whose
+    ``.grad`` is None at ``step()`` is left unchanged, and so is its per-param state, as in
+    ``torch.optim`` (a counter shared by all params, such as Adam's ``count``, still
+    advances). A ``step()`` where no param has a gradient is an error: ``backward`` was
+    not called, or the gradients were cleared before the step.
+
+    The transform's state is built once, by the constructor, from the params as they are
+    then. ``step()`` writes the params in place, so a state tensor that shares memory with
+    a param (a transform keeping the params it was initialised with) is copied at that
+    point; a transform must not keep the params it is handed in later updates.
+
+    **Param groups.** ``params`` may be an iterable of tensors (named ``'0'``, ``'1'``, ...
+    by position, as ``torch.optim`` numbers them), ``model.named_parameters()`` or a
+    ``{name: param}`` dict (named by those names, the keys of the state dict), or a list
+    of group dicts ``{"params": ..., **options}`` (``"params"`` in any of the forms before;
+    ``"param_names"`` may name a list of tensors). Group options configure the transform:
+    when a group sets options, ``transform`` must be a factory, called once per group as
+    ``transform(**options)``, and the groups' transforms are combined with
+    [`partition`][functopt.partition] (one shared loss scale, skip decision and clipping
+    norm, as Megatron's ``ChainedOptimizer``). For example, no weight decay on biases:
+    ``[{"params": weights}, {"params": biases, "weight_decay": 0.0}]`` with
+    ``transform=lambda weight_decay=0.1: functopt.adamw(1e-3, weight_decay=weight_decay)``.
+    Learning-rate schedules belong in the transform (a functopt schedule, or
+    [`inject_hyperparams`][functopt.inject_hyperparams]); there is no ``param_groups``
+    list for a ``torch.optim.lr_scheduler`` to edit.
+
+    **Clipping.** ``clip_grad_norm(model, max_norm)`` sets the global L2 norm the
+    *following* ``step()`` calls clip the unscaled gradients to (``max_norm=0`` or None:
+    no clipping, the initial setting); the step computes the norm in its single
+    statistics pass, so clipping costs no extra reduction. It returns None, as LightRFT's
+    does: the norm exists only inside the step; read it afterwards with
+    ``get_grad_norm()``. Differences from LightRFT: its ``clip_grad_norm`` is a no-op and
+    its step always clips at 1.0 with the factor $\max(1, (\|g\| + 10^{-6}) / c)$; here
+    nothing is clipped until ``clip_grad_norm`` is called, and the rule is
+    [`clip_by_global_norm`][functopt.clip_by_global_norm]'s, $g \cdot c / \|g\|$ when
+    $\|g\| > c$ (no $10^{-6}$).
+
+    **Checkpoints.** ``state_dict()`` returns the step's state as nested dicts of tensors
+    (loss scale and its counters, master weights, the transform's state, the last step's
+    metrics, the step key), keyed by field names and parameter names, loadable with
+    ``torch.load(weights_only=True)`` and by ``torch.distributed.checkpoint``. The
+    configuration (transform, loss-scale rule, clipping norm) is not in it: build the
+    optimizer the same way (and call ``clip_grad_norm`` again), then ``load_state_dict``;
+    it continues bitwise as the original would have. Loading also sets each param that
+    has a master copy to ``master.to(param.dtype)`` (as LightRFT does), so loading the
+    optimizer alone restores the low-precision weights as well.
+
+    **Host syncs.** ``step()`` reads its skip decision (one bool); ``loss_scale`` reads
+    the scale as a Python float. Nothing else syncs: ``backward`` multiplies by the scale
+    tensor, and ``get_loss_scale()``, ``get_grad_norm()`` and ``count_zeros()`` return
+    0-d tensors.
+
+    Args:
+        params: the parameters to optimize (see *Param groups*). Each must be a
+            floating-point leaf tensor that requires grad.
+        transform: the update rule, e.g. ``functopt.adamw(1e-3)``, without clipping of its
+            own (use ``clip_grad_norm``); or a factory ``(**group_options) -> transform``.
+        loss_scale: the loss-scale rule: ``dynamic_loss_scale()`` (the default:
+            PyTorch's ``GradScaler`` rule; ``hysteresis=2, min_scale=1.0`` for Megatron's
+            and LightRFT's), ``static_loss_scale(s)``, or None for no scaling (usual for
+            bfloat16).
+        master_dtype: the precision of the master copy and of the update maths.
+
+    Raises:
+        TypeError: for a malformed ``params`` or ``transform``, or naming a param of a
+            non-floating dtype (integer, bool, complex).
+        ValueError: naming a param that does not require grad, is not a leaf, or appears
+            twice; or for an empty ``params``.
+
+    Examples:
+        >>> import torch, functopt
+        >>> _ = torch.manual_seed(0)
+        >>> model = torch.nn.Linear(2, 1).to(torch.bfloat16)
+        >>> opt = functopt.MixedPrecisionOptimizer(model.named_parameters(),
+        ...                                        functopt.adamw(1e-2))
+        >>> x = torch.ones(4, 2, dtype=torch.bfloat16)
+        >>> opt.backward(model(x).float().pow(2).mean())
+        >>> opt.step()
+        True
+        >>> opt.zero_grad()
+        >>> opt.loss_scale
+        65536.0
+        >>> master = opt.state_dict()["master"]
+        >>> sorted(master)
+        ['bias', 'weight']
+        >>> torch.equal(model.weight, master["weight"].to(torch.bfloat16))
+        True
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        transform: TransformOrFactory,
+        *,
+        # A LossScale is immutable (two pure functions), so one default can be shared.
+        loss_scale: LossScale | None = dynamic_loss_scale(),  # noqa: B008
+        master_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if not isinstance(master_dtype, torch.dtype) or not master_dtype.is_floating_point:
+            raise TypeError(
+                f"{_OWNER}: master_dtype must be a floating torch.dtype (torch.float32 or "
+                f"torch.float64), got {master_dtype!r}."
+            )
+        if loss_scale is not None and not isinstance(loss_scale, LossScale):
+            raise TypeError(
+                f"{_OWNER}: loss_scale must be a functopt.LossScale (from "
+                f"functopt.dynamic_loss_scale() or functopt.static_loss_scale(...)) or None, "
+                f"got {type(loss_scale).__name__}."
+            )
+        groups = _param_groups.collect(_OWNER, params)
+        self._inner = _inner_transform(transform, groups)
+        self._names = [name for group in groups for name in group.names]
+        self._params = [p for group in groups for p in group.params]
+        self._loss_scale_rule = loss_scale
+        self._master_weights = float32_master(master_dtype)
+        self._max_grad_norm: float | None = None
+        self._tx = self._build()
+        with torch.no_grad():
+            state = self._tx.init(self._tree([p.detach() for p in self._params]))
+        self._state = _unaliased(state, self._params)
+
+    def _build(self) -> MixedPrecisionTransformation:
+        return mixed_precision(
+            self._inner,
+            loss_scale=self._loss_scale_rule,
+            master_weights=self._master_weights,
+            max_grad_norm=self._max_grad_norm,
+        )
+
+    def _tree(self, leaves: list[Any]) -> Params:
+        return dict(zip(self._names, leaves, strict=True))
+
+    # -- the training loop ------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """``(loss * loss_scale).backward(retain_graph=retain_graph)``, the product in float32."""
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                f"{_OWNER}.backward: loss must be a tensor, got {type(loss).__name__}."
+            )
+        torch.autograd.backward(scale_loss(loss, self._state), retain_graph=retain_graph)
+
+    def step(self) -> bool:
+        """Update the params from their ``.grad``; False when the step was skipped (overflow).
+
+        Raises:
+            RuntimeError: when no param has a gradient.
+        """
+        grads = [p.grad for p in self._params]
+        if all(g is None for g in grads):
+            shown = self._names[:5] + (["..."] if len(self._names) > 5 else [])
+            raise RuntimeError(
+                f"{_OWNER}.step: none of the {len(self._params)} params has a gradient "
+                f"({shown} all have .grad None). Fix: call backward(loss) before step(), and "
+                f"zero_grad() after it, not between them."
+            )
+        with torch.no_grad():
+            old = [p.detach() for p in self._params]
+            new_params, new_state = self._tx.step(self._tree(grads), self._state,
+                                                  self._tree(old))
+            # The one host sync. A skipped step returns the old params bitwise, so there
+            # is nothing to write then.
+            took = not bool(new_state.metrics.found_inf)
+            if took:
+                for p, before, name in zip(self._params, old, self._names, strict=True):
+                    after = new_params[name]
+                    if after is not before:  # a param without grad comes back as it was
+                        p.copy_(after)
+        self._state = new_state
+        return took
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the params' gradients (set them to None, or zero them in place)."""
+        for p in self._params:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                if p.grad.grad_fn is not None:
+                    p.grad.detach_()
+                else:
+                    p.grad.requires_grad_(False)
+                p.grad.zero_()
+
+    def clip_grad_norm(self, model: Any, max_norm: float | None) -> None:
+        """Clip the unscaled gradients of the following steps to global L2 norm ``max_norm``.
+
+        The setting stays until changed; ``max_norm`` 0 or None switches clipping off.
+        ``model`` is not used (LightRFT's signature). Returns None: the norm is computed
+        inside ``step()``; read it after the step with ``get_grad_norm()``.
+        """
+        del model
+        if max_norm is not None and (
+            isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))
+        ):
+            raise TypeError(
+                f"{_OWNER}.clip_grad_norm: max_norm must be a Python number or None, got "
+                f"{type(max_norm).__name__}."
+            )
+        if max_norm is not None and not (math.isfinite(max_norm) and max_norm >= 0):
+            raise ValueError(
+                f"{_OWNER}.clip_grad_norm: max_norm must be a finite number >= 0 (0 switches "
+                f"clipping off), got {max_norm!r}."
+            )
+        value = float(max_norm) if max_norm else None
+        if value != self._max_grad_norm:
+            self._max_grad_norm = value
+            self._tx = self._build()  # same state layout: only the step's closure changes
+
+    # -- reading the state ------------------------------------------------------------
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale as a Python float (a host sync; see `get_loss_scale`)."""
+        return float(self._state.loss_scale.scale)
+
+    def get_loss_scale(self) -> torch.Tensor:
+        """The current loss scale, a 0-d float32 tensor (no host sync; Megatron's name)."""
+        return self._state.loss_scale.scale
+
+    def get_grad_norm(self) -> torch.Tensor:
+        """The last step's global L2 norm of the unscaled gradients, before clipping.
+
+        A 0-d float32 tensor (no host sync): inf or nan after a skipped step, 0 before the
+        first. Megatron's ``get_grad_norm`` computes the norm of the current gradients and
+        returns a float; here the step has already computed it.
+        """
+        return self._state.metrics.grad_norm
+
+    def count_zeros(self) -> torch.Tensor:
+        """The number of zero elements in the last step's gradients (0-d int64 tensor).
+
+        Megatron's ``count_zeros``, counted in the step's statistics pass; no host sync.
+        """
+        return self._state.metrics.num_zeros
+
+    def reload_model_params(self) -> None:
+        """Re-copy the params into the master weights (after loading a model checkpoint).
+
+        The transform's state and the loss scale are kept, as in Megatron.
+        """
+        mw = self._master_weights
+        with torch.no_grad():
+            master = [mw.init(p.detach()) for p in self._params]
+        self._state = self._state._replace(master=self._tree(master))
+
+    # -- checkpoints ------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer state as nested dicts of tensors, keyed by field and param names.
+
+        The tensors are the live state, not copies: the optimizer never writes into them
+        (each step makes new ones), so a dict taken before a step keeps its values. For
+        ``torch.distributed.checkpoint``, take the state dict of the optimizer to restore as
+        the template, ``load`` into it in place, then pass it to ``load_state_dict``.
+        """
+        return _state_dict.to_nested(f"{_OWNER}.state_dict", self._state)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved by ``state_dict()``; params with a master copy are set from it.
+
+        The optimizer keeps copies of the given tensors (moved to the params' devices), so
+        the dict can be reused or changed afterwards without touching the optimizer.
+
+        Raises:
+            ValueError: naming missing or unexpected keys (other param names, another
+                transform), or a key whose tensor has another shape.
+            TypeError: naming a key whose tensor has another dtype (a float16 loss scale).
+        """
+        state: MixedPrecisionState = _state_dict.from_nested(
+            f"{_OWNER}.load_state_dict", self._state, state_dict
+        )
+        mw = self._master_weights
+        with torch.no_grad():
+            for p, name in zip(self._params, self._names, strict=True):
+                store = state.master[name]
+                if store is not None:  # as LightRFT: the model follows the loaded master
+                    p.copy_(mw.write(p, store, mw.view(p, store), None)[0])
+        self._state = state
+
+    def __repr__(self) -> str:
+        rule = self._loss_scale_rule
+        kind = "None" if rule is None else "dynamic" if rule.dynamic else "static"
+        return (
+            f"{_OWNER}({len(self._params)} params, loss_scale={kind}, "
+            f"master_dtype={self._master_weights.dtype}, max_grad_norm={self._max_grad_norm})"
+        )

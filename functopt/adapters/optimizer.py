@@ -1,0 +1,538 @@
+"""``functopt.Optimizer``: a ``torch.optim.Optimizer`` that runs a functopt transform.
+
+The transform's state is kept in torch's layout, so that everything written for
+``torch.optim`` works on it: learning-rate schedulers read and write ``param_groups``,
+``GradScaler`` unscales the gradients of ``param_groups``' params, checkpoints go through
+``state_dict()`` / ``load_state_dict()``, and ``optimizer.state[param]`` holds the tensors
+that belong to ``param``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from functopt._apply import apply_updates_
+from functopt._base import GradientTransformation, State
+from functopt.transforms.combining import _check_transform
+from functopt.transforms.hyperparams import InjectHyperparamsState
+from functopt.tree import _core
+
+__all__ = ["Optimizer"]
+
+# What a plan says about one leaf of the transform's state.
+_FIELD = 0  # a per-parameter leaf: stored in optimizer.state[param][field path]
+_GROUP = 1  # a group-level leaf (a counter): stored, the same tensor, in every param's entry
+_HYPER = 2  # an injected hyperparameter: read from the param group on every step
+
+# Option names of torch.optim's optimizers. A group that sets one the transform does not
+# inject would be silently ignored; that is an error instead.
+_TORCH_OPTIONS = frozenset({
+    "lr", "betas", "momentum", "weight_decay", "eps", "dampening", "nesterov", "amsgrad",
+    "maximize", "foreach", "fused", "capturable", "differentiable", "alpha", "centered",
+    "lr_decay", "initial_accumulator_value", "rho", "lambd", "t0", "etas", "step_sizes",
+    "momentum_decay", "decoupled_weight_decay",
+})
+_HOW_TO_INJECT = (
+    "Fix: build the transform with its hyperparameters injected, e.g. functopt.Optimizer("
+    "params, functopt.inject_hyperparams(functopt.adamw)(learning_rate=1e-3)); "
+    "only injected hyperparameters appear in param_groups."
+)
+
+
+def _torch_names(owner: str, names: Iterable[str]) -> dict[str, tuple[str, ...]]:
+    """Group key -> the injected hyperparameters it holds (torch's names where torch has one)."""
+    names = list(names)
+    exposed: dict[str, tuple[str, ...]] = {}
+    if "learning_rate" in names:
+        exposed["lr"] = ("learning_rate",)
+    if "b1" in names and "b2" in names:
+        exposed["betas"] = ("b1", "b2")
+    if "momentum" in names:
+        exposed["momentum"] = ("momentum",)
+    elif "b1" in names and "b2" not in names:
+        exposed["momentum"] = ("b1",)
+    used = {name for group in exposed.values() for name in group}
+    for name in names:
+        if name in used:
+            continue
+        if name in exposed or name in ("params", "param_names"):
+            raise ValueError(
+                f"{owner}: the transform injects a hyperparameter named {name!r}, which clashes "
+                f"with the param group key {name!r} (group keys: {sorted(exposed)}). Fix: "
+                f"rename the factory's argument."
+            )
+        exposed[name] = (name,)
+    return exposed
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _python_value(t: torch.Tensor) -> Any:
+    # Schedulers do Python arithmetic on group values; a tensor that carries a graph keeps it.
+    return t if t.requires_grad else t.item()
+
+
+class _ParamGroup(dict):  # type: ignore[type-arg]
+    """A param group whose missing keys raise an error that says how to get them."""
+
+    def __missing__(self, key: Any) -> Any:
+        held = sorted(str(k) for k in self if k not in ("params", "param_names"))
+        if key in _TORCH_OPTIONS:
+            raise KeyError(
+                f"functopt.Optimizer param group has no {key!r}: the transform does not "
+                f"inject it (the group holds {held}). A torch.optim.lr_scheduler needs 'lr' "
+                f"(and OneCycleLR 'betas' or 'momentum'). {_HOW_TO_INJECT}"
+            )
+        raise KeyError(f"functopt.Optimizer param group has no {key!r} (it holds {held}).")
+
+
+class _Plan:
+    """How one group's transform state maps onto ``optimizer.state`` and ``param_groups``."""
+
+    def __init__(self, key: Any, template: State, ptree: Any, order: list[int]) -> None:
+        self.key = key
+        self.template, self.treespec = _core.flatten(template)
+        pspec = _core.structure(ptree)
+        ppaths = _core.paths(pspec)
+        full = _core.paths(self.treespec)
+        hyper = (
+            {f"hyperparams.{name}": name for name in template.hyperparams}
+            if isinstance(template, InjectHyperparamsState) else {}
+        )
+        self.leaves: list[tuple[int, int, str]] = []
+
+        def walk(spec: _core.TreeSpec) -> None:
+            if spec == pspec:  # a field with the params' structure: one leaf per param
+                for k in range(pspec.num_leaves):
+                    path = full[len(self.leaves)]
+                    field = path[: len(path) - len(ppaths[k]) - 1] or "<root>"
+                    self.leaves.append((_FIELD, order[k], field))
+            elif spec.is_leaf():
+                path = full[len(self.leaves)]
+                if path in hyper:
+                    self.leaves.append((_HYPER, -1, hyper[path]))
+                else:
+                    self.leaves.append((_GROUP, -1, path))
+            else:
+                for child in spec.children():
+                    walk(child)
+
+        walk(self.treespec)
+        self.hyper: dict[str, torch.Tensor] = {}
+        group_leaves: dict[str, Any] = {}
+        fields: list[dict[str, Any]] = [{} for _ in order]
+        for (kind, j, name), leaf in zip(self.leaves, self.template, strict=True):
+            if kind == _HYPER:
+                self.hyper[name] = leaf
+            elif kind == _GROUP:
+                group_leaves[name] = leaf
+            else:
+                fields[j][name] = leaf
+        clash = sorted({name for f in fields for name in f} & set(group_leaves))
+        if clash:
+            raise ValueError(
+                f"functopt.Optimizer: the transform's state has both a leaf and a per-parameter "
+                f"field at the paths {clash}, which would share a key in optimizer.state."
+            )
+        # Entry name -> template leaf, for the entry of the group's j-th param.
+        self.fields = [{**group_leaves, **f} for f in fields]
+        self.exposed = _torch_names("functopt.Optimizer", self.hyper)
+        self.cache: dict[str, tuple[Any, torch.Tensor]] = {}
+
+
+class Optimizer(torch.optim.Optimizer):
+    r"""A ``torch.optim.Optimizer`` whose step is a functopt transform.
+
+    Each param group holds its own state of ``transform``; a step computes, per group,
+    ``updates, state = transform.update(grads, state, params)`` and then
+    $p \leftarrow p + u$ in place, so that the optimizer drops into code written for
+    ``torch.optim`` (Lightning, ``GradScaler``, learning-rate schedulers, checkpoints).
+
+    Hyperparameters. With a transform built by
+    [`inject_hyperparams`][functopt.inject_hyperparams], every injected hyperparameter
+    appears in each param group under torch's name where torch has one: ``lr`` for
+    ``learning_rate``, ``betas`` for ``(b1, b2)``, ``momentum`` for ``momentum`` (or for a
+    lone ``b1``), ``weight_decay`` and ``eps`` as they are; any other one under its own
+    name (``eps_root``). The group values are read on every step, so
+    ``torch.optim.lr_scheduler`` schedules them (OneCycleLR cycles ``betas[0]`` or
+    ``momentum``), and a group may set its own (``{"params": ..., "lr": 0.1}``). Only
+    injected hyperparameters can be scheduled: with ``functopt.adamw(1e-3)`` the groups
+    hold no ``lr``, and a scheduler fails with a ``KeyError`` that says so. A
+    hyperparameter that ``inject_hyperparams`` received as a schedule is computed by the
+    transform from its own step count; its group value is ignored. Group values are not
+    range-checked (as tensors are not elsewhere in functopt). Only the hyperparameters of
+    ``transform`` itself are exposed; those injected deeper (inside a ``chain`` or a
+    ``partition``) stay in ``optimizer.state``.
+
+    Parameters. ``params`` is what ``torch.optim`` takes: tensors, ``(name, tensor)`` pairs
+    (``model.named_parameters()``), or group dicts. The transform sees a group's params as
+    a list, or, when they are named, as a ``{name: param}`` dict (so masks and
+    ``partition`` labels can go by name). A param whose ``.grad`` is None gets a None
+    gradient (functopt leaves it and its state unchanged); as in ``torch.optim``, a group in
+    which no param has a gradient is not stepped at all (its counters do not move). Unlike
+    ``torch.optim``, which counts steps per param, a transform counts them per group, so a
+    param that missed some steps gets the group's bias correction.
+
+    State. The state is created eagerly (``torch.optim`` creates it at the first step), on
+    the params' devices: move the model before building the optimizer (or clear
+    ``optimizer.state`` after moving it). It is kept in torch's layout:
+    ``optimizer.state[param]`` maps the dotted path of each per-parameter state field to
+    that param's tensor (``'inner_state.0.mu'``), and holds the group-level leaves
+    (``'count'``, ``'inner_state.0.count'``) too, the same tensor in every param of the
+    group, as torch.optim keeps ``step`` per param. Injected hyperparameters live in
+    ``param_groups`` only. ``state_dict()`` is torch's; ``load_state_dict`` checks every
+    entry against the transform's state (names, shapes) and moves it to the dtype and device
+    the transform holds it in. Clearing ``optimizer.state`` for a whole group restarts that
+    group from ``transform.init``. A group with no params keeps no state in the state dict.
+
+    Mixed precision: ``torch.amp.GradScaler`` works through ``unscale_`` (it skips the step
+    on overflow); the fused ``grad_scale``/``found_inf`` protocol is not implemented.
+
+    Args:
+        params: an iterable of tensors, of ``(name, tensor)`` pairs, or of group dicts.
+        transform: the transform to run, e.g.
+            ``functopt.inject_hyperparams(functopt.adamw)(learning_rate=1e-3)``.
+
+    Examples:
+        >>> import torch, functopt
+        >>> model = torch.nn.Linear(2, 1)
+        >>> tx = functopt.inject_hyperparams(functopt.adamw)(learning_rate=0.1, weight_decay=0.0)
+        >>> opt = functopt.Optimizer(model.parameters(), tx)
+        >>> opt.param_groups[0]["lr"], opt.param_groups[0]["betas"]
+        (0.1, (0.9, 0.999))
+        >>> scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        >>> model(torch.ones(1, 2)).sum().backward()
+        >>> opt.step()
+        >>> scheduler.step()
+        >>> opt.param_groups[0]["lr"]
+        0.05
+        >>> sorted(opt.state[model.bias])
+        ['count', 'inner_state.0.count', 'inner_state.0.mu', 'inner_state.0.nu']
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+        | Iterable[dict[str, Any]],
+        transform: GradientTransformation,
+    ) -> None:
+        owner = "functopt.Optimizer"
+        self._transform = _check_transform(owner, "transform", transform)
+        self._plans: list[_Plan | None] = []
+        if isinstance(params, torch.Tensor):
+            raise TypeError(
+                f"{owner}: params must be an iterable of tensors, (name, tensor) pairs or "
+                f"group dicts, got a single tensor of shape {tuple(params.shape)}. Fix: wrap "
+                f"it in a list, or pass model.parameters()."
+            )
+        # Filled from the first group's injected hyperparameters (add_param_group).
+        super().__init__(params, defaults={})
+
+    # -- param groups -------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group, with its own freshly initialised transform state.
+
+        Keys the group does not set take the values the transform was built with.
+        """
+        if not isinstance(param_group, dict):
+            raise TypeError(
+                f"functopt.Optimizer.add_param_group: expected a dict such as "
+                f"{{'params': [...], 'lr': 0.1}}, got {type(param_group).__name__}."
+            )
+        group = _ParamGroup(param_group)
+        super().add_param_group(group)  # normalises params and names, appends
+        index = len(self.param_groups) - 1
+        try:
+            plan = self._plan(index, group)
+            if not self.defaults:
+                self.defaults.update({
+                    key: (tuple(_python_value(plan.hyper[n]) for n in names) if len(names) > 1
+                          else _python_value(plan.hyper[names[0]]))
+                    for key, names in plan.exposed.items()
+                })
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+            self._check_options(index, group, plan)
+            self._hyperparams(index, group, plan)  # type-checks the group's values now
+        except Exception:
+            self.param_groups.pop()
+            del self._plans[index:]
+            raise
+        self._scatter(group, plan, plan.template)
+
+    def _check_options(self, index: int, group: dict[str, Any], plan: _Plan) -> None:
+        renamed = {name: key for key, names in plan.exposed.items() for name in names
+                   if name != key}
+        for key in group:
+            if key in renamed:
+                raise ValueError(
+                    f"functopt.Optimizer: param_groups[{index}] sets {key!r}, which its groups "
+                    f"call {renamed[key]!r} (torch's name). Fix: set {renamed[key]!r} instead."
+                )
+            if key in _TORCH_OPTIONS and key not in plan.exposed:
+                raise ValueError(
+                    f"functopt.Optimizer: param_groups[{index}] sets {key!r}, but the transform "
+                    f"has no injected hyperparameter for it (it injects "
+                    f"{sorted(plan.exposed) or 'none'}), so the value would be ignored. "
+                    f"Fix: remove it, or inject it: {_HOW_TO_INJECT}"
+                )
+
+    @staticmethod
+    def _tree(group: dict[str, Any], leaves: list[Any]) -> Any:
+        names = group.get("param_names")
+        return list(leaves) if names is None else dict(zip(names, leaves, strict=True))
+
+    def _plan(self, index: int, group: dict[str, Any]) -> _Plan:
+        params = group["params"]
+        names = group.get("param_names")
+        key = (tuple(map(id, params)), None if names is None else tuple(names))
+        while len(self._plans) <= index:
+            self._plans.append(None)
+        plan = self._plans[index]
+        if plan is None or plan.key != key:
+            if names is not None and len(set(names)) != len(names):
+                dup = sorted({n for n in names if names.count(n) > 1})
+                raise ValueError(
+                    f"functopt.Optimizer: param_groups[{index}] names several params {dup}; "
+                    f"the transform sees the group as a {{name: param}} dict. Fix: give each "
+                    f"param its own name (model.named_parameters() does)."
+                )
+            ptree = self._tree(group, params)
+            with torch.no_grad():
+                template = self._transform.init(ptree)
+            order = _core.flatten(self._tree(group, list(range(len(params)))))[0]
+            plan = self._plans[index] = _Plan(key, template, ptree, order)
+        return plan
+
+    # -- state: optimizer.state <-> the transform's pytree --------------------------------
+
+    def _describe(self, group: dict[str, Any], j: int) -> str:
+        names = group.get("param_names")
+        index = next(i for i, g in enumerate(self.param_groups) if g is group)
+        return f"param {j}{'' if names is None else f' ({names[j]!r})'} of param_groups[{index}]"
+
+    def _hyperparams(self, index: int, group: dict[str, Any], plan: _Plan) -> dict[str, Any]:
+        values: dict[str, Any] = {}
+        for key, names in plan.exposed.items():
+            raw = group[key]
+            if len(names) == 1:
+                parts: Any = (raw,)
+            else:
+                if not isinstance(raw, (tuple, list)) or len(raw) != len(names):
+                    raise ValueError(
+                        f"functopt.Optimizer: param_groups[{index}][{key!r}] must be a "
+                        f"{len(names)}-tuple ({', '.join(names)}), got {raw!r}."
+                    )
+                parts = raw
+            for name, value in zip(names, parts, strict=True):
+                values[name] = self._as_tensor(index, key, name, value, plan)
+        return values
+
+    @staticmethod
+    def _as_tensor(index: int, key: str, name: str, value: Any, plan: _Plan) -> torch.Tensor:
+        held = plan.hyper[name]
+        cached = plan.cache.get(name)
+        if cached is not None and cached[0] is value:
+            return cached[1]
+        if isinstance(value, torch.Tensor) and value.dim() == 0:
+            # Not cached: schedulers update a tensor lr in place.
+            return value.to(dtype=held.dtype, device=held.device)
+        if not _is_number(value):
+            raise TypeError(
+                f"functopt.Optimizer: param_groups[{index}][{key!r}] (the transform's "
+                f"{name!r}) must be a number or a 0-d tensor, got {type(value).__name__} "
+                f"{value!r}."
+            )
+        tensor = torch.tensor(value, dtype=held.dtype, device=held.device)
+        plan.cache[name] = (value, tensor)
+        return tensor
+
+    def _gather(self, index: int, group: dict[str, Any], plan: _Plan) -> State:
+        entries = [self.state.get(p) for p in group["params"]]
+        hyper = self._hyperparams(index, group, plan)
+        leaves: list[Any] = []
+        fresh = not any(entries)
+        for i, (kind, j, name) in enumerate(plan.leaves):
+            if kind == _HYPER:
+                leaves.append(hyper[name])
+                continue
+            if fresh:
+                leaves.append(plan.template[i])
+                continue
+            entry = entries[j if kind == _FIELD else 0] or {}
+            value = entry.get(name)
+            if value is None and plan.template[i] is not None:
+                where = self._describe(group, j if kind == _FIELD else 0)
+                raise ValueError(
+                    f"functopt.Optimizer: optimizer.state for {where} has no {name!r} (it has "
+                    f"{sorted(entry)}). Fix: load a state_dict saved by a functopt.Optimizer "
+                    f"with the same transform, or clear the state of the whole group to "
+                    f"restart it from transform.init."
+                )
+            leaves.append(value)
+        return _core.unflatten(plan.treespec, leaves)
+
+    def _scatter(self, group: dict[str, Any], plan: _Plan, state: Any) -> None:
+        params = group["params"]
+        if isinstance(state, list):  # the template's leaves
+            leaves = state
+        else:
+            leaves, treespec = _core.flatten(state)
+            if treespec != plan.treespec:
+                raise ValueError(
+                    f"functopt.Optimizer: the transform's update returned a state of structure "
+                    f"{treespec}, but its init gave {plan.treespec}. Fix: a transform's state "
+                    f"must keep the structure init gives it."
+                )
+        entries: list[dict[str, Any]] = [{} for _ in params]
+        for (kind, j, name), value in zip(plan.leaves, leaves, strict=True):
+            if value is None or kind == _HYPER:
+                continue
+            if kind == _FIELD:
+                entries[j][name] = value
+            else:
+                for entry in entries:
+                    entry[name] = value
+        # New dicts each step: a state_dict taken earlier keeps its values.
+        for p, entry in zip(params, entries, strict=True):
+            if entry:
+                self.state[p] = entry
+            else:
+                self.state.pop(p, None)
+
+    # -- step -----------------------------------------------------------------------------
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Run ``closure`` (with grad enabled) if given, then update every param group.
+
+        Returns:
+            The closure's return value (the loss), or None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            for index, group in enumerate(self.param_groups):
+                self._step_group(index, group)
+        return loss
+
+    def _step_group(self, index: int, group: dict[str, Any]) -> None:
+        params = group["params"]
+        grads = [p.grad for p in params]
+        if all(g is None for g in grads):
+            return
+        for j, g in enumerate(grads):
+            if g is not None and g.layout != torch.strided:
+                raise TypeError(
+                    f"functopt.Optimizer: {self._describe(group, j)} has a {g.layout} "
+                    f"gradient; functopt transforms take dense gradients. Fix: use a dense "
+                    f"embedding (sparse=False), or call grad.to_dense() before the step."
+                )
+        plan = self._plan(index, group)
+        state = self._gather(index, group, plan)
+        ptree = self._tree(group, params)
+        updates, state = self._transform.update(self._tree(group, grads), state, ptree)
+        apply_updates_(ptree, updates)
+        self._scatter(group, plan, state)
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict saved by ``state_dict()`` of a functopt.Optimizer.
+
+        Each param's entry must hold exactly the keys the transform's state has for that
+        param (a group whose params have no entry at all restarts from ``transform.init``);
+        tensors must have the transform's shapes and are moved to its dtypes and devices.
+        Load hooks run as in ``torch.optim``.
+        """
+        owner = "functopt.Optimizer.load_state_dict"
+        state_dict = dict(state_dict)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        if not {"state", "param_groups"} <= set(state_dict):
+            raise ValueError(
+                f"{owner}: expected a dict with keys 'state' and 'param_groups' (from "
+                f"optimizer.state_dict()), got keys {sorted(map(str, state_dict))}."
+            )
+        saved_groups = copy.deepcopy(state_dict["param_groups"])
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"{owner}: the state dict has {len(saved_groups)} param groups, this optimizer "
+                f"{len(self.param_groups)}. Fix: build the optimizer with the param groups of "
+                f"the one that saved it (and add_param_group the same groups) before loading."
+            )
+        for i, (group, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"{owner}: param_groups[{i}] has {len(group['params'])} params, the "
+                    f"state dict's has {len(saved['params'])}. Fix: build the groups from the "
+                    f"same model as the one that saved it."
+                )
+        new_groups: list[dict[str, Any]] = []
+        new_state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+        for i, (group, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
+            new_group = _ParamGroup(saved)
+            new_group["params"] = group["params"]
+            if "param_names" in group and "param_names" not in new_group:
+                new_group["param_names"] = group["param_names"]
+            plan = self._plan(i, new_group)
+            self._hyperparams(i, new_group, plan)
+            entries = [state_dict["state"].get(sid) or {} for sid in saved["params"]]
+            if any(entries):
+                for j, (p, entry) in enumerate(zip(group["params"], entries, strict=True)):
+                    loaded = self._load_entry(f"param {j} of param_groups[{i}]", plan, j, entry)
+                    if loaded:
+                        new_state[p] = loaded
+            new_groups.append(new_group)
+        self.state = new_state
+        self.param_groups = new_groups
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    @staticmethod
+    def _load_entry(where: str, plan: _Plan, j: int, entry: Any) -> dict[str, Any]:
+        owner = "functopt.Optimizer.load_state_dict"
+        allowed = plan.fields[j]
+        if not isinstance(entry, dict):
+            raise TypeError(f"{owner}: the state of {where} is a {type(entry).__name__}, "
+                            f"expected a dict of tensors.")
+        unknown = sorted(map(str, set(entry) - set(allowed)))
+        missing = sorted(k for k, t in allowed.items() if t is not None and k not in entry)
+        if unknown or missing:
+            raise ValueError(
+                f"{owner}: the state of {where} has unexpected keys {unknown} and lacks "
+                f"{missing}; this transform keeps {sorted(allowed)}. Fix: load a state dict "
+                f"saved by a functopt.Optimizer with the same transform (a torch.optim "
+                f"optimizer's state does not carry over)."
+            )
+        loaded = {}
+        for name, value in entry.items():
+            held = allowed[name]
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"{owner}: the state of {where} has {name!r} = "
+                                f"{type(value).__name__}; expected a tensor.")
+            if held is not None:
+                if value.shape != held.shape:
+                    raise ValueError(
+                        f"{owner}: {name!r} of {where} has shape {tuple(value.shape)}, the "
+                        f"transform's state has {tuple(held.shape)}. Fix: load the state dict "
+                        f"into an optimizer over the same model."
+                    )
+                value = value.to(dtype=held.dtype, device=held.device)
+            loaded[name] = value
+        return loaded
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Plans are rebuilt on the next step; the transform's closures travel as they are.
+        return {**super().__getstate__(), "_transform": self._transform, "_plans": []}

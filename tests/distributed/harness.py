@@ -1,0 +1,117 @@
+"""Run a function on N gloo ranks (CPU processes) with a hard timeout.
+
+A launch costs process start-up plus ``init_process_group``; with the ``spawn`` start
+method every rank also re-imports torch (4 to 14 s on two shared cores), with ``fork``
+the ranks start from the test process's memory in well under a second. ``fork`` is the
+default on Linux (PyTorch's own ``MultiProcessTestCase`` forks too); the test process
+must not hold a process group of its own, which these tests never create. Each rank
+sets ``torch.set_num_threads(1)``: with several ranks on two cores, extra OpenMP
+threads slow collectives and foreach ops tens of times.
+
+The rank function returns a picklable value; ``run_ranks`` returns the list of these
+values in rank order, or raises with every rank's traceback.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# Collectives give up after this, so a rank waiting for a rank that failed errors out
+# instead of waiting for the hard timeout.
+COLLECTIVE_TIMEOUT_S = 20.0
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (the OS picks one when binding to port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(rank: int, fn: Callable[[int, int], Any], world_size: int, port: int,
+               out_dir: str) -> None:
+    torch.set_num_threads(1)
+    result: dict[str, Any]
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        )
+        try:
+            result = {"ok": True, "value": fn(rank, world_size)}
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # reported to the parent, which fails the test
+        result = {"ok": False, "error": traceback.format_exc()}
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
+def run_ranks(fn: Callable[[int, int], Any], world_size: int, *, timeout_s: float = 120.0,
+              start_method: str | None = None) -> list[Any]:
+    """``[fn(rank, world_size) for each rank]``, run on ``world_size`` gloo processes.
+
+    Args:
+        fn: called in each rank after ``init_process_group``; a module-level function
+            when ``start_method="spawn"`` (it is pickled by name).
+        world_size: number of ranks.
+        timeout_s: the whole launch is killed after this many seconds.
+        start_method: ``"fork"`` (default on Linux) or ``"spawn"``.
+
+    Raises:
+        RuntimeError: a rank failed, exited without a result, or the timeout passed.
+    """
+    if start_method is None:
+        start_method = "fork" if sys.platform == "linux" else "spawn"
+    with tempfile.TemporaryDirectory(prefix="functopt-dist-") as out_dir:
+        ctx = mp.start_processes(
+            _rank_main, args=(fn, world_size, free_port(), out_dir), nprocs=world_size,
+            join=False, start_method=start_method,
+        )
+        deadline = time.monotonic() + timeout_s
+        timed_out = False
+        try:
+            while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                if time.monotonic() > deadline:
+                    timed_out = True
+                    break
+        except mp.ProcessRaisedException as exc:  # a rank died outside _rank_main's handler
+            raise RuntimeError(f"a rank failed:\n{exc}") from None
+        except mp.ProcessExitedException:
+            pass  # reported below from the missing result files
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        results, errors = [], []
+        for rank in range(world_size):
+            path = os.path.join(out_dir, f"rank{rank}.pkl")
+            if not os.path.exists(path):
+                errors.append(f"rank {rank}: no result (killed or crashed)")
+                results.append(None)
+                continue
+            with open(path, "rb") as f:
+                r = pickle.load(f)
+            if r["ok"]:
+                results.append(r["value"])
+            else:
+                errors.append(f"rank {rank}:\n{r['error']}")
+                results.append(None)
+        if timed_out or errors:
+            head = f"timed out after {timeout_s:.0f} s; " if timed_out else ""
+            raise RuntimeError(head + "distributed run failed:\n" + "\n".join(errors))
+        return results

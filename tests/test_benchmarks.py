@@ -1,0 +1,213 @@
+"""The benchmark harness runs, measures something, and checks that the contenders agree.
+
+Nothing here asserts on speed: the numbers depend on the machine and its load. What is
+asserted is that every case reports positive finite timings and that each benchmarked
+computation was checked against the others (a benchmark of a wrong computation is
+worthless), and that the checks and the memory method can fail when they should.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+CASES = {"adamw", "mixed", "leaves", "size", "memory", "bandwidth"}
+
+
+def _bench_module(name: str) -> Any:
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    return importlib.import_module(name)
+
+
+def _timings(report: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """Every per-contender timing summary in the report, with a label."""
+    found = []
+    cases = report["cases"]
+    for case in ("adamw", "mixed"):
+        found += [(f"{case}/{n}", t) for n, t in cases[case]["timings"].items()]
+    for case in ("leaves", "size"):
+        for point in cases[case]["points"]:
+            found += [(f"{case}/{point['leaves']}/{point['params']}/{n}", t)
+                      for n, t in point["timings"].items()]
+    found += [(f"bandwidth/{k}", cases["bandwidth"]["streams"][k])
+              for k in ("add_out", "add_inplace", "add_fresh")]
+    return found
+
+
+def _positive_finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+@pytest.fixture(scope="module")
+def quick_report(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
+    out = tmp_path_factory.mktemp("bench") / "quick.json"
+    # One thread: the test machine is shared, and two OpenMP threads on two busy cores
+    # make the run slow without making the check any stronger.
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "run.py"), "--quick", "--repeats", "2", "--threads", "1",
+         "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240, check=False,
+    )
+    assert proc.returncode == 0, f"run.py failed:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_quick_run_reports_every_case_with_positive_finite_timings(quick_report):
+    report, stdout = quick_report
+    assert set(report["cases"]) == CASES
+    assert report["config"]["quick"] is True and report["config"]["repeats"] == 2
+    assert report["config"]["threads"] == 1
+    timings = _timings(report)
+    assert len(timings) >= 3 + 2 + 3 * 3 + 3 * 1 + 3
+    for label, t in timings:
+        # Bandwidth takes at least 3 samples whatever --repeats says (it is cheap).
+        assert len(t["samples_s"]) == (3 if label.startswith("bandwidth") else 2), label
+        for key in ("median_s", "min_s", "q25_s", "q75_s", *t["samples_s"]):
+            value = t[key] if isinstance(key, str) else key
+            assert _positive_finite(value), f"{label}: {key} = {value!r}"
+        assert t["q25_s"] <= t["median_s"] <= t["q75_s"], label
+    for case in ("adamw", "leaves", "size"):
+        points = report["cases"][case].get("points", [report["cases"][case]])
+        for p in points:
+            assert p["steps_per_block"] >= 1 and p["params"] > 0
+            assert all(_positive_finite(r) for r in p["ratios"].values())
+    assert [p["leaves"] for p in report["cases"]["leaves"]["points"]] == [10, 100, 1000]
+    assert "machine" in report and report["machine"]["torch"] == torch.__version__
+    for key in ("cpu", "logical_cores", "date_utc", "torch_threads"):
+        assert report["machine"][key], key
+    assert "cpu:" in stdout and "torch_threads:" in stdout
+
+
+def test_quick_run_checks_the_contenders_computed_the_same_result(quick_report):
+    report, stdout = quick_report
+    assert report["checks_passed"] is True
+    cases = report["cases"]
+    for case in ("adamw", "mixed"):
+        check = cases[case]["check"]
+        assert check["passed"] is True and check["problems"] == []
+        assert check["steps"] >= 2 + 1 + 2  # warm-up, calibration, two timed rounds
+        names = set(cases[case]["timings"]) - {check["reference"]}
+        assert set(check["max_abs_diff"]) == names
+        assert all(0 <= d <= 1e-4 for d in check["max_abs_diff"].values())
+    for case in ("leaves", "size"):
+        assert cases[case]["check"]["passed"] is True
+        assert all(p["check"]["passed"] for p in cases[case]["points"])
+    assert cases["memory"]["check"]["passed"] is True
+    assert cases["bandwidth"]["check"]["passed"] is True
+    assert "all checks PASSED" in stdout and "FAILED" not in stdout
+
+
+def test_quick_run_memory_and_bandwidth_numbers(quick_report):
+    report, _ = quick_report
+    mem = report["cases"]["memory"]
+    assert "profiler" in mem["method"]
+    for label, names in (("adamw", {"functopt", "torch foreach", "torch fused"}),
+                         ("mixed", {"functopt", "torch idiom"})):
+        contenders = mem[label]["contenders"]
+        assert set(contenders) == names
+        for name, m in contenders.items():
+            assert m["persistent_bytes"] > 0 and m["step_transient_peak_bytes"] >= 0, name
+            assert m["step_total_peak_bytes"] == m["persistent_bytes"] + m[
+                "step_transient_peak_bytes"]
+            # Adam's two moments at least (plus a float32 master in the mixed step).
+            assert m["state_bytes_per_param"] >= (12.0 if label == "mixed" else 8.0), name
+    # The pure path allocates new params and moments every step; the fused step does not.
+    adamw = mem["adamw"]["contenders"]
+    assert adamw["functopt"]["step_transient_peak_bytes"] >= 12 * mem["params"]
+    assert adamw["torch fused"]["step_transient_peak_bytes"] < mem["params"]
+    bw = report["cases"]["bandwidth"]
+    assert _positive_finite(bw["bound_bytes_per_s"])
+    for case, per_param in (("adamw", 28), ("mixed", 30)):
+        assert bw[case]["bytes_per_param"] == per_param
+        assert set(bw[case]["percent_of_bound"]) == set(report["cases"][case]["timings"])
+        assert all(_positive_finite(x) for x in bw[case]["percent_of_bound"].values())
+
+
+def test_compare_fails_on_a_different_computation():
+    C, H = _bench_module("contenders"), _bench_module("harness")
+    cs = C.adamw_contenders(C.make_shapes(2_000, 4), seed=1)
+    cs[2].opt.param_groups[0]["lr"] = 2 * C.LR  # torch fused now computes something else
+    for c in cs:
+        for _ in range(3):
+            c.step()
+    check = H.compare(cs, rtol=1e-4, atol=1e-6)
+    assert check["passed"] is False
+    assert check["max_abs_diff"]["torch foreach"] < 1e-6
+    assert check["max_abs_diff"]["torch fused"] > 1e-4
+
+
+def test_compare_fails_on_unequal_step_counts_and_broken_invariant():
+    C, H = _bench_module("contenders"), _bench_module("harness")
+    cs = C.mixed_contenders(C.make_shapes(2_000, 4), seed=2)
+    for c in cs:
+        c.step()
+    assert H.compare(cs, rtol=1e-4, atol=1e-6)["passed"] is True
+    cs[1].step()
+    check = H.compare(cs, rtol=1e-4, atol=1e-6)
+    assert check["passed"] is False
+    assert any("took 2 steps" in p for p in check["problems"])
+    cs[0].step()
+    idiom = cs[1]
+    idiom.params[0].add_(1.0)  # bf16 params no longer their rounded masters
+    check = H.compare(cs, rtol=1e-4, atol=1e-6)
+    assert check["passed"] is False
+    assert any("torch idiom" in p and "rounded masters" in p for p in check["problems"])
+
+
+def test_mixed_contenders_agree_step_by_step_with_clipping_active():
+    C, H = _bench_module("contenders"), _bench_module("harness")
+    cs = C.mixed_contenders(C.make_shapes(200_000, 10), seed=3)
+    for _ in range(4):
+        for c in cs:
+            c.step()
+        assert H.compare(cs, rtol=1e-5, atol=1e-7)["passed"]
+    # The grads' global norm is far above max_grad_norm, so clipping was exercised.
+    assert float(cs[0].state.metrics.grad_norm) > 2 * C.MAX_GRAD_NORM
+    assert float(cs[0].state.loss_scale.scale) == float(cs[1].scale) == C.INIT_SCALE
+
+
+def test_make_shapes_hits_the_size_and_leaf_count():
+    C = _bench_module("contenders")
+    for total, leaves in ((1_000_000, 50), (20_000_000, 200), (1_000, 200)):
+        shapes = C.make_shapes(total, leaves)
+        numel = sum(math.prod(s) for s in shapes)
+        assert len(shapes) == leaves
+        assert numel <= total or leaves * 1 >= total  # tiny totals round d up to 1
+        if total >= 1_000_000:
+            assert numel >= 0.95 * total
+        assert {len(s) for s in shapes} == {1, 2}  # matrices and vectors
+
+
+def test_peak_step_bytes_sees_a_freed_temporary():
+    H = _bench_module("harness")
+    n = 1_000_000
+    keep = torch.ones(n)
+
+    def step() -> torch.Tensor:
+        tmp = keep * 2  # 4 MB, freed before the step returns
+        out = tmp + 1  # 4 MB, returned
+        del tmp
+        return out.sum()
+
+    peak = H.peak_step_bytes(step)
+    assert 8 * n <= peak < 8 * n + 64 * 1024
+    assert H.peak_step_bytes(lambda: None) == 0
+
+
+def test_unknown_case_is_rejected(capsys):
+    run = _bench_module("run")
+    with pytest.raises(SystemExit) as exc:
+        run.main(["--only", "adamw,nope"])
+    assert exc.value.code == 2
+    assert "unknown case(s) ['nope']" in capsys.readouterr().err

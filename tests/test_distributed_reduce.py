@@ -1,0 +1,83 @@
+"""functopt.distributed on plain tensors, in one process (no process group needed).
+
+The multi-rank behaviour (DTensor shards, replicated leaves, one collective, FSDP2) is in
+``tests/test_distributed_fsdp.py``; here: the local statistics are bitwise those of
+``functopt.precision.grad_stats``, plain tensors make no collective, inputs stay untouched,
+and the errors that need no process group.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from torch.distributed.tensor.debug import CommDebugMode
+
+import functopt
+from functopt import distributed as fdist
+from functopt.precision import grad_stats
+from functopt.testing import assert_bitwise_equal, clone_tree
+from functopt.testing import strategies as fst
+from functopt.tree import _core
+
+
+@given(fst.params_and_gradients(grad_kind="any", allow_none=True))
+def test_local_grad_stats_is_grad_stats_on_plain_tensors(pair) -> None:
+    _, grads = pair
+    before = clone_tree(grads)
+    leaves, _ = _core.flatten(grads)
+    packed = fdist.local_grad_stats(grads)
+    assert_bitwise_equal(packed, grad_stats(leaves))
+    assert packed.dtype == torch.float64 and packed.shape == (3,)
+    assert_bitwise_equal(grads, before)  # pure
+
+
+@given(fst.params_and_gradients(grad_kind="any", allow_none=True))
+def test_global_grad_stats_without_dtensors_makes_no_collective(pair) -> None:
+    _, grads = pair
+    with CommDebugMode() as comm:
+        packed = fdist.global_grad_stats(grads)
+    assert comm.get_total_counts() == 0
+    assert_bitwise_equal(packed, fdist.local_grad_stats(grads))
+
+
+def test_all_reduce_stats_without_group_is_identity() -> None:
+    packed = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    assert fdist.all_reduce_stats(packed, None) is packed
+
+
+def test_empty_and_none_trees() -> None:
+    zeros = torch.zeros(3, dtype=torch.float64)
+    assert torch.equal(fdist.local_grad_stats({"a": None, "b": []}), zeros)
+    assert fdist.local_grad_stats([], device=torch.device("meta")).device.type == "meta"
+    assert torch.equal(fdist.local_grad_stats([torch.empty(0, 3)]), zeros)
+
+
+def test_plain_tensors_helpers() -> None:
+    x = torch.ones(2)
+    assert not fdist.is_dtensor(x)
+    assert fdist.local_tensor(x) is x
+    assert fdist.counted_here(x)
+    assert fdist.infer_group([x, None], names=["x", "y"]) is None
+
+
+def test_non_tensor_leaf_is_named() -> None:
+    with pytest.raises(TypeError, match=r"grads leaf 'layer\.w' is a str; expected a tensor"):
+        fdist.local_grad_stats({"layer": {"w": "oops"}})
+
+
+def test_mixed_precision_on_plain_tensors_makes_no_collective() -> None:
+    opt = functopt.precision.mixed_precision(functopt.adamw(1e-2), max_grad_norm=1.0)
+    params = {"w": torch.ones(3, dtype=torch.bfloat16), "b": torch.zeros(2)}
+    grads = {"w": torch.full((3,), 0.5, dtype=torch.bfloat16), "b": torch.ones(2)}
+    state = opt.init(params)
+    with CommDebugMode() as comm:
+        new, state = opt.step(grads, state, params)
+    assert comm.get_total_counts() == 0
+    assert not bool(state.metrics.found_inf) and not torch.equal(new["b"], params["b"])
+
+
+def test_mixed_precision_rejects_a_non_group() -> None:
+    with pytest.raises(TypeError, match=r"process_group must be a torch.distributed.ProcessGroup "
+                                        r"or None .*got str"):
+        functopt.precision.mixed_precision(functopt.sgd(0.1), process_group="world")
