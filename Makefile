@@ -27,6 +27,7 @@ test-deep: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check functopt tests examples benchmarks
+	$(PY) -m mypy
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir build/site

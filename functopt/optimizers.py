@@ -279,8 +279,8 @@ def rmsprop(
     _check_lr("rmsprop", learning_rate)
     if nesterov and momentum is None:
         raise ValueError("rmsprop: nesterov=True needs a momentum. Fix: pass momentum=0.9 (say).")
-    kwargs = dict(decay=decay, eps=eps, initial_scale=initial_scale, eps_in_sqrt=eps_in_sqrt,
-                  bias_correction=bias_correction)
+    kwargs: dict[str, Any] = dict(decay=decay, eps=eps, initial_scale=initial_scale,
+                                  eps_in_sqrt=eps_in_sqrt, bias_correction=bias_correction)
     return chain(
         scale_by_stddev(**kwargs) if centered else scale_by_rms(**kwargs),
         scale_by_learning_rate(learning_rate),

@@ -14,6 +14,8 @@ from types import ModuleType
 import pytest
 import torch
 
+import functopt
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -154,3 +156,88 @@ def test_quickstart_converges() -> None:
     values = [float(v) for v in re.search(r"step 200: .*w = \[(.*)\]", stdout).group(1).split(",")]
     assert values == pytest.approx([1.0, -2.0, 3.0], abs=1e-3)
     assert "step count in the state: 200" in stdout
+
+
+# -- the examples of the guide (docs/examples.md) ------------------------------------------
+
+
+def load_example(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"functopt_example_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_meta_learning_rate_learns_the_learning_rate() -> None:
+    stdout = run_example("meta_learning_rate.py", "--quick").stdout
+    assert "verdict: validation loss improved: True; meta-gradient matches finite differences: " \
+           "True" in stdout, stdout
+    rows = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)$", stdout, re.MULTILINE)
+    steps = [int(r[0]) for r in rows]
+    lrs = [float(r[1]) for r in rows]
+    val = [float(r[2]) for r in rows]
+    assert steps[0] == 0 and steps[-1] == 30 and steps == sorted(steps), stdout  # --quick: 30
+    assert lrs[0] == 0.001 and lrs[-1] > 5 * lrs[0], stdout  # 1e-3 was far too small
+    assert val[-1] < 0.5 * val[0], stdout
+    # The printed summary is the table's first and last rows.
+    assert f"validation loss: {val[0]:.6f} -> {val[-1]:.6f}" in stdout
+    autograd = number(r"autograd (\S+),", stdout)
+    finite_diff = number(r"finite differences (\S+),", stdout)
+    assert autograd < 0 and autograd == pytest.approx(finite_diff, rel=1e-6)  # raise the lr
+    assert number(r"relative error ([\d.e+-]+)", stdout) < 1e-6
+
+
+def test_vmap_ensemble_equals_a_loop() -> None:
+    stdout = run_example("vmap_ensemble.py", "--quick").stdout
+    assert "verdict: every member trained: True; vmap equals the loop: True" in stdout, stdout
+    rows = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)$", stdout, re.MULTILINE)
+    assert [int(r[0]) for r in rows] == list(range(8)), stdout  # --quick: 8 members
+    assert all(float(last) < 0.5 * float(first) for _, first, last in rows), stdout
+    assert len({first for _, first, _ in rows}) == 8  # different inits and data per member
+    assert number(r"max abs difference of the params ([\d.e+-]+)", stdout) < 1e-4
+    vmap_s = number(r"time: vmap ([\d.]+) s", stdout)
+    loop_s = number(r"loop ([\d.]+) s", stdout)
+    ratio = number(r"speed ratio ([\d.]+)x", stdout)
+    assert vmap_s > 0 and loop_s > 0
+    assert ratio == pytest.approx(loop_s / vmap_s, abs=0.1 + 0.01 * ratio)  # printed, not made up
+
+
+def test_port_optax_maps_and_trains() -> None:
+    stdout = run_example("port_optax.py", "--quick").stdout
+    for optax_name in ("optax.chain", "optax.clip_by_global_norm", "optax.scale_by_adam",
+                       "optax.add_decayed_weights", "optax.scale_by_learning_rate"):
+        assert re.search(rf"{optax_name}\s+-> functopt\.{optax_name[6:]}$", stdout, re.MULTILINE)
+    assert re.search(r"optax\.warmup_cosine_decay_schedule\s+-> "
+                     r"functopt\.schedules\.warmup_cosine_decay_schedule", stdout)
+    assert "decay mask: {'0.weight': True, '0.bias': False, '2.weight': True, '2.bias': False}" \
+           in stdout
+    assert "learning rate by step: 0: 0.0000, 10: 0.0150, 20: 0.0300," in stdout  # warmup
+    assert "149: 0.0010" in stdout  # the end value
+    assert "Adam step count in the state: 150" in stdout
+    first = number(r"loss: ([\d.]+) ->", stdout)
+    last = number(r"loss: [\d.]+ -> ([\d.]+)", stdout)
+    assert last < 0.5 * first and number(r"training accuracy ([\d.]+)%", stdout) > 90
+    assert "verdict: the port trains: True" in stdout
+
+
+def test_port_optax_lookup_fails_on_a_missing_name() -> None:
+    lookup = load_example("port_optax").lookup
+    assert lookup("functopt.schedules.warmup_cosine_decay_schedule") is \
+        functopt.schedules.warmup_cosine_decay_schedule
+    with pytest.raises(AttributeError, match="scale_by_nothing"):
+        lookup("functopt.scale_by_nothing")
+
+
+def test_replace_torch_optim_curves_agree() -> None:
+    stdout = run_example("replace_torch_optim.py", "--quick").stdout
+    assert "verdict: the loss curves agree: True; the model trained: True" in stdout, stdout
+    curves = re.findall(r"^  ([ABC]) .* loss ([\d.]+) -> ([\d.]+), max \|diff\| from A (\S+)$",
+                        stdout, re.MULTILINE)
+    assert [c[0] for c in curves] == ["A", "B", "C"], stdout
+    assert float(curves[0][3]) == 0.0
+    assert all(float(c[3]) < 1e-5 for c in curves), stdout
+    assert len({c[1] for c in curves}) == 1  # the same start
+    assert float(curves[0][2]) < 0.5 * float(curves[0][1])
+    assert number(r"max difference ([\d.e+-]+)", stdout) == max(float(c[3]) for c in curves)
+    assert "+ functopt.Optimizer(model.parameters(), functopt.inject_hyperparams(" in stdout

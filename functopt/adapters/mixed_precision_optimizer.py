@@ -20,6 +20,8 @@ import torch
 
 from functopt._base import GradientTransformation, Params
 from functopt.adapters import _param_groups, _state_dict
+from functopt.distributed.dtensor import local_tensor
+from functopt.distributed.offloading import OffloadedState, offload, reload
 from functopt.precision.loss_scale import LossScale, dynamic_loss_scale
 from functopt.precision.master import float32_master
 from functopt.precision.step import (
@@ -89,12 +91,14 @@ def _unaliased(state: MixedPrecisionState, params: list[torch.Tensor]) -> MixedP
     point); in the functional world they never change, but here ``step()`` writes the
     params in place, which would change that state behind the transform's back.
     """
-    storages = {p.untyped_storage().data_ptr() for p in params if p.numel() > 0}
+    # A DTensor has no storage of its own: compare its local shard's (FSDP2 params).
+    storages = {local_tensor(p).untyped_storage().data_ptr() for p in params
+                if local_tensor(p).numel() > 0}
     leaves, treespec = _core.flatten(state)
     out = [
         leaf.clone()
-        if isinstance(leaf, torch.Tensor) and leaf.numel() > 0
-        and leaf.untyped_storage().data_ptr() in storages
+        if isinstance(leaf, torch.Tensor) and local_tensor(leaf).numel() > 0
+        and local_tensor(leaf).untyped_storage().data_ptr() in storages
         else leaf
         for leaf in leaves
     ]
@@ -243,6 +247,9 @@ class MixedPrecisionOptimizer:
         with torch.no_grad():
             state = self._tx.init(self._tree([p.detach() for p in self._params]))
         self._state = _unaliased(state, self._params)
+        # offload_to_cpu: the state held on the host, and the host buffers kept for reuse
+        self._offloaded: OffloadedState | None = None
+        self._offload_buffers: tuple[Any, ...] | None = None
 
     def _build(self) -> MixedPrecisionTransformation:
         return mixed_precision(
@@ -271,6 +278,7 @@ class MixedPrecisionOptimizer:
         Raises:
             RuntimeError: when no param has a gradient.
         """
+        self._check_not_offloaded("step")
         grads = [p.grad for p in self._params]
         if all(g is None for g in grads):
             shown = self._names[:5] + (["..."] if len(self._names) > 5 else [])
@@ -393,6 +401,7 @@ class MixedPrecisionOptimizer:
                 transform), or a key whose tensor has another shape.
             TypeError: naming a key whose tensor has another dtype (a float16 loss scale).
         """
+        self._check_not_offloaded("load_state_dict")
         state: MixedPrecisionState = _state_dict.from_nested(
             f"{_OWNER}.load_state_dict", self._state, state_dict
         )
@@ -403,6 +412,45 @@ class MixedPrecisionOptimizer:
                 if store is not None:  # as LightRFT: the model follows the loaded master
                     p.copy_(mw.write(p, store, mw.view(p, store), None)[0])
         self._state = state
+
+    # -- offloading ---------------------------------------------------------------------
+
+    def offload_to_cpu(self) -> None:
+        """Move the state (master weights, the transform's state, loss scale) to host memory.
+
+        Megatron-LM's name (LightRFT's ``offload_fsdp_optimizer(optimizer)`` does the
+        same); frees the device memory the state held once nothing else references it. The
+        host buffers are allocated on the first call (pinned when CUDA is available) and
+        reused by later calls, without allocating (see
+        [`offload`][functopt.distributed.offload]). Until ``restore_from_cpu()``, ``step()``
+        and ``load_state_dict`` raise; ``state_dict()`` and the loss scale read the host
+        copy. A second call while offloaded does nothing.
+        """
+        if self._offloaded is not None:
+            return
+        self._offloaded, self._offload_buffers = offload(
+            self._state, buffers=self._offload_buffers
+        )
+        self._state = self._offloaded.state
+
+    def restore_from_cpu(self) -> None:
+        """Move the state back to the devices it came from (Megatron-LM's name).
+
+        The inverse of ``offload_to_cpu``, bitwise (LightRFT's ``load_fsdp_optimizer``).
+        The host buffers stay allocated for the next ``offload_to_cpu``. A call while
+        not offloaded does nothing.
+        """
+        if self._offloaded is None:
+            return
+        self._state = reload(self._offloaded)
+        self._offloaded = None
+
+    def _check_not_offloaded(self, method: str) -> None:
+        if self._offloaded is not None:
+            raise RuntimeError(
+                f"{_OWNER}.{method}: the optimizer state is offloaded to the CPU. Fix: call "
+                f"restore_from_cpu() first."
+            )
 
     def __repr__(self) -> str:
         rule = self._loss_scale_rule

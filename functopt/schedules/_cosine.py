@@ -72,7 +72,10 @@ def cosine(
         done = torch.clamp(t, max=decay_steps)
         factor = 0.5 * (1 + torch.cos(math.pi * done / decay_steps))
         a = _common.f64(alpha)
-        return _common.f64(init_value) * ((1 - a) * factor ** _common.f64(exponent) + a)
+        value: torch.Tensor = _common.f64(init_value) * (
+            (1 - a) * factor ** _common.f64(exponent) + a
+        )
+        return value
 
     return _common.make_schedule(owner, compute, [init_value, alpha, exponent])
 

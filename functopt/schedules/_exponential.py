@@ -90,7 +90,7 @@ def exponential(
         if staircase:
             p = torch.floor(p)
         rate = _common.f64(decay_rate)
-        value = _common.f64(init_value) * rate ** p
+        value: torch.Tensor = _common.f64(init_value) * rate ** p
         if end_value is None:
             return value
         bound = _common.lift(end_value, value)

@@ -74,11 +74,13 @@ def piecewise_constant_schedule(
 
 
 def _linear(start: Any, end: Any, pct: torch.Tensor) -> torch.Tensor:
-    return (end - start) * pct + start
+    value: torch.Tensor = (end - start) * pct + start
+    return value
 
 
 def _cosine(start: Any, end: Any, pct: torch.Tensor) -> torch.Tensor:
-    return end + (start - end) / 2.0 * (torch.cos(math.pi * pct) + 1)
+    value: torch.Tensor = end + (start - end) / 2.0 * (torch.cos(math.pi * pct) + 1)
+    return value
 
 
 _INTERPOLATIONS: dict[str, Callable[[Any, Any, torch.Tensor], torch.Tensor]] = {

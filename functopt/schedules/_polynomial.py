@@ -105,7 +105,8 @@ def polynomial(
         done = torch.clamp(t - transition_begin, 0, transition_steps)
         frac = 1 - done / transition_steps
         init, end = _common.f64(init_value), _common.f64(end_value)
-        return (init - end) * frac ** _common.f64(power) + end
+        value: torch.Tensor = (init - end) * frac ** _common.f64(power) + end
+        return value
 
     return _common.make_schedule(owner, compute, [init_value, end_value, power])
 

@@ -314,7 +314,8 @@ def _save_load(state: Any, when: str) -> Any:
     buffer.seek(0)
     classes = _namedtuple_classes(state)
     try:
-        with torch.serialization.safe_globals(classes):
+        # list(): a new list, typed as safe_globals' parameter (a list[type] is not one).
+        with torch.serialization.safe_globals(list(classes)):
             return torch.load(buffer, weights_only=True)
     except Exception as err:
         names = [c.__qualname__ for c in classes]

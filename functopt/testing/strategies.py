@@ -144,7 +144,7 @@ def gradients_like(
     With ``allow_none``, some gradient leaves are ``None`` (params that got no gradient).
     """
     leaves, treespec = _core.flatten(reference)
-    out = []
+    out: list[torch.Tensor | None] = []
     for leaf in leaves:
         if leaf is None or (allow_none and draw(st.booleans())):
             out.append(None)

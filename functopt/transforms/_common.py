@@ -82,7 +82,8 @@ def bias_correction(decay: Any, count: torch.Tensor) -> torch.Tensor:
     Float64 keeps the factor exact enough to match torch.optim (which uses Python floats) in
     float64 runs; a 0-d tensor does not promote the dimensioned leaves it multiplies.
     """
-    return 1 - decay ** count.to(torch.float64)
+    factor: torch.Tensor = 1 - decay ** count.to(torch.float64)
+    return factor
 
 
 def zeros_like(leaf: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

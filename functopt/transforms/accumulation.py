@@ -103,7 +103,8 @@ def trace(
 class EmaState(NamedTuple):
     """State of [`ema`][functopt.ema]."""
 
-    count: torch.Tensor  # int32, shape (): number of updates done so far
+    # The name shadows tuple.count (hence the ignore); kept: optax's name, public API.
+    count: torch.Tensor  # type: ignore[assignment]  # int32, shape (): updates done so far
     ema: Updates  # like params, dtype accumulator_dtype (default: the param's): the average
 
 

@@ -23,7 +23,8 @@ class AddDecayedWeightsState(NamedTuple):
     """State of [`add_decayed_weights`][functopt.add_decayed_weights] when ``weight_decay`` is a schedule (optax:
     ``WeightDecaySchedule``); with a constant it is [`EmptyState`][functopt.EmptyState]."""
 
-    count: torch.Tensor  # int32, shape (): number of updates done so far
+    # The name shadows tuple.count (hence the ignore); kept: optax's name, public API.
+    count: torch.Tensor  # type: ignore[assignment]  # int32, shape (): updates done so far
 
 
 def add_decayed_weights(

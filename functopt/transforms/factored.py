@@ -66,7 +66,8 @@ class FactoredState(NamedTuple):
     For a factored leaf with dims ``(d1, d0) = (second largest, largest)``:
     """
 
-    count: torch.Tensor  # int32, shape (): number of updates done so far
+    # The name shadows tuple.count (hence the ignore); kept: optax's name, public API.
+    count: torch.Tensor  # type: ignore[assignment]  # int32, shape (): updates done so far
     v_row: Updates  # like params, param's dtype; param shape without d0: mean over d0 of the EMA
     v_col: Updates  # like params, param's dtype; param shape without d1: mean over d1 of the EMA
     v: Updates  # like params, param's dtype and shape (unfactored leaves): EMA of g**2 + epsilon

@@ -36,7 +36,8 @@ class InjectHyperparamsState(NamedTuple):
     ``count`` on every update, so assigning to it has no effect.
     """
 
-    count: torch.Tensor  # int32, shape (): number of updates done so far
+    # The name shadows tuple.count (hence the ignore); kept: optax's name, public API.
+    count: torch.Tensor  # type: ignore[assignment]  # int32, shape (): updates done so far
     hyperparams: dict[str, torch.Tensor]  # name -> 0-d tensor (float64 for Python numbers)
     inner_state: State  # the inner transform's state
 

@@ -33,7 +33,8 @@ __all__ = [
 class ScaleByAdamState(NamedTuple):
     """State of [`scale_by_adam`][functopt.scale_by_adam]."""
 
-    count: torch.Tensor  # int32, shape (): number of updates done so far
+    # The name shadows tuple.count (hence the ignore); kept: optax's name, public API.
+    count: torch.Tensor  # type: ignore[assignment]  # int32, shape (): updates done so far
     mu: Updates  # like params, dtype mu_dtype (default: the param's): EMA of the gradient
     nu: Updates  # like params, dtype nu_dtype (default: the param's): EMA of its square
 
@@ -156,7 +157,8 @@ def scale_by_adam(
 class ScaleByAmsgradState(NamedTuple):
     """State of [`scale_by_amsgrad`][functopt.scale_by_amsgrad]."""
 
-    count: torch.Tensor  # int32, shape (): number of updates done so far
+    # The name shadows tuple.count (hence the ignore); kept: optax's name, public API.
+    count: torch.Tensor  # type: ignore[assignment]  # int32, shape (): updates done so far
     mu: Updates  # like params, dtype mu_dtype (default: the param's): EMA of the gradient
     nu: Updates  # like params, dtype nu_dtype (default: the param's): EMA of its square
     nu_max: Updates  # like params, dtype as nu: running max of the (corrected) EMA nu
@@ -288,7 +290,8 @@ def scale_by_amsgrad(
 class ScaleByLionState(NamedTuple):
     """State of [`scale_by_lion`][functopt.scale_by_lion]."""
 
-    count: torch.Tensor  # int32, shape (): number of updates done so far
+    # The name shadows tuple.count (hence the ignore); kept: optax's name, public API.
+    count: torch.Tensor  # type: ignore[assignment]  # int32, shape (): updates done so far
     mu: Updates  # like params, dtype mu_dtype (default: the param's): EMA of the gradient
 
 

@@ -38,7 +38,8 @@ def _rms_scaling(second: torch.Tensor, eps: Numeric, eps_in_sqrt: bool) -> torch
 class ScaleByRmsState(NamedTuple):
     """State of [`scale_by_rms`][functopt.scale_by_rms]."""
 
-    count: torch.Tensor  # int32, shape (): number of updates done so far
+    # The name shadows tuple.count (hence the ignore); kept: optax's name, public API.
+    count: torch.Tensor  # type: ignore[assignment]  # int32, shape (): updates done so far
     nu: Updates  # like params, the param's dtype: EMA of the squared gradient
 
 
@@ -134,7 +135,8 @@ def scale_by_rms(
 class ScaleByRStdDevState(NamedTuple):
     """State of [`scale_by_stddev`][functopt.scale_by_stddev]."""
 
-    count: torch.Tensor  # int32, shape (): number of updates done so far
+    # The name shadows tuple.count (hence the ignore); kept: optax's name, public API.
+    count: torch.Tensor  # type: ignore[assignment]  # int32, shape (): updates done so far
     mu: Updates  # like params, the param's dtype: EMA of the gradient
     nu: Updates  # like params, the param's dtype: EMA of the squared gradient
 

@@ -65,7 +65,8 @@ def scale(step_size: Numeric) -> GradientTransformation:
 class ScaleByScheduleState(NamedTuple):
     """State of [`scale_by_schedule`][functopt.scale_by_schedule]."""
 
-    count: torch.Tensor  # int32, shape (): number of updates done so far
+    # The name shadows tuple.count (hence the ignore); kept: optax's name, public API.
+    count: torch.Tensor  # type: ignore[assignment]  # int32, shape (): updates done so far
 
 
 def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:

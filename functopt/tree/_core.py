@@ -10,7 +10,7 @@ fresh flatten; the path-aware (slow) code runs only to build an error message.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import optree
@@ -37,7 +37,7 @@ def structure(tree: Tree) -> TreeSpec:
     return optree.tree_structure(tree, none_is_leaf=True, namespace=NAMESPACE)
 
 
-def path_str(accessor: optree.PyTreeAccessor) -> str:
+def path_str(accessor: Iterable[optree.PyTreeEntry]) -> str:
     """A dotted, human-readable path: ``'layers.3.weight'``, ``'mu.bias'``, ``'0.w'``."""
     parts = []
     for entry in accessor:
@@ -81,10 +81,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _first_difference(reference: Tree, other: Tree, path: str) -> str:
     """Walk both trees together and describe the first place where they differ."""
-    ref_spec = optree.tree_structure(reference, none_is_leaf=True, namespace=NAMESPACE)
-    if ref_spec.is_leaf():
+    ref = _children(reference)
+    if ref is None:  # a leaf
         return f"at {path!r}"
-    ref_children, _, ref_entries = _children(reference)
+    ref_children, _, ref_entries = ref
     oth = _children(other)
     if oth is None or type(other) is not type(reference):
         return f"at {path!r}: expected {_describe(reference)}, got {_describe(other)}"
@@ -124,7 +124,7 @@ def _children(node: Any) -> tuple[list[Any], Any, list[Any]] | None:
         node, none_is_leaf=True, namespace=NAMESPACE
     )
     if isinstance(node, tuple) and hasattr(node, "_fields"):
-        entries = list(node._fields)
+        return list(children), metadata, list(node._fields)
     return list(children), metadata, list(entries)
 
 

@@ -249,7 +249,8 @@ def _sum_of_squares(x: torch.Tensor) -> torch.Tensor:
     and Megatron, a float32 leaf whose norm exceeds about ``1.8e19`` gives inf.
     """
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return torch.linalg.vector_norm(x, dtype=acc).to(torch.float64) ** 2
+    square: torch.Tensor = torch.linalg.vector_norm(x, dtype=acc).to(torch.float64) ** 2
+    return square
 
 
 def _leaf_stats(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,271 @@
+"""Rank-side checks of ``functopt.precision.zero.zero1`` (ZeRO-1), run by ``run_all`` in each rank.
+
+Every rank holds the same full params and the same gradients (as after DDP's all-reduce);
+the reference is ``mixed_precision`` with the same arguments on the whole params, run in
+each rank without communication. The params mix bfloat16 (float32 master) and float32
+leaves, a ``None`` leaf, and leaves with fewer elements than ranks (empty slices).
+
+Tolerances: without clipping the step is elementwise after one global decision, so
+params, masters and inner state are compared bitwise; with ``max_grad_norm`` the global
+sum of squares adds per-slice float32 sums (another order), so results are compared to
+``rtol=1e-6``.
+"""
+
+from __future__ import annotations
+
+import traceback
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
+
+import functopt
+from distributed.checks import _assert_tree, _bits_equal
+from functopt.precision import mixed_precision
+from functopt.precision.zero import slice_bounds, zero1
+
+CHECKS: dict[str, Callable[[int, int], None]] = {}
+
+
+def check(fn: Callable[[int, int], None]) -> Callable[[int, int], None]:
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+def run_all(rank: int, world: int) -> dict[str, str | None]:
+    """Run every check in this rank; a barrier after each keeps the ranks in step."""
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+    out: dict[str, str | None] = {}
+    for name, fn in CHECKS.items():
+        try:
+            fn(rank, world)
+            out[name] = None
+        except Exception:  # reported per check to the parent
+            out[name] = traceback.format_exc()
+        try:
+            dist.barrier()
+        except RuntimeError as exc:
+            raise RuntimeError(f"ranks out of step after check {name!r}; so far: {out}") from exc
+    return out
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _params() -> dict[str, Any]:
+    torch.manual_seed(0)
+    return {
+        "w": torch.randn(5, 3).to(torch.bfloat16),
+        "v": torch.randn(7).to(torch.bfloat16),
+        "b": torch.randn(3),  # float32: no master
+        "one": torch.randn(1).to(torch.bfloat16),  # fewer elements than ranks
+        "frozen": None,
+        "m": torch.randn(4, 4),
+    }
+
+
+def _grads(step: int, params: dict[str, Any]) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1000 + step)  # the same on every rank (DDP)
+    out = {k: None if p is None else (torch.randn(p.shape, generator=g) * 64).to(p.dtype)
+           for k, p in params.items()}
+    if step == 3:
+        out["v"] = None  # a param without gradient this step
+    return out
+
+
+def _slice_of(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    start, end = slice_bounds(x.numel(), rank, world)
+    return x.reshape(-1)[start:end]
+
+
+def _slice_tree(tree: Any, rank: int, world: int) -> Any:
+    leaves, spec = functopt.tree._core.flatten(tree)
+    return functopt.tree._core.unflatten(
+        spec, [None if x is None else _slice_of(x, rank, world) for x in leaves])
+
+
+def _sharded_state_like(reference_state: Any, rank: int, world: int) -> Any:
+    """The reference (unsharded) state with every per-leaf tensor sliced like zero1 slices."""
+    return reference_state._replace(
+        master=_slice_tree(reference_state.master, rank, world),
+        inner_state=_slice_inner(reference_state.inner_state, rank, world),
+    )
+
+
+def _slice_inner(inner: Any, rank: int, world: int) -> Any:
+    leaves, spec = functopt.tree._core.flatten(inner)
+    return functopt.tree._core.unflatten(spec, [
+        x if not isinstance(x, torch.Tensor) or x.dim() == 0 else _slice_of(x, rank, world)
+        for x in leaves])
+
+
+def _state_bytes(state: Any) -> int:
+    """Bytes of the per-leaf state (masters and inner state; counters excluded)."""
+    total = 0
+    for part in (state.master, state.inner_state):
+        for x in functopt.tree._core.flatten(part)[0]:
+            if isinstance(x, torch.Tensor) and x.dim() > 0:
+                total += x.numel() * x.element_size()
+    return total
+
+
+def _run(rank: int, world: int, *, max_grad_norm: float | None, steps: int,
+         overflow_step: int | None) -> None:
+    kwargs = {"loss_scale": functopt.dynamic_loss_scale(init_scale=2.0**6, growth_interval=2),
+              "max_grad_norm": max_grad_norm}
+    opt = zero1(functopt.adamw(1e-2, weight_decay=0.1), **kwargs)
+    ref = mixed_precision(functopt.adamw(1e-2, weight_decay=0.1), **kwargs)
+    params = _params()
+    ref_params = _params()
+    state, ref_state = opt.init(params), ref.init(ref_params)
+    bitwise = max_grad_norm is None
+    skipped = 0
+    for step in range(steps):
+        grads = _grads(step, params)
+        ref_grads = _grads(step, params)
+        scale = ref_state.loss_scale.scale
+        grads = {k: None if g is None else (g.float() * scale).to(g.dtype) for k, g in grads.items()}
+        ref_grads = {k: None if g is None else (g.float() * scale).to(g.dtype)
+                     for k, g in ref_grads.items()}
+        if step == overflow_step:
+            # Only the owner of w's first slice element on rank 1 sees the inf (DDP would
+            # give it to every rank; one rank suffices for the skip to be global).
+            start, _ = slice_bounds(15, 1, world)
+            ref_grads["w"] = ref_grads["w"].clone()
+            ref_grads["w"].view(-1)[start] = float("inf")
+            if rank == 1:
+                grads["w"] = grads["w"].clone()
+                grads["w"].view(-1)[start] = float("inf")
+        before = {k: None if p is None else p.clone() for k, p in params.items()}
+        with CommDebugMode() as comm:
+            params, state = opt.step(grads, state, params)
+        counts = {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()}
+        assert comm.get_total_counts() == 2, counts
+        assert sum(v for k, v in counts.items() if "allreduce" in k) == 1, counts
+        assert sum(v for k, v in counts.items() if "allgather" in k) == 1, counts
+        ref_params, ref_state = ref.step(ref_grads, ref_state, ref_params)
+        found = bool(state.metrics.found_inf)
+        assert found == (step == overflow_step), (rank, step)
+        assert found == bool(ref_state.metrics.found_inf)
+        skipped += found
+        assert int(state.metrics.skipped_steps) == skipped
+        if found:
+            _assert_tree(params, before)  # bitwise unchanged everywhere
+        # clipped: a bfloat16 param may round the other way (one ulp, 2**-8 relative) when
+        # its master moved by a last-bit difference of the clip factor across a tie
+        _assert_tree(params, ref_params, bitwise=bitwise, rtol=2.0**-7, atol=0.0)
+        expected_state = _sharded_state_like(ref_state, rank, world)
+        # the clip factor's relative error (~1e-7) times the gradients (|g| <= 0.05 after
+        # clipping) bounds the absolute error of masters and moments
+        _assert_tree(state.master, expected_state.master, bitwise=bitwise, rtol=1e-6, atol=1e-8)
+        _assert_tree(state.inner_state, expected_state.inner_state, bitwise=bitwise,
+                     rtol=1e-6, atol=1e-8)
+        assert torch.equal(state.loss_scale.scale, ref_state.loss_scale.scale)
+        assert torch.equal(state.metrics.num_zeros, ref_state.metrics.num_zeros)
+        torch.testing.assert_close(state.metrics.grad_norm, ref_state.metrics.grad_norm,
+                                   rtol=1e-6, atol=0.0)
+        for k, p in params.items():  # bfloat16 params: exactly their master, rounded
+            if p is not None and p.dtype == torch.bfloat16:
+                assert _bits_equal(_slice_of(p, rank, world), state.master[k].to(p.dtype)), k
+    assert skipped == (overflow_step is not None)
+    # every rank holds the same params
+    flat = torch.cat([p.float().reshape(-1) for p in params.values() if p is not None])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    assert all(torch.equal(g, flat) for g in gathered)
+
+
+# ----------------------------------------------------------------------------- checks
+
+@check
+def zero1_bitwise_equals_unsharded_with_overflow(rank: int, world: int) -> None:
+    """Five steps of adamw under a dynamic loss scale, one overflow on rank 1 only at step 2
+    (every rank skips), a None gradient at step 3; one all_reduce + one all_gather each."""
+    _run(rank, world, max_grad_norm=None, steps=5, overflow_step=2)
+
+
+@check
+def zero1_clipped_close_to_unsharded(rank: int, world: int) -> None:
+    _run(rank, world, max_grad_norm=0.05, steps=3, overflow_step=1)
+
+
+@check
+def zero1_state_bytes_one_nth(rank: int, world: int) -> None:
+    """Masters and Adam moments: the ranks' bytes sum to the unsharded state's, each ~1/N."""
+    torch.manual_seed(0)
+    params = {"a": torch.randn(301, 7).to(torch.bfloat16), "b": torch.randn(513),
+              "c": torch.randn(3).to(torch.bfloat16)}
+    opt = zero1(functopt.adamw(1e-3))
+    state = opt.init(params)
+    total = _state_bytes(mixed_precision(functopt.adamw(1e-3)).init(params))
+    mine = torch.tensor([_state_bytes(state)], dtype=torch.int64)
+    every = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(every, mine)
+    per_rank = [int(x) for x in every]
+    assert sum(per_rank) == total, (per_rank, total)
+    # per leaf at most one element (12 bytes: master + mu + nu) above an even share
+    assert all(abs(b - total / world) <= 3 * 12 for b in per_rank), (per_rank, total / world)
+
+
+@check
+def zero1_with_ddp_equals_single_process(rank: int, world: int) -> None:
+    """DDP on CPU (gloo) averages the gradients; zero1 then equals mixed_precision run on
+    the same averaged gradients, and the model stays in sync over the ranks."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = zero1(functopt.adamw(1e-2), max_grad_norm=None)
+    ref = mixed_precision(functopt.adamw(1e-2))
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    state = opt.init(params)
+    ref_params = {n: p.clone() for n, p in params.items()}
+    ref_state = ref.init(ref_params)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(2 * world, 4, generator=g), torch.randn(2 * world, 1, generator=g)
+        ddp.zero_grad()
+        (ddp(x[2 * rank:2 * rank + 2]) - y[2 * rank:2 * rank + 2]).square().mean().backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        new, state = opt.step(grads, state, params)
+        ref_params, ref_state = ref.step(grads, ref_state, ref_params)
+        _assert_tree(new, ref_params)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(new[n])
+        params = {n: p.detach() for n, p in model.named_parameters()}
+
+
+@check
+def zero1_errors(rank: int, world: int) -> None:
+    opt = zero1(functopt.sgd(0.1))
+    mesh = init_device_mesh("cpu", (world,))
+    d = distribute_tensor(torch.ones(4), mesh, [Shard(0)])
+    with pytest.raises(ValueError, match=r"params leaf 'd' is a DTensor.*mixed_precision"):
+        opt.init({"d": d})
+    params = {"w": torch.ones(2, 2)}
+    state = opt.init(params)
+    with pytest.raises(ValueError, match=r"'w': grad has shape \(4,\) but the param has shape"):
+        opt.step({"w": torch.ones(4)}, state, params)
+
+
+@check
+def zero1_on_a_data_parallel_subgroup(rank: int, world: int) -> None:
+    """Shard over a subgroup (pairs of ranks at 4 ranks): slices by the rank in the group."""
+    groups = [dist.new_group(list(range(r, min(r + 2, world)))) for r in range(0, world, 2)]
+    group = groups[rank // 2]
+    opt = zero1(functopt.adamw(1e-2), process_group=group)
+    ref = mixed_precision(functopt.adamw(1e-2))
+    params = _params()
+    state, ref_state = opt.init(params), ref.init(params)
+    grads = _grads(0, params)
+    with CommDebugMode() as comm:
+        new, state = opt.step(grads, state, params)
+    assert comm.get_total_counts() == 2
+    ref_new, ref_state = ref.step(grads, ref_state, params)
+    _assert_tree(new, ref_new)
+    _assert_tree(state.master, _slice_tree(ref_state.master, rank % 2, 2))

@@ -1,0 +1,91 @@
+"""ZeRO-1 (``functopt.precision.zero.zero1``): single-process properties, then 2 and 4 gloo ranks.
+
+The multi-rank checks live in ``tests/distributed/zero_checks.py`` (see its docstring for
+the setting and the tolerances); one launch of the ranks per world size runs them all and
+each check is one test here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import harness, zero_checks
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import functopt
+from functopt.precision import mixed_precision
+from functopt.precision.zero import slice_bounds, zero1
+from functopt.testing import assert_bitwise_equal, clone_tree
+from functopt.testing import strategies as fst
+
+LAUNCH_TIMEOUT_S = 150.0
+
+
+@given(st.integers(0, 40), st.integers(1, 6))
+def test_slice_bounds_is_tensor_split(numel: int, world: int) -> None:
+    x = torch.arange(numel)
+    parts = x.tensor_split(world)
+    for rank in range(world):
+        start, end = slice_bounds(numel, rank, world)
+        assert torch.equal(x[start:end], parts[rank])
+
+
+@settings(max_examples=15)
+@given(fst.params_and_gradients(grad_kind="any", allow_none=True))
+def test_one_rank_is_mixed_precision_bitwise(pair) -> None:
+    """Without a process group, zero1 is mixed_precision: same params and state, bitwise;
+    pure (inputs untouched); every per-leaf state tensor is a 1-D slice (here: all of it)."""
+    params, grads = pair
+    kwargs = {"loss_scale": functopt.dynamic_loss_scale(init_scale=4.0), "max_grad_norm": 1.0}
+    opt = zero1(functopt.adamw(1e-2, weight_decay=0.1), **kwargs)
+    ref = mixed_precision(functopt.adamw(1e-2, weight_decay=0.1), **kwargs)
+    state, ref_state = opt.init(params), ref.init(params)
+    before = clone_tree((params, grads, state))
+    new, state2 = opt.step(grads, state, params)
+    ref_new, ref_state2 = ref.step(grads, ref_state, params)
+    assert_bitwise_equal(new, ref_new, what="params")
+    assert_bitwise_equal(clone_tree((params, grads, state)), before, what="inputs")
+    flat = lambda t: functopt.tree._core.flatten(t)[0]  # noqa: E731
+    for a, b in zip(flat(state2), flat(ref_state2), strict=True):
+        if isinstance(b, torch.Tensor):
+            # per-leaf state is the flattened leaf (a 0-d leaf's is 1-D); counters are 0-d
+            assert a.dim() <= 1 and a.numel() == b.numel()
+            assert_bitwise_equal(a, b.reshape(a.shape), what="state")
+
+
+def test_process_group_must_be_a_group() -> None:
+    with pytest.raises(TypeError, match=r"zero1: process_group must be a torch.distributed."
+                                        r"ProcessGroup or None .*got str"):
+        zero1(functopt.sgd(0.1), process_group="world")
+
+
+def test_inner_errors_come_from_mixed_precision() -> None:
+    with pytest.raises(TypeError, match=r"inner must be a functopt\.GradientTransformation"):
+        zero1(functopt.adamw)
+
+
+def test_grad_shape_error_names_the_leaf() -> None:
+    opt = zero1(functopt.sgd(0.1))
+    params = {"layer": {"w": torch.ones(2, 3)}}
+    with pytest.raises(ValueError, match=r"'layer\.w': grad has shape \(3, 2\) but the param "
+                                         r"has shape \(2, 3\)"):
+        opt.step({"layer": {"w": torch.ones(3, 2)}}, opt.init(params), params)
+
+
+def test_dtensor_params_are_rejected_without_a_group() -> None:
+    # The DTensor check needs a mesh; it runs in zero_checks.zero1_errors. Here: a non
+    # tensor leaf is named.
+    with pytest.raises(TypeError, match=r"params leaf 'w' is a str"):
+        zero1(functopt.sgd(0.1)).init({"w": "nope"})
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"{w}ranks")
+def results(request: pytest.FixtureRequest) -> list[dict[str, str | None]]:
+    return harness.run_ranks(zero_checks.run_all, request.param, timeout_s=LAUNCH_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("name", list(zero_checks.CHECKS))
+def test_check(results: list[dict[str, str | None]], name: str) -> None:
+    failures = [f"rank {rank}:\n{r[name]}" for rank, r in enumerate(results) if r[name]]
+    assert not failures, "\n".join(failures)
