@@ -180,6 +180,14 @@ def with_extra_args_support(tx: GradientTransformation) -> GradientTransformatio
 
     Combinators apply this to their children, so user transforms written as
     ``update(updates, state, params=None)`` compose with everything else.
+
+    Examples:
+        >>> import torch, functopt
+        >>> tx = functopt.GradientTransformation(
+        ...     lambda params: (), lambda updates, state, params=None: (updates, state))
+        >>> wrapped = functopt.with_extra_args_support(tx)
+        >>> wrapped.update({"w": torch.ones(1)}, (), loss=torch.tensor(0.5))[0]
+        {'w': tensor([1.])}
     """
     if accepts_extra_args(tx.update):
         return tx

@@ -10,12 +10,17 @@
   content tabs (indented fences) run too. Code of other systems that cannot run here
   (Megatron-LM, LightRFT) is fenced as ```` ```text ```` and says so in the prose.
 
+- Every public function and class of those namespaces has an ``Examples:`` section with a
+  ``>>>`` line in its docstring (the doctests run them), except the kinds listed in
+  ``exempt_from_examples``.
+
 The strict build (warnings are errors) is ``make docs``; this test checks coverage, not style.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import re
 import subprocess
@@ -170,7 +175,8 @@ BLOCKS = python_blocks()
 def test_guides_have_code() -> None:
     pages = {block.values[0].name for block in BLOCKS}
     for page in ("README.md", "index.md", "getting-started.md", "concepts.md", "coming-from-optax.md",
-                 "coming-from-torch-optim.md", "testing.md", "mixed-precision.md"):
+                 "coming-from-torch-optim.md", "testing.md", "mixed-precision.md",
+                 "sharded-state.md"):
         assert page in pages, f"docs/{page} has no ```python block"
 
 
@@ -186,3 +192,67 @@ def test_every_python_fence_is_collected() -> None:
 def test_python_block_runs(page: Path, code: str) -> None:
     namespace: dict[str, Any] = {"__name__": f"docs_{page.stem.replace('-', '_')}"}
     exec(compile(code, str(page), "exec"), namespace)
+
+
+# ------------------------------------------------------------ an example for every public name
+
+EXAMPLES = re.compile(r"^Examples?:[ \t]*\n(?:[ \t]*\n)*[ \t]+>>> ", re.MULTILINE)
+
+
+def exempt_from_examples(obj: Any) -> str | None:
+    """Why ``obj`` needs no example of its own, or ``None`` if it needs one.
+
+    The rule, in full:
+
+    1. Not a function or a class (a submodule, a constant, a type alias such as
+       ``ScalarOrSchedule``): there is nothing to call.
+    2. An alias of a ``typing`` object (``Params = State = Updates = Any``).
+    3. A NamedTuple (a transform's ``<Name>State``, ``GradStats``, ``StepMetrics``,
+       ``LossScale``, ``MixedPrecisionTransformation``, ...): a record of fields, built and
+       shown by the Example of the function that returns it.
+    4. A ``typing.Protocol`` (``TransformInitFn``, ``ShouldSkipUpdateFunction``): a call
+       signature, not something to call.
+    """
+    if not (inspect.isfunction(obj) or inspect.isclass(obj)):
+        return "not a function or class"
+    if getattr(obj, "__module__", None) == "typing":
+        return "a typing alias"
+    if inspect.isclass(obj) and issubclass(obj, tuple) and hasattr(obj, "_fields"):
+        return "a NamedTuple, shown by the function that returns it"
+    if inspect.isclass(obj) and getattr(obj, "_is_protocol", False):
+        return "a Protocol (a call signature)"
+    return None
+
+
+def public_objects() -> dict[str, Any]:
+    """``{qualified public name: object}`` over ``functopt`` and the documented subpackages."""
+    found: dict[str, Any] = {}
+    for namespace in documented_namespaces():
+        for name in namespace.__all__:
+            found[f"{namespace.__name__}.{name}"] = getattr(namespace, name)
+    return found
+
+
+def test_every_public_name_has_an_example() -> None:
+    missing = sorted(
+        name for name, obj in public_objects().items()
+        if exempt_from_examples(obj) is None
+        and not EXAMPLES.search(inspect.cleandoc(obj.__doc__ or ""))
+    )
+    assert not missing, (
+        f"public functions and classes whose docstring has no `Examples:` section with a "
+        f"`>>>` line: {missing}. Fix: add a short doctested example (the doctests run it)."
+    )
+
+
+def test_the_example_exemptions_stay_small() -> None:
+    """The exemptions are the kinds that ``exempt_from_examples`` names, and few callables."""
+    objects = public_objects()
+    assert len(objects) > 100, "documented_namespaces() found too few names"
+    exempt = {name: why for name, obj in objects.items() if (why := exempt_from_examples(obj))}
+    callables_exempt = [name for name, why in exempt.items() if why != "not a function or class"]
+    # NamedTuples (states and records), three typing aliases, a few protocols: not more
+    # than a third of the public names; a growing share means examples are being skipped.
+    assert len(callables_exempt) < len(objects) / 3, sorted(callables_exempt)
+    assert exempt_from_examples(functopt.adam) is None
+    assert exempt_from_examples(functopt.ScaleByAdamState) is not None

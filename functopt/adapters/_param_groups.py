@@ -8,6 +8,7 @@ parameter names. Everything is checked here, once, with the parameter's name in 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -22,11 +23,54 @@ _GROUP_FIX = (
 
 
 class ParamGroup(NamedTuple):
-    """One group: its parameters, their names, and its options (every key but ``params``)."""
+    """One group: its parameters, their names, its options, and its multipliers and flag."""
 
     names: list[str]
     params: list[torch.Tensor]
-    options: dict[str, Any]
+    options: dict[str, Any]  # every key but params, param_names, lr_mult, wd_mult, frozen
+    lr_mult: float = 1.0  # the group's learning rate is the transform's times this
+    wd_mult: float = 1.0  # the group's weight decay is the transform's times this
+    frozen: bool = False  # no state, no update, outside the global norm and skip decision
+
+
+class GroupFlags(NamedTuple):
+    """The group options the adapters read themselves (Megatron's names for the multipliers)."""
+
+    lr_mult: float
+    wd_mult: float
+    frozen: bool
+
+
+FLAG_KEYS = ("lr_mult", "wd_mult", "frozen")
+
+
+def group_flags(owner: str, where: str, group: Mapping[str, Any]) -> GroupFlags:
+    """Read and check ``lr_mult``, ``wd_mult`` (numbers >= 0, default 1) and ``frozen`` (bool).
+
+    ``where`` names the group in the messages (``'param_groups[1]'``, ``'param group 1'``).
+    """
+    mults = []
+    for key in ("lr_mult", "wd_mult"):
+        value = group.get(key, 1.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(
+                f"{owner}: {where} sets {key}={value!r} ({type(value).__name__}); expected a "
+                f"Python number >= 0 (default 1.0). Fix: pass a float such as {key}=0.1."
+            )
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(
+                f"{owner}: {where} sets {key}={value!r}; expected a finite number >= 0 "
+                f"(default 1.0). Fix: pass a finite non-negative multiplier; to keep a group's "
+                f"params unchanged without optimizer state, set frozen=True."
+            )
+        mults.append(float(value))
+    frozen = group.get("frozen", False)
+    if not isinstance(frozen, bool):
+        raise TypeError(
+            f"{owner}: {where} sets frozen={frozen!r} ({type(frozen).__name__}); expected "
+            f"True or False."
+        )
+    return GroupFlags(mults[0], mults[1], frozen)
 
 
 def _is_group(item: Any) -> bool:
@@ -70,7 +114,7 @@ def _check_name(owner: str, name: Any) -> str:
     return name
 
 
-def _check_param(owner: str, name: str, p: Any) -> None:
+def _check_param(owner: str, name: str, p: Any, frozen: bool = False) -> None:
     if not isinstance(p, torch.Tensor):
         raise TypeError(
             f"{owner}: param {name!r} is a {type(p).__name__}, expected a torch.Tensor "
@@ -83,11 +127,12 @@ def _check_param(owner: str, name: str, p: Any) -> None:
             f"Fix: leave integer and complex tensors out of the params (store complex weights "
             f"as torch.view_as_real pairs)."
         )
-    if not p.requires_grad:
+    if not p.requires_grad and not frozen:
         raise ValueError(
             f"{owner}: param {name!r} does not require grad, so it would never be updated. "
             f"Fix: leave frozen params out, e.g. "
-            f"[(n, p) for n, p in model.named_parameters() if p.requires_grad]."
+            f"[(n, p) for n, p in model.named_parameters() if p.requires_grad], or put them "
+            f"in a group with frozen=True."
         )
     if not p.is_leaf:
         raise ValueError(
@@ -102,7 +147,8 @@ def collect(owner: str, params: Any) -> list[ParamGroup]:
 
     Unnamed params are named by their position over all groups (``'0'``, ``'1'``, ...), as
     ``torch.optim`` numbers them in its state dict. A group dict may carry ``param_names``
-    (``torch.optim``'s key) to name a list of tensors.
+    (``torch.optim``'s key) to name a list of tensors, and ``lr_mult``, ``wd_mult`` and
+    ``frozen`` (see `group_flags`); the params of a frozen group need not require grad.
     """
     if isinstance(params, Mapping) and "params" in params and not isinstance(
         params["params"], torch.Tensor
@@ -160,8 +206,11 @@ def collect(owner: str, params: Any) -> list[ParamGroup]:
             named = [(_check_name(owner, n), p) for n, (_, p) in zip(names_given, named,
                                                                      strict=True)]
         count += len(named)
+        flags = group_flags(owner, f"param group {i}", spec)
+        for key in FLAG_KEYS:
+            spec.pop(key, None)
         for name, p in named:
-            _check_param(owner, name, p)
+            _check_param(owner, name, p, flags.frozen)
             if name in seen_names:
                 raise ValueError(
                     f"{owner}: the name {name!r} is used by two params (groups "
@@ -175,7 +224,7 @@ def collect(owner: str, params: Any) -> list[ParamGroup]:
                 )
             seen_names[name] = i
             seen_ids[id(p)] = name
-        groups.append(ParamGroup([n for n, _ in named], [p for _, p in named], spec))
+        groups.append(ParamGroup([n for n, _ in named], [p for _, p in named], spec, *flags))
     if count == 0:
         raise ValueError(f"{owner}: got an empty list of params. {_GROUP_FIX}")
     return groups

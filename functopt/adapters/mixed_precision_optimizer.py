@@ -12,6 +12,7 @@ so everything the functional step guarantees (bitwise skips, params exactly
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -41,19 +42,56 @@ TransformOrFactory = GradientTransformation | Callable[..., GradientTransformati
 """A transform for every param, or a factory ``(**group_options) -> transform``."""
 
 
+def _scaled(transform: Any, index: int, group: _param_groups.ParamGroup, option: str,
+            key: str, mult: float) -> Any:
+    """The group's ``option`` (its own, else the factory's default) times ``mult``."""
+    if option in group.options:
+        base = group.options[option]
+    else:
+        try:
+            parameter = inspect.signature(transform).parameters.get(option)
+        except (TypeError, ValueError):  # a callable without a signature
+            parameter = None
+        if parameter is None or parameter.default is inspect.Parameter.empty:
+            raise TypeError(
+                f"{_OWNER}: param group {index} sets {key}={mult!r}, which multiplies the "
+                f"factory's {option!r}, but the group does not set {option!r} and the factory "
+                f"has no {option!r} argument with a default. Fix: give the factory one, e.g. "
+                f"transform=lambda learning_rate=1e-3, weight_decay=0.1: functopt.adamw("
+                f"learning_rate, weight_decay=weight_decay), or set {option!r} in the group."
+            )
+        base = parameter.default
+    if isinstance(base, torch.Tensor) or (
+        isinstance(base, (int, float)) and not isinstance(base, bool)
+    ):
+        return base * mult
+    if callable(base):  # a schedule: scale its value at every step
+        return lambda count: base(count) * mult
+    raise TypeError(
+        f"{_OWNER}: param group {index} sets {key}={mult!r}, but its {option!r} is "
+        f"{type(base).__name__} {base!r}, not a number, a 0-d tensor or a schedule, so it "
+        f"cannot be multiplied. Fix: give {option!r} a numeric value."
+    )
+
+
 def _inner_transform(
     transform: Any, groups: list[_param_groups.ParamGroup]
 ) -> GradientTransformation:
-    """One transform over all params; per-group options go through a factory and ``partition``."""
+    """One transform over the trainable params; group options go through a factory and
+    ``partition``, the multipliers through the factory's ``learning_rate``/``weight_decay``."""
+    indexed = [(i, group) for i, group in enumerate(groups) if not group.frozen]
     if isinstance(transform, GradientTransformation):
-        for i, group in enumerate(groups):
-            if group.options:
+        for i, group in indexed:
+            mults = {k: v for k, v in (("lr_mult", group.lr_mult), ("wd_mult", group.wd_mult))
+                     if v != 1.0}
+            if group.options or mults:
                 raise TypeError(
-                    f"{_OWNER}: param group {i} sets {sorted(group.options)}, but transform is "
-                    f"a GradientTransformation, whose hyperparameters are fixed when it is "
-                    f"built. Fix: pass a factory that builds each group's transform from its "
-                    f"options, e.g. transform=lambda weight_decay=0.01: "
-                    f"functopt.adamw(1e-3, weight_decay=weight_decay)."
+                    f"{_OWNER}: param group {i} sets {sorted(group.options) + sorted(mults)}, "
+                    f"but transform is a GradientTransformation, whose hyperparameters are "
+                    f"fixed when it is built. Fix: pass a factory that builds each group's "
+                    f"transform from its options, e.g. transform=lambda learning_rate=1e-3, "
+                    f"weight_decay=0.01: functopt.adamw(learning_rate, "
+                    f"weight_decay=weight_decay)."
                 )
         return transform
     if not callable(transform):
@@ -63,13 +101,18 @@ def _inner_transform(
             f"got {type(transform).__name__}."
         )
     transforms: dict[Hashable, GradientTransformation] = {}
-    for i, group in enumerate(groups):
+    for i, group in indexed:
+        options = dict(group.options)
+        for option, key, mult in (("learning_rate", "lr_mult", group.lr_mult),
+                                  ("weight_decay", "wd_mult", group.wd_mult)):
+            if mult != 1.0:  # 1.0 leaves the factory's call as it was
+                options[option] = _scaled(transform, i, group, option, key, mult)
         try:
-            tx = transform(**group.options)
+            tx = transform(**options)
         except TypeError as error:
             raise TypeError(
                 f"{_OWNER}: the transform factory failed on the options of param group {i} "
-                f"({sorted(group.options)}): {error}. Fix: give the factory a keyword argument "
+                f"({sorted(options)}): {error}. Fix: give the factory a keyword argument "
                 f"for every option the groups set."
             ) from error
         if not isinstance(tx, GradientTransformation):
@@ -78,9 +121,9 @@ def _inner_transform(
                 f"group {i}; expected a functopt.GradientTransformation."
             )
         transforms[i] = tx
-    if len(groups) == 1:
-        return transforms[0]
-    labels = {name: i for i, group in enumerate(groups) for name in group.names}
+    if len(transforms) == 1:
+        return next(iter(transforms.values()))
+    labels = {name: i for i, group in indexed for name in group.names}
     return partition(transforms, labels)
 
 
@@ -153,6 +196,26 @@ class MixedPrecisionOptimizer:
     [`inject_hyperparams`][functopt.inject_hyperparams]); there is no ``param_groups``
     list for a ``torch.optim.lr_scheduler`` to edit.
 
+    Three group options are read by the optimizer itself, not passed to the factory:
+
+    - ``lr_mult`` and ``wd_mult`` (numbers $\ge 0$, default 1; Megatron's names): the
+      group's transform is built as ``transform(**options, learning_rate=lr * lr_mult,
+      weight_decay=wd * wd_mult)``, where ``lr`` and ``wd`` are the group's own
+      ``learning_rate``/``weight_decay`` options, or else the factory's defaults for them
+      (a schedule is multiplied at every step). A multiplier of 1 leaves the call as it
+      was; a multiplier other than 1 needs a factory with that argument. So the
+      effective learning rate is $\eta \cdot$ ``lr_mult`` and the effective weight decay
+      $\lambda \cdot$ ``wd_mult``, as in Megatron, where the scheduler writes
+      ``lr * lr_mult`` into each group.
+    - ``frozen=True``: the group's params are left out of the step altogether: they get
+      no state (no master copy, no transform state, no entry in ``state_dict()``), are
+      never written, even if they have gradients, and their gradients count neither in
+      the global norm (clipping, ``get_grad_norm()``) nor in the overflow decision, as if
+      the params were not passed (Megatron leaves params with ``requires_grad=False`` out
+      of its groups). They need not require grad; ``zero_grad`` clears their gradients,
+      as ``torch.optim`` does for every param of its groups. ``lr_mult=0`` is not the
+      same: such a group keeps its state, and its gradients still count.
+
     **Clipping.** ``clip_grad_norm(model, max_norm)`` sets the global L2 norm the
     *following* ``step()`` calls clip the unscaled gradients to (``max_norm=0`` or None:
     no clipping, the initial setting); the step computes the norm in its single
@@ -214,6 +277,27 @@ class MixedPrecisionOptimizer:
         ['bias', 'weight']
         >>> torch.equal(model.weight, master["weight"].to(torch.bfloat16))
         True
+
+        Per-group multipliers and a frozen group (one global norm and one skip decision
+        for the groups that are not frozen):
+
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+        >>> opt = functopt.MixedPrecisionOptimizer(
+        ...     [{"params": net[0].named_parameters(prefix="0"), "frozen": True},
+        ...      {"params": [("1.weight", net[1].weight)], "wd_mult": 0.5},
+        ...      {"params": [("1.bias", net[1].bias)], "lr_mult": 2.0, "wd_mult": 0.0}],
+        ...     lambda learning_rate=1e-2, weight_decay=0.1: functopt.adamw(
+        ...         learning_rate, weight_decay=weight_decay),
+        ...     loss_scale=None)
+        >>> net(torch.ones(3, 2)).pow(2).mean().backward()
+        >>> before = net[0].weight.clone()
+        >>> opt.step()
+        True
+        >>> torch.equal(net[0].weight, before)
+        True
+        >>> inner = opt.state_dict()["inner_state"]["inner_states"]  # no state for group 0
+        >>> sorted(inner), sorted(inner["1"]["0"]["mu"]), sorted(inner["2"]["0"]["mu"])
+        (['1', '2'], ['1.weight'], ['1.bias'])
     """
 
     def __init__(
@@ -237,9 +321,17 @@ class MixedPrecisionOptimizer:
                 f"got {type(loss_scale).__name__}."
             )
         groups = _param_groups.collect(_OWNER, params)
+        if all(group.frozen for group in groups):
+            raise ValueError(
+                f"{_OWNER}: every param group is frozen, so there is nothing to optimize. "
+                f"Fix: leave at least one group unfrozen (frozen=False, the default)."
+            )
         self._inner = _inner_transform(transform, groups)
-        self._names = [name for group in groups for name in group.names]
-        self._params = [p for group in groups for p in group.params]
+        # Frozen params stay out of the step: no state, no master copy, no statistics.
+        trainable = [group for group in groups if not group.frozen]
+        self._names = [name for group in trainable for name in group.names]
+        self._params = [p for group in trainable for p in group.params]
+        self._frozen = [p for group in groups if group.frozen for p in group.params]
         self._loss_scale_rule = loss_scale
         self._master_weights = float32_master(master_dtype)
         self._max_grad_norm: float | None = None
@@ -303,8 +395,11 @@ class MixedPrecisionOptimizer:
         return took
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the params' gradients (set them to None, or zero them in place)."""
-        for p in self._params:
+        """Clear the params' gradients (set them to None, or zero them in place).
+
+        Frozen params included, as ``torch.optim`` clears every param of its groups.
+        """
+        for p in self._params + self._frozen:
             if p.grad is None:
                 continue
             if set_to_none:

@@ -18,6 +18,7 @@ import torch
 
 from functopt._apply import apply_updates_
 from functopt._base import GradientTransformation, State
+from functopt.adapters import _param_groups
 from functopt.transforms.combining import _check_transform
 from functopt.transforms.hyperparams import InjectHyperparamsState
 from functopt.tree import _core
@@ -60,7 +61,7 @@ def _torch_names(owner: str, names: Iterable[str]) -> dict[str, tuple[str, ...]]
     for name in names:
         if name in used:
             continue
-        if name in exposed or name in ("params", "param_names"):
+        if name in exposed or name in ("params", "param_names", *_param_groups.FLAG_KEYS):
             raise ValueError(
                 f"{owner}: the transform injects a hyperparameter named {name!r}, which clashes "
                 f"with the param group key {name!r} (group keys: {sorted(exposed)}). Fix: "
@@ -192,6 +193,25 @@ class Optimizer(torch.optim.Optimizer):
     the transform holds it in. Clearing ``optimizer.state`` for a whole group restarts that
     group from ``transform.init``. A group with no params keeps no state in the state dict.
 
+    Multipliers and frozen groups. A group may set ``lr_mult`` and ``wd_mult`` (numbers
+    $\ge 0$, default 1; Megatron's names): the step then runs the transform with the
+    injected ``learning_rate`` $=$ ``group["lr"] * lr_mult`` and ``weight_decay`` $=$
+    ``group["weight_decay"] * wd_mult``, while ``group["lr"]`` keeps the value a scheduler
+    wrote. A ``torch.optim.lr_scheduler`` scales ``group["lr"]`` (from its
+    ``initial_lr``), so the effective rates keep the groups' ratios. Megatron's
+    ``OptimizerParamScheduler`` (and loops that write ``group["lr"] = lr * lr_mult``
+    themselves) already multiply by ``lr_mult`` when writing ``group["lr"]``; with them the
+    multiplier would count twice, so leave ``lr_mult``/``wd_mult`` out of the groups (or at
+    1) there. A multiplier other than 1 needs the transform to inject ``learning_rate``
+    (``weight_decay``); one given as a schedule to ``inject_hyperparams`` is not multiplied.
+    A group with ``frozen=True`` is left out of the transform: its params get no state
+    (no entry in ``optimizer.state`` or the state dict) and are never updated, even if
+    they have gradients (they need not require grad). ``frozen`` may be changed between
+    steps: an unfrozen group starts from ``transform.init``; a frozen one keeps the state
+    it had (clear it from ``optimizer.state`` to free it). ``lr_mult=0`` is not the same:
+    such a group keeps its state, and a transform may still move it (a weight decay that
+    does not scale with the learning rate).
+
     Mixed precision: ``torch.amp.GradScaler`` works through ``unscale_`` (it skips the step
     on overflow); the fused ``grad_scale``/``found_inf`` protocol is not implemented.
 
@@ -215,6 +235,24 @@ class Optimizer(torch.optim.Optimizer):
         0.05
         >>> sorted(opt.state[model.bias])
         ['count', 'inner_state.0.count', 'inner_state.0.mu', 'inner_state.0.nu']
+
+        A group with ten times the learning rate and no weight decay, and a frozen group:
+
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+        >>> tx = functopt.inject_hyperparams(functopt.adamw)(learning_rate=0.1,
+        ...                                                   weight_decay=0.01)
+        >>> opt = functopt.Optimizer([
+        ...     {"params": net[0].parameters(), "frozen": True},
+        ...     {"params": [net[1].weight], "lr_mult": 10.0, "wd_mult": 0.0},
+        ...     {"params": [net[1].bias]}], tx)
+        >>> scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        >>> net(torch.ones(1, 2)).sum().backward()
+        >>> opt.step()
+        >>> scheduler.step()
+        >>> [group["lr"] for group in opt.param_groups]  # the step uses 0.05 * 10 for [1]
+        [0.05, 0.05, 0.05]
+        >>> len(opt.state_dict()["state"])  # net[1]'s two params; none for the frozen group
+        2
     """
 
     def __init__(
@@ -251,6 +289,9 @@ class Optimizer(torch.optim.Optimizer):
         super().add_param_group(group)  # normalises params and names, appends
         index = len(self.param_groups) - 1
         try:
+            flags = _param_groups.group_flags(
+                "functopt.Optimizer", f"param_groups[{index}]", group
+            )
             plan = self._plan(index, group)
             if not self.defaults:
                 self.defaults.update({
@@ -261,12 +302,30 @@ class Optimizer(torch.optim.Optimizer):
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
             self._check_options(index, group, plan)
+            self._check_multipliers(index, group, plan, flags)
             self._hyperparams(index, group, plan)  # type-checks the group's values now
         except Exception:
             self.param_groups.pop()
             del self._plans[index:]
             raise
+        if flags.frozen:  # no state: the plan (and its template) was only for the checks
+            self._plans[index] = None
+            return
         self._scatter(group, plan, plan.template)
+
+    @staticmethod
+    def _check_multipliers(
+        index: int, group: dict[str, Any], plan: _Plan, flags: _param_groups.GroupFlags
+    ) -> None:
+        for key, mult, name in (("lr_mult", flags.lr_mult, "learning_rate"),
+                                ("wd_mult", flags.wd_mult, "weight_decay")):
+            if mult != 1.0 and name not in plan.hyper:
+                raise ValueError(
+                    f"functopt.Optimizer: param_groups[{index}] sets {key}={mult!r}, which "
+                    f"multiplies the injected {name!r}, but the transform does not inject it "
+                    f"(it injects {sorted(plan.hyper) or 'none'}), so the multiplier would be "
+                    f"ignored. Fix: remove {key!r}, or inject {name!r}: {_HOW_TO_INJECT}"
+                )
 
     def _check_options(self, index: int, group: dict[str, Any], plan: _Plan) -> None:
         renamed = {name: key for key, names in plan.exposed.items() for name in names
@@ -355,9 +414,17 @@ class Optimizer(torch.optim.Optimizer):
         plan.cache[name] = (value, tensor)
         return tensor
 
-    def _gather(self, index: int, group: dict[str, Any], plan: _Plan) -> State:
+    def _gather(
+        self, index: int, group: dict[str, Any], plan: _Plan, flags: _param_groups.GroupFlags
+    ) -> State:
         entries = [self.state.get(p) for p in group["params"]]
         hyper = self._hyperparams(index, group, plan)
+        # The group keeps the scheduler's value; the step uses it times the multiplier.
+        for name, mult in (("learning_rate", flags.lr_mult), ("weight_decay", flags.wd_mult)):
+            if mult != 1.0:
+                if name not in hyper:  # the group was edited after add_param_group
+                    self._check_multipliers(index, group, plan, flags)
+                hyper[name] = hyper[name] * mult
         leaves: list[Any] = []
         fresh = not any(entries)
         for i, (kind, j, name) in enumerate(plan.leaves):
@@ -426,9 +493,10 @@ class Optimizer(torch.optim.Optimizer):
         return loss
 
     def _step_group(self, index: int, group: dict[str, Any]) -> None:
+        flags = _param_groups.group_flags("functopt.Optimizer", f"param_groups[{index}]", group)
         params = group["params"]
         grads = [p.grad for p in params]
-        if all(g is None for g in grads):
+        if flags.frozen or all(g is None for g in grads):
             return
         for j, g in enumerate(grads):
             if g is not None and g.layout != torch.strided:
@@ -438,7 +506,7 @@ class Optimizer(torch.optim.Optimizer):
                     f"embedding (sparse=False), or call grad.to_dense() before the step."
                 )
         plan = self._plan(index, group)
-        state = self._gather(index, group, plan)
+        state = self._gather(index, group, plan, flags)
         ptree = self._tree(group, params)
         updates, state = self._transform.update(self._tree(group, grads), state, ptree)
         apply_updates_(ptree, updates)
@@ -486,9 +554,20 @@ class Optimizer(torch.optim.Optimizer):
             new_group["params"] = group["params"]
             if "param_names" in group and "param_names" not in new_group:
                 new_group["param_names"] = group["param_names"]
-            plan = self._plan(i, new_group)
-            self._hyperparams(i, new_group, plan)
             entries = [state_dict["state"].get(sid) or {} for sid in saved["params"]]
+            flags = _param_groups.group_flags(owner, f"param_groups[{i}]", new_group)
+            if flags.frozen:
+                if any(entries):
+                    raise ValueError(
+                        f"{owner}: param_groups[{i}] is frozen, but the state dict holds "
+                        f"optimizer state for its params; a frozen group has none. Fix: "
+                        f"load a state dict saved with the same groups frozen."
+                    )
+                new_groups.append(new_group)
+                continue
+            plan = self._plan(i, new_group)
+            self._check_multipliers(i, new_group, plan, flags)
+            self._hyperparams(i, new_group, plan)
             if any(entries):
                 for j, (p, entry) in enumerate(zip(group["params"], entries, strict=True)):
                     loaded = self._load_entry(f"param {j} of param_groups[{i}]", plan, j, entry)

@@ -38,7 +38,14 @@ def _dtensor_class() -> type | None:
 
 
 def is_dtensor(x: Any) -> TypeGuard[DTensor]:
-    """Whether ``x`` is a ``torch.distributed.tensor.DTensor``."""
+    """Whether ``x`` is a ``torch.distributed.tensor.DTensor``.
+
+    Examples:
+        >>> import torch
+        >>> from functopt.distributed import is_dtensor
+        >>> is_dtensor(torch.ones(2)), is_dtensor(None)
+        (False, False)
+    """
     cls = _dtensor_class()
     return cls is not None and isinstance(x, cls)
 
@@ -48,6 +55,13 @@ def local_tensor(x: torch.Tensor) -> torch.Tensor:
 
     The local shard may be empty: ``Shard(0)`` of 3 rows over 4 ranks gives ranks 0 to 2
     one row each and rank 3 none.
+
+    Examples:
+        >>> import torch
+        >>> from functopt.distributed import local_tensor
+        >>> x = torch.ones(3)
+        >>> local_tensor(x) is x  # a plain tensor is its own shard
+        True
     """
     return x.to_local() if is_dtensor(x) else x
 
@@ -70,6 +84,12 @@ def counted_here(x: torch.Tensor, *, where: str = "<leaf>") -> bool:
         ValueError: ``x`` has a ``Partial`` placement (its local values are summands, not
             elements: a sum of their squares is not the square of their sum), or this rank
             is not part of ``x``'s mesh.
+
+    Examples:
+        >>> import torch
+        >>> from functopt.distributed import counted_here
+        >>> counted_here(torch.ones(2))  # a plain tensor is whole on this rank
+        True
     """
     return _counted_here(x, lambda: where)
 

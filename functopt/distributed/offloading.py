@@ -40,6 +40,13 @@ class OffloadedState:
             leaves are DTensors (same mesh, placements, global shape) over host buffers.
         devices: for each leaf (in flatten order), the device its tensor (or local shard)
             came from; ``None`` for a ``None`` leaf.
+
+    Examples:
+        >>> import torch, functopt
+        >>> from functopt.distributed import offload
+        >>> host, _ = offload(functopt.adam(0.1).init({"w": torch.ones(2)}))
+        >>> host.devices, host.state[0].mu["w"].device
+        ((device(type='cpu'), device(type='cpu'), device(type='cpu')), device(type='cpu'))
     """
 
     state: Any
@@ -167,6 +174,18 @@ def reload(offloaded: OffloadedState, device: torch.device | str | None = None, 
     Raises:
         TypeError: ``offloaded`` is not an ``OffloadedState``.
         ValueError: ``buffers`` do not fit the state (naming the leaf).
+
+    Examples:
+        >>> import torch, functopt, functopt.testing
+        >>> from functopt.distributed import offload, reload
+        >>> state = functopt.sgd(0.1, momentum=0.9).init({"w": torch.ones(2)})
+        >>> host, _ = offload(state)
+        >>> back = reload(host)
+        >>> functopt.testing.bitwise_equal(back, state)
+        True
+        >>> again = reload(host, buffers=back)  # writes into ``back``'s tensors
+        >>> again[0].trace["w"] is back[0].trace["w"]
+        True
     """
     owner = "reload"
     if not isinstance(offloaded, OffloadedState):

@@ -105,6 +105,15 @@ def all_reduce_stats(packed: torch.Tensor, group: dist.ProcessGroup | None) -> t
 
     Returns:
         The sum over ranks, a tensor like ``packed``.
+
+    Examples:
+        >>> import torch
+        >>> from functopt.distributed import all_reduce_stats, local_grad_stats
+        >>> packed = local_grad_stats({"w": torch.tensor([3.0, 4.0, 0.0])})
+        >>> packed.tolist()  # [sum of squares, non-finite count, zero count]
+        [25.0, 0.0, 1.0]
+        >>> all_reduce_stats(packed, None) is packed  # no group: nothing to reduce
+        True
     """
     if group is None:
         return packed

@@ -38,9 +38,14 @@ bfloat16 parameter: param + store + ``mu`` + ``nu`` (the moments default to the 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+from functopt.distributed.dtensor import is_dtensor
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["MasterWeights", "float32_master", "kahan_summation", "stochastic_rounding"]
 
@@ -155,6 +160,51 @@ def _round_float16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return torch.where(torch.isfinite(x), rounded, x).to(torch.float16)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(z: int) -> int:
+    # Steele, Lea and Flood's SplitMix64 finaliser: a bijection on 64-bit words whose
+    # outputs for nearby inputs look independent, so seeds that differ in one field give
+    # unrelated generator streams.
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _shard_generator(param: DTensor, generator: torch.Generator) -> torch.Generator:
+    """A generator for this rank's shard of the DTensor ``param``, seeded from ``generator``.
+
+    Every rank draws one leaf seed from the shared step stream (the same on every rank:
+    all ranks seed it alike and draw once per DTensor leaf, whatever their shard sizes),
+    then folds in its coordinate along the mesh dimensions where ``param`` is split, so
+    shards get independent noise while replicas of a replicated piece get the same noise
+    and stay identical. No host sync: on the CPU the seed is a host draw; on CUDA
+    (Philox) it is the generator's seed and offset, and the offset is advanced by one
+    block. Other devices draw the seed on the device and read it (one sync per leaf).
+    """
+    offset = None
+    if generator.device.type != "cpu":
+        try:
+            offset = generator.get_offset()
+        except RuntimeError:  # a generator without Philox offsets
+            offset = None
+    if offset is None:
+        base = int(torch.randint(0, 1 << 62, (), dtype=torch.int64, generator=generator,
+                                 device=generator.device))
+    else:
+        base = _splitmix64(generator.initial_seed() & _MASK64) ^ offset
+        generator.set_offset(offset + 4)  # Philox offsets move in blocks of 4
+    coordinate = tuple(param.device_mesh.get_coordinate() or ())
+    seed = _splitmix64(base)
+    for c, placement in zip(coordinate, param.placements, strict=False):
+        seed = _splitmix64(seed ^ (0 if placement.is_replicate() else c + 1))
+    out = torch.Generator(device=generator.device)
+    out.manual_seed(seed)
+    return out
+
+
 def stochastic_rounding() -> MasterWeights:
     r"""No master copy: round each new float32 value to the param's dtype stochastically.
 
@@ -187,6 +237,14 @@ def stochastic_rounding() -> MasterWeights:
     [`mixed_precision`][functopt.precision.mixed_precision] passes to ``write``, seeded
     from its state's step key, so a step is reproducible and a skipped step draws nothing
     that persists.
+
+    DTensor params (FSDP2): each rank rounds the local shard it holds and the result is a
+    DTensor with the param's mesh, placements and global shape (no communication). Each
+    DTensor leaf draws one seed from ``generator`` and folds in the rank's coordinate
+    along the mesh dimensions where the param is split, so shards on different ranks get
+    independent noise while replicated copies get the same noise and stay identical. A
+    sharded step is therefore reproducible for a given mesh, but its noise is not that
+    of an unsharded run (plain tensors draw straight from ``generator``, unchanged).
 
     Returns:
         A [`MasterWeights`][functopt.precision.MasterWeights] with ``needs_generator=True``.
@@ -230,12 +288,32 @@ def stochastic_rounding() -> MasterWeights:
                 f"{param.dtype} param, got None. Fix: pass torch.Generator().manual_seed(...) "
                 "(mixed_precision passes one seeded from its state's key)."
             )
-        x = value.to(torch.float32)
-        if param.dtype == torch.bfloat16:
-            return _round_bfloat16(x, generator), None
-        return _round_float16(x, generator), None
+        round_ = _round_bfloat16 if param.dtype == torch.bfloat16 else _round_float16
+        if is_dtensor(param):
+            return _write_shard(param, value, generator, round_), None
+        return round_(value.to(torch.float32), generator), None
 
     return MasterWeights(init, view, write, torch.float32, needs_generator=True)
+
+
+def _write_shard(
+    param: DTensor, value: torch.Tensor, generator: torch.Generator,
+    round_: Callable[[torch.Tensor, torch.Generator], torch.Tensor],
+) -> torch.Tensor:
+    """Round this rank's shard of ``value`` into a DTensor laid out like ``param``."""
+    from torch.distributed.tensor import DTensor
+
+    if not is_dtensor(value):
+        raise TypeError(
+            f"stochastic_rounding: the param is a DTensor but the new value is "
+            f"{type(value).__name__}; expected a DTensor with the param's mesh. Fix: pass "
+            f"DTensor values for DTensor params (mixed_precision does)."
+        )
+    if value.device_mesh != param.device_mesh or value.placements != param.placements:
+        value = value.redistribute(param.device_mesh, param.placements)
+    local = round_(value.to_local().to(torch.float32), _shard_generator(param, generator))
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
 
 
 def kahan_summation() -> MasterWeights:

@@ -63,6 +63,12 @@ def unpack_grad_stats(packed: torch.Tensor) -> GradStats:
     ``3.4e38``) count as an overflow even when every element is finite: the float32 norm
     reported in the metrics would be inf, and a step taken with such gradients has
     diverged anyway.
+
+    Examples:
+        >>> import torch
+        >>> from functopt.precision import grad_stats, unpack_grad_stats
+        >>> unpack_grad_stats(grad_stats([torch.tensor([3.0, 4.0, 0.0]), None]))
+        GradStats(norm=tensor(5.), found_inf=tensor(False), num_zeros=tensor(1))
     """
     norm = torch.sqrt(packed[_SUMSQ]).to(torch.float32)
     found_inf = (packed[_NONFINITE] > 0) | ~torch.isfinite(norm)

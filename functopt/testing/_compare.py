@@ -141,7 +141,16 @@ class Snapshot:
 
 
 def clone_tree(tree: Any) -> Any:
-    """A copy of ``tree`` whose tensor leaves are clones (to compare against later)."""
+    """A copy of ``tree`` whose tensor leaves are clones (to compare against later).
+
+    Examples:
+        >>> import torch
+        >>> from functopt.testing import bitwise_equal, clone_tree
+        >>> tree = {"w": torch.ones(2), "b": None}
+        >>> copy = clone_tree(tree)
+        >>> copy["w"] is tree["w"], bitwise_equal(copy, tree)
+        (False, True)
+    """
     leaves, spec = _core.flatten(tree)
     return _core.unflatten(
         spec, [x.clone() if isinstance(x, torch.Tensor) else x for x in leaves]
@@ -169,5 +178,16 @@ def bitwise_equal(actual: Any, expected: Any) -> bool:
 
 
 def assert_bitwise_equal(actual: Any, expected: Any, *, what: str = "trees") -> None:
-    """Raise ``AssertionError`` naming the first leaf (by path) where the trees differ."""
+    """Raise ``AssertionError`` naming the first leaf (by path) where the trees differ.
+
+    Examples:
+        >>> import torch
+        >>> from functopt.testing import assert_bitwise_equal
+        >>> assert_bitwise_equal({"w": torch.zeros(1)}, {"w": torch.zeros(1)})
+        >>> try:
+        ...     assert_bitwise_equal({"w": torch.zeros(1)}, {"w": -torch.zeros(1)})
+        ... except AssertionError as error:
+        ...     print("'w'" in str(error))
+        True
+    """
     assert_trees_equal(actual, expected, check="assert_bitwise_equal", what=what)

@@ -163,6 +163,13 @@ def check_purity(
 
     Raises:
         AssertionError: naming the call, the tree and the leaf that was mutated.
+
+    Examples:
+        >>> import torch, functopt
+        >>> from functopt.testing import conformance
+        >>> params = {"w": torch.ones(3), "b": torch.zeros(2, dtype=torch.bfloat16)}
+        >>> grads = {"w": torch.tensor([0.5, -1.0, 2.0]), "b": None}
+        >>> conformance.check_purity(lambda: functopt.adam(0.1), params, grads)  # returns None when the law holds
     """
     tx = _build(tx, "check_purity")
     snapshot = _compare.Snapshot()
@@ -193,6 +200,13 @@ def check_determinism(
 
     Raises:
         AssertionError: naming the run, the step, the tree and the leaf that differed.
+
+    Examples:
+        >>> import torch, functopt
+        >>> from functopt.testing import conformance
+        >>> params = {"w": torch.ones(3), "b": torch.zeros(2, dtype=torch.bfloat16)}
+        >>> grads = {"w": torch.tensor([0.5, -1.0, 2.0]), "b": None}
+        >>> conformance.check_determinism(lambda: functopt.adam(0.1), params, grads)  # returns None when the law holds
     """
     check = "check_determinism"
     first = _build(tx, check)
@@ -265,6 +279,13 @@ def check_layout(
 
     Raises:
         AssertionError: naming the step, the tree, the leaf and the attribute that differed.
+
+    Examples:
+        >>> import torch, functopt
+        >>> from functopt.testing import conformance
+        >>> params = {"w": torch.ones(3), "b": torch.zeros(2, dtype=torch.bfloat16)}
+        >>> grads = {"w": torch.tensor([0.5, -1.0, 2.0]), "b": None}
+        >>> conformance.check_layout(lambda: functopt.adam(0.1), params, grads)  # returns None when the law holds
     """
     tx = _build(tx, "check_layout")
     state0, out = _run(tx, params, grads, steps, with_params, extra_args)
@@ -340,6 +361,13 @@ def check_state_roundtrip(
 
     Raises:
         AssertionError: naming the step and the leaf, or the save/load error.
+
+    Examples:
+        >>> import torch, functopt
+        >>> from functopt.testing import conformance
+        >>> params = {"w": torch.ones(3), "b": torch.zeros(2, dtype=torch.bfloat16)}
+        >>> grads = {"w": torch.tensor([0.5, -1.0, 2.0]), "b": None}
+        >>> conformance.check_state_roundtrip(lambda: functopt.adam(0.1), params, grads)  # returns None when the law holds
     """
     check = "check_state_roundtrip"
     tx = _build(tx, check)
@@ -377,6 +405,15 @@ def check_chain_laws(
 
     Raises:
         AssertionError: naming the law, the step and the leaf that differed.
+
+    Examples:
+        >>> import torch, functopt
+        >>> from functopt.testing import conformance
+        >>> params = {"w": torch.ones(3), "b": torch.zeros(2, dtype=torch.bfloat16)}
+        >>> grads = {"w": torch.tensor([0.5, -1.0, 2.0]), "b": None}
+        >>> conformance.check_chain_laws(
+        ...     lambda: functopt.clip(1.0), functopt.scale_by_adam, lambda: functopt.scale(-0.1),
+        ...     params, grads)  # returns None when the law holds
     """
     check = "check_chain_laws"
 
@@ -429,6 +466,14 @@ def check_masked_equals_per_leaf(
 
     Raises:
         AssertionError: naming the step, the leaf and what differed.
+
+    Examples:
+        >>> import torch, functopt
+        >>> from functopt.testing import conformance
+        >>> params = {"w": torch.ones(3), "b": torch.zeros(2, dtype=torch.bfloat16)}
+        >>> grads = {"w": torch.tensor([0.5, -1.0, 2.0]), "b": None}
+        >>> conformance.check_masked_equals_per_leaf(
+        ...     lambda: functopt.adam(0.1), params, grads, mask={"w": True, "b": False})  # returns None when the law holds
     """
     check = "check_masked_equals_per_leaf"
     if not hasattr(functopt, "masked"):
@@ -488,6 +533,20 @@ def check_transform(
 
     Raises:
         AssertionError: from the first check that fails.
+
+    Examples:
+        >>> import torch, functopt
+        >>> from functopt.testing import conformance
+        >>> params = {"w": torch.ones(3), "b": torch.zeros(2, dtype=torch.bfloat16)}
+        >>> grads = {"w": torch.tensor([0.5, -1.0, 2.0]), "b": None}
+        >>> conformance.check_transform(lambda: functopt.adam(0.1), params, grads)  # all checks pass
+        >>> bad = functopt.GradientTransformation(
+        ...     lambda p: (), lambda u, s, p=None: ({k: None for k in u}, s))
+        >>> try:
+        ...     conformance.check_transform(bad, params, grads, skip=("masked", "chain_laws"))
+        ... except AssertionError:
+        ...     print("caught")
+        caught
     """
     unknown = sorted(set(skip) - set(CHECKS))
     if unknown:
@@ -517,6 +576,17 @@ def cases(
     """``(params, grads, mask)`` for the checks: a mask of Python bools drawn over the params.
 
     The other arguments are those of [`functopt.testing.strategies.params_and_gradients`][functopt.testing.strategies.params_and_gradients].
+
+    Examples:
+        >>> import functopt
+        >>> from hypothesis import given, settings
+        >>> from functopt.testing import conformance
+        >>> @settings(max_examples=5)
+        ... @given(conformance.cases(max_leaves=3))
+        ... def check(case):
+        ...     params, grads, mask = case
+        ...     assert functopt.tree.structure(mask) == functopt.tree.structure(params)
+        >>> check()
     """
     params, grads = draw(fst.params_and_gradients(
         dtypes=dtypes, param_kind=param_kind, grad_kind=grad_kind, max_leaves=max_leaves,
@@ -564,6 +634,12 @@ def conformance_test(
 
     Returns:
         A zero-argument test function.
+
+    Examples:
+        >>> import functopt
+        >>> from functopt.testing import conformance
+        >>> test_adam = conformance.conformance_test(lambda: functopt.adam(0.1), max_examples=3)
+        >>> test_adam()  # what pytest runs: hypothesis draws 3 cases, every check passes
     """
     strategy = cases(dtypes=tuple(dtypes), param_kind=param_kind, grad_kind=grad_kind,
                       allow_none=allow_none, max_leaves=max_leaves)

@@ -47,18 +47,50 @@ and huge magnitudes; ``any``: also inf, -inf and nan."""
 
 
 def dtypes(choices: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> st.SearchStrategy[torch.dtype]:
-    """One of ``choices``."""
+    """One of ``choices``.
+
+    Examples:
+        >>> import torch
+        >>> from hypothesis import given, settings
+        >>> from functopt.testing import strategies as fst
+        >>> @settings(max_examples=10)
+        ... @given(fst.dtypes((torch.float32, torch.bfloat16)))
+        ... def check(dtype):
+        ...     assert dtype in (torch.float32, torch.bfloat16)
+        >>> check()
+    """
     return st.sampled_from(choices)
 
 
 def shapes(*, max_dims: int = 3, max_side: int = 4, allow_empty: bool = True) -> st.SearchStrategy[tuple[int, ...]]:
-    """Tensor shapes, including ``()`` and (with ``allow_empty``) shapes with a 0 side."""
+    """Tensor shapes, including ``()`` and (with ``allow_empty``) shapes with a 0 side.
+
+    Examples:
+        >>> from hypothesis import given, settings
+        >>> from functopt.testing import strategies as fst
+        >>> @settings(max_examples=10)
+        ... @given(fst.shapes(max_dims=2, max_side=3))
+        ... def check(shape):
+        ...     assert len(shape) <= 2 and all(0 <= n <= 3 for n in shape)
+        >>> check()
+    """
     side = st.integers(0 if allow_empty else 1, max_side)
     return st.lists(side, min_size=0, max_size=max_dims).map(tuple)
 
 
 def values(dtype: torch.dtype, kind: ValueKind = "finite") -> st.SearchStrategy[float]:
-    """Python floats representable (after rounding) in ``dtype``, of the given ``kind``."""
+    """Python floats representable (after rounding) in ``dtype``, of the given ``kind``.
+
+    Examples:
+        >>> import torch
+        >>> from hypothesis import given, settings
+        >>> from functopt.testing import strategies as fst
+        >>> @settings(max_examples=10)
+        ... @given(fst.values(torch.float16, "finite"))
+        ... def check(x):
+        ...     assert abs(x) <= 65504.0
+        >>> check()
+    """
     info = torch.finfo(dtype)
     typical = st.one_of(
         st.just(0.0),
@@ -88,7 +120,18 @@ def tensors(
     shape: tuple[int, ...] | st.SearchStrategy[tuple[int, ...]] | None = None,
     kind: ValueKind = "finite",
 ) -> torch.Tensor:
-    """A tensor of the given (or drawn) dtype and shape, with values of ``kind``."""
+    """A tensor of the given (or drawn) dtype and shape, with values of ``kind``.
+
+    Examples:
+        >>> import torch
+        >>> from hypothesis import given, settings
+        >>> from functopt.testing import strategies as fst
+        >>> @settings(max_examples=10)
+        ... @given(fst.tensors(torch.bfloat16, (2, 3), "any"))
+        ... def check(t):
+        ...     assert t.dtype == torch.bfloat16 and t.shape == (2, 3)
+        >>> check()
+    """
     if dtype is None:
         dtype = dtypes()
     if isinstance(dtype, st.SearchStrategy):
@@ -105,7 +148,19 @@ def tensors(
 
 
 def pytrees(leaves: st.SearchStrategy[Any], *, max_leaves: int = 6) -> st.SearchStrategy[Any]:
-    """Nested dicts, lists and tuples whose leaves come from ``leaves``."""
+    """Nested dicts, lists and tuples whose leaves come from ``leaves``.
+
+    Examples:
+        >>> import functopt
+        >>> from hypothesis import strategies as st
+        >>> from hypothesis import given, settings
+        >>> from functopt.testing import strategies as fst
+        >>> @settings(max_examples=10)
+        ... @given(fst.pytrees(st.integers(), max_leaves=4))
+        ... def check(tree):
+        ...     assert len(functopt.tree.flatten(tree)[0]) <= 4
+        >>> check()
+    """
     keys = st.text(alphabet="abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=6)
     return st.recursive(
         leaves,
@@ -126,7 +181,19 @@ def params(
     shape: st.SearchStrategy[tuple[int, ...]] | None = None,
     allow_none: bool = False,
 ) -> st.SearchStrategy[Any]:
-    """Pytrees of parameter tensors of mixed dtypes and shapes (0-d and empty included)."""
+    """Pytrees of parameter tensors of mixed dtypes and shapes (0-d and empty included).
+
+    Examples:
+        >>> import functopt
+        >>> from hypothesis import given, settings
+        >>> from functopt.testing import strategies as fst
+        >>> @settings(max_examples=10)
+        ... @given(fst.params(max_leaves=3))
+        ... def check(params):
+        ...     leaves = functopt.tree.flatten(params)[0]
+        ...     assert all(p.is_floating_point() for p in leaves)
+        >>> check()
+    """
     leaf: st.SearchStrategy[Any] = tensors(
         st.sampled_from(dtypes), shape if shape is not None else shapes(), kind
     )
@@ -142,6 +209,17 @@ def gradients_like(
     """A tree of gradients with ``reference``'s structure, shapes and dtypes.
 
     With ``allow_none``, some gradient leaves are ``None`` (params that got no gradient).
+
+    Examples:
+        >>> import torch
+        >>> from hypothesis import given, settings
+        >>> from functopt.testing import strategies as fst
+        >>> @settings(max_examples=10)
+        ... @given(fst.gradients_like({"w": torch.ones(2, dtype=torch.float16)}, allow_none=True))
+        ... def check(grads):
+        ...     g = grads["w"]
+        ...     assert g is None or (g.dtype == torch.float16 and g.shape == (2,))
+        >>> check()
     """
     leaves, treespec = _core.flatten(reference)
     out: list[torch.Tensor | None] = []
@@ -163,7 +241,19 @@ def params_and_gradients(
     max_leaves: int = 6,
     allow_none: bool = False,
 ) -> tuple[Any, Any]:
-    """A ``(params, grads)`` pair of the same layout."""
+    """A ``(params, grads)`` pair of the same layout.
+
+    Examples:
+        >>> import functopt
+        >>> from hypothesis import given, settings
+        >>> from functopt.testing import strategies as fst
+        >>> @settings(max_examples=10)
+        ... @given(fst.params_and_gradients(grad_kind="any", allow_none=True))
+        ... def check(pair):
+        ...     params, grads = pair
+        ...     assert functopt.tree.structure(params) == functopt.tree.structure(grads)
+        >>> check()
+    """
     p = draw(params(dtypes=dtypes, kind=param_kind, max_leaves=max_leaves))
     g = draw(gradients_like(p, kind=grad_kind, allow_none=allow_none))
     return p, g
@@ -171,7 +261,16 @@ def params_and_gradients(
 
 def same_layout(a: Any, b: Any) -> bool:
     """Whether two trees have the same structure and, leaf by leaf, shape, dtype and device
-    (``None`` matches ``None`` only)."""
+    (``None`` matches ``None`` only).
+
+    Examples:
+        >>> import torch
+        >>> from functopt.testing.strategies import same_layout
+        >>> same_layout({"w": torch.ones(2)}, {"w": torch.zeros(2)})
+        True
+        >>> same_layout({"w": torch.ones(2)}, {"w": torch.zeros(2, dtype=torch.float16)})
+        False
+    """
     a_leaves, a_spec = _core.flatten(a)
     b_leaves, b_spec = _core.flatten(b)
     if a_spec != b_spec:

@@ -1,4 +1,9 @@
-"""Skipping steps on non-finite gradients: ``apply_if_finite``."""
+"""Skipping steps on non-finite gradients: ``apply_if_finite``.
+
+On DTensor updates (FSDP2) the finiteness of the step is decided with one ``all_reduce``
+over the mesh, so that every rank skips or applies alike and the state's counters stay
+plain 0-d tensors, equal on all ranks.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,8 @@ from typing import Any, NamedTuple
 import torch
 
 from functopt._base import GradientTransformation, Params, State, Updates
+from functopt.distributed.dtensor import _infer_group, _leaf_names, is_dtensor
+from functopt.distributed.reduce import all_reduce_stats
 from functopt.transforms import _common
 from functopt.transforms.combining import _check_transform
 from functopt.tree import _core
@@ -32,6 +39,34 @@ def _all_finite(leaves: list[Any], device: torch.device) -> torch.Tensor:
     if not flags:
         return torch.ones((), dtype=torch.bool, device=device)
     return torch.stack(flags).all()
+
+
+def _all_finite_sharded(leaves: list[Any], treespec: _core.TreeSpec,
+                        device: torch.device) -> torch.Tensor:
+    """``_all_finite`` when some leaves are DTensors: one ``all_reduce`` over their mesh.
+
+    ``isfinite(dt).all()`` on a sharded DTensor is a ``Partial`` DTensor whose ``bool()`` is
+    the local rank's answer, and reducing each leaf would be one collective per leaf.
+    Instead each rank counts the leaves with a non-finite value in the part it holds
+    (a DTensor's local shard, possibly empty; a plain tensor whole), and one sum over the
+    ranks decides for all of them. Counting a replicated copy once per rank is harmless:
+    only whether the sum is zero matters. Plain leaves enter the sum too, so a rank whose
+    plain tensor holds an inf makes every rank skip.
+    """
+    group = _infer_group([x if is_dtensor(x) else None for x in leaves], _leaf_names(treespec))
+    counts = []
+    for x in leaves:
+        if x is None:
+            continue
+        # On a Shard/Replicate DTensor this is elementwise on the local shard (no
+        # communication); a Partial one is reduced first, so its pending sum is checked.
+        finite = torch.isfinite(x)
+        local = finite.to_local() if is_dtensor(finite) else finite
+        counts.append((~local).any().to(torch.int64))
+    anchor = next(x for x in leaves if is_dtensor(x))
+    local_device = anchor.to_local().device  # the collective runs on the mesh's device
+    packed = torch.stack([c.to(local_device) for c in counts]).sum().reshape(1)
+    return (all_reduce_stats(packed, group)[0] == 0).to(device)
 
 
 class _Selector:
@@ -98,6 +133,13 @@ def apply_if_finite(
     branches with ``lax.cond`` instead, which under ``jit`` also computes both sides).
     ``None`` update leaves are ignored by the check and pass through.
 
+    DTensor updates (FSDP2): each rank checks the shards it holds and one ``all_reduce``
+    over the DTensors' mesh combines the answers, so a nan or inf in any rank's shard
+    makes every rank skip; the counters stay plain 0-d tensors, equal on all ranks. All
+    DTensor leaves must share one mesh's ranks (a ``ValueError`` names the leaves
+    otherwise); plain tensor leaves next to them are checked on every rank and enter the
+    same sum. Plain tensors alone make no collective.
+
     Args:
         inner: the transform to protect.
         max_consecutive_errors: how many non-finite steps in a row are skipped (an int
@@ -153,7 +195,10 @@ def apply_if_finite(
             )
         leaves, treespec = _common.flatten_updates(updates)
         device = state.notfinite_count.device
-        finite = _all_finite(leaves, device)
+        if any(is_dtensor(x) for x in leaves):
+            finite = _all_finite_sharded(leaves, treespec, device)
+        else:
+            finite = _all_finite(leaves, device)
         notfinite_count = torch.where(
             finite, torch.zeros_like(state.notfinite_count),
             _common.safe_increment(state.notfinite_count),

@@ -7,6 +7,8 @@ from typing import Any, NamedTuple
 import torch
 
 from functopt._base import EmptyState, GradientTransformation, Params, Updates
+from functopt.distributed.dtensor import _infer_group, _leaf_names, is_dtensor
+from functopt.distributed.reduce import all_reduce_stats
 from functopt.transforms import _common
 from functopt.tree import _core
 
@@ -30,6 +32,11 @@ def zero_nans() -> GradientTransformation:
     unchanged. ``found_nan`` in the state holds, per leaf, a 0-d bool tensor: whether that
     leaf's update held a nan at the last ``update``. It is for monitoring only; the
     transform never reads it. Where an update is ``None`` the flag is left as it is.
+
+    DTensor updates (FSDP2): the flags of all DTensor leaves are computed from the local
+    shards and combined over the mesh with one ``all_reduce``, so each flag is a plain 0-d
+    bool tensor saying whether the whole (global) update held a nan, the same on every
+    rank; the zeroing itself is elementwise, without communication.
 
     Returns:
         A [`GradientTransformation`][functopt.GradientTransformation] with [`ZeroNansState`][functopt.ZeroNansState].
@@ -60,6 +67,7 @@ def zero_nans() -> GradientTransformation:
         flags = _common.state_like(treespec, state.found_nan, name="state.found_nan")
         new_updates: list[Any] = []
         new_flags: list[Any] = []
+        sharded: list[int] = []  # positions in new_flags of DTensor leaves' local flags
         for g, flag in zip(leaves, flags, strict=True):
             if g is None:
                 new_updates.append(None)
@@ -67,12 +75,38 @@ def zero_nans() -> GradientTransformation:
                 continue
             is_nan = torch.isnan(g)
             new_updates.append(torch.where(is_nan, 0.0, g))
-            new_flags.append(is_nan.any())
+            if is_dtensor(is_nan):
+                # ``is_nan.any()`` would be a Partial DTensor (the local answer); keep the
+                # local flag and reduce all of them below, in one collective.
+                sharded.append(len(new_flags))
+                new_flags.append(is_nan.to_local().any())
+            else:
+                new_flags.append(is_nan.any())
+        if sharded:
+            _reduce_flags(new_flags, sharded, leaves, treespec, flags)
         return _common.unflatten(treespec, new_updates), ZeroNansState(
             found_nan=_common.unflatten(treespec, new_flags)
         )
 
     return GradientTransformation(init_fn, update_fn)
+
+
+def _reduce_flags(new_flags: list[Any], sharded: list[int], leaves: list[Any],
+                  treespec: _core.TreeSpec, old_flags: list[Any]) -> None:
+    """OR the local flags at ``sharded`` over the DTensors' mesh, in place in ``new_flags``.
+
+    The flags are packed into one int64 vector, summed over the ranks with one
+    ``all_reduce``, and each becomes a plain 0-d bool tensor on its old flag's device
+    (the same value on every rank).
+    """
+    group = _infer_group([x if is_dtensor(x) else None for x in leaves], _leaf_names(treespec))
+    anchor = next(x for x in leaves if is_dtensor(x))
+    local_device = anchor.to_local().device  # the collective runs on the mesh's device
+    packed = torch.stack([new_flags[i].to(local_device, torch.int64) for i in sharded])
+    total = all_reduce_stats(packed, group) > 0
+    for j, i in enumerate(sharded):
+        device = old_flags[i].device if isinstance(old_flags[i], torch.Tensor) else local_device
+        new_flags[i] = total[j].to(device)
 
 
 def keep_params_nonnegative() -> GradientTransformation:

@@ -23,17 +23,39 @@ TreeSpec = optree.PyTreeSpec
 
 
 def flatten(tree: Tree) -> tuple[list[Any], TreeSpec]:
-    """Flatten ``tree`` into its leaves (``None`` counts as a leaf) and its treespec."""
+    """Flatten ``tree`` into its leaves (``None`` counts as a leaf) and its treespec.
+
+    Examples:
+        >>> from functopt import tree
+        >>> leaves, treespec = tree.flatten({"b": [1, None], "a": 2})
+        >>> leaves, treespec.num_leaves  # dict keys sorted; None is a leaf
+        ([2, 1, None], 3)
+    """
     return optree.tree_flatten(tree, none_is_leaf=True, namespace=NAMESPACE)
 
 
 def unflatten(treespec: TreeSpec, leaves: Sequence[Any]) -> Tree:
-    """Rebuild a tree of ``treespec``'s structure from ``leaves``."""
+    """Rebuild a tree of ``treespec``'s structure from ``leaves``.
+
+    Examples:
+        >>> from functopt import tree
+        >>> leaves, treespec = tree.flatten({"b": [1, None], "a": 2})
+        >>> tree.unflatten(treespec, [x if x is None else 10 * x for x in leaves])  # key order kept
+        {'b': [10, None], 'a': 20}
+    """
     return optree.tree_unflatten(treespec, leaves)
 
 
 def structure(tree: Tree) -> TreeSpec:
-    """The treespec of ``tree``, with ``None`` leaves."""
+    """The treespec of ``tree``, with ``None`` leaves.
+
+    Examples:
+        >>> from functopt import tree
+        >>> tree.structure({"w": 1, "b": None}) == tree.structure({"w": 5, "b": 7})
+        True
+        >>> tree.structure({"w": 1, "b": None}).num_leaves
+        2
+    """
     return optree.tree_structure(tree, none_is_leaf=True, namespace=NAMESPACE)
 
 
@@ -56,7 +78,13 @@ def paths(treespec: TreeSpec) -> list[str]:
 
 
 def leaves_with_path(tree: Tree) -> list[tuple[str, Any]]:
-    """``(dotted path, leaf)`` pairs of ``tree``, in flatten order."""
+    """``(dotted path, leaf)`` pairs of ``tree``, in flatten order.
+
+    Examples:
+        >>> from functopt import tree
+        >>> tree.leaves_with_path({"layers": [{"weight": 1}], "bias": None})
+        [('bias', None), ('layers.0.weight', 1)]
+    """
     leaves, treespec = flatten(tree)
     return list(zip(paths(treespec), leaves, strict=True))
 
