@@ -22,9 +22,7 @@ rounding of the batch mean, and params after three Adam steps are compared to
 
 from __future__ import annotations
 
-import traceback
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -36,33 +34,18 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.debug import CommDebugMode
 
 import functopt
+from distributed.harness import check_registry, run_checks
 from functopt import distributed as fdist
 from functopt.precision import grad_stats, mixed_precision, unpack_grad_stats
 
-CHECKS: dict[str, Callable[[int, int], None]] = {}
-
-
-def check(fn: Callable[[int, int], None]) -> Callable[[int, int], None]:
-    CHECKS[fn.__name__] = fn
-    return fn
+CHECKS, check = check_registry()
 
 
 def run_all(rank: int, world: int) -> dict[str, str | None]:
     """Run every check in this rank; a barrier after each keeps the ranks in step."""
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     warnings.filterwarnings("ignore", message="Full backward hook is firing.*")
-    out: dict[str, str | None] = {}
-    for name, fn in CHECKS.items():
-        try:
-            fn(rank, world)
-            out[name] = None
-        except Exception:  # reported per check to the parent
-            out[name] = traceback.format_exc()
-        try:
-            dist.barrier()
-        except RuntimeError as exc:  # a rank is stuck in (or left) a collective of this check
-            raise RuntimeError(f"ranks out of step after check {name!r}; so far: {out}") from exc
-    return out
+    return run_checks(CHECKS, rank, world)
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -115,3 +115,37 @@ def run_ranks(fn: Callable[[int, int], Any], world_size: int, *, timeout_s: floa
             head = f"timed out after {timeout_s:.0f} s; " if timed_out else ""
             raise RuntimeError(head + "distributed run failed:\n" + "\n".join(errors))
         return results
+
+
+Check = Callable[[int, int], None]
+
+
+def check_registry() -> tuple[dict[str, Check], Callable[[Check], Check]]:
+    """A dict of named checks and the ``@check`` decorator that fills it (one per module)."""
+    checks: dict[str, Check] = {}
+
+    def check(fn: Check) -> Check:
+        checks[fn.__name__] = fn
+        return fn
+
+    return checks, check
+
+
+def run_checks(checks: dict[str, Check], rank: int, world: int) -> dict[str, str | None]:
+    """Run every check in this rank, each failure reported by name to the parent.
+
+    A barrier after each check keeps the ranks in step; a rank stuck in (or gone from) a
+    check's collective makes the barrier fail, which names the check.
+    """
+    out: dict[str, str | None] = {}
+    for name, fn in checks.items():
+        try:
+            fn(rank, world)
+            out[name] = None
+        except Exception:  # reported per check to the parent
+            out[name] = traceback.format_exc()
+        try:
+            dist.barrier()
+        except RuntimeError as exc:
+            raise RuntimeError(f"ranks out of step after check {name!r}; so far: {out}") from exc
+    return out

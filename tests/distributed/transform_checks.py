@@ -14,9 +14,7 @@ in one rank's shard only, so a rank that decided on its own shard would decide w
 
 from __future__ import annotations
 
-import traceback
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -27,31 +25,16 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import functopt
 from distributed.checks import _assert_tree, _full, _mesh
+from distributed.harness import check_registry, run_checks
 from functopt.precision import mixed_precision, static_loss_scale, stochastic_rounding
 
-CHECKS: dict[str, Callable[[int, int], None]] = {}
-
-
-def check(fn: Callable[[int, int], None]) -> Callable[[int, int], None]:
-    CHECKS[fn.__name__] = fn
-    return fn
+CHECKS, check = check_registry()
 
 
 def run_all(rank: int, world: int) -> dict[str, str | None]:
     """Run every check in this rank; a barrier after each keeps the ranks in step."""
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-    out: dict[str, str | None] = {}
-    for name, fn in CHECKS.items():
-        try:
-            fn(rank, world)
-            out[name] = None
-        except Exception:  # reported per check to the parent
-            out[name] = traceback.format_exc()
-        try:
-            dist.barrier()
-        except RuntimeError as exc:  # a rank is stuck in (or left) a collective of this check
-            raise RuntimeError(f"ranks out of step after check {name!r}; so far: {out}") from exc
-    return out
+    return run_checks(CHECKS, rank, world)
 
 
 def _same_on_all_ranks(x: torch.Tensor) -> bool:

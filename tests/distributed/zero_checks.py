@@ -13,9 +13,7 @@ sum of squares adds per-slice float32 sums (another order), so results are compa
 
 from __future__ import annotations
 
-import traceback
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -27,32 +25,17 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import functopt
 from distributed.checks import _assert_tree, _bits_equal
+from distributed.harness import check_registry, run_checks
 from functopt.precision import mixed_precision
 from functopt.precision.zero import slice_bounds, zero1
 
-CHECKS: dict[str, Callable[[int, int], None]] = {}
-
-
-def check(fn: Callable[[int, int], None]) -> Callable[[int, int], None]:
-    CHECKS[fn.__name__] = fn
-    return fn
+CHECKS, check = check_registry()
 
 
 def run_all(rank: int, world: int) -> dict[str, str | None]:
     """Run every check in this rank; a barrier after each keeps the ranks in step."""
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-    out: dict[str, str | None] = {}
-    for name, fn in CHECKS.items():
-        try:
-            fn(rank, world)
-            out[name] = None
-        except Exception:  # reported per check to the parent
-            out[name] = traceback.format_exc()
-        try:
-            dist.barrier()
-        except RuntimeError as exc:
-            raise RuntimeError(f"ranks out of step after check {name!r}; so far: {out}") from exc
-    return out
+    return run_checks(CHECKS, rank, world)
 
 
 # ----------------------------------------------------------------------------- helpers
