@@ -207,7 +207,10 @@ def _agc_reference(g: torch.Tensor, p: torch.Tensor, clipping: float, eps: float
         sum_sq = (g64[unit] ** 2).sum()
         g_norm = sum_sq.sqrt().item()
         max_norm = clipping * max((p64[unit] ** 2).sum().sqrt().item(), eps)
-        overflow = _accumulates_in_float32(g) and sum_sq > F32_MAX
+        # torch.linalg.vector_norm returns |x| for a one-element tensor (no squaring), so a
+        # single huge element does not overflow the float32 accumulator; more elements do.
+        overflow = (_accumulates_in_float32(g) and sum_sq > F32_MAX
+                    and g64[unit].numel() > 1)
         if overflow or not math.isfinite(g_norm):
             out[unit] = math.nan
         elif not g_norm < max_norm:
@@ -353,3 +356,11 @@ def test_clipping_rejects_integer_updates_by_path() -> None:
     tx = functopt.clip_by_global_norm(1.0)
     with pytest.raises(TypeError, match=r"updates leaf 'steps' is a int64 tensor"):
         tx.update({"steps": torch.ones(2, dtype=torch.int64)}, tx.init(None))
+
+
+def test_clip_by_global_norm_of_a_subnormal_norm_is_finite() -> None:
+    # 1 / 4.6e-41 overflows float32; the clip factor must not go through that reciprocal.
+    g = {"w": torch.tensor([4.5918e-41])}
+    out, _ = functopt.clip_by_global_norm(4.6e-44).update(g, functopt.EmptyState())
+    assert torch.isfinite(out["w"]).all()
+    torch.testing.assert_close(out["w"], torch.tensor([4.6e-44]), rtol=0.1, atol=0.0)

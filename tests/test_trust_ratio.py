@@ -28,7 +28,10 @@ def _reference(u: torch.Tensor, p: torch.Tensor, min_norm: float, trust_coeffici
                eps: float) -> torch.Tensor:
     """optax's rule, in float64 with Python floats for the norms."""
     def norm(x: torch.Tensor) -> float:
-        n = math.sqrt(sum(v * v for v in x.double().reshape(-1).tolist()))
+        values = x.double().reshape(-1).tolist()
+        # torch.linalg.vector_norm returns |x| for a one-element tensor (no squaring, so no
+        # underflow of a subnormal); longer tensors are summed as squares.
+        n = abs(values[0]) if len(values) == 1 else math.sqrt(sum(v * v for v in values))
         return min_norm if n <= min_norm else n
 
     p_norm, u_norm = norm(p), norm(u)

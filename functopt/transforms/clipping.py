@@ -169,7 +169,10 @@ def clip_by_global_norm(max_norm: Numeric) -> GradientTransformation:
         leaves, treespec = _common.flatten_updates(updates)
         norm = global_norm(updates)
         keep = norm < max_norm
-        scale = _nan_unless_finite(norm, max_norm / torch.clamp(norm, min=max_norm))
+        # A tensor numerator: torch computes `number / tensor` as `number * (1 / tensor)`,
+        # and 1 / a subnormal norm overflows to inf.
+        bound = torch.as_tensor(max_norm, dtype=norm.dtype, device=norm.device)
+        scale = _nan_unless_finite(norm, bound / torch.clamp(norm, min=bound))
         new = [
             None if g is None else torch.where(keep, g, (g * scale).to(g.dtype))
             for g in leaves

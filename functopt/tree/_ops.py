@@ -240,17 +240,19 @@ def vdot(tree_x: Any, tree_y: Any) -> torch.Tensor:
     return _total(terms, dtype)
 
 
-def _sum_of_squares(x: torch.Tensor) -> torch.Tensor:
-    """``sum(x**2)`` as a 0-d float64 tensor, accumulated in float32 (float64 for float64 x).
+def _sum_of_squares(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``sum(x**2)`` as a 0-d float64 tensor, accumulated in ``dtype``.
 
-    The one definition of a leaf's squared norm in functopt (``global_norm``, the
-    mixed-precision step's statistics and their distributed form all use it), so that
-    every path agrees on when a norm overflows: like ``torch.nn.utils.clip_grad_norm_``
-    and Megatron, a float32 leaf whose norm exceeds about ``1.8e19`` gives inf.
+    The default ``dtype`` is float32 (float64 for float64 x). This is the one definition of
+    a leaf's squared norm in functopt (``global_norm``, the mixed-precision step's
+    statistics and their distributed form all use it), so that every path agrees on when a
+    norm overflows: like ``torch.nn.utils.clip_grad_norm_`` and Megatron, a float32 leaf
+    whose norm exceeds about ``1.8e19`` gives inf.
     """
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    square: torch.Tensor = torch.linalg.vector_norm(x, dtype=acc).to(torch.float64) ** 2
-    return square
+    if dtype is None:
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    out: torch.Tensor = torch.linalg.vector_norm(x, dtype=dtype).to(torch.float64) ** 2
+    return out
 
 
 def _leaf_stats(x: torch.Tensor) -> torch.Tensor:
@@ -265,9 +267,9 @@ def _leaf_stats(x: torch.Tensor) -> torch.Tensor:
 def global_norm(tree: Any) -> torch.Tensor:
     r"""The L2 norm of all leaves together, $\sqrt{\sum_i \lVert x_i \rVert_2^2}$.
 
-    Each leaf is reduced in float32 (float64 for float64 leaves), so bfloat16 and float16
-    leaves do not lose precision or overflow in the sum, and the leaves' squares are
-    summed in float64. The result is float32 (float64 if any leaf is float64). ``None``
+    Each leaf is reduced in float32, or in float64 when any leaf is float64, so bfloat16 and
+    float16 leaves do not lose precision or overflow in the sum, and the leaves' squares
+    are summed in float64. The result is float32 (float64 if any leaf is float64). ``None``
     leaves are skipped; an empty tree has norm 0. The result is a 0-d tensor on the first
     leaf's device; nothing is read back to the host. A float32 leaf whose own norm exceeds
     about ``1.8e19`` overflows to inf, as in ``torch.nn.utils.clip_grad_norm_``.
@@ -284,6 +286,6 @@ def global_norm(tree: Any) -> torch.Tensor:
     if not tensors:
         return torch.zeros((), dtype=dtype)
     device = tensors[0].device
-    squares = [_sum_of_squares(x).to(device) for x in tensors]
+    squares = [_sum_of_squares(x, dtype).to(device) for x in tensors]
     return torch.sqrt(torch.stack(squares).sum()).to(dtype)
 
