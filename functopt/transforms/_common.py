@@ -9,7 +9,7 @@ equal to these.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -147,3 +147,20 @@ def full(leaves: list[Any], value: Numeric) -> list[Any]:
     reading it back to the host.
     """
     return [None if p is None else torch.zeros_like(p) + value for p in leaves]
+
+
+def map_with_state(
+    fn: Callable[..., tuple[Any, ...]], grads: Sequence[Any], *states: Sequence[Any]
+) -> tuple[list[Any], ...]:
+    """Leaf by leaf, ``fn(g, *state_leaves) -> (update, *new_state_leaves)``.
+
+    Where a gradient is ``None`` (a param without gradient) the update is ``None`` and
+    every state leaf passes through unchanged; ``fn`` is not called. Returns one list per
+    output: the updates first, then each new state field.
+    """
+    outputs: list[list[Any]] = [[] for _ in range(1 + len(states))]
+    for g, *leaf_states in zip(grads, *states, strict=True):
+        results = (None, *leaf_states) if g is None else fn(g, *leaf_states)
+        for out, value in zip(outputs, results, strict=True):
+            out.append(value)
+    return tuple(outputs)

@@ -82,17 +82,12 @@ def trace(
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
         traces = _common.state_like(treespec, state.trace, name="state.trace")
-        new_updates: list[Any] = []
-        new_traces: list[Any] = []
-        for g, t in zip(grads, traces, strict=True):
-            if g is None:
-                new_updates.append(None)
-                new_traces.append(t)
-                continue
+        def leaf(g: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
             m = g + decay * t.to(torch.promote_types(g.dtype, t.dtype))
             u = g + decay * m if nesterov else m
-            new_updates.append(u.to(g.dtype))
-            new_traces.append(m.to(t.dtype))
+            return u.to(g.dtype), m.to(t.dtype)
+
+        new_updates, new_traces = _common.map_with_state(leaf, grads, traces)
         return _common.unflatten(treespec, new_updates), TraceState(
             trace=_common.unflatten(treespec, new_traces)
         )
@@ -162,20 +157,15 @@ def ema(
         averages = _common.state_like(treespec, state.ema, name="state.ema")
         count = _common.safe_increment(state.count)
         correction = _common.bias_correction(decay, count) if debias else None
-        new_updates: list[Any] = []
-        new_averages: list[Any] = []
-        for g, e in zip(grads, averages, strict=True):
-            if g is None:
-                new_updates.append(None)
-                new_averages.append(e)
-                continue
+        def leaf(g: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, ...]:
             # Widen g too: (1 - decay) * g would otherwise round in g's (maybe float16) dtype
             # before it meets a wider average.
             wide = torch.promote_types(g.dtype, e.dtype)
             e_t = (1 - decay) * g.to(wide) + decay * e.to(wide)
-            u = e_t / correction if debias else e_t
-            new_updates.append(u.to(g.dtype))
-            new_averages.append(e_t.to(e.dtype))
+            u = e_t if correction is None else e_t / correction
+            return u.to(g.dtype), e_t.to(e.dtype)
+
+        new_updates, new_averages = _common.map_with_state(leaf, grads, averages)
         return _common.unflatten(treespec, new_updates), EmaState(
             count=count, ema=_common.unflatten(treespec, new_averages)
         )

@@ -55,22 +55,15 @@ def _broadcast(
     """One bool per leaf of ``target`` (of structure ``treespec``), from a prefix mask."""
     mask_leaves, mask_spec = _core.flatten(mask_tree)
     _check_mask_leaves(mask_leaves, mask_spec)
-    if mask_spec == treespec:
-        return mask_leaves
     try:
-        subtrees = mask_spec.flatten_up_to(target)
-    except (ValueError, TypeError):
-        where = _core._first_difference(mask_tree, target, "<root>")
+        return _core.broadcast_prefix(mask_tree, target, treespec)
+    except ValueError as where:
         raise ValueError(
             f"masked: the mask must have the structure of the {target_name}, or of a prefix "
             f"of it; it differs {where} (expected: the mask's node; got: the "
             f"{target_name}'). Fix: build the mask from the params (for example with a "
             f"function params -> mask), putting one bool where a whole subtree shares it."
         ) from None
-    out: list[bool] = []
-    for m, sub in zip(mask_leaves, subtrees, strict=True):
-        out.extend([m] * _core.structure(sub).num_leaves)
-    return out
 
 
 def masked(

@@ -122,15 +122,7 @@ def scale_by_adam(
         bc2 = _common.bias_correction(b2, count)
         bc1_next = _common.bias_correction(b1, _common.safe_increment(count)) if nesterov else bc1
 
-        new_updates: list[Any] = []
-        new_mus: list[Any] = []
-        new_nus: list[Any] = []
-        for g, mu, nu in zip(grads, mus, nus, strict=True):
-            if g is None:
-                new_updates.append(None)
-                new_mus.append(mu)
-                new_nus.append(nu)
-                continue
+        def leaf(g: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor) -> tuple[torch.Tensor, ...]:
             # Storage precision is the only precision given up: a bfloat16 moment is
             # widened before it is decayed, and g*g cannot overflow a float16 range.
             wide = g.to(_common.compute_dtype(g.dtype, mu.dtype, nu.dtype))
@@ -141,9 +133,9 @@ def scale_by_adam(
             else:
                 mu_hat = mu_t / bc1
             u = mu_hat / (torch.sqrt(nu_t / bc2 + eps_root) + eps)
-            new_updates.append(u.to(g.dtype))
-            new_mus.append(mu_t.to(mu.dtype))
-            new_nus.append(nu_t.to(nu.dtype))
+            return u.to(g.dtype), mu_t.to(mu.dtype), nu_t.to(nu.dtype)
+
+        new_updates, new_mus, new_nus = _common.map_with_state(leaf, grads, mus, nus)
         new_state = ScaleByAdamState(
             count=count,
             mu=_common.unflatten(treespec, new_mus),
@@ -254,17 +246,8 @@ def scale_by_amsgrad(
         bc1 = _common.bias_correction(b1, count)
         bc2 = _common.bias_correction(b2, count)
 
-        new_updates: list[Any] = []
-        new_mus: list[Any] = []
-        new_nus: list[Any] = []
-        new_maxes: list[Any] = []
-        for g, mu, nu, nu_max in zip(grads, mus, nus, maxes, strict=True):
-            if g is None:
-                new_updates.append(None)
-                new_mus.append(mu)
-                new_nus.append(nu)
-                new_maxes.append(nu_max)
-                continue
+        def leaf(g: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor,
+                 nu_max: torch.Tensor) -> tuple[torch.Tensor, ...]:
             wide = g.to(_common.compute_dtype(g.dtype, mu.dtype, nu.dtype, nu_max.dtype))
             mu_t = b1 * mu.to(wide.dtype) + (1 - b1) * wide
             nu_t = b2 * nu.to(wide.dtype) + (1 - b2) * (wide * wide)
@@ -272,10 +255,11 @@ def scale_by_amsgrad(
             nu_hat = nu_t / bc2 if bias_correction_nu else nu_t
             max_t = torch.maximum(nu_max.to(wide.dtype), nu_hat)
             u = mu_hat / (torch.sqrt(max_t + eps_root) + eps)
-            new_updates.append(u.to(g.dtype))
-            new_mus.append(mu_t.to(mu.dtype))
-            new_nus.append(nu_t.to(nu.dtype))
-            new_maxes.append(max_t.to(nu_max.dtype))
+            return u.to(g.dtype), mu_t.to(mu.dtype), nu_t.to(nu.dtype), max_t.to(nu_max.dtype)
+
+        new_updates, new_mus, new_nus, new_maxes = _common.map_with_state(
+            leaf, grads, mus, nus, maxes
+        )
         new_state = ScaleByAmsgradState(
             count=count,
             mu=_common.unflatten(treespec, new_mus),
@@ -353,17 +337,13 @@ def scale_by_lion(
         grads, treespec = _common.flatten_updates(updates)
         mus = _common.state_like(treespec, state.mu, name="state.mu")
         _common.check_state_present(owner, treespec, grads, mu=mus)
-        new_updates: list[Any] = []
-        new_mus: list[Any] = []
-        for g, mu in zip(grads, mus, strict=True):
-            if g is None:
-                new_updates.append(None)
-                new_mus.append(mu)
-                continue
+        def leaf(g: torch.Tensor, mu: torch.Tensor) -> tuple[torch.Tensor, ...]:
             wide = g.to(_common.compute_dtype(g.dtype, mu.dtype))
             mu_prev = mu.to(wide.dtype)
-            new_updates.append(_sign((1 - b1) * wide + b1 * mu_prev).to(g.dtype))
-            new_mus.append((b2 * mu_prev + (1 - b2) * wide).to(mu.dtype))
+            return (_sign((1 - b1) * wide + b1 * mu_prev).to(g.dtype),
+                    (b2 * mu_prev + (1 - b2) * wide).to(mu.dtype))
+
+        new_updates, new_mus = _common.map_with_state(leaf, grads, mus)
         new_state = ScaleByLionState(
             count=_common.safe_increment(state.count), mu=_common.unflatten(treespec, new_mus)
         )

@@ -29,23 +29,15 @@ def _describe_label(label: Any) -> str:
 
 def _flat_labels(labels: Any, tree: Any, treespec: _core.TreeSpec, *, what: str) -> list[Any]:
     """One label per leaf of ``tree`` (of structure ``treespec``), broadcasting prefix labels."""
-    label_leaves, label_spec = _core.flatten(labels)
-    if label_spec == treespec:
-        return label_leaves
     try:
-        subtrees = label_spec.flatten_up_to(tree)
-    except (ValueError, TypeError):
-        where = _core._first_difference(labels, tree, "<root>")
+        return _core.broadcast_prefix(labels, tree, treespec)
+    except ValueError as where:
         raise ValueError(
             f"partition: param_labels does not line up with the {what} ({where}). Expected a "
             f"pytree of labels with the {what}' structure, or a prefix of it (one label for a "
             f"whole subtree). Fix: build the labels from the same pytree as the params, with one "
             f"label at every leaf (None leaves included), or pass a function params -> labels."
         ) from None
-    flat: list[Any] = []
-    for label, subtree in zip(label_leaves, subtrees, strict=True):
-        flat.extend([label] * _core.structure(subtree).num_leaves)
-    return flat
 
 
 def partition(

@@ -114,18 +114,14 @@ def scale_by_rms(
         count = _common.safe_increment(state.count)
         bc = _common.bias_correction(decay, count) if bias_correction else None
 
-        new_updates: list[Any] = []
-        new_nus: list[Any] = []
-        for g, nu in zip(grads, nus, strict=True):
-            if g is None:
-                new_updates.append(None)
-                new_nus.append(nu)
-                continue
+        def leaf(g: torch.Tensor, nu: torch.Tensor) -> tuple[torch.Tensor, ...]:
             wide = g.to(_common.compute_dtype(g.dtype, nu.dtype))
             nu_t = decay * nu.to(wide.dtype) + (1 - decay) * (wide * wide)
             nu_hat = nu_t if bc is None else nu_t / bc
-            new_updates.append((_rms_scaling(nu_hat, eps, eps_in_sqrt) * wide).to(g.dtype))
-            new_nus.append(nu_t.to(nu.dtype))
+            return ((_rms_scaling(nu_hat, eps, eps_in_sqrt) * wide).to(g.dtype),
+                    nu_t.to(nu.dtype))
+
+        new_updates, new_nus = _common.map_with_state(leaf, grads, nus)
         new_state = ScaleByRmsState(count=count, nu=_common.unflatten(treespec, new_nus))
         return _common.unflatten(treespec, new_updates), new_state
 
@@ -214,23 +210,15 @@ def scale_by_stddev(
         count = _common.safe_increment(state.count)
         bc = _common.bias_correction(decay, count) if bias_correction else None
 
-        new_updates: list[Any] = []
-        new_mus: list[Any] = []
-        new_nus: list[Any] = []
-        for g, mu, nu in zip(grads, mus, nus, strict=True):
-            if g is None:
-                new_updates.append(None)
-                new_mus.append(mu)
-                new_nus.append(nu)
-                continue
+        def leaf(g: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor) -> tuple[torch.Tensor, ...]:
             wide = g.to(_common.compute_dtype(g.dtype, mu.dtype, nu.dtype))
             mu_t = decay * mu.to(wide.dtype) + (1 - decay) * wide
             nu_t = decay * nu.to(wide.dtype) + (1 - decay) * (wide * wide)
             mu_hat, nu_hat = (mu_t, nu_t) if bc is None else (mu_t / bc, nu_t / bc)
             scaling = _rms_scaling(nu_hat - mu_hat * mu_hat, eps, eps_in_sqrt)
-            new_updates.append((scaling * wide).to(g.dtype))
-            new_mus.append(mu_t.to(mu.dtype))
-            new_nus.append(nu_t.to(nu.dtype))
+            return (scaling * wide).to(g.dtype), mu_t.to(mu.dtype), nu_t.to(nu.dtype)
+
+        new_updates, new_mus, new_nus = _common.map_with_state(leaf, grads, mus, nus)
         new_state = ScaleByRStdDevState(
             count=count,
             mu=_common.unflatten(treespec, new_mus),
@@ -304,21 +292,16 @@ def scale_by_rss(
         grads, treespec = _common.flatten_updates(updates)
         sums = _common.state_like(treespec, state.sum_of_squares, name="state.sum_of_squares")
         _common.check_state_present(owner, treespec, grads, sum_of_squares=sums)
-        new_updates: list[Any] = []
-        new_sums: list[Any] = []
-        for g, s in zip(grads, sums, strict=True):
-            if g is None:
-                new_updates.append(None)
-                new_sums.append(s)
-                continue
+        def leaf(g: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, ...]:
             wide = g.to(_common.compute_dtype(g.dtype, s.dtype))
             s_t = s.to(wide.dtype) + wide * wide
             positive = s_t > 0
             # Feed rsqrt a harmless 1 off the selected branch: rsqrt(0) = inf would turn the
             # (zero) backward of torch.where into 0 * inf = nan.
             inv = torch.where(positive, torch.rsqrt(torch.where(positive, s_t + eps, 1.0)), 0.0)
-            new_updates.append((inv * wide).to(g.dtype))
-            new_sums.append(s_t.to(s.dtype))
+            return (inv * wide).to(g.dtype), s_t.to(s.dtype)
+
+        new_updates, new_sums = _common.map_with_state(leaf, grads, sums)
         new_state = ScaleByRssState(sum_of_squares=_common.unflatten(treespec, new_sums))
         return _common.unflatten(treespec, new_updates), new_state
 

@@ -249,3 +249,23 @@ def map_leaves(fn: Callable[..., Any], first: Sequence[Any], *rest: Sequence[Any
     return [
         None if xs[0] is None else fn(*xs) for xs in zip(first, *rest, strict=True)
     ]
+
+
+def broadcast_prefix(prefix: Tree, target: Tree, treespec: TreeSpec) -> list[Any]:
+    """One leaf of ``prefix`` per leaf of ``target`` (whose structure is ``treespec``).
+
+    ``prefix`` has ``target``'s structure or a prefix of it: a leaf of ``prefix`` standing
+    where ``target`` has a subtree applies to every leaf of that subtree (as masks and
+    partition labels do). Raises ``ValueError`` whose message is where the two differ.
+    """
+    prefix_leaves, prefix_spec = flatten(prefix)
+    if prefix_spec == treespec:
+        return prefix_leaves
+    try:
+        subtrees = prefix_spec.flatten_up_to(target)
+    except (ValueError, TypeError):
+        raise ValueError(_first_difference(prefix, target, "<root>")) from None
+    out: list[Any] = []
+    for leaf, subtree in zip(prefix_leaves, subtrees, strict=True):
+        out.extend([leaf] * structure(subtree).num_leaves)
+    return out
