@@ -24,6 +24,7 @@ Rank 0 prints the progress and a summary.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 
@@ -153,12 +154,22 @@ def main() -> None:
     log(f"exactness: first sharded step vs the same step in one piece: max relative "
         f"difference {max_diff:.1e} (within 1e-6: {max_diff <= 1e-6}); ranks agree on the "
         f"global norm: {agree}")
-    # Every rank leaves the last collective before any tears the group down: without this,
-    # gloo can abort a rank that is still draining ("terminate called without an active
-    # exception").
+
+
+def teardown() -> None:
+    """Tear the process group down while the interpreter is fully alive.
+
+    ``main`` has returned, so the model, its device mesh and the optimizer state (which
+    hold references to the group) are gone; ``gc.collect`` frees any cycle among them. Then
+    every rank leaves the last collective before any destroys the group. Left to
+    interpreter shutdown, gloo's worker threads can outlive the objects they use and abort
+    the rank ("terminate called without an active exception").
+    """
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    teardown()
