@@ -92,7 +92,8 @@ def test_clip_tensor_bound_is_differentiable() -> None:
 def _block_rms_reference(g: torch.Tensor, threshold: float) -> torch.Tensor:
     g64 = g.double()
     sum_sq = (g64 * g64).sum()
-    if _accumulates_in_float32(g) and sum_sq > F32_MAX:
+    # As in _agc_reference: a one-element norm is |x|, so only more elements overflow.
+    if _accumulates_in_float32(g) and sum_sq > F32_MAX and g.numel() > 1:
         return torch.full_like(g64, math.nan)
     rms = torch.sqrt(sum_sq / max(g.numel(), 1))
     if not torch.isfinite(rms):

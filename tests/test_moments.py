@@ -329,6 +329,13 @@ def test_low_precision_first_step_is_the_rounded_float64_result(
         # g**2 underflows even float32 below ~1e-19 (bfloat16 reaches 1e-38): there the
         # wide maths is not float64; compare the rest.
         keep = (g.double().abs() > 1e-15) | (g == 0)
+        # Likewise a second moment that float64 keeps positive but that lies below float32's
+        # normal range (a decay of 1e-205 times initial_scale) may flush to zero in the wide
+        # maths; with eps = 0 a zero gradient then gives 0/0 = nan where float64 gives 0,
+        # the documented behaviour pinned by test_rms_zero_gradient_over_flushed_moment_*.
+        second = ref_state.get("nu")
+        if second is not None:
+            keep &= ~((second > 0) & (second < torch.finfo(torch.float32).tiny))
         tol = 2 * torch.finfo(g.dtype).eps
         torch.testing.assert_close(u.to(torch.float64)[keep],
                                    _storage_round(want, g.dtype)[keep],
@@ -576,6 +583,51 @@ def test_rss_gradient_is_finite_where_nothing_accumulated() -> None:
     grad = torch.func.grad(f)(torch.tensor([0.0, 2.0]))
     assert torch.isfinite(grad).all()
     torch.testing.assert_close(grad, torch.tensor([0.0, 0.0]))  # d(g/|g|)/dg = 0 for g != 0
+
+
+def test_rms_zero_gradient_over_zero_moment_is_nan_with_eps_zero_as_torch() -> None:
+    # eps = 0 and nothing accumulated: 0 / (sqrt(0) + 0), NaN in torch.optim.RMSprop and
+    # optax alike; a non-zero gradient or a positive eps stays finite.
+    g = torch.tensor([0.0, 2.0])
+    param = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.RMSprop([param], lr=1.0, alpha=0.9, eps=0.0)
+    param.grad = g.clone()
+    opt.step()
+    for eps, eps_in_sqrt in [(0.0, False), (0.0, True), (1e-8, False)]:
+        tx = functopt.scale_by_rms(decay=0.9, eps=eps, eps_in_sqrt=eps_in_sqrt)
+        u = tx.update({"w": g}, tx.init({"w": torch.zeros(2)}))[0]["w"]
+        assert torch.isnan(u[0]) == (eps == 0.0)
+        assert torch.isfinite(u[1])
+        if eps == 0.0 and not eps_in_sqrt:  # torch's form, bit for bit up to the sign
+            torch.testing.assert_close(-u, param.detach(), equal_nan=True, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("eps_in_sqrt", [False, True])
+def test_rms_zero_gradient_over_flushed_moment_is_nan_with_eps_zero(
+    dtype: torch.dtype, eps_in_sqrt: bool
+) -> None:
+    # decay * initial_scale ~ 3e-206 is positive in float64 but flushes to zero in the
+    # float32 maths of a float32 or narrower leaf: the zero gradient meets a zero moment
+    # and gets 0/0 = NaN (documented in scale_by_rms), not the float64 answer 0. A float64
+    # leaf keeps the moment and gets 0; eps > 0 gives 0 in every dtype.
+    shapes = [(), (1,)]
+    for shape in shapes:
+        zero = torch.zeros(shape, dtype=dtype)
+        tx = functopt.scale_by_rms(decay=3.1731619241842957e-205, eps=0.0, initial_scale=0.1,
+                                   eps_in_sqrt=eps_in_sqrt)
+        u, state = tx.update({"w": zero}, tx.init({"w": zero}))
+        assert u["w"].dtype == dtype and bool(torch.isnan(u["w"]).all())
+        assert not bool(state.nu["w"].any())  # the flushed moment, stored as 0
+        tx = functopt.scale_by_rms(decay=3.1731619241842957e-205, eps=1e-8, initial_scale=0.1,
+                                   eps_in_sqrt=eps_in_sqrt)
+        u, _ = tx.update({"w": zero}, tx.init({"w": zero}))
+        assert not bool(u["w"].any()) and not bool(torch.isnan(u["w"]).any())
+    zero64 = torch.zeros(1, dtype=torch.float64)
+    tx = functopt.scale_by_rms(decay=3.1731619241842957e-205, eps=0.0, initial_scale=0.1,
+                               eps_in_sqrt=eps_in_sqrt)
+    u, state = tx.update({"w": zero64}, tx.init({"w": zero64}))
+    assert u["w"].item() == 0.0 and state.nu["w"].item() > 0.0
 
 
 @pytest.mark.parametrize("factory", [functopt.scale_by_rms, functopt.scale_by_stddev])

@@ -80,10 +80,44 @@ def bias_correction(decay: Any, count: torch.Tensor) -> torch.Tensor:
     """``1 - decay ** count`` as a 0-d float64 tensor.
 
     Float64 keeps the factor exact enough to match torch.optim (which uses Python floats) in
-    float64 runs; a 0-d tensor does not promote the dimensioned leaves it multiplies.
+    float64 runs; pass it through ``scalar`` before it meets a leaf.
     """
     factor: torch.Tensor = 1 - decay ** count.to(torch.float64)
     return factor
+
+
+def scalar(value: Any, dtype: torch.dtype) -> Any:
+    """``value``, a scalar about to meet a leaf whose maths runs in ``dtype``, cast to it.
+
+    Every scalar a transform derives from its count, a schedule, a hyperparameter (injected
+    ones are 0-d float64 tensors) or a norm goes through here first. Torch lets a 0-d tensor
+    promote another 0-d tensor, never a tensor with dimensions: an uncast float64 scalar would
+    run a 0-d float32 / bfloat16 / float16 leaf's maths in float64 while a shape-(1,) leaf of
+    the same value runs in its own dtype, and the two would round differently. Cast first, a
+    0-d leaf is computed exactly like a one-element leaf (tests/test_zero_dim.py).
+
+    ``dtype`` is the dtype the operation runs in: the widened dtype of moment maths
+    (``compute_dtype``), or the leaf's own dtype for a comparison done in it; products kept in
+    a leaf's dtype go through ``scaled``. A float64 leaf keeps its float64 scalars. Casting a
+    0-d tensor is differentiable and reads nothing back to the host (fine under
+    ``torch.func``); a Python number is returned as it is, as it never promotes a tensor.
+    """
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype)
+    return value
+
+
+def scaled(x: torch.Tensor, factor: Any) -> torch.Tensor:
+    """``factor * x`` in ``x``'s dtype: formed in ``compute_dtype(x.dtype)``, rounded once.
+
+    This is what torch does for a Python-number factor (a half-precision tensor is scaled in
+    float32). For a tensor factor torch rounds the factor to the half-precision dtype first
+    or not, depending on the operand order and on ``x`` having dimensions; here a tensor
+    factor, a number, a 0-d and a one-element ``x`` all give the same bits.
+    """
+    dtype = compute_dtype(x.dtype)
+    out: torch.Tensor = (scalar(factor, dtype) * x.to(dtype)).to(x.dtype)
+    return out
 
 
 def zeros_like(leaf: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -146,7 +180,7 @@ def full(leaves: list[Any], value: Numeric) -> list[Any]:
     ``zeros + value`` rather than ``full_like`` so that a 0-d tensor ``value`` works without
     reading it back to the host.
     """
-    return [None if p is None else torch.zeros_like(p) + value for p in leaves]
+    return [None if p is None else torch.zeros_like(p) + scalar(value, p.dtype) for p in leaves]
 
 
 def map_with_state(

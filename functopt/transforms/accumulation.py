@@ -83,8 +83,8 @@ def trace(
         grads, treespec = _common.flatten_updates(updates)
         traces = _common.state_like(treespec, state.trace, name="state.trace")
         def leaf(g: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            m = g + decay * t.to(torch.promote_types(g.dtype, t.dtype))
-            u = g + decay * m if nesterov else m
+            m = g + _common.scaled(t.to(torch.promote_types(g.dtype, t.dtype)), decay)
+            u = g + _common.scaled(m, decay) if nesterov else m
             return u.to(g.dtype), m.to(t.dtype)
 
         new_updates, new_traces = _common.map_with_state(leaf, grads, traces)
@@ -161,8 +161,11 @@ def ema(
             # Widen g too: (1 - decay) * g would otherwise round in g's (maybe float16) dtype
             # before it meets a wider average.
             wide = torch.promote_types(g.dtype, e.dtype)
-            e_t = (1 - decay) * g.to(wide) + decay * e.to(wide)
-            u = e_t if correction is None else e_t / correction
+            e_t = _common.scaled(g.to(wide), 1 - decay) + _common.scaled(e.to(wide), decay)
+            if correction is None:
+                return e_t.to(g.dtype), e_t.to(e.dtype)
+            exact = _common.compute_dtype(wide)
+            u = e_t.to(exact) / _common.scalar(correction, exact)
             return u.to(g.dtype), e_t.to(e.dtype)
 
         new_updates, new_averages = _common.map_with_state(leaf, grads, averages)

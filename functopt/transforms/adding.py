@@ -75,7 +75,7 @@ def add_decayed_weights(
         if isinstance(rate, (int, float)):
             # torch.optim.SGD's own grad.add(param, alpha=weight_decay), bit for bit.
             return torch.add(g, p, alpha=rate)
-        out: torch.Tensor = (g + rate * p).to(g.dtype)
+        out: torch.Tensor = (g + _common.scaled(p, rate)).to(g.dtype)
         return out
 
     def update_fn(

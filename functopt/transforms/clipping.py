@@ -79,10 +79,14 @@ def clip(max_delta: Numeric) -> GradientTransformation:
     ) -> tuple[Updates, EmptyState]:
         del params, extra_args
         leaves, treespec = _common.flatten_updates(updates)
-        new = [
-            None if g is None else torch.clamp(g, -max_delta, max_delta).to(g.dtype)  # type: ignore[arg-type]
-            for g in leaves
-        ]
+        new: list[Any] = []
+        for g in leaves:
+            if g is None:
+                new.append(None)
+                continue
+            # Compared in the leaf's dtype, as torch compares a tensor with dimensions.
+            bound = _common.scalar(max_delta, g.dtype)
+            new.append(torch.clamp(g, -bound, bound).to(g.dtype))
         return _common.unflatten(treespec, new), state
 
     return GradientTransformation(_init_empty, update_fn)
@@ -115,7 +119,8 @@ def clip_by_block_rms(threshold: Numeric) -> GradientTransformation:
     def clip_leaf(u: torch.Tensor) -> torch.Tensor:
         norm = torch.linalg.vector_norm(u, dtype=_accumulation_dtype(u.dtype))
         rms = norm / max(u.numel(), 1) ** 0.5
-        denom = _nan_unless_finite(rms, torch.clamp(rms / threshold, min=1.0))
+        ratio = rms / _common.scalar(threshold, rms.dtype)
+        denom = _nan_unless_finite(rms, torch.clamp(ratio, min=1.0))
         return (u / denom).to(u.dtype)
 
     def update_fn(
@@ -173,10 +178,10 @@ def clip_by_global_norm(max_norm: Numeric) -> GradientTransformation:
         # and 1 / a subnormal norm overflows to inf.
         bound = torch.as_tensor(max_norm, dtype=norm.dtype, device=norm.device)
         scale = _nan_unless_finite(norm, bound / torch.clamp(norm, min=bound))
-        new = [
-            None if g is None else torch.where(keep, g, (g * scale).to(g.dtype))
-            for g in leaves
-        ]
+        # `scaled`: a float64 norm (from a float64 leaf elsewhere in the tree) must not
+        # promote a 0-d float32 leaf.
+        new = [None if g is None else torch.where(keep, g, _common.scaled(g, scale))
+               for g in leaves]
         return _common.unflatten(treespec, new), state
 
     return GradientTransformation(_init_empty, update_fn)
@@ -268,7 +273,9 @@ def adaptive_grad_clip(
 
     def clip_leaf(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         g_norm = _unitwise_norm(g, dims)
-        max_norm = clipping * torch.clamp(_unitwise_norm(p, dims), min=eps)
+        p_norm = _unitwise_norm(p, dims)
+        floor = _common.scalar(eps, p_norm.dtype)
+        max_norm = _common.scalar(clipping, p_norm.dtype) * torch.clamp(p_norm, min=floor)
         ratio = _nan_unless_finite(g_norm, max_norm / torch.clamp(g_norm, min=_DIV_EPS))
         return torch.where(g_norm < max_norm, g, (g * ratio).to(g.dtype))
 

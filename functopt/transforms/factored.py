@@ -21,10 +21,12 @@ __all__ = [
 def _decay_rate_pow(step: torch.Tensor, exponent: Numeric = 0.8) -> torch.Tensor:
     r"""Adafactor's schedule $\hat\beta_{2,t} = 1 - t^{-\text{exponent}}$, ``t = step + 1``.
 
-    Computed in float32, as optax does (so 0 on the first step, tending to 1).
+    Computed in float32, as optax does (so 0 on the first step, tending to 1), whether
+    ``exponent`` is a number or an (injected, float64) 0-d tensor.
     """
     t = (step + 1).to(torch.float32)
-    return 1.0 - t ** (-exponent)
+    decay: torch.Tensor = 1.0 - t ** (-_common.scalar(exponent, torch.float32))
+    return decay
 
 
 def _factored_dims(
@@ -220,17 +222,18 @@ def scale_by_factored_rms(
                     f"belong to."
                 )
             wide = g.to(_common.compute_dtype(g.dtype, row.dtype, col.dtype, full.dtype))
-            grad_sqr = wide * wide + epsilon
+            beta, rest = _common.scalar(decay, wide.dtype), _common.scalar(1 - decay, wide.dtype)
+            grad_sqr = wide * wide + _common.scalar(epsilon, wide.dtype)
             if dims is None:
-                full_t = decay * full.to(wide.dtype) + (1 - decay) * grad_sqr
+                full_t = beta * full.to(wide.dtype) + rest * grad_sqr
                 u = wide * torch.rsqrt(full_t)
                 new_rows.append(row)
                 new_cols.append(col)
                 new_fulls.append(full_t.to(full.dtype))
             else:
                 d1, d0 = dims
-                row_t = decay * row.to(wide.dtype) + (1 - decay) * grad_sqr.mean(dim=d0)
-                col_t = decay * col.to(wide.dtype) + (1 - decay) * grad_sqr.mean(dim=d1)
+                row_t = beta * row.to(wide.dtype) + rest * grad_sqr.mean(dim=d0)
+                col_t = beta * col.to(wide.dtype) + rest * grad_sqr.mean(dim=d1)
                 # In row_t (d0 removed) the d1 axis moves down by one if it came after d0.
                 d1_in_row = d1 - 1 if d1 > d0 else d1
                 row_factor = torch.rsqrt(row_t / row_t.mean(dim=d1_in_row, keepdim=True))

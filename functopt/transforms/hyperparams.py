@@ -125,15 +125,17 @@ def inject_hyperparams(
     Storage dtype (a deliberate difference from optax, which stores in the params' highest
     dtype): Python numbers are stored as float64 0-d tensors on the params' device, and
     tensors keep their dtype, unless ``hyperparam_dtype`` is given, which then applies to
-    every floating hyperparameter. Float64 does not promote the updates (a 0-d tensor does
-    not promote the tensors with dimensions it meets) and keeps ``1 - b1`` or ``b1 ** t`` as
-    exact as with the Python number, so on the CPU an injected transform is bitwise equal to
-    the same transform built from Python numbers, for every leaf with at least one
-    dimension. A 0-d leaf meets a 0-d float64 hyperparameter as an equal, so its maths runs
-    in float64 (the transforms cast their results back to the leaf's dtype). On an
-    accelerator a device 0-d tensor is not a CPU scalar, and a kernel may round it to a
-    bfloat16/float16 leaf's dtype where a Python number keeps float32 precision; pass the
-    hyperparameters as CPU tensors (which are kept where they are) if that last bit matters.
+    every floating hyperparameter. Float64 keeps ``1 - b1`` or ``b1 ** t`` as exact as with
+    the Python number, and the built-in transforms cast every such scalar to the dtype their
+    leaf maths runs in before it meets a leaf (so it promotes no leaf, 0-d ones included):
+    on the CPU an injected built-in transform is bitwise equal to the same transform built
+    from Python numbers (one exception: ``add_decayed_weights`` takes a Python number
+    through torch.optim's fused ``add(alpha=)``, a tensor as a product and a sum). A factory
+    of your own should do the same (a 0-d float64 tensor would otherwise run a 0-d float32
+    leaf's maths in float64). On an accelerator a device 0-d tensor is not a CPU scalar, and
+    a kernel may round it to a bfloat16/float16 leaf's dtype where a Python number keeps
+    float32 precision; pass the hyperparameters as CPU tensors (which are kept where they
+    are) if that last bit matters.
 
     The factory is called once when the transform is built, with the values as given and
     schedules evaluated at step 0, so that its argument checks run on the Python numbers.

@@ -4,13 +4,16 @@ Every transform here follows one numeric rule: the moment maths runs in the wide
 gradient's dtype, the moment's storage dtype and float32, and only then is each result
 rounded to where it lives (the moment to its storage dtype, the update to the gradient's
 dtype). A float16 gradient of 300 therefore squares to 90,000 without overflowing, and
-``eps = 1e-8`` is not flushed to zero for half-precision params. Where a gradient is
+``eps = 1e-8`` is not flushed to zero for half-precision params. The scalars (bias
+corrections, hyperparameters that are 0-d tensors) are cast to that dtype before they meet a
+leaf, so a 0-d leaf is computed exactly like a one-element leaf. Where a gradient is
 ``None`` (a param without gradient) the update stays ``None`` and that leaf's moments are
 left exactly as they were; only the shared step counter moves.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import torch
@@ -126,13 +129,14 @@ def scale_by_adam(
             # Storage precision is the only precision given up: a bfloat16 moment is
             # widened before it is decayed, and g*g cannot overflow a float16 range.
             wide = g.to(_common.compute_dtype(g.dtype, mu.dtype, nu.dtype))
-            mu_t = b1 * mu.to(wide.dtype) + (1 - b1) * wide
-            nu_t = b2 * nu.to(wide.dtype) + (1 - b2) * (wide * wide)
+            c = functools.partial(_common.scalar, dtype=wide.dtype)
+            mu_t = c(b1) * mu.to(wide.dtype) + c(1 - b1) * wide
+            nu_t = c(b2) * nu.to(wide.dtype) + c(1 - b2) * (wide * wide)
             if nesterov:
-                mu_hat = b1 * mu_t / bc1_next + (1 - b1) * wide / bc1
+                mu_hat = c(b1) * mu_t / c(bc1_next) + c(1 - b1) * wide / c(bc1)
             else:
-                mu_hat = mu_t / bc1
-            u = mu_hat / (torch.sqrt(nu_t / bc2 + eps_root) + eps)
+                mu_hat = mu_t / c(bc1)
+            u = mu_hat / (torch.sqrt(nu_t / c(bc2) + c(eps_root)) + c(eps))
             return u.to(g.dtype), mu_t.to(mu.dtype), nu_t.to(nu.dtype)
 
         new_updates, new_mus, new_nus = _common.map_with_state(leaf, grads, mus, nus)
@@ -249,12 +253,13 @@ def scale_by_amsgrad(
         def leaf(g: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor,
                  nu_max: torch.Tensor) -> tuple[torch.Tensor, ...]:
             wide = g.to(_common.compute_dtype(g.dtype, mu.dtype, nu.dtype, nu_max.dtype))
-            mu_t = b1 * mu.to(wide.dtype) + (1 - b1) * wide
-            nu_t = b2 * nu.to(wide.dtype) + (1 - b2) * (wide * wide)
-            mu_hat = mu_t / bc1 if bias_correction_mu else mu_t
-            nu_hat = nu_t / bc2 if bias_correction_nu else nu_t
+            c = functools.partial(_common.scalar, dtype=wide.dtype)
+            mu_t = c(b1) * mu.to(wide.dtype) + c(1 - b1) * wide
+            nu_t = c(b2) * nu.to(wide.dtype) + c(1 - b2) * (wide * wide)
+            mu_hat = mu_t / c(bc1) if bias_correction_mu else mu_t
+            nu_hat = nu_t / c(bc2) if bias_correction_nu else nu_t
             max_t = torch.maximum(nu_max.to(wide.dtype), nu_hat)
-            u = mu_hat / (torch.sqrt(max_t + eps_root) + eps)
+            u = mu_hat / (torch.sqrt(max_t + c(eps_root)) + c(eps))
             return u.to(g.dtype), mu_t.to(mu.dtype), nu_t.to(nu.dtype), max_t.to(nu_max.dtype)
 
         new_updates, new_mus, new_nus, new_maxes = _common.map_with_state(
@@ -339,9 +344,10 @@ def scale_by_lion(
         _common.check_state_present(owner, treespec, grads, mu=mus)
         def leaf(g: torch.Tensor, mu: torch.Tensor) -> tuple[torch.Tensor, ...]:
             wide = g.to(_common.compute_dtype(g.dtype, mu.dtype))
+            c = functools.partial(_common.scalar, dtype=wide.dtype)
             mu_prev = mu.to(wide.dtype)
-            return (_sign((1 - b1) * wide + b1 * mu_prev).to(g.dtype),
-                    (b2 * mu_prev + (1 - b2) * wide).to(mu.dtype))
+            return (_sign(c(1 - b1) * wide + c(b1) * mu_prev).to(g.dtype),
+                    (c(b2) * mu_prev + c(1 - b2) * wide).to(mu.dtype))
 
         new_updates, new_mus = _common.map_with_state(leaf, grads, mus)
         new_state = ScaleByLionState(

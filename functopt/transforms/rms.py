@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import torch
@@ -30,6 +31,7 @@ def _check_rms_args(owner: str, decay: Any, eps: Any, initial_scale: Any,
 
 
 def _rms_scaling(second: torch.Tensor, eps: Numeric, eps_in_sqrt: bool) -> torch.Tensor:
+    eps = _common.scalar(eps, second.dtype)
     if eps_in_sqrt:
         return torch.rsqrt(second + eps)
     return 1 / (torch.sqrt(second) + eps)
@@ -65,6 +67,13 @@ def scale_by_rms(
     eps_in_sqrt=False), scale(-lr))`` is ``torch.optim.RMSprop(lr, alpha, eps)``;
     ``scale_by_rms(decay=b2, eps_in_sqrt=False, bias_correction=True)`` is
     ``scale_by_adam(b1=0, b2=b2)`` without storing a first moment.
+
+    With ``eps = 0`` a zero gradient over a zero second moment is $0/0 =$ NaN, as in optax
+    and ``torch.optim.RMSprop(eps=0)``: before any non-zero gradient (``initial_scale=0``),
+    and wherever the EMA has left the float32 range of the maths (a ``decay`` of 1e-205
+    times ``initial_scale`` flushes to zero, although float64 would keep it). Keep ``eps``
+    positive to guard against that. (Adagrad's [`scale_by_rss`][functopt.scale_by_rss]
+    returns 0 there instead, as optax's does.)
 
     Unlike optax, whose state is ``ScaleByRmsState(nu)`` or, with ``bias_correction``,
     ``ScaleByRmsWithCountState(count, nu)``, the state here always holds the count (one
@@ -116,8 +125,9 @@ def scale_by_rms(
 
         def leaf(g: torch.Tensor, nu: torch.Tensor) -> tuple[torch.Tensor, ...]:
             wide = g.to(_common.compute_dtype(g.dtype, nu.dtype))
-            nu_t = decay * nu.to(wide.dtype) + (1 - decay) * (wide * wide)
-            nu_hat = nu_t if bc is None else nu_t / bc
+            c = functools.partial(_common.scalar, dtype=wide.dtype)
+            nu_t = c(decay) * nu.to(wide.dtype) + c(1 - decay) * (wide * wide)
+            nu_hat = nu_t if bc is None else nu_t / c(bc)
             return ((_rms_scaling(nu_hat, eps, eps_in_sqrt) * wide).to(g.dtype),
                     nu_t.to(nu.dtype))
 
@@ -160,7 +170,8 @@ def scale_by_stddev(
     ``eps_in_sqrt=False`` this is ``torch.optim.RMSprop(centered=True)``. As in optax and
     torch the difference is not clamped: where rounding makes it negative (possible in
     low precision once the gradient is nearly constant) the update is NaN; keep ``eps``
-    inside the root to guard against that.
+    inside the root to guard against that. With ``eps = 0`` a zero gradient over a zero
+    variance is $0/0 =$ NaN, as in [`scale_by_rms`][functopt.scale_by_rms].
 
     The state always holds the count (optax adds it only with ``bias_correction``, in a
     second state type).
@@ -212,9 +223,10 @@ def scale_by_stddev(
 
         def leaf(g: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor) -> tuple[torch.Tensor, ...]:
             wide = g.to(_common.compute_dtype(g.dtype, mu.dtype, nu.dtype))
-            mu_t = decay * mu.to(wide.dtype) + (1 - decay) * wide
-            nu_t = decay * nu.to(wide.dtype) + (1 - decay) * (wide * wide)
-            mu_hat, nu_hat = (mu_t, nu_t) if bc is None else (mu_t / bc, nu_t / bc)
+            c = functools.partial(_common.scalar, dtype=wide.dtype)
+            mu_t = c(decay) * mu.to(wide.dtype) + c(1 - decay) * wide
+            nu_t = c(decay) * nu.to(wide.dtype) + c(1 - decay) * (wide * wide)
+            mu_hat, nu_hat = (mu_t, nu_t) if bc is None else (mu_t / c(bc), nu_t / c(bc))
             scaling = _rms_scaling(nu_hat - mu_hat * mu_hat, eps, eps_in_sqrt)
             return (scaling * wide).to(g.dtype), mu_t.to(mu.dtype), nu_t.to(nu.dtype)
 
@@ -298,7 +310,8 @@ def scale_by_rss(
             positive = s_t > 0
             # Feed rsqrt a harmless 1 off the selected branch: rsqrt(0) = inf would turn the
             # (zero) backward of torch.where into 0 * inf = nan.
-            inv = torch.where(positive, torch.rsqrt(torch.where(positive, s_t + eps, 1.0)), 0.0)
+            s_eps = s_t + _common.scalar(eps, wide.dtype)
+            inv = torch.where(positive, torch.rsqrt(torch.where(positive, s_eps, 1.0)), 0.0)
             return (inv * wide).to(g.dtype), s_t.to(s.dtype)
 
         new_updates, new_sums = _common.map_with_state(leaf, grads, sums)

@@ -29,6 +29,10 @@ __all__ = [
 ]
 
 
+def _scaled(leaves: list[Any], factor: Any) -> list[Any]:
+    return [None if g is None else _common.scaled(g, factor) for g in leaves]
+
+
 def scale(step_size: Numeric) -> GradientTransformation:
     r"""Multiply every update by a constant: $u \leftarrow \text{step\_size}\cdot u$.
 
@@ -55,9 +59,7 @@ def scale(step_size: Numeric) -> GradientTransformation:
     ) -> tuple[Updates, EmptyState]:
         del params, extra_args
         leaves, treespec = _common.flatten_updates(updates)
-        # A 0-d tensor factor would promote a 0-d float16 leaf to float32: cast back.
-        new = [None if g is None else (g * step_size).to(g.dtype) for g in leaves]
-        return _common.unflatten(treespec, new), state
+        return _common.unflatten(treespec, _scaled(leaves, step_size)), state
 
     return GradientTransformation(init_fn, update_fn)
 
@@ -105,8 +107,7 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
     ) -> tuple[Updates, ScaleByScheduleState]:
         del params, extra_args
         leaves, treespec = _common.flatten_updates(updates)
-        step_size = step_size_fn(state.count)
-        new = [None if g is None else (g * step_size).to(g.dtype) for g in leaves]
+        new = _scaled(leaves, step_size_fn(state.count))
         count = _common.safe_increment(state.count)
         return _common.unflatten(treespec, new), ScaleByScheduleState(count=count)
 
@@ -160,7 +161,8 @@ def _param_block_scale(owner: str, min_scale: Numeric, reduce: str) -> GradientT
                 block = torch.sqrt(torch.mean(wide * wide)) if p.numel() else wide.new_zeros(())
             else:
                 block = torch.linalg.vector_norm(wide)
-            return (g * torch.clamp(block, min=min_scale)).to(g.dtype)
+            floored = torch.clamp(block, min=_common.scalar(min_scale, block.dtype))
+            return _common.scaled(g, floored)
 
         new = [None if g is None else leaf(g, p) for g, p in zip(leaves, param_leaves, strict=True)]
         return _common.unflatten(treespec, new), state

@@ -99,13 +99,15 @@ def scale_by_trust_ratio(
                     f"or pass None as the update for a param without value."
                 )
             dtype = _common.compute_dtype(u.dtype, p.dtype)
-            param_norm = _safe_norm(p.to(dtype), min_norm)
-            update_norm = _safe_norm(u.to(dtype), min_norm)
+            floor = _common.scalar(min_norm, dtype)
+            param_norm = _safe_norm(p.to(dtype), floor)
+            update_norm = _safe_norm(u.to(dtype), floor)
             zero_norm = (param_norm == 0) | (update_norm == 0)
             # Divide by 1 off the selected branch, so that the (zero) backward of the
             # where does not meet x / 0 and turn into NaN.
-            denominator = torch.where(zero_norm, 1.0, update_norm + eps)
-            ratio = torch.where(zero_norm, 1.0, trust_coefficient * param_norm / denominator)
+            denominator = torch.where(zero_norm, 1.0, update_norm + _common.scalar(eps, dtype))
+            coefficient = _common.scalar(trust_coefficient, dtype)
+            ratio = torch.where(zero_norm, 1.0, coefficient * param_norm / denominator)
             new.append((u.to(dtype) * ratio).to(u.dtype))
         return _common.unflatten(treespec, new), state
 
