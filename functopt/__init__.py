@@ -1,12 +1,12 @@
 """functopt: functional, optax-style optimizer transforms for PyTorch.
 
 The public surface is this module's ``__all__`` and the documented subpackages
-``functopt.schedules``, ``functopt.tree``, ``functopt.precision``, ``functopt.distributed``
-and ``functopt.testing``
+``functopt.schedules``, ``functopt.tree``, ``functopt.precision``, ``functopt.distributed``,
+``functopt.fast`` and ``functopt.testing``
 (the last imports hypothesis, so it is not imported here).
 """
 
-from functopt import distributed, precision, schedules, tree
+from functopt import distributed, fast, precision, schedules, tree
 from functopt._apply import apply_updates, apply_updates_
 from functopt._base import (
     EmptyState,
@@ -187,6 +187,7 @@ __all__ = [
     "distributed",
     "dynamic_loss_scale",
     "ema",
+    "fast",
     "identity",
     "inject_hyperparams",
     "keep_params_nonnegative",

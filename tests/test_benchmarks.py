@@ -3,7 +3,10 @@
 Nothing here asserts on speed: the numbers depend on the machine and its load. What is
 asserted is that every case reports positive finite timings and that each benchmarked
 computation was checked against the others (a benchmark of a wrong computation is
-worthless), and that the checks and the memory method can fail when they should.
+worthless), that a "functopt fused" contender really took the fused path, and that the
+checks and the memory method can fail when they should. Memory is counted exactly (the
+profiler's allocator events do not depend on load), so the fused paths' step memory is
+asserted against torch's.
 """
 
 from __future__ import annotations
@@ -19,9 +22,14 @@ from typing import Any
 import pytest
 import torch
 
+import functopt
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
-CASES = {"adamw", "mixed", "leaves", "size", "memory", "bandwidth"}
+CASES = {"adamw", "mixed", "leaves", "size", "memory", "compile", "bandwidth"}
+ADAMW_NAMES = {"functopt pure", "functopt fused", "torch foreach", "torch fused"}
+MIXED_NAMES = {"functopt pure", "functopt fused", "torch idiom"}
+COMPILE_NAMES = {"functopt compiled", "functopt fused", "torch fused"}
 
 
 def _bench_module(name: str) -> Any:
@@ -34,7 +42,7 @@ def _timings(report: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """Every per-contender timing summary in the report, with a label."""
     found = []
     cases = report["cases"]
-    for case in ("adamw", "mixed"):
+    for case in ("adamw", "mixed", "compile"):
         found += [(f"{case}/{n}", t) for n, t in cases[case]["timings"].items()]
     for case in ("leaves", "size"):
         for point in cases[case]["points"]:
@@ -69,7 +77,7 @@ def test_quick_run_reports_every_case_with_positive_finite_timings(quick_report)
     assert report["config"]["quick"] is True and report["config"]["repeats"] == 2
     assert report["config"]["threads"] == 1
     timings = _timings(report)
-    assert len(timings) >= 3 + 2 + 3 * 3 + 3 * 1 + 3
+    assert len(timings) == 4 + 3 + 3 + 4 * 3 + 4 * 1 + 3
     for label, t in timings:
         # Bandwidth takes at least 3 samples whatever --repeats says (it is cheap).
         assert len(t["samples_s"]) == (3 if label.startswith("bandwidth") else 2), label
@@ -77,11 +85,24 @@ def test_quick_run_reports_every_case_with_positive_finite_timings(quick_report)
             value = t[key] if isinstance(key, str) else key
             assert _positive_finite(value), f"{label}: {key} = {value!r}"
         assert t["q25_s"] <= t["median_s"] <= t["q75_s"], label
-    for case in ("adamw", "leaves", "size"):
+    for case, names in (("adamw", ADAMW_NAMES), ("mixed", MIXED_NAMES),
+                        ("compile", COMPILE_NAMES), ("leaves", ADAMW_NAMES),
+                        ("size", ADAMW_NAMES)):
         points = report["cases"][case].get("points", [report["cases"][case]])
         for p in points:
+            assert set(p["timings"]) == names, case
             assert p["steps_per_block"] >= 1 and p["params"] > 0
             assert all(_positive_finite(r) for r in p["ratios"].values())
+    for case in ("adamw", "leaves", "size"):
+        for p in report["cases"][case].get("points", [report["cases"][case]]):
+            assert set(p["ratios"]) == {"functopt fused/torch fused",
+                                        "functopt pure/torch fused",
+                                        "torch foreach/torch fused"}, case
+    assert set(report["cases"]["mixed"]["ratios"]) == {"functopt fused/torch idiom",
+                                                       "functopt pure/torch idiom"}
+    for p in report["cases"]["leaves"]["points"]:
+        assert set(p["us_per_leaf"]) == ADAMW_NAMES
+        assert all(_positive_finite(x) for x in p["us_per_leaf"].values())
     assert [p["leaves"] for p in report["cases"]["leaves"]["points"]] == [10, 100, 1000]
     assert "machine" in report and report["machine"]["torch"] == torch.__version__
     for key in ("cpu", "logical_cores", "date_utc", "torch_threads"):
@@ -93,7 +114,7 @@ def test_quick_run_checks_the_contenders_computed_the_same_result(quick_report):
     report, stdout = quick_report
     assert report["checks_passed"] is True
     cases = report["cases"]
-    for case in ("adamw", "mixed"):
+    for case in ("adamw", "mixed", "compile"):
         check = cases[case]["check"]
         assert check["passed"] is True and check["problems"] == []
         assert check["steps"] >= 2 + 1 + 2  # warm-up, calibration, two timed rounds
@@ -112,39 +133,103 @@ def test_quick_run_memory_and_bandwidth_numbers(quick_report):
     report, _ = quick_report
     mem = report["cases"]["memory"]
     assert "profiler" in mem["method"]
-    for label, names in (("adamw", {"functopt", "torch foreach", "torch fused"}),
-                         ("mixed", {"functopt", "torch idiom"})):
+    for label, names in (("adamw", ADAMW_NAMES), ("mixed", MIXED_NAMES)):
         contenders = mem[label]["contenders"]
         assert set(contenders) == names
+        assert set(mem[label]["ratios"]) == {"functopt fused", "functopt pure"}
+        for r in mem[label]["ratios"].values():
+            assert set(r) == {"state_bytes_per_param", "step_total_peak"}
+            assert all(_positive_finite(x) for x in r.values())
         for name, m in contenders.items():
             assert m["persistent_bytes"] > 0 and m["step_transient_peak_bytes"] >= 0, name
             assert m["step_total_peak_bytes"] == m["persistent_bytes"] + m[
                 "step_transient_peak_bytes"]
             # Adam's two moments at least (plus a float32 master in the mixed step).
             assert m["state_bytes_per_param"] >= (12.0 if label == "mixed" else 8.0), name
-    # The pure path allocates new params and moments every step; the fused step does not.
+    # The pure path allocates new params and moments every step; the fused steps (torch's
+    # and functopt's, donated) write in place and allocate next to nothing.
     adamw = mem["adamw"]["contenders"]
-    assert adamw["functopt"]["step_transient_peak_bytes"] >= 12 * mem["params"]
+    assert adamw["functopt pure"]["step_transient_peak_bytes"] >= 12 * mem["params"]
     assert adamw["torch fused"]["step_transient_peak_bytes"] < mem["params"]
+    assert adamw["functopt fused"]["step_transient_peak_bytes"] < mem["params"]
+    # A mixed step needs the grads in float32 somewhere (the idiom's main grads, functopt
+    # fused's casts, held between steps or not): bf16 params and grads, fp32 master, m, v
+    # and the fp32 grads make at least 20 B/param at the peak, whoever holds what. The
+    # fused step allocates at most the casts (4 B/param) during the step.
+    mixed = mem["mixed"]["contenders"]
+    for name, m in mixed.items():
+        assert m["step_total_peak_bytes"] >= 20 * mem["params"], name
+    assert mixed["functopt pure"]["step_transient_peak_bytes"] >= 12 * mem["params"]
+    assert mixed["functopt fused"]["step_transient_peak_bytes"] < 5 * mem["params"]
+    assert mem["mixed"]["ratios"]["functopt fused"]["step_total_peak"] <= 1.1
+    assert mem["adamw"]["ratios"]["functopt fused"]["step_total_peak"] <= 1.1
     bw = report["cases"]["bandwidth"]
     assert _positive_finite(bw["bound_bytes_per_s"])
-    for case, per_param in (("adamw", 28), ("mixed", 30)):
+    for case, per_param in (("adamw", 28), ("mixed", 30), ("compile", 28)):
         assert bw[case]["bytes_per_param"] == per_param
         assert set(bw[case]["percent_of_bound"]) == set(report["cases"][case]["timings"])
         assert all(_positive_finite(x) for x in bw[case]["percent_of_bound"].values())
 
 
+def test_quick_run_compile_case(quick_report):
+    report, stdout = quick_report
+    res = report["cases"]["compile"]
+    assert res["params"] == report["cases"]["adamw"]["params"]
+    assert res["leaves"] == report["cases"]["adamw"]["leaves"]
+    assert _positive_finite(res["compile_s"])
+    assert res["compile_s"] == res["first_calls_s"][0]
+    assert len(res["first_calls_s"]) == 3 and all(map(_positive_finite, res["first_calls_s"]))
+    assert res["check"]["passed"] is True and res["check"]["reference"] == "functopt compiled"
+    assert set(res["ratios"]) == {"functopt compiled/torch fused",
+                                  "functopt fused/torch fused",
+                                  "functopt compiled/functopt fused"}
+    assert "compile time (wall time of the first call)" in stdout
+
+
+def _by_name(contenders: list[Any]) -> dict[str, Any]:
+    return {c.name: c for c in contenders}
+
+
 def test_compare_fails_on_a_different_computation():
     C, H = _bench_module("contenders"), _bench_module("harness")
     cs = C.adamw_contenders(C.make_shapes(2_000, 4), seed=1)
-    cs[2].opt.param_groups[0]["lr"] = 2 * C.LR  # torch fused now computes something else
+    # torch fused now computes something else
+    _by_name(cs)["torch fused"].opt.param_groups[0]["lr"] = 2 * C.LR
     for c in cs:
         for _ in range(3):
             c.step()
     check = H.compare(cs, rtol=1e-4, atol=1e-6)
+    assert check["reference"] == "functopt pure"
     assert check["passed"] is False
     assert check["max_abs_diff"]["torch foreach"] < 1e-6
+    assert check["max_abs_diff"]["functopt fused"] < 1e-6
     assert check["max_abs_diff"]["torch fused"] > 1e-4
+
+
+def test_compare_reports_a_fused_contender_that_fell_back_to_the_pure_path():
+    C, H = _bench_module("contenders"), _bench_module("harness")
+    cs = C.adamw_contenders(C.make_shapes(2_000, 4), seed=4)
+    for c in cs:
+        c.step()
+    assert H.compare(cs, rtol=1e-4, atol=1e-6)["passed"] is True
+    fused = _by_name(cs)["functopt fused"]
+    fused.step_fn = functopt.fast.make_step(fused.tx)  # no donation: new params every step
+    for c in cs:
+        c.step()
+    check = H.compare(cs, rtol=1e-4, atol=1e-6)
+    assert check["passed"] is False and check["max_abs_diff"]["functopt fused"] < 1e-6
+    assert any(p.startswith("functopt fused:") and "donated fused path" in p
+               for p in check["problems"])
+
+    mcs = C.mixed_contenders(C.make_shapes(2_000, 4), seed=4)
+    mixed = _by_name(mcs)["functopt fused"]
+    mixed.mp = _by_name(mcs)["functopt pure"].mp  # the pure path: same values, new tensors
+    for c in mcs:
+        c.step()
+    check = H.compare(mcs, rtol=1e-4, atol=1e-6)
+    assert check["passed"] is False
+    assert any(p.startswith("functopt fused:") and "donated fused path" in p
+               for p in check["problems"])
 
 
 def test_compare_fails_on_unequal_step_counts_and_broken_invariant():
@@ -153,12 +238,15 @@ def test_compare_fails_on_unequal_step_counts_and_broken_invariant():
     for c in cs:
         c.step()
     assert H.compare(cs, rtol=1e-4, atol=1e-6)["passed"] is True
-    cs[1].step()
+    idiom = _by_name(cs)["torch idiom"]
+    idiom.step()
     check = H.compare(cs, rtol=1e-4, atol=1e-6)
     assert check["passed"] is False
     assert any("took 2 steps" in p for p in check["problems"])
-    cs[0].step()
-    idiom = cs[1]
+    for c in cs:
+        if c is not idiom:
+            c.step()
+    assert H.compare(cs, rtol=1e-4, atol=1e-6)["passed"] is True
     idiom.params[0].add_(1.0)  # bf16 params no longer their rounded masters
     check = H.compare(cs, rtol=1e-4, atol=1e-6)
     assert check["passed"] is False
@@ -168,13 +256,20 @@ def test_compare_fails_on_unequal_step_counts_and_broken_invariant():
 def test_mixed_contenders_agree_step_by_step_with_clipping_active():
     C, H = _bench_module("contenders"), _bench_module("harness")
     cs = C.mixed_contenders(C.make_shapes(200_000, 10), seed=3)
+    by_name = _by_name(cs)
     for _ in range(4):
         for c in cs:
             c.step()
         assert H.compare(cs, rtol=1e-5, atol=1e-7)["passed"]
     # The grads' global norm is far above max_grad_norm, so clipping was exercised.
-    assert float(cs[0].state.metrics.grad_norm) > 2 * C.MAX_GRAD_NORM
-    assert float(cs[0].state.loss_scale.scale) == float(cs[1].scale) == C.INIT_SCALE
+    pure, fused = by_name["functopt pure"], by_name["functopt fused"]
+    assert float(pure.state.metrics.grad_norm) > 2 * C.MAX_GRAD_NORM
+    torch.testing.assert_close(fused.state.metrics.grad_norm, pure.state.metrics.grad_norm)
+    assert int(fused.state.metrics.num_zeros) == -1  # count_zeros=False, like the idiom
+    assert int(pure.state.metrics.num_zeros) == 0
+    scales = {float(pure.state.loss_scale.scale), float(fused.state.loss_scale.scale),
+              float(by_name["torch idiom"].scale)}
+    assert scales == {C.INIT_SCALE}
 
 
 def test_make_shapes_hits_the_size_and_leaf_count():

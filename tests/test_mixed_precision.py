@@ -162,15 +162,23 @@ def step_grads(draw, master, inner_name: str, lr: float, scale: float):
 DELTA_PATH_FAILURES = []  # (examples where a delta write would have been wrong; see below)
 
 
-@settings(max_examples=25)
+# 50 examples: about 25 for each path, as there were before the fused path was added
+@settings(max_examples=50)
 @given(data=st.data(), inner_name=st.sampled_from(["sgd", "sgd_momentum", "adam", "adamw"]),
-       scale_exp=st.sampled_from([0, 1, 4, 12]))
-def test_master_exact_and_equal_to_a_float32_reference_run(data, inner_name, scale_exp) -> None:
+       scale_exp=st.sampled_from([0, 1, 4, 12]), fused=st.booleans())
+def test_master_exact_and_equal_to_a_float32_reference_run(
+    data, inner_name, scale_exp, fused
+) -> None:
+    # The reference is the inner rule run on float32 values with the exact unscaled
+    # gradients: its pure update for the pure path, and for the fused path the same fused
+    # kernel (functopt.fast.make_step), whose arithmetic differs from the pure update's in
+    # rounding. Either way the mixed step must match its reference bit for bit.
     sgd_like = inner_name.startswith("sgd")
     lr = 1.0 if sgd_like else 2.0**-4
     scale = 2.0**scale_exp
     params = data.draw(low_precision_trees())
-    opt = mixed_precision(make_inner(inner_name, lr), loss_scale=static_loss_scale(scale))
+    opt = mixed_precision(make_inner(inner_name, lr), loss_scale=static_loss_scale(scale),
+                          fused=fused)
     fresh = opt.init(params)
     for name, p in params.items():
         if p.dtype in LOW:
@@ -188,6 +196,7 @@ def test_master_exact_and_equal_to_a_float32_reference_run(data, inner_name, sca
     ref_inner = make_inner(inner_name, lr)
     ref_values = {k: masters[k] if masters[k] is not None else v for k, v in params.items()}
     ref_state = ref_inner.init(ref_values)
+    ref_step = functopt.fast.make_step(ref_inner)
     for _ in range(3):
         master_now = {k: state.master[k] if state.master[k] is not None else params[k]
                       for k in params}
@@ -197,7 +206,9 @@ def test_master_exact_and_equal_to_a_float32_reference_run(data, inner_name, sca
         old_params = params
         params, state = opt.step(scaled, state, params)
         assert bool(state.metrics.found_inf) == skip
-        if not skip:
+        if not skip and fused:
+            ref_values, ref_state = ref_step(unscaled, ref_state, ref_values)
+        elif not skip:
             updates, ref_state = ref_inner.update(unscaled, ref_state, ref_values)
             ref_values = {k: ref_values[k] + updates[k] for k in ref_values}
         for name, p in params.items():
@@ -331,7 +342,8 @@ def test_nested_apply_if_finite_neither_double_counts_nor_double_unscales() -> N
               "b": torch.tensor([0.25])}
     ls = static_loss_scale(2.0**8)
     wrapped = mixed_precision(functopt.apply_if_finite(functopt.adamw(1e-2), 2), loss_scale=ls)
-    plain = mixed_precision(functopt.adamw(1e-2), loss_scale=ls)
+    # the wrapped inner has no fused kernel: compare it with the same pure arithmetic
+    plain = mixed_precision(functopt.adamw(1e-2), loss_scale=ls, fused=False)
     pw, sw = params, wrapped.init(params)
     pp, sp = params, plain.init(params)
     # more overflows in a row than apply_if_finite tolerates: the outer step skips them all
@@ -458,23 +470,38 @@ def test_grad_norm_metric_is_the_norm_before_clipping() -> None:
     torch.testing.assert_close(seen[-1]["b"], torch.tensor([0.8]))
 
 
-def test_weight_decay_reads_the_master_not_the_rounded_param() -> None:
+def reference_step(tx: functopt.GradientTransformation, fused: bool):
+    """``(grads, state, values) -> (values, state)``: ``tx`` run by hand on float32 values,
+    with the arithmetic of the mixed step's path (the fused kernel, or the pure update)."""
+    if fused:
+        return functopt.fast.make_step(tx)
+
+    def step(grads, state, values):
+        updates, state = tx.update(grads, state, values)
+        return functopt.apply_updates(values, updates), state
+
+    return step
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_weight_decay_reads_the_master_not_the_rounded_param(fused: bool) -> None:
     master = torch.tensor([1.0 + 2.0**-12, -3.0 - 2.0**-10])  # not bfloat16 numbers
     param = master.to(torch.bfloat16)
     assert not torch.equal(param.float(), master)
     lr, wd = 0.1, 0.5
-    opt = mixed_precision(functopt.adamw(lr, weight_decay=wd))
+    opt = mixed_precision(functopt.adamw(lr, weight_decay=wd), fused=fused)
     state = opt.init({"w": param})._replace(master={"w": master})
     # the reference: adamw run by hand in float32 on the master values
     ref = functopt.adamw(lr, weight_decay=wd)
     ref_state, ref_value = ref.init({"w": master}), master
+    ref_step = reference_step(ref, fused)
     p = {"w": param}
     wrong = param[0].double()  # element 0 if decay read the bfloat16 param instead
     for i in range(3):
         g = torch.tensor([0.0, 0.5 * (i + 1)])  # element 0: only the decay moves it
         p, state = opt.step({"w": g}, state, p)
-        u, ref_state = ref.update({"w": g}, ref_state, {"w": ref_value})
-        ref_value = ref_value + u["w"]
+        values, ref_state = ref_step({"w": g}, ref_state, {"w": ref_value})
+        ref_value = values["w"]
         assert torch.equal(bits(state.master["w"]), bits(ref_value))
         assert torch.equal(bits(p["w"]), bits(ref_value.to(torch.bfloat16)))
         wrong = wrong - lr * wd * wrong.to(torch.bfloat16).double()

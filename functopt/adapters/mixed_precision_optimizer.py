@@ -252,6 +252,10 @@ class MixedPrecisionOptimizer:
             and LightRFT's), ``static_loss_scale(s)``, or None for no scaling (usual for
             bfloat16).
         master_dtype: the precision of the master copy and of the update maths.
+        fused: run the recipe's fused kernel when it has one (see ``fused`` in
+            [`mixed_precision`][functopt.precision.mixed_precision]); the step then also
+            updates masters and moments in place. False keeps the pure path, which is
+            bitwise independent of how FSDP2 shards the params.
 
     Raises:
         TypeError: for a malformed ``params`` or ``transform``, or naming a param of a
@@ -308,6 +312,7 @@ class MixedPrecisionOptimizer:
         # A LossScale is immutable (two pure functions), so one default can be shared.
         loss_scale: LossScale | None = dynamic_loss_scale(),  # noqa: B008
         master_dtype: torch.dtype = torch.float32,
+        fused: bool = True,
     ) -> None:
         if not isinstance(master_dtype, torch.dtype) or not master_dtype.is_floating_point:
             raise TypeError(
@@ -334,21 +339,27 @@ class MixedPrecisionOptimizer:
         self._frozen = [p for group in groups if group.frozen for p in group.params]
         self._loss_scale_rule = loss_scale
         self._master_weights = float32_master(master_dtype)
+        self._fused = bool(fused)
         self._max_grad_norm: float | None = None
         self._tx = self._build()
         with torch.no_grad():
             state = self._tx.init(self._tree([p.detach() for p in self._params]))
         self._state = _unaliased(state, self._params)
+        self._state_shared = False  # state_dict() handed the live tensors out
         # offload_to_cpu: the state held on the host, and the host buffers kept for reuse
         self._offloaded: OffloadedState | None = None
         self._offload_buffers: tuple[Any, ...] | None = None
 
-    def _build(self) -> MixedPrecisionTransformation:
+    def _build(self, *, donate: bool = True) -> MixedPrecisionTransformation:
         return mixed_precision(
             self._inner,
             loss_scale=self._loss_scale_rule,
             master_weights=self._master_weights,
             max_grad_norm=self._max_grad_norm,
+            fused=self._fused,
+            # This object owns its state and writes the params in place anyway: the fused
+            # path may update both where they are (unless a state dict shares them).
+            donate=donate,
         )
 
     def _tree(self, leaves: list[Any]) -> Params:
@@ -381,7 +392,10 @@ class MixedPrecisionOptimizer:
             )
         with torch.no_grad():
             old = [p.detach() for p in self._params]
-            new_params, new_state = self._tx.step(self._tree(grads), self._state,
+            # After state_dict() the live state is shared with the caller's dict: this one
+            # step writes new tensors, so the dict keeps its values.
+            tx = self._build(donate=False) if self._state_shared else self._tx
+            new_params, new_state = tx.step(self._tree(grads), self._state,
                                                   self._tree(old))
             # The one host sync. A skipped step returns the old params bitwise, so there
             # is nothing to write then.
@@ -392,6 +406,7 @@ class MixedPrecisionOptimizer:
                     if after is not before:  # a param without grad comes back as it was
                         p.copy_(after)
         self._state = new_state
+        self._state_shared = False
         return took
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -478,11 +493,13 @@ class MixedPrecisionOptimizer:
     def state_dict(self) -> dict[str, Any]:
         """The optimizer state as nested dicts of tensors, keyed by field and param names.
 
-        The tensors are the live state, not copies: the optimizer never writes into them
-        (each step makes new ones), so a dict taken before a step keeps its values. For
+        The tensors are the live state, not copies; the next step then writes new tensors
+        instead of updating these in place, so a dict taken before a step keeps its
+        values (later steps update the optimizer's own tensors in place again). For
         ``torch.distributed.checkpoint``, take the state dict of the optimizer to restore as
         the template, ``load`` into it in place, then pass it to ``load_state_dict``.
         """
+        self._state_shared = True
         return _state_dict.to_nested(f"{_OWNER}.state_dict", self._state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

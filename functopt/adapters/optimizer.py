@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from functopt._apply import apply_updates_
 from functopt._base import GradientTransformation, State
 from functopt.adapters import _param_groups
+from functopt.fast._step import make_step
 from functopt.transforms.combining import _check_transform
 from functopt.transforms.hyperparams import InjectHyperparamsState
 from functopt.tree import _core
@@ -508,8 +508,11 @@ class Optimizer(torch.optim.Optimizer):
         plan = self._plan(index, group)
         state = self._gather(index, group, plan, flags)
         ptree = self._tree(group, params)
-        updates, state = self._transform.update(self._tree(group, grads), state, ptree)
-        apply_updates_(ptree, updates)
+        # The params are updated in place, so the step may also update the gathered state
+        # where it is (donation): a recipe with a fused kernel runs it, any other transform
+        # its pure update followed by grouped in-place adds.
+        step = make_step(self._transform, donate=True)  # a closure: nothing to keep
+        _, state = step(self._tree(group, grads), state, ptree)
         self._scatter(group, plan, state)
 
     # -- checkpoints ----------------------------------------------------------------------

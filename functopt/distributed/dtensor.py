@@ -63,7 +63,19 @@ def local_tensor(x: torch.Tensor) -> torch.Tensor:
         >>> local_tensor(x) is x  # a plain tensor is its own shard
         True
     """
+    if type(x) is torch.Tensor:  # the common case, without the DTensor lookup
+        return x
     return x.to_local() if is_dtensor(x) else x
+
+
+def _rewrap_like(original: Any, local: torch.Tensor) -> Any:
+    """``local`` as a DTensor placed like ``original`` (a new shard of the same global
+    tensor), or ``local`` itself when ``original`` is a plain tensor."""
+    if type(original) is torch.Tensor or not is_dtensor(original):
+        return local
+    cls: Any = _dtensor_class()
+    return cls.from_local(local, original.device_mesh, original.placements, run_check=False,
+                          shape=original.shape, stride=original.stride())
 
 
 def counted_here(x: torch.Tensor, *, where: str = "<leaf>") -> bool:

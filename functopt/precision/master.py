@@ -73,6 +73,10 @@ class MasterWeights(NamedTuple):
     ]
     dtype: torch.dtype  # precision of view() and of the update maths
     needs_generator: bool  # whether write() draws random numbers
+    # The store is a plain copy of the master value (or None: the param is its own master)
+    # and write() is ``(value.to(param.dtype), value)``: then a fused kernel may update the
+    # store in place and the param is copied from it (float32_master).
+    plain_copy: bool = False
 
 
 def float32_master(dtype: torch.dtype = torch.float32) -> MasterWeights:
@@ -112,7 +116,7 @@ def float32_master(dtype: torch.dtype = torch.float32) -> MasterWeights:
             return value, None
         return value.to(param.dtype), value
 
-    return MasterWeights(init, view, write, dtype, needs_generator=False)
+    return MasterWeights(init, view, write, dtype, needs_generator=False, plain_copy=True)
 
 
 def _narrow(dtype: torch.dtype) -> bool:

@@ -61,9 +61,11 @@ from functopt import _validate
 from functopt._base import GradientTransformation, Params, State, with_extra_args_support
 from functopt.distributed.dtensor import _infer_group, _leaf_names
 from functopt.distributed.reduce import _local_stats, all_reduce_stats
+from functopt.fast._kernels import FusedTransformation, differentiated
+from functopt.precision._fused import fused_mixed_step
 from functopt.precision.loss_scale import LossScale, LossScaleState, static_loss_scale
 from functopt.precision.master import MasterWeights, float32_master
-from functopt.precision.stats import _clip_factor, unpack_grad_stats
+from functopt.precision.stats import GradStats, _clip_factor, unpack_grad_stats
 from functopt.transforms import _common
 from functopt.tree import _core
 
@@ -83,7 +85,7 @@ class StepMetrics(NamedTuple):
     grad_norm: torch.Tensor  # float32, (): L2 norm of the unscaled gradients before clipping
     found_inf: torch.Tensor  # bool, (): the gradients overflowed, so the step was skipped
     skipped_steps: torch.Tensor  # int32, (): steps skipped since init
-    num_zeros: torch.Tensor  # int64, (): gradient elements equal to zero (Megatron's count_zeros)
+    num_zeros: torch.Tensor  # int64, (): zero gradient elements (Megatron's count_zeros); -1: not counted
 
 
 class MixedPrecisionState(NamedTuple):
@@ -96,11 +98,20 @@ class MixedPrecisionState(NamedTuple):
     key: torch.Tensor  # int64, (), on the CPU: steps taken; seeds random rounding
 
 
+def _no_buffers() -> list[torch.Tensor]:
+    return []
+
+
 class MixedPrecisionTransformation(NamedTuple):
-    """``init(params) -> state`` and ``step(grads, state, params) -> (params, state)``."""
+    """``init(params) -> state`` and ``step(grads, state, params) -> (params, state)``.
+
+    ``buffers()`` lists the scratch tensors the step keeps between calls (the gradient casts
+    of a donating fused step), for memory accounting; they hold no state.
+    """
 
     init: Callable[[Params], MixedPrecisionState]
     step: Callable[..., tuple[Params, MixedPrecisionState]]
+    buffers: Callable[[], list[torch.Tensor]] = _no_buffers
 
 
 def scale_loss(loss: torch.Tensor, state: MixedPrecisionState | LossScaleState) -> torch.Tensor:
@@ -198,6 +209,9 @@ def mixed_precision(
     master_weights: MasterWeights | None = None,
     max_grad_norm: float | torch.Tensor | None = None,
     process_group: dist.ProcessGroup | None = None,
+    count_zeros: bool = True,
+    donate: bool = False,
+    fused: bool = True,
 ) -> MixedPrecisionTransformation:
     r"""A complete mixed-precision optimizer step around ``inner``.
 
@@ -238,6 +252,24 @@ def mixed_precision(
             ``all_reduce`` per step. ``None`` infers it from DTensor params (FSDP2): the
             group of their device mesh; plain tensor params need no reduction. Pass a group
             to sum plain tensors over its ranks as this rank's part of the gradients.
+        count_zeros: count the zero gradient elements into ``metrics.num_zeros``
+            (Megatron-LM's ``count_zeros``; one more read of the gradients). With False,
+            ``metrics.num_zeros`` is -1.
+        donate: the caller hands ``params`` and ``state`` over at every step: the fused
+            path may overwrite their tensors (params, masters and moments are then
+            updated in place, and returned) instead of writing new ones. The caller must
+            not read the old values afterwards. Gradients are never written, and the
+            pure path never writes into its inputs. The fused path then also keeps its
+            float32 gradient casts between steps, in buffers reused by the next step
+            (4 bytes per low-precision param, as the idiom's float32 main grads): a
+            donating step function is for one training loop at a time.
+        fused: take the inner recipe's fused kernel when it has one (``adamw``, ``adam``,
+            ``sgd``; see [`FusedTransformation`][functopt.fast.FusedTransformation]) and the masters are plain
+            copies; the step then makes four passes over memory instead of about twenty,
+            and agrees with the pure path to rounding (``functopt/precision/_fused.py``
+            lists the differences). False forces the pure path, and so does a step that
+            must stay differentiable (grad mode on and an input that requires grad, or
+            ``torch.func`` inputs).
 
     Returns:
         A [`MixedPrecisionTransformation`][functopt.precision.MixedPrecisionTransformation].
@@ -267,6 +299,7 @@ def mixed_precision(
             f"{owner}: inner must be a functopt.GradientTransformation, got "
             f"{type(inner).__name__}.{hint} Fix: mixed_precision(functopt.adamw(1e-3), ...)."
         )
+    kernel = inner.kernel if fused and isinstance(inner, FusedTransformation) else None
     inner = with_extra_args_support(inner)
     if loss_scale is not None and not isinstance(loss_scale, LossScale):
         hint = (
@@ -287,6 +320,8 @@ def mixed_precision(
             f"float32_master(), ...), got {type(master_weights).__name__}."
         )
     mw = master_weights
+    if not mw.plain_copy or mw.needs_generator:
+        kernel = None  # the kernel writes the store in place: only a plain copy allows it
     if max_grad_norm is not None:
         _validate.check_range(owner, "max_grad_norm", max_grad_norm, low=0.0, low_open=True,
                               hint="Fix: pass a positive norm bound such as 1.0, or None "
@@ -297,6 +332,10 @@ def mixed_precision(
             f"infer it from DTensor params), got {type(process_group).__name__}. Fix: pass "
             f"e.g. torch.distributed.group.WORLD or device_mesh.get_group()."
         )
+
+    # With donation the fused path casts the gradients into the buffers of the previous
+    # step (4 bytes per low-precision param, as the PyTorch idiom's float32 main grads).
+    workspace: list[Any] = []
 
     def init_fn(params: Params) -> MixedPrecisionState:
         leaves, treespec = _core.flatten(params)
@@ -331,6 +370,28 @@ def mixed_precision(
                 for p, s in zip(param_leaves, store, strict=True)]
         _check_views(view, param_leaves, store, treespec, mw.dtype)
         _check_grads(grad_leaves, param_leaves, view, treespec)
+        name = _leaf_names(treespec)
+        group = process_group if process_group is not None else _infer_group(param_leaves, name)
+
+        if kernel is not None and not differentiated(
+                [*param_leaves, *grad_leaves, *_core.flatten(state)[0]]):
+            with torch.no_grad():  # donated params may be leaves that require grad
+                fast = fused_mixed_step(
+                    kernel, param_leaves, store, view, grad_leaves, state.inner_state,
+                    state.loss_scale, scale_rule=scale_rule, scaled=loss_scale is not None,
+                    max_grad_norm=max_grad_norm, group=group, name=name,
+                    count_zeros=count_zeros, donate=donate,
+                    workspace=workspace if donate else None,
+                )
+            if fast is not None:
+                fast_params, fast_store, fast_inner, fast_stats, fast_scale = fast
+                return _core.unflatten(treespec, fast_params), MixedPrecisionState(
+                    loss_scale=fast_scale,
+                    master=_core.unflatten(treespec, fast_store),
+                    inner_state=fast_inner,
+                    metrics=_metrics(fast_stats, state.metrics, count_zeros),
+                    key=state.key + 1,
+                )
 
         # 1. unscale in the precision of the value updated; 1/scale rounded once to float32,
         # as GradScaler does (exact for power-of-two scales).
@@ -341,8 +402,6 @@ def mixed_precision(
         # 2. one statistics pass over the local shards, one all-reduce when the params are
         # DTensors (or a group is given): every rank then skips or steps alike.
         # 3. The loss scale moves whatever happens.
-        name = _leaf_names(treespec)
-        group = process_group if process_group is not None else _infer_group(param_leaves, name)
         packed = all_reduce_stats(
             _local_stats(unscaled, name, state.loss_scale.scale.device), group
         )
@@ -386,25 +445,30 @@ def mixed_precision(
             keep = cond.on(p.device)
             new_params.append(torch.where(keep, p, wp))
             new_store.append(None if s is None or ws is None else torch.where(keep, s, ws))
-        metrics = StepMetrics(
-            grad_norm=stats.norm,
-            found_inf=found,
-            skipped_steps=torch.where(
-                found, _common.safe_increment(state.metrics.skipped_steps),
-                state.metrics.skipped_steps,
-            ),
-            num_zeros=stats.num_zeros,
-        )
         new_state = MixedPrecisionState(
             loss_scale=new_loss_scale,
             master=_core.unflatten(treespec, new_store),
             inner_state=select_tree(found, state.inner_state, new_inner, name="inner state"),
-            metrics=metrics,
+            metrics=_metrics(stats, state.metrics, count_zeros),
             key=state.key + 1,
         )
         return _core.unflatten(treespec, new_params), new_state
 
-    return MixedPrecisionTransformation(init_fn, step_fn)
+    def buffers() -> list[torch.Tensor]:
+        return [t for t in workspace if t is not None]
+
+    return MixedPrecisionTransformation(init_fn, step_fn, buffers)
+
+
+def _metrics(stats: GradStats, old: StepMetrics, count_zeros: bool) -> StepMetrics:
+    found = stats.found_inf
+    return StepMetrics(
+        grad_norm=stats.norm,
+        found_inf=found,
+        skipped_steps=torch.where(found, _common.safe_increment(old.skipped_steps),
+                                  old.skipped_steps),
+        num_zeros=stats.num_zeros if count_zeros else torch.full_like(stats.num_zeros, -1),
+    )
 
 
 def _first_device(leaves: list[Any]) -> torch.device:
@@ -443,34 +507,41 @@ def _check_grads(grads: list[Any], params: list[Any], views: list[Any],
                  treespec: _core.TreeSpec) -> None:
     """A gradient comes in its param's dtype (as autograd makes it) or in the precision of the
     value it updates (a float32 main grad for a bfloat16 param, as Megatron accumulates)."""
+    name = _leaf_names(treespec)  # paths are computed only for an error message
     for i, (g, p, v) in enumerate(zip(grads, params, views, strict=True)):
         if g is None:
             continue
-        where = _core.paths(treespec)[i]
-        if p is None:
-            raise ValueError(
-                f"mixed_precision: {where!r}: grads hold {_core._describe(g)} where params "
-                f"hold None. Fix: pass None as the gradient of a leaf that is not optimized."
-            )
-        if g.shape != p.shape:
-            raise ValueError(
-                f"mixed_precision: {where!r}: grad has shape {tuple(g.shape)} but the param "
-                f"has shape {tuple(p.shape)}. Fix: pass the gradients of these params."
-            )
-        if g.dtype not in (p.dtype, v.dtype):
-            allowed = _dtype(p.dtype) if v.dtype == p.dtype else (
-                f"{_dtype(p.dtype)} (the param's) or {_dtype(v.dtype)} (its master's)"
-            )
-            raise TypeError(
-                f"mixed_precision: {where!r}: {_dtype(g.dtype)} grad for a {_dtype(p.dtype)} "
-                f"param; expected a {allowed} grad. Fix: pass param.grad as autograd "
-                f"produced it."
-            )
-        if g.device != p.device:
-            raise ValueError(
-                f"mixed_precision: {where!r}: grad is on {g.device} but the param is on "
-                f"{p.device}. Fix: move the gradients to their params' devices."
-            )
+        if p is None or g.shape != p.shape or g.dtype not in (p.dtype, v.dtype) or (
+                g.device != p.device):
+            _grad_error(name(i), g, p, v)
+
+
+def _grad_error(where: str, g: torch.Tensor, p: Any, v: Any) -> None:
+    """Raise the error for the first problem of this gradient (see `_check_grads`)."""
+    if p is None:
+        raise ValueError(
+            f"mixed_precision: {where!r}: grads hold {_core._describe(g)} where params "
+            f"hold None. Fix: pass None as the gradient of a leaf that is not optimized."
+        )
+    if g.shape != p.shape:
+        raise ValueError(
+            f"mixed_precision: {where!r}: grad has shape {tuple(g.shape)} but the param "
+            f"has shape {tuple(p.shape)}. Fix: pass the gradients of these params."
+        )
+    if g.dtype not in (p.dtype, v.dtype):
+        allowed = _dtype(p.dtype) if v.dtype == p.dtype else (
+            f"{_dtype(p.dtype)} (the param's) or {_dtype(v.dtype)} (its master's)"
+        )
+        raise TypeError(
+            f"mixed_precision: {where!r}: {_dtype(g.dtype)} grad for a {_dtype(p.dtype)} "
+            f"param; expected a {allowed} grad. Fix: pass param.grad as autograd "
+            f"produced it."
+        )
+    if g.device != p.device:
+        raise ValueError(
+            f"mixed_precision: {where!r}: grad is on {g.device} but the param is on "
+            f"{p.device}. Fix: move the gradients to their params' devices."
+        )
 
 
 def _check_updates(updates: list[Any], views: list[Any], treespec: _core.TreeSpec) -> None:

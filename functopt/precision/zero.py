@@ -164,6 +164,7 @@ def zero1(
     loss_scale: LossScale | None = None,
     master_weights: MasterWeights | None = None,
     max_grad_norm: float | torch.Tensor | None = None,
+    fused: bool = True,
 ) -> MixedPrecisionTransformation:
     r"""[`mixed_precision`][functopt.precision.mixed_precision] with its state sharded over the data-parallel ranks (ZeRO-1).
 
@@ -178,10 +179,13 @@ def zero1(
 
     Each step makes exactly two collectives: one ``all_reduce`` of the packed gradient
     statistics (global norm, overflow, zero count) and one ``all_gather`` of the new
-    slices (all leaves and dtypes in one byte buffer). Params, masters and inner state are
-    bitwise those of ``mixed_precision`` on the whole params without clipping; with
-    ``max_grad_norm`` the norm is summed in another order (last-bit differences). On
-    overflow every rank skips: params, masters and inner state stay bitwise unchanged.
+    slices (all leaves and dtypes in one byte buffer). With ``fused=False``, params,
+    masters and inner state are bitwise those of ``mixed_precision`` on the whole params
+    without clipping; with ``max_grad_norm`` the norm is summed in another order
+    (last-bit differences). The fused kernels agree to rounding only: PyTorch's CPU kernel
+    rounds the vectorised body of a tensor and its tail differently, so an element's
+    result can depend on where the slice boundary falls. On overflow every rank skips:
+    params, masters and inner state stay bitwise unchanged.
     See ``functopt/precision/zero.py`` for the layout and its trade-offs.
 
     ``inner`` must be elementwise (``adamw``, ``adam``, ``sgd``, ``lion``, ...): it sees
@@ -197,6 +201,7 @@ def zero1(
         master_weights: as in ``mixed_precision`` (default: float32 copies of the
             bfloat16 and float16 slices).
         max_grad_norm: as in ``mixed_precision``: the global norm over all ranks' slices.
+        fused: as in ``mixed_precision``: the inner recipe's fused kernel on each slice.
 
     Returns:
         A [`MixedPrecisionTransformation`][functopt.precision.MixedPrecisionTransformation].
@@ -227,7 +232,7 @@ def zero1(
 
     def build(group: dist.ProcessGroup | None) -> MixedPrecisionTransformation:
         return mixed_precision(inner, loss_scale=loss_scale, master_weights=master_weights,
-                               max_grad_norm=max_grad_norm, process_group=group)
+                               max_grad_norm=max_grad_norm, process_group=group, fused=fused)
 
     # Built now to validate the arguments; the sharded step is built per group, lazily,
     # because the default group may be created after the optimizer.
@@ -294,4 +299,7 @@ def zero1(
         full = _gather(new_leaves, leaves, layout, rank, world, group)
         return _core.unflatten(treespec, full), new_state
 
-    return MixedPrecisionTransformation(init_fn, step_fn)
+    def buffers() -> list[torch.Tensor]:
+        return [*unsharded.buffers(), *(b for _, mp in by_group.values() for b in mp.buffers())]
+
+    return MixedPrecisionTransformation(init_fn, step_fn, buffers)

@@ -98,15 +98,17 @@ def _state_bytes(state: Any) -> int:
 
 
 def _run(rank: int, world: int, *, max_grad_norm: float | None, steps: int,
-         overflow_step: int | None) -> None:
+         overflow_step: int | None, fused: bool = False) -> None:
+    # fused=False: the pure arithmetic is elementwise, so slices step bitwise like the whole
+    # leaves; PyTorch's fused CPU kernel rounds a tensor's vector body and tail differently.
     kwargs = {"loss_scale": functopt.dynamic_loss_scale(init_scale=2.0**6, growth_interval=2),
-              "max_grad_norm": max_grad_norm}
+              "max_grad_norm": max_grad_norm, "fused": fused}
     opt = zero1(functopt.adamw(1e-2, weight_decay=0.1), **kwargs)
     ref = mixed_precision(functopt.adamw(1e-2, weight_decay=0.1), **kwargs)
     params = _params()
     ref_params = _params()
     state, ref_state = opt.init(params), ref.init(ref_params)
-    bitwise = max_grad_norm is None
+    bitwise = max_grad_norm is None and not fused
     skipped = 0
     for step in range(steps):
         grads = _grads(step, params)
@@ -175,6 +177,16 @@ def zero1_bitwise_equals_unsharded_with_overflow(rank: int, world: int) -> None:
 @check
 def zero1_clipped_close_to_unsharded(rank: int, world: int) -> None:
     _run(rank, world, max_grad_norm=0.05, steps=3, overflow_step=1)
+
+
+@check
+def zero1_fused_close_to_unsharded_with_overflow(rank: int, world: int) -> None:
+    _run(rank, world, max_grad_norm=None, steps=5, overflow_step=2, fused=True)
+
+
+@check
+def zero1_fused_clipped_close_to_unsharded(rank: int, world: int) -> None:
+    _run(rank, world, max_grad_norm=0.05, steps=3, overflow_step=1, fused=True)
 
 
 @check

@@ -1,0 +1,158 @@
+r"""``make_step``: one call that updates params and state, on the fastest path that is exact.
+
+The pure protocol splits a step in two: ``tx.update`` returns updates, and
+``apply_updates`` adds them. Both are per-leaf and out-of-place, which keeps them
+differentiable with ``torch.func`` and easy to read, and costs one pass over memory per
+elementary operation (Adam's update alone is about fifteen). A training loop that does
+not differentiate through its optimizer wants the whole step instead, and may hand its old
+params and state over to be overwritten (donation). ``make_step(tx)`` is that step:
+
+1. a [`FusedTransformation`][functopt.fast.FusedTransformation] (the recipes
+   [`adam`][functopt.adam], [`adamw`][functopt.adamw], [`sgd`][functopt.sgd]) runs its
+   fused kernel, one call per (device, dtype) group of leaves;
+2. any other transform runs its pure ``update``, and the updates are added with one
+   ``torch._foreach_add`` per (device, dtype) group (in place when donated);
+3. ``compile=True`` compiles the pure step (``update`` then ``apply_updates``) with
+   ``torch.compile``, which fuses each leaf's elementwise chain into one loop.
+
+Every path returns ``(new_params, new_state)`` with the state in the transform's own
+layout, so the paths are interchangeable at any step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from functopt._apply import apply_updates
+from functopt._base import GradientTransformation, Params, State, Updates
+from functopt.distributed.dtensor import _rewrap_like, local_tensor
+from functopt.fast._kernels import FusedTransformation, differentiated
+from functopt.tree import _core
+
+__all__ = ["make_step"]
+
+StepFn = Callable[..., tuple[Params, State]]
+
+
+def make_step(
+    tx: GradientTransformation, *, donate: bool = False, compile: bool = False,
+) -> StepFn:
+    r"""``step(grads, state, params, **extra_args) -> (new_params, new_state)`` for ``tx``.
+
+    Equal to ``updates, state = tx.update(grads, state, params, **extra_args)`` followed
+    by ``params = functopt.apply_updates(params, updates)``: bitwise where the arithmetic
+    is the same (the grouped ``foreach`` apply), to rounding where a fused kernel orders
+    the arithmetic differently (a relative $10^{-12}$ in float64; tests/test_fast.py).
+
+    Args:
+        tx: any transformation. A recipe with a fused kernel
+            ([`FusedTransformation`][functopt.fast.FusedTransformation]) takes its kernel
+            whenever the leaves allow it (params, grads and moments of one floating dtype
+            per leaf); otherwise, and for every other transform, the pure ``update`` runs
+            and the updates are added with grouped ``foreach`` kernels. A step that must
+            stay differentiable (grad mode on and an input that requires grad, as for a
+            meta-gradient, or inputs wrapped by ``torch.func``) always takes the pure
+            path: call the step under ``torch.no_grad()`` to allow the kernel.
+        donate: the caller hands ``params`` and ``state`` over: the step may overwrite
+            their tensors and return them (the params of an ``nn.Module``, for instance,
+            are then updated in place). The caller must not read the old values
+            afterwards. Gradients are never written; without donation nothing passed in
+            is modified.
+        compile: compile the pure step with ``torch.compile`` (the first call compiles:
+            seconds to minutes; later calls with the same structure, shapes and dtypes
+            reuse it). Ignores the fused kernel and ``donate``.
+
+    Returns:
+        The step function.
+
+    Raises:
+        TypeError: ``tx`` is not a transformation; at each call, leaves that are not
+            floating tensors, or grads of another dtype than their params (naming the leaf).
+        ValueError: grads of another structure, shape or device than the params.
+
+    Examples:
+        >>> import torch, functopt
+        >>> tx = functopt.adamw(0.1, weight_decay=0.0)
+        >>> step = functopt.fast.make_step(tx, donate=True)
+        >>> params = {"w": torch.tensor([1.0, -1.0])}
+        >>> state = tx.init(params)
+        >>> new, state = step({"w": torch.tensor([0.5, -2.0])}, state, params)
+        >>> new["w"], new["w"] is params["w"]  # Adam's first step is lr * sign(g); in place
+        (tensor([ 0.9000, -0.9000]), True)
+    """
+    if not isinstance(tx, GradientTransformation):
+        raise TypeError(
+            f"make_step: tx must be a functopt.GradientTransformation, got "
+            f"{type(tx).__name__}. Fix: make_step(functopt.adamw(1e-3))."
+        )
+    if compile:
+        return _compiled_step(tx)
+    kernel = tx.kernel if isinstance(tx, FusedTransformation) else None
+
+    def step(grads: Updates, state: State, params: Params, **extra_args: Any,
+             ) -> tuple[Params, State]:
+        param_leaves, treespec, grad_leaves = _check(grads, params)
+        if kernel is not None and not differentiated(
+                [*param_leaves, *grad_leaves, *_core.flatten(state)[0]]):
+            with torch.no_grad():  # donated params may be leaves that require grad
+                result = kernel.run(param_leaves, grad_leaves, state, donate=donate)
+            if result is not None:
+                return _core.unflatten(treespec, result.values), result.state
+        updates, new_state = tx.update(grads, state, params, **extra_args)
+        return _grouped_apply(param_leaves, treespec, updates, donate), new_state
+
+    return step
+
+
+def _check(grads: Updates, params: Params) -> tuple[list[Any], _core.TreeSpec, list[Any]]:
+    param_leaves, treespec = _core.flatten(params)
+    _core.check_tensors(param_leaves, treespec, name="params", floating=True)
+    grad_leaves = _core.flatten_like(treespec, grads, name="grads", reference="params")
+    _core.check_tensors(grad_leaves, treespec, name="grads", floating=True)
+    _core.check_like(grad_leaves, param_leaves, treespec, name="grad", reference_name="param")
+    return param_leaves, treespec, grad_leaves
+
+
+def _grouped_apply(param_leaves: list[Any], treespec: _core.TreeSpec, updates: Updates,
+                   donate: bool) -> Params:
+    """``apply_updates`` with one ``foreach`` add per (device, dtype) group (bitwise equal:
+    the same elementwise additions)."""
+    update_leaves = _core.flatten_like(treespec, updates, name="updates", reference="params")
+    _core.check_tensors(update_leaves, treespec, name="updates")
+    _core.check_like(update_leaves, param_leaves, treespec, name="update",
+                     reference_name="param")
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, (p, u) in enumerate(zip(param_leaves, update_leaves, strict=True)):
+        if p is not None and u is not None:
+            groups.setdefault((p.device, p.dtype), []).append(i)
+    new = list(param_leaves)
+    with torch.no_grad():
+        for idx in groups.values():
+            ps = [local_tensor(param_leaves[i]) for i in idx]
+            us = [local_tensor(update_leaves[i]) for i in idx]
+            if donate:
+                torch._foreach_add_(ps, us)
+            else:
+                for i, out in zip(idx, torch._foreach_add(ps, us), strict=True):
+                    new[i] = _rewrap_like(param_leaves[i], out)
+    return _core.unflatten(treespec, new)
+
+
+def _compiled_step(tx: GradientTransformation) -> StepFn:
+    def pure_step(grads: Updates, state: State, params: Params,
+                  extra_args: dict[str, Any]) -> tuple[Params, State]:
+        updates, new_state = tx.update(grads, state, params, **extra_args)
+        return apply_updates(params, updates), new_state
+
+    compiled = torch.compile(pure_step, dynamic=False)
+
+    def step(grads: Updates, state: State, params: Params, **extra_args: Any,
+             ) -> tuple[Params, State]:
+        _check(grads, params)
+        out: tuple[Params, State] = compiled(grads, state, params, extra_args)
+        return out
+
+    return step

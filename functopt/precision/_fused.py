@@ -1,0 +1,187 @@
+r"""The mixed-precision step on a fused kernel: the same step in four passes over memory.
+
+[`mixed_precision`][functopt.precision.mixed_precision] takes this path when its inner
+transform is a recipe with a fused kernel ([`adamw`][functopt.adamw],
+[`adam`][functopt.adam], [`sgd`][functopt.sgd]) and the masters are plain copies
+([`float32_master`][functopt.precision.float32_master]). Per step, over the gradients'
+and the masters' bytes:
+
+1. one read of the gradients as they come (bfloat16, say): each leaf's float32 norm
+   (``torch._foreach_norm``), times ``1 / loss_scale``, gives the statistics, and one
+   all-reduce makes them global (the zero count, when asked for, is a second read);
+2. one cast of the gradients to the masters' precision;
+3. the fused kernel: unscale and clip folded into one divisor (``grad_scale``), the skip
+   on overflow (``found_inf``), the update of master and moments, read once and written
+   once;
+4. one copy of the masters into the low-precision params.
+
+The PyTorch idiom for the same step (float32 main grads, ``GradScaler.unscale_``,
+``clip_grad_norm_``, fused AdamW, copy back) makes six passes.
+
+How it differs from the pure path, and why that is the same step:
+
+- The norm is measured on the scaled gradients and multiplied by ``1 / loss_scale``. For
+  a power-of-two scale this is bitwise the pure path's norm of the unscaled gradients,
+  unless a square of a scaled gradient leaves float32's range (a scaled gradient above
+  $2^{64}$ or below $2^{-75}$ in magnitude; float16 gradients never do). A non-finite
+  gradient makes the norm non-finite, which is the overflow test: the pure path's
+  non-finite count and its norm-overflow rule give the same decision.
+- Unscaling and clipping are one division by ``loss_scale / clip_factor`` instead of two
+  multiplications: the gradients agree to rounding (float64 leaves are divided in
+  float64, the kernels take a float32 divisor).
+- On overflow the kernel leaves masters and moments untouched and the params are
+  copied from the unchanged masters, which gives back the params bitwise when they are
+  the rounded masters (as every step leaves them).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from functopt.distributed.dtensor import _counted_here, _rewrap_like, local_tensor
+from functopt.distributed.reduce import all_reduce_stats
+from functopt.fast._kernels import Kernel
+from functopt.precision.loss_scale import LossScale, LossScaleState
+from functopt.precision.stats import GradStats, _clip_factor, unpack_grad_stats
+
+
+def fused_stats(grads: list[Any], wide: list[Any], name: Callable[[int], str],
+                inv_scale: torch.Tensor, device: torch.device, count_zeros: bool,
+                ) -> torch.Tensor:
+    """The packed ``[sum of squares, non-finite flag, zero count]`` of the unscaled
+    gradients this rank counts, from one ``foreach`` norm per (device, dtype) group.
+
+    ``wide`` holds the gradients in the precision of the values they update (local
+    shards); each is reduced in float32, or float64 when it is float64, as the pure path
+    reduces its unscaled gradients. ``grads`` (the gradients as given) decide which leaves
+    this rank counts.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for i, (g, w) in enumerate(zip(grads, wide, strict=True)):
+        if w is not None and _counted_here(g, functools.partial(name, i)):
+            groups.setdefault((w.device, w.dtype), []).append(w)
+    sums, zeros = [], []
+    for (where, dtype), tensors in groups.items():
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=None if dtype == acc
+                                                else acc))
+        # unscale each leaf's norm in its accumulation precision, as the pure path
+        # unscales before it reduces (exact for power-of-two scales)
+        norms = norms * inv_scale.to(device=where, dtype=acc)
+        sums.append(torch.sum(norms.to(torch.float64) ** 2).to(device))
+        if count_zeros:
+            zeros.append(torch.stack([torch.sum(t == 0, dtype=torch.float64)
+                                      for t in tensors]).sum().to(device))
+    sumsq = torch.stack(sums).sum() if sums else torch.zeros((), dtype=torch.float64,
+                                                             device=device)
+    num_zeros = torch.stack(zeros).sum() if zeros else torch.zeros_like(sumsq)
+    # A non-finite gradient makes the sum of squares non-finite, which unpack_grad_stats
+    # reads as an overflow (as it reads a norm overflow), so no count is needed.
+    return torch.stack([sumsq, torch.zeros_like(sumsq), num_zeros])
+
+
+def _widened(grads: list[Any], views: list[Any], workspace: list[Any] | None) -> list[Any]:
+    """Each gradient's local shard in its view's dtype: itself, or a cast.
+
+    The casts are grouped by (device, dtype to dtype) into one ``foreach`` copy each,
+    which runs several times faster on the CPU than a ``.to()`` per leaf. With a
+    ``workspace`` (a list kept by the caller between steps), each cast is written into the
+    buffer of the previous step when it fits: fresh memory costs page faults on first touch
+    (on the CPU, several times the copy itself).
+    """
+    out: list[Any] = [None] * len(grads)
+    if workspace is not None and len(workspace) != len(grads):
+        workspace[:] = [None] * len(grads)
+    groups: dict[tuple[torch.device, torch.dtype, torch.dtype],
+                 tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for i, (g, v) in enumerate(zip(grads, views, strict=True)):
+        if g is None or v is None:
+            continue
+        local = local_tensor(g)
+        if local.dtype == v.dtype:
+            out[i] = local
+            continue
+        wide = None if workspace is None else workspace[i]
+        if not (isinstance(wide, torch.Tensor) and wide.shape == local.shape
+                and wide.dtype == v.dtype and wide.device == local.device):
+            wide = torch.empty(local.shape, dtype=v.dtype, device=local.device)
+            if workspace is not None:
+                workspace[i] = wide
+        dst, src = groups.setdefault((local.device, local.dtype, v.dtype), ([], []))
+        dst.append(wide)
+        src.append(local)
+        out[i] = wide
+    for dst, src in groups.values():
+        torch._foreach_copy_(dst, src)
+    return out
+
+
+def fused_mixed_step(
+    kernel: Kernel, params: list[Any], stores: list[Any], views: list[Any],
+    grads: list[Any], inner_state: Any, loss_scale: LossScaleState, *, scale_rule: LossScale,
+    scaled: bool, max_grad_norm: float | torch.Tensor | None,
+    group: dist.ProcessGroup | None, name: Callable[[int], str], count_zeros: bool,
+    donate: bool, workspace: list[Any] | None = None,
+) -> tuple[list[Any], list[Any], Any, GradStats, LossScaleState] | None:
+    """The mixed-precision step on ``kernel`` (see the module docstring), or ``None`` when
+    the kernel cannot take these leaves (the caller then takes the pure path).
+
+    ``workspace``: a list the caller keeps between steps, where the gradient casts are
+    written (see `_widened`); ``None`` allocates them at every step.
+
+    Returns ``(new params, new stores, new inner state, statistics, new loss scale)``.
+    """
+    proxies = [None if g is None else v for g, v in zip(grads, views, strict=True)]
+    if not kernel.accepts(views, proxies, inner_state):
+        return None
+    # the gradients in the precision of the values they update (a cast is a new tensor)
+    wide = _widened(grads, views, workspace)
+    device = loss_scale.scale.device
+    inv_scale = loss_scale.scale.double().reciprocal().float()
+    packed = all_reduce_stats(
+        fused_stats(grads, wide, name, inv_scale, device, count_zeros), group)
+    stats = unpack_grad_stats(packed)
+    new_loss_scale = scale_rule.adjust(loss_scale, stats.found_inf)
+
+    # one divisor for unscale and clip, in float64 (the kernel rounds it for its dtype)
+    divisor = None
+    if scaled or max_grad_norm is not None:
+        multiplier = inv_scale.to(torch.float64)
+        if max_grad_norm is not None:
+            multiplier = multiplier * _clip_factor(packed, max_grad_norm).to(device)
+        divisor = multiplier.reciprocal()
+
+    # The kernel unscales in place: a gradient that needed no cast is the caller's, never
+    # written, so it is copied when there is a divisor.
+    cast = [w if w is None or divisor is None or w is not local_tensor(g) else w.clone()
+            for g, w in zip(grads, wide, strict=True)]
+    result = kernel.run(views, cast, inner_state, donate=donate, grad_scale=divisor,
+                        found_inf=stats.found_inf, donate_grads=True)
+    if result is None:  # accepts() said yes; a kernel that disagrees with itself is a bug
+        raise RuntimeError(f"{type(kernel).__name__}.run refused leaves it accepted")
+
+    new_params = list(params)
+    new_stores = list(stores)
+    copies: dict[tuple[torch.device, torch.dtype], tuple[list[Any], list[Any]]] = {}
+    for i, (p, s, g) in enumerate(zip(params, stores, grads, strict=True)):
+        if p is None or g is None:
+            continue
+        value = result.values[i]
+        if s is None:  # the param is its own master
+            new_params[i] = value
+            continue
+        new_stores[i] = value
+        if donate:
+            dst, src = copies.setdefault((p.device, p.dtype), ([], []))
+            dst.append(local_tensor(p))
+            src.append(local_tensor(value))
+        else:
+            new_params[i] = _rewrap_like(p, local_tensor(value).to(p.dtype))
+    for dst, src in copies.values():
+        torch._foreach_copy_(dst, src)  # round to nearest, in place (params are donated)
+    return new_params, new_stores, result.state, stats, new_loss_scale
