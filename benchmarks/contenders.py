@@ -1,15 +1,24 @@
-"""The optimizer steps being compared: functopt's pure paths and PyTorch's best idioms.
+"""The optimizer steps being compared: functopt's paths and PyTorch's best idioms.
+
+functopt runs each step on two paths: the pure reference (``tx.update`` then
+``functopt.apply_updates``; ``mixed_precision(..., fused=False)``) and the fast path a
+training loop uses (``functopt.fast.make_step(tx, donate=True)``; ``mixed_precision(...,
+fused=True, donate=True)``), plus, for plain AdamW, the pure step compiled with
+``torch.compile`` (``make_step(tx, compile=True)``).
 
 A contender owns its params, grads and optimizer state, and exposes ``step()`` (one full
 optimizer step, nothing else), ``result()`` (the float32 values to compare between
-contenders after the timed steps) and ``tensors()`` (what it holds between steps, by role,
-for the memory accounting). Every contender of a case starts from the same values and is
-stepped the same number of times, so their results must agree to rounding.
+contenders after the timed steps), ``tensors()`` (what it holds between steps, by role,
+for the memory accounting) and ``problems()`` (what is wrong with its own result, such as
+a fast path that silently fell back to the pure one). Every contender of a case starts
+from the same values and is stepped the same number of times, so their results must agree
+to rounding.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import optree
@@ -79,22 +88,38 @@ class Contender:
         raise NotImplementedError
 
     def tensors(self) -> dict[str, list[torch.Tensor]]:
-        """Tensors held between steps, by role: params, grads, state, master, main_grads."""
+        """Tensors held between steps, by role: params, grads, state, master, grad_buffers
+        (float32 gradient buffers kept from one step to the next)."""
         raise NotImplementedError
 
-    def invariant(self) -> bool:
-        """A property of the contender's own result that must hold after any step."""
-        return True
+    def problems(self) -> list[str]:
+        """What is wrong with the contender's own result (empty: nothing), after any step."""
+        return []
 
 
 def _params_are_rounded_masters(params: list[torch.Tensor], master: list[torch.Tensor]) -> bool:
     return all(torch.equal(p, m.to(p.dtype)) for p, m in zip(params, master, strict=True))
 
 
+ROUNDED_MASTERS = "its low-precision params are not its rounded masters"
+NOT_IN_PLACE = ("its params (or masters) are not the tensors it started with: a step did not "
+                "take the donated fused path")
+
+
+def _same_tensors(now: list[torch.Tensor], start: list[torch.Tensor]) -> bool:
+    """Every tensor is still the one the contender started with.
+
+    A donated fused step writes params, masters and moments in place and returns the same
+    tensors; the pure path returns new ones. Holding on to the starting tensors checks
+    every step this way at no cost inside the timed steps (one fallback breaks it for good).
+    """
+    return len(now) == len(start) and all(a is b for a, b in zip(now, start, strict=True))
+
+
 class FunctoptAdamW(Contender):
     """``functopt.adamw`` on the pure path: ``tx.update`` then ``functopt.apply_updates``."""
 
-    name = "functopt"
+    name = "functopt pure"
 
     def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         super().__init__()
@@ -116,6 +141,53 @@ class FunctoptAdamW(Contender):
     def tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"params": list(self.params.values()), "grads": list(self.grads.values()),
                 "state": state_tensors(self.state)}
+
+
+class FunctoptFusedAdamW(FunctoptAdamW):
+    """``functopt.fast.make_step(adamw, donate=True)`` under ``torch.no_grad()``.
+
+    The step a training loop takes: the fused kernel, params and moments donated (updated
+    in place), params and state rebound from what the step returns.
+    """
+
+    name = "functopt fused"
+
+    def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        super().__init__(params, grads)
+        self.step_fn = functopt.fast.make_step(self.tx, donate=True)
+        self.start = list(self.params.values())
+
+    def step(self) -> None:
+        with torch.no_grad():
+            self.params, self.state = self.step_fn(self.grads, self.state, self.params)
+        self.steps += 1
+
+    def problems(self) -> list[str]:
+        return [] if _same_tensors(list(self.params.values()), self.start) else [NOT_IN_PLACE]
+
+
+class FunctoptCompiledAdamW(FunctoptAdamW):
+    """``functopt.fast.make_step(adamw, compile=True)``: the pure step, ``torch.compile``d.
+
+    The first call compiles; ``call_s`` keeps the wall time of the first calls (the first
+    one is the compile time; a second one much slower than the rest is a recompile).
+    """
+
+    name = "functopt compiled"
+
+    def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        super().__init__(params, grads)
+        self.step_fn = functopt.fast.make_step(self.tx, compile=True)
+        self.call_s: list[float] = []
+
+    def step(self) -> None:
+        if self.steps < 3:
+            t0 = time.perf_counter()
+            self.params, self.state = self.step_fn(self.grads, self.state, self.params)
+            self.call_s.append(time.perf_counter() - t0)
+        else:
+            self.params, self.state = self.step_fn(self.grads, self.state, self.params)
+        self.steps += 1
 
 
 class TorchAdamW(Contender):
@@ -159,42 +231,70 @@ class FunctoptMixed(Contender):
 
     bfloat16 params and grads (grads of the scaled loss); the float32 master copy, the
     loss scale and Adam's moments live in the explicit state.
+
+    ``fused=False``: "functopt pure", the reference path (``mixed_precision(...,
+    fused=False)``, zeros counted as by default). ``fused=True``: "functopt fused",
+    ``mixed_precision(..., fused=True, donate=True, count_zeros=False)`` called under
+    ``torch.no_grad()``, the step a training loop takes. It does not count zero gradients
+    (``metrics.num_zeros`` stays -1): the PyTorch idiom does not count them either, and
+    counting is one more read of the gradients.
     """
 
-    name = "functopt"
-
-    def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor], *,
+                 fused: bool) -> None:
         super().__init__()
+        self.name = "functopt fused" if fused else "functopt pure"
+        self.fused = fused
         names = _names(len(params))
         bf_params, bf_grads = _bf16_setup(params, grads)
         self.params = dict(zip(names, bf_params, strict=True))
         self.grads = dict(zip(names, bf_grads, strict=True))
-        self.mp = functopt.precision.mixed_precision(
-            functopt.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY),
-            loss_scale=functopt.dynamic_loss_scale(
-                init_scale=INIT_SCALE, growth_factor=GROWTH_FACTOR,
-                backoff_factor=BACKOFF_FACTOR, growth_interval=GROWTH_INTERVAL),
-            max_grad_norm=MAX_GRAD_NORM,
-        )
+        inner = functopt.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS,
+                               weight_decay=WEIGHT_DECAY)
+        loss_scale = functopt.dynamic_loss_scale(
+            init_scale=INIT_SCALE, growth_factor=GROWTH_FACTOR,
+            backoff_factor=BACKOFF_FACTOR, growth_interval=GROWTH_INTERVAL)
+        if fused:
+            self.mp = functopt.precision.mixed_precision(
+                inner, loss_scale=loss_scale, max_grad_norm=MAX_GRAD_NORM, fused=True,
+                donate=True, count_zeros=False)
+        else:
+            self.mp = functopt.precision.mixed_precision(
+                inner, loss_scale=loss_scale, max_grad_norm=MAX_GRAD_NORM, fused=False)
         self.state = self.mp.init(self.params)
+        self.start = [*self.params.values(), *self.state.master.values()]
 
     def step(self) -> None:
-        self.params, self.state = self.mp.step(self.grads, self.state, self.params)
+        if self.fused:
+            with torch.no_grad():
+                self.params, self.state = self.mp.step(self.grads, self.state, self.params)
+        else:
+            self.params, self.state = self.mp.step(self.grads, self.state, self.params)
         self.steps += 1
 
     def result(self) -> list[torch.Tensor]:
         return [*self.state.master.values(), self.state.loss_scale.scale.reshape(1)]
 
-    def invariant(self) -> bool:
-        return _params_are_rounded_masters(list(self.params.values()),
-                                           list(self.state.master.values()))
+    def problems(self) -> list[str]:
+        found = []
+        if not _params_are_rounded_masters(list(self.params.values()),
+                                           list(self.state.master.values())):
+            found.append(ROUNDED_MASTERS)
+        now = [*self.params.values(), *self.state.master.values()]
+        if self.fused and not _same_tensors(now, self.start):
+            found.append(NOT_IN_PLACE)
+        return found
 
     def tensors(self) -> dict[str, list[torch.Tensor]]:
         master = state_tensors(self.state.master)
         ids = {id(t) for t in master}
+        # A donating fused step keeps its float32 casts of the grads between steps, to
+        # write the next step's casts into (mp.buffers()); they are held like the idiom's
+        # main grads, so they count the same way.
         return {"params": list(self.params.values()), "grads": list(self.grads.values()),
                 "master": master,
-                "state": [t for t in state_tensors(self.state) if id(t) not in ids]}
+                "state": [t for t in state_tensors(self.state) if id(t) not in ids],
+                "grad_buffers": self.mp.buffers()}
 
 
 class TorchMixedIdiom(Contender):
@@ -244,23 +344,33 @@ class TorchMixedIdiom(Contender):
     def result(self) -> list[torch.Tensor]:
         return [*self.master, self.scale.reshape(1)]
 
-    def invariant(self) -> bool:
-        return _params_are_rounded_masters(self.params, self.master)
+    def problems(self) -> list[str]:
+        return [] if _params_are_rounded_masters(self.params, self.master) else [ROUNDED_MASTERS]
 
     def tensors(self) -> dict[str, list[torch.Tensor]]:
         state = [t for s in self.opt.state.values() for t in s.values()
                  if isinstance(t, torch.Tensor)]
         return {"params": self.params, "grads": self.grads, "master": self.master,
-                "main_grads": self.main_grads,
+                "grad_buffers": self.main_grads,
                 "state": [*state, self.scale, self.growth_tracker, self.found_inf]}
 
 
 def adamw_contenders(shapes: list[tuple[int, ...]], seed: int = 0) -> list[Contender]:
+    """functopt pure (the reference), functopt fused, torch foreach, torch fused."""
     params, grads = make_values(shapes, seed)
-    return [FunctoptAdamW(params, grads), TorchAdamW(params, grads, fused=False),
-            TorchAdamW(params, grads, fused=True)]
+    return [FunctoptAdamW(params, grads), FunctoptFusedAdamW(params, grads),
+            TorchAdamW(params, grads, fused=False), TorchAdamW(params, grads, fused=True)]
 
 
 def mixed_contenders(shapes: list[tuple[int, ...]], seed: int = 0) -> list[Contender]:
+    """functopt pure (the reference), functopt fused, torch idiom."""
     params, grads = make_values(shapes, seed)
-    return [FunctoptMixed(params, grads), TorchMixedIdiom(params, grads)]
+    return [FunctoptMixed(params, grads, fused=False), FunctoptMixed(params, grads, fused=True),
+            TorchMixedIdiom(params, grads)]
+
+
+def compile_contenders(shapes: list[tuple[int, ...]], seed: int = 0) -> list[Contender]:
+    """functopt compiled (the reference here), functopt fused, torch fused."""
+    params, grads = make_values(shapes, seed)
+    return [FunctoptCompiledAdamW(params, grads), FunctoptFusedAdamW(params, grads),
+            TorchAdamW(params, grads, fused=True)]

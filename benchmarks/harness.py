@@ -103,8 +103,9 @@ def compare(contenders: Sequence[Contender], *, rtol: float, atol: float,
     The relative tolerance is ``rtol + rtol_per_step * steps``: equally valid roundings of
     the same step differ by a fraction of an ulp per step, and some of that difference is
     systematic (``1 - lr * weight_decay`` rounded to float32 is off by up to 3e-8), so it
-    grows linearly with the number of steps. Also checks each contender's own invariant
-    (low-precision params bitwise equal to their float32 masters rounded to nearest).
+    grows linearly with the number of steps. Also reports each contender's own
+    ``problems()`` (low-precision params not bitwise their float32 masters rounded to
+    nearest; a fast path that fell back to the pure one).
     """
     ref = contenders[0]
     ref_values = ref.result()
@@ -125,9 +126,9 @@ def compare(contenders: Sequence[Contender], *, rtol: float, atol: float,
             diff = max(diff, (a64 - b64).abs().max().item())
         worst[c.name] = diff
     for c in contenders:
-        if not c.invariant():
+        for problem in c.problems():
             passed = False
-            problems.append(f"{c.name}: its low-precision params are not its rounded masters")
+            problems.append(f"{c.name}: {problem}")
     return {"passed": passed, "reference": ref.name, "steps": ref.steps, "rtol": rtol,
             "atol": atol, "max_abs_diff": worst, "problems": problems}
 
@@ -175,7 +176,7 @@ def peak_step_bytes(step: Callable[[], Any]) -> int:
         events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     del out
     events.sort(key=lambda e: e.start_ns())
-    return max([0, *itertools.accumulate(e.nbytes() for e in events)])
+    return int(max([0, *itertools.accumulate(e.nbytes() for e in events)]))
 
 
 def bandwidth(numel: int, repeats: int) -> dict[str, Any]:

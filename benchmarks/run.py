@@ -1,17 +1,29 @@
 """functopt's optimizer step against PyTorch's, side by side in one process (issue 5).
 
+functopt runs on two paths: "functopt pure", the reference (``tx.update`` then
+``functopt.apply_updates``; ``mixed_precision(..., fused=False)``), and "functopt fused",
+the step a training loop takes (``functopt.fast.make_step(tx, donate=True)`` under
+``torch.no_grad()``; ``mixed_precision(..., fused=True, donate=True, count_zeros=False)``).
+
 Cases (``--only`` takes a comma-separated list of these names):
 
-* ``adamw``: one plain AdamW step, float32, 20M params in 200 leaves: functopt.adamw on
-  the pure path vs torch.optim.AdamW(foreach=True) vs AdamW(fused=True).
+* ``adamw``: one plain AdamW step, float32, 20M params in 200 leaves: functopt pure and
+  fused vs torch.optim.AdamW(foreach=True) vs AdamW(fused=True).
 * ``mixed``: the full mixed-precision step (bfloat16 params, float32 master, dynamic loss
   scale, unscale, overflow check, clip to global norm 1, AdamW, params written from the
-  master) vs the best PyTorch idiom for it (see ``contenders.TorchMixedIdiom``).
+  master), functopt pure and fused, vs the best PyTorch idiom for it (see
+  ``contenders.TorchMixedIdiom``). The fused contender does not count zero gradients:
+  neither does the idiom.
 * ``leaves``: per-step time against the number of leaves (tensors of 100 elements).
 * ``size``: per-step time against the total size (200 leaves).
-* ``memory``: optimizer-state bytes per parameter, and the peak memory of one step.
+* ``memory``: optimizer-state bytes per parameter, and the peak memory of one step, for
+  every contender of ``adamw`` and ``mixed``.
+* ``compile``: ``make_step(adamw, compile=True)`` at the ``adamw`` size: the compile time
+  (wall time of the first call), then the steady state against functopt fused and torch
+  fused.
 * ``bandwidth``: the machine's streaming bandwidth and the time an AdamW step would take
-  at that bound; % of the bound reached by each contender of ``adamw`` and ``mixed``.
+  at that bound; % of the bound reached by each contender of ``adamw``, ``mixed`` and
+  ``compile``.
 
 Timings are medians over ``--repeats`` rounds; in each round every contender runs a block
 of the same number of steps, in an order that alternates round by round. The spread is the
@@ -42,7 +54,9 @@ import contenders as C  # noqa: E402
 import harness as H  # noqa: E402
 import torch  # noqa: E402
 
-CASES = ("adamw", "mixed", "leaves", "size", "memory", "bandwidth")
+CASES = ("adamw", "mixed", "leaves", "size", "memory", "compile", "bandwidth")
+PURE, FUSED, COMPILED = "functopt pure", "functopt fused", "functopt compiled"
+FOREACH, TORCH_FUSED, IDIOM = "torch foreach", "torch fused", "torch idiom"
 ADAMW_BYTES_PER_PARAM = 28  # fp32 AdamW: read p, g, m, v; write p, m, v
 # Mixed step: bf16 grad read twice (statistics pass, then the update), fp32 master, m, v
 # read and written, bf16 param written.
@@ -94,6 +108,21 @@ def timing_rows(timings: dict[str, dict[str, Any]], base: str) -> list[list[str]
     return rows
 
 
+def ratios(timings: dict[str, dict[str, Any]], names: Sequence[str], base: str,
+           ) -> dict[str, float]:
+    """``"name/base"``: the ratio of median times, for each of ``names``."""
+    return {f"{n}/{base}": timings[n]["median_s"] / timings[base]["median_s"] for n in names}
+
+
+def print_timings(title: str, res: dict[str, Any], base: str, note: str | None = None) -> None:
+    """The heading of a timed case (and a note under it), then its table against ``base``."""
+    print(f"\n== {title} in {res['leaves']} leaves ({res['steps_per_block']} steps per block) ==")
+    if note:
+        print(f"  {note}")
+    print_table(["contender", "median ms", "IQR ms", "IQR/med", f"vs {base}"],
+                timing_rows(res["timings"], base))
+
+
 def run_point(make: Any, shapes: list[tuple[int, ...]], cfg: dict[str, Any],
               args: argparse.Namespace) -> dict[str, Any]:
     cs = make(shapes)
@@ -108,15 +137,11 @@ def run_point(make: Any, shapes: list[tuple[int, ...]], cfg: dict[str, Any],
 def case_adamw(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     shapes = C.make_shapes(cfg["total"], cfg["leaves"])
     res = run_point(C.adamw_contenders, shapes, cfg, args)
-    t = res["timings"]
-    res["ratios"] = {"functopt/fused": t["functopt"]["median_s"] / t["torch fused"]["median_s"],
-                     "foreach/fused": t["torch foreach"]["median_s"]
-                     / t["torch fused"]["median_s"]}
-    print(f"\n== adamw: one AdamW step, {res['params']:,} float32 params in {res['leaves']} "
-          f"leaves ({res['steps_per_block']} steps per block) ==")
-    print_table(["contender", "median ms", "IQR ms", "IQR/med", "vs fused"],
-                timing_rows(t, "torch fused"))
-    print(f"  target: functopt <= 1.1x fused; now {res['ratios']['functopt/fused']:.2f}x")
+    res["ratios"] = ratios(res["timings"], (FUSED, PURE, FOREACH), TORCH_FUSED)
+    print_timings(f"adamw: one AdamW step, {res['params']:,} float32 params", res, TORCH_FUSED)
+    r = res["ratios"]
+    print(f"  target: functopt fused <= 1.1x torch fused; now {r[f'{FUSED}/{TORCH_FUSED}']:.2f}x"
+          f" (pure {r[f'{PURE}/{TORCH_FUSED}']:.2f}x, foreach {r[f'{FOREACH}/{TORCH_FUSED}']:.2f}x)")
     print_check(res["check"])
     return res
 
@@ -124,14 +149,14 @@ def case_adamw(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
 def case_mixed(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     shapes = C.make_shapes(cfg["total"], cfg["leaves"])
     res = run_point(C.mixed_contenders, shapes, cfg, args)
-    t = res["timings"]
-    res["ratios"] = {"functopt/idiom": t["functopt"]["median_s"] / t["torch idiom"]["median_s"]}
-    print(f"\n== mixed: full mixed-precision step, {res['params']:,} bfloat16 params in "
-          f"{res['leaves']} leaves ({res['steps_per_block']} steps per block) ==")
-    print_table(["contender", "median ms", "IQR ms", "IQR/med", "vs idiom"],
-                timing_rows(t, "torch idiom"))
-    print(f"  target: functopt <= 1.0x the idiom (aim 0.8x); now "
-          f"{res['ratios']['functopt/idiom']:.2f}x")
+    res["ratios"] = ratios(res["timings"], (FUSED, PURE), IDIOM)
+    print_timings(f"mixed: full mixed-precision step, {res['params']:,} bfloat16 params",
+                  res, IDIOM)
+    r = res["ratios"]
+    print(f"  target: functopt fused <= 1.0x the idiom (aim 0.8x); now "
+          f"{r[f'{FUSED}/{IDIOM}']:.2f}x (pure {r[f'{PURE}/{IDIOM}']:.2f}x)")
+    print("  (functopt fused does not count zero gradients, count_zeros=False: neither does "
+          "the idiom)")
     print_check(res["check"])
     return res
 
@@ -143,18 +168,22 @@ def _scaling(title: str, key: str, points: list[tuple[int, list[tuple[int, ...]]
         results.append(run_point(C.adamw_contenders, shapes, cfg, args))
     print(f"\n== {title} ==")
     rows = []
+    names = (FUSED, PURE, FOREACH, TORCH_FUSED)
+    params_column = key != "params"  # the size case's key is the params count already
     for r in results:
         t = r["timings"]
-        fo, fe, fu = (t[n]["median_s"] for n in ("functopt", "torch foreach", "torch fused"))
-        r["ratios"] = {"functopt/fused": fo / fu, "foreach/fused": fe / fu}
+        r["ratios"] = ratios(t, names[:-1], TORCH_FUSED)
         r["us_per_leaf"] = {n: 1e6 * t[n]["median_s"] / r["leaves"] for n in t}
-        rows.append([f"{r[key]:,}", f"{r['params']:,}", ms(fo), ms(fe), ms(fu),
-                     f"{fo / fu:.2f}x", f"{fe / fu:.2f}x",
-                     f"{r['us_per_leaf']['functopt']:.3g}", f"{r['us_per_leaf']['torch fused']:.3g}",
+        rows.append([f"{r[key]:,}", *([f"{r['params']:,}"] if params_column else []),
+                     *(ms(t[n]["median_s"]) for n in names),
+                     *(f"{r['ratios'][f'{n}/{TORCH_FUSED}']:.2f}x" for n in names[:-1]),
+                     *(f"{r['us_per_leaf'][n]:.3g}" for n in (FUSED, PURE, TORCH_FUSED)),
                      "ok" if r["check"]["passed"] else "FAILED"])
-    print_table([key, "params", "functopt ms", "foreach ms", "fused ms", "functopt/fused",
-                 "foreach/fused", "functopt us/leaf", "fused us/leaf", "check"], rows)
-    print("  (medians; IQR and samples in the JSON)")
+    print_table([key, *(["params"] if params_column else []), "fused ms", "pure ms",
+                 "foreach ms", "torch fused ms", "fused/tf", "pure/tf", "foreach/tf",
+                 "fused us/leaf", "pure us/leaf", "tf us/leaf", "check"], rows)
+    print("  fused, pure: functopt's paths; tf: torch fused. (medians; IQR and samples in "
+          "the JSON)")
     for r in results:
         if not r["check"]["passed"]:
             print_check(r["check"])
@@ -166,7 +195,9 @@ def case_leaves(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
         (n, [(LEAF_NUMEL,)] * n) for n in cfg["leaf_counts"]]
     res = _scaling(f"leaves: AdamW step vs number of leaves of {LEAF_NUMEL} elements",
                    "leaves", points, cfg, args)
-    print("  target: at 10,000 leaves, functopt's per-step overhead <= fused's")
+    last = res["points"][-1]
+    print(f"  target: at 10,000 leaves, functopt fused's per-step time <= torch fused's; "
+          f"at {last['leaves']:,} leaves now {last['ratios'][f'{FUSED}/{TORCH_FUSED}']:.2f}x")
     return res
 
 
@@ -203,17 +234,18 @@ def case_memory(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
         "allocation/free events during one step (after warm-up steps); peak total = bytes "
         "held between steps + that peak")}
     checks = []
-    for label, make, base in (("adamw", C.adamw_contenders, "torch fused"),
-                              ("mixed", C.mixed_contenders, "torch idiom")):
+    for label, make, base in (("adamw", C.adamw_contenders, TORCH_FUSED),
+                              ("mixed", C.mixed_contenders, IDIOM)):
         cs = make(shapes)
         mem = _memory_of(cs, numel, args)
         checks.append(H.compare(cs, rtol=RTOL, atol=ATOL, rtol_per_step=RTOL_PER_STEP))
         b = mem[base]
-        res[label] = {"contenders": mem, "ratios": {
-            "state_bytes_per_param": mem["functopt"]["state_bytes_per_param"]
-            / b["state_bytes_per_param"],
-            "step_total_peak": mem["functopt"]["step_total_peak_bytes"]
-            / b["step_total_peak_bytes"]}}
+        res[label] = {"base": base, "contenders": mem, "ratios": {
+            name: {"state_bytes_per_param": mem[name]["state_bytes_per_param"]
+                   / b["state_bytes_per_param"],
+                   "step_total_peak": mem[name]["step_total_peak_bytes"]
+                   / b["step_total_peak_bytes"]}
+            for name in (FUSED, PURE)}}
         del cs
     res["check"] = {"passed": all(c["passed"] for c in checks), "details": checks}
     print(f"\n== memory: {numel:,} params in {len(shapes)} leaves ==")
@@ -224,22 +256,49 @@ def case_memory(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
         for name, m in res[label]["contenders"].items():
             bpp = m["bytes_per_param"]
             rows.append([f"{label}: {name}", f"{m['state_bytes_per_param']:.3f}",
-                         f"{bpp.get('main_grads', 0.0):.3f}", f"{m['persistent_bytes'] / mb:.1f}",
+                         f"{bpp.get('grad_buffers', 0.0):.3f}", f"{m['persistent_bytes'] / mb:.1f}",
                          f"{m['step_transient_peak_bytes'] / mb:.1f}",
                          f"{m['step_total_peak_bytes'] / mb:.1f}"])
     print_table(["step: contender", "state B/param", "fp32 grad buf B/param", "held MB",
                  "step extra peak MB", "step total peak MB"], rows)
     print("  state = optimizer state + float32 master copy (+ loss-scale scalars); "
-          "held = params, grads and all of that")
+          "held = params, grads, fp32 grad buffers and all of that")
     for label in ("adamw", "mixed"):
-        r = res[label]["ratios"]
-        print(f"  {label}: functopt/torch state bytes {r['state_bytes_per_param']:.3f}x "
-              f"(target 1.0x), total step peak {r['step_total_peak']:.2f}x (target <= 1.1x)")
+        for name in (FUSED, PURE):
+            r = res[label]["ratios"][name]
+            print(f"  {label}: {name} / {res[label]['base']}: state bytes "
+                  f"{r['state_bytes_per_param']:.3f}x (target 1.0x), total step peak "
+                  f"{r['step_total_peak']:.2f}x (target <= 1.1x)")
     for c in checks:
         if not c["passed"]:
             print_check(c)
     print(f"  check (contenders equal after their steps): "
           f"{'PASSED' if res['check']['passed'] else 'FAILED'}")
+    return res
+
+
+def case_compile(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    shapes = C.make_shapes(cfg["total"], cfg["leaves"])
+    cs = C.compile_contenders(shapes)
+    compiled = cs[0]
+    assert isinstance(compiled, C.FunctoptCompiledAdamW)
+    # The first call compiles (inside the harness's warm-up); run_point's timings are the
+    # steady state.
+    res = run_point(lambda _: cs, shapes, cfg, args)
+    res["compile_s"] = compiled.call_s[0]
+    res["first_calls_s"] = compiled.call_s
+    res["ratios"] = {**ratios(res["timings"], (COMPILED, FUSED), TORCH_FUSED),
+                     **ratios(res["timings"], (COMPILED,), FUSED)}
+    calls = ", ".join(f"{x:.3g} s" for x in res["first_calls_s"])
+    print_timings(f"compile: make_step(adamw, compile=True), {res['params']:,} float32 params",
+                  res, TORCH_FUSED,
+                  note=f"compile time (wall time of the first call): {res['compile_s']:.1f} s "
+                       f"(first calls: {calls}; inductor's on-disk cache makes a repeated "
+                       f"run faster)")
+    r = res["ratios"]
+    print(f"  steady state: compiled {r[f'{COMPILED}/{TORCH_FUSED}']:.2f}x torch fused, "
+          f"{r[f'{COMPILED}/{FUSED}']:.2f}x functopt fused")
+    print_check(res["check"])
     return res
 
 
@@ -255,7 +314,8 @@ def case_bandwidth(cfg: dict[str, Any], args: argparse.Namespace,
                 [[k, ms(bw[k]["median_s"]), ms(bw[k]["iqr_s"]), f"{bw[k]['gb_per_s']:.1f}"]
                  for k in ("add_out", "add_inplace", "add_fresh")])
     rows = []
-    for case, per_param in (("adamw", ADAMW_BYTES_PER_PARAM), ("mixed", MIXED_BYTES_PER_PARAM)):
+    for case, per_param in (("adamw", ADAMW_BYTES_PER_PARAM), ("mixed", MIXED_BYTES_PER_PARAM),
+                            ("compile", ADAMW_BYTES_PER_PARAM)):
         numel = done[case]["params"] if case in done else cfg["total"]
         at_bound = per_param * numel / bound
         entry: dict[str, Any] = {"params": numel, "bytes_per_param": per_param,
@@ -316,7 +376,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for k, v in facts.items():
         print(f"  {k}: {v}")
     funcs = {"adamw": case_adamw, "mixed": case_mixed, "leaves": case_leaves,
-             "size": case_size, "memory": case_memory}
+             "size": case_size, "memory": case_memory, "compile": case_compile}
     results: dict[str, Any] = {}
     started = time.perf_counter()
     for name in CASES:
