@@ -219,6 +219,28 @@ class TorchAdamW(Contender):
                           if isinstance(t, torch.Tensor)]}
 
 
+class FunctoptOptimizerAdamW(TorchAdamW):
+    """``functopt.Optimizer`` (the ``torch.optim.Optimizer`` adapter) driving
+    ``inject_hyperparams(functopt.adamw)``: what a torch.optim user swaps in. It steps the
+    params in place like torch's optimizers, through the fused kernel."""
+
+    def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        Contender.__init__(self)
+        self.name = "functopt.Optimizer"
+        self.params = [p.clone() for p in params]
+        for p, g in zip(self.params, grads, strict=True):
+            p.grad = g.clone()
+        tx = functopt.inject_hyperparams(functopt.adamw)(
+            learning_rate=LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
+        self.opt = functopt.Optimizer(self.params, tx)
+
+    def tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {"params": self.params,
+                "grads": [p.grad for p in self.params if p.grad is not None],
+                "state": [t for s in self.opt.state.values() for t in s.values()
+                          if isinstance(t, torch.Tensor) and t.dim() > 0]}
+
+
 def _bf16_setup(params: list[torch.Tensor], grads: list[torch.Tensor],
                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The model's bfloat16 params, and its bfloat16 grads of the loss scaled by INIT_SCALE."""
@@ -355,10 +377,13 @@ class TorchMixedIdiom(Contender):
                 "state": [*state, self.scale, self.growth_tracker, self.found_inf]}
 
 
-def adamw_contenders(shapes: list[tuple[int, ...]], seed: int = 0) -> list[Contender]:
-    """functopt pure (the reference), functopt fused, torch foreach, torch fused."""
+def adamw_contenders(shapes: list[tuple[int, ...]], seed: int = 0, *,
+                     adapter: bool = False) -> list[Contender]:
+    """functopt pure (the reference), functopt fused, torch foreach, torch fused, and with
+    ``adapter`` functopt.Optimizer."""
     params, grads = make_values(shapes, seed)
-    return [FunctoptAdamW(params, grads), FunctoptFusedAdamW(params, grads),
+    extra: list[Contender] = [FunctoptOptimizerAdamW(params, grads)] if adapter else []
+    return [FunctoptAdamW(params, grads), FunctoptFusedAdamW(params, grads), *extra,
             TorchAdamW(params, grads, fused=False), TorchAdamW(params, grads, fused=True)]
 
 

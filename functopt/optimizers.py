@@ -15,7 +15,8 @@ import torch
 
 from functopt import _validate
 from functopt._base import GradientTransformation, Numeric, Params, ScalarOrSchedule, identity
-from functopt.fast._kernels import FusedTransformation, Kernel, adam_kernel, sgd_kernel
+from functopt._kernel import FusedTransformation, Kernel
+from functopt.fast._kernels import adam_kernel, sgd_kernel
 from functopt.transforms.accumulation import ema, trace
 from functopt.transforms.adding import add_decayed_weights
 from functopt.transforms.clipping import clip_by_block_rms

@@ -60,6 +60,13 @@ FUSED_RECIPES: dict[str, Callable[[], functopt.GradientTransformation]] = {
     "adam_tensor_lr": lambda: functopt.adam(torch.tensor(1e-2, dtype=torch.float64)),
     "adamw_tensor_lr": lambda: functopt.adamw(torch.tensor(1e-2, dtype=torch.float64),
                                               weight_decay=0.1),
+    # inject_hyperparams keeps the recipe's kernel, rebuilt from the state every step
+    "injected_adamw": lambda: functopt.inject_hyperparams(functopt.adamw)(
+        learning_rate=1e-2, weight_decay=0.1),
+    "injected_sgd_momentum": lambda: functopt.inject_hyperparams(functopt.sgd)(
+        learning_rate=0.1, momentum=0.9),
+    "injected_adam_schedule": lambda: functopt.inject_hyperparams(functopt.adam)(
+        learning_rate=_schedule()),
 }
 
 # Chains that take the grouped foreach apply (no kernel, or leaves the kernel refuses).
@@ -71,6 +78,9 @@ FALLBACKS: dict[str, Callable[[], functopt.GradientTransformation]] = {
     "adamw_mu_bf16": lambda: functopt.adamw(1e-2, mu_dtype=torch.bfloat16),
     "sgd_accumulator_f32": lambda: functopt.sgd(0.1, momentum=0.9,
                                                 accumulator_dtype=torch.float32),
+    # a zero momentum keeps a trace that torch._fused_sgd_ would not write
+    "sgd_zero_momentum": lambda: functopt.sgd(0.1, momentum=0.0),
+    "injected_lion": lambda: functopt.inject_hyperparams(functopt.lion)(learning_rate=1e-3),
 }
 
 
@@ -295,8 +305,7 @@ def test_donate_updates_in_place(recipe: str) -> None:
 @pytest.mark.parametrize("donate", [False, True], ids=["copy", "donate"])
 def test_grad_mode_with_params_that_require_grad_is_pure(donate: bool) -> None:
     """Outside no_grad, a step on params that require grad stays differentiable: it takes
-    the pure path (bitwise), and a donated one still adds in place without an autograd
-    error."""
+    the pure path (bitwise), writes into nothing even when donated, and keeps the graph."""
     tx = functopt.adamw(1e-2, weight_decay=0.1)
     params = {k: torch.nn.Parameter(v) for k, v in _params(4).items() if k != "s"}
     plain = {k: p.detach().clone() for k, p in params.items()}
@@ -305,8 +314,8 @@ def test_grad_mode_with_params_that_require_grad_is_pure(donate: bool) -> None:
     want, want_state = _pure_step(tx, grads, state, plain)
     got, got_state = make_step(tx, donate=donate)(grads, _clone(state), params)
     _assert_bitwise(({k: p.detach() for k, p in got.items()}, got_state), (want, want_state))
-    if donate:
-        assert all(got[k] is params[k] for k in params)
+    assert all(got[k] is not params[k] and got[k].grad_fn is not None for k in params)
+    _assert_bitwise({k: p.detach() for k, p in params.items()}, plain)  # not written
 
 
 @pytest.mark.parametrize("recipe", list(FUSED_RECIPES) + list(FALLBACKS))
@@ -479,3 +488,32 @@ def test_compile_equals_pure() -> None:
                             what=f"step {i}")
     assert _layout(state) == _layout(ref_state)
     print(f"compile=True: 3 steps in {time.monotonic() - start:.1f} s")
+
+
+def test_injected_hyperparameters_are_read_every_step() -> None:
+    """An edit of state.hyperparams between steps reaches the kernel (as the pure update),
+    and a hyperparameter that requires grad keeps the step on the pure, differentiable
+    path."""
+    tx = functopt.inject_hyperparams(functopt.adamw)(learning_rate=1e-2, weight_decay=0.1)
+    step = make_step(tx)
+    params = _params(3)
+    state, ref_state, ref_params = tx.init(params), tx.init(params), _clone(params)
+    for i in range(4):
+        if i == 2:
+            for s in (state, ref_state):
+                s.hyperparams["learning_rate"] = torch.tensor(3e-3, dtype=torch.float64)
+                s.hyperparams["weight_decay"] = torch.tensor(0.5, dtype=torch.float64)
+        grads = _grads(3, ref_params, i)
+        assert _kernel_takes(tx, grads, state, params)
+        params, state = step(_clone(grads), state, params)
+        ref_params, ref_state = _pure_step(tx, grads, ref_state, ref_params)
+        _assert_close_trees(params, ref_params, rel=REL_FLOAT64, what=f"step {i} params")
+        _assert_close_trees(state, ref_state, rel=REL_FLOAT64, what=f"step {i} state")
+    lr = torch.tensor(1e-2, dtype=torch.float64, requires_grad=True)
+    state = tx.init(params)
+    state.hyperparams["learning_rate"] = lr
+    grads = _grads(3, params, 0)
+    assert not _kernel_takes(tx, grads, state, params)
+    new, _ = step(grads, state, params)
+    (d_lr,) = torch.autograd.grad(new["w"].sum(), lr)  # the pure path kept the graph
+    assert torch.isfinite(d_lr) and d_lr != 0

@@ -345,21 +345,29 @@ def test_grad_scaler_matches_torch_adamw():
     assert opt.state[got[0]]["count"] == 17  # the three overflowing steps were skipped
 
 
-def test_equals_the_functional_loop_bitwise():
-    """The adapter computes exactly transform.update + apply_updates_, in float32."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_equals_the_functional_loop_bitwise(fused: bool):
+    """The adapter computes exactly the functional step, in float32: transform.update +
+    apply_updates_ with fused=False, and make_step's fused kernel with fused=True."""
     tx = functopt.inject_hyperparams(functopt.adamw)(learning_rate=1e-2, weight_decay=0.1)
+    assert isinstance(tx, functopt.fast.FusedTransformation)
     params = _leaves(torch.float32)
-    opt = Optimizer(params, tx)
+    opt = Optimizer(params, tx, fused=fused)
     ref = [t.clone() for t in _init_params(torch.float32)]
     state = tx.init(ref)
+    fused_step = functopt.fast.make_step(tx)
     for t in range(10):
         opt.zero_grad()
         _loss(params, torch.float32).backward()
         opt.step()
         leaves = [r.clone().requires_grad_() for r in ref]
         grads = torch.autograd.grad(_loss(leaves, torch.float32), leaves)
-        updates, state = tx.update(list(grads), state, ref)
-        ref = functopt.apply_updates(ref, updates)
+        if fused:
+            with torch.no_grad():
+                ref, state = fused_step(list(grads), state, ref)
+        else:
+            updates, state = tx.update(list(grads), state, ref)
+            ref = functopt.apply_updates(ref, updates)
         assert all(torch.equal(p, r) for p, r in zip(params, ref, strict=True)), t
     assert opt.state[params[0]]["inner_state.0.nu"].equal(state.inner_state[0].nu[0])
 

@@ -155,6 +155,11 @@ class Optimizer(torch.optim.Optimizer):
     ``updates, state = transform.update(grads, state, params)`` and then
     $p \leftarrow p + u$ in place, so that the optimizer drops into code written for
     ``torch.optim`` (Lightning, ``GradScaler``, learning-rate schedulers, checkpoints).
+    It takes that step with [`make_step`][functopt.fast.make_step] and donation: a recipe
+    with a fused kernel (``adamw``, ``adam``, ``sgd``, also under ``inject_hyperparams``)
+    runs ``torch._fused_adamw_`` and friends, updating params and state in place, as
+    ``torch.optim``'s ``fused=True`` does; any other transform runs its pure update and
+    grouped in-place adds.
 
     Hyperparameters. With a transform built by
     [`inject_hyperparams`][functopt.inject_hyperparams], every injected hyperparameter
@@ -219,6 +224,8 @@ class Optimizer(torch.optim.Optimizer):
         params: an iterable of tensors, of ``(name, tensor)`` pairs, or of group dicts.
         transform: the transform to run, e.g.
             ``functopt.inject_hyperparams(functopt.adamw)(learning_rate=1e-3)``.
+        fused: take the transform's fused kernel when it has one. False runs its pure
+            update (bitwise ``transform.update`` then ``apply_updates_``).
 
     Examples:
         >>> import torch, functopt
@@ -260,9 +267,13 @@ class Optimizer(torch.optim.Optimizer):
         params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
         | Iterable[dict[str, Any]],
         transform: GradientTransformation,
+        *,
+        fused: bool = True,
     ) -> None:
         owner = "functopt.Optimizer"
         self._transform = _check_transform(owner, "transform", transform)
+        self._fused = bool(fused)
+        self._state_shared = False  # state_dict()/load_state_dict() handed tensors over
         self._plans: list[_Plan | None] = []
         if isinstance(params, torch.Tensor):
             raise TypeError(
@@ -490,7 +501,18 @@ class Optimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for index, group in enumerate(self.param_groups):
                 self._step_group(index, group)
+        self._state_shared = False
         return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim.Optimizer.state_dict``: the live state tensors, not copies.
+
+        The next step then writes new state tensors instead of updating these in place, so
+        a state dict taken before a step keeps its values (later steps update in place
+        again).
+        """
+        self._state_shared = True
+        return super().state_dict()
 
     def _step_group(self, index: int, group: dict[str, Any]) -> None:
         flags = _param_groups.group_flags("functopt.Optimizer", f"param_groups[{index}]", group)
@@ -508,11 +530,20 @@ class Optimizer(torch.optim.Optimizer):
         plan = self._plan(index, group)
         state = self._gather(index, group, plan, flags)
         ptree = self._tree(group, params)
-        # The params are updated in place, so the step may also update the gathered state
-        # where it is (donation): a recipe with a fused kernel runs it, any other transform
-        # its pure update followed by grouped in-place adds.
-        step = make_step(self._transform, donate=True)  # a closure: nothing to keep
-        _, state = step(self._tree(group, grads), state, ptree)
+        # A recipe with a fused kernel runs it, any other transform its pure update and
+        # grouped adds. The step may update the gathered state where it is (donation),
+        # unless a state dict handed those tensors out since the last step: then this one
+        # step writes new state tensors, and the params are copied into.
+        donate = not self._state_shared
+        tx = self._transform if self._fused else GradientTransformation(
+            self._transform.init, self._transform.update)  # the same chain, no kernel
+        new, state = make_step(tx, donate=donate)(self._tree(group, grads), state, ptree)
+        if not donate:
+            leaves, spec = _core.flatten(ptree)
+            news = _core.flatten_like(spec, new, name="new params", reference="params")
+            for p, n in zip(leaves, news, strict=True):
+                if n is not p:
+                    p.copy_(n)
         self._scatter(group, plan, state)
 
     # -- checkpoints ----------------------------------------------------------------------
@@ -579,6 +610,7 @@ class Optimizer(torch.optim.Optimizer):
             new_groups.append(new_group)
         self.state = new_state
         self.param_groups = new_groups
+        self._state_shared = True  # the loaded tensors may be the caller's own
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -617,4 +649,6 @@ class Optimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         # Plans are rebuilt on the next step; the transform's closures travel as they are.
-        return {**super().__getstate__(), "_transform": self._transform, "_plans": []}
+        # A copy holds copies of the state tensors: it shares nothing with a state dict.
+        return {**super().__getstate__(), "_transform": self._transform, "_plans": [],
+                "_fused": self._fused, "_state_shared": False}

@@ -6,7 +6,7 @@ The pure transforms stay the reference (readable, per leaf, differentiable with
 them (tests/test_fast.py). See the performance page of the docs for the measured speed.
 """
 
-from functopt.fast._kernels import FusedTransformation, Kernel, KernelResult
+from functopt._kernel import FusedTransformation, Kernel, KernelResult
 from functopt.fast._step import make_step
 
 __all__ = ["FusedTransformation", "Kernel", "KernelResult", "make_step"]

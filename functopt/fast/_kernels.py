@@ -1,4 +1,4 @@
-r"""Fused kernels that compute a recipe's whole step, and the transformation type that names them.
+r"""The fused kernels of the recipes (adam, adamw, sgd): one PyTorch kernel call per step.
 
 A recipe such as [`adamw`][functopt.adamw] is a chain of pure transforms: the reference,
 readable and differentiable with ``torch.func``. Its step can also be computed by one of
@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from functopt._base import GradientTransformation, Schedule
+from functopt._base import Schedule
+from functopt._kernel import Kernel, KernelResult, differentiated
 from functopt.distributed.dtensor import _rewrap_like, local_tensor
 from functopt.transforms import _common
 from functopt.transforms.accumulation import TraceState
@@ -32,7 +33,7 @@ from functopt.transforms.moments import ScaleByAdamState
 from functopt.transforms.scaling import ScaleByScheduleState
 from functopt.tree import _core
 
-__all__ = ["FusedTransformation", "Kernel", "KernelResult", "differentiated"]
+__all__ = ["AdamKernel", "SGDKernel", "adam_kernel", "sgd_kernel"]
 
 # The dtypes PyTorch's fused optimizer kernels accept (params, grads and moments alike).
 _KERNEL_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -40,84 +41,6 @@ _KERNEL_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 # bfloat16 params and writes wrong momentum buffers (pytorch/pytorch#191763, fixed after
 # 2.13 by #192545), so SGD takes its kernel on the CPU for these dtypes only.
 _SGD_CPU_DTYPES = (torch.float64, torch.float32)
-
-
-@dataclass(frozen=True)
-class KernelResult:
-    """What a [`Kernel`][functopt.fast.Kernel] returns: the new values and the new chain state.
-
-    Examples:
-        >>> import torch, functopt
-        >>> tx = functopt.sgd(0.5)
-        >>> params = [torch.tensor([1.0, 2.0])]
-        >>> result = tx.kernel.run(params, [torch.tensor([2.0, 2.0])], tx.init(params),
-        ...                        donate=False)
-        >>> result.values
-        [tensor([0., 1.])]
-    """
-
-    values: list[Any]  # like the values passed in: the updated leaves (None where no grad)
-    state: Any  # the chain's state after the step, in the chain's layout
-
-
-class Kernel:
-    """A fused computation of one recipe's step, on that recipe's chain state.
-
-    ``run(values, grads, state, ...)`` updates ``values`` (the params, or the masters of a
-    mixed-precision step) by one step of the recipe, leaf lists flattened alike, and
-    returns a [`KernelResult`][functopt.fast.KernelResult]. Leaves are grouped by (device,
-    dtype) and each group takes one kernel call. ``run`` returns ``None`` when it cannot
-    compute these leaves (an unsupported dtype, moments stored in another dtype than the
-    params, hyperparameters that are tensors): the caller then takes the pure path.
-
-    Subclasses: the built-in kernels of [`adam`][functopt.adam], [`adamw`][functopt.adamw]
-    and [`sgd`][functopt.sgd].
-
-    Examples:
-        >>> import functopt
-        >>> functopt.adamw(1e-3).kernel
-        AdamKernel(lr=0.001, b1=0.9, b2=0.999, eps=1e-08, weight_decay=0.0001, decoupled=True)
-    """
-
-    def accepts(self, values: list[Any], grads: list[Any], state: Any) -> bool:
-        """Whether [`run`][functopt.fast.Kernel.run] can compute these leaves and state."""
-        raise NotImplementedError
-
-    def run(
-        self, values: list[Any], grads: list[Any], state: Any, *, donate: bool,
-        grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
-        donate_grads: bool | None = None,
-    ) -> KernelResult | None:
-        """One step on ``values`` (see the class docstring).
-
-        Args:
-            values: the leaves to update (plain tensors: local shards of DTensors), ``None``
-                for leaves that are not optimized.
-            grads: their gradients, each of its value's dtype and shape, or ``None`` (that
-                leaf and its moments are left as they are).
-            state: the chain's state.
-            donate: the kernel may overwrite ``values``, ``grads`` and the state's tensors
-                and return them; otherwise it touches none of them.
-            grad_scale: divide every gradient by this 0-d tensor first (unscale and clip
-                folded into the kernel). PyTorch's kernels take it in float32; float64
-                leaves are divided by it in float64 before the kernel instead.
-            found_inf: a 0-d tensor; where it is nonzero the step is skipped: values and
-                moments keep their values and the step counters do not move.
-            donate_grads: whether the kernel may overwrite ``grads`` (default: ``donate``);
-                a caller that made the gradients itself (casts) hands them over alone.
-        """
-        raise NotImplementedError
-
-
-def differentiated(leaves: Sequence[Any]) -> bool:
-    """Whether a step on these leaves must stay differentiable: autograd records (grad mode
-    on and a tensor that requires grad) or a ``torch.func`` transform wraps a leaf. The
-    fused kernels write in place and have no derivative, so such a step is pure."""
-    if torch._C._functorch.maybe_current_level() is not None:
-        return True  # inside torch.func.grad, vmap, ...: every input may be wrapped
-    if not torch.is_grad_enabled():
-        return False
-    return any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
 
 
 def _fits(v: torch.Tensor, *others: Any) -> bool:
@@ -346,36 +269,6 @@ def _advance_lr(lr_state: Any, found_inf: torch.Tensor | None) -> Any:
     return lr_state
 
 
-class FusedTransformation(GradientTransformation):
-    """A [`GradientTransformation`][functopt.GradientTransformation] that also names a fused [`Kernel`][functopt.fast.Kernel] for its step.
-
-    ``init`` and ``update`` are the pure chain's, so it is used like any transform (it is
-    still a pair: ``init, update = tx`` works). ``kernel`` is read by the fast entry points,
-    [`make_step`][functopt.fast.make_step] and
-    [`mixed_precision`][functopt.precision.mixed_precision], which then compute the step
-    with one fused kernel call per (device, dtype) group. Built by the recipes; a new
-    NamedTuple made from one (``tx._replace(...)``) has ``kernel = None``.
-
-    Examples:
-        >>> import functopt
-        >>> tx = functopt.adamw(1e-3)
-        >>> isinstance(tx, functopt.GradientTransformation), type(tx.kernel).__name__
-        (True, 'AdamKernel')
-        >>> init, update = tx  # still a pair
-    """
-
-    kernel: Kernel | None = None
-
-    def __new__(cls, init: Any, update: Any, kernel: Kernel | None = None,
-                ) -> FusedTransformation:
-        self = super().__new__(cls, init, update)
-        self.kernel = kernel
-        return self
-
-    def __repr__(self) -> str:
-        return f"FusedTransformation(kernel={self.kernel!r})"
-
-
 def adam_kernel(lr: Any, b1: Any, b2: Any, eps: Any, eps_root: Any, mu_dtype: Any,
                 nesterov: bool, weight_decay: Any, mask: Any, *, decoupled: bool,
                 ) -> Kernel | None:
@@ -395,6 +288,10 @@ def sgd_kernel(lr: Any, momentum: Any, nesterov: bool, accumulator_dtype: Any,
     if accumulator_dtype is not None or not _python_number(lr):
         return None
     if momentum is not None and not _python_number(momentum):
+        return None
+    if momentum == 0:
+        # The chain keeps a trace (equal to the gradient) that torch._fused_sgd_ would not
+        # write without momentum: leave such a chain on the pure path.
         return None
     return SGDKernel(lr=float(lr), momentum=None if momentum is None else float(momentum),
                      nesterov=nesterov)

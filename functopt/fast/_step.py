@@ -28,8 +28,8 @@ import torch
 
 from functopt._apply import apply_updates
 from functopt._base import GradientTransformation, Params, State, Updates
+from functopt._kernel import FusedTransformation, differentiated
 from functopt.distributed.dtensor import _rewrap_like, local_tensor
-from functopt.fast._kernels import FusedTransformation, differentiated
 from functopt.tree import _core
 
 __all__ = ["make_step"]
@@ -55,7 +55,8 @@ def make_step(
             and the updates are added with grouped ``foreach`` kernels. A step that must
             stay differentiable (grad mode on and an input that requires grad, as for a
             meta-gradient, or inputs wrapped by ``torch.func``) always takes the pure
-            path: call the step under ``torch.no_grad()`` to allow the kernel.
+            path, ``update`` then ``apply_updates``, and writes into nothing: call the
+            step under ``torch.no_grad()`` to allow the kernel and donation.
         donate: the caller hands ``params`` and ``state`` over: the step may overwrite
             their tensors and return them (the params of an ``nn.Module``, for instance,
             are then updated in place). The caller must not read the old values
@@ -95,8 +96,12 @@ def make_step(
     def step(grads: Updates, state: State, params: Params, **extra_args: Any,
              ) -> tuple[Params, State]:
         param_leaves, treespec, grad_leaves = _check(grads, params)
-        if kernel is not None and not differentiated(
-                [*param_leaves, *grad_leaves, *_core.flatten(state)[0]]):
+        if differentiated([*param_leaves, *grad_leaves, *_core.flatten(state)[0]]):
+            # autograd records (or torch.func transforms) this step: the pure path, whose
+            # every operation has a derivative, and no writes into the inputs
+            updates, new_state = tx.update(grads, state, params, **extra_args)
+            return apply_updates(params, updates), new_state
+        if kernel is not None:
             with torch.no_grad():  # donated params may be leaves that require grad
                 result = kernel.run(param_leaves, grad_leaves, state, donate=donate)
             if result is not None:

@@ -43,9 +43,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from functopt._kernel import Kernel
 from functopt.distributed.dtensor import _counted_here, _rewrap_like, local_tensor
 from functopt.distributed.reduce import all_reduce_stats
-from functopt.fast._kernels import Kernel
 from functopt.precision.loss_scale import LossScale, LossScaleState
 from functopt.precision.stats import GradStats, _clip_factor, unpack_grad_stats
 

@@ -59,9 +59,9 @@ import torch.distributed as dist
 
 from functopt import _validate
 from functopt._base import GradientTransformation, Params, State, with_extra_args_support
+from functopt._kernel import FusedTransformation, differentiated
 from functopt.distributed.dtensor import _infer_group, _leaf_names
 from functopt.distributed.reduce import _local_stats, all_reduce_stats
-from functopt.fast._kernels import FusedTransformation, differentiated
 from functopt.precision._fused import fused_mixed_step
 from functopt.precision.loss_scale import LossScale, LossScaleState, static_loss_scale
 from functopt.precision.master import MasterWeights, float32_master
