@@ -51,6 +51,9 @@ INNERS: dict[str, Callable[[], functopt.GradientTransformation]] = {
     "adam": lambda: functopt.adam(1e-2),
     "adam_schedule": lambda: functopt.adam(_schedule()),
     "sgd_momentum": lambda: functopt.sgd(0.1, momentum=0.9),
+    # the recipe's kernel, rebuilt from the injected hyperparameters at every step
+    "injected_adamw": lambda: functopt.inject_hyperparams(functopt.adamw)(
+        learning_rate=1e-2, weight_decay=0.1),
 }
 
 
@@ -142,8 +145,25 @@ def _id(config: tuple[Any, ...]) -> str:
             f"{'noscale' if ls is None else 'dynamic'}-{'noclip' if clip is None else 'clip'}")
 
 
+@pytest.fixture
+def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Records, for every mixed step, whether the fused path ran (True) or declined."""
+    from functopt.precision import step as step_module
+
+    calls: list[bool] = []
+    real = step_module.fused_mixed_step
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        out = real(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(step_module, "fused_mixed_step", spy)
+    return calls
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=[_id(c) for c in CONFIGS])
-def test_fused_equals_pure(config: tuple[Any, ...]) -> None:
+def test_fused_equals_pure(config: tuple[Any, ...], fused_calls: list[bool]) -> None:
     inner, master_dtype, param_dtype, loss_scale, clip = config
     fused, pure = _opts(inner, master_dtype, loss_scale, clip)
     params = _params(0, param_dtype)
@@ -180,6 +200,8 @@ def test_fused_equals_pure(config: tuple[Any, ...]) -> None:
     if loss_scale is not None:
         assert scales[INF_STEP] == loss_scale / 2 and scales[0] == loss_scale
     assert int(f_state.metrics.skipped_steps) == 1
+    # every fused step really ran the kernel (the pure one never asks it)
+    assert fused_calls == [True] * STEPS
     # the run moved the masters (the comparison is not vacuous)
     assert _relative(f_state.master["a"] if f_state.master["a"] is not None
                      else f_params["a"], params["a"].to(master_dtype)) > 1e-3
