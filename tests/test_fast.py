@@ -463,8 +463,19 @@ def test_property_adamw_matches_pure(pair: tuple[Any, Any], donate: bool) -> Non
         assert torch.equal(a[~finite & ~torch.isnan(e)], e[~finite & ~torch.isnan(e)]), path
         bound = REL_FLOAT64 if e.dtype == torch.float64 else ULPS[e.dtype] * torch.finfo(
             e.dtype).eps
-        assert _relative(a[finite], e[finite]) <= bound, (
-            f"{path}: {_relative(a[finite], e[finite]):.3g} > {bound:.3g}")
+        # Below the normal range the first moment (1 - b1) * g is subnormal: both paths
+        # round it to the subnormal spacing, and Adam's first step divides it by about eps
+        # (the second moment underflows to 0), so the two roundings may differ by a few
+        # spacings times lr / ((1 - b1) * eps). The deep profile found such a case (g =
+        # 1.1755e-38 in float32: 1.1e-6 relative, 1.3e-38 absolute); this absolute floor
+        # is that far below any normal-range comparison.
+        spacing = 2.0 ** -1074 if e.dtype == torch.float64 else 2.0 ** -149
+        floor = spacing * (ULPS.get(e.dtype, 3.0) * 1e-2 / (0.1 * 1e-8))  # (no underflow)
+        if e[finite].numel():
+            diff = (a[finite].double() - e[finite].double()).abs().max().item()
+            scale = e[finite].double().abs().max().item()
+            assert diff <= bound * scale + floor, (
+                f"{path}: |diff| {diff:.3g} > {bound:.3g} * {scale:.3g} + {floor:.3g}")
 
 
 # ---------------------------------------------------------------------------- compile
