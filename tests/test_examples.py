@@ -241,3 +241,16 @@ def test_replace_torch_optim_curves_agree() -> None:
     assert float(curves[0][2]) < 0.5 * float(curves[0][1])
     assert number(r"max difference ([\d.e+-]+)", stdout) == max(float(c[3]) for c in curves)
     assert "+ functopt.Optimizer(model.parameters(), functopt.inject_hyperparams(" in stdout
+
+
+def test_fast_step_is_bitwise_torch_fused() -> None:
+    stdout = run_example("fast_step.py", "--quick").stdout
+    assert "verdict: fast path bitwise equal to torch: True; pure path agrees: True" in stdout
+    assert "params bitwise equal after every step: True" in stdout
+    assert "updated the module's own parameters in place: True" in stdout
+    rows = re.findall(r"^  (torch fused|functopt fast|functopt pure) +([\d.]+) ms/step",
+                      stdout, re.MULTILINE)
+    assert [r[0] for r in rows] == ["torch fused", "functopt fast", "functopt pure"], stdout
+    assert all(float(ms) > 0 for _, ms in rows)
+    drift = number(r"of the params' largest move \(([\d.e+-]+)\)", stdout)
+    assert drift > 0 and number(r"max \|diff\| ([\d.e+-]+),", stdout) < 1e-2 * drift
