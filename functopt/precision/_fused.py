@@ -26,6 +26,9 @@ How it differs from the pure path, and why that is the same step:
   $2^{64}$ or below $2^{-75}$ in magnitude; float16 gradients never do). A non-finite
   gradient makes the norm non-finite, which is the overflow test: the pure path's
   non-finite count and its norm-overflow rule give the same decision.
+- The zero count (``count_zeros=True``) reads the gradients before unscaling: an element
+  that unscaling would underflow to zero (a scaled gradient below $2^{-149}$ times the
+  scale, in the subnormals) is counted by the pure path only.
 - Unscaling and clipping are one division by ``loss_scale / clip_factor`` instead of two
   multiplications: the gradients agree to rounding (float64 leaves are divided in
   float64, the kernels take a float32 divisor).
