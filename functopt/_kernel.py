@@ -13,13 +13,13 @@ kernels of the recipes are in ``functopt/fast/_kernels.py``. Re-exported as
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from functopt._base import GradientTransformation
+from functopt.tree import _core
 
 __all__ = ["FusedTransformation", "Kernel", "KernelResult", "differentiated"]
 
@@ -91,15 +91,20 @@ class Kernel:
         raise NotImplementedError
 
 
-def differentiated(leaves: Sequence[Any]) -> bool:
-    """Whether a step on these leaves must stay differentiable: autograd records (grad mode
-    on and a tensor that requires grad) or a ``torch.func`` transform wraps a leaf. The
-    fused kernels write in place and have no derivative, so such a step is pure."""
+def differentiated(*trees: Any) -> bool:
+    """Whether a step on these pytrees must stay differentiable: autograd records (grad
+    mode on and a tensor that requires grad) or a ``torch.func`` transform is active. The
+    fused kernels write in place and have no derivative, so such a step is pure.
+
+    The trees are flattened only when grad mode is on: a training step under
+    ``torch.no_grad()`` pays two mode checks.
+    """
     if torch._C._functorch.maybe_current_level() is not None:
         return True  # inside torch.func.grad, vmap, ...: every input may be wrapped
     if not torch.is_grad_enabled():
         return False
-    return any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
+    return any(isinstance(x, torch.Tensor) and x.requires_grad
+               for tree in trees for x in _core.flatten(tree)[0])
 
 
 class FusedTransformation(GradientTransformation):

@@ -29,18 +29,7 @@ Key = tuple[str, ...]
 
 def _keys(treespec: _core.TreeSpec) -> list[Key]:
     """The path of every leaf as a tuple of strings (field names, dict keys, positions)."""
-    out = []
-    for accessor in optree.treespec_accessors(treespec):
-        parts = []
-        for entry in accessor:
-            if isinstance(entry, optree.NamedTupleEntry):
-                parts.append(str(entry.field))
-            elif isinstance(entry, optree.GetAttrEntry):
-                parts.append(str(entry.name))
-            else:
-                parts.append(str(entry.entry))
-        out.append(tuple(parts))
-    return out
+    return [_core.path_parts(a) for a in optree.treespec_accessors(treespec)]
 
 
 def _dotted(key: Key) -> str:

@@ -71,14 +71,6 @@ def _lr_value(lr: float | torch.Tensor | Schedule, lr_state: Any) -> float | tor
     return lr
 
 
-def _advance(count: torch.Tensor, found_inf: torch.Tensor | None) -> torch.Tensor:
-    """``count + 1`` (saturating), or ``count`` where the step was skipped."""
-    new = _common.safe_increment(count)
-    if found_inf is None:
-        return new
-    return torch.where(found_inf.to(count.device) > 0, count, new)
-
-
 def _groups(values: list[Any], grads: list[Any]) -> dict[tuple[torch.device, torch.dtype],
                                                           list[int]]:
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
@@ -120,12 +112,6 @@ def _flag(found_inf: torch.Tensor | None, device: torch.device) -> torch.Tensor 
     return None if found_inf is None else found_inf.to(device=device, dtype=torch.float32)
 
 
-def _result(original: Any, worked: torch.Tensor, donate: bool) -> Any:
-    """What a leaf becomes: the donated original (written in place), or the new copy,
-    wrapped as a DTensor like the original."""
-    return original if donate else _rewrap_like(original, worked)
-
-
 @dataclass(frozen=True)
 class AdamKernel(Kernel):
     """``torch._fused_adamw_`` (``decoupled=True``) or ``torch._fused_adam_`` for
@@ -147,7 +133,7 @@ class AdamKernel(Kernel):
         if not (isinstance(state, tuple) and state
                 and isinstance(state[0], ScaleByAdamState)):
             return None
-        if isinstance(self.lr, torch.Tensor) and differentiated([self.lr]):
+        if isinstance(self.lr, torch.Tensor) and differentiated(self.lr):
             return None
         mus, mu_spec = _core.flatten(state[0].mu)
         nus, nu_spec = _core.flatten(state[0].nu)
@@ -190,12 +176,12 @@ class AdamKernel(Kernel):
                    weight_decay=self.weight_decay, eps=self.eps, amsgrad=False,
                    maximize=False, grad_scale=scale_here, found_inf=_flag(found_inf, device))
             if not donate:  # donated leaves were written in place: the lists hold them
-                for j, i in enumerate(idx):
-                    new_values[i] = _result(values[i], p[j], donate)
-                    new_mus[i] = _result(mus[i], m[j], donate)
-                    new_nus[i] = _result(nus[i], n[j], donate)
+                for j, i in enumerate(idx):  # new copies, as DTensors where those were
+                    new_values[i] = _rewrap_like(values[i], p[j])
+                    new_mus[i] = _rewrap_like(mus[i], m[j])
+                    new_nus[i] = _rewrap_like(nus[i], n[j])
         new_adam = ScaleByAdamState(
-            count=_advance(adam_state.count, found_inf),
+            count=_common.advance(adam_state.count, found_inf),
             mu=_core.unflatten(mu_spec, new_mus), nu=_core.unflatten(nu_spec, new_nus),
         )
         return KernelResult(new_values, (new_adam, *state[1:-1], _advance_lr(lr_state,
@@ -241,7 +227,6 @@ class SGDKernel(Kernel):
         if self.momentum is not None:
             bufs, spec = _core.flatten(trace_state.trace)
         groups = _groups(values, grads)
-        lr = self.lr
         new_values, new_bufs = list(values), list(bufs)
         for (device, dtype), idx in groups.items():
             p = _owned([values[i] for i in idx], donate)
@@ -252,20 +237,21 @@ class SGDKernel(Kernel):
             # A zero momentum buffer makes the first step's ``momentum * 0 + g`` exactly
             # the ``buf = g`` of is_first_step, so the chain's zero-initialised trace fits.
             torch._fused_sgd_(p, g, b, weight_decay=0.0, momentum=self.momentum or 0.0,
-                              lr=float(lr), dampening=0.0, nesterov=self.nesterov,
+                              lr=self.lr, dampening=0.0, nesterov=self.nesterov,
                               maximize=False, is_first_step=False, grad_scale=scale_here,
                               found_inf=_flag(found_inf, device))
-            for j, i in enumerate(idx):
-                new_values[i] = _result(values[i], p[j], donate)
-                if self.momentum is not None:
-                    new_bufs[i] = _result(bufs[i], b[j], donate)
+            if not donate:  # donated leaves were written in place: the lists hold them
+                for j, i in enumerate(idx):
+                    new_values[i] = _rewrap_like(values[i], p[j])
+                    if self.momentum is not None:
+                        new_bufs[i] = _rewrap_like(bufs[i], b[j])
         new_trace = trace_state if spec is None else TraceState(_core.unflatten(spec, new_bufs))
         return KernelResult(new_values, (new_trace, _advance_lr(lr_state, found_inf)))
 
 
 def _advance_lr(lr_state: Any, found_inf: torch.Tensor | None) -> Any:
     if isinstance(lr_state, ScaleByScheduleState):
-        return ScaleByScheduleState(count=_advance(lr_state.count, found_inf))
+        return ScaleByScheduleState(count=_common.advance(lr_state.count, found_inf))
     return lr_state
 
 

@@ -96,7 +96,7 @@ def make_step(
     def step(grads: Updates, state: State, params: Params, **extra_args: Any,
              ) -> tuple[Params, State]:
         param_leaves, treespec, grad_leaves = _check(grads, params)
-        if differentiated([*param_leaves, *grad_leaves, *_core.flatten(state)[0]]):
+        if differentiated(params, grads, state):
             # autograd records (or torch.func transforms) this step: the pure path, whose
             # every operation has a derivative, and no writes into the inputs
             updates, new_state = tx.update(grads, state, params, **extra_args)

@@ -6,10 +6,11 @@ transform is a recipe with a fused kernel ([`adamw`][functopt.adamw],
 ([`float32_master`][functopt.precision.float32_master]). Per step, over the gradients'
 and the masters' bytes:
 
-1. one read of the gradients as they come (bfloat16, say): each leaf's float32 norm
-   (``torch._foreach_norm``), times ``1 / loss_scale``, gives the statistics, and one
-   all-reduce makes them global (the zero count, when asked for, is a second read);
-2. one cast of the gradients to the masters' precision;
+1. one cast of the gradients to the masters' precision (``torch._foreach_copy_``, into
+   the previous step's buffers when the step is donated);
+2. one read of the casts: each leaf's norm (``torch._foreach_norm``), times
+   ``1 / loss_scale``, gives the statistics, and one all-reduce makes them global (the
+   zero count, when asked for, is a second read);
 3. the fused kernel: unscale and clip folded into one divisor (``grad_scale``), the skip
    on overflow (``found_inf``), the update of master and moments, read once and written
    once;
@@ -49,8 +50,14 @@ import torch.distributed as dist
 from functopt._kernel import Kernel
 from functopt.distributed.dtensor import _counted_here, _rewrap_like, local_tensor
 from functopt.distributed.reduce import all_reduce_stats
-from functopt.precision.loss_scale import LossScale, LossScaleState
-from functopt.precision.stats import GradStats, _clip_factor, unpack_grad_stats
+from functopt.precision.loss_scale import LossScale, LossScaleState, _inverse
+from functopt.precision.stats import (
+    _SUMSQ,
+    _ZEROS,
+    GradStats,
+    _clip_factor,
+    unpack_grad_stats,
+)
 
 
 def fused_stats(grads: list[Any], wide: list[Any], name: Callable[[int], str],
@@ -80,12 +87,14 @@ def fused_stats(grads: list[Any], wide: list[Any], name: Callable[[int], str],
         if count_zeros:
             zeros.append(torch.stack([torch.sum(t == 0, dtype=torch.float64)
                                       for t in tensors]).sum().to(device))
-    sumsq = torch.stack(sums).sum() if sums else torch.zeros((), dtype=torch.float64,
-                                                             device=device)
-    num_zeros = torch.stack(zeros).sum() if zeros else torch.zeros_like(sumsq)
-    # A non-finite gradient makes the sum of squares non-finite, which unpack_grad_stats
-    # reads as an overflow (as it reads a norm overflow), so no count is needed.
-    return torch.stack([sumsq, torch.zeros_like(sumsq), num_zeros])
+    packed = torch.zeros(3, dtype=torch.float64, device=device)
+    if sums:
+        packed[_SUMSQ] = torch.stack(sums).sum()
+    if zeros:
+        packed[_ZEROS] = torch.stack(zeros).sum()
+    # packed[_NONFINITE] stays 0: a non-finite gradient makes the sum of squares
+    # non-finite, which unpack_grad_stats reads as an overflow (as a norm overflow).
+    return packed
 
 
 def _widened(grads: list[Any], views: list[Any], workspace: list[Any] | None) -> list[Any]:
@@ -145,7 +154,7 @@ def fused_mixed_step(
     # the gradients in the precision of the values they update (a cast is a new tensor)
     wide = _widened(grads, views, workspace)
     device = loss_scale.scale.device
-    inv_scale = loss_scale.scale.double().reciprocal().float()
+    inv_scale = _inverse(loss_scale)
     packed = all_reduce_stats(
         fused_stats(grads, wide, name, inv_scale, device, count_zeros), group)
     stats = unpack_grad_stats(packed)

@@ -52,6 +52,12 @@ class LossScale(NamedTuple):
     dynamic: bool
 
 
+def _inverse(state: LossScaleState) -> torch.Tensor:
+    """``1 / scale`` computed in float64 and rounded once to float32, as ``GradScaler``
+    does: exact for power-of-two scales."""
+    return state.scale.double().reciprocal().float()
+
+
 def _check_scale(owner: str, name: str, value: float | None) -> None:
     if value is None:
         return

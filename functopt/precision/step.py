@@ -63,7 +63,12 @@ from functopt._kernel import FusedTransformation, differentiated
 from functopt.distributed.dtensor import _infer_group, _leaf_names
 from functopt.distributed.reduce import _local_stats, all_reduce_stats
 from functopt.precision._fused import fused_mixed_step
-from functopt.precision.loss_scale import LossScale, LossScaleState, static_loss_scale
+from functopt.precision.loss_scale import (
+    LossScale,
+    LossScaleState,
+    _inverse,
+    static_loss_scale,
+)
 from functopt.precision.master import MasterWeights, float32_master
 from functopt.precision.stats import GradStats, _clip_factor, unpack_grad_stats
 from functopt.transforms import _common
@@ -373,8 +378,7 @@ def mixed_precision(
         name = _leaf_names(treespec)
         group = process_group if process_group is not None else _infer_group(param_leaves, name)
 
-        if kernel is not None and not differentiated(
-                [*param_leaves, *grad_leaves, *_core.flatten(state)[0]]):
+        if kernel is not None and not differentiated(params, grads, state):
             with torch.no_grad():  # donated params may be leaves that require grad
                 fast = fused_mixed_step(
                     kernel, param_leaves, store, view, grad_leaves, state.inner_state,
@@ -395,7 +399,7 @@ def mixed_precision(
 
         # 1. unscale in the precision of the value updated; 1/scale rounded once to float32,
         # as GradScaler does (exact for power-of-two scales).
-        inv_scale = state.loss_scale.scale.double().reciprocal().float()
+        inv_scale = _inverse(state.loss_scale)
         # (_check_grads made sure that every gradient has a param, hence a view.)
         unscaled = [None if g is None or v is None else g.to(v.dtype) * inv_scale
                     for g, v in zip(grad_leaves, view, strict=True)]

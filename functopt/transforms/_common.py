@@ -76,6 +76,16 @@ def safe_increment(count: torch.Tensor) -> torch.Tensor:
     return torch.where(count < INT32_MAX, count + 1, count)
 
 
+def advance(count: torch.Tensor, skipped: torch.Tensor | None) -> torch.Tensor:
+    """``safe_increment(count)``, or ``count`` itself where ``skipped`` (a 0-d flag, bool or
+    float) is set: a step a fused kernel skipped on overflow leaves its counters as they
+    were, as the pure path's restored state does."""
+    new = safe_increment(count)
+    if skipped is None:
+        return new
+    return torch.where(skipped.to(count.device) != 0, count, new)
+
+
 def bias_correction(decay: Any, count: torch.Tensor) -> torch.Tensor:
     """``1 - decay ** count`` as a 0-d float64 tensor.
 

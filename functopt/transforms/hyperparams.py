@@ -292,7 +292,7 @@ def inject_hyperparams(
                 return None
             constants = {k: state.hyperparams[k] for k in numeric}
             hyperparams = values_at(state.count, constants)
-            if differentiated(list(hyperparams.values())):
+            if differentiated(hyperparams):
                 return None  # a meta-gradient flows through them: the pure path
             plain = {k: v.item() for k, v in hyperparams.items()}  # one host read each
             kernel = getattr(inner_factory(**other, **plain), "kernel", None)
@@ -332,8 +332,5 @@ class _InjectedKernel(Kernel):
                             donate_grads=donate_grads)
         if result is None:
             return None
-        count = _common.safe_increment(state.count)
-        if found_inf is not None:  # a skipped step leaves the whole state as it was
-            count = torch.where(found_inf.to(count.device) > 0, state.count, count)
-        return KernelResult(result.values,
-                            InjectHyperparamsState(count, hyperparams, result.state))
+        return KernelResult(result.values, InjectHyperparamsState(
+            _common.advance(state.count, found_inf), hyperparams, result.state))

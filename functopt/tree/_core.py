@@ -59,8 +59,8 @@ def structure(tree: Tree) -> TreeSpec:
     return optree.tree_structure(tree, none_is_leaf=True, namespace=NAMESPACE)
 
 
-def path_str(accessor: Iterable[optree.PyTreeEntry]) -> str:
-    """A dotted, human-readable path: ``'layers.3.weight'``, ``'mu.bias'``, ``'0.w'``."""
+def path_parts(accessor: Iterable[optree.PyTreeEntry]) -> tuple[str, ...]:
+    """A leaf's path as strings: NamedTuple field names, attribute names, keys, positions."""
     parts = []
     for entry in accessor:
         if isinstance(entry, optree.NamedTupleEntry):
@@ -69,6 +69,12 @@ def path_str(accessor: Iterable[optree.PyTreeEntry]) -> str:
             parts.append(str(entry.name))
         else:
             parts.append(str(entry.entry))
+    return tuple(parts)
+
+
+def path_str(accessor: Iterable[optree.PyTreeEntry]) -> str:
+    """A dotted, human-readable path: ``'layers.3.weight'``, ``'mu.bias'``, ``'0.w'``."""
+    parts = path_parts(accessor)
     return ".".join(parts) if parts else "<root>"
 
 
