@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functopt
+from functopt.testing import assert_bitwise_equal, clone_tree
 from functopt.testing import strategies as fst
 
 
@@ -22,15 +23,6 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _snapshot(tree: Any) -> list[Any]:
-    return [None if x is None else x.clone() for x in _leaves(tree)]
-
-
-def _assert_unchanged(before: list[Any], tree: Any) -> None:
-    for old, new in zip(before, _leaves(tree), strict=True):
-        assert (old is None) == (new is None)
-        if old is not None:
-            assert torch.equal(_bits(old), _bits(new))
 
 
 def _assert_close(out: torch.Tensor, expected64: torch.Tensor, scale64: torch.Tensor) -> None:
@@ -103,10 +95,10 @@ def test_trace_step_matches_reference(data, decay, nesterov, accumulator_dtype) 
         assert t.shape == p.shape and t.dtype == (accumulator_dtype or p.dtype)
         assert not t.any()
     for grads in (grads1, grads2):
-        before = (_snapshot(grads), _snapshot(state))
+        before = (clone_tree(grads), clone_tree(state))
         out, new_state = tx.update(grads, state, params, unused_extra_arg=0)
-        _assert_unchanged(before[0], grads)
-        _assert_unchanged(before[1], state)
+        assert_bitwise_equal(grads, before[0], what="input")
+        assert_bitwise_equal(state, before[1], what="input")
         assert fst.same_layout(out, grads)
         triples = zip(_leaves(grads), _leaves(state.trace), _leaves(new_state.trace), _leaves(out),
                       strict=True)
@@ -167,10 +159,10 @@ def test_ema_step_matches_reference(data, decay, debias, accumulator_dtype) -> N
     state = tx.init(params)
     assert state.count.dtype == torch.int32 and int(state.count) == 0
     for step, grads in enumerate((grads1, grads2), start=1):
-        before = (_snapshot(grads), _snapshot(state))
+        before = (clone_tree(grads), clone_tree(state))
         out, new_state = tx.update(grads, state, params)
-        _assert_unchanged(before[0], grads)
-        _assert_unchanged(before[1], state)
+        assert_bitwise_equal(grads, before[0], what="input")
+        assert_bitwise_equal(state, before[1], what="input")
         assert fst.same_layout(out, grads)
         assert int(new_state.count) == step  # shared by all leaves, None or not
         correction = 1 - decay**step if debias else 1.0

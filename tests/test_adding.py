@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import functopt
+from functopt.testing import assert_bitwise_equal, clone_tree
 from functopt.testing import strategies as fst
 
 
@@ -23,15 +24,6 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _snapshot(tree: Any) -> list[Any]:
-    return [None if x is None else x.clone() for x in _leaves(tree)]
-
-
-def _assert_unchanged(before: list[Any], tree: Any) -> None:
-    for old, new in zip(before, _leaves(tree), strict=True):
-        assert (old is None) == (new is None)
-        if old is not None:
-            assert torch.equal(_bits(old), _bits(new))
 
 
 def _assert_sum_close(out: torch.Tensor, a64: torch.Tensor, b64: torch.Tensor) -> None:
@@ -54,10 +46,10 @@ def test_add_decayed_weights_matches_reference(pg, weight_decay) -> None:
     params, grads = pg
     tx = functopt.add_decayed_weights(weight_decay)
     state = tx.init(params)
-    before = (_snapshot(grads), _snapshot(params))
+    before = (clone_tree(grads), clone_tree(params))
     out, new_state = tx.update(grads, state, params, unused_extra_arg=1)
-    _assert_unchanged(before[0], grads)
-    _assert_unchanged(before[1], params)
+    assert_bitwise_equal(grads, before[0], what="input")
+    assert_bitwise_equal(params, before[1], what="input")
     assert fst.same_layout(out, grads) and new_state == functopt.EmptyState()
     for g, p, o in zip(_leaves(grads), _leaves(params), _leaves(out), strict=True):
         if g is None:

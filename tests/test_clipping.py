@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functopt
+from functopt.testing import assert_bitwise_equal, clone_tree
 from functopt.testing import strategies as fst
 
 F32_MAX = torch.finfo(torch.float32).max
@@ -26,24 +27,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _snapshot(tree: Any) -> list[Any]:
-    return [None if x is None else x.clone() for x in _leaves(tree)]
-
-
-def _assert_unchanged(before: list[Any], tree: Any) -> None:
-    for old, new in zip(before, _leaves(tree), strict=True):
-        assert (old is None) == (new is None)
-        if old is not None:
-            assert old.dtype == new.dtype and torch.equal(_bits(old), _bits(new))
-
-
 def _update(tx, grads, params=None):
     """One update, checking purity (inputs bitwise unchanged) and the output layout."""
     state = tx.init(params if params is not None else grads)
-    before = (_snapshot(grads), _snapshot(params))
+    before = (clone_tree(grads), clone_tree(params))
     out, new_state = tx.update(grads, state, params, unused_extra_arg=1.0)
-    _assert_unchanged(before[0], grads)
-    _assert_unchanged(before[1], params)
+    assert_bitwise_equal(grads, before[0], what="input")
+    assert_bitwise_equal(params, before[1], what="input")
     assert fst.same_layout(out, grads)
     assert new_state == functopt.EmptyState()
     return out

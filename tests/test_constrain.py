@@ -11,6 +11,7 @@ import torch
 from hypothesis import given
 
 import functopt
+from functopt.testing import assert_bitwise_equal, clone_tree
 from functopt.testing import strategies as fst
 
 
@@ -22,15 +23,6 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _snapshot(tree: Any) -> list[Any]:
-    return [None if x is None else x.clone() for x in _leaves(tree)]
-
-
-def _assert_unchanged(before: list[Any], tree: Any) -> None:
-    for old, new in zip(before, _leaves(tree), strict=True):
-        assert (old is None) == (new is None)
-        if old is not None:
-            assert torch.equal(_bits(old), _bits(new))
 
 
 # -------------------------------------------------------------------------------- zero_nans
@@ -50,10 +42,10 @@ def test_zero_nans_zeroes_exactly_the_nans_and_flags_them(pg) -> None:
         functopt.tree.structure(params), [torch.full_like(p, math.nan) for p in _leaves(params)]
     )
     _, state = tx.update(all_nan, state)
-    before = (_snapshot(grads), _snapshot(state))
+    before = (clone_tree(grads), clone_tree(state))
     out, new_state = tx.update(grads, state, params, unused_extra_arg=None)
-    _assert_unchanged(before[0], grads)
-    _assert_unchanged(before[1], state)
+    assert_bitwise_equal(grads, before[0], what="input")
+    assert_bitwise_equal(state, before[1], what="input")
     assert fst.same_layout(out, grads)
     for g, p, o, old_flag, flag in zip(_leaves(grads), _leaves(params), _leaves(out),
                                        _leaves(state.found_nan), _leaves(new_state.found_nan),
@@ -91,10 +83,10 @@ def test_keep_params_nonnegative_rule_and_invariant(pg) -> None:
         functopt.tree.structure(params), [p.abs() for p in _leaves(params)]
     )
     tx = functopt.keep_params_nonnegative()
-    before = (_snapshot(grads), _snapshot(params))
+    before = (clone_tree(grads), clone_tree(params))
     out, state = tx.update(grads, tx.init(params), params)
-    _assert_unchanged(before[0], grads)
-    _assert_unchanged(before[1], params)
+    assert_bitwise_equal(grads, before[0], what="input")
+    assert_bitwise_equal(params, before[1], what="input")
     assert fst.same_layout(out, grads) and state == functopt.EmptyState()
     new_params = functopt.apply_updates(params, out)
     for g, p, o, q in zip(_leaves(grads), _leaves(params), _leaves(out), _leaves(new_params),
