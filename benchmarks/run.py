@@ -14,6 +14,17 @@ Cases (``--only`` takes a comma-separated list of these names):
   master), functopt pure and fused, vs the best PyTorch idiom for it (see
   ``contenders.TorchMixedIdiom``). The fused contender does not count zero gradients:
   neither does the idiom.
+* ``chains``: composed chains as users write them (issue 9), each against the PyTorch step
+  for the same maths: ``chain(clip_by_global_norm, adamw)`` vs ``clip_grad_norm_`` +
+  AdamW(fused); ``adamw`` with a no-decay mask vs AdamW(fused) with a no-decay group;
+  ``chain(scale_by_adam, add_decayed_weights, scale_by_learning_rate(schedule))`` vs
+  AdamW(fused); ``lion`` vs AdamW(fused) (timed beside it, not compared).
+* ``mixed_chains``: the full mixed-precision step every way a user writes it (functional
+  with ``max_grad_norm``; functional with ``chain(clip_by_global_norm, adamw)``; the
+  ``MixedPrecisionOptimizer`` facade with one group and with decay / no-decay groups) vs
+  the PyTorch idiom.
+* ``small``: an MLP of 6 leaves (6,922 params): the fixed per-step cost of
+  ``make_step``, ``functopt.Optimizer`` and the facade.
 * ``leaves``: per-step time against the number of leaves (tensors of 100 elements).
 * ``size``: per-step time against the total size (200 leaves).
 * ``memory``: optimizer-state bytes per parameter, and the peak memory of one step, for
@@ -51,11 +62,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # harness, contenders
 sys.path.insert(1, str(HERE.parent))  # functopt from this checkout
 
+import chains as K  # noqa: E402
 import contenders as C  # noqa: E402
 import harness as H  # noqa: E402
 import torch  # noqa: E402
 
-CASES = ("adamw", "mixed", "leaves", "size", "memory", "compile", "bandwidth")
+CASES = ("adamw", "mixed", "chains", "mixed_chains", "small", "leaves", "size", "memory",
+         "compile", "bandwidth")
 PURE, FUSED, COMPILED = "functopt pure", "functopt fused", "functopt compiled"
 FOREACH, TORCH_FUSED, IDIOM = "torch foreach", "torch fused", "torch idiom"
 ADAPTER = "functopt.Optimizer"  # the torch.optim.Optimizer adapter, in the adamw case
@@ -162,6 +175,90 @@ def case_mixed(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
           "the idiom)")
     print_check(res["check"])
     return res
+
+
+def _run_set(checked: list[C.Contender], yardsticks: list[C.Contender], cfg: dict[str, Any],
+             args: argparse.Namespace, numel: int, leaves: int) -> dict[str, Any]:
+    """Time checked contenders and yardsticks side by side; check only the former."""
+    cs = [*checked, *yardsticks]
+    timings, inner = H.time_interleaved(cs, repeats=args.repeats, warmup=args.warmup,
+                                        block_s=cfg["block_s"], max_block_s=cfg["max_block_s"])
+    check = H.compare(checked, rtol=RTOL, atol=ATOL, rtol_per_step=RTOL_PER_STEP)
+    return {"params": numel, "leaves": leaves, "steps_per_block": inner, "timings": timings,
+            "check": check}
+
+
+def _subcases(title: str, make: Any, names: Sequence[str], shapes: list[tuple[int, ...]],
+              cfg: dict[str, Any], args: argparse.Namespace, ours: str) -> dict[str, Any]:
+    numel = sum(math.prod(s) for s in shapes)
+    print(f"\n== {title}: {numel:,} params in {len(shapes)} leaves ==")
+    out: dict[str, Any] = {"params": numel, "leaves": len(shapes), "subcases": {}}
+    rows = []
+    for name in names:
+        checked, yardsticks = make(name, shapes)
+        res = _run_set(checked, yardsticks, cfg, args, numel, len(shapes))
+        t = res["timings"]
+        base = (yardsticks or checked)[-1].name
+        mine = ours if ours in t else checked[-1 if yardsticks else 1].name
+        res["ratio"] = t[mine]["median_s"] / t[base]["median_s"]
+        res["ratio_of"] = f"{mine}/{base}"
+        pure = t.get(PURE)
+        res["pure_ratio"] = None if pure is None else pure["median_s"] / t[base]["median_s"]
+        out["subcases"][name] = res
+        rows.append([name, mine, ms(t[mine]["median_s"]), base, ms(t[base]["median_s"]),
+                     f"{res['ratio']:.2f}x",
+                     "-" if pure is None else f"{res['pure_ratio']:.2f}x",
+                     "ok" if res["check"]["passed"] else "FAILED"])
+    print_table(["chain", "functopt", "ms", "vs", "ms", "ratio", "pure ratio", "check"], rows)
+    for res in out["subcases"].values():
+        if not res["check"]["passed"]:
+            print_check(res["check"])
+    out["check"] = {"passed": all(r["check"]["passed"] for r in out["subcases"].values())}
+    return out
+
+
+def case_chains(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    res = _subcases("chains: composed chains, make_step(donate=True) vs PyTorch",
+                    K.chain_contenders, list(K.CHAINS), C.make_shapes(cfg["total"],
+                                                                      cfg["leaves"]),
+                    cfg, args, FUSED)
+    print("  targets: clip_adamw, masked_decay <= 1.05x; adam_decay_schedule <= 1.1x; "
+          "lion <= 1.0x torch fused AdamW")
+    return res
+
+
+def case_mixed_chains(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    res = _subcases("mixed_chains: the bf16 mixed-precision step every way it is written",
+                    K.mixed_contenders, list(K.MIXED),
+                    C.make_shapes(cfg["total"], cfg["leaves"]), cfg, args, FUSED)
+    print("  target: <= 0.75x the idiom for every row (aim 0.6x, floor about 0.5x)")
+    return res
+
+
+def case_small(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    sets = K.small_contenders(K.SMALL_SHAPES)
+    numel = sum(math.prod(s) for s in K.SMALL_SHAPES)
+    print(f"\n== small: an MLP of {len(K.SMALL_SHAPES)} leaves, {numel:,} params ==")
+    out: dict[str, Any] = {"params": numel, "leaves": len(K.SMALL_SHAPES), "subcases": {}}
+    rows = []
+    for label, (checked, yardsticks) in sets.items():
+        res = _run_set(checked, yardsticks, cfg, args, numel, len(K.SMALL_SHAPES))
+        out["subcases"][label] = res
+        base = checked[-1].name
+        for c in checked[:-1]:
+            t = res["timings"]
+            rows.append([label, c.name, f"{1e6 * t[c.name]['median_s']:.1f}", base,
+                         f"{1e6 * t[base]['median_s']:.1f}",
+                         f"{t[c.name]['median_s'] / t[base]['median_s']:.2f}x",
+                         "ok" if res["check"]["passed"] else "FAILED"])
+    print_table(["step", "contender", "us", "vs", "us", "ratio", "check"], rows)
+    print("  targets: functopt.Optimizer <= 1.3x, make_step (functopt fused) <= 1.1x torch "
+          "fused; facade <= 1.3x the idiom")
+    out["check"] = {"passed": all(r["check"]["passed"] for r in out["subcases"].values())}
+    for res in out["subcases"].values():
+        if not res["check"]["passed"]:
+            print_check(res["check"])
+    return out
 
 
 def _scaling(title: str, key: str, points: list[tuple[int, list[tuple[int, ...]]]],
@@ -378,7 +475,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"repeats {args.repeats}, warmup {args.warmup}")
     for k, v in facts.items():
         print(f"  {k}: {v}")
-    funcs = {"adamw": case_adamw, "mixed": case_mixed, "leaves": case_leaves,
+    funcs = {"adamw": case_adamw, "mixed": case_mixed, "chains": case_chains,
+             "mixed_chains": case_mixed_chains, "small": case_small, "leaves": case_leaves,
              "size": case_size, "memory": case_memory, "compile": case_compile}
     results: dict[str, Any] = {}
     started = time.perf_counter()

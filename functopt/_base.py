@@ -91,7 +91,9 @@ def identity() -> GradientTransformation:
         del params, extra_args
         return updates, state
 
-    return GradientTransformation(init_fn, update_fn)
+    from functopt import _spec  # (the spec module builds on this one)
+
+    return _spec.specified(GradientTransformation(init_fn, update_fn), _spec.Leafwise("identity"))
 
 
 def set_to_zero() -> GradientTransformation:
@@ -112,7 +114,10 @@ def set_to_zero() -> GradientTransformation:
         _core.check_tensors(leaves, treespec, name="updates")
         return _core.unflatten(treespec, _core.map_leaves(torch.zeros_like, leaves)), state
 
-    return GradientTransformation(identity().init, update_fn)
+    from functopt import _spec
+
+    return _spec.specified(GradientTransformation(identity().init, update_fn),
+                           _spec.Leafwise("set_to_zero"))
 
 
 def stateless(

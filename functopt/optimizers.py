@@ -15,8 +15,6 @@ import torch
 
 from functopt import _validate
 from functopt._base import GradientTransformation, Numeric, Params, ScalarOrSchedule, identity
-from functopt._kernel import FusedTransformation, Kernel
-from functopt.fast._kernels import adam_kernel, sgd_kernel
 from functopt.transforms.accumulation import ema, trace
 from functopt.transforms.adding import add_decayed_weights
 from functopt.transforms.clipping import clip_by_block_rms
@@ -47,11 +45,6 @@ __all__ = [
 
 MaskOrFn = Any | Callable[[Params], Any] | None
 """A pytree of bools shaped like (a prefix of) the params, or ``params -> such a tree``."""
-
-
-def _fused(tx: GradientTransformation, kernel: Kernel | None) -> GradientTransformation:
-    """The chain, carrying its fused kernel when its options have one (else the plain chain)."""
-    return tx if kernel is None else FusedTransformation(tx.init, tx.update, kernel)
 
 
 def _check_lr(owner: str, learning_rate: Any) -> None:
@@ -90,11 +83,11 @@ def sgd(
     _check_lr("sgd", learning_rate)
     if nesterov and momentum is None:
         raise ValueError("sgd: nesterov=True needs a momentum. Fix: pass momentum=0.9 (say).")
-    return _fused(chain(
+    return chain(
         trace(decay=momentum, nesterov=nesterov, accumulator_dtype=accumulator_dtype)
         if momentum is not None else identity(),
         scale_by_learning_rate(learning_rate),
-    ), sgd_kernel(learning_rate, momentum, nesterov, accumulator_dtype))
+    )
 
 
 def adam(
@@ -121,12 +114,11 @@ def adam(
         tensor([-0.0010,  0.0010,  0.0000])
     """
     _check_lr("adam", learning_rate)
-    return _fused(chain(
+    return chain(
         scale_by_adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
                       nesterov=nesterov),
         scale_by_learning_rate(learning_rate),
-    ), adam_kernel(learning_rate, b1, b2, eps, eps_root, mu_dtype, nesterov, 0.0, None,
-                   decoupled=False))
+    )
 
 
 def adamw(
@@ -157,13 +149,12 @@ def adamw(
         tensor([-0.1000])
     """
     _check_lr("adamw", learning_rate)
-    return _fused(chain(
+    return chain(
         scale_by_adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
                       nesterov=nesterov),
         add_decayed_weights(weight_decay, mask),
         scale_by_learning_rate(learning_rate),
-    ), adam_kernel(learning_rate, b1, b2, eps, eps_root, mu_dtype, nesterov, weight_decay,
-                   mask, decoupled=True))
+    )
 
 
 def nadam(

@@ -26,7 +26,8 @@ import functopt
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
-CASES = {"adamw", "mixed", "leaves", "size", "memory", "compile", "bandwidth"}
+CASES = {"adamw", "mixed", "chains", "mixed_chains", "small", "leaves", "size", "memory",
+         "compile", "bandwidth"}
 ADAMW_NAMES = {"functopt pure", "functopt fused", "torch foreach", "torch fused"}
 MIXED_NAMES = {"functopt pure", "functopt fused", "torch idiom"}
 COMPILE_NAMES = {"functopt compiled", "functopt fused", "torch fused"}
@@ -71,6 +72,30 @@ def quick_report(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, An
     )
     assert proc.returncode == 0, f"run.py failed:\n{proc.stdout}\n{proc.stderr}"
     return json.loads(out.read_text()), proc.stdout
+
+
+def test_quick_run_reports_the_composed_chains(quick_report):
+    """Issue 9's cases: every composed chain and every way of writing the mixed step is
+    timed beside its PyTorch counterpart, and checked against functopt's pure path (the
+    donated fast contenders would report a lost fast path as a failed check)."""
+    report, _ = quick_report
+    cases = report["cases"]
+    assert set(cases["chains"]["subcases"]) == {"clip_adamw", "masked_decay",
+                                                "adam_decay_schedule", "lion"}
+    assert set(cases["mixed_chains"]["subcases"]) == {"max_grad_norm", "chain_clip",
+                                                      "facade_1_group", "facade_2_groups"}
+    assert set(cases["small"]["subcases"]) == {"adamw", "mixed"}
+    for case in ("chains", "mixed_chains", "small"):
+        assert cases[case]["check"]["passed"], case
+        for name, sub in cases[case]["subcases"].items():
+            assert sub["check"]["passed"], (case, name, sub["check"])
+            assert all(_positive_finite(t["median_s"]) for t in sub["timings"].values())
+    for name, sub in {**cases["chains"]["subcases"],
+                      **cases["mixed_chains"]["subcases"]}.items():
+        assert _positive_finite(sub["ratio"]), name
+    assert cases["chains"]["subcases"]["clip_adamw"]["ratio_of"] == \
+        "functopt fused/torch fused"
+    assert "torch fused AdamW" in cases["chains"]["subcases"]["lion"]["timings"]
 
 
 def test_quick_run_reports_every_case_with_positive_finite_timings(quick_report):

@@ -266,7 +266,7 @@ def test_meta_gradient_through_an_injected_adam():
 
 def test_construction_errors():
     with pytest.raises(TypeError, match=r"inject_hyperparams: inner_factory must be a transform "
-                                        r"factory such as functopt.adam, got GradientTransformation"):
+                                        r"factory such as functopt.adam, got SpecifiedTransformation"):
         functopt.inject_hyperparams(sgd(0.1))
     with pytest.raises(ValueError, match=r"static_args \['lr'\] are not parameters of sgd, "
                                          r"whose parameters are \['learning_rate'\]"):

@@ -341,7 +341,8 @@ def test_nested_apply_if_finite_neither_double_counts_nor_double_unscales() -> N
     params = {"w": torch.tensor([1.0, -2.0, 0.5], dtype=torch.bfloat16),
               "b": torch.tensor([0.25])}
     ls = static_loss_scale(2.0**8)
-    wrapped = mixed_precision(functopt.apply_if_finite(functopt.adamw(1e-2), 2), loss_scale=ls)
+    wrapped = mixed_precision(functopt.apply_if_finite(functopt.adamw(1e-2), 2), loss_scale=ls,
+                              fused=False)
     # the wrapped inner has no fused kernel: compare it with the same pure arithmetic
     plain = mixed_precision(functopt.adamw(1e-2), loss_scale=ls, fused=False)
     pw, sw = params, wrapped.init(params)
@@ -433,7 +434,8 @@ def test_clip_matches_clip_by_global_norm_on_unscaled_grads(pg, ratio, scale_exp
     max_norm = float(total) * ratio if 0 < total < 1e30 else 1.0
     scale = 2.0**scale_exp
     inner, seen = recorder()
-    opt = mixed_precision(inner, loss_scale=static_loss_scale(scale), max_grad_norm=max_norm)
+    opt = mixed_precision(inner, loss_scale=static_loss_scale(scale), max_grad_norm=max_norm,
+        fused=False)
     _, state = opt.step(_scaled(grads, scale), opt.init(params), params)
     clipped = seen[-1]
     # The norm the step clips with: each leaf's squares accumulated in float32 (as
@@ -461,7 +463,7 @@ def test_clip_matches_clip_by_global_norm_on_unscaled_grads(pg, ratio, scale_exp
 
 def test_grad_norm_metric_is_the_norm_before_clipping() -> None:
     inner, seen = recorder()
-    opt = mixed_precision(inner, loss_scale=static_loss_scale(8.0), max_grad_norm=1.0)
+    opt = mixed_precision(inner, loss_scale=static_loss_scale(8.0), max_grad_norm=1.0, fused=False)
     p = {"a": torch.zeros(1, dtype=torch.bfloat16), "b": torch.zeros(1)}
     _, state = opt.step({"a": torch.tensor([24.0], dtype=torch.bfloat16),
                          "b": torch.tensor([32.0])}, opt.init(p), p)
@@ -543,7 +545,7 @@ def test_unscale_of_scale_is_bitwise_identity_for_power_of_two_scales(data, scal
     g, scaled = g[keep], scaled[keep]
     param = torch.zeros_like(g)
     inner, seen = recorder()
-    opt = mixed_precision(inner, loss_scale=static_loss_scale(scale))
+    opt = mixed_precision(inner, loss_scale=static_loss_scale(scale), fused=False)
     opt.step({"w": scaled}, opt.init({"w": param}), {"w": param})
     assert torch.equal(bits(seen[-1]["w"]), bits(g.float()))
 
@@ -553,7 +555,7 @@ def test_unscale_of_scale_is_bitwise_identity_for_power_of_two_scales(data, scal
        scale=st.sampled_from([3.0, 10.0, 1000.0, 2.0**16 * 3]))
 def test_non_power_of_two_scales_unscale_within_the_documented_bound(g, scale) -> None:
     inner, seen = recorder()
-    opt = mixed_precision(inner, loss_scale=static_loss_scale(scale))
+    opt = mixed_precision(inner, loss_scale=static_loss_scale(scale), fused=False)
     p = torch.zeros(8)
     opt.step({"w": g * scale}, opt.init({"w": p}), {"w": p})
     got = seen[-1]["w"].double()
@@ -564,7 +566,7 @@ def test_non_power_of_two_scale_is_inexact_not_an_error() -> None:
     # documented: exactness is promised for power-of-two scales only
     g = torch.tensor([1.0003000497817993])
     inner, seen = recorder()
-    opt = mixed_precision(inner, loss_scale=static_loss_scale(3.0))
+    opt = mixed_precision(inner, loss_scale=static_loss_scale(3.0), fused=False)
     p = torch.zeros(1)
     opt.step({"w": g * 3.0}, opt.init({"w": p}), {"w": p})
     assert not torch.equal(seen[-1]["w"], g)
@@ -678,7 +680,7 @@ def test_error_bad_max_grad_norm(value, error, match) -> None:
 
 def test_max_grad_norm_may_be_a_tensor() -> None:
     inner, seen = recorder()
-    opt = mixed_precision(inner, max_grad_norm=torch.tensor(1.0))
+    opt = mixed_precision(inner, max_grad_norm=torch.tensor(1.0), fused=False)
     p = {"w": torch.zeros(2)}
     opt.step({"w": torch.tensor([3.0, 4.0])}, opt.init(p), p)
     torch.testing.assert_close(seen[-1]["w"], torch.tensor([0.6, 0.8]))
@@ -711,7 +713,7 @@ def test_error_state_master_does_not_fit_the_params() -> None:
 
 def test_error_inner_changes_the_update_dtype() -> None:
     to64 = functopt.stateless(lambda u, p: {k: v.double() for k, v in u.items()})
-    opt = mixed_precision(to64)
+    opt = mixed_precision(to64, fused=False)
     params = {"w": torch.ones(2, dtype=torch.bfloat16)}
     with pytest.raises(TypeError, match=r"'w': the inner transform returned a float64 tensor of "
                                         r"shape \(2,\) to update a float32 tensor of shape \(2,\)"):

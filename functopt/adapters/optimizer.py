@@ -157,8 +157,9 @@ class Optimizer(torch.optim.Optimizer):
     ``torch.optim`` (Lightning, ``GradScaler``, learning-rate schedulers, checkpoints).
     It takes that step with [`make_step`][functopt.fast.make_step] and donation: a recipe
     with a fused kernel (``adamw``, ``adam``, ``sgd``, also under ``inject_hyperparams``)
-    runs ``torch._fused_adamw_`` and friends, updating params and state in place, as
-    ``torch.optim``'s ``fused=True`` does; any other transform runs its pure update and
+    runs ``torch._fused_adamw_`` and friends wherever the step planner can lower the
+    transform (see [`explain`][functopt.fast.explain]), updating params and state in place,
+    as ``torch.optim``'s ``fused=True`` does; any other transform runs its pure update and
     grouped in-place adds.
 
     Hyperparameters. With a transform built by
@@ -535,9 +536,10 @@ class Optimizer(torch.optim.Optimizer):
         # unless a state dict handed those tensors out since the last step: then this one
         # step writes new state tensors, and the params are copied into.
         donate = not self._state_shared
-        tx = self._transform if self._fused else GradientTransformation(
-            self._transform.init, self._transform.update)  # the same chain, no kernel
-        new, state = make_step(tx, donate=donate)(self._tree(group, grads), state, ptree)
+        steppers = self.__dict__.setdefault("_steppers", {})
+        if donate not in steppers:  # one step function each: they cache their plans
+            steppers[donate] = make_step(self._transform, donate=donate, fused=self._fused)
+        new, state = steppers[donate](self._tree(group, grads), state, ptree)
         if not donate:
             leaves, spec = _core.flatten(ptree)
             news = _core.flatten_like(spec, new, name="new params", reference="params")

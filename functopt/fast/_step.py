@@ -7,11 +7,14 @@ elementary operation (Adam's update alone is about fifteen). A training loop tha
 not differentiate through its optimizer wants the whole step instead, and may hand its old
 params and state over to be overwritten (donation). ``make_step(tx)`` is that step:
 
-1. a [`FusedTransformation`][functopt.fast.FusedTransformation] (the recipes
-   [`adam`][functopt.adam], [`adamw`][functopt.adamw], [`sgd`][functopt.sgd]) runs its
-   fused kernel, one call per (device, dtype) group of leaves;
-2. any other transform runs its pure ``update``, and the updates are added with one
-   ``torch._foreach_add`` per (device, dtype) group (in place when donated);
+1. the planner (``functopt/fast/_planner.py``) reads the transform as composed (through
+   ``chain``, ``masked``, ``partition``, ``inject_hyperparams``, schedules) and lowers
+   each (device, dtype) group of leaves to one of PyTorch's fused kernels, with a leading
+   ``clip_by_global_norm`` folded in (one ``foreach`` norm pass, one all-reduce on
+   sharded params);
+2. a transform the planner cannot lower runs its pure ``update``, and the updates are
+   added with one ``torch._foreach_add`` per (device, dtype) group (in place when
+   donated); a [`FastPathWarning`][functopt.fast.FastPathWarning] says why, once;
 3. ``compile=True`` compiles the pure step (``update`` then ``apply_updates``) with
    ``torch.compile``, which fuses each leaf's elementwise chain into one loop.
 
@@ -28,17 +31,35 @@ import torch
 
 from functopt._apply import apply_updates
 from functopt._base import GradientTransformation, Params, State, Updates
-from functopt._kernel import FusedTransformation, differentiated
-from functopt.distributed.dtensor import _rewrap_like, local_tensor
+from functopt.distributed.dtensor import _infer_group, _leaf_names, _rewrap_like, local_tensor
+from functopt.distributed.reduce import all_reduce_stats
+from functopt.fast import _planner
 from functopt.tree import _core
 
-__all__ = ["make_step"]
+__all__ = ["differentiated", "make_step"]
 
 StepFn = Callable[..., tuple[Params, State]]
 
 
+def differentiated(*trees: Any) -> bool:
+    """Whether a step on these pytrees must stay differentiable: autograd records (grad
+    mode on and a tensor that requires grad) or a ``torch.func`` transform is active. The
+    fused kernels write in place and have no derivative, so such a step is pure.
+
+    The trees are flattened only when grad mode is on: a training step under
+    ``torch.no_grad()`` pays two mode checks.
+    """
+    if torch._C._functorch.maybe_current_level() is not None:
+        return True  # inside torch.func.grad, vmap, ...: every input may be wrapped
+    if not torch.is_grad_enabled():
+        return False
+    return any(isinstance(x, torch.Tensor) and x.requires_grad
+               for tree in trees for x in _core.flatten(tree)[0])
+
+
 def make_step(
     tx: GradientTransformation, *, donate: bool = False, compile: bool = False,
+    fused: bool = True,
 ) -> StepFn:
     r"""``step(grads, state, params, **extra_args) -> (new_params, new_state)`` for ``tx``.
 
@@ -48,20 +69,23 @@ def make_step(
     the arithmetic differently (a relative $10^{-12}$ in float64; tests/test_fast.py).
 
     Args:
-        tx: any transformation. A recipe with a fused kernel
-            ([`FusedTransformation`][functopt.fast.FusedTransformation]) takes its kernel
-            whenever the leaves allow it (params, grads and moments of one floating dtype
-            per leaf); otherwise, and for every other transform, the pure ``update`` runs
-            and the updates are added with grouped ``foreach`` kernels. A step that must
-            stay differentiable (grad mode on and an input that requires grad, as for a
-            meta-gradient, or inputs wrapped by ``torch.func``) always takes the pure
-            path, ``update`` then ``apply_updates``, and writes into nothing: call the
-            step under ``torch.no_grad()`` to allow the kernel and donation.
+        tx: any transformation, composed as you like. The planner lowers it to fused
+            kernels where every leaf's rule has one (see
+            [`explain`][functopt.fast.explain]); otherwise the pure ``update`` runs and
+            the updates are added with grouped ``foreach`` kernels, and a
+            [`FastPathWarning`][functopt.fast.FastPathWarning] says why (once per
+            reason). A step that must stay differentiable (grad mode on and an input that
+            requires grad, as for a meta-gradient, or inputs wrapped by ``torch.func``)
+            always takes the pure path, ``update`` then ``apply_updates``, and writes
+            into nothing: call the step under ``torch.no_grad()`` to allow the kernels
+            and donation.
         donate: the caller hands ``params`` and ``state`` over: the step may overwrite
             their tensors and return them (the params of an ``nn.Module``, for instance,
             are then updated in place). The caller must not read the old values
             afterwards. Gradients are never written; without donation nothing passed in
             is modified.
+        fused: False keeps every step on the pure ``update`` (with the grouped ``foreach``
+            apply, and donation), without a warning: the reference path, for comparison.
         compile: compile the pure step with ``torch.compile`` (the first call compiles:
             seconds to minutes; later calls with the same structure, shapes and dtypes
             reuse it). Ignores the fused kernel and ``donate``.
@@ -72,7 +96,9 @@ def make_step(
     Raises:
         TypeError: ``tx`` is not a transformation; at each call, leaves that are not
             floating tensors, or grads of another dtype than their params (naming the leaf).
-        ValueError: grads of another structure, shape or device than the params.
+        ValueError: grads of another structure, shape or device than the params; with
+            ``donate``, params that share memory (tied weights) or overlap themselves
+            (expanded tensors).
 
     Examples:
         >>> import torch, functopt
@@ -91,7 +117,7 @@ def make_step(
         )
     if compile:
         return _compiled_step(tx)
-    kernel = tx.kernel if isinstance(tx, FusedTransformation) else None
+    planner = _planner.Planner(tx)
 
     def step(grads: Updates, state: State, params: Params, **extra_args: Any,
              ) -> tuple[Params, State]:
@@ -101,15 +127,46 @@ def make_step(
             # every operation has a derivative, and no writes into the inputs
             updates, new_state = tx.update(grads, state, params, **extra_args)
             return apply_updates(params, updates), new_state
-        if kernel is not None:
+        name = _leaf_names(treespec)
+        if donate:
+            _planner.check_donation(param_leaves, name)
+        if not fused:
+            updates, new_state = tx.update(grads, state, params, **extra_args)
+            return _grouped_apply(param_leaves, treespec, updates, donate), new_state
+        state_leaves, state_spec = _core.flatten(state)
+        structure = planner.structure(params, treespec, param_leaves, state_leaves, state_spec)
+        lowered = _planner.lower(structure, state_spec, param_leaves, grad_leaves,
+                                 state_leaves, name)
+        reason = lowered.reason
+        if reason is None:
             with torch.no_grad():  # donated params may be leaves that require grad
-                result = kernel.run(param_leaves, grad_leaves, state, donate=donate)
-            if result is not None:
+                sums = _clip_sums(structure, param_leaves, grad_leaves, name)
+                result = _planner.run(lowered, param_leaves, grad_leaves, state_leaves,
+                                      donate=donate, sums=sums)
+            if not isinstance(result, str):
                 return _core.unflatten(treespec, result.values), result.state
+            reason = result
+        _planner.warn_lost("make_step", reason, stacklevel=2)
         updates, new_state = tx.update(grads, state, params, **extra_args)
         return _grouped_apply(param_leaves, treespec, updates, donate), new_state
 
     return step
+
+
+def _clip_sums(structure: _planner.Structure, params: list[Any], grads: list[Any],
+               name: Callable[[int], str]) -> list[torch.Tensor]:
+    """The global sums of squares the chain's clips need: one local pass, and one
+    all-reduce of them packed together when the params are sharded."""
+    if not structure.clips:
+        return []
+    device = next((local_tensor(g).device for g in grads if g is not None),
+                  torch.device("cpu"))
+    local = _planner.clip_sums(structure, grads, name, device)
+    group = _infer_group(params, name)
+    if group is None:
+        return local
+    packed = all_reduce_stats(torch.stack(local), group)
+    return list(packed.unbind())
 
 
 def _check(grads: Updates, params: Params) -> tuple[list[Any], _core.TreeSpec, list[Any]]:

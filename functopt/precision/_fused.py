@@ -1,19 +1,21 @@
-r"""The mixed-precision step on a fused kernel: the same step in four passes over memory.
+r"""The mixed-precision step on fused kernels: the same step in four passes over memory.
 
-[`mixed_precision`][functopt.precision.mixed_precision] takes this path when its inner
-transform is a recipe with a fused kernel ([`adamw`][functopt.adamw],
-[`adam`][functopt.adam], [`sgd`][functopt.sgd]) and the masters are plain copies
+[`mixed_precision`][functopt.precision.mixed_precision] takes this path when the step
+planner (``functopt/fast/_planner.py``) lowers its inner transform, however composed
+(``adamw``, ``chain(clip_by_global_norm(1.0), adamw(...))``, a masked or partitioned
+chain, an injected recipe), and the masters are plain copies
 ([`float32_master`][functopt.precision.float32_master]). Per step, over the gradients'
 and the masters' bytes:
 
 1. one cast of the gradients to the masters' precision (``torch._foreach_copy_``, into
    the previous step's buffers when the step is donated);
 2. one read of the casts: each leaf's norm (``torch._foreach_norm``), times
-   ``1 / loss_scale``, gives the statistics, and one all-reduce makes them global (the
-   zero count, when asked for, is a second read);
-3. the fused kernel: unscale and clip folded into one divisor (``grad_scale``), the skip
-   on overflow (``found_inf``), the update of master and moments, read once and written
-   once;
+   ``1 / loss_scale``, gives the statistics and the sums of squares of every clip of the
+   inner chain, and one all-reduce of them packed together makes them global (the zero
+   count, when asked for, is a second read);
+3. the fused kernels, one per group of leaves: unscale and both clips folded into one
+   divisor (``grad_scale``), the skip on overflow (``found_inf``), the update of master
+   and moments, read once and written once;
 4. one copy of the masters into the low-precision params.
 
 The PyTorch idiom for the same step (float32 main grads, ``GradScaler.unscale_``,
@@ -47,9 +49,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from functopt._kernel import Kernel
 from functopt.distributed.dtensor import _counted_here, _rewrap_like, local_tensor
 from functopt.distributed.reduce import all_reduce_stats
+from functopt.fast import _planner
 from functopt.precision.loss_scale import LossScale, LossScaleState, _inverse
 from functopt.precision.stats import (
     _SUMSQ,
@@ -58,40 +60,41 @@ from functopt.precision.stats import (
     _clip_factor,
     unpack_grad_stats,
 )
+from functopt.tree import _core
+
+# The packed statistics: grad_stats' three entries, then one sum of squares per clip of
+# the inner chain (one all-reduce for all of them).
+_CLIPS = 3
 
 
 def fused_stats(grads: list[Any], wide: list[Any], name: Callable[[int], str],
                 inv_scale: torch.Tensor, device: torch.device, count_zeros: bool,
-                ) -> torch.Tensor:
-    """The packed ``[sum of squares, non-finite flag, zero count]`` of the unscaled
-    gradients this rank counts, from one ``foreach`` norm per (device, dtype) group.
+                clips: list[list[int]]) -> torch.Tensor:
+    """The packed ``[sum of squares, non-finite flag, zero count, clip sums...]`` of the
+    unscaled gradients this rank counts, from one ``foreach`` norm per (device, dtype)
+    group.
 
     ``wide`` holds the gradients in the precision of the values they update (local
     shards); each is reduced in float32, or float64 when it is float64, as the pure path
     reduces its unscaled gradients. ``grads`` (the gradients as given) decide which leaves
-    this rank counts.
+    this rank counts; ``clips`` lists the leaves each clip of the inner chain measures.
     """
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for i, (g, w) in enumerate(zip(grads, wide, strict=True)):
-        if w is not None and _counted_here(g, functools.partial(name, i)):
-            groups.setdefault((w.device, w.dtype), []).append(w)
-    sums, zeros = [], []
-    for (where, dtype), tensors in groups.items():
-        acc = torch.float64 if dtype == torch.float64 else torch.float32
-        norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=None if dtype == acc
-                                                else acc))
-        # unscale each leaf's norm in its accumulation precision, as the pure path
-        # unscales before it reduces (exact for power-of-two scales)
-        norms = norms * inv_scale.to(device=where, dtype=acc)
-        sums.append(torch.sum(norms.to(torch.float64) ** 2).to(device))
-        if count_zeros:
-            zeros.append(torch.stack([torch.sum(t == 0, dtype=torch.float64)
-                                      for t in tensors]).sum().to(device))
-    packed = torch.zeros(3, dtype=torch.float64, device=device)
-    if sums:
-        packed[_SUMSQ] = torch.stack(sums).sum()
-    if zeros:
-        packed[_ZEROS] = torch.stack(zeros).sum()
+    counted = [w is not None and _counted_here(g, functools.partial(name, i))
+               for i, (g, w) in enumerate(zip(grads, wide, strict=True))]
+    squares = _planner.leaf_squares(wide, counted, inv_scale)
+    packed = torch.zeros(_CLIPS + len(clips), dtype=torch.float64, device=device)
+    present = [s for s in squares if s is not None]
+    if present:
+        packed[_SUMSQ] = torch.stack(present).sum().to(device)
+    for j, leaves in enumerate(clips):
+        mine = [squares[i] for i in leaves if squares[i] is not None]
+        if mine:
+            packed[_CLIPS + j] = torch.stack(mine).sum().to(device)
+    if count_zeros:
+        zeros = [torch.sum(w == 0, dtype=torch.float64).to(device)
+                 for w, c in zip(wide, counted, strict=True) if c]
+        if zeros:
+            packed[_ZEROS] = torch.stack(zeros).sum()
     # packed[_NONFINITE] stays 0: a non-finite gradient makes the sum of squares
     # non-finite, which unpack_grad_stats reads as an overflow (as a norm overflow).
     return packed
@@ -134,14 +137,15 @@ def _widened(grads: list[Any], views: list[Any], workspace: list[Any] | None) ->
 
 
 def fused_mixed_step(
-    kernel: Kernel, params: list[Any], stores: list[Any], views: list[Any],
-    grads: list[Any], inner_state: Any, loss_scale: LossScaleState, *, scale_rule: LossScale,
-    scaled: bool, max_grad_norm: float | torch.Tensor | None,
+    planner: _planner.Planner, params: list[Any], stores: list[Any], views: list[Any],
+    grads: list[Any], inner_state: Any, loss_scale: LossScaleState, *, treespec: Any,
+    scale_rule: LossScale, scaled: bool, max_grad_norm: float | torch.Tensor | None,
     group: dist.ProcessGroup | None, name: Callable[[int], str], count_zeros: bool,
     donate: bool, workspace: list[Any] | None = None,
-) -> tuple[list[Any], list[Any], Any, GradStats, LossScaleState] | None:
-    """The mixed-precision step on ``kernel`` (see the module docstring), or ``None`` when
-    the kernel cannot take these leaves (the caller then takes the pure path).
+) -> tuple[list[Any], list[Any], Any, GradStats, LossScaleState] | str:
+    """The mixed-precision step on the planner's kernels (see the module docstring), or the
+    reason the planner gives why it cannot lower these leaves (the caller then takes the
+    pure path).
 
     ``workspace``: a list the caller keeps between steps, where the gradient casts are
     written (see `_widened`); ``None`` allocates them at every step.
@@ -149,33 +153,42 @@ def fused_mixed_step(
     Returns ``(new params, new stores, new inner state, statistics, new loss scale)``.
     """
     proxies = [None if g is None else v for g, v in zip(grads, views, strict=True)]
-    if not kernel.accepts(views, proxies, inner_state):
-        return None
+    inner_leaves, inner_spec = _core.flatten(inner_state)
+    structure = planner.structure(_core.unflatten(treespec, views), treespec, views,
+                                  inner_leaves, inner_spec)
+    lowered = _planner.lower(structure, inner_spec, views, proxies, inner_leaves, name)
+    if lowered.reason is not None:
+        return lowered.reason
     # the gradients in the precision of the values they update (a cast is a new tensor)
     wide = _widened(grads, views, workspace)
     device = loss_scale.scale.device
     inv_scale = _inverse(loss_scale)
     packed = all_reduce_stats(
-        fused_stats(grads, wide, name, inv_scale, device, count_zeros), group)
-    stats = unpack_grad_stats(packed)
+        fused_stats(grads, wide, name, inv_scale, device, count_zeros, structure.clips),
+        group)
+    stats = unpack_grad_stats(packed[:_CLIPS])
     new_loss_scale = scale_rule.adjust(loss_scale, stats.found_inf)
 
-    # one divisor for unscale and clip, in float64 (the kernel rounds it for its dtype)
-    divisor = None
+    # one multiplier for unscale and clip, in float64 (the kernel rounds its divisor)
+    multiplier = None
+    sums = list(packed[_CLIPS:].unbind())
     if scaled or max_grad_norm is not None:
         multiplier = inv_scale.to(torch.float64)
         if max_grad_norm is not None:
-            multiplier = multiplier * _clip_factor(packed, max_grad_norm).to(device)
-        divisor = multiplier.reciprocal()
+            outer = _clip_factor(packed, max_grad_norm).to(device)
+            multiplier = multiplier * outer
+            sums = [s * outer * outer for s in sums]  # the inner clips see clipped grads
 
-    # The kernel unscales in place: a gradient that needed no cast is the caller's, never
-    # written, so it is copied when there is a divisor.
-    cast = [w if w is None or divisor is None or w is not local_tensor(g) else w.clone()
+    # The kernels unscale in place: a gradient that needed no cast is the caller's, never
+    # written, so it is copied when it will be scaled.
+    cast = [w if w is None or w is not local_tensor(g) or (
+        multiplier is None and not structure.clips) else w.clone()
             for g, w in zip(grads, wide, strict=True)]
-    result = kernel.run(views, cast, inner_state, donate=donate, grad_scale=divisor,
-                        found_inf=stats.found_inf, donate_grads=True)
-    if result is None:  # accepts() said yes; a kernel that disagrees with itself is a bug
-        raise RuntimeError(f"{type(kernel).__name__}.run refused leaves it accepted")
+    result = _planner.run(lowered, views, cast, inner_leaves, donate=donate,
+                          donate_grads=True, multiplier=multiplier,
+                          found_inf=stats.found_inf, sums=sums)
+    if isinstance(result, str):
+        return result
 
     new_params = list(params)
     new_stores = list(stores)

@@ -59,9 +59,10 @@ import torch.distributed as dist
 
 from functopt import _validate
 from functopt._base import GradientTransformation, Params, State, with_extra_args_support
-from functopt._kernel import FusedTransformation, differentiated
 from functopt.distributed.dtensor import _infer_group, _leaf_names
 from functopt.distributed.reduce import _local_stats, all_reduce_stats
+from functopt.fast import _planner
+from functopt.fast._step import differentiated
 from functopt.precision._fused import fused_mixed_step
 from functopt.precision.loss_scale import (
     LossScale,
@@ -268,13 +269,16 @@ def mixed_precision(
             float32 gradient casts between steps, in buffers reused by the next step
             (4 bytes per low-precision param, as the idiom's float32 main grads): a
             donating step function is for one training loop at a time.
-        fused: take the inner recipe's fused kernel when it has one (``adamw``, ``adam``,
-            ``sgd``; see [`FusedTransformation`][functopt.fast.FusedTransformation]) and the masters are plain
-            copies; the step then makes four passes over memory instead of about twenty,
-            and agrees with the pure path to rounding (``functopt/precision/_fused.py``
-            lists the differences). False forces the pure path, and so does a step that
-            must stay differentiable (grad mode on and an input that requires grad, or
-            ``torch.func`` inputs).
+        fused: lower ``inner`` to fused kernels when the step planner can (Adam/AdamW/SGD
+            rules however composed: chains, masks, partitions, injected
+            hyperparameters, a leading ``clip_by_global_norm``; see
+            [`explain`][functopt.fast.explain]) and the masters are plain copies; the
+            step then makes four passes over memory instead of about twenty, and agrees
+            with the pure path to rounding (``functopt/precision/_fused.py`` lists the
+            differences). Where it cannot, the step runs on the pure path and a
+            [`FastPathWarning`][functopt.fast.FastPathWarning] says why. False forces the
+            pure path (no warning), and so does a step that must stay differentiable
+            (grad mode on and an input that requires grad, or ``torch.func`` inputs).
 
     Returns:
         A [`MixedPrecisionTransformation`][functopt.precision.MixedPrecisionTransformation].
@@ -304,8 +308,8 @@ def mixed_precision(
             f"{owner}: inner must be a functopt.GradientTransformation, got "
             f"{type(inner).__name__}.{hint} Fix: mixed_precision(functopt.adamw(1e-3), ...)."
         )
-    kernel = inner.kernel if fused and isinstance(inner, FusedTransformation) else None
     inner = with_extra_args_support(inner)
+    planner = _planner.Planner(inner)
     if loss_scale is not None and not isinstance(loss_scale, LossScale):
         hint = (
             f" For a constant scale pass functopt.static_loss_scale({loss_scale!r})."
@@ -325,8 +329,8 @@ def mixed_precision(
             f"float32_master(), ...), got {type(master_weights).__name__}."
         )
     mw = master_weights
-    if not mw.plain_copy or mw.needs_generator:
-        kernel = None  # the kernel writes the store in place: only a plain copy allows it
+    # the kernels write the store in place: only a plain copy allows it
+    fast = fused and mw.plain_copy and not mw.needs_generator
     if max_grad_norm is not None:
         _validate.check_range(owner, "max_grad_norm", max_grad_norm, low=0.0, low_open=True,
                               hint="Fix: pass a positive norm bound such as 1.0, or None "
@@ -378,17 +382,21 @@ def mixed_precision(
         name = _leaf_names(treespec)
         group = process_group if process_group is not None else _infer_group(param_leaves, name)
 
-        if kernel is not None and not differentiated(params, grads, state):
+        if fast and not differentiated(params, grads, state):
+            if donate:
+                _planner.check_donation(param_leaves, name)
             with torch.no_grad():  # donated params may be leaves that require grad
-                fast = fused_mixed_step(
-                    kernel, param_leaves, store, view, grad_leaves, state.inner_state,
-                    state.loss_scale, scale_rule=scale_rule, scaled=loss_scale is not None,
-                    max_grad_norm=max_grad_norm, group=group, name=name,
-                    count_zeros=count_zeros, donate=donate,
+                lowered = fused_mixed_step(
+                    planner, param_leaves, store, view, grad_leaves, state.inner_state,
+                    state.loss_scale, treespec=treespec, scale_rule=scale_rule,
+                    scaled=loss_scale is not None, max_grad_norm=max_grad_norm, group=group,
+                    name=name, count_zeros=count_zeros, donate=donate,
                     workspace=workspace if donate else None,
                 )
-            if fast is not None:
-                fast_params, fast_store, fast_inner, fast_stats, fast_scale = fast
+            if isinstance(lowered, str):
+                _planner.warn_lost(owner, lowered, stacklevel=2)
+            else:
+                fast_params, fast_store, fast_inner, fast_stats, fast_scale = lowered
                 return _core.unflatten(treespec, fast_params), MixedPrecisionState(
                     loss_scale=fast_scale,
                     master=_core.unflatten(treespec, fast_store),

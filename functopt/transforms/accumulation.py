@@ -8,6 +8,7 @@ import torch
 
 from functopt import _validate
 from functopt._base import GradientTransformation, Numeric, Params, Updates
+from functopt._spec import Leafwise, specified
 from functopt.transforms import _common
 
 __all__ = [
@@ -92,7 +93,8 @@ def trace(
             trace=_common.unflatten(treespec, new_traces)
         )
 
-    return GradientTransformation(init_fn, update_fn)
+    return specified(GradientTransformation(init_fn, update_fn), Leafwise(
+        "trace", {"decay": decay, "nesterov": nesterov, "accumulator_dtype": accumulator_dtype}))
 
 
 class EmaState(NamedTuple):

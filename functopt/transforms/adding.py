@@ -9,6 +9,7 @@ import torch
 
 from functopt import _validate
 from functopt._base import EmptyState, GradientTransformation, Params, ScalarOrSchedule, Updates
+from functopt._spec import Leafwise, specified
 from functopt.transforms import _common
 from functopt.transforms.masking import Mask, masked
 from functopt.tree import _core
@@ -105,5 +106,6 @@ def add_decayed_weights(
                 new.append(decay(g, p, rate))
         return _common.unflatten(treespec, new), new_state
 
-    tx = GradientTransformation(init_fn, update_fn)
+    tx = specified(GradientTransformation(init_fn, update_fn),
+                   Leafwise("add_decayed_weights", {"weight_decay": weight_decay}))
     return tx if mask is None else masked(tx, mask)

@@ -24,6 +24,7 @@ import torch
 
 from functopt import _validate
 from functopt._base import EmptyState, GradientTransformation, Numeric, Params, Updates
+from functopt._spec import GlobalNormClip, specified
 from functopt.transforms import _common
 from functopt.tree import _core, global_norm
 
@@ -184,7 +185,7 @@ def clip_by_global_norm(max_norm: Numeric) -> GradientTransformation:
                for g in leaves]
         return _common.unflatten(treespec, new), state
 
-    return GradientTransformation(_init_empty, update_fn)
+    return specified(GradientTransformation(_init_empty, update_fn), GlobalNormClip(max_norm))
 
 
 def _reduction_dims(x: torch.Tensor, axis: tuple[int, ...] | None) -> tuple[int, ...] | None:

@@ -11,6 +11,7 @@ from functopt._base import (
     Updates,
     with_extra_args_support,
 )
+from functopt._spec import Sequence, describe, specified
 
 __all__ = [
     "chain",
@@ -88,7 +89,8 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_states.append(s)
         return updates, tuple(new_states)
 
-    return GradientTransformation(init_fn, update_fn)
+    return specified(GradientTransformation(init_fn, update_fn),
+                     Sequence(tuple(describe(tx) for tx in txs)))
 
 
 def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTransformation:
@@ -150,6 +152,7 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
             updates, new_state[name] = tx.update(updates, state[name], params, **extra_args)
         return updates, new_state
 
-    return GradientTransformation(init_fn, update_fn)
+    return specified(GradientTransformation(init_fn, update_fn),
+                     Sequence(tuple(describe(tx) for tx in txs), tuple(names)))
 
 

@@ -18,7 +18,7 @@ from functopt._base import (
     Updates,
     with_extra_args_support,
 )
-from functopt._kernel import FusedTransformation, Kernel, KernelResult, differentiated
+from functopt._spec import Injected, specified
 from functopt.transforms import _common
 from functopt.tree import _core
 
@@ -281,56 +281,13 @@ def inject_hyperparams(
             count = _common.safe_increment(state.count)
             return updates, InjectHyperparamsState(count, hyperparams, inner_state)
 
-        if getattr(probe, "kernel", None) is None:
-            return GradientTransformation(init_fn, update_fn)
+        del probe
 
-        def inner_kernel(state: Any) -> tuple[Kernel, dict[str, torch.Tensor]] | None:
-            """The kernel of ``factory`` built from this step's hyperparameters, read as
-            Python numbers (the fused kernels take them so), or None."""
-            if not (isinstance(state, InjectHyperparamsState)
-                    and sorted(state.hyperparams) == sorted([*numeric, *schedules])):
-                return None
-            constants = {k: state.hyperparams[k] for k in numeric}
-            hyperparams = values_at(state.count, constants)
-            if differentiated(hyperparams):
-                return None  # a meta-gradient flows through them: the pure path
-            plain = {k: v.item() for k, v in hyperparams.items()}  # one host read each
-            kernel = getattr(inner_factory(**other, **plain), "kernel", None)
-            return None if kernel is None else (kernel, hyperparams)
+        def build(hyperparams: dict[str, Any]) -> GradientTransformation:
+            return inner_factory(**other, **hyperparams)
 
-        return FusedTransformation(init_fn, update_fn, _InjectedKernel(inner_kernel))
+        return specified(GradientTransformation(init_fn, update_fn), Injected(
+            build, tuple(sorted(numeric)) + tuple(sorted(schedules)), dict(schedules),
+            values_at))
 
     return wrapped_factory
-
-
-class _InjectedKernel(Kernel):
-    """The kernel of an injected recipe: the recipe's own kernel, rebuilt at every step from
-    the hyperparameters in the state (read as Python numbers: a host read of each 0-d
-    tensor, which on an accelerator is a synchronisation), run on the inner state."""
-
-    def __init__(self, inner_kernel: Callable[[Any], Any]) -> None:
-        self._inner_kernel = inner_kernel
-
-    def __repr__(self) -> str:
-        return "InjectedKernel()"
-
-    def accepts(self, values: list[Any], grads: list[Any], state: Any) -> bool:
-        found = self._inner_kernel(state)
-        return found is not None and found[0].accepts(values, grads, state.inner_state)
-
-    def run(
-        self, values: list[Any], grads: list[Any], state: Any, *, donate: bool,
-        grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
-        donate_grads: bool | None = None,
-    ) -> KernelResult | None:
-        found = self._inner_kernel(state)
-        if found is None:
-            return None
-        kernel, hyperparams = found
-        result = kernel.run(values, grads, state.inner_state, donate=donate,
-                            grad_scale=grad_scale, found_inf=found_inf,
-                            donate_grads=donate_grads)
-        if result is None:
-            return None
-        return KernelResult(result.values, InjectHyperparamsState(
-            _common.advance(state.count, found_inf), hyperparams, result.state))

@@ -9,7 +9,7 @@ which checkpointing and ``functopt.tree`` lookups by path rely on.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
 from functopt._base import (
@@ -19,6 +19,7 @@ from functopt._base import (
     Updates,
     with_extra_args_support,
 )
+from functopt._spec import Select, describe, specified
 from functopt.tree import _core
 
 __all__ = [
@@ -171,4 +172,10 @@ def masked(
         out = [n if m else u for n, u, m in zip(new_leaves, leaves, keep, strict=True)]
         return _core.unflatten(treespec, out), MaskedState(inner_state=inner_state)
 
-    return GradientTransformation(init_fn, update_fn)
+    def select(params: Params, treespec: _core.TreeSpec, leaves: list[Any],
+               ) -> dict[Hashable, list[int]]:
+        keep = mask_for(params, treespec, params, "params")
+        return {True: [i for i, m in enumerate(keep) if m]}
+
+    return specified(GradientTransformation(init_fn, update_fn), Select(
+        {True: describe(inner)}, select, lambda state, key: state.inner_state, "masked"))

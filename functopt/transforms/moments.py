@@ -20,6 +20,7 @@ import torch
 
 from functopt import _validate
 from functopt._base import GradientTransformation, Numeric, Params, Updates
+from functopt._spec import Leafwise, specified
 from functopt.transforms import _common
 from functopt.transforms.sign import _sign
 
@@ -147,7 +148,9 @@ def scale_by_adam(
         )
         return _common.unflatten(treespec, new_updates), new_state
 
-    return GradientTransformation(init_fn, update_fn)
+    return specified(GradientTransformation(init_fn, update_fn), Leafwise("scale_by_adam", {
+        "b1": b1, "b2": b2, "eps": eps, "eps_root": eps_root, "mu_dtype": mu_dtype,
+        "nesterov": nesterov, "nu_dtype": nu_dtype}))
 
 
 class ScaleByAmsgradState(NamedTuple):
@@ -273,7 +276,8 @@ def scale_by_amsgrad(
         )
         return _common.unflatten(treespec, new_updates), new_state
 
-    return GradientTransformation(init_fn, update_fn)
+    return specified(GradientTransformation(init_fn, update_fn), Leafwise("scale_by_amsgrad", {
+        "b1": b1, "b2": b2, "eps": eps, "eps_root": eps_root, "mu_dtype": mu_dtype}))
 
 
 class ScaleByLionState(NamedTuple):
@@ -355,4 +359,5 @@ def scale_by_lion(
         )
         return _common.unflatten(treespec, new_updates), new_state
 
-    return GradientTransformation(init_fn, update_fn)
+    return specified(GradientTransformation(init_fn, update_fn), Leafwise(
+        "scale_by_lion", {"b1": b1, "b2": b2, "mu_dtype": mu_dtype}))

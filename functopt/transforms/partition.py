@@ -6,6 +6,7 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any, NamedTuple
 
 from functopt._base import GradientTransformation, Params, State, Updates
+from functopt._spec import Select, describe, specified
 from functopt.transforms.combining import _check_transform
 from functopt.tree import _core
 
@@ -206,4 +207,10 @@ def partition(
                 new_leaves[i] = out_leaves[i]
         return _core.unflatten(treespec, new_leaves), PartitionState(inner_states=new_states)
 
-    return GradientTransformation(init_fn, update_fn)
+    def select(params: Params, treespec: _core.TreeSpec, leaves: list[Any],
+               ) -> dict[Hashable, list[int]]:
+        return groups_of(params, leaves, treespec, "params")
+
+    return specified(GradientTransformation(init_fn, update_fn), Select(
+        {label: describe(tx) for label, tx in txs.items()}, select,
+        lambda state, label: state.inner_states[label], "partition"))

@@ -17,6 +17,7 @@ from functopt._base import (
     Schedule,
     Updates,
 )
+from functopt._spec import Leafwise, specified
 from functopt.transforms import _common
 
 __all__ = [
@@ -61,7 +62,8 @@ def scale(step_size: Numeric) -> GradientTransformation:
         leaves, treespec = _common.flatten_updates(updates)
         return _common.unflatten(treespec, _scaled(leaves, step_size)), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return specified(GradientTransformation(init_fn, update_fn),
+                     Leafwise("scale", {"step_size": step_size}))
 
 
 class ScaleByScheduleState(NamedTuple):
@@ -111,7 +113,8 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
         count = _common.safe_increment(state.count)
         return _common.unflatten(treespec, new), ScaleByScheduleState(count=count)
 
-    return GradientTransformation(init_fn, update_fn)
+    return specified(GradientTransformation(init_fn, update_fn),
+                     Leafwise("scale_by_schedule", {"step_size_fn": step_size_fn}))
 
 
 def scale_by_learning_rate(
@@ -135,10 +138,12 @@ def scale_by_learning_rate(
     _validate.check_number("scale_by_learning_rate", "learning_rate", learning_rate,
                            allow_callable=True)
     sign = -1 if flip_sign else 1
+    spec = Leafwise("scale_by_learning_rate",
+                    {"learning_rate": learning_rate, "flip_sign": flip_sign})
     if callable(learning_rate) and not isinstance(learning_rate, torch.Tensor):
         schedule = learning_rate
-        return scale_by_schedule(lambda count: sign * schedule(count))
-    return scale(sign * learning_rate)
+        return specified(scale_by_schedule(lambda count: sign * schedule(count)), spec)
+    return specified(scale(sign * learning_rate), spec)
 
 
 def _param_block_scale(owner: str, min_scale: Numeric, reduce: str) -> GradientTransformation:

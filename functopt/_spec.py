@@ -1,0 +1,148 @@
+r"""What a transform computes, as data: the description the step planner reads.
+
+A [`GradientTransformation`][functopt.GradientTransformation] is a pair of closures, which
+nothing can look inside. The fast paths need to know what a composed transform computes
+(``chain(clip_by_global_norm(1.0), adamw(...))`` is "clip, then Adam, then decoupled
+decay, then the learning rate") to lower it to fused kernels. So every built-in transform
+also carries a *spec*: a small tree of the nodes below, built by its factory from the same
+arguments its closures use. The planner (``functopt/fast/_planner.py``) walks the spec
+together with the state, and the closures stay the reference: a spec only says which pure
+computation a fast path must reproduce, and the conformance law holds every lowering equal
+to the closures.
+
+A transform without a spec (one a user wrote, or wrapped) is *opaque*: it runs on the pure
+path, and the fast entry points say so (``functopt.fast.explain``, a one-time warning).
+
+The nodes:
+
+- [`Leafwise`][functopt._spec.Leafwise]: a per-leaf elementwise rule, named by the factory
+  that made it (``"scale_by_adam"``, ``"trace"``, ...), with its hyperparameters;
+- [`GlobalNormClip`][functopt._spec.GlobalNormClip]: ``clip_by_global_norm``, the one global
+  reduction of a chain;
+- [`Sequence`][functopt._spec.Sequence]: ``chain`` / ``named_chain``;
+- [`Select`][functopt._spec.Select]: ``masked`` and ``partition``, which hand each inner
+  transform a subset of the leaves;
+- [`Injected`][functopt._spec.Injected]: ``inject_hyperparams``, whose inner transform is
+  rebuilt from hyperparameters that live in the state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from functopt._base import GradientTransformation
+
+__all__ = [
+    "GlobalNormClip",
+    "Injected",
+    "Leafwise",
+    "Select",
+    "Sequence",
+    "Spec",
+    "SpecifiedTransformation",
+    "describe",
+    "specified",
+]
+
+
+class Spec:
+    """A node of a transform's description (see the module docstring)."""
+
+
+@dataclass(frozen=True, eq=False)
+class Leafwise(Spec):
+    """A per-leaf elementwise rule: ``kind`` names the factory, ``hyper`` its arguments.
+
+    The state layout of each kind is the factory's own (``ScaleByAdamState`` for
+    ``"scale_by_adam"``, ...); the planner knows the kinds it can lower and treats the
+    others as rules without a fused form.
+    """
+
+    kind: str
+    hyper: Mapping[str, Any] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.hyper.items())
+        return f"{self.kind}({args})"
+
+
+@dataclass(frozen=True, eq=False)
+class GlobalNormClip(Spec):
+    """``clip_by_global_norm(max_norm)``: scale every update by ``min(1, max_norm / norm)``."""
+
+    max_norm: Any
+
+    def __repr__(self) -> str:
+        return f"clip_by_global_norm({self.max_norm!r})"
+
+
+@dataclass(frozen=True, eq=False)
+class Sequence(Spec):
+    """``chain`` (``names`` None: the state is a tuple) or ``named_chain`` (a dict)."""
+
+    children: tuple[Spec | None, ...]
+    names: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class Select(Spec):
+    """``masked`` or ``partition``: each child sees the leaves ``select`` gives it.
+
+    ``select(params_tree, treespec, leaves)`` returns, per key of ``children``, the indices
+    of the leaves that child transforms (the same function the transform's ``update``
+    uses). ``state_of(state, key)`` is that child's state within this node's state.
+    """
+
+    children: Mapping[Hashable, Spec | None]
+    select: Callable[[Any, Any, list[Any]], Mapping[Hashable, list[int]]]
+    state_of: Callable[[Any, Hashable], Any]
+    name: str = "masked"
+
+
+@dataclass(frozen=True, eq=False)
+class Injected(Spec):
+    """``inject_hyperparams(factory)(...)``.
+
+    ``build(hyperparams)`` makes the inner transform from a dict of 0-d tensors (the
+    planner passes placeholders and finds them again in the inner spec, so it knows which
+    state entry each inner hyperparameter reads); ``names`` are the injected keys;
+    ``schedules`` maps the scheduled ones to their schedule of the count.
+    """
+
+    build: Callable[[dict[str, Any]], GradientTransformation]
+    names: tuple[str, ...]
+    schedules: Mapping[str, Callable[[Any], Any]]
+    values_at: Callable[[Any, dict[str, Any]], dict[str, Any]]
+
+
+class SpecifiedTransformation(GradientTransformation):
+    """A [`GradientTransformation`][functopt.GradientTransformation] that also says what it
+    computes (its ``spec``). Still the pair ``init, update``; used exactly like any
+    transform. A new NamedTuple made from one (``tx._replace(...)``) is opaque again."""
+
+    spec: Spec | None = None
+
+    def __new__(cls, init: Any, update: Any, spec: Spec | None = None,
+                ) -> SpecifiedTransformation:
+        self = super().__new__(cls, init, update)
+        self.spec = spec
+        return self
+
+    def __repr__(self) -> str:
+        return f"GradientTransformation(spec={self.spec!r})"
+
+    def __reduce__(self) -> Any:
+        return (SpecifiedTransformation, (self.init, self.update, self.spec))
+
+
+def specified(tx: GradientTransformation, spec: Spec | None) -> GradientTransformation:
+    """``tx`` carrying ``spec`` (a factory's last line: ``return specified(tx, Leafwise(...))``)."""
+    return SpecifiedTransformation(tx.init, tx.update, spec)
+
+
+def describe(tx: Any) -> Spec | None:
+    """The spec of ``tx``, or None for an opaque transform."""
+    spec = getattr(tx, "spec", None)
+    return spec if isinstance(spec, Spec) else None

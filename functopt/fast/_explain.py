@@ -1,0 +1,114 @@
+"""``explain``: which path each group of leaves takes, and why, before training starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from functopt._base import GradientTransformation
+from functopt.distributed.dtensor import _leaf_names
+from functopt.fast import _planner
+from functopt.tree import _core
+
+__all__ = ["Explanation", "explain"]
+
+_KERNELS = {"adamw": "torch._fused_adamw_", "sgd": "torch._fused_sgd_",
+            "zero": "nothing (the updates are zero)"}
+
+
+@dataclass(frozen=True)
+class GroupPath:
+    """One group of leaves and the kernel call that steps them."""
+
+    kernel: str  # the PyTorch kernel
+    device: torch.device
+    dtype: torch.dtype
+    leaves: tuple[str, ...]  # paths of the leaves in the group
+    clip: bool  # a global-norm clip is folded into the kernel's grad_scale
+    weight_decay: bool  # the group is decayed
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What [`make_step`][functopt.fast.make_step] (and the mixed-precision step) would do.
+
+    ``fast`` is True when every leaf with a gradient is stepped by a fused kernel;
+    ``reason`` then is None, else it names the transform or leaf that keeps the step on
+    the pure path. ``str()`` gives a readable table.
+
+    Examples:
+        >>> import torch, functopt
+        >>> got = functopt.fast.explain(functopt.sgd(0.1, momentum=0.9), {"w": torch.zeros(3)})
+        >>> got.fast, got.groups[0].kernel, got.groups[0].leaves
+        (True, 'torch._fused_sgd_', ('w',))
+    """
+
+    fast: bool
+    reason: str | None
+    groups: tuple[GroupPath, ...]
+    clips: int  # global-norm clips, all measured in one pass (and one all-reduce)
+
+    def __str__(self) -> str:
+        if not self.fast:
+            return f"pure path: {self.reason}"
+        lines = [f"fused path: {len(self.groups)} kernel call(s) per step, "
+                 f"{self.clips} global norm(s) in one pass"]
+        for g in self.groups:
+            extras = [x for x, on in (("clip", g.clip), ("weight decay", g.weight_decay))
+                      if on]
+            more = f" + {', '.join(extras)}" if extras else ""
+            shown = ", ".join(g.leaves[:4]) + (", ..." if len(g.leaves) > 4 else "")
+            lines.append(f"  {g.kernel}{more} on {len(g.leaves)} {_core._dtype_name(g.dtype)} "
+                         f"leaves ({g.device}): {shown}")
+        return "\n".join(lines)
+
+
+def explain(tx: GradientTransformation, params: Any, state: Any = None,
+            grads: Any = None) -> Explanation:
+    """Say which path a fast step of ``tx`` takes on these params, per group of leaves.
+
+    Args:
+        tx: the transform (the inner one of a mixed-precision step: pass its masters, or
+            float32 params of the same shapes, as ``params``).
+        params: the params the step will see.
+        state: the state (default: ``tx.init(params)``).
+        grads: the gradients (default: every param has one, laid out like it).
+
+    Returns:
+        An [`Explanation`][functopt.fast.Explanation].
+
+    Examples:
+        >>> import torch, functopt
+        >>> params = {"w": torch.zeros(4, 4), "b": torch.zeros(4)}
+        >>> tx = functopt.chain(functopt.clip_by_global_norm(1.0),
+        ...                     functopt.adamw(1e-3, mask={"w": True, "b": False}))
+        >>> print(functopt.fast.explain(tx, params))
+        fused path: 2 kernel call(s) per step, 1 global norm(s) in one pass
+          torch._fused_adamw_ + clip on 1 float32 leaves (cpu): b
+          torch._fused_adamw_ + clip, weight decay on 1 float32 leaves (cpu): w
+        >>> functopt.fast.explain(functopt.lion(1e-4), params).reason
+        '[0]: scale_by_lion has no fused kernel (compiled lowering is not built yet)'
+    """
+    if not isinstance(tx, GradientTransformation):
+        raise TypeError(
+            f"explain: tx must be a functopt.GradientTransformation, got "
+            f"{type(tx).__name__}. Fix: explain(functopt.adamw(1e-3), params).")
+    leaves, treespec = _core.flatten(params)
+    if state is None:
+        state = tx.init(params)
+    grad_leaves = leaves if grads is None else _core.flatten_like(
+        treespec, grads, name="grads", reference="params")
+    state_leaves, state_spec = _core.flatten(state)
+    name = _leaf_names(treespec)
+    structure = _planner.walk(tx, params, treespec, leaves, state_leaves, state_spec)
+    lowered = _planner.lower(structure, state_spec, leaves, grad_leaves, state_leaves, name)
+    paths = _core.paths(treespec)
+    groups = tuple(
+        GroupPath(kernel=_KERNELS[g.plan.kernel], device=g.device, dtype=g.dtype,
+                  leaves=tuple(paths[i] for i in g.leaves), clip=g.plan.clip is not None,
+                  weight_decay=g.plan.decay is not None)
+        for g in lowered.groups)
+    return Explanation(fast=lowered.fast, reason=lowered.reason, groups=groups,
+                       clips=len(structure.clips))

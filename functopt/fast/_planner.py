@@ -1,0 +1,814 @@
+r"""The step planner: lowers a composed transform to fused kernels, per group of leaves.
+
+Speed belongs to the transform as the user composed it. The planner reads the transform's
+spec (``functopt/_spec.py``) together with its state, and writes down, for every leaf, the
+*program* the pure path runs on it: the elementwise rules in order (``scale_by_adam``,
+``add_decayed_weights``, the learning rate, ...) with the state entries each reads and
+writes, and the global-norm clips that scale it. ``chain``, ``named_chain``, ``masked``,
+``partition`` and ``inject_hyperparams`` only decide which leaves a rule sees and where its
+state lives, so they disappear in the programs: ``adamw(mask=no_bias)`` gives the weights
+the program "Adam, decay, lr" and the biases "Adam, lr".
+
+Programs are then matched against the patterns PyTorch has a fused multi-tensor kernel
+for, and the leaves are grouped by (device, dtype, kernel, hyperparameters, clip):
+
+=============================================  ===========================================
+program (after an optional leading clip)       kernel
+=============================================  ===========================================
+``scale_by_adam``, [``add_decayed_weights``],  ``torch._fused_adamw_`` (weight decay 0 where
+learning rate                                  the decay is masked off)
+[``add_decayed_weights``], [``trace``],        ``torch._fused_sgd_`` (the decay before the
+learning rate                                  momentum: torch.optim.SGD's weight_decay)
+``set_to_zero``                                nothing to do (a frozen group)
+=============================================  ===========================================
+
+A leading ``clip_by_global_norm`` (over all leaves or a masked subset) and the unscaling of
+a mixed-precision step are folded into the kernel's ``grad_scale``; a skipped step into
+its ``found_inf``. The norms every clip needs come from one local ``foreach`` pass and, on
+sharded params, one all-reduce of a packed vector: one collective per step whatever the
+chain. Anything else (a rule without a kernel, a clip after the moments, an opaque
+transform) keeps the pure path for the whole step, and the reason is reported by
+[`explain`][functopt.fast.explain] and by a one-time
+[`FastPathWarning`][functopt.fast.FastPathWarning].
+
+What the planner checks at every step, since the kernels read memory linearly: each
+leaf's value, gradient and moments share dtype, shape and strides and are dense (a
+gradient laid out differently is copied into its param's layout first); a leaf that
+overlaps itself (an expanded tensor) or two leaves sharing storage (tied weights) cannot be
+written in place and raise when donated.
+
+The structural part of a plan (the walk, the masks and labels, the injected factory's
+spec) depends only on the transform and the tree structures, and is cached by the step
+function per (params structure, state structure): a mask or label *function* is called
+once per structure, not at every step as on the pure path.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from functopt._base import GradientTransformation
+from functopt._spec import GlobalNormClip, Injected, Leafwise, Select, Sequence, Spec, describe
+from functopt.distributed.dtensor import _counted_here, _rewrap_like, local_tensor
+from functopt.transforms import _common
+from functopt.tree import _core
+
+__all__ = ["Lowered", "Structure", "lower", "match", "run", "walk"]
+
+# The dtypes PyTorch's fused optimizer kernels accept (params, grads and moments alike).
+_KERNEL_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+# torch._fused_sgd_ on the CPU skips the update of every full SIMD block of float16 and
+# bfloat16 params and writes wrong momentum buffers (pytorch/pytorch#191763, fixed after
+# 2.13 by #192545), so SGD takes its kernel on the CPU for these dtypes only.
+_SGD_CPU_DTYPES = (torch.float64, torch.float32)
+
+
+# --- where a hyperparameter's value comes from at run time ------------------------------
+
+@dataclass(frozen=True, eq=False)
+class _Const:
+    value: Any
+
+    def __call__(self, env: _Env) -> Any:
+        return self.value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+@dataclass(frozen=True, eq=False)
+class _Hyper:
+    """``state.hyperparams[key]`` of the ``node``-th injected transform (this step's value)."""
+
+    node: int
+    key: str
+
+    def __call__(self, env: _Env) -> Any:
+        return env.hyper[self.node][self.key]
+
+    def __repr__(self) -> str:
+        return f"hyperparams[{self.key!r}]"
+
+
+@dataclass(frozen=True, eq=False)
+class _Scheduled:
+    """``schedule(count)``, the count read from the state entry ``count``."""
+
+    schedule: Callable[[Any], Any]
+    count: int
+
+    def __call__(self, env: _Env) -> Any:
+        return self.schedule(env.leaves[self.count])
+
+    def __repr__(self) -> str:
+        return "schedule(count)"
+
+
+@dataclass(frozen=True, eq=False)
+class _Negated:
+    inner: Any
+
+    def __call__(self, env: _Env) -> Any:
+        return -self.inner(env)
+
+    def __repr__(self) -> str:
+        return f"-{self.inner!r}"
+
+
+@dataclass
+class _Env:
+    leaves: list[Any]  # the flat state
+    hyper: list[dict[str, Any]]  # per injected node: this step's hyperparameters
+
+
+# --- programs -----------------------------------------------------------------------------
+
+@dataclass(frozen=True, eq=False)
+class _Op:
+    """One elementwise rule of a leaf's program; ``node`` identifies the transform (leaves
+    of one transform share it, and so do their bindings)."""
+
+    kind: str
+    args: dict[str, Any]  # name -> binding (_Const, _Hyper, _Scheduled, _Negated)
+    slots: dict[str, int]  # per-leaf state entries (flat state indices): "mu", "nu", "trace"
+    node: int
+    count: int | None = None  # the flat index of the transform's step count
+
+    def __repr__(self) -> str:
+        return self.kind
+
+
+@dataclass(frozen=True, eq=False)
+class _Clip:
+    """A global-norm clip: ``index`` into the structure's clips."""
+
+    index: int
+    max_norm: Any  # binding
+
+    @property
+    def kind(self) -> str:
+        return "clip_by_global_norm"
+
+    def __repr__(self) -> str:
+        return "clip_by_global_norm"
+
+
+@dataclass
+class _Injection:
+    count: int  # flat index of the injected transform's count
+    hyper: dict[str, int]  # key -> flat index of state.hyperparams[key]
+    constants: tuple[str, ...]
+    values_at: Callable[[Any, dict[str, Any]], dict[str, Any]]
+
+
+@dataclass
+class Structure:
+    """What the walk found: per leaf its program, plus the state entries every step moves."""
+
+    programs: list[list[Any]]
+    counters: list[int] = field(default_factory=list)  # flat indices of counts to advance
+    injections: list[_Injection] = field(default_factory=list)
+    clips: list[list[int]] = field(default_factory=list)  # leaves each clip measures
+    clip_bounds: list[Any] = field(default_factory=list)  # each clip's max_norm binding
+    opaque: list[str] = field(default_factory=list)  # why the whole step must stay pure
+    nodes: int = 0
+    matched: list[Any] | None = None  # per leaf: match(program), computed once
+
+
+class _Walk:
+    def __init__(self, params: Any, treespec: _core.TreeSpec, param_leaves: list[Any],
+                 state_leaves: list[Any]) -> None:
+        self.params = params
+        self.treespec = treespec
+        self.param_leaves = param_leaves
+        self.state_leaves = state_leaves
+        self.out = Structure(programs=[[] for _ in param_leaves])
+        self.placeholders: dict[int, Any] = {}  # id(placeholder tensor) -> _Hyper
+
+    def node(self) -> int:
+        self.out.nodes += 1
+        return self.out.nodes
+
+    def bind(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and id(value) in self.placeholders:
+            return self.placeholders[id(value)]
+        return _Const(value)
+
+    def per_leaf(self, index_tree: Any, what: str) -> list[int]:
+        try:
+            indices: list[int] = self.treespec.flatten_up_to(index_tree)  # type: ignore[assignment]
+            return indices
+        except (ValueError, TypeError):
+            raise _Mismatch(f"its state.{what} does not have the params' structure") from None
+
+    def walk(self, spec: Spec | None, idx: Any, sel: list[int], where: str) -> None:
+        if spec is None:
+            self.out.opaque.append(
+                f"{where}: a transform without a spec (one written by hand or wrapped), which "
+                f"only its own update can compute")
+        elif isinstance(spec, Sequence):
+            if spec.names is None:
+                children = list(idx)
+                labels = [str(i) for i in range(len(children))]
+            else:
+                children = [idx[name] for name in spec.names]
+                labels = list(spec.names)
+            if len(children) != len(spec.children):
+                raise _Mismatch(f"{where}: the state has {len(children)} entries for "
+                                f"{len(spec.children)} transforms")
+            for child, sub, label in zip(spec.children, children, labels, strict=True):
+                self.walk(child, sub, sel, f"{where}[{label}]" if where else f"[{label}]")
+        elif isinstance(spec, Select):
+            chosen = set(sel)
+            tree = self.params if len(sel) == len(self.param_leaves) else _core.unflatten(
+                self.treespec, [p if i in chosen else None
+                                for i, p in enumerate(self.param_leaves)])
+            groups = spec.select(tree, self.treespec, _core.flatten(tree)[0])
+            for key, child in spec.children.items():
+                mine = set(groups.get(key, ()))
+                self.walk(child, spec.state_of(idx, key), [i for i in sel if i in mine],
+                          f"{where}.{spec.name}[{key!r}]")
+        elif isinstance(spec, GlobalNormClip):
+            clip = _Clip(len(self.out.clips), self.bind(spec.max_norm))
+            self.out.clips.append(list(sel))
+            self.out.clip_bounds.append(clip.max_norm)
+            for i in sel:
+                self.out.programs[i].append(clip)
+        elif isinstance(spec, Injected):
+            self.injected(spec, idx, sel, where)
+        elif isinstance(spec, Leafwise):
+            self.leafwise(spec, idx, sel, where)
+        else:  # a Spec subclass of a later layer that this planner does not know
+            self.out.opaque.append(f"{where}: {type(spec).__name__} has no lowering")
+
+    def injected(self, spec: Injected, idx: Any, sel: list[int], where: str) -> None:
+        hyper_idx = {k: idx.hyperparams[k] for k in spec.names}
+        node = len(self.out.injections)
+        placeholders = {}
+        for k, i in hyper_idx.items():
+            current = self.state_leaves[i]
+            placeholders[k] = (current.detach().clone() if isinstance(current, torch.Tensor)
+                               else torch.tensor(current, dtype=torch.float64))
+            self.placeholders[id(placeholders[k])] = _Hyper(node, k)
+        inner = spec.build(placeholders)
+        self.out.injections.append(_Injection(
+            count=idx.count, hyper=hyper_idx,
+            constants=tuple(k for k in spec.names if k not in spec.schedules),
+            values_at=spec.values_at))
+        self.out.counters.append(idx.count)
+        self.walk(describe(inner), idx.inner_state, sel, f"{where}.inject_hyperparams")
+        del placeholders  # ids of freed placeholders must not match later tensors
+        self.placeholders = {k: v for k, v in self.placeholders.items() if v.node != node}
+
+    def leafwise(self, spec: Leafwise, idx: Any, sel: list[int], where: str) -> None:
+        kind, hyper = spec.kind, spec.hyper
+        node = self.node()
+        count = None
+        slots: dict[str, list[int]] = {}
+        args: dict[str, Any] = {}
+        if kind in ("identity", "set_to_zero"):
+            pass
+        elif kind == "scale":
+            args["step_size"] = self.bind(hyper["step_size"])
+        elif kind == "scale_by_schedule":
+            count = idx.count
+            args["step_size"] = _Scheduled(hyper["step_size_fn"], count)
+        elif kind in ("scale_by_learning_rate", "add_decayed_weights"):
+            # a number, a 0-d tensor (maybe injected) or a schedule of the rule's own count
+            name = "learning_rate" if kind == "scale_by_learning_rate" else "weight_decay"
+            value = hyper[name]
+            if callable(value) and not isinstance(value, torch.Tensor):
+                count = idx.count
+                args[name] = _Scheduled(value, count)
+            else:
+                args[name] = self.bind(value)
+            if kind == "scale_by_learning_rate":
+                args["flip_sign"] = _Const(hyper["flip_sign"])
+        elif kind == "scale_by_adam":
+            count = idx.count
+            args = {k: self.bind(hyper[k]) for k in ("b1", "b2", "eps", "eps_root")}
+            args["nesterov"] = _Const(hyper["nesterov"])
+            slots = {"mu": self.per_leaf(idx.mu, "mu"), "nu": self.per_leaf(idx.nu, "nu")}
+        elif kind == "trace":
+            args = {"decay": self.bind(hyper["decay"]), "nesterov": _Const(hyper["nesterov"])}
+            slots = {"trace": self.per_leaf(idx.trace, "trace")}
+        else:
+            # a rule the kernels do not cover: its state layout is its own
+            self.out.opaque.append(
+                f"{where}: {kind} has no fused kernel (compiled lowering is not built yet)")
+            return
+        if count is not None:
+            self.out.counters.append(count)
+        for i in sel:
+            self.out.programs[i].append(
+                _Op(kind, args, {k: v[i] for k, v in slots.items()}, node, count))
+
+
+class _Mismatch(Exception):
+    """The state does not have the layout the spec describes (a state of another
+    transform): the pure path then raises its own, precise error."""
+
+
+def walk(tx: GradientTransformation, params: Any, treespec: _core.TreeSpec,
+         param_leaves: list[Any], state_leaves: list[Any], state_spec: _core.TreeSpec,
+         ) -> Structure:
+    """The programs of ``tx`` on these params and this (flattened) state."""
+    index_tree = _core.unflatten(state_spec, list(range(len(state_leaves))))
+    w = _Walk(params, treespec, param_leaves, state_leaves)
+    try:
+        w.walk(describe(tx), index_tree, list(range(len(param_leaves))), "")
+    except (_Mismatch, AttributeError, KeyError, TypeError, IndexError) as error:
+        w.out.opaque.append(f"the state does not fit the transform's spec ({error})")
+    return w.out
+
+
+# --- matching programs to kernels ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class _KernelPlan:
+    """The kernel one leaf's program lowers to, with the bindings of its arguments."""
+
+    kernel: str  # "adamw", "sgd", "zero"
+    clip: _Clip | None
+    adam: _Op | None = None
+    decay: _Op | None = None
+    trace: _Op | None = None
+    lr: Any = None  # binding of the (positive) learning rate
+
+    def key(self) -> tuple[Any, ...]:
+        return (self.kernel, None if self.clip is None else self.clip.index,
+                None if self.adam is None else self.adam.node,
+                None if self.decay is None else self.decay.node,
+                None if self.trace is None else self.trace.node, id(self.lr))
+
+
+_LR_KINDS = ("scale_by_learning_rate", "scale", "scale_by_schedule")
+
+
+def _learning_rate(op: _Op) -> Any | None:
+    """The binding of the descent step size of an lr op, or None (an ascent, say)."""
+    if op.kind == "scale_by_learning_rate":
+        flip = op.args["flip_sign"].value
+        return op.args["learning_rate"] if flip else None
+    if op.kind in ("scale", "scale_by_schedule"):
+        step = op.args["step_size"]
+        if isinstance(step, _Const) and isinstance(step.value, (int, float)):
+            return _Const(-step.value) if step.value <= 0 else None
+        return _Negated(step)
+    return None
+
+
+def match(program: list[Any]) -> _KernelPlan | str:
+    """The kernel for one leaf's program, or the reason there is none."""
+    ops = [op for op in program if op.kind != "identity"]
+    clip = None
+    if ops and isinstance(ops[0], _Clip):
+        clip = ops.pop(0)
+    for i, op in enumerate(ops):
+        if isinstance(op, _Clip):
+            before = ops[i - 1].kind if i else "another clip"
+            return (f"clip_by_global_norm after {before} has no fused form (only a leading "
+                    f"clip folds into the kernel)")
+    kinds = tuple(op.kind for op in ops)
+    if not kinds:
+        return "no update rule (the updates would be the gradients themselves)"
+    if "set_to_zero" in kinds:
+        if kinds[-1] == "set_to_zero":
+            return _KernelPlan("zero", None)
+        return "set_to_zero followed by other rules"
+    if kinds[-1] not in _LR_KINDS:
+        return f"the program {' -> '.join(kinds)} does not end with a learning rate"
+    lr = _learning_rate(ops[-1])
+    if lr is None:
+        return f"{kinds[-1]} with a positive factor (ascent) has no fused kernel"
+    body, body_ops = kinds[:-1], ops[:-1]
+    if body and body[0] == "scale_by_adam" and body[1:] in ((), ("add_decayed_weights",)):
+        adam = body_ops[0]
+        if adam.args["nesterov"].value:
+            return "scale_by_adam(nesterov=True) (NAdam) has no fused kernel"
+        if _python(adam.args["eps_root"]) not in (None, 0):
+            return "scale_by_adam(eps_root > 0) has no fused kernel"
+        return _KernelPlan("adamw", clip, adam=adam,
+                           decay=body_ops[1] if len(body_ops) == 2 else None, lr=lr)
+    if body in ((), ("trace",), ("add_decayed_weights",), ("add_decayed_weights", "trace")):
+        decay = body_ops[0] if body and body[0] == "add_decayed_weights" else None
+        trace = body_ops[-1] if body and body[-1] == "trace" else None
+        return _KernelPlan("sgd", clip, decay=decay, trace=trace, lr=lr)
+    return f"the program {' -> '.join(kinds)} matches no fused kernel"
+
+
+# --- per step: layouts, groups, the kernel calls ------------------------------------------
+
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: the elements fill ``numel`` consecutive slots (in some
+    order of the dimensions), so an elementwise kernel may read the memory linearly."""
+    if t.is_contiguous():
+        return True
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape, strict=True) if n != 1)
+    expected = 1
+    for s, n in dims:
+        if s != expected:
+            return False
+        expected *= n
+    return True
+
+
+def overlapping(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` share memory (an expanded tensor, say)."""
+    if t.numel() <= 1 or _dense(t):
+        return False
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape, strict=True) if n != 1)
+    reach = 0  # the largest offset reachable with the dimensions so far
+    for s, n in dims:
+        if s <= reach:
+            return True
+        reach += s * (n - 1)
+    return False
+
+
+@dataclass
+class Group:
+    """Leaves that take one kernel call."""
+
+    plan: _KernelPlan  # the first leaf's (the kernel and its bindings are the group's)
+    device: torch.device
+    dtype: torch.dtype
+    leaves: list[int]
+    plans: list[_KernelPlan]  # per leaf: its own state entries
+
+    def slots(self, op: str, slot: str) -> list[int]:
+        """The flat state indices of ``slot`` of the rule ``op`` ("adam", "trace")."""
+        return [getattr(plan, op).slots[slot] for plan in self.plans]
+
+
+@dataclass
+class Lowered:
+    """A step lowered for these leaves: the groups, or why it stays pure."""
+
+    structure: Structure
+    state_spec: _core.TreeSpec
+    groups: list[Group]
+    reason: str | None  # None: every leaf with a gradient is in a group
+
+    @property
+    def fast(self) -> bool:
+        return self.reason is None
+
+
+def lower(structure: Structure, state_spec: _core.TreeSpec, values: list[Any],
+          grads: list[Any], state_leaves: list[Any], name: Callable[[int], str]) -> Lowered:
+    """Group the leaves with a gradient by kernel, or say why this step stays pure."""
+    if structure.opaque:
+        return Lowered(structure, state_spec, [], structure.opaque[0])
+    groups: dict[tuple[Any, ...], Group] = {}
+    if structure.matched is None:
+        structure.matched = [match(program) for program in structure.programs]
+    for i, (v, g) in enumerate(zip(values, grads, strict=True)):
+        if v is None or g is None:
+            continue
+        plan = structure.matched[i]
+        if isinstance(plan, str):
+            return Lowered(structure, state_spec, [], f"leaf {name(i)!r}: {plan}")
+        problem = _layout_problem(plan, v, state_leaves, i, structure)
+        if problem is not None:
+            return Lowered(structure, state_spec, [], f"leaf {name(i)!r}: {problem}")
+        key = (v.device, v.dtype, *plan.key())
+        if key not in groups:
+            groups[key] = Group(plan, v.device, v.dtype, [], [])
+        groups[key].leaves.append(i)
+        groups[key].plans.append(plan)
+    return Lowered(structure, state_spec, list(groups.values()), None)
+
+
+def _layout_problem(plan: _KernelPlan, v: Any, state_leaves: list[Any], i: int,
+                    structure: Structure) -> str | None:
+    if plan.kernel == "zero":
+        return None
+    local = local_tensor(v)
+    if local.dtype not in _KERNEL_DTYPES:
+        return f"{local.dtype} has no fused kernel"
+    if plan.kernel == "sgd" and local.device.type == "cpu" and local.dtype not in (
+            _SGD_CPU_DTYPES):
+        return (f"torch._fused_sgd_ is wrong for {local.dtype} on the CPU in this torch "
+                f"(pytorch/pytorch#191763)")
+    if not _dense(local):
+        return f"its layout (strides {local.stride()}) is not dense"
+    ops = [op for op in (plan.adam, plan.trace) if op is not None]
+    for op in ops:
+        for slot, k in op.slots.items():
+            s = state_leaves[k]
+            if not isinstance(s, torch.Tensor):
+                return f"its {op.kind} state.{slot} is {_core._describe(s)}"
+            ls = local_tensor(s)
+            if ls.dtype != local.dtype or ls.shape != local.shape:
+                return (f"its {op.kind} state.{slot} is {_core._describe(ls)} for a "
+                        f"{_core._describe(local)} (the kernels need one dtype per leaf)")
+            if ls.stride() != local.stride() and local.numel() > 1:
+                return (f"its {op.kind} state.{slot} has strides {ls.stride()}, the param "
+                        f"{local.stride()}")
+    if plan.trace is not None and _python(plan.trace.args["decay"]) == 0:
+        return ("trace(decay=0) keeps a trace equal to the gradient, which "
+                "torch._fused_sgd_ does not write without momentum")
+    return None
+
+
+def _python(binding: Any) -> Any:
+    return binding.value if isinstance(binding, _Const) else None
+
+
+def _number(value: Any) -> float:
+    """A hyperparameter as the Python float the kernels take (a host read for a tensor)."""
+    if isinstance(value, torch.Tensor):
+        return float(value.item())
+    return float(value)
+
+
+@dataclass
+class Result:
+    values: list[Any]
+    state: Any
+
+
+def clip_sums(structure: Structure, grads: list[Any], name: Callable[[int], str],
+              device: torch.device) -> list[torch.Tensor]:
+    """Per clip, this rank's sum of squares (float64) of the gradients it measures: one
+    ``foreach`` norm per (device, dtype) group of leaves."""
+    if not structure.clips:
+        return []
+    counted = [g is not None and _counted_here(g, functools.partial(name, i))
+               for i, g in enumerate(grads)]
+    sq = leaf_squares([None if g is None else local_tensor(g) for g in grads], counted, None)
+    out = []
+    for leaves in structure.clips:
+        parts = [sq[i] for i in leaves if sq[i] is not None]
+        out.append(torch.stack(parts).sum().to(device) if parts else torch.zeros(
+            (), dtype=torch.float64, device=device))
+    return out
+
+
+def leaf_squares(tensors: list[Any], counted: list[bool],
+                 multiplier: torch.Tensor | None) -> list[Any]:
+    """Each counted tensor's squared L2 norm (times ``multiplier``, applied to the norm in
+    its accumulation precision) as a 0-d float64 tensor, None elsewhere; accumulated like
+    ``tree._ops._sum_of_squares`` (float32, float64 for float64 tensors)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, (t, c) in enumerate(zip(tensors, counted, strict=True)):
+        if c and t is not None:
+            groups.setdefault((t.device, t.dtype), []).append(i)
+    out: list[Any] = [None] * len(tensors)
+    for (where, dtype), idx in groups.items():
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        norms = torch.stack(torch._foreach_norm([tensors[i] for i in idx], 2,
+                                                dtype=None if dtype == acc else acc))
+        if multiplier is not None:
+            norms = norms * multiplier.to(device=where, dtype=acc)
+        squares = norms.to(torch.float64) ** 2
+        for j, i in enumerate(idx):
+            out[i] = squares[j]
+    return out
+
+
+def _clip_multiplier(sumsq: torch.Tensor, max_norm: Any, acc: torch.dtype) -> torch.Tensor:
+    """clip_by_global_norm's factor from a (global) sum of squares, in the norm's dtype."""
+    norm = torch.sqrt(sumsq).to(acc)
+    bound = torch.as_tensor(max_norm, dtype=acc, device=norm.device)
+    factor = torch.where(norm < bound, torch.ones_like(norm),
+                         bound / torch.clamp(norm, min=bound))
+    return torch.where(torch.isfinite(norm), factor, torch.nan)
+
+
+def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: list[Any], *,
+        donate: bool, donate_grads: bool = False, multiplier: torch.Tensor | None = None,
+        found_inf: torch.Tensor | None = None, sums: list[torch.Tensor] | None = None,
+        ) -> Result | str:
+    """One step on the kernels. ``multiplier`` (a 0-d float64 tensor) multiplies the
+    gradients before the chain (a mixed step's unscale and clip); ``sums`` are the
+    clips' global sums of squares of the multiplied gradients; ``found_inf`` skips the step.
+
+    Returns the reason instead when a hyperparameter read at run time has no fused form
+    (an injected ``eps_root`` that is not 0, say), before any tensor was written: the
+    caller takes the pure path.
+    """
+    structure = lowered.structure
+    env = _Env(state_leaves, [])
+    for inj in structure.injections:
+        constants = {k: state_leaves[inj.hyper[k]] for k in inj.constants}
+        env.hyper.append(inj.values_at(state_leaves[inj.count], constants))
+    new_values = list(values)
+    new_leaves = list(state_leaves)
+    accs = {torch.float64 if v is not None and v.dtype == torch.float64 else torch.float32
+            for v in values}
+    acc = torch.float64 if torch.float64 in accs else torch.float32
+    if structure.clips and (sums is None or len(sums) != len(structure.clips)):
+        raise ValueError("the planner's run needs one sum of squares per clip")
+    clip_factors = [_clip_multiplier(s, bound(env), acc)
+                    for s, bound in zip(sums or [], structure.clip_bounds, strict=True)]
+    # every value read at run time first, so that a refusal comes before any write
+    resolved = []
+    for group in lowered.groups:
+        if group.plan.kernel == "zero":
+            continue
+        hp = _hyperparameters(group.plan, env)
+        if isinstance(hp, str):
+            return hp
+        resolved.append((group, hp))
+    for group, hp in resolved:
+        plan = group.plan
+        scale = multiplier
+        if plan.clip is not None:
+            factor = clip_factors[plan.clip.index]
+            scale = factor.to(torch.float64) if scale is None else scale * factor.to(
+                torch.float64)
+        _run_group(group, hp, values, grads, state_leaves, new_values, new_leaves,
+                   donate=donate, donate_grads=donate_grads, scale=scale, found_inf=found_inf)
+    for c in dict.fromkeys(structure.counters):
+        new_leaves[c] = _common.advance(state_leaves[c], found_inf)
+    for inj, hyper in zip(structure.injections, env.hyper, strict=True):
+        for k, i in inj.hyper.items():
+            new_leaves[i] = hyper[k]
+    return Result(new_values, _core.unflatten(lowered.state_spec, new_leaves))
+
+
+def _owned(xs: list[Any], donate: bool) -> list[torch.Tensor]:
+    return [local_tensor(x) if donate else local_tensor(x).clone() for x in xs]
+
+
+def _kernel_grads(grads: list[Any], values: list[torch.Tensor], owned: bool,
+                  needs_write: bool) -> list[torch.Tensor]:
+    """The gradients a kernel call reads: in their values' layout (a copy otherwise), and
+    copies the kernel may write when it unscales in place and the caller keeps them."""
+    out = []
+    for g, v in zip(grads, values, strict=True):
+        local = local_tensor(g)
+        if local.stride() != v.stride() and local.numel() > 1:
+            local = torch.empty_like(v).copy_(local)
+        elif needs_write and not owned:
+            local = local.clone()
+        out.append(local)
+    return out
+
+
+def _hyperparameters(plan: _KernelPlan, env: _Env) -> dict[str, Any] | str:
+    """The kernel's arguments at this step (Python floats, the lr possibly a 0-d tensor), or
+    the reason a value read now has no fused form."""
+    hp: dict[str, Any] = {"lr": plan.lr(env), "weight_decay": 0.0 if plan.decay is None
+                          else _number(plan.decay.args["weight_decay"](env))}
+    if plan.kernel == "adamw":
+        adam = plan.adam
+        assert adam is not None
+        if _number(adam.args["eps_root"](env)) != 0.0:
+            return "an injected eps_root other than 0 has no fused kernel"
+        hp.update(beta1=_number(adam.args["b1"](env)), beta2=_number(adam.args["b2"](env)),
+                  eps=_number(adam.args["eps"](env)))
+    else:
+        trace = plan.trace
+        hp["momentum"] = 0.0 if trace is None else _number(trace.args["decay"](env))
+        hp["nesterov"] = False if trace is None else bool(trace.args["nesterov"].value)
+        if trace is not None and hp["momentum"] == 0.0:
+            return ("trace(decay=0) (here an injected momentum of 0) keeps a trace equal to "
+                    "the gradient, which torch._fused_sgd_ does not write without momentum")
+    return hp
+
+
+def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[Any],
+               state_leaves: list[Any], new_values: list[Any], new_leaves: list[Any], *,
+               donate: bool, donate_grads: bool, scale: torch.Tensor | None,
+               found_inf: torch.Tensor | None) -> None:
+    """One kernel call for the leaves of ``group``."""
+    plan, idx, device, dtype = group.plan, group.leaves, group.device, group.dtype
+    p = _owned([values[i] for i in idx], donate)
+    grad_scale = None
+    if scale is not None:
+        divisor = scale.reciprocal()
+        grad_scale = divisor.to(device=device, dtype=torch.float32)
+    g = _kernel_grads([grads[i] for i in idx], p, donate_grads, scale is not None)
+    if scale is not None and dtype == torch.float64:
+        # the kernels take grad_scale in float32: a float64 group is unscaled here
+        torch._foreach_mul_(g, scale.to(device=device, dtype=torch.float64))
+        grad_scale = None
+    flag = None if found_inf is None else found_inf.to(device=device, dtype=torch.float32)
+    lr_value = hp["lr"]
+    lr: Any = (lr_value.to(device=device, dtype=torch.promote_types(dtype, torch.float32))
+               if isinstance(lr_value, torch.Tensor) else float(lr_value))
+    wd = hp["weight_decay"]
+    written: list[tuple[list[int], list[torch.Tensor]]] = []
+    if plan.kernel == "adamw":
+        adam = plan.adam
+        assert adam is not None
+        m = _owned([state_leaves[k] for k in group.slots("adam", "mu")], donate)
+        n = _owned([state_leaves[k] for k in group.slots("adam", "nu")], donate)
+        assert adam.count is not None
+        step = _common.safe_increment(state_leaves[adam.count]).to(device=device,
+                                                                     dtype=torch.float32)
+        torch._fused_adamw_(
+            p, g, m, n, [], [step] * len(idx), lr=lr, beta1=hp["beta1"], beta2=hp["beta2"],
+            weight_decay=wd, eps=hp["eps"], amsgrad=False,
+            maximize=False, grad_scale=grad_scale, found_inf=flag)
+        written = [(group.slots("adam", "mu"), m), (group.slots("adam", "nu"), n)]
+    else:  # sgd
+        trace = plan.trace
+        bufs = [] if trace is None else _owned(
+            [state_leaves[k] for k in group.slots("trace", "trace")], donate)
+        momentum, nesterov = hp["momentum"], hp["nesterov"]
+        # A zero momentum buffer makes the first step's ``momentum * 0 + g`` exactly the
+        # ``buf = g`` of is_first_step, so the chain's zero-initialised trace fits.
+        torch._fused_sgd_(p, g, bufs, weight_decay=wd, momentum=momentum, lr=lr,
+                          dampening=0.0, nesterov=nesterov, maximize=False,
+                          is_first_step=False, grad_scale=grad_scale, found_inf=flag)
+        if trace is not None:
+            written = [(group.slots("trace", "trace"), bufs)]
+    if not donate:  # donated leaves were written in place: the lists hold them
+        for j, i in enumerate(idx):
+            new_values[i] = _rewrap_like(values[i], p[j])
+        for indices, tensors in written:
+            for k, t in zip(indices, tensors, strict=True):
+                new_leaves[k] = _rewrap_like(state_leaves[k], t)
+
+
+class Planner:
+    """The structures of one transform, cached per (params structure and shapes, state
+    structure): what a step function keeps between calls. It holds no tensor and nothing
+    that changes a result (a plan is a function of the structures), so step functions can
+    be shared between threads and states."""
+
+    _SIZE = 8
+
+    def __init__(self, tx: GradientTransformation) -> None:
+        self.tx = tx
+        self._cache: dict[Any, Structure] = {}
+
+    def structure(self, params: Any, treespec: _core.TreeSpec, param_leaves: list[Any],
+                  state_leaves: list[Any], state_spec: _core.TreeSpec) -> Structure:
+        key = (treespec, state_spec,
+               tuple(None if p is None else tuple(p.shape) for p in param_leaves))
+        found = self._cache.get(key)
+        if found is None:
+            found = walk(self.tx, params, treespec, param_leaves, state_leaves, state_spec)
+            if len(self._cache) >= self._SIZE:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[key] = found
+        return found
+
+
+class FastPathWarning(UserWarning):
+    """A step that was asked to be fast runs on the pure path (correct, slower); the message
+    names the transform or leaf and the reason. ``functopt.fast.explain`` tells the same
+    before training starts.
+
+    Examples:
+        >>> import warnings, torch, functopt
+        >>> step = functopt.fast.make_step(functopt.lion(1e-4))
+        >>> params = {"w": torch.zeros(2)}
+        >>> state = functopt.lion(1e-4).init(params)
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     _ = step({"w": torch.ones(2)}, state, params)
+        >>> caught[0].category.__name__, "scale_by_lion has no fused kernel" in str(caught[0].message)
+        ('FastPathWarning', True)
+    """
+
+
+def warn_lost(owner: str, reason: str, stacklevel: int) -> None:
+    """Warn that this step lost its fast path (Python shows each message once per place)."""
+    warnings.warn(
+        f"{owner}: the fast path is lost, this step runs on the pure per-leaf path (correct, "
+        f"several times slower): {reason}. See functopt.fast.explain(tx, params).",
+        FastPathWarning, stacklevel=stacklevel + 1)
+
+
+def check_donation(values: list[Any], name: Callable[[int], str]) -> None:
+    """Donated leaves are written in place: each must own its memory (views of one buffer
+    are fine as long as they do not overlap)."""
+    spans: list[tuple[int, int, int, int]] = []  # (storage, first byte, end byte, leaf)
+    for i, v in enumerate(values):
+        if v is None:
+            continue
+        local = local_tensor(v)
+        if overlapping(local):
+            raise ValueError(
+                f"{name(i)!r}: the param has strides {local.stride()} for shape "
+                f"{tuple(local.shape)}, so several of its elements share memory (an expanded "
+                f"tensor), and a donated step would write them several times. Fix: optimize "
+                f"a tensor that owns its memory (x.clone() or x.contiguous()), as "
+                f"torch.optim requires.")
+        if local.numel() == 0:
+            continue
+        first = local.storage_offset() * local.element_size()
+        extent = 1 + sum((n - 1) * st for n, st in zip(local.shape, local.stride(), strict=True))
+        spans.append((local.untyped_storage().data_ptr(), int(first),
+                      int(first + extent * local.element_size()), i))
+    spans.sort()
+    for a, b in itertools.pairwise(spans):
+        if a[0] == b[0] and b[1] < a[2]:
+            raise ValueError(
+                f"{name(a[3])!r} and {name(b[3])!r}: the params share memory (tied weights, "
+                f"or overlapping views of one tensor), so a donated step would update that "
+                f"memory once per leaf. Fix: pass each shared tensor once (drop the tied copy "
+                f"from the params tree), or step without donate.")

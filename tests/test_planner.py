@@ -1,0 +1,236 @@
+"""The step planner (functopt/fast/_planner.py): layouts, aliases, composed chains at random.
+
+The pure path (``tx.update`` then ``apply_updates``) is the law: every planned step must
+equal it, to a relative 1e-12 in float64 (the kernels order the arithmetic differently),
+for every layout a training loop hands over (channels_last, transposed, gradients laid out
+unlike their params, 0-d and empty leaves), and a donated step must refuse memory it
+cannot write once per element (expanded params, tied weights).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import functopt
+from functopt.fast import FastPathWarning, explain, make_step
+from functopt.tree import _core
+
+REL = 1e-12
+
+
+def _pure(tx: Any, grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
+    updates, state = tx.update(grads, state, params)
+    return functopt.apply_updates(params, updates), state
+
+
+def _clone(tree: Any) -> Any:
+    leaves, spec = _core.flatten(tree)
+    return _core.unflatten(spec, [x.clone() if isinstance(x, torch.Tensor) else x
+                                  for x in leaves])
+
+
+def _assert_close(actual: Any, expected: Any, what: str) -> None:
+    a_leaves, a_spec = _core.flatten(actual)
+    e_leaves, e_spec = _core.flatten(expected)
+    assert a_spec == e_spec, what
+    for path, a, e in zip(_core.paths(e_spec), a_leaves, e_leaves, strict=True):
+        if not isinstance(e, torch.Tensor):
+            assert a == e, (what, path)
+            continue
+        assert a.dtype == e.dtype and a.shape == e.shape, (what, path)
+        if e.numel() == 0 or not e.is_floating_point():
+            assert torch.equal(a, e), (what, path)
+            continue
+        scale = e.double().abs().max().item()
+        diff = (a.double() - e.double()).abs().max().item()
+        assert diff <= REL * max(scale, 1e-300), (what, path, diff, scale)
+
+
+def _layouts() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, dtype=torch.float64)
+
+    return {
+        "conv": r(4, 3, 3, 5).to(memory_format=torch.channels_last),
+        "t": r(6, 4).t(),  # transposed: dense, not contiguous
+        "w": r(5, 7),
+        "b": r(7),
+        "s": r(),
+        "e": r(0, 3),
+    }
+
+
+COMPOSED = {
+    "clip_adamw": lambda: functopt.chain(functopt.clip_by_global_norm(0.3),
+                                         functopt.adamw(1e-2, weight_decay=0.1)),
+    "masked_adamw": lambda: functopt.adamw(1e-2, weight_decay=0.1,
+                                           mask=lambda p: {k: v.dim() > 1 for k, v in p.items()}),
+    "sgd_momentum": lambda: functopt.sgd(0.1, momentum=0.9, nesterov=True),
+}
+
+
+@pytest.mark.parametrize("grad_layout", ["like_params", "contiguous"])
+@pytest.mark.parametrize("donate", [False, True], ids=["copy", "donate"])
+@pytest.mark.parametrize("chain", list(COMPOSED))
+def test_layouts_equal_the_pure_path(chain: str, donate: bool, grad_layout: str) -> None:
+    """channels_last, transposed, 0-d and empty params, with gradients laid out like the
+    params or contiguous (as a hand-made gradient is): the kernels read memory linearly, so
+    the planner must hand them one layout per leaf."""
+    tx = COMPOSED[chain]()
+    params = _layouts()
+    state = tx.init(params)
+    assert explain(tx, params, state).fast
+    ref_params, ref_state = _clone(params), _clone(state)
+    step = make_step(tx, donate=donate)
+    for i in range(4):
+        grads = {k: torch.randn(v.shape, dtype=v.dtype) * 3 for k, v in params.items()}
+        if grad_layout == "like_params":
+            grads = {k: torch.empty_like(params[k]).copy_(g) for k, g in grads.items()}
+        ref_params, ref_state = _pure(tx, grads, ref_state, ref_params)
+        with torch.no_grad():
+            params, state = step(_clone(grads), state, params)
+        _assert_close(params, ref_params, f"step {i} params")
+        _assert_close(state, ref_state, f"step {i} state")
+    assert params["conv"].is_contiguous(memory_format=torch.channels_last)
+
+
+def test_donated_tied_weights_raise_and_undonated_ones_step_like_pure() -> None:
+    shared = torch.randn(3, 4, dtype=torch.float64)
+    params = {"embed": shared, "head": shared}
+    tx = functopt.adamw(1e-2)
+    state = tx.init(params)
+    grads = {"embed": torch.ones(3, 4, dtype=torch.float64),
+             "head": torch.full((3, 4), 2.0, dtype=torch.float64)}
+    with torch.no_grad(), pytest.raises(ValueError, match=r"'embed' and 'head': the params "
+                                                          r"share memory \(tied weights"):
+        make_step(tx, donate=True)(grads, state, params)
+    assert torch.equal(params["embed"], shared)  # nothing was written before the error
+    got = make_step(tx)(grads, state, params)
+    _assert_close(got, _pure(tx, grads, state, params), "undonated tied weights")
+    # disjoint views of one buffer own their memory: donation is fine
+    flat = torch.randn(12, dtype=torch.float64)
+    views = {"a": flat[:5], "b": flat[5:]}
+    ref = _pure(tx, {"a": torch.ones(5, dtype=torch.float64),
+                     "b": torch.ones(7, dtype=torch.float64)}, tx.init(views), _clone(views))
+    with torch.no_grad():
+        new, _ = make_step(tx, donate=True)({"a": torch.ones(5, dtype=torch.float64),
+                                             "b": torch.ones(7, dtype=torch.float64)},
+                                            tx.init(views), views)
+    assert new["a"].data_ptr() == flat.data_ptr()
+    _assert_close(new, ref[0], "disjoint views")
+
+
+@pytest.mark.parametrize("tx", [functopt.adamw(1e-2), functopt.lion(1e-3)],
+                         ids=["planned", "pure"])
+def test_donated_expanded_params_raise_instead_of_corrupting_memory(tx: Any) -> None:
+    params = {"w": torch.ones(3).expand(4, 3)}
+    state = tx.init({"w": torch.ones(4, 3)})
+    with torch.no_grad(), pytest.raises(ValueError, match=r"'w': the param has strides "
+                                                          r"\(0, 1\).*expanded"):
+        make_step(tx, donate=True)({"w": torch.ones(4, 3)}, state, params)
+
+
+def test_two_threads_step_independent_states() -> None:
+    """A step function holds no mutable state: two threads share one on their own states."""
+    tx = functopt.chain(functopt.clip_by_global_norm(1.0), functopt.adamw(1e-2))
+    step = make_step(tx, donate=True)
+    results: dict[int, Any] = {}
+
+    def train(seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        params = {"w": torch.randn(64, 33, generator=gen, dtype=torch.float64)}
+        state = tx.init(params)
+        ref_p, ref_s = _clone(params), _clone(state)
+        for _ in range(20):
+            g = {"w": torch.randn(64, 33, generator=gen, dtype=torch.float64)}
+            ref_p, ref_s = _pure(tx, g, ref_s, ref_p)
+            with torch.no_grad():
+                params, state = step(g, state, params)
+        results[seed] = (params, ref_p)
+
+    threads = [threading.Thread(target=train, args=(s,)) for s in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for got, want in results.values():
+        _assert_close(got, want, "thread")
+
+
+# --------------------------------------------------------- composed chains at random
+
+def _rule(kind: str, lr: float) -> functopt.GradientTransformation:
+    return {
+        "adamw": lambda: functopt.adamw(lr, weight_decay=0.05),
+        "adam": lambda: functopt.adam(lr),
+        "sgd": lambda: functopt.sgd(lr, momentum=0.8),
+        "sgd_plain": lambda: functopt.sgd(lr),
+        "adam_chain": lambda: functopt.chain(
+            functopt.scale_by_adam(b1=0.8), functopt.add_decayed_weights(0.01),
+            functopt.scale_by_learning_rate(functopt.schedules.exponential_decay(lr, 3, 0.5))),
+    }[kind]()
+
+
+@st.composite
+def _composed(draw: Any) -> tuple[Any, dict[str, bool]]:
+    """A chain as users compose them: a rule, maybe clipped (all leaves or a mask), maybe
+    masked decay, maybe partitioned with another rule, maybe injected."""
+    names = ("w", "b", "s", "m")
+    mask = {k: draw(st.booleans()) for k in names}
+    lr = draw(st.sampled_from([1e-3, 3e-2]))
+    kind = draw(st.sampled_from(["adamw", "adam", "sgd", "sgd_plain", "adam_chain"]))
+    how = draw(st.sampled_from(["plain", "partition", "injected", "masked_decay"]))
+    if how == "partition":
+        other = draw(st.sampled_from(["adamw", "sgd", "frozen"]))
+        rule = functopt.partition(
+            {"x": _rule(kind, lr),
+             "y": functopt.set_to_zero() if other == "frozen" else _rule(other, lr)},
+            {k: "x" if mask[k] else "y" for k in names})
+    elif how == "injected":
+        rule = functopt.inject_hyperparams(functopt.adamw, static_args="mask")(
+            learning_rate=lr, weight_decay=0.1, mask=mask)
+    elif how == "masked_decay":
+        rule = functopt.chain(functopt.masked(functopt.add_decayed_weights(0.1), mask),
+                              _rule("sgd", lr))
+    else:
+        rule = _rule(kind, lr)
+    clip = draw(st.sampled_from(["none", "all", "masked"]))
+    if clip == "all":
+        rule = functopt.chain(functopt.clip_by_global_norm(0.5), rule)
+    elif clip == "masked":
+        rule = functopt.chain(functopt.masked(functopt.clip_by_global_norm(0.2), mask), rule)
+    return rule, mask
+
+
+@given(data=st.data(), composed=_composed(), donate=st.booleans())
+def test_property_composed_chains_equal_the_pure_path(data: Any, composed: Any,
+                                                      donate: bool) -> None:
+    tx, _ = composed
+    shapes = {"w": (6, 5), "b": (5,), "s": (), "m": (0,)}
+    seed = data.draw(st.integers(0, 2**16))
+    gen = torch.Generator().manual_seed(seed)
+    params = {k: torch.randn(s, generator=gen, dtype=torch.float64) for k, s in shapes.items()}
+    state = tx.init(params)
+    assert explain(tx, params, state).fast, explain(tx, params, state).reason
+    ref_params, ref_state = _clone(params), _clone(state)
+    step = make_step(tx, donate=donate)
+    for i in range(3):
+        grads: dict[str, Any] = {k: torch.randn(s, generator=gen, dtype=torch.float64) * 4
+                                 for k, s in shapes.items()}
+        if data.draw(st.booleans()):
+            grads["b"] = None  # a param without gradient this step
+        ref_params, ref_state = _pure(tx, grads, ref_state, ref_params)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error", FastPathWarning)  # must stay on the kernels
+            params, state = step(_clone(grads), state, params)
+        _assert_close(params, ref_params, f"step {i} params")
+        _assert_close(state, ref_state, f"step {i} state")
