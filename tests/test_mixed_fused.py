@@ -13,6 +13,7 @@ loss scale, skipped steps, zero counts) are exact and agree bitwise, and so does
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -52,9 +53,18 @@ INNERS: dict[str, Callable[[], functopt.GradientTransformation]] = {
     "adam": lambda: functopt.adam(1e-2),
     "adam_schedule": lambda: functopt.adam(_schedule()),
     "sgd_momentum": lambda: functopt.sgd(0.1, momentum=0.9),
-    # the recipe's kernel, rebuilt from the injected hyperparameters at every step
+    # hyperparameters read from the state at every step
     "injected_adamw": lambda: functopt.inject_hyperparams(functopt.adamw)(
         learning_rate=1e-2, weight_decay=0.1),
+    # composed chains, lowered by the planner: the inner clip's norm is packed beside the
+    # step's statistics (one reduction), after the step's own clip when there is one
+    "clip_adamw": lambda: functopt.chain(functopt.clip_by_global_norm(0.05),
+                                         functopt.adamw(1e-2, weight_decay=0.1)),
+    "masked_adamw": lambda: functopt.adamw(1e-2, weight_decay=0.1,
+                                           mask={"a": True, "b": False, "f": True}),
+    "partition": lambda: functopt.partition(
+        {"x": functopt.adamw(1e-2, weight_decay=0.1), "y": functopt.sgd(0.1, momentum=0.9)},
+        {"a": "x", "b": "y", "f": "x"}),
 }
 
 
@@ -156,7 +166,7 @@ def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         out = real(*args, **kwargs)
-        calls.append(out is not None)
+        calls.append(not isinstance(out, str))  # a str: the planner's reason to decline
         return out
 
     monkeypatch.setattr(step_module, "fused_mixed_step", spy)
@@ -322,3 +332,34 @@ def test_no_kernel_takes_the_pure_path_bitwise(case: str, donate: bool) -> None:
         p_params, p_state = pure.step(grads, p_state, p_params)
         _assert_bitwise((f_params, f_state), (p_params, p_state), f"step {i}")
     assert int(f_state.metrics.skipped_steps) == 1
+
+
+def test_two_threads_share_a_donating_step_function() -> None:
+    """The donating step reuses its gradient casts between steps; two threads stepping
+    their own states through one step function must not share them (each result equals
+    its own pure run)."""
+    common = dict(loss_scale=dynamic_loss_scale(init_scale=2.0 ** 10), max_grad_norm=1.0)
+    fused = mixed_precision(functopt.adamw(1e-2), fused=True, donate=True, **common)
+    pure = mixed_precision(functopt.adamw(1e-2), fused=False, **common)
+    out: dict[int, Any] = {}
+
+    def train(seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        params = {"w": torch.randn(257, 31, generator=gen).to(torch.bfloat16)}
+        f_params, f_state = _clone(params), fused.init(params)
+        p_params, p_state = _clone(params), pure.init(params)
+        for _ in range(15):
+            g = {"w": (torch.randn(257, 31, generator=gen) * 2.0 ** 10).to(torch.bfloat16)}
+            with torch.no_grad():
+                f_params, f_state = fused.step(_clone(g), f_state, f_params)
+            p_params, p_state = pure.step(g, p_state, p_params)
+        out[seed] = (f_state.master, p_state.master)
+
+    threads = [threading.Thread(target=train, args=(seed,)) for seed in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(out) == [1, 2]
+    for got, want in out.values():
+        _assert_close(got, want, "thread")

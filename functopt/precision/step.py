@@ -51,6 +51,7 @@ Nothing is read back to the host: the overflow decision is a tensor.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -267,8 +268,9 @@ def mixed_precision(
             not read the old values afterwards. Gradients are never written, and the
             pure path never writes into its inputs. The fused path then also keeps its
             float32 gradient casts between steps, in buffers reused by the next step
-            (4 bytes per low-precision param, as the idiom's float32 main grads): a
-            donating step function is for one training loop at a time.
+            (4 bytes per low-precision param, as the idiom's float32 main grads), one
+            set per thread: threads may share the step function, each with its own
+            state.
         fused: lower ``inner`` to fused kernels when the step planner can (Adam/AdamW/SGD
             rules however composed: chains, masks, partitions, injected
             hyperparameters, a leading ``clip_by_global_norm``; see
@@ -344,7 +346,15 @@ def mixed_precision(
 
     # With donation the fused path casts the gradients into the buffers of the previous
     # step (4 bytes per low-precision param, as the PyTorch idiom's float32 main grads).
-    workspace: list[Any] = []
+    # Kept per thread: two threads stepping two states with one step function must not
+    # cast into the same buffers (they are scratch, overwritten at every step).
+    workspace = threading.local()
+
+    def buffers_here() -> list[Any]:
+        if not hasattr(workspace, "buffers"):
+            workspace.buffers = []
+        found: list[Any] = workspace.buffers
+        return found
 
     def init_fn(params: Params) -> MixedPrecisionState:
         leaves, treespec = _core.flatten(params)
@@ -391,7 +401,7 @@ def mixed_precision(
                     state.loss_scale, treespec=treespec, scale_rule=scale_rule,
                     scaled=loss_scale is not None, max_grad_norm=max_grad_norm, group=group,
                     name=name, count_zeros=count_zeros, donate=donate,
-                    workspace=workspace if donate else None,
+                    workspace=buffers_here() if donate else None,
                 )
             if isinstance(lowered, str):
                 _planner.warn_lost(owner, lowered, stacklevel=2)
@@ -467,7 +477,7 @@ def mixed_precision(
         return _core.unflatten(treespec, new_params), new_state
 
     def buffers() -> list[torch.Tensor]:
-        return [t for t in workspace if t is not None]
+        return [t for t in buffers_here() if t is not None]
 
     return MixedPrecisionTransformation(init_fn, step_fn, buffers)
 
