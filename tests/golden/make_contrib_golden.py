@@ -9,6 +9,8 @@ pin)::
 Every configuration runs 20 steps on a small float64 tree (a non-square 2-D leaf ``w``, a
 3-D leaf ``k`` for Muon's dimension numbers, a 1-D ``b`` and a 0-d ``s``) with a fixed
 gradient sequence (stored in the file, so the test needs no random generator of numpy's).
+Schedules take dyadic values (exact in float32): optax's schedules return float32 even
+with x64 enabled, so other values would carry float32 rounding into the float64 reference.
 The file stores each step's updates (and, for schedule-free, the evaluation params); the
 test applies them in float64 exactly as here (``p + u``).
 """
@@ -76,7 +78,7 @@ CONFIGS = {
     "scale_by_muon_lr": (["w"], "scale_by_muon", {
         "beta": 0.9, "ns_steps": 4, "weight_dimension_numbers": {"w": "DN(0, 1)"}}),
     "schedule_free_adamw": (["w", "b", "s"], "schedule_free_adamw", {
-        "learning_rate": 0.1, "warmup_steps": 5, "weight_decay": 0.01}),
+        "learning_rate": 0.125, "warmup_steps": 4, "weight_decay": 0.01}),
     "schedule_free_adamw_default": (["w", "b", "s"], "schedule_free_adamw", {}),
     "schedule_free_sgd": (["w", "b", "s"], "schedule_free_sgd", {
         "learning_rate": 0.1, "b1": 0.8, "weight_decay": 0.01, "weight_lr_power": 1.0}),
@@ -91,10 +93,10 @@ CONFIGS = {
     "ademamix_default": (["w", "b", "s"], "ademamix", {"learning_rate": 0.01}),
     "ademamix_schedules": (["w", "b", "s"], "ademamix", {
         "learning_rate": 0.01, "b1": 0.8, "b2": 0.99, "eps_root": 1e-8,
-        "b3": {"schedule": "linear_schedule", "init_value": 0.9, "end_value": 0.999,
-               "transition_steps": 10},
+        "b3": {"schedule": "linear_schedule", "init_value": 0.875, "end_value": 0.9921875,
+               "transition_steps": 8},
         "alpha": {"schedule": "linear_schedule", "init_value": 0.0, "end_value": 8.0,
-                  "transition_steps": 10},
+                  "transition_steps": 8},
         "weight_decay": 0.1, "mask": {"w": True, "b": False, "s": True}}),
     "scale_by_ademamix": (["w", "b", "s"], "scale_by_ademamix", {}),
     "simplified_ademamix_default": (["w", "b", "s"], "simplified_ademamix", {
@@ -105,18 +107,18 @@ CONFIGS = {
     "prodigy_default": (["w", "b", "s"], "prodigy", {}),
     "prodigy_options": (["w", "b", "s"], "prodigy", {
         "learning_rate": {"schedule": "linear_schedule", "init_value": 1.0,
-                          "end_value": 0.5, "transition_steps": 20},
+                          "end_value": 0.5, "transition_steps": 16},
         "betas": [0.8, 0.99], "beta3": 0.9, "eps": 1e-6, "estim_lr0": 1e-3,
         "estim_lr_coef": 0.5, "weight_decay": 0.01, "safeguard_warmup": True}),
     "dadapt_adamw_default": (["w", "b", "s"], "dadapt_adamw", {}),
     "dadapt_adamw_options": (["w", "b", "s"], "dadapt_adamw", {
         "learning_rate": {"schedule": "linear_schedule", "init_value": 1.0,
-                          "end_value": 0.5, "transition_steps": 20},
+                          "end_value": 0.5, "transition_steps": 16},
         "betas": [0.8, 0.99], "eps": 1e-6, "estim_lr0": 1e-3, "weight_decay": 0.01}),
     "madgrad_default": (["w", "b", "s"], "madgrad", {"learning_rate": 0.01}),
     "madgrad_options": (["w", "b", "s"], "madgrad", {
-        "learning_rate": {"schedule": "linear_schedule", "init_value": 0.05,
-                          "end_value": 0.01, "transition_steps": 20},
+        "learning_rate": {"schedule": "linear_schedule", "init_value": 0.0625,
+                          "end_value": 0.03125, "transition_steps": 16},
         "momentum": 0.5, "weight_decay": 0.01, "eps": 1e-4}),
     "scale_by_madgrad": (["w", "b", "s"], "scale_by_madgrad", {"learning_rate": 0.01}),
 }
