@@ -164,8 +164,9 @@ def ademamix(
         >>> import torch
         >>> from functopt import contrib
         >>> opt = contrib.ademamix(0.1, b3=0.5, alpha=2.0)
-        >>> u, _ = opt.update({"w": torch.tensor([1.0])}, opt.init({"w": torch.zeros(1)}))
-        >>> u["w"]
+        >>> params = {"w": torch.zeros(1)}
+        >>> u, _ = opt.update({"w": torch.tensor([1.0])}, opt.init(params), params)
+        >>> u["w"]  # -lr * (Adam's 1 + alpha * (1 - b3))
         tensor([-0.2000])
     """
     _shared.check_lr("ademamix", learning_rate)
@@ -289,8 +290,9 @@ def simplified_ademamix(
         >>> import torch
         >>> from functopt import contrib
         >>> opt = contrib.simplified_ademamix(0.1)
-        >>> u, _ = opt.update({"w": torch.tensor([3.0])}, opt.init({"w": torch.zeros(1)}))
-        >>> u["w"]
+        >>> params = {"w": torch.zeros(1)}
+        >>> u, _ = opt.update({"w": torch.tensor([3.0])}, opt.init(params), params)
+        >>> u["w"]  # -lr * g / |g| on the first step
         tensor([-0.1000])
     """
     _shared.check_lr("simplified_ademamix", learning_rate)

@@ -245,8 +245,8 @@ def scale_by_muon(
         >>> tx = contrib.scale_by_muon(ns_steps=10)
         >>> g = {"w": torch.tensor([[3.0, 0.0], [0.0, 0.5]])}
         >>> u, _ = tx.update(g, tx.init(g))
-        >>> u["w"].diagonal()  # both singular values pushed towards 1 (about 0.7 to 1.2)
-        tensor([0.7008, 0.8267])
+        >>> u["w"].diagonal()  # singular values 3 and 0.5 both brought into Muon's band
+        tensor([1.0953, 0.6819])
 
     References:
         Jordan et al., *Muon: An optimizer for hidden layers in neural networks*, 2024.
@@ -403,8 +403,8 @@ def muon(
         >>> params = {"w": torch.ones(4, 3), "b": torch.zeros(3)}
         >>> state = opt.init(params)
         >>> u, state = opt.update({"w": torch.randn(4, 3), "b": torch.ones(3)}, state, params)
-        >>> u["b"]  # the 1-D leaf takes AdamW's first step: -lr * sign(g)
-        tensor([-0.0200, -0.0200, -0.0200])
+        >>> u["b"]  # the 1-D leaf takes Nesterov AdamW's first step: -1.474 lr sign(g)
+        tensor([-0.0295, -0.0295, -0.0295])
         >>> bool(torch.linalg.matrix_norm(u["w"], ord=2) < 0.03)  # the matrix: about lr * U V^T
         True
     """
