@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 import functopt
 from functopt import contrib
 from functopt.testing import assert_bitwise_equal, conformance
+from functopt.testing import strategies as fst
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "contrib_optax.json").read_text())
 F64 = torch.float64
@@ -452,3 +453,57 @@ def test_transforms_that_read_params_say_so(build: Any) -> None:
     with pytest.raises(ValueError, match=r"reads the params, but update\(\) was called "
                                          r"without them"):
         tx.update(params, tx.init(params))
+
+
+# --- a 0-d leaf is computed exactly like a one-element leaf (as in tests/test_zero_dim.py) --
+
+
+def _same_bits(zero_dim: Any, one_elem: Any, what: str) -> None:
+    a_leaves, a_spec = functopt.tree._core.flatten(zero_dim)
+    b_leaves, b_spec = functopt.tree._core.flatten(one_elem)
+    assert a_spec == b_spec, f"{what}: different structures"
+    for a, b in zip(a_leaves, b_leaves, strict=True):
+        assert (a is None) == (b is None), what
+        if a is None:
+            continue
+        assert a.dtype == b.dtype and a.numel() == b.numel(), what
+        if a.is_floating_point() and bool(torch.isnan(a).all()) and bool(torch.isnan(b).all()):
+            continue  # NaN payloads are not part of the contract
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), (
+            f"{what}: {a.tolist()} (0-d leaf) != {b.tolist()} (shape-(1,) leaf)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("entry", ENTRIES, ids=[e[0] for e in ENTRIES])
+@settings(max_examples=6, deadline=None)
+@given(data=st.data())
+def test_zero_dim_leaf_equals_one_element_leaf(entry: tuple[str, str, Any], dtype: torch.dtype,
+                                               data: st.DataObject) -> None:
+    companion = data.draw(st.one_of(st.none(), fst.tensors(fst.dtypes(), (2, 3), "typical")))
+    param = data.draw(fst.values(dtype, "typical"))
+    kind = data.draw(st.sampled_from(["finite", "any"]))
+    grad_values = data.draw(st.lists(fst.values(dtype, kind), min_size=3, max_size=4))
+
+    def tree(value: float, shape: tuple[int, ...]) -> dict[str, Any]:
+        out: dict[str, Any] = {"w": torch.tensor(value, dtype=dtype).reshape(shape)}
+        if companion is not None:
+            out["c"] = companion
+        return out
+
+    results = {}
+    for shape in [(), (1,)]:
+        params = tree(param, shape)
+        tx = entry[2]()
+        state = tx.init(params)
+        steps = [(None, state)]
+        for g in grad_values:
+            updates, state = tx.update(tree(g, shape), state, params)
+            params = functopt.apply_updates(params, updates)
+            steps.append((updates, state))
+        results[shape] = steps
+    for step, ((u0, s0), (u1, s1)) in enumerate(zip(results[()], results[(1,)], strict=True)):
+        _same_bits(s0, s1, f"state after {step} step(s)")
+        if step:
+            _same_bits(u0, u1, f"updates of step {step}")
+            assert u0["w"].shape == () and u0["w"].dtype == dtype
