@@ -2,11 +2,11 @@
 
 The public surface is this module's ``__all__`` and the documented subpackages
 ``functopt.schedules``, ``functopt.tree``, ``functopt.precision``, ``functopt.distributed``,
-``functopt.fast`` and ``functopt.testing``
+``functopt.fast``, ``functopt.contrib`` and ``functopt.testing``
 (the last imports hypothesis, so it is not imported here).
 """
 
-from functopt import distributed, fast, precision, schedules, tree
+from functopt import contrib, distributed, fast, precision, schedules, tree
 from functopt._apply import apply_updates, apply_updates_
 from functopt._base import (
     EmptyState,
@@ -184,6 +184,7 @@ __all__ = [
     "clip",
     "clip_by_block_rms",
     "clip_by_global_norm",
+    "contrib",
     "distributed",
     "dynamic_loss_scale",
     "ema",

@@ -254,3 +254,19 @@ def test_fast_step_is_bitwise_torch_fused() -> None:
     assert all(float(ms) > 0 for _, ms in rows)
     drift = number(r"of the params' largest move \(([\d.e+-]+)\)", stdout)
     assert drift > 0 and number(r"max \|diff\| ([\d.e+-]+),", stdout) < 1e-2 * drift
+
+
+def test_contrib_compare_trains_every_optimizer_and_plots(tmp_path: Path) -> None:
+    stdout = run_example("contrib_compare.py", "--quick", "--out", str(tmp_path)).stdout
+    assert int(number(r"steps:\s+(\d+)", stdout)) == 60
+    rows = re.findall(r"^(\w+) +first loss ([\d.]+)  last loss ([\d.]+)", stdout, re.MULTILINE)
+    names = [r[0] for r in rows]
+    assert names == ["adamw", "muon", "schedule_free_adamw", "adopt", "ademamix", "prodigy",
+                     "dadapt_adamw", "madgrad"], stdout
+    assert len({r[1] for r in rows}) == 1  # one start for all
+    assert all(float(last) < 0.5 * float(first) for _, first, last in rows), stdout
+    assert "muon orthogonalises the 3 matrices" in stdout
+    assert "verdict: every optimizer halved the loss: True" in stdout
+    png = tmp_path / "contrib_compare.png"
+    assert str(png) in stdout
+    assert png_size(png) == (800, 500)

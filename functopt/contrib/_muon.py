@@ -1,0 +1,448 @@
+"""Muon: momentum orthogonalised by Newton-Schulz iterations (Jordan et al., 2024)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, NamedTuple
+
+import torch
+
+from functopt import _validate
+from functopt._base import (
+    EmptyState,
+    GradientTransformation,
+    Numeric,
+    Params,
+    ScalarOrSchedule,
+    Updates,
+)
+from functopt.contrib import _shared
+from functopt.optimizers import adamw
+from functopt.transforms import _common
+from functopt.transforms.adding import add_decayed_weights
+from functopt.transforms.combining import chain
+from functopt.transforms.partition import partition
+from functopt.transforms.scaling import scale_by_learning_rate
+from functopt.tree import _core
+
+__all__ = ["MuonDimensionNumbers", "MuonState", "muon", "scale_by_muon"]
+
+Preconditioning = Literal["frobenius", "spectral", "aol", "schatten"]
+_PRECONDITIONINGS = ("frobenius", "spectral", "aol", "schatten")
+_DEFAULT_NS_COEFFS = (3.4445, -4.7750, 2.0315)
+# The five per-step coefficients of Dion (Ahn et al., 2025), optax's preset "dion".
+_DION_NS_COEFFS = (
+    (4.0848, -6.8946, 2.9270),
+    (3.9505, -6.3029, 2.6377),
+    (3.7418, -5.5913, 2.3037),
+    (2.8769, -3.1427, 1.2046),
+    (2.8366, -3.0525, 1.2012),
+)
+_NS_PRESETS = {"standard": _DEFAULT_NS_COEFFS, "dion": _DION_NS_COEFFS}
+# The first-step rescalings of 'aol' and 'schatten' floor their norms here (optax's
+# constant, independent of the transform's eps).
+_FIRST_STEP_EPS = 1e-8
+
+
+@dataclasses.dataclass(frozen=True)
+class MuonDimensionNumbers:
+    """Which axes of a weight are the matrix Muon orthogonalises.
+
+    The weight is read as ``x @ W = y``: ``reduction_axis`` are the axes summed over (the
+    rows of the matrix, fan-in), ``output_axis`` the output axes (the columns, fan-out).
+    Every other axis is a batch axis: each slice along it is orthogonalised on its own.
+    A frozen dataclass rather than optax's NamedTuple, so that a pytree of them is a tree of
+    leaves (optree would flatten a NamedTuple); it is built and read the same way.
+
+    Examples:
+        >>> from functopt.contrib import MuonDimensionNumbers
+        >>> conv = MuonDimensionNumbers(reduction_axis=(1, 2, 3), output_axis=0)  # (out, in, kh, kw)
+        >>> conv.output_axis
+        0
+    """
+
+    reduction_axis: Sequence[int] | int = 0
+    output_axis: Sequence[int] | int = 1
+
+
+WeightDimNumOrFn = Any
+"""A ``MuonDimensionNumbers``, a pytree of them (``None`` where a leaf is not a matrix),
+or ``updates -> such a pytree``."""
+
+
+class MuonState(NamedTuple):
+    """State of [`scale_by_muon`][functopt.contrib.scale_by_muon]."""
+
+    # The name shadows tuple.count (hence the ignore); kept: optax's name, public API.
+    count: torch.Tensor  # type: ignore[assignment]  # int32, shape (): updates done so far
+    mu: Updates  # like params, dtype mu_dtype (default: the param's): EMA of the gradient
+    ns_coeffs: torch.Tensor  # float64, shape (3,) or (steps, 3): Newton-Schulz coefficients
+
+
+def _axes(value: Sequence[int] | int, ndim: int) -> tuple[int, ...]:
+    items = (value,) if isinstance(value, int) else tuple(value)
+    return tuple(a % ndim for a in items)
+
+
+def _layout(shape: Sequence[int], dims: MuonDimensionNumbers,
+            path: str) -> tuple[tuple[int, ...], tuple[int, int, int], int, int]:
+    """The permutation to (batch, reduction, output), the 3-D shape, fan-in and fan-out."""
+    ndim = len(shape)
+    if ndim < 2:
+        raise ValueError(
+            f"muon: {path!r} has shape {tuple(shape)}; Muon orthogonalises matrices, so a leaf "
+            f"it handles needs at least 2 dimensions. Fix: give this leaf None in the dimension "
+            f"numbers (muon then updates it with Adam)."
+        )
+    reduction, output = _axes(dims.reduction_axis, ndim), _axes(dims.output_axis, ndim)
+    if set(reduction) & set(output):
+        raise ValueError(
+            f"muon: {path!r}: the reduction axes {reduction} and output axes {output} overlap "
+            f"(shape {tuple(shape)}). Fix: name each axis in at most one of them."
+        )
+    batch = tuple(a for a in range(ndim) if a not in reduction and a not in output)
+    fan_in = math.prod(shape[a] for a in reduction)
+    fan_out = math.prod(shape[a] for a in output)
+    return (batch + reduction + output,
+            (math.prod(shape[a] for a in batch), fan_in, fan_out), fan_in, fan_out)
+
+
+def _newton_schulz_step(x: torch.Tensor, c: torch.Tensor, first: bool,
+                        preconditioning: str) -> torch.Tensor:
+    # One quintic step f(X) = c0 X + (c1 A + c2 A^2) X with A = X X^T. On the first step,
+    # 'aol' rescales the rows by the root of A's absolute row sums and 'schatten' the whole
+    # matrix by the root of A's Frobenius norm (A's Schatten-4 norm of X, squared).
+    a = x @ x.mT
+    if first and preconditioning == "aol":
+        s = torch.rsqrt(torch.clamp(a.abs().sum(dim=-1), min=_FIRST_STEP_EPS)).unsqueeze(-1)
+        x, a = x * s, a * s * s.mT
+    elif first and preconditioning == "schatten":
+        norm = torch.linalg.matrix_norm(a, ord="fro", keepdim=True)
+        s = torch.rsqrt(torch.clamp(norm, min=_FIRST_STEP_EPS))
+        x, a = x * s, a * (s * s)
+    b = c[1] * a + c[2] * (a @ a)
+    out: torch.Tensor = c[0] * x + b @ x
+    return out
+
+
+def _orthogonalize(x: torch.Tensor, coeffs: torch.Tensor, ns_steps: int, preconditioning: str,
+                   eps: Any) -> torch.Tensor:
+    """Newton-Schulz on a (batch, m, n) stack, in ``x``'s dtype (callers widen first)."""
+    transposed = x.shape[-2] > x.shape[-1]
+    if transposed:  # f(X) = f(X^T)^T: iterate on the side with the smaller Gram matrix
+        x = x.mT
+    eps_t = _common.scalar(eps, x.dtype)
+    if preconditioning == "frobenius":
+        x = x / (torch.linalg.matrix_norm(x, ord="fro", keepdim=True) + eps_t)
+    elif preconditioning == "spectral":
+        x = x / (torch.linalg.matrix_norm(x, ord=2, keepdim=True) + eps_t)
+    c = coeffs.to(x.dtype)
+    rows = [c] * ns_steps if c.dim() == 1 else list(c)
+    for i, row in enumerate(rows):
+        x = _newton_schulz_step(x, row, i == 0, preconditioning)
+    return x.mT if transposed else x
+
+
+def _resolve_dims(weight_dimension_numbers: Any, updates: Any, grads: list[Any],
+                  treespec: _core.TreeSpec) -> list[Any]:
+    """One ``MuonDimensionNumbers`` (or None) per leaf; None everywhere means the 2-D rule."""
+    if weight_dimension_numbers is None:
+        return [None if g is None else MuonDimensionNumbers() for g in grads]
+    tree = (weight_dimension_numbers(updates) if callable(weight_dimension_numbers)
+            else weight_dimension_numbers)
+    try:
+        dims = _core.broadcast_prefix(tree, updates, treespec)
+    except ValueError as where:
+        raise ValueError(
+            f"scale_by_muon: weight_dimension_numbers does not line up with the updates "
+            f"({where}). Fix: give a MuonDimensionNumbers, or a tree of them (None where a "
+            f"leaf is not a matrix) with the params' structure or a prefix of it; a plain "
+            f"tuple such as (0, 1) is read as a subtree: write MuonDimensionNumbers(0, 1)."
+        ) from None
+    for i, d in enumerate(dims):
+        if d is not None and not isinstance(d, MuonDimensionNumbers):
+            raise TypeError(
+                f"scale_by_muon: weight_dimension_numbers at {_core.paths(treespec)[i]!r} is "
+                f"{type(d).__name__} {d!r}; expected a MuonDimensionNumbers or None. Fix: use "
+                f"functopt.contrib.MuonDimensionNumbers(reduction_axis=..., output_axis=...)."
+            )
+    return dims
+
+
+def _ns_coefficients(owner: str, ns_coeffs: Any, ns_steps: int) -> torch.Tensor:
+    if isinstance(ns_coeffs, str):
+        if ns_coeffs not in _NS_PRESETS:
+            raise ValueError(f"{owner}: unknown ns_coeffs preset {ns_coeffs!r}; the presets are "
+                             f"{sorted(_NS_PRESETS)}. Fix: pass one of them or the numbers.")
+        ns_coeffs = _NS_PRESETS[ns_coeffs]
+    try:
+        coeffs = torch.as_tensor(ns_coeffs, dtype=torch.float64)
+    except (TypeError, ValueError):
+        raise TypeError(f"{owner}: ns_coeffs must be three numbers or a tuple of such triples, "
+                        f"got {ns_coeffs!r}.") from None
+    if coeffs.dim() not in (1, 2) or coeffs.shape[-1] != 3:
+        raise ValueError(f"{owner}: ns_coeffs must have shape (3,) or (n, 3), got "
+                         f"{tuple(coeffs.shape)}. Fix: pass (a, b, c) or ((a, b, c), ...).")
+    if coeffs.dim() == 2 and coeffs.shape[0] > ns_steps:
+        raise ValueError(
+            f"{owner}: {coeffs.shape[0]} rows of ns_coeffs but ns_steps={ns_steps}; with one "
+            f"triple per step there must be at most ns_steps rows (each row is one step). "
+            f"Fix: pass ns_steps={coeffs.shape[0]} or fewer rows.")
+    return coeffs
+
+
+def scale_by_muon(
+    ns_coeffs: Any = _DEFAULT_NS_COEFFS,
+    ns_steps: int = 5,
+    beta: Numeric = 0.95,
+    eps: Numeric = 1e-8,
+    mu_dtype: torch.dtype | None = None,
+    *,
+    nesterov: bool = True,
+    adaptive: bool = False,
+    preconditioning: Preconditioning = "frobenius",
+    weight_dimension_numbers: WeightDimNumOrFn | None = None,
+) -> GradientTransformation:
+    r"""Rescale updates by Muon: orthogonalise the (Nesterov) momentum of each matrix.
+
+    With $t$ counting from 1, $m_t = \beta m_{t-1} + (1-\beta) g_t$ and
+    $\hat m_t = m_t/(1-\beta^t)$, or with ``nesterov``
+    $\hat m_t = \beta m_t/(1-\beta^{t+1}) + (1-\beta) g_t/(1-\beta^t)$, the update is
+    $u_t = \mathrm{NS}(\hat m_t) \approx U V^\top$ for $\hat m_t = U S V^\top$: the matrix
+    is normalised (``preconditioning``: by its Frobenius or spectral norm; 'aol' and
+    'schatten' rescale inside the first step instead) and then iterated ``ns_steps`` times
+    with $X \leftarrow a X + (b A + c A^2) X$, $A = X X^\top$, on the side whose Gram matrix
+    is smaller. ``ns_coeffs`` is one triple $(a, b, c)$ for every step or one triple per
+    step (then at most ``ns_steps`` of them, and each row is one step, as in optax). With
+    ``adaptive``, $u_t$ is scaled by $\langle \hat m_t, u_t\rangle$ (the dual norm).
+
+    ``weight_dimension_numbers`` says which axes of each leaf form the matrix (see
+    [`MuonDimensionNumbers`][functopt.contrib.MuonDimensionNumbers]); without it every leaf
+    with a gradient must be 2-D. The maths runs in the widest of the leaf's dtypes and
+    float32; the update keeps the gradient's dtype.
+
+    Args:
+        ns_coeffs: Newton-Schulz coefficients: a triple, or a tuple of triples.
+        ns_steps: the number of Newton-Schulz steps, >= 1.
+        beta: decay of the momentum, in [0, 1).
+        eps: added to the norm the matrix is divided by, >= 0.
+        mu_dtype: storage dtype of the momentum (default: the param's dtype).
+        nesterov: use Nesterov momentum.
+        adaptive: scale by the dual norm of the momentum.
+        preconditioning: 'frobenius', 'spectral', 'aol' or 'schatten'.
+        weight_dimension_numbers: a `MuonDimensionNumbers`, a tree of them (None at leaves
+            that are not updated here), or ``updates -> such a tree``.
+
+    Returns:
+        A [`GradientTransformation`][functopt.GradientTransformation] with
+        [`MuonState`][functopt.contrib.MuonState].
+
+    Examples:
+        >>> import torch
+        >>> from functopt import contrib
+        >>> tx = contrib.scale_by_muon(ns_steps=10)
+        >>> g = {"w": torch.tensor([[3.0, 0.0], [0.0, 0.5]])}
+        >>> u, _ = tx.update(g, tx.init(g))
+        >>> u["w"].diagonal()  # singular values 3 and 0.5 both brought into Muon's band
+        tensor([1.0953, 0.6819])
+
+    References:
+        Jordan et al., *Muon: An optimizer for hidden layers in neural networks*, 2024.
+        Bernstein & Newhouse, *Old Optimizer, New Norm: An Anthology*, 2024.
+        Boissin et al., *Turbo-Muon* (AOL preconditioning), 2025.
+        Grishina et al., *Accelerating Newton-Schulz Iteration for Orthogonalization via
+        Chebyshev-type Polynomials*, 2025.
+    """
+    owner = "scale_by_muon"
+    if not isinstance(ns_steps, int) or isinstance(ns_steps, bool) or ns_steps < 1:
+        raise ValueError(f"{owner}: ns_steps must be an int >= 1, got {ns_steps!r}. "
+                         f"Fix: 5 is usual.")
+    coeffs = _ns_coefficients(owner, ns_coeffs, ns_steps)
+    _common.check_betas(owner, beta=beta)
+    _validate.check_range(owner, "eps", eps, low=0.0)
+    _validate.check_dtype(owner, "mu_dtype", mu_dtype)
+    if preconditioning not in _PRECONDITIONINGS:
+        raise ValueError(f"{owner}: unknown preconditioning {preconditioning!r}; expected one "
+                         f"of {list(_PRECONDITIONINGS)}.")
+
+    def init_fn(params: Params) -> MuonState:
+        leaves, treespec = _common.flatten_params(params)
+        mu = [None if p is None else _common.zeros_like(p, mu_dtype) for p in leaves]
+        return MuonState(count=_common.zero_count(leaves), mu=_common.unflatten(treespec, mu),
+                         ns_coeffs=coeffs.to(_common.first_device(leaves)))
+
+    def update_fn(
+        updates: Updates, state: MuonState, params: Params | None = None, **extra_args: Any
+    ) -> tuple[Updates, MuonState]:
+        del params, extra_args
+        grads, treespec = _common.flatten_updates(updates)
+        mus = _common.state_like(treespec, state.mu, name="state.mu")
+        _common.check_state_present(owner, treespec, grads, mu=mus)
+        dims = _resolve_dims(weight_dimension_numbers, updates, grads, treespec)
+        count = _common.safe_increment(state.count)
+        bc = _common.bias_correction(beta, count)
+        bc_next = _common.bias_correction(beta, _common.safe_increment(count))
+        out: list[Any] = []
+        new_mus: list[Any] = []
+        for i, (g, mu, d) in enumerate(zip(grads, mus, dims, strict=True)):
+            if g is None:
+                out.append(None)
+                new_mus.append(mu)
+                continue
+            path = _core.paths(treespec)[i]
+            if d is None:
+                raise ValueError(
+                    f"{owner}: {path!r} has a gradient but no dimension numbers (None). Fix: "
+                    f"give it a MuonDimensionNumbers, or use muon(), which updates such "
+                    f"leaves with Adam.")
+            order, flat_shape, _, _ = _layout(g.shape, d, path)
+            wide = g.to(_common.compute_dtype(g.dtype, mu.dtype))
+            mu_t = _common.scalar(beta, wide.dtype) * mu.to(wide.dtype) + _common.scalar(
+                1 - beta, wide.dtype) * wide
+            if nesterov:
+                mu_hat = (_common.scalar(beta, wide.dtype) * mu_t
+                          / _common.scalar(bc_next, wide.dtype)
+                          + _common.scalar(1 - beta, wide.dtype) * wide
+                          / _common.scalar(bc, wide.dtype))
+            else:
+                mu_hat = mu_t / _common.scalar(bc, wide.dtype)
+            permuted = mu_hat.permute(order)
+            ortho = _orthogonalize(permuted.reshape(flat_shape), state.ns_coeffs, ns_steps,
+                                   preconditioning, eps)
+            u = ortho.reshape(permuted.shape).permute(_inverse(order))
+            if adaptive:
+                u = torch.sum(mu_hat * u) * u
+            out.append(u.to(g.dtype))
+            new_mus.append(mu_t.to(mu.dtype))
+        return _common.unflatten(treespec, out), MuonState(
+            count=count, mu=_common.unflatten(treespec, new_mus), ns_coeffs=state.ns_coeffs)
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def _inverse(order: Sequence[int]) -> tuple[int, ...]:
+    inverse = [0] * len(order)
+    for position, axis in enumerate(order):
+        inverse[axis] = position
+    return tuple(inverse)
+
+
+def _scale_by_shape(weight_dimension_numbers: WeightDimNumOrFn | None,
+                    consistent_rms: Numeric | None) -> GradientTransformation:
+    """Muon's shape factor: $\\sqrt{\\max(1, \\text{fan\\_out}/\\text{fan\\_in})}$, or with
+    ``consistent_rms`` $\\sqrt{\\max(\\text{fan\\_in}, \\text{fan\\_out})}\\cdot$ it."""
+
+    def init_fn(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update_fn(updates: Updates, state: EmptyState, params: Params | None = None,
+                  **extra_args: Any) -> tuple[Updates, EmptyState]:
+        del params, extra_args
+        grads, treespec = _common.flatten_updates(updates)
+        dims = _resolve_dims(weight_dimension_numbers, updates, grads, treespec)
+        out: list[Any] = []
+        for i, (g, d) in enumerate(zip(grads, dims, strict=True)):
+            if g is None or d is None:
+                out.append(g)
+                continue
+            _, _, fan_in, fan_out = _layout(g.shape, d, _core.paths(treespec)[i])
+            if consistent_rms is not None:
+                factor: Any = math.sqrt(max(fan_in, fan_out)) * consistent_rms
+            else:  # an empty matrix has no width to transfer: its (empty) update stays
+                factor = math.sqrt(max(1.0, fan_out / fan_in)) if fan_in else 1.0
+            out.append(_common.scaled(g, factor))
+        return _common.unflatten(treespec, out), state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def muon(
+    learning_rate: ScalarOrSchedule,
+    ns_coeffs: Any = _DEFAULT_NS_COEFFS,
+    ns_steps: int = 5,
+    beta: Numeric = 0.95,
+    eps: Numeric = 1e-8,
+    weight_decay: Numeric = 0.0,
+    weight_decay_mask: Any | Callable[[Params], Any] | None = None,
+    mu_dtype: torch.dtype | None = None,
+    *,
+    nesterov: bool = True,
+    adaptive: bool = False,
+    preconditioning: Preconditioning = "frobenius",
+    adam_b1: Numeric = 0.9,
+    adam_b2: Numeric = 0.999,
+    adam_eps_root: Numeric = 0.0,
+    adam_weight_decay: Numeric = 0.0,
+    adam_learning_rate: ScalarOrSchedule | None = None,
+    muon_weight_dimension_numbers: WeightDimNumOrFn | None = None,
+    consistent_rms: Numeric | None = None,
+) -> GradientTransformation:
+    r"""Muon for the matrices, AdamW for the rest: optax's ``muon`` recipe.
+
+    A [`partition`][functopt.partition] of two chains. The matrices (every 2-D leaf, or the
+    leaves with a `MuonDimensionNumbers` in ``muon_weight_dimension_numbers``) get
+    ``chain(scale_by_muon(...), shape factor, add_decayed_weights(weight_decay,
+    weight_decay_mask), scale_by_learning_rate(learning_rate))``, where the shape factor is
+    $\sqrt{\max(1, \text{fan\_out}/\text{fan\_in})}$ (or, with ``consistent_rms`` $r$,
+    $r\sqrt{\max(\text{fan\_in}, \text{fan\_out})}$, which gives updates AdamW's RMS for
+    $r \approx 0.2$). The other leaves (None in the dimension numbers) get
+    ``adamw(adam_learning_rate or learning_rate, adam_b1, adam_b2, eps, adam_eps_root,
+    weight_decay=adam_weight_decay, nesterov=nesterov)``. ``ns_coeffs`` may also name a
+    preset: 'standard' or 'dion'. See [`scale_by_muon`][functopt.contrib.scale_by_muon].
+
+    A callable ``muon_weight_dimension_numbers`` is called with the params in ``init`` and
+    with the updates (None where a leaf has no gradient) in ``update``.
+
+    Examples:
+        >>> import torch
+        >>> from functopt import contrib
+        >>> opt = contrib.muon(0.02)
+        >>> params = {"w": torch.ones(4, 3), "b": torch.zeros(3)}
+        >>> state = opt.init(params)
+        >>> u, state = opt.update({"w": torch.randn(4, 3), "b": torch.ones(3)}, state, params)
+        >>> u["b"]  # the 1-D leaf takes Nesterov AdamW's first step: -1.474 lr sign(g)
+        tensor([-0.0295, -0.0295, -0.0295])
+        >>> bool(torch.linalg.matrix_norm(u["w"], ord=2) < 0.03)  # the matrix: about lr * U V^T
+        True
+    """
+    owner = "muon"
+    _shared.check_lr(owner, learning_rate)
+    if adam_learning_rate is None:
+        adam_learning_rate = learning_rate
+    _shared.check_lr(owner, adam_learning_rate)
+    _validate.check_number(owner, "weight_decay", weight_decay)
+    if consistent_rms is not None:
+        _validate.check_number(owner, "consistent_rms", consistent_rms)
+    coeffs = (_NS_PRESETS[ns_coeffs] if isinstance(ns_coeffs, str) and ns_coeffs in _NS_PRESETS
+              else ns_coeffs)
+    dims = muon_weight_dimension_numbers
+
+    def labels(tree: Any) -> Any:
+        leaves, treespec = _core.flatten(tree)
+        if dims is None:
+            flat = [None if x is None else ("muon" if x.dim() == 2 else "adam") for x in leaves]
+        else:
+            resolved = _resolve_dims(dims, tree, leaves, treespec)
+            flat = [None if x is None else ("adam" if d is None else "muon")
+                    for x, d in zip(leaves, resolved, strict=True)]
+        return _core.unflatten(treespec, flat)
+
+    return partition(
+        transforms={
+            "muon": chain(
+                scale_by_muon(ns_coeffs=coeffs, ns_steps=ns_steps, beta=beta, eps=eps,
+                              mu_dtype=mu_dtype, nesterov=nesterov, adaptive=adaptive,
+                              preconditioning=preconditioning, weight_dimension_numbers=dims),
+                _scale_by_shape(dims, consistent_rms),
+                add_decayed_weights(weight_decay, weight_decay_mask),
+                scale_by_learning_rate(learning_rate),
+            ),
+            "adam": adamw(adam_learning_rate, b1=adam_b1, b2=adam_b2, eps=eps,
+                          eps_root=adam_eps_root, weight_decay=adam_weight_decay,
+                          mu_dtype=mu_dtype, nesterov=nesterov),
+        },
+        param_labels=labels,
+    )
