@@ -35,7 +35,13 @@ from functopt.precision.step import (
     scale_loss,
     select_tree,
 )
-from functopt.precision.zero import slice_bounds, zero1
+from functopt.precision.zero import (
+    slice_bounds,
+    zero1,
+    zero1_reduce_scatter,
+    zero1_state_from_dict,
+    zero1_state_to_dict,
+)
 
 __all__ = [
     "GradStats",
@@ -59,4 +65,7 @@ __all__ = [
     "stochastic_rounding",
     "unpack_grad_stats",
     "zero1",
+    "zero1_reduce_scatter",
+    "zero1_state_from_dict",
+    "zero1_state_to_dict",
 ]
