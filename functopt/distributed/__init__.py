@@ -5,7 +5,10 @@ unchanged: its state leaves are DTensors with the params' mesh and placements, a
 elementwise maths runs on the local shards without communication. What needs the process
 group is a reduction over all elements. [`global_grad_stats`][functopt.distributed.global_grad_stats]
 computes the global sum of squares, non-finite count and zero count of all gradients with
-one ``all_reduce``, counting leaves replicated over a mesh dimension once;
+one ``all_reduce``, counting each element once: DTensor leaves replicated over a mesh
+dimension by their placements, plain tensors (a param left out of a tensor-parallel plan,
+dense params beside expert-parallel ones, pipeline stages) by a ``replicated``
+declaration;
 [`mixed_precision`][functopt.precision.mixed_precision] uses it, so a distributed
 mixed-precision step makes exactly one collective and an overflow on any rank skips the
 step on every rank. [`state_to_dict`][functopt.distributed.state_to_dict] and

@@ -41,7 +41,7 @@ How it differs from the pure path, and why that is the same step:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -62,18 +62,19 @@ from functopt.precision.stats import (
 
 def fused_stats(grads: list[Any], wide: list[Any], name: Callable[[int], str],
                 inv_scale: torch.Tensor, device: torch.device, count_zeros: bool,
-                ) -> torch.Tensor:
+                counted: Sequence[bool] | None = None) -> torch.Tensor:
     """The packed ``[sum of squares, non-finite flag, zero count]`` of the unscaled
     gradients this rank counts, from one ``foreach`` norm per (device, dtype) group.
 
     ``wide`` holds the gradients in the precision of the values they update (local
     shards); each is reduced in float32, or float64 when it is float64, as the pure path
     reduces its unscaled gradients. ``grads`` (the gradients as given) decide which leaves
-    this rank counts.
+    this rank counts, unless ``counted`` (one bool per leaf) says it.
     """
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for i, (g, w) in enumerate(zip(grads, wide, strict=True)):
-        if w is not None and _counted_here(g, functools.partial(name, i)):
+        if w is not None and (counted[i] if counted is not None
+                              else _counted_here(g, functools.partial(name, i))):
             groups.setdefault((w.device, w.dtype), []).append(w)
     sums, zeros = [], []
     for (where, dtype), tensors in groups.items():
@@ -138,13 +139,14 @@ def fused_mixed_step(
     grads: list[Any], inner_state: Any, loss_scale: LossScaleState, *, scale_rule: LossScale,
     scaled: bool, max_grad_norm: float | torch.Tensor | None,
     group: dist.ProcessGroup | None, name: Callable[[int], str], count_zeros: bool,
-    donate: bool, workspace: list[Any] | None = None,
+    donate: bool, workspace: list[Any] | None = None, counted: Sequence[bool] | None = None,
 ) -> tuple[list[Any], list[Any], Any, GradStats, LossScaleState] | None:
     """The mixed-precision step on ``kernel`` (see the module docstring), or ``None`` when
     the kernel cannot take these leaves (the caller then takes the pure path).
 
     ``workspace``: a list the caller keeps between steps, where the gradient casts are
-    written (see `_widened`); ``None`` allocates them at every step.
+    written (see `_widened`); ``None`` allocates them at every step. ``counted``: per leaf,
+    whether this rank counts it in the statistics (``functopt.distributed.counting``).
 
     Returns ``(new params, new stores, new inner state, statistics, new loss scale)``.
     """
@@ -156,7 +158,7 @@ def fused_mixed_step(
     device = loss_scale.scale.device
     inv_scale = _inverse(loss_scale)
     packed = all_reduce_stats(
-        fused_stats(grads, wide, name, inv_scale, device, count_zeros), group)
+        fused_stats(grads, wide, name, inv_scale, device, count_zeros, counted), group)
     stats = unpack_grad_stats(packed)
     new_loss_scale = scale_rule.adjust(loss_scale, stats.found_inf)
 

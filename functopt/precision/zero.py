@@ -286,7 +286,8 @@ def zero1(
 
     def build(group: dist.ProcessGroup | None) -> MixedPrecisionTransformation:
         return mixed_precision(inner, loss_scale=loss_scale, master_weights=master_weights,
-                               max_grad_norm=max_grad_norm, process_group=group, fused=fused)
+                               max_grad_norm=max_grad_norm, process_group=group,
+                               replicated=False if group is not None else None, fused=fused)
 
     # Built now to validate the arguments; the sharded step is built per group, lazily,
     # because the default group may be created after the optimizer.
