@@ -1,4 +1,4 @@
-"""ZeRO-1 (``functopt.precision.zero.zero1``): single-process properties, then 2 and 4 gloo ranks.
+"""ZeRO-1 (``functopt.distributed.zero.zero1``): single-process properties, then 2 and 4 gloo ranks.
 
 The multi-rank checks live in ``tests/distributed/zero_checks.py`` (see its docstring for
 the setting and the tolerances); one launch of the ranks per world size runs them all and
@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functopt
+from functopt.distributed.zero import slice_bounds, zero1
 from functopt.precision import mixed_precision
-from functopt.precision.zero import slice_bounds, zero1
 from functopt.testing import assert_bitwise_equal, clone_tree
 from functopt.testing import strategies as fst
 

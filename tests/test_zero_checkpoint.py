@@ -17,7 +17,7 @@ from distributed import harness, zero_checkpoint_checks
 
 import functopt
 import functopt.testing
-from functopt.precision import zero1, zero1_state_from_dict, zero1_state_to_dict
+from functopt.distributed import zero1, zero1_state_from_dict, zero1_state_to_dict
 
 LAUNCH_TIMEOUT_S = 120.0
 CONFIGS = list(zero_checkpoint_checks.CONFIGS)

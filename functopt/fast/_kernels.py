@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from functopt._base import Schedule
+from functopt._collective.dtensor import _rewrap_like, local_tensor
 from functopt._kernel import Kernel, KernelResult, differentiated
-from functopt.distributed.dtensor import _rewrap_like, local_tensor
 from functopt.transforms import _common
 from functopt.transforms.accumulation import TraceState
 from functopt.transforms.moments import ScaleByAdamState

@@ -28,8 +28,8 @@ import torch
 
 from functopt._apply import apply_updates
 from functopt._base import GradientTransformation, Params, State, Updates
+from functopt._collective.dtensor import _rewrap_like, local_tensor
 from functopt._kernel import FusedTransformation, differentiated
-from functopt.distributed.dtensor import _rewrap_like, local_tensor
 from functopt.tree import _core
 
 __all__ = ["make_step"]

@@ -47,9 +47,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from functopt._collective.dtensor import _counted_here, _rewrap_like, local_tensor
+from functopt._collective.reduce import all_reduce_stats
 from functopt._kernel import Kernel
-from functopt.distributed.dtensor import _counted_here, _rewrap_like, local_tensor
-from functopt.distributed.reduce import all_reduce_stats
 from functopt.precision.loss_scale import LossScale, LossScaleState, _inverse
 from functopt.precision.stats import (
     _SUMSQ,
@@ -146,7 +146,7 @@ def fused_mixed_step(
 
     ``workspace``: a list the caller keeps between steps, where the gradient casts are
     written (see `_widened`); ``None`` allocates them at every step. ``counted``: per leaf,
-    whether this rank counts it in the statistics (``functopt.distributed.counting``).
+    whether this rank counts it in the statistics (``functopt._collective.counting``).
 
     Returns ``(new params, new stores, new inner state, statistics, new loss scale)``.
     """

@@ -59,10 +59,10 @@ import torch.distributed as dist
 
 from functopt import _validate
 from functopt._base import GradientTransformation, Params, State, with_extra_args_support
+from functopt._collective.counting import Replicated, _counting, _entries
+from functopt._collective.dtensor import _leaf_names
+from functopt._collective.reduce import _local_stats, all_reduce_stats
 from functopt._kernel import FusedTransformation, differentiated
-from functopt.distributed.counting import Replicated, _counting, _entries
-from functopt.distributed.dtensor import _leaf_names
-from functopt.distributed.reduce import _local_stats, all_reduce_stats
 from functopt.precision._fused import fused_mixed_step
 from functopt.precision.loss_scale import (
     LossScale,

@@ -1,7 +1,7 @@
 """Rank-side checks of ZeRO-1 checkpoints: saved on 2 ranks, loaded on 2, 1 and 4.
 
 ``save_and_reload`` (2 ranks) trains ``SAVE_STEPS`` steps with
-[`zero1`][functopt.precision.zero1], saves with ``torch.distributed.checkpoint`` through
+[`zero1`][functopt.distributed.zero1], saves with ``torch.distributed.checkpoint`` through
 ``zero1_state_to_dict``, then loads into a fresh template on the same 2 ranks (bitwise the
 saved state) and trains ``MORE_STEPS`` more. ``load_and_continue`` does the load and the
 further steps on another data-parallel size (4 ranks, or 1 process without
@@ -37,13 +37,13 @@ import torch.distributed.checkpoint as dcp
 import functopt
 from distributed.checks import _assert_tree
 from distributed.zero_checks import _params, _sharded_state_like
-from functopt.precision import (
-    mixed_precision,
+from functopt.distributed import (
     slice_bounds,
     zero1,
     zero1_state_from_dict,
     zero1_state_to_dict,
 )
+from functopt.precision import mixed_precision
 
 SAVE_STEPS = 3
 MORE_STEPS = 3

@@ -1,4 +1,4 @@
-"""Rank-side checks of ``functopt.precision.zero.zero1`` (ZeRO-1), run by ``run_all`` in each rank.
+"""Rank-side checks of ``functopt.distributed.zero.zero1`` (ZeRO-1), run by ``run_all`` in each rank.
 
 Every rank holds the same full params and the same gradients (as after DDP's all-reduce);
 the reference is ``mixed_precision`` with the same arguments on the whole params, run in
@@ -26,8 +26,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 import functopt
 from distributed.checks import _assert_tree, _bits_equal
 from distributed.harness import check_registry, run_checks
+from functopt.distributed.zero import slice_bounds, zero1, zero1_reduce_scatter
 from functopt.precision import mixed_precision
-from functopt.precision.zero import slice_bounds, zero1, zero1_reduce_scatter
 
 CHECKS, check = check_registry()
 

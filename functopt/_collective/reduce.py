@@ -11,7 +11,7 @@ one ``all_reduce(SUM)`` makes the global statistics, identical on every rank; so
 overflow in one rank's shard makes every rank skip. Each element is counted once:
 DTensor leaves by their placements (a leaf replicated along a mesh dimension counts on
 one rank of it), plain tensor leaves in a sum over a group by their ``replicated``
-declaration (see ``functopt/distributed/counting.py``).
+declaration (see ``functopt/_collective/counting.py``).
 
 The packed layout is [`functopt.precision.grad_stats`][functopt.precision.grad_stats]'s:
 ``[sum of squares, non-finite count, zero count]``, unpacked by
@@ -28,8 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from functopt.distributed.counting import Replicated, _as_tensor_leaves, _counting, _entries
-from functopt.distributed.dtensor import (
+from functopt._collective.counting import Replicated, _as_tensor_leaves, _counting, _entries
+from functopt._collective.dtensor import (
     _counted_here,
     _leaf_names,
     is_dtensor,
@@ -158,7 +158,7 @@ def global_grad_stats(
             only, nothing is reduced (they are whole on every rank). DTensor leaves are
             counted by their placements relative to this group (a ``Replicate()`` along a
             mesh dimension inside the group once, along a dimension outside it once per
-            group; see ``functopt/distributed/counting.py``).
+            group; see ``functopt/_collective/counting.py``).
         replicated: how the plain tensor leaves repeat over the ranks, required when plain
             tensors meet a group (given, or inferred from DTensor leaves): ``False``, each
             rank's tensor is its own part (summed: a hand-sharded ZeRO slice, a rank's own

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import torch
 import torch.distributed as dist
 
-from functopt.distributed.dtensor import _dtensor_class, _infer_group, is_dtensor
+from functopt._collective.dtensor import _dtensor_class, _infer_group, is_dtensor
 from functopt.tree import _core
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@ r"""ZeRO-1 for replicated params: shard the optimizer state and the master over 
 With data parallelism (DDP), every rank holds all params and, after DDP's all-reduce, the
 same averaged gradients, so every rank would compute the same update with the same
 optimizer state: for bfloat16 params and Adam, 12 of the 14 bytes per param (float32
-master, ``mu``, ``nu``) are copies. [`zero1`][functopt.precision.zero1] (Megatron-LM's
+master, ``mu``, ``nu``) are copies. [`zero1`][functopt.distributed.zero1] (Megatron-LM's
 ``DistributedOptimizer``, ZeRO stage 1) keeps on each of the $N$ ranks only the state of
 its slice of every param: the rank updates its slices with
 [`mixed_precision`][functopt.precision.mixed_precision] around the inner rule, and one
@@ -16,7 +16,7 @@ $[\min(rc, n), \min((r+1)c, n))$ of a leaf of $n$ elements (10 elements over 4 r
 rank holds more than $c$, one element above an even share, which is what the memory of
 the busiest rank and the padded all-gather buffer pay for. The split is DTensor's so that
 a rank's slice *is* its local shard of the flattened leaf as a ``Shard(0)`` DTensor:
-[`zero1_state_to_dict`][functopt.precision.zero1_state_to_dict] hands the state to
+[`zero1_state_to_dict`][functopt.distributed.zero1_state_to_dict] hands the state to
 ``torch.distributed.checkpoint`` as such DTensors, which DCP saves per rank without
 collision and reshards on load to another data-parallel size. Slicing per leaf rather than flattening all leaves into
 one buffer keeps the state a pytree with the params' structure: a path-based ``mask``,
@@ -58,8 +58,8 @@ import torch
 import torch.distributed as dist
 
 from functopt._base import GradientTransformation, Params
+from functopt._collective.dtensor import is_dtensor
 from functopt.distributed.checkpoint import state_from_dict, state_to_dict
-from functopt.distributed.dtensor import is_dtensor
 from functopt.precision.loss_scale import LossScale
 from functopt.precision.master import MasterWeights
 from functopt.precision.step import (
@@ -88,7 +88,7 @@ def slice_bounds(numel: int, rank: int, world_size: int) -> tuple[int, int]:
     fewer or none.
 
     Examples:
-        >>> from functopt.precision.zero import slice_bounds
+        >>> from functopt.distributed.zero import slice_bounds
         >>> [slice_bounds(10, r, 4) for r in range(4)]
         [(0, 3), (3, 6), (6, 9), (9, 10)]
         >>> [slice_bounds(5, r, 4) for r in range(4)]
@@ -217,7 +217,7 @@ def zero1(
     gradients). ``init(params)`` and ``step(grads, state, params) -> (params, state)`` take
     and return the *full* params on every rank, like ``mixed_precision``; the state holds
     only this rank's slice of every leaf (``torch.chunk`` of the flattened leaf,
-    see [`slice_bounds`][functopt.precision.slice_bounds]): master copies and inner
+    see [`slice_bounds`][functopt.distributed.slice_bounds]): master copies and inner
     state take about $1/N$ of the memory on each of the $N$ ranks. It is a
     [`MixedPrecisionState`][functopt.precision.MixedPrecisionState] whose per-leaf fields
     are 1-D slices; ``metrics`` and ``loss_scale`` are global, equal on every rank.
@@ -231,13 +231,13 @@ def zero1(
     rounds the vectorised body of a tensor and its tail differently, so an element's
     result can depend on where the slice boundary falls. On overflow every rank skips:
     params, masters and inner state stay bitwise unchanged.
-    See ``functopt/precision/zero.py`` for the layout and its trade-offs.
+    See ``functopt/distributed/zero.py`` for the layout and its trade-offs.
 
     ``grads`` may give each leaf either as the full gradient (the param's shape, the same
     on every rank, as after DDP's all-reduce) or as this rank's 1-D slice of it (as
-    [`zero1_reduce_scatter`][functopt.precision.zero1_reduce_scatter] returns it: ZeRO-2's
+    [`zero1_reduce_scatter`][functopt.distributed.zero1_reduce_scatter] returns it: ZeRO-2's
     reduce-scatter instead of an all-reduce), leaf by leaf. Checkpoints go through
-    [`zero1_state_to_dict`][functopt.precision.zero1_state_to_dict], which lets
+    [`zero1_state_to_dict`][functopt.distributed.zero1_state_to_dict], which lets
     ``torch.distributed.checkpoint`` save every rank's slices and reshard them to another
     data-parallel size.
 
@@ -268,7 +268,7 @@ def zero1(
 
     Examples:
         >>> import torch, functopt
-        >>> from functopt.precision.zero import zero1
+        >>> from functopt.distributed.zero import zero1
         >>> opt = zero1(functopt.adamw(1e-2))  # no process group: one rank, no collectives
         >>> params = {"w": torch.ones(2, 3, dtype=torch.bfloat16)}
         >>> state = opt.init(params)
@@ -404,7 +404,7 @@ def _mesh_of(group: dist.ProcessGroup, device_type: str) -> Any:
 
 def zero1_state_to_dict(state: MixedPrecisionState, params: Params, *,
                         process_group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
-    r"""A [`zero1`][functopt.precision.zero1] state as a flat dict for ``torch.distributed.checkpoint``, resharding included.
+    r"""A [`zero1`][functopt.distributed.zero1] state as a flat dict for ``torch.distributed.checkpoint``, resharding included.
 
     The keys are [`state_to_dict`][functopt.distributed.state_to_dict]'s. Each rank's slice
     of a param's state (master, moments) becomes its local shard of a ``Shard(0)``
@@ -431,7 +431,7 @@ def zero1_state_to_dict(state: MixedPrecisionState, params: Params, *,
 
     Examples:
         >>> import torch, functopt
-        >>> from functopt.precision import zero1, zero1_state_to_dict
+        >>> from functopt.distributed import zero1, zero1_state_to_dict
         >>> params = {"w": torch.ones(2, 3, dtype=torch.bfloat16)}
         >>> state = zero1(functopt.adamw(1e-2)).init(params)
         >>> d = zero1_state_to_dict(state, params)  # one rank: whole flattened leaves
@@ -456,7 +456,7 @@ def zero1_state_to_dict(state: MixedPrecisionState, params: Params, *,
 
 def zero1_state_from_dict(d: dict[str, Any], template: MixedPrecisionState, params: Params, *,
                           process_group: dist.ProcessGroup | None = None) -> MixedPrecisionState:
-    r"""Rebuild a [`zero1`][functopt.precision.zero1] state from a dict of [`zero1_state_to_dict`][functopt.precision.zero1_state_to_dict].
+    r"""Rebuild a [`zero1`][functopt.distributed.zero1] state from a dict of [`zero1_state_to_dict`][functopt.distributed.zero1_state_to_dict].
 
     ``template`` is ``zero1(...).init(params)`` on the loading ranks (their data-parallel
     size may differ from the saving run's). Load into ``zero1_state_to_dict(template,
@@ -489,7 +489,7 @@ def zero1_state_from_dict(d: dict[str, Any], template: MixedPrecisionState, para
 
     Examples:
         >>> import torch, functopt, functopt.testing
-        >>> from functopt.precision import zero1, zero1_state_from_dict, zero1_state_to_dict
+        >>> from functopt.distributed import zero1, zero1_state_from_dict, zero1_state_to_dict
         >>> opt = zero1(functopt.adamw(1e-2))
         >>> params = {"w": torch.ones(2, 3)}
         >>> params, state = opt.step({"w": torch.ones(2, 3)}, opt.init(params), params)
@@ -538,8 +538,8 @@ def zero1_reduce_scatter(grads: Any, *, process_group: dist.ProcessGroup | None 
 
     The gradient collective of ZeRO-2: instead of an all-reduce of the full gradients
     (DDP), a reduce-scatter that leaves each rank only the slices it updates
-    ([`slice_bounds`][functopt.precision.slice_bounds]), which
-    [`zero1`][functopt.precision.zero1]'s ``step`` takes in place of full gradients. A
+    ([`slice_bounds`][functopt.distributed.slice_bounds]), which
+    [`zero1`][functopt.distributed.zero1]'s ``step`` takes in place of full gradients. A
     ring reduce-scatter sends $(N-1)/N$ of the gradient bytes per rank where a ring
     all-reduce sends twice that. One ``reduce_scatter`` per gradient dtype: every rank's
     slices of all leaves of that dtype are packed into one buffer (padded to the longest
@@ -565,7 +565,7 @@ def zero1_reduce_scatter(grads: Any, *, process_group: dist.ProcessGroup | None 
 
     Examples:
         >>> import torch
-        >>> from functopt.precision import zero1_reduce_scatter
+        >>> from functopt.distributed import zero1_reduce_scatter
         >>> zero1_reduce_scatter({"w": torch.ones(2, 2)})  # one rank: the flattened gradient
         {'w': tensor([1., 1., 1., 1.])}
     """

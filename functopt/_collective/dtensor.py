@@ -176,7 +176,7 @@ def infer_group(leaves: Sequence[Any], *, names: Sequence[str] | None = None) ->
 def _infer_group(leaves: Sequence[Any], name: Callable[[int], str],
                  declared: Callable[[int], bool] | None = None) -> dist.ProcessGroup | None:
     # ``name(i)`` is called only to word an error; ``declared(i)``: whether plain leaf i has
-    # a declaration of how it repeats over the ranks (see functopt.distributed.counting).
+    # a declaration of how it repeats over the ranks (see functopt._collective.counting).
     if _dtensor_class() is None:
         return None
     first: tuple[int, DTensor] | None = None
