@@ -94,3 +94,24 @@ def test_state_of_other_params_is_named() -> None:
                                          r"elements but is .*not this rank's slice of shape "
                                          r"\(6,\) \(rank 0 of 1\)"):
         zero1_state_to_dict(state._replace(master={"w": torch.ones(4)}), {"w": torch.ones(6)})
+
+
+def test_params_named_like_state_fields_and_a_single_tensor() -> None:
+    """Params named like state fields ('scale', 'count') or a single tensor as the params
+    tree: only the slices in master and inner_state are taken for per-param state."""
+    opt = zero1(functopt.adamw(1e-2), loss_scale=functopt.dynamic_loss_scale())
+    for params in ({"scale": torch.ones(3, dtype=torch.bfloat16), "count": torch.ones(2)},
+                   torch.ones(2, 2, dtype=torch.bfloat16)):
+        state = opt.init(params)
+        slices = zero1_state_to_dict(state, params)
+        d = functopt.distributed.state_to_dict(state, params)
+        assert slices.keys() == d.keys() and all(slices[k] is d[k] for k in d)
+        back = zero1_state_from_dict(dict(slices), opt.init(params), params)
+        assert functopt.testing.bitwise_equal(back, state)
+        # the slices are found: a master of the wrong length is named
+        wrong = (torch.ones(5) if isinstance(params, torch.Tensor)
+                 else {**state.master, "scale": torch.ones(5)})
+        with pytest.raises(ValueError, match=r"state leaf 'master(\.scale)?' belongs to a param"):
+            zero1_state_to_dict(state._replace(master=wrong), params)
+    with pytest.raises(TypeError, match=r"state must be the MixedPrecisionState"):
+        zero1_state_to_dict({"master": torch.ones(2)}, torch.ones(2))

@@ -362,9 +362,15 @@ def _slice_keys(owner: str, state: Any, params: Params, rank: int,
                 world: int) -> dict[str, tuple[int, int]]:
     """``{key: (numel of the param, this rank's slice length)}`` for the per-param state leaves.
 
-    A state leaf is per-param when its path ends with a param's path (the longest such
-    param); it must then be this rank's 1-D slice of that param.
+    A state leaf is per-param when it lies in ``master`` or ``inner_state``, is not 0-d
+    (a slice is 1-D even for a 0-d param; counters are 0-d), and its path ends with a
+    param's path (the longest such param); it must then be this rank's slice of that param.
     """
+    if not isinstance(state, MixedPrecisionState):
+        raise TypeError(
+            f"{owner}: state must be the MixedPrecisionState of zero1(...).init or .step, got "
+            f"{type(state).__name__}."
+        )
     leaves, treespec = _check_params(owner, params)
     by_path = {tuple(a): p for a, p in zip(optree.treespec_accessors(treespec), leaves,
                                               strict=True)}
@@ -372,10 +378,15 @@ def _slice_keys(owner: str, state: Any, params: Params, rank: int,
     state_leaves = [x for x in _core.flatten(state)[0] if x is not None]
     out: dict[str, tuple[int, int]] = {}
     for key, path, x in zip(*_flat_keys(state), state_leaves, strict=True):
-        param = next((by_path[path[-n:]] for n in range(min(longest, len(path)), 0, -1)
-                      if path[-n:] in by_path), None)
+        if key.split(".", 1)[0] not in ("master", "inner_state"):
+            continue  # the loss scale, the metrics, the key: equal on every rank
+        if isinstance(x, torch.Tensor) and x.dim() == 0:
+            continue  # a counter or a hyperparameter of the inner rule
+        param = next((by_path[path[len(path) - n:]]
+                      for n in range(min(longest, len(path)), -1, -1)
+                      if path[len(path) - n:] in by_path), None)
         if param is None:
-            continue  # a counter or the loss scale: equal on every rank
+            continue
         start, end = slice_bounds(param.numel(), rank, world)
         if not isinstance(x, torch.Tensor) or is_dtensor(x) or x.shape != (end - start,):
             raise ValueError(
