@@ -58,7 +58,8 @@ import torch
 import torch.distributed as dist
 
 from functopt._base import GradientTransformation, Params
-from functopt._collective.dtensor import is_dtensor
+from functopt._collective.counting import Replicated, _entries
+from functopt._collective.dtensor import _rewrap_like, is_dtensor, local_tensor
 from functopt.distributed.checkpoint import state_from_dict, state_to_dict
 from functopt.precision.loss_scale import LossScale
 from functopt.precision.master import MasterWeights
@@ -112,18 +113,82 @@ def _resolve_group(process_group: dist.ProcessGroup | None,
     return group, dist.get_rank(group), world
 
 
-def _check_params(owner: str, params: Params) -> tuple[list[Any], _core.TreeSpec]:
+def _check_params(owner: str, params: Params, *, allow_dtensor: bool = False,
+                  ) -> tuple[list[Any], _core.TreeSpec]:
     leaves, treespec = _core.flatten(params)
     _core.check_tensors(leaves, treespec, name="params", floating=True)
-    for i, p in enumerate(leaves):
-        if is_dtensor(p):
-            raise ValueError(
-                f"{owner}: params leaf {_core.paths(treespec)[i]!r} is a DTensor; zero1 "
-                f"shards the state of replicated (plain tensor) params. Fix: with FSDP2 "
-                f"params the state is already sharded like them: use "
-                f"functopt.precision.mixed_precision directly."
-            )
+    if not allow_dtensor:
+        for i, p in enumerate(leaves):
+            if is_dtensor(p):
+                raise ValueError(
+                    f"{owner}: params leaf {_core.paths(treespec)[i]!r} is a DTensor; ZeRO-1 "
+                    f"checkpoints and zero1_reduce_scatter take replicated (plain tensor) "
+                    f"params only, not yet tensor-parallel ones."
+                )
     return leaves, treespec
+
+
+def _model_parallel(owner: str, leaves: list[Any], treespec: _core.TreeSpec,
+                    group: dist.ProcessGroup | None) -> Any:
+    """The 1-D mesh of the DTensor (tensor-parallel) params, or ``None`` if there are none.
+
+    All of them must lie on one 1-D mesh whose ranks meet the data-parallel group only in
+    this rank (the mesh is the tensor-parallel group, the data-parallel group crosses it).
+    """
+    mesh = None
+    for i, p in enumerate(leaves):
+        if not is_dtensor(p):
+            continue
+        where = _core.paths(treespec)[i]
+        if p.device_mesh.ndim != 1:
+            raise ValueError(
+                f"{owner}: params leaf {where!r} is a DTensor on a {p.device_mesh.ndim}-D mesh "
+                f"({p.device_mesh}); zero1 takes tensor-parallel params on a 1-D mesh (the "
+                f"tensor-parallel dimension, e.g. mesh['tp']), and shards over the data-"
+                f"parallel group itself. Fix: parallelize the model on the 1-D sub-mesh. With "
+                f"FSDP2 (params sharded over the data-parallel ranks) the state is already "
+                f"sharded like them: use functopt.precision.mixed_precision directly."
+            )
+        if any(pl.is_partial() for pl in p.placements):
+            raise ValueError(
+                f"{owner}: params leaf {where!r} is a Partial DTensor; expected Shard or "
+                f"Replicate (tensor-parallel params)."
+            )
+        if mesh is None:
+            mesh = p.device_mesh
+            ranks = {int(r) for r in mesh.mesh.reshape(-1).tolist()}
+            dp = set(dist.get_process_group_ranks(group)) if group is not None else {
+                dist.get_rank()}
+            if ranks & dp != {dist.get_rank()}:
+                raise ValueError(
+                    f"{owner}: params leaf {where!r} is a DTensor on mesh {mesh}, which shares "
+                    f"ranks {sorted(ranks & dp)} with the data-parallel group {sorted(dp)}; "
+                    f"zero1 shards over the data-parallel group and expects DTensor params "
+                    f"sharded over other ranks (tensor parallel). Fix: pass "
+                    f"process_group=mesh_2d['dp'].get_group() and parallelize on "
+                    f"mesh_2d['tp']; with FSDP2 params (sharded over the data-parallel ranks) "
+                    f"the state is already sharded like them: use "
+                    f"functopt.precision.mixed_precision directly."
+                )
+        elif p.device_mesh != mesh:
+            raise ValueError(
+                f"{owner}: params leaf {where!r} is a DTensor on mesh {p.device_mesh}, another "
+                f"is on {mesh}; zero1 takes tensor-parallel params on one 1-D mesh."
+            )
+    return mesh
+
+class _Plan(NamedTuple):
+    """What one init or step of zero1 works on."""
+
+    leaves: list[Any]  # the params as given (plain tensors, DTensors, None)
+    treespec: _core.TreeSpec
+    local: list[Any]  # each param's local tensor (its local shard for a DTensor)
+    layout: _Layout
+    mine: list[tuple[int, int, int] | None]  # this rank's (start, end, offset) per leaf
+    group: dist.ProcessGroup | None  # the data-parallel group (None: one rank)
+    rank: int
+    world: int
+    opt: MixedPrecisionTransformation  # the inner step on the slices
 
 
 class _Layout(NamedTuple):
@@ -206,6 +271,8 @@ def zero1(
     inner: GradientTransformation,
     *,
     process_group: dist.ProcessGroup | None = None,
+    stats_group: dist.ProcessGroup | None = None,
+    replicated: Replicated = None,
     loss_scale: LossScale | None = None,
     master_weights: MasterWeights | None = None,
     max_grad_norm: float | torch.Tensor | None = None,
@@ -245,11 +312,32 @@ def zero1(
     1-D slices of the leaves, not the leaves (the same restriction as Megatron-LM's
     ``DistributedOptimizer``).
 
+    Tensor parallelism composes: params may be DTensors on one 1-D mesh (the
+    tensor-parallel ranks, e.g. ``mesh_2d["tp"]``) across which the data-parallel group
+    runs. Each rank then slices its *local shard* over the data-parallel group, the
+    all-gather reassembles the local shards (returned as DTensors placed like the params),
+    and the statistics are summed once over ``stats_group`` (all data- and
+    tensor-parallel ranks), each element counted once: a slice of a ``Shard`` piece on
+    every rank, of a ``Replicate()`` piece (a row-parallel bias) on tensor-parallel rank
+    0, and plain params beside them (left out of the plan) as ``replicated`` declares. So
+    every rank agrees on the norm, the clip factor, the skip and the loss scale.
+
     Args:
         inner: the elementwise update rule, e.g. ``functopt.adamw(1e-3)``.
         process_group: the data-parallel ranks to shard over. ``None`` means the default
             group when ``torch.distributed`` is initialized at ``init``/``step`` time, and
             a single unsharded rank otherwise.
+        stats_group: with tensor-parallel (DTensor) params, the ranks the gradient
+            statistics are summed over: every rank holding a part of the model. ``None``:
+            the world, when the data-parallel group times the tensor-parallel mesh is the
+            world (otherwise it raises, asking for it). Without DTensor params the
+            statistics are summed over ``process_group``.
+        replicated: with tensor-parallel params, how the *plain* params beside them repeat
+            over the tensor-parallel ranks: ``True`` (alike on them, as a param left out of
+            the tensor-parallel plan; counted once), ``False`` (each rank's own part), a
+            ``ProcessGroup`` (alike over that subgroup), or a pytree of these per param.
+            Required when plain and DTensor params meet; not read without DTensor params
+            (each plain slice is then its rank's part).
         loss_scale: as in ``mixed_precision``.
         master_weights: as in ``mixed_precision`` (default: float32 copies of the
             bfloat16 and float16 slices).
@@ -260,11 +348,13 @@ def zero1(
         A [`MixedPrecisionTransformation`][functopt.precision.MixedPrecisionTransformation].
 
     Raises:
-        TypeError: ``process_group`` is not a process group (and ``mixed_precision``'s
-            argument errors).
-        ValueError: a param is a DTensor (FSDP2 already shards the state: use
-            ``mixed_precision`` directly), or a gradient has neither its param's shape nor
-            the shape of this rank's slice.
+        TypeError: ``process_group`` or ``stats_group`` is not a process group (and
+            ``mixed_precision``'s argument errors).
+        ValueError: a DTensor param is not on one 1-D mesh crossing the data-parallel
+            group (FSDP2 params: their state is already sharded like them, use
+            ``mixed_precision``), a plain param beside DTensor params without a
+            ``replicated`` declaration, or a gradient has neither its param's (local) shape
+            nor the shape of this rank's slice.
 
     Examples:
         >>> import torch, functopt
@@ -284,64 +374,131 @@ def zero1(
             f"torch.distributed.group.WORLD or the data-parallel group."
         )
 
-    def build(group: dist.ProcessGroup | None) -> MixedPrecisionTransformation:
-        return mixed_precision(inner, loss_scale=loss_scale, master_weights=master_weights,
-                               max_grad_norm=max_grad_norm, process_group=group,
-                               replicated=False if group is not None else None, fused=fused)
+    for name, value in (("stats_group", stats_group),):
+        if value is not None and not isinstance(value, dist.ProcessGroup):
+            raise TypeError(
+                f"{owner}: {name} must be a torch.distributed.ProcessGroup or None, got "
+                f"{type(value).__name__}."
+            )
+    # The declarations the inner step reads, per slice leaf, for the step in progress: who
+    # counts which slice in the statistics (set by `plan` before every init and step).
+    current: list[Any] = [None]
+
+    def build(stats: dist.ProcessGroup | None) -> MixedPrecisionTransformation:
+        return mixed_precision(
+            inner, loss_scale=loss_scale, master_weights=master_weights,
+            max_grad_norm=max_grad_norm, process_group=stats,
+            replicated=None if stats is None else (lambda _slices: current[0]), fused=fused)
 
     # Built now to validate the arguments; the sharded step is built per group, lazily,
     # because the default group may be created after the optimizer.
     unsharded = build(None)
     by_group: dict[int, tuple[dist.ProcessGroup, MixedPrecisionTransformation]] = {}
 
-    def resolve() -> tuple[dist.ProcessGroup | None, int, int, MixedPrecisionTransformation]:
+    def plan(params: Params) -> _Plan:
+        leaves, treespec = _check_params(owner, params, allow_dtensor=True)
         group, rank, world = _resolve_group(process_group)
-        if group is None:
-            return None, 0, 1, unsharded
-        cached = by_group.get(id(group))
-        if cached is None or cached[0] is not group:  # (an id can be reused by a new group)
-            cached = by_group[id(group)] = (group, build(group))
-        return group, rank, world, cached[1]
+        mesh = _model_parallel(owner, leaves, treespec, group)
+        if mesh is None:  # data parallel only: each slice is its rank's part
+            stats = group
+            entries: list[Any] = [False] * len(leaves)
+        else:
+            stats = stats_group
+            if stats is None:
+                if world * mesh.size() != dist.get_world_size():
+                    raise ValueError(
+                        f"{owner}: the data-parallel group ({world} ranks) times the "
+                        f"tensor-parallel mesh ({mesh.size()} ranks) is not the world "
+                        f"({dist.get_world_size()} ranks), so the group the gradient "
+                        f"statistics are summed over cannot be inferred. Fix: pass "
+                        f"stats_group, the group of all ranks holding a part of this model "
+                        f"(data- and tensor-parallel)."
+                    )
+                stats = dist.group.WORLD
+            tp_group = mesh.get_group()
+            declared = _entries(owner, replicated, params, leaves, treespec)
+            entries = []
+            for i, (p, entry) in enumerate(zip(leaves, declared, strict=True)):
+                if p is None or is_dtensor(p):
+                    # a slice of a Shard piece is a part; of a Replicate one, a copy over TP
+                    replicate = p is not None and p.placements[0].is_replicate()
+                    entries.append(tp_group if replicate else False)
+                elif entry is None:
+                    raise ValueError(
+                        f"{owner}: params leaf {_core.paths(treespec)[i]!r} is a plain tensor "
+                        f"beside tensor-parallel (DTensor) params; it is unclear whether the "
+                        f"tensor-parallel ranks hold the same values (count it once) or each "
+                        f"its own part. Fix: pass replicated=True (alike on the tensor-"
+                        f"parallel ranks: a param left out of the plan), replicated=False, or "
+                        f"a pytree of such bools (or of process groups) per param."
+                    )
+                else:
+                    entries.append(tp_group if entry is True else entry)
+        if stats is None:
+            opt = unsharded
+        else:
+            cached = by_group.get(id(stats))
+            if cached is None or cached[0] is not stats:  # (an id can be reused)
+                cached = by_group[id(stats)] = (stats, build(stats))
+            opt = cached[1]
+        current[0] = _core.unflatten(treespec, entries)
+        local = [None if p is None else local_tensor(p) for p in leaves]
+        layout = _layout(local, world)
+        mine = [None if b is None else b[rank] for b in layout.slices]
+        return _Plan(leaves, treespec, local, layout, mine, group, rank, world, opt)
 
     def init_fn(params: Params) -> MixedPrecisionState:
-        leaves, treespec = _check_params(owner, params)
-        _, rank, world, opt = resolve()
-        layout = _layout(leaves, world)
-        mine = [None if b is None else b[rank] for b in layout.slices]
-        return opt.init(_core.unflatten(treespec, [_slice(p, b) for p, b in zip(leaves, mine, strict=True)]))
+        pl = plan(params)
+        return pl.opt.init(_core.unflatten(
+            pl.treespec, [_slice(p, b) for p, b in zip(pl.local, pl.mine, strict=True)]))
 
     def step_fn(grads: Any, state: MixedPrecisionState, params: Params,
                 **extra_args: Any) -> tuple[Params, MixedPrecisionState]:
-        leaves, treespec = _check_params(owner, params)
+        pl = plan(params)
+        treespec, rank, world = pl.treespec, pl.rank, pl.world
         grad_leaves = _core.flatten_like(treespec, grads, name="grads", reference="params")
         _core.check_tensors(grad_leaves, treespec, name="grads", floating=True)
-        group, rank, world, opt = resolve()
-        layout = _layout(leaves, world)
-        mine = [None if b is None else b[rank] for b in layout.slices]
         grad_slices = []
-        for i, (g, p, b) in enumerate(zip(grad_leaves, leaves, mine, strict=True)):
-            if g is None or p is None or b is None or g.shape == p.shape:
-                grad_slices.append(_slice(g, b))  # a full gradient (or None): take the slice
-            elif g.shape == (b[1] - b[0],):
+        for i, (g, p, lp, b) in enumerate(
+                zip(grad_leaves, pl.leaves, pl.local, pl.mine, strict=True)):
+            if g is None or p is None or b is None:
+                grad_slices.append(None if g is None or b is None else _slice(g, b))
+                continue
+            if is_dtensor(g) != is_dtensor(p) and not (not is_dtensor(g) and g.dim() == 1
+                                                       and g.shape == (b[1] - b[0],)):
+                raise ValueError(
+                    f"{owner}: {_core.paths(treespec)[i]!r}: the grad is "
+                    f"{'a DTensor' if is_dtensor(g) else 'a plain tensor'} but the param is "
+                    f"{'a DTensor' if is_dtensor(p) else 'a plain tensor'}. Fix: pass the "
+                    f"gradients autograd gives the params (or this rank's slices)."
+                )
+            lg = local_tensor(g)
+            if lg.shape == lp.shape:
+                grad_slices.append(_slice(lg, b))  # a full gradient: take the slice
+            elif not is_dtensor(g) and g.shape == (b[1] - b[0],):
                 grad_slices.append(g.detach())  # already this rank's slice (reduce-scattered)
             else:
+                what = "local shard's" if is_dtensor(p) else "param's"
                 raise ValueError(
-                    f"{owner}: {_core.paths(treespec)[i]!r}: grad has shape {tuple(g.shape)}; "
-                    f"expected the param's shape {tuple(p.shape)} (the full, all-reduced "
+                    f"{owner}: {_core.paths(treespec)[i]!r}: grad has shape {tuple(lg.shape)}; "
+                    f"expected the {what} shape {tuple(lp.shape)} (the full, all-reduced "
                     f"gradient) or ({b[1] - b[0]},) (this rank's slice, rank {rank} of "
                     f"{world}: elements {b[0]} to {b[1]} of the flattened param, as "
                     f"zero1_reduce_scatter returns it). Fix: pass one of the two."
                 )
-        new_slices, new_state = opt.step(
+        new_slices, new_state = pl.opt.step(
             _core.unflatten(treespec, grad_slices),
             state,
-            _core.unflatten(treespec, [_slice(p, b) for p, b in zip(leaves, mine, strict=True)]),
+            _core.unflatten(treespec, [_slice(p, b) for p, b in zip(pl.local, pl.mine,
+                                                                      strict=True)]),
             **extra_args,
         )
         new_leaves = _core.flatten_like(treespec, new_slices, name="new params",
                                         reference="params")
-        full = _gather(new_leaves, leaves, layout, rank, world, group)
-        return _core.unflatten(treespec, full), new_state
+        full = _gather(new_leaves, pl.local, pl.layout, rank, world, pl.group)
+        return _core.unflatten(treespec, [
+            t if p is None or not is_dtensor(p) else _rewrap_like(p, t)
+            for p, t in zip(pl.leaves, full, strict=True)]), new_state
 
     def buffers() -> list[torch.Tensor]:
         return [*unsharded.buffers(), *(b for _, mp in by_group.values() for b in mp.buffers())]

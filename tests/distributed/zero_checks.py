@@ -20,11 +20,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import functopt
-from distributed.checks import _assert_tree, _bits_equal
+from distributed.checks import _assert_tree, _bits_equal, _full
 from distributed.harness import check_registry, run_checks
 from functopt.distributed.zero import slice_bounds, zero1, zero1_reduce_scatter
 from functopt.precision import mixed_precision
@@ -323,3 +324,64 @@ def zero1_reduce_scattered_grads_equal_all_reduced(rank: int, world: int) -> Non
     _assert_tree(new_state, ref_state)
     mixed = {**sliced, "m": full["m"]}  # one leaf full, the others slices
     _assert_tree(opt.step(mixed, state, params)[0], ref_params)
+
+
+def _tp_grads(step: int, full: dict[str, torch.Tensor], params: dict[str, Any],
+              scale: float) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Synthetic gradients of the whole params (the same on every rank, as after DDP),
+    scaled; and, for the TP params, as DTensors placed like them."""
+    g = torch.Generator().manual_seed(700 + step)
+    whole = {k: torch.randn(v.shape, generator=g) * scale for k, v in full.items()}
+    placed = {k: distribute_tensor(whole[k], v.device_mesh, v.placements)
+              if isinstance(v, DTensor) else whole[k].clone() for k, v in params.items()}
+    return placed, whole
+
+
+@check
+def zero1_with_tensor_parallel_agrees(rank: int, world: int) -> None:
+    """ZeRO-1 over the data-parallel ranks of a (world/2, 2) mesh with TP params on the
+    "tp" dimension (a column- and a row-parallel Linear, one left out of the plan): every
+    rank gets the one-process norm, skip decision (an inf in one TP rank's shard only) and
+    loss scale, and the params of the one-process step; two collectives per step (one at a
+    data-parallel size of 1)."""
+    from distributed.replication_checks import _model
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    model = _model()
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    assert isinstance(params["2.bias"], DTensor) and params["2.bias"].placements == (Replicate(),)
+    kwargs = {"loss_scale": functopt.dynamic_loss_scale(init_scale=2.0**4, growth_interval=1),
+              "max_grad_norm": 2.0, "fused": False}
+    opt = zero1(functopt.adamw(1e-2, weight_decay=0.1), process_group=mesh["dp"].get_group(),
+                replicated=True, **kwargs)
+    ref = mixed_precision(functopt.adamw(1e-2, weight_decay=0.1), **kwargs)
+    state, ref_state = opt.init(params), ref.init(full)
+    ref_params = full
+    for step in range(4):
+        grads, whole = _tp_grads(step, full, params, float(ref_state.loss_scale.scale))
+        if step == 1:  # an inf in TP rank 1's rows of the column-parallel weight only
+            whole["0.weight"][3, 0] = float("inf")
+            if mesh["tp"].get_local_rank() == 1:
+                grads["0.weight"].to_local()[0, 0] = float("inf")
+        with CommDebugMode() as comm:
+            params, state = opt.step(grads, state, params)
+        assert comm.get_total_counts() == (2 if world > 2 else 1), comm.get_comm_counts()
+        ref_params, ref_state = ref.step(whole, ref_state, ref_params)
+        ours = torch.stack([state.metrics.grad_norm.double(), state.loss_scale.scale.double(),
+                            state.metrics.found_inf.double()])
+        every = [torch.zeros_like(ours) for _ in range(world)]
+        dist.all_gather(every, ours)
+        assert all(torch.equal(e, ours) for e in every), every  # all ranks agree
+        assert bool(state.metrics.found_inf) == (step == 1)
+        assert torch.equal(state.loss_scale.scale, ref_state.loss_scale.scale)
+        torch.testing.assert_close(state.metrics.grad_norm, ref_state.metrics.grad_norm,
+                                   rtol=1e-6, atol=0.0)
+        for k, v in params.items():
+            if isinstance(v, DTensor):
+                assert v.placements == model.get_parameter(k).placements, k
+        _assert_tree({k: _full(v) for k, v in params.items()}, ref_params, bitwise=False,
+                     rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match=r"'3.bias' is a plain tensor beside tensor-parallel "
+                                         r"\(DTensor\) params.*Fix: pass replicated=True"):
+        zero1(functopt.adamw(1e-2), process_group=mesh["dp"].get_group()).init(params)
