@@ -73,6 +73,31 @@ def test_load_on_1_process_and_continue(saved, name: str) -> None:
     assert result[name] is None, result[name]
 
 
+# ------------------------------------------- ZeRO-1 x tensor parallel: (2, 2) -> (1, 2)
+
+@pytest.fixture(scope="module")
+def tp_saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict[str, str | None]]]:
+    path = str(tmp_path_factory.mktemp("zero1-tp-dcp"))
+    results = harness.run_ranks(
+        lambda rank, world: zero_checkpoint_checks.tp_save_and_reload(rank, world, path), 4,
+        timeout_s=LAUNCH_TIMEOUT_S)
+    return path, results
+
+
+def test_tensor_parallel_save_and_reload_on_2x2(tp_saved) -> None:
+    failures = _failures(tp_saved[1], "tp")
+    assert not failures, failures
+
+
+def test_tensor_parallel_load_on_1x2_and_continue(tp_saved) -> None:
+    path = _path_if_saved(tp_saved, "tp")
+    results = harness.run_ranks(
+        lambda rank, world: zero_checkpoint_checks.tp_load_and_continue(rank, world, path), 2,
+        timeout_s=LAUNCH_TIMEOUT_S)
+    failures = _failures(results, "tp")
+    assert not failures, failures
+
+
 # ------------------------------------------------------------------- single process
 
 def test_one_rank_dict_is_plain_flattened_leaves() -> None:

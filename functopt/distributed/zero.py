@@ -113,18 +113,9 @@ def _resolve_group(process_group: dist.ProcessGroup | None,
     return group, dist.get_rank(group), world
 
 
-def _check_params(owner: str, params: Params, *, allow_dtensor: bool = False,
-                  ) -> tuple[list[Any], _core.TreeSpec]:
+def _check_params(owner: str, params: Params) -> tuple[list[Any], _core.TreeSpec]:
     leaves, treespec = _core.flatten(params)
     _core.check_tensors(leaves, treespec, name="params", floating=True)
-    if not allow_dtensor:
-        for i, p in enumerate(leaves):
-            if is_dtensor(p):
-                raise ValueError(
-                    f"{owner}: params leaf {_core.paths(treespec)[i]!r} is a DTensor; ZeRO-1 "
-                    f"checkpoints and zero1_reduce_scatter take replicated (plain tensor) "
-                    f"params only, not yet tensor-parallel ones."
-                )
     return leaves, treespec
 
 
@@ -396,7 +387,7 @@ def zero1(
     by_group: dict[int, tuple[dist.ProcessGroup, MixedPrecisionTransformation]] = {}
 
     def plan(params: Params) -> _Plan:
-        leaves, treespec = _check_params(owner, params, allow_dtensor=True)
+        leaves, treespec = _check_params(owner, params)
         group, rank, world = _resolve_group(process_group)
         mesh = _model_parallel(owner, leaves, treespec, group)
         if mesh is None:  # data parallel only: each slice is its rank's part
@@ -529,6 +520,7 @@ def _slice_keys(owner: str, state: Any, params: Params, rank: int,
             f"{type(state).__name__}."
         )
     leaves, treespec = _check_params(owner, params)
+    leaves = [None if p is None else local_tensor(p) for p in leaves]  # slices of local shards
     by_path = {tuple(a): p for a, p in zip(optree.treespec_accessors(treespec), leaves,
                                               strict=True)}
     longest = max((len(a) for a in by_path), default=0)
@@ -583,6 +575,12 @@ def zero1_state_to_dict(state: MixedPrecisionState, params: Params, *,
     metrics are plain tensors, equal on every rank. On one rank (no group, or a group of
     one), the slices are the whole flattened leaves, as plain tensors.
 
+    With tensor-parallel (DTensor) params, a rank's slices are slices of its *local*
+    shards, whose global tensor is the flattened local shard; the keys of these entries
+    end with ``@tp<tensor-parallel rank>`` (``'master.0.weight@tp1'``), so the
+    tensor-parallel ranks' slices are saved side by side. Such a checkpoint loads on any
+    data-parallel size with the same tensor-parallel size.
+
     Args:
         state: a state of ``zero1(...)`` (from ``init`` or ``step``).
         params: the full params that state belongs to (for each leaf's global size).
@@ -610,16 +608,23 @@ def zero1_state_to_dict(state: MixedPrecisionState, params: Params, *,
     out = state_to_dict(state, params)
     group, rank, world = _resolve_group(process_group)
     slices = _slice_keys(owner, state, params, rank, world)
-    if group is None:
-        return out
-    from torch.distributed.tensor import DTensor, Shard  # (importing it costs 0.7 s)
-
+    suffix = _tp_suffix(owner, params, group)
+    if group is not None:
+        from torch.distributed.tensor import DTensor, Shard  # (importing it costs 0.7 s)
     for key, (numel, _) in slices.items():
-        local = out[key]
-        out[key] = DTensor.from_local(local, _mesh_of(group, local.device.type), [Shard(0)],
-                                      run_check=False, shape=torch.Size((numel,)),
-                                      stride=(1,))
+        local = out.pop(key)
+        out[key + suffix] = local if group is None else DTensor.from_local(
+            local, _mesh_of(group, local.device.type), [Shard(0)], run_check=False,
+            shape=torch.Size((numel,)), stride=(1,))
     return out
+
+
+def _tp_suffix(owner: str, params: Params, group: dist.ProcessGroup | None) -> str:
+    """``''``, or ``'@tp<rank>'`` with tensor-parallel params: each tensor-parallel rank's
+    slices (of its own local shards) are saved under keys of their own."""
+    leaves, treespec = _check_params(owner, params)
+    mesh = _model_parallel(owner, leaves, treespec, group)
+    return "" if mesh is None else f"@tp{mesh.get_local_rank()}"
 
 
 def zero1_state_from_dict(d: dict[str, Any], template: MixedPrecisionState, params: Params, *,
@@ -669,10 +674,14 @@ def zero1_state_from_dict(d: dict[str, Any], template: MixedPrecisionState, para
     owner = "zero1_state_from_dict"
     group, rank, world = _resolve_group(process_group)
     slices = _slice_keys(owner, template, params, rank, world)
+    suffix = _tp_suffix(owner, params, group)
     plain: dict[str, Any] = dict(d)
+    for key in slices:
+        if key + suffix in plain:
+            plain[key] = plain.pop(key + suffix)
     if group is not None:
         for key, (numel, _) in slices.items():
-            value = d.get(key)
+            value = plain.get(key)
             if value is None:
                 continue  # state_from_dict names the missing key
             if not is_dtensor(value):

@@ -8,6 +8,10 @@ further steps on another data-parallel size (4 ranks, or 1 process without
 ``torch.distributed``). The training includes an overflow step (skip counter 1, loss scale
 halved) and loss-scale growth, so the counters and the scale travel with the checkpoint.
 
+``tp_save_and_reload`` / ``tp_load_and_continue`` do the same for ZeRO-1 beside tensor
+parallelism: saved on a (2, 2) (dp, tp) mesh, reloaded there bitwise, and continued on a
+(1, 2) mesh bitwise as the one-process run (no clipping, pure path: elementwise).
+
 The reference is the uninterrupted unsharded run: ``mixed_precision`` with the same
 arguments on the whole params for all ``SAVE_STEPS + MORE_STEPS`` steps, computed in each
 rank. Two configurations:
@@ -209,3 +213,112 @@ def load_and_continue(rank: int, world: int, path: str) -> dict[str, str | None]
         _assert_like_reference(config, params, state, ref_params, ref_state, rank, world)
 
     return _run({config: (lambda c=config: run(c)) for config in CONFIGS})
+
+
+# ------------------------------------------------- with tensor parallelism: (2, 2) -> (1, 2)
+
+def _tp_setup(world: int) -> tuple[Any, dict[str, torch.Tensor], dict[str, Any]]:
+    """A (world/2, 2) mesh, the model's whole params, and its params parallelized on "tp"."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from distributed.replication_checks import _model
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    model = _model()
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    return mesh, full, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _tp_kwargs() -> dict[str, Any]:
+    return {"loss_scale": functopt.dynamic_loss_scale(init_scale=2.0**4, growth_interval=2),
+            "fused": False}
+
+
+def _tp_train(opt: Any, full: dict[str, torch.Tensor], params: Any, state: Any,
+              steps: range) -> tuple[Any, Any]:
+    from distributed.zero_checks import _tp_grads
+    for step in steps:
+        grads, _ = _tp_grads(step, full, params, float(state.loss_scale.scale))
+        if step == OVERFLOW_STEP:
+            grads["3.weight"][0, 0] = float("inf")  # the plain (left out) param: every rank
+        params, state = opt.step(grads, state, params)
+    return params, state
+
+
+def _tp_reference(full: dict[str, torch.Tensor], steps: int) -> tuple[Any, Any]:
+    from distributed.zero_checks import _tp_grads
+    ref = mixed_precision(functopt.adamw(1e-2, weight_decay=0.1), **_tp_kwargs())
+    params, state = full, ref.init(full)
+    for step in range(steps):
+        _, whole = _tp_grads(step, full, full, float(state.loss_scale.scale))
+        if step == OVERFLOW_STEP:
+            whole["3.weight"][0, 0] = float("inf")
+        params, state = ref.step(whole, state, params)
+    return params, state
+
+
+def _tp_assert_like_reference(params: Any, state: Any, full: dict[str, torch.Tensor],
+                              steps: int) -> None:
+    from distributed.checks import _full
+    ref_params, ref_state = _tp_reference(full, steps)
+    # elementwise steps, no clipping: bitwise the one-process run, however sharded
+    _assert_tree({k: _full(v) for k, v in params.items()}, ref_params)
+    _assert_tree(state.loss_scale, ref_state.loss_scale)
+    assert int(state.metrics.skipped_steps) == int(ref_state.metrics.skipped_steps) == 1
+
+
+def _tp_load(world: int, path: str) -> tuple[Any, Any, Any, Any]:
+    mesh, full, params = _tp_setup(world)
+    opt = zero1(functopt.adamw(1e-2, weight_decay=0.1), process_group=mesh["dp"].get_group(),
+                replicated=True, **_tp_kwargs())
+    template = opt.init(params)
+    loaded = {"opt": zero1_state_to_dict(template, params, process_group=mesh["dp"].get_group())}
+    dcp.load(loaded, checkpoint_id=os.path.join(path, "tp"))
+    state = zero1_state_from_dict(loaded["opt"], template, params,
+                                  process_group=mesh["dp"].get_group())
+    return opt, full, params, state
+
+
+def tp_save_and_reload(rank: int, world: int, path: str) -> dict[str, str | None]:
+    """ZeRO-1 x TP on a (2, 2) mesh: saved, reloaded on the same ranks bitwise."""
+
+    def run() -> None:
+        mesh, full, params = _tp_setup(world)
+        dp = mesh["dp"].get_group()
+        opt = zero1(functopt.adamw(1e-2, weight_decay=0.1), process_group=dp,
+                    replicated=True, **_tp_kwargs())
+        params, state = _tp_train(opt, full, params, opt.init(params), range(SAVE_STEPS))
+        _tp_assert_like_reference(params, state, full, SAVE_STEPS)
+        d = zero1_state_to_dict(state, params, process_group=dp)
+        tp_rank = mesh["tp"].get_local_rank()
+        assert f"master.0.weight@tp{tp_rank}" not in d  # float32 params: no master
+        assert f"inner_state.0.mu.0.weight@tp{tp_rank}" in d
+        assert "loss_scale.scale" in d
+        dcp.save({"opt": d}, checkpoint_id=os.path.join(path, "tp"))
+        _, _, _, state2 = _tp_load(world, path)
+        _assert_tree(state2, state)  # bitwise, every rank its own slices back
+
+    return _run({"tp": run})
+
+
+def tp_load_and_continue(rank: int, world: int, path: str) -> dict[str, str | None]:
+    """The (2, 2) checkpoint on a (1, 2) mesh: training continues as the one-process run."""
+
+    def run() -> None:
+        opt, full, params, state = _tp_load(world, path)
+        # the params are not in the checkpoint: the run's own params after SAVE_STEPS
+        ref_params, _ = _tp_reference(full, SAVE_STEPS)
+        from torch.distributed.tensor import DTensor, distribute_tensor
+        params = {k: distribute_tensor(ref_params[k], v.device_mesh, v.placements)
+                  if isinstance(v, DTensor) else ref_params[k].clone()
+                  for k, v in params.items()}
+        params, state = _tp_train(opt, full, params, state,
+                                  range(SAVE_STEPS, SAVE_STEPS + MORE_STEPS))
+        _tp_assert_like_reference(params, state, full, SAVE_STEPS + MORE_STEPS)
+
+    return _run({"tp": run})
