@@ -86,7 +86,10 @@ def counted_here(x: torch.Tensor, *, where: str = "<leaf>") -> bool:
     mesh counts each element of the global tensor exactly once (dividing each copy's
     contribution by the number of copies would do it too, but would turn exact counts into
     rounded fractions). Sharded dimensions (``Shard``, FSDP2's strided shards) count on
-    every rank. A plain tensor always counts here.
+    every rank. A plain tensor always counts here. This is the rule for a sum over all
+    ranks of ``x``'s mesh; [`global_grad_stats`][functopt.distributed.global_grad_stats]
+    with another group, or with plain tensors declared ``replicated``, applies the rules
+    of ``functopt/_collective/counting.py``.
 
     Args:
         x: a DTensor or a plain tensor.
