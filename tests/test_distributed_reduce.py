@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given
+from hypothesis import strategies as st
 from torch.distributed.tensor.debug import CommDebugMode
 
 import functopt
@@ -81,3 +82,31 @@ def test_mixed_precision_rejects_a_non_group() -> None:
     with pytest.raises(TypeError, match=r"process_group must be a torch.distributed.ProcessGroup "
                                         r"or None .*got str"):
         functopt.precision.mixed_precision(functopt.sgd(0.1), process_group="world")
+
+
+@given(fst.params_and_gradients(grad_kind="any", allow_none=True), st.booleans())
+def test_declarations_without_a_group_change_nothing(pair, flag: bool) -> None:
+    """No group and no DTensor: nothing is summed, so every plain leaf counts here whatever
+    ``replicated`` declares (one bool, or a per-leaf tree)."""
+    _, grads = pair
+    leaves, spec = _core.flatten(grads)
+    per_leaf = _core.unflatten(spec, [flag] * len(leaves))
+    for replicated in (flag, per_leaf, lambda tree: per_leaf):
+        with CommDebugMode() as comm:
+            packed = fdist.global_grad_stats(grads, replicated=replicated)
+        assert comm.get_total_counts() == 0
+        assert_bitwise_equal(packed, fdist.local_grad_stats(grads))
+
+
+def test_replicated_errors_name_the_entry() -> None:
+    grads = {"dense": {"w": torch.ones(2)}, "expert": torch.ones(3)}
+    with pytest.raises(TypeError, match=r"global_grad_stats: replicated entry 'expert' is a str; "
+                                        r"expected True, False or a torch.distributed."
+                                        r"ProcessGroup\. Fix: pass replicated=True if"):
+        fdist.global_grad_stats(grads, replicated={"dense": True, "expert": "yes"})
+    with pytest.raises(ValueError, match=r"global_grad_stats: replicated must have the structure "
+                                         r"of the grads, or of a prefix of it"):
+        fdist.global_grad_stats(grads, replicated={"dense": True})
+    with pytest.raises(TypeError, match=r"mixed_precision: replicated entry 'w' is a int"):
+        opt = functopt.precision.mixed_precision(functopt.sgd(0.1), replicated={"w": 1})
+        opt.step({"w": torch.ones(2)}, opt.init({"w": torch.ones(2)}), {"w": torch.ones(2)})

@@ -1,4 +1,4 @@
-"""ZeRO-1 (``functopt.precision.zero.zero1``): single-process properties, then 2 and 4 gloo ranks.
+"""ZeRO-1 (``functopt.distributed.zero.zero1``): single-process properties, then 2 and 4 gloo ranks.
 
 The multi-rank checks live in ``tests/distributed/zero_checks.py`` (see its docstring for
 the setting and the tolerances); one launch of the ranks per world size runs them all and
@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functopt
+from functopt.distributed.zero import slice_bounds, zero1
 from functopt.precision import mixed_precision
-from functopt.precision.zero import slice_bounds, zero1
 from functopt.testing import assert_bitwise_equal, clone_tree
 from functopt.testing import strategies as fst
 
@@ -23,12 +23,16 @@ LAUNCH_TIMEOUT_S = 150.0
 
 
 @given(st.integers(0, 40), st.integers(1, 6))
-def test_slice_bounds_is_tensor_split(numel: int, world: int) -> None:
+def test_slice_bounds_is_chunk(numel: int, world: int) -> None:
+    """torch.chunk's split (DTensor's Shard(0), checked against DTensor in zero_checks),
+    with an empty slice for each rank past the last chunk."""
     x = torch.arange(numel)
-    parts = x.tensor_split(world)
+    parts = list(x.chunk(world)) if numel else []
     for rank in range(world):
         start, end = slice_bounds(numel, rank, world)
-        assert torch.equal(x[start:end], parts[rank])
+        expected = parts[rank] if rank < len(parts) else x[:0]
+        assert torch.equal(x[start:end], expected)
+        assert end - start <= -(-numel // world)  # no rank above one element over a share
 
 
 @settings(max_examples=15)
@@ -68,8 +72,9 @@ def test_inner_errors_come_from_mixed_precision() -> None:
 def test_grad_shape_error_names_the_leaf() -> None:
     opt = zero1(functopt.sgd(0.1))
     params = {"layer": {"w": torch.ones(2, 3)}}
-    with pytest.raises(ValueError, match=r"'layer\.w': grad has shape \(3, 2\) but the param "
-                                         r"has shape \(2, 3\)"):
+    with pytest.raises(ValueError, match=r"'layer\.w': grad has shape \(3, 2\); expected the "
+                                         r"param's shape \(2, 3\) .* or \(6,\) \(this rank's "
+                                         r"slice, rank 0 of 1"):
         opt.step({"layer": {"w": torch.ones(3, 2)}}, opt.init(params), params)
 
 

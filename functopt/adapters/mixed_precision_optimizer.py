@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from functopt._base import GradientTransformation, Params
+from functopt._collective.dtensor import local_tensor
 from functopt.adapters import _param_groups, _state_dict
-from functopt.distributed.dtensor import local_tensor
 from functopt.distributed.offloading import OffloadedState, offload, reload
 from functopt.precision.loss_scale import LossScale, dynamic_loss_scale
 from functopt.precision.master import float32_master

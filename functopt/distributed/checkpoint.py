@@ -32,7 +32,7 @@ from typing import Any
 import optree
 import torch
 
-from functopt.distributed.dtensor import is_dtensor
+from functopt._collective.dtensor import is_dtensor
 from functopt.tree import _core
 
 __all__ = ["state_from_dict", "state_to_dict"]

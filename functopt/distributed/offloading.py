@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from functopt.distributed.dtensor import is_dtensor
+from functopt._collective.dtensor import is_dtensor
 from functopt.tree import _core
 
 __all__ = ["OffloadedState", "offload", "reload"]

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from functopt._base import GradientTransformation
-from functopt.distributed.dtensor import _leaf_names
+from functopt._collective.dtensor import _leaf_names
 from functopt.fast import _planner
 from functopt.tree import _core
 

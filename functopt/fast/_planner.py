@@ -55,8 +55,8 @@ from typing import Any
 import torch
 
 from functopt._base import GradientTransformation
+from functopt._collective.dtensor import _counted_here, _rewrap_like, local_tensor
 from functopt._spec import GlobalNormClip, Injected, Leafwise, Select, Sequence, Spec, describe
-from functopt.distributed.dtensor import _counted_here, _rewrap_like, local_tensor
 from functopt.transforms import _common
 from functopt.tree import _core
 

@@ -31,8 +31,8 @@ import torch
 
 from functopt._apply import apply_updates
 from functopt._base import GradientTransformation, Params, State, Updates
-from functopt.distributed.dtensor import _infer_group, _leaf_names, _rewrap_like, local_tensor
-from functopt.distributed.reduce import all_reduce_stats
+from functopt._collective.dtensor import _infer_group, _leaf_names, _rewrap_like, local_tensor
+from functopt._collective.reduce import all_reduce_stats
 from functopt.fast import _planner
 from functopt.tree import _core
 

@@ -9,8 +9,9 @@ The master-weight strategies trade memory for precision:
 [`stochastic_rounding`][functopt.precision.stochastic_rounding] (no store, unbiased).
 [`Policy`][functopt.precision.Policy] and [`get_policy`][functopt.precision.get_policy]
 are jmp's dtype policies: which dtype params are kept in, computed in, and returned in.
-[`zero1`][functopt.precision.zero1] is the same step for replicated (DDP) params with the
-state and master sharded over the data-parallel ranks (ZeRO stage 1).
+ZeRO-1, the same step for replicated (DDP) params with the state and master sharded over
+the data-parallel ranks, is a sharding strategy and lives one layer up, in
+[`functopt.distributed.zero1`][functopt.distributed.zero1].
 """
 
 from functopt.precision.loss_scale import (
@@ -35,7 +36,6 @@ from functopt.precision.step import (
     scale_loss,
     select_tree,
 )
-from functopt.precision.zero import slice_bounds, zero1
 
 __all__ = [
     "GradStats",
@@ -54,9 +54,7 @@ __all__ = [
     "mixed_precision",
     "scale_loss",
     "select_tree",
-    "slice_bounds",
     "static_loss_scale",
     "stochastic_rounding",
     "unpack_grad_stats",
-    "zero1",
 ]

@@ -43,14 +43,14 @@ How it differs from the pure path, and why that is the same step:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from functopt.distributed.dtensor import _counted_here, _rewrap_like, local_tensor
-from functopt.distributed.reduce import all_reduce_stats
+from functopt._collective.dtensor import _counted_here, _rewrap_like, local_tensor
+from functopt._collective.reduce import all_reduce_stats
 from functopt.fast import _planner
 from functopt.precision.loss_scale import LossScale, LossScaleState, _inverse
 from functopt.precision.stats import (
@@ -69,7 +69,8 @@ _CLIPS = 3
 
 def fused_stats(grads: list[Any], wide: list[Any], name: Callable[[int], str],
                 inv_scale: torch.Tensor, device: torch.device, count_zeros: bool,
-                clips: list[list[int]]) -> torch.Tensor:
+                clips: list[list[int]], counted: Sequence[bool] | None = None,
+                ) -> torch.Tensor:
     """The packed ``[sum of squares, non-finite flag, zero count, clip sums...]`` of the
     unscaled gradients this rank counts, from one ``foreach`` norm per (device, dtype)
     group.
@@ -77,11 +78,15 @@ def fused_stats(grads: list[Any], wide: list[Any], name: Callable[[int], str],
     ``wide`` holds the gradients in the precision of the values they update (local
     shards); each is reduced in float32, or float64 when it is float64, as the pure path
     reduces its unscaled gradients. ``grads`` (the gradients as given) decide which leaves
-    this rank counts; ``clips`` lists the leaves each clip of the inner chain measures.
+    this rank counts, unless ``counted`` (one bool per leaf) says it; ``clips`` lists the
+    leaves each clip of the inner chain measures.
     """
-    counted = [w is not None and _counted_here(g, functools.partial(name, i))
-               for i, (g, w) in enumerate(zip(grads, wide, strict=True))]
-    squares = _planner.leaf_squares(wide, counted, inv_scale)
+    if counted is None:
+        counted = [w is not None and _counted_here(g, functools.partial(name, i))
+                   for i, (g, w) in enumerate(zip(grads, wide, strict=True))]
+    else:
+        counted = [c and w is not None for c, w in zip(counted, wide, strict=True)]
+    squares = _planner.leaf_squares(wide, list(counted), inv_scale)
     packed = torch.zeros(_CLIPS + len(clips), dtype=torch.float64, device=device)
     present = [s for s in squares if s is not None]
     if present:
@@ -141,14 +146,15 @@ def fused_mixed_step(
     grads: list[Any], inner_state: Any, loss_scale: LossScaleState, *, treespec: Any,
     scale_rule: LossScale, scaled: bool, max_grad_norm: float | torch.Tensor | None,
     group: dist.ProcessGroup | None, name: Callable[[int], str], count_zeros: bool,
-    donate: bool, workspace: list[Any] | None = None,
+    donate: bool, workspace: list[Any] | None = None, counted: Sequence[bool] | None = None,
 ) -> tuple[list[Any], list[Any], Any, GradStats, LossScaleState] | str:
     """The mixed-precision step on the planner's kernels (see the module docstring), or the
     reason the planner gives why it cannot lower these leaves (the caller then takes the
     pure path).
 
     ``workspace``: a list the caller keeps between steps, where the gradient casts are
-    written (see `_widened`); ``None`` allocates them at every step.
+    written (see `_widened`); ``None`` allocates them at every step. ``counted``: per leaf,
+    whether this rank counts it in the statistics (``functopt._collective.counting``).
 
     Returns ``(new params, new stores, new inner state, statistics, new loss scale)``.
     """
@@ -164,8 +170,8 @@ def fused_mixed_step(
     device = loss_scale.scale.device
     inv_scale = _inverse(loss_scale)
     packed = all_reduce_stats(
-        fused_stats(grads, wide, name, inv_scale, device, count_zeros, structure.clips),
-        group)
+        fused_stats(grads, wide, name, inv_scale, device, count_zeros, structure.clips,
+                    counted), group)
     stats = unpack_grad_stats(packed[:_CLIPS])
     new_loss_scale = scale_rule.adjust(loss_scale, stats.found_inf)
 

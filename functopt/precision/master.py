@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from functopt.distributed.dtensor import is_dtensor
+from functopt._collective.dtensor import is_dtensor
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor

@@ -60,8 +60,9 @@ import torch.distributed as dist
 
 from functopt import _validate
 from functopt._base import GradientTransformation, Params, State, with_extra_args_support
-from functopt.distributed.dtensor import _infer_group, _leaf_names
-from functopt.distributed.reduce import _local_stats, all_reduce_stats
+from functopt._collective.counting import Replicated, _counting, _entries
+from functopt._collective.dtensor import _leaf_names
+from functopt._collective.reduce import _local_stats, all_reduce_stats
 from functopt.fast import _planner
 from functopt.fast._step import differentiated
 from functopt.precision._fused import fused_mixed_step
@@ -216,6 +217,7 @@ def mixed_precision(
     master_weights: MasterWeights | None = None,
     max_grad_norm: float | torch.Tensor | None = None,
     process_group: dist.ProcessGroup | None = None,
+    replicated: Replicated = None,
     count_zeros: bool = True,
     donate: bool = False,
     fused: bool = True,
@@ -258,7 +260,16 @@ def mixed_precision(
         process_group: the ranks the gradient statistics are summed over, with one
             ``all_reduce`` per step. ``None`` infers it from DTensor params (FSDP2): the
             group of their device mesh; plain tensor params need no reduction. Pass a group
-            to sum plain tensors over its ranks as this rank's part of the gradients.
+            to sum over its ranks (DTensors are then counted by their placements relative
+            to it); plain tensor params in such a sum need ``replicated``.
+        replicated: how plain tensor params repeat over the ranks of the group (given, or
+            inferred from DTensor params): ``False`` for this rank's own part (summed: a
+            hand-sharded slice), ``True`` for the same values on every rank (counted once:
+            a param left out of the tensor-parallel plan), a ``ProcessGroup`` for the same
+            values over a subgroup; one value, a pytree of them with the params' structure
+            (or a prefix), or a function of the params. See
+            [`global_grad_stats`][functopt.distributed.global_grad_stats]. Without it, a
+            plain param in a sum over a group raises, saying how to declare it.
         count_zeros: count the zero gradient elements into ``metrics.num_zeros``
             (Megatron-LM's ``count_zeros``; one more read of the gradients). With False,
             ``metrics.num_zeros`` is -1.
@@ -390,7 +401,9 @@ def mixed_precision(
         _check_views(view, param_leaves, store, treespec, mw.dtype)
         _check_grads(grad_leaves, param_leaves, view, treespec)
         name = _leaf_names(treespec)
-        group = process_group if process_group is not None else _infer_group(param_leaves, name)
+        group, counted = _counting(
+            owner, param_leaves, name, process_group,
+            _entries(owner, replicated, params, param_leaves, treespec))
 
         if fast and not differentiated(params, grads, state):
             if donate:
@@ -400,7 +413,8 @@ def mixed_precision(
                     planner, param_leaves, store, view, grad_leaves, state.inner_state,
                     state.loss_scale, treespec=treespec, scale_rule=scale_rule,
                     scaled=loss_scale is not None, max_grad_norm=max_grad_norm, group=group,
-                    name=name, count_zeros=count_zeros, donate=donate,
+                    name=name, counted=counted, count_zeros=count_zeros,
+                    donate=donate,
                     workspace=buffers_here() if donate else None,
                 )
             if isinstance(lowered, str):
@@ -425,7 +439,7 @@ def mixed_precision(
         # DTensors (or a group is given): every rank then skips or steps alike.
         # 3. The loss scale moves whatever happens.
         packed = all_reduce_stats(
-            _local_stats(unscaled, name, state.loss_scale.scale.device), group
+            _local_stats(unscaled, name, state.loss_scale.scale.device, counted), group
         )
         stats = unpack_grad_stats(packed)
         new_loss_scale = scale_rule.adjust(state.loss_scale, stats.found_inf)

@@ -244,7 +244,8 @@ def stats_errors(rank: int, world: int) -> None:
     partial = DTensor.from_local(torch.ones(2), mesh, [Partial()])
     with pytest.raises(ValueError, match=r"'p'.*Partial placement.*Fix: reduce it first"):
         fdist.local_grad_stats({"p": partial})
-    with pytest.raises(ValueError, match=r"'x' is a plain tensor but 'd' is a DTensor"):
+    with pytest.raises(ValueError, match=r"'x' is a plain tensor but 'd' is a DTensor.*"
+                                         r"Fix: declare it with replicated=True"):
         fdist.global_grad_stats({"d": d, "x": torch.ones(2)})
     with pytest.raises(TypeError, match=r"'x' is a str"):
         fdist.local_grad_stats({"x": "nope"})
@@ -258,7 +259,8 @@ def stats_errors(rank: int, world: int) -> None:
             with pytest.raises(ValueError, match="over other ranks"):
                 fdist.infer_group([d, e])
     # an explicit group sums plain tensors as this rank's parts
-    packed = fdist.global_grad_stats([torch.full((2,), float(rank))], dist.group.WORLD)
+    packed = fdist.global_grad_stats([torch.full((2,), float(rank))], dist.group.WORLD,
+                                     replicated=False)
     assert packed[0].item() == pytest.approx(2 * sum(r * r for r in range(world)), rel=1e-6)
     # no DTensor: nothing to reduce, no collective
     with CommDebugMode() as comm:
@@ -410,7 +412,7 @@ def explicit_group_sums_plain_shards(rank: int, world: int) -> None:
     chunk = lambda t: {k: v.chunk(world)[rank] if rank < len(v.chunk(world)) else v[:0]  # noqa: E731
                        for k, v in t.items()}
     opt = mixed_precision(functopt.adamw(1e-2), max_grad_norm=0.5,
-                          process_group=dist.group.WORLD)
+                          process_group=dist.group.WORLD, replicated=False)
     single = mixed_precision(functopt.adamw(1e-2), max_grad_norm=0.5)  # no group: no reduction
     params, grads = chunk(full), chunk(gfull)
     state = opt.init(params)

@@ -8,8 +8,10 @@ per statistic (and ``isfinite(dt).all()`` is even a ``Partial`` result whose ``b
 is the local rank's answer). Here each rank computes the three numbers over the shards it
 holds, for all leaves at once, packs them into one float64 tensor of shape ``(3,)``, and
 one ``all_reduce(SUM)`` makes the global statistics, identical on every rank; so an
-overflow in one rank's shard makes every rank skip. Leaves replicated along a mesh
-dimension are counted once (see [`counted_here`][functopt.distributed.counted_here]).
+overflow in one rank's shard makes every rank skip. Each element is counted once:
+DTensor leaves by their placements (a leaf replicated along a mesh dimension counts on
+one rank of it), plain tensor leaves in a sum over a group by their ``replicated``
+declaration (see ``functopt/_collective/counting.py``).
 
 The packed layout is [`functopt.precision.grad_stats`][functopt.precision.grad_stats]'s:
 ``[sum of squares, non-finite count, zero count]``, unpacked by
@@ -26,9 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from functopt.distributed.dtensor import (
+from functopt._collective.counting import Replicated, _as_tensor_leaves, _counting, _entries
+from functopt._collective.dtensor import (
     _counted_here,
-    _infer_group,
     _leaf_names,
     is_dtensor,
     local_tensor,
@@ -39,13 +41,17 @@ from functopt.tree._ops import _leaf_stats
 __all__ = ["all_reduce_stats", "global_grad_stats", "local_grad_stats"]
 
 
-def local_grad_stats(grads: Any, device: torch.device | None = None) -> torch.Tensor:
+def local_grad_stats(grads: Any, device: torch.device | None = None, *,
+                     group: dist.ProcessGroup | None = None,
+                     replicated: Replicated = None) -> torch.Tensor:
     """``[sum of squares, non-finite count, zero count]`` of the shards of ``grads`` this rank counts.
 
     Over every leaf of the pytree ``grads`` (``None`` leaves skipped): a DTensor
     contributes its local shard (possibly empty), unless another rank counts the same
     replicated values ([`counted_here`][functopt.distributed.counted_here]); a plain tensor
-    contributes itself. Each leaf's sum of squares is accumulated in float32 (float64 for
+    contributes itself, unless it is declared replicated and another rank of the group
+    counts it (see ``replicated`` in
+    [`global_grad_stats`][functopt.distributed.global_grad_stats]). Each leaf's sum of squares is accumulated in float32 (float64 for
     float64 leaves), the counts are exact up to $2^{53}$ elements, as in [`grad_stats`][functopt.precision.grad_stats]. No
     collective is made: sum the result over the ranks with
     [`all_reduce_stats`][functopt.distributed.all_reduce_stats].
@@ -53,12 +59,15 @@ def local_grad_stats(grads: Any, device: torch.device | None = None) -> torch.Te
     Args:
         grads: a pytree of tensors or DTensors (and ``None``).
         device: where the result lives when no leaf is counted (default: the CPU).
+        group: the group the result will be summed over, as in ``global_grad_stats``.
+        replicated: how plain tensors repeat over the ranks, as in ``global_grad_stats``.
 
     Returns:
         A plain float64 tensor of shape ``(3,)`` on the first counted leaf's device.
 
     Raises:
-        ValueError: a DTensor leaf has a ``Partial`` placement (naming the leaf).
+        ValueError: a DTensor leaf has a ``Partial`` placement (naming the leaf), and the
+            errors of ``global_grad_stats`` about groups and plain tensors.
 
     Examples:
         >>> import torch
@@ -66,13 +75,21 @@ def local_grad_stats(grads: Any, device: torch.device | None = None) -> torch.Te
         >>> local_grad_stats({"w": torch.tensor([3.0, 0.0]), "b": torch.tensor([4.0]), "c": None})
         tensor([25.,  0.,  1.], dtype=torch.float64)
     """
+    owner = "local_grad_stats"
     leaves, treespec = _core.flatten(grads)
-    return _local_stats(leaves, _leaf_names(treespec), device)
+    name = _leaf_names(treespec)
+    _as_tensor_leaves(leaves, name, owner)
+    _, counted = _counting(owner, leaves, name, group,
+                           _entries(owner, replicated, grads, leaves, treespec))
+    return _local_stats(leaves, name, device, counted)
 
 
 def _local_stats(leaves: Sequence[Any], name: Callable[[int], str],
-                 device: torch.device | None) -> torch.Tensor:
-    """`local_grad_stats` on flattened leaves; ``name(i)`` words errors about leaf ``i``."""
+                 device: torch.device | None, counted: Sequence[bool] | None = None,
+                 ) -> torch.Tensor:
+    """`local_grad_stats` on flattened leaves; ``name(i)`` words errors about leaf ``i``;
+    ``counted[i]``: whether this rank counts leaf ``i`` (default: by DTensor placements
+    over the whole mesh, plain tensors always)."""
     parts = []
     for i, g in enumerate(leaves):
         if g is None:
@@ -82,7 +99,8 @@ def _local_stats(leaves: Sequence[Any], name: Callable[[int], str],
                 f"local_grad_stats: grads leaf {name(i)!r} is a {type(g).__name__}; expected a "
                 f"tensor, a DTensor or None."
             )
-        if not _counted_here(g, functools.partial(name, i)):
+        if not (counted[i] if counted is not None
+                else _counted_here(g, functools.partial(name, i))):
             continue
         parts.append(_leaf_stats(local_tensor(g)))
     if not parts:
@@ -128,7 +146,8 @@ def all_reduce_stats(packed: torch.Tensor, group: dist.ProcessGroup | None) -> t
 
 
 def global_grad_stats(
-    grads: Any, group: dist.ProcessGroup | None = None, *, device: torch.device | None = None
+    grads: Any, group: dist.ProcessGroup | None = None, *, replicated: Replicated = None,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """[`local_grad_stats`][functopt.distributed.local_grad_stats] summed over the ranks: one collective.
 
@@ -136,9 +155,20 @@ def global_grad_stats(
         grads: a pytree of tensors or DTensors (and ``None``).
         group: the process group to sum over. ``None`` infers it from the DTensor leaves'
             mesh ([`infer_group`][functopt.distributed.infer_group]); with plain tensors
-            only, nothing is reduced (they are whole on every rank). An explicit group
-            sums over its ranks, treating plain tensors as this rank's part of the
-            gradients (as in a hand-sharded ZeRO setup).
+            only, nothing is reduced (they are whole on every rank). DTensor leaves are
+            counted by their placements relative to this group (a ``Replicate()`` along a
+            mesh dimension inside the group once, along a dimension outside it once per
+            group; see ``functopt/_collective/counting.py``).
+        replicated: how the plain tensor leaves repeat over the ranks, required when plain
+            tensors meet a group (given, or inferred from DTensor leaves): ``False``, each
+            rank's tensor is its own part (summed: a hand-sharded ZeRO slice, a rank's own
+            experts); ``True``, every rank of the group holds the same values (counted once,
+            on the group's rank 0: a param left out of the tensor-parallel plan, dense params
+            beside expert-parallel ones); a ``ProcessGroup``, the same values on the ranks
+            of that group, a subgroup of ``group`` (counted once per such group: e.g. the
+            tensor-parallel ranks of one pipeline stage). One value for all plain leaves, a
+            pytree of them with the grads' structure or a prefix of it, or a function of
+            ``grads`` returning one. Entries at DTensor leaves are not read.
         device: where the result lives when no leaf is counted.
 
     Returns:
@@ -146,8 +176,11 @@ def global_grad_stats(
         ``(3,)``, the same on every rank of the group.
 
     Raises:
-        ValueError: DTensors mixed with plain tensors or on meshes over different ranks
-            (without an explicit group), or a ``Partial`` DTensor.
+        ValueError: DTensors on meshes over different ranks (without an explicit group), a
+            plain tensor in a sum over a group without a ``replicated`` declaration (saying
+            how to declare it), a group that splits a mesh dimension or leaves out the other
+            shards of a sharded dimension, or a ``Partial`` DTensor.
+        TypeError: a leaf, or a ``replicated`` entry, of the wrong type.
 
     Examples:
         >>> import torch
@@ -156,8 +189,10 @@ def global_grad_stats(
         >>> unpack_grad_stats(global_grad_stats([torch.tensor([3.0, 4.0])]))
         GradStats(norm=tensor(5.), found_inf=tensor(False), num_zeros=tensor(0))
     """
+    owner = "global_grad_stats"
     leaves, treespec = _core.flatten(grads)
     name = _leaf_names(treespec)
-    if group is None:
-        group = _infer_group(leaves, name)
-    return all_reduce_stats(_local_stats(leaves, name, device), group)
+    _as_tensor_leaves(leaves, name, owner)
+    group, counted = _counting(owner, leaves, name, group,
+                               _entries(owner, replicated, grads, leaves, treespec))
+    return all_reduce_stats(_local_stats(leaves, name, device, counted), group)

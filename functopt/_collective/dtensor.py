@@ -86,7 +86,10 @@ def counted_here(x: torch.Tensor, *, where: str = "<leaf>") -> bool:
     mesh counts each element of the global tensor exactly once (dividing each copy's
     contribution by the number of copies would do it too, but would turn exact counts into
     rounded fractions). Sharded dimensions (``Shard``, FSDP2's strided shards) count on
-    every rank. A plain tensor always counts here.
+    every rank. A plain tensor always counts here. This is the rule for a sum over all
+    ranks of ``x``'s mesh; [`global_grad_stats`][functopt.distributed.global_grad_stats]
+    with another group, or with plain tensors declared ``replicated``, applies the rules
+    of ``functopt/_collective/counting.py``.
 
     Args:
         x: a DTensor or a plain tensor.
@@ -173,8 +176,10 @@ def infer_group(leaves: Sequence[Any], *, names: Sequence[str] | None = None) ->
     return _infer_group(leaves, names.__getitem__)
 
 
-def _infer_group(leaves: Sequence[Any], name: Callable[[int], str]) -> dist.ProcessGroup | None:
-    # ``name(i)`` is called only to word an error.
+def _infer_group(leaves: Sequence[Any], name: Callable[[int], str],
+                 declared: Callable[[int], bool] | None = None) -> dist.ProcessGroup | None:
+    # ``name(i)`` is called only to word an error; ``declared(i)``: whether plain leaf i has
+    # a declaration of how it repeats over the ranks (see functopt._collective.counting).
     if _dtensor_class() is None:
         return None
     first: tuple[int, DTensor] | None = None
@@ -188,20 +193,21 @@ def _infer_group(leaves: Sequence[Any], name: Callable[[int], str]) -> dist.Proc
                     f"{name(i)!r} is a DTensor on mesh {leaf.device_mesh} but {name(first[0])!r} "
                     f"is on mesh {first[1].device_mesh}, over other ranks; one reduction cannot "
                     f"cover both. Fix: put every param on one mesh, or pass the process group "
-                    f"to reduce over explicitly."
+                    f"to reduce over explicitly (pipeline stages: the group over all stages)."
                 )
-        elif isinstance(leaf, torch.Tensor) and plain is None:
+        elif (isinstance(leaf, torch.Tensor) and plain is None
+              and not (declared is not None and declared(i))):
             plain = i
     if first is None:
         return None
     if plain is not None:
         raise ValueError(
             f"{name(plain)!r} is a plain tensor but {name(first[0])!r} is a DTensor: it is "
-            f"unclear whether "
-            f"the plain tensor is whole on every rank (count it once) or this rank's part "
-            f"(sum it over ranks). Fix: make it a DTensor (distribute_tensor(x, mesh, "
-            f"[Replicate()]) if every rank holds all of it), or pass the process group "
-            f"explicitly, which sums plain tensors over its ranks as local parts."
+            f"unclear whether the plain tensor is whole on every rank (count it once) or this "
+            f"rank's part (sum it over ranks). Fix: declare it with replicated=True (the same "
+            f"values on every rank, e.g. a param left out of the tensor-parallel plan) or "
+            f"replicated=False (this rank's part), or a pytree of such bools; or make it a "
+            f"DTensor (distribute_tensor(x, mesh, [Replicate()]) if every rank holds all of it)."
         )
     return _mesh_group(first[1].device_mesh)
 

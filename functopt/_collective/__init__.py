@@ -1,0 +1,12 @@
+"""Packed reductions over process groups, shared by the transforms, the mixed-precision step
+and the sharding strategies (private; the public names are re-exported by
+``functopt.distributed``).
+
+It sits low (it imports only torch and ``functopt.tree``) so that ``functopt.transforms``
+(``apply_if_finite``, ``zero_nans``) and ``functopt.precision`` can make their one
+all-reduce without importing the sharding strategies in ``functopt.distributed``, which
+sit above ``functopt.precision``: ``dtensor`` (which part of a DTensor a rank holds and
+counts, over which group), ``counting`` (each element counted once: placements and the
+``replicated`` declaration of plain tensors), ``reduce`` (the packed statistics and their
+one all-reduce).
+"""
