@@ -24,6 +24,8 @@ import torch
 
 from functopt import _validate
 from functopt._base import EmptyState, GradientTransformation, Numeric, Params, Updates
+from functopt._collective.dtensor import _infer_group, _leaf_names, is_dtensor
+from functopt._collective.reduce import _local_stats, all_reduce_stats
 from functopt._spec import GlobalNormClip, specified
 from functopt.transforms import _common
 from functopt.tree import _core, global_norm
@@ -173,7 +175,8 @@ def clip_by_global_norm(max_norm: Numeric) -> GradientTransformation:
     ) -> tuple[Updates, EmptyState]:
         del params, extra_args
         leaves, treespec = _common.flatten_updates(updates)
-        norm = global_norm(updates)
+        norm = _sharded_norm(leaves, treespec) if any(map(is_dtensor, leaves)) else (
+            global_norm(updates))
         keep = norm < max_norm
         # A tensor numerator: torch computes `number / tensor` as `number * (1 / tensor)`,
         # and 1 / a subnormal norm overflows to inf.
@@ -186,6 +189,20 @@ def clip_by_global_norm(max_norm: Numeric) -> GradientTransformation:
         return _common.unflatten(treespec, new), state
 
     return specified(GradientTransformation(_init_empty, update_fn), GlobalNormClip(max_norm))
+
+
+def _sharded_norm(leaves: list[Any], treespec: _core.TreeSpec) -> torch.Tensor:
+    """``global_norm`` of DTensor updates with one collective: each rank sums the squares of
+    the shards it counts (a replicated copy once), one all-reduce over the mesh sums them.
+    Per-leaf DTensor norms would make one collective per leaf. The result is a plain 0-d
+    tensor (float64 if any leaf is float64, else float32), the same on every rank."""
+    name = _leaf_names(treespec)
+    group = _infer_group(leaves, name)
+    tensors = [x for x in leaves if x is not None]
+    local = next(x.to_local() if is_dtensor(x) else x for x in tensors)
+    packed = all_reduce_stats(_local_stats(leaves, name, local.device), group)
+    wide = any(x.dtype == torch.float64 for x in tensors)
+    return torch.sqrt(packed[0]).to(torch.float64 if wide else torch.float32)
 
 
 def _reduction_dims(x: torch.Tensor, axis: tuple[int, ...] | None) -> tuple[int, ...] | None:

@@ -121,6 +121,30 @@ def apply_if_finite_plain_tensors_make_no_collective(rank: int, world: int) -> N
     assert comm.get_total_counts() == 0 and not bool(state.last_finite)
 
 
+# ------------------------------------------------------------- clip_by_global_norm
+
+@check
+def clip_by_global_norm_on_shards_one_collective(rank: int, world: int) -> None:
+    """The pure clip on DTensor updates (the path a facade's chain and torch.func take):
+    one all-reduce for the whole tree (per-leaf DTensor norms made one per leaf), the
+    single-process result, and DTensors placed like the updates."""
+    del rank
+    mesh = _mesh(world)
+    full, sharded = _full_and_sharded(4, mesh)
+    sharded["r"] = distribute_tensor(torch.full((4,), 3.0), mesh, [Replicate()])
+    full["r"] = torch.full((4,), 3.0)  # a replicated leaf counts once
+    tx = functopt.clip_by_global_norm(0.5)
+    with CommDebugMode() as comm:
+        got, _ = tx.update(sharded, tx.init(None))
+    assert comm.get_total_counts() == 1, comm.get_comm_counts()
+    want, _ = tx.update(full, tx.init(None))
+    for k, v in got.items():
+        assert isinstance(v, DTensor) and v.placements == sharded[k].placements, k
+        torch.testing.assert_close(_full(v), want[k], rtol=1e-6, atol=0.0)
+    norm = functopt.tree.global_norm({k: _full(v) for k, v in got.items()})
+    torch.testing.assert_close(norm, torch.tensor(0.5, dtype=norm.dtype), rtol=1e-6, atol=0.0)
+
+
 # ------------------------------------------------------------------------ zero_nans
 
 @check
