@@ -52,7 +52,9 @@ class FunctoptChain(C.Contender):
         self.grads = {k: g.clone() for k, g in zip(names, grads, strict=True)}
         self.tx, self.fast = tx, fast
         self.state = tx.init(self.params)
-        self.step_fn = functopt.fast.make_step(tx, donate=True) if fast else None
+        # the grads are handed over too, as clip_grad_norm_ scales torch's in place
+        self.step_fn = functopt.fast.make_step(tx, donate=True, donate_grads=True) if (
+            fast) else None
         self.start = list(self.params.values())
 
     def step(self) -> None:

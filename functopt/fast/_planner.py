@@ -48,6 +48,7 @@ from __future__ import annotations
 import functools
 import itertools
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -180,6 +181,12 @@ class Structure:
     opaque: list[str] = field(default_factory=list)  # why the whole step must stay pure
     nodes: int = 0
     matched: list[Any] | None = None  # per leaf: match(program), computed once
+
+    @functools.cached_property
+    def slot_indices(self) -> list[int]:
+        """The flat state indices of every per-leaf state entry (moments, traces)."""
+        return sorted({k for program in self.programs for op in program
+                       if isinstance(op, _Op) for k in op.slots.values()})
 
 
 class _Walk:
@@ -443,9 +450,15 @@ class Group:
     leaves: list[int]
     plans: list[_KernelPlan]  # per leaf: its own state entries
 
+    _slots: dict[tuple[str, str], list[int]] = field(default_factory=dict)
+
     def slots(self, op: str, slot: str) -> list[int]:
         """The flat state indices of ``slot`` of the rule ``op`` ("adam", "trace")."""
-        return [getattr(plan, op).slots[slot] for plan in self.plans]
+        found = self._slots.get((op, slot))
+        if found is None:
+            found = self._slots[(op, slot)] = [getattr(plan, op).slots[slot]
+                                               for plan in self.plans]
+        return found
 
 
 @dataclass
@@ -619,6 +632,8 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
         if isinstance(hp, str):
             return hp
         resolved.append((group, hp))
+    advanced = {c: _common.safe_increment(state_leaves[c])
+                for c in dict.fromkeys(structure.counters)}
     for group, hp in resolved:
         plan = group.plan
         scale = multiplier
@@ -627,9 +642,12 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
             scale = factor.to(torch.float64) if scale is None else scale * factor.to(
                 torch.float64)
         _run_group(group, hp, values, grads, state_leaves, new_values, new_leaves,
-                   donate=donate, donate_grads=donate_grads, scale=scale, found_inf=found_inf)
-    for c in dict.fromkeys(structure.counters):
-        new_leaves[c] = _common.advance(state_leaves[c], found_inf)
+                   donate=donate, donate_grads=donate_grads, scale=scale, found_inf=found_inf,
+                   advanced=advanced)
+    for c, new in advanced.items():
+        # a skipped step (found_inf) leaves its counters as they were
+        new_leaves[c] = new if found_inf is None else torch.where(
+            found_inf.to(new.device) != 0, state_leaves[c], new)
     for inj, hyper in zip(structure.injections, env.hyper, strict=True):
         for k, i in inj.hyper.items():
             new_leaves[i] = hyper[k]
@@ -680,7 +698,7 @@ def _hyperparameters(plan: _KernelPlan, env: _Env) -> dict[str, Any] | str:
 def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[Any],
                state_leaves: list[Any], new_values: list[Any], new_leaves: list[Any], *,
                donate: bool, donate_grads: bool, scale: torch.Tensor | None,
-               found_inf: torch.Tensor | None) -> None:
+               found_inf: torch.Tensor | None, advanced: dict[int, torch.Tensor]) -> None:
     """One kernel call for the leaves of ``group``."""
     plan, idx, device, dtype = group.plan, group.leaves, group.device, group.dtype
     p = _owned([values[i] for i in idx], donate)
@@ -705,8 +723,7 @@ def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[
         m = _owned([state_leaves[k] for k in group.slots("adam", "mu")], donate)
         n = _owned([state_leaves[k] for k in group.slots("adam", "nu")], donate)
         assert adam.count is not None
-        step = _common.safe_increment(state_leaves[adam.count]).to(device=device,
-                                                                     dtype=torch.float32)
+        step = advanced[adam.count].to(device=device, dtype=torch.float32)
         torch._fused_adamw_(
             p, g, m, n, [], [step] * len(idx), lr=lr, beta1=hp["beta1"], beta2=hp["beta2"],
             weight_decay=wd, eps=hp["eps"], amsgrad=False,
@@ -743,6 +760,34 @@ class Planner:
     def __init__(self, tx: GradientTransformation) -> None:
         self.tx = tx
         self._cache: dict[Any, Structure] = {}
+        # Lowered steps by the identity of the tensors they were checked on (weakly held):
+        # a donated step sees the same params and state tensors every time, whose layouts
+        # do not change, so the per-leaf layout and aliasing checks run once.
+        self._lowered: dict[Any, tuple[list[Any], Lowered]] = {}
+
+    def lower(self, structure: Structure, state_spec: _core.TreeSpec, values: list[Any],
+              grads: list[Any], state_leaves: list[Any], name: Callable[[int], str], *,
+              donated: list[Any] | None = None) -> Lowered:
+        """`lower`, remembered for the same tensors; ``donated``: leaves written in place,
+        checked with `check_donation` the first time."""
+        # (counters are new tensors at every step; the per-leaf entries are what is checked)
+        slots = [state_leaves[k] for k in structure.slot_indices]
+        key = (id(structure), tuple(map(id, values)), tuple(g is None for g in grads),
+               tuple(map(id, slots)), donated is not None)
+        hit = self._lowered.get(key)
+        if hit is not None and all(
+                (r() if isinstance(r, weakref.ref) else r) is x
+                for r, x in zip(hit[0], itertools.chain(values, slots), strict=True)):
+            return hit[1]
+        if donated is not None:
+            check_donation(donated, name)
+        lowered = lower(structure, state_spec, values, grads, state_leaves, name)
+        refs = [weakref.ref(x) if isinstance(x, torch.Tensor) else x
+                for x in itertools.chain(values, slots)]
+        if len(self._lowered) >= self._SIZE:
+            self._lowered.pop(next(iter(self._lowered)))
+        self._lowered[key] = (refs, lowered)
+        return lowered
 
     def structure(self, params: Any, treespec: _core.TreeSpec, param_leaves: list[Any],
                   state_leaves: list[Any], state_spec: _core.TreeSpec) -> Structure:
@@ -786,29 +831,33 @@ def warn_lost(owner: str, reason: str, stacklevel: int) -> None:
 def check_donation(values: list[Any], name: Callable[[int], str]) -> None:
     """Donated leaves are written in place: each must own its memory (views of one buffer
     are fine as long as they do not overlap)."""
-    spans: list[tuple[int, int, int, int]] = []  # (storage, first byte, end byte, leaf)
+    spans: list[tuple[int, int, int]] = []  # (first byte, end byte, leaf)
     for i, v in enumerate(values):
         if v is None:
             continue
         local = local_tensor(v)
-        if overlapping(local):
-            raise ValueError(
-                f"{name(i)!r}: the param has strides {local.stride()} for shape "
-                f"{tuple(local.shape)}, so several of its elements share memory (an expanded "
-                f"tensor), and a donated step would write them several times. Fix: optimize "
-                f"a tensor that owns its memory (x.clone() or x.contiguous()), as "
-                f"torch.optim requires.")
         if local.numel() == 0:
             continue
-        first = local.storage_offset() * local.element_size()
-        extent = 1 + sum((n - 1) * st for n, st in zip(local.shape, local.stride(), strict=True))
-        spans.append((local.untyped_storage().data_ptr(), int(first),
-                      int(first + extent * local.element_size()), i))
+        size = local.element_size()
+        if local.is_contiguous():
+            extent = local.numel()
+        else:
+            if overlapping(local):
+                raise ValueError(
+                    f"{name(i)!r}: the param has strides {local.stride()} for shape "
+                    f"{tuple(local.shape)}, so several of its elements share memory (an "
+                    f"expanded tensor), and a donated step would write them several times. "
+                    f"Fix: optimize a tensor that owns its memory (x.clone() or "
+                    f"x.contiguous()), as torch.optim requires.")
+            extent = 1 + sum((n - 1) * st for n, st in zip(local.shape, local.stride(),
+                                                           strict=True))
+        first = local.data_ptr()  # distinct allocations never share addresses
+        spans.append((first, first + int(extent) * size, i))
     spans.sort()
     for a, b in itertools.pairwise(spans):
-        if a[0] == b[0] and b[1] < a[2]:
+        if b[0] < a[1]:
             raise ValueError(
-                f"{name(a[3])!r} and {name(b[3])!r}: the params share memory (tied weights, "
+                f"{name(a[2])!r} and {name(b[2])!r}: the params share memory (tied weights, "
                 f"or overlapping views of one tensor), so a donated step would update that "
                 f"memory once per leaf. Fix: pass each shared tensor once (drop the tied copy "
                 f"from the params tree), or step without donate.")

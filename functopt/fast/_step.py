@@ -59,7 +59,7 @@ def differentiated(*trees: Any) -> bool:
 
 def make_step(
     tx: GradientTransformation, *, donate: bool = False, compile: bool = False,
-    fused: bool = True,
+    fused: bool = True, donate_grads: bool = False,
 ) -> StepFn:
     r"""``step(grads, state, params, **extra_args) -> (new_params, new_state)`` for ``tx``.
 
@@ -82,8 +82,12 @@ def make_step(
         donate: the caller hands ``params`` and ``state`` over: the step may overwrite
             their tensors and return them (the params of an ``nn.Module``, for instance,
             are then updated in place). The caller must not read the old values
-            afterwards. Gradients are never written; without donation nothing passed in
+            afterwards. Gradients are written only with ``donate_grads``; without donation nothing passed in
             is modified.
+        donate_grads: the caller hands the gradients over too: a fused step may scale them
+            in place (a clip folded into the kernel divides them, as
+            ``clip_grad_norm_`` and ``GradScaler.unscale_`` do), which saves a copy of
+            every gradient on steps with a clip. Without it gradients are never written.
         fused: False keeps every step on the pure ``update`` (with the grouped ``foreach``
             apply, and donation), without a warning: the reference path, for comparison.
         compile: compile the pure step with ``torch.compile`` (the first call compiles:
@@ -128,21 +132,21 @@ def make_step(
             updates, new_state = tx.update(grads, state, params, **extra_args)
             return apply_updates(params, updates), new_state
         name = _leaf_names(treespec)
-        if donate:
-            _planner.check_donation(param_leaves, name)
         if not fused:
+            if donate:
+                _planner.check_donation(param_leaves, name)
             updates, new_state = tx.update(grads, state, params, **extra_args)
             return _grouped_apply(param_leaves, treespec, updates, donate), new_state
         state_leaves, state_spec = _core.flatten(state)
         structure = planner.structure(params, treespec, param_leaves, state_leaves, state_spec)
-        lowered = _planner.lower(structure, state_spec, param_leaves, grad_leaves,
-                                 state_leaves, name)
+        lowered = planner.lower(structure, state_spec, param_leaves, grad_leaves, state_leaves,
+                                name, donated=param_leaves if donate else None)
         reason = lowered.reason
         if reason is None:
             with torch.no_grad():  # donated params may be leaves that require grad
                 sums = _clip_sums(structure, param_leaves, grad_leaves, name)
                 result = _planner.run(lowered, param_leaves, grad_leaves, state_leaves,
-                                      donate=donate, sums=sums)
+                                      donate=donate, donate_grads=donate_grads, sums=sums)
             if not isinstance(result, str):
                 return _core.unflatten(treespec, result.values), result.state
             reason = result
