@@ -139,7 +139,8 @@ class FunctoptMixedChain(C.FunctoptMixed):
 
 class FacadeMixed(C.Contender):
     """``MixedPrecisionOptimizer`` over an ``nn.Module``'s bf16 params: one group
-    (``adamw`` + ``clip_grad_norm``), or decay / no-decay groups."""
+    (``adamw`` + ``clip_grad_norm``), or decay / no-decay groups; zeros not counted
+    (``count_zeros=False``, Megatron's default; the idiom counts none either)."""
 
     def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor], *,
                  groups: bool) -> None:
@@ -162,10 +163,12 @@ class FacadeMixed(C.Contender):
                          {"params": [(n, p) for n, p in named if p.dim() <= 1],
                           "wd_mult": 0.0}]
             self.opt = functopt.MixedPrecisionOptimizer(spec, factory,
-                                                        loss_scale=_loss_scale())
+                                                        loss_scale=_loss_scale(),
+                                                        count_zeros=False)
         else:
             self.opt = functopt.MixedPrecisionOptimizer(named, _adamw(),
-                                                        loss_scale=_loss_scale())
+                                                        loss_scale=_loss_scale(),
+                                                        count_zeros=False)
         self.opt.clip_grad_norm(None, MAX_NORM)
         self.start = list(self.params)
 

@@ -676,3 +676,19 @@ def test_state_dict_rejects_non_tensor_state() -> None:
                                   functopt.chain(counter, functopt.sgd(0.1)))
     with pytest.raises(TypeError, match=r"state leaf 'inner_state.0.steps' is a int"):
         opt.state_dict()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_count_zeros_can_be_switched_off(fused: bool) -> None:
+    """count_zeros=False (Megatron's default) skips the count: count_zeros() is -1 and
+    the step is otherwise the same (bitwise the masters of a counting optimizer)."""
+    results = {}
+    for count in (True, False):
+        w = torch.nn.Parameter(torch.tensor([0.0, 1.0, -2.0, 0.0], dtype=torch.bfloat16))
+        opt = MixedPrecisionOptimizer([("w", w)], functopt.adamw(0.1), loss_scale=None,
+                                      fused=fused, count_zeros=count)
+        w.grad = torch.tensor([0.0, 0.5, 0.0, 0.0], dtype=torch.bfloat16)
+        assert opt.step()
+        results[count] = (int(opt.count_zeros()), opt.state_dict()["master"]["w"].clone())
+    assert results[True][0] == 3 and results[False][0] == -1
+    assert torch.equal(results[True][1], results[False][1])

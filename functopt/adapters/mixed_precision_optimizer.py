@@ -256,6 +256,9 @@ class MixedPrecisionOptimizer:
             [`mixed_precision`][functopt.precision.mixed_precision]); the step then also
             updates masters and moments in place. False keeps the pure path, which is
             bitwise independent of how FSDP2 shards the params.
+        count_zeros: count the zero gradient elements at every step (``count_zeros()``;
+            one more read of the gradients). False, Megatron-LM's default, saves it and
+            ``count_zeros()`` returns -1.
 
     Raises:
         TypeError: for a malformed ``params`` or ``transform``, or naming a param of a
@@ -313,6 +316,7 @@ class MixedPrecisionOptimizer:
         loss_scale: LossScale | None = dynamic_loss_scale(),  # noqa: B008
         master_dtype: torch.dtype = torch.float32,
         fused: bool = True,
+        count_zeros: bool = True,
     ) -> None:
         if not isinstance(master_dtype, torch.dtype) or not master_dtype.is_floating_point:
             raise TypeError(
@@ -340,6 +344,7 @@ class MixedPrecisionOptimizer:
         self._loss_scale_rule = loss_scale
         self._master_weights = float32_master(master_dtype)
         self._fused = bool(fused)
+        self._count_zeros = bool(count_zeros)
         self._max_grad_norm: float | None = None
         self._tx = self._build()
         with torch.no_grad():
@@ -357,6 +362,7 @@ class MixedPrecisionOptimizer:
             master_weights=self._master_weights,
             max_grad_norm=self._max_grad_norm,
             fused=self._fused,
+            count_zeros=self._count_zeros,
             # This object owns its state and writes the params in place anyway: the fused
             # path may update both where they are (unless a state dict shares them).
             donate=donate,
@@ -475,6 +481,7 @@ class MixedPrecisionOptimizer:
         """The number of zero elements in the last step's gradients (0-d int64 tensor).
 
         Megatron's ``count_zeros``, counted in the step's statistics pass; no host sync.
+        -1 when the optimizer was built with ``count_zeros=False``.
         """
         return self._state.metrics.num_zeros
 

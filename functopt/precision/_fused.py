@@ -96,10 +96,12 @@ def fused_stats(grads: list[Any], wide: list[Any], name: Callable[[int], str],
         if mine:
             packed[_CLIPS + j] = torch.stack(mine).sum().to(device)
     if count_zeros:
-        zeros = [torch.sum(w == 0, dtype=torch.float64).to(device)
-                 for w, c in zip(wide, counted, strict=True) if c]
-        if zeros:
-            packed[_ZEROS] = torch.stack(zeros).sum()
+        # on the gradients as given (a cast keeps zeros): half the bytes of a float32 cast;
+        # count_nonzero is several times faster than summing a ``== 0`` mask on the CPU
+        given = [local_tensor(g) for g, c in zip(grads, counted, strict=True) if c]
+        if given:
+            nonzero = torch.stack([torch.count_nonzero(g).to(device) for g in given]).sum()
+            packed[_ZEROS] = sum(g.numel() for g in given) - nonzero.to(torch.float64)
     # packed[_NONFINITE] stays 0: a non-finite gradient makes the sum of squares
     # non-finite, which unpack_grad_stats reads as an overflow (as a norm overflow).
     return packed
@@ -162,7 +164,9 @@ def fused_mixed_step(
     inner_leaves, inner_spec = _core.flatten(inner_state)
     structure = planner.structure(_core.unflatten(treespec, views), treespec, views,
                                   inner_leaves, inner_spec)
-    lowered = _planner.lower(structure, inner_spec, views, proxies, inner_leaves, name)
+    lowered = planner.lower(structure, inner_spec, views, proxies, inner_leaves, name,
+                            donated=[*params, *(v for v, s in zip(views, stores, strict=True)
+                                                if s is not None)] if donate else None)
     if lowered.reason is not None:
         return lowered.reason
     # the gradients in the precision of the values they update (a cast is a new tensor)

@@ -406,8 +406,6 @@ def mixed_precision(
             _entries(owner, replicated, params, param_leaves, treespec))
 
         if fast and not differentiated(params, grads, state):
-            if donate:
-                _planner.check_donation(param_leaves, name)
             with torch.no_grad():  # donated params may be leaves that require grad
                 lowered = fused_mixed_step(
                     planner, param_leaves, store, view, grad_leaves, state.inner_state,

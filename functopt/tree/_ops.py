@@ -260,7 +260,7 @@ def _leaf_stats(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([
         _sum_of_squares(x),
         torch.sum(~torch.isfinite(x), dtype=torch.float64),
-        torch.sum(x == 0, dtype=torch.float64),
+        (x.numel() - torch.count_nonzero(x)).to(torch.float64),
     ])
 
 
