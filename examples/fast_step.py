@@ -4,7 +4,7 @@ Three copies of one MLP train on the same batches:
 
 * ``torch.optim.AdamW(fused=True)``, the fastest optimizer PyTorch has on this device;
 * ``functopt.fast.make_step(functopt.adamw(...), donate=True)``: the same step as a
-  function of ``(grads, state, params)``; the recipe's fused kernel updates the module's
+  function of ``(grads, state, params)``; the planner's fused kernel updates the module's
   parameters and the explicit state in place;
 * the pure path, ``adamw.update`` then ``apply_updates``: the reference, per leaf and out
   of place, which also works under ``torch.func``.

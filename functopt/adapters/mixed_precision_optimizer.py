@@ -252,7 +252,7 @@ class MixedPrecisionOptimizer:
             and LightRFT's), ``static_loss_scale(s)``, or None for no scaling (usual for
             bfloat16).
         master_dtype: the precision of the master copy and of the update maths.
-        fused: run the recipe's fused kernel when it has one (see ``fused`` in
+        fused: run the planner's fused kernels where the transform has them (see ``fused`` in
             [`mixed_precision`][functopt.precision.mixed_precision]); the step then also
             updates masters and moments in place. False keeps the pure path, which is
             bitwise independent of how FSDP2 shards the params.

@@ -333,7 +333,7 @@ def zero1(
         master_weights: as in ``mixed_precision`` (default: float32 copies of the
             bfloat16 and float16 slices).
         max_grad_norm: as in ``mixed_precision``: the global norm over all ranks' slices.
-        fused: as in ``mixed_precision``: the inner recipe's fused kernel on each slice.
+        fused: as in ``mixed_precision``: the planner's fused kernels on each slice.
 
     Returns:
         A [`MixedPrecisionTransformation`][functopt.precision.MixedPrecisionTransformation].

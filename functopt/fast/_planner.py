@@ -632,8 +632,7 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
         if isinstance(hp, str):
             return hp
         resolved.append((group, hp))
-    advanced = {c: _common.safe_increment(state_leaves[c])
-                for c in dict.fromkeys(structure.counters)}
+    advanced = {c: _increment(state_leaves[c]) for c in dict.fromkeys(structure.counters)}
     for group, hp in resolved:
         plan = group.plan
         scale = multiplier
@@ -652,6 +651,15 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
         for k, i in inj.hyper.items():
             new_leaves[i] = hyper[k]
     return Result(new_values, _core.unflatten(lowered.state_spec, new_leaves))
+
+
+def _increment(count: torch.Tensor) -> torch.Tensor:
+    """``_common.safe_increment``, on the host for a CPU counter (no kernel launches: a
+    small model's step pays for every one; this path never runs under torch.func)."""
+    if count.device.type == "cpu" and type(count) is torch.Tensor and count.dim() == 0:
+        n = int(count)
+        return torch.tensor(n + 1 if n < _common.INT32_MAX else n, dtype=count.dtype)
+    return _common.safe_increment(count)
 
 
 def _owned(xs: list[Any], donate: bool) -> list[torch.Tensor]:
