@@ -23,7 +23,9 @@ The nodes:
 - [`Select`][functopt._spec.Select]: ``masked`` and ``partition``, which hand each inner
   transform a subset of the leaves;
 - [`Injected`][functopt._spec.Injected]: ``inject_hyperparams``, whose inner transform is
-  rebuilt from hyperparameters that live in the state.
+  rebuilt from hyperparameters that live in the state;
+- [`FiniteGuard`][functopt._spec.FiniteGuard]: ``apply_if_finite``, a skip decided by a
+  finiteness check.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Any
 from functopt._base import GradientTransformation
 
 __all__ = [
+    "FiniteGuard",
     "GlobalNormClip",
     "Injected",
     "Leafwise",
@@ -76,6 +79,16 @@ class GlobalNormClip(Spec):
 
     def __repr__(self) -> str:
         return f"clip_by_global_norm({self.max_norm!r})"
+
+
+@dataclass(frozen=True, eq=False)
+class FiniteGuard(Spec):
+    """``apply_if_finite(inner, max_consecutive_errors)``: skip ``inner``'s step (zero
+    updates, its state kept) when the updates entering it are not all finite, unless more
+    than ``max_consecutive_errors`` steps in a row were."""
+
+    inner: Spec | None
+    max_consecutive_errors: int
 
 
 @dataclass(frozen=True, eq=False)

@@ -62,6 +62,9 @@ INNERS: dict[str, Callable[[], functopt.GradientTransformation]] = {
                                          functopt.adamw(1e-2, weight_decay=0.1)),
     "masked_adamw": lambda: functopt.adamw(1e-2, weight_decay=0.1,
                                            mask={"a": True, "b": False, "f": True}),
+    # apply_if_finite inside the mixed step sees finite gradients on every step taken
+    "guarded_adamw": lambda: functopt.apply_if_finite(functopt.adamw(1e-2, weight_decay=0.1),
+                                                      2),
     "partition": lambda: functopt.partition(
         {"x": functopt.adamw(1e-2, weight_decay=0.1), "y": functopt.sgd(0.1, momentum=0.9)},
         {"a": "x", "b": "y", "f": "x"}),

@@ -208,6 +208,8 @@ def _composed(draw: Any) -> tuple[Any, dict[str, bool]]:
         rule = functopt.chain(functopt.clip_by_global_norm(0.5), rule)
     elif clip == "masked":
         rule = functopt.chain(functopt.masked(functopt.clip_by_global_norm(0.2), mask), rule)
+    if draw(st.booleans()):  # a guard around all of it folds into the kernels' skip
+        rule = functopt.apply_if_finite(rule, draw(st.integers(0, 2)))
     return rule, mask
 
 
@@ -234,3 +236,66 @@ def test_property_composed_chains_equal_the_pure_path(data: Any, composed: Any,
             params, state = step(_clone(grads), state, params)
         _assert_close(params, ref_params, f"step {i} params")
         _assert_close(state, ref_state, f"step {i} state")
+
+
+def _nan_mask_and_close(actual: Any, expected: Any, what: str) -> None:
+    """Non-finite exactly where the pure path is (an applied inf may be nan on the kernel
+    and inf on the pure path: both are lost), finite values to REL."""
+    a_leaves, spec = _core.flatten(actual)
+    e_leaves = _core.flatten_like(spec, expected, name="expected", reference="actual")
+    for path, a, e in zip(_core.paths(spec), a_leaves, e_leaves, strict=True):
+        if not isinstance(e, torch.Tensor):
+            continue
+        assert a.dtype == e.dtype and a.shape == e.shape, (what, path)
+        if not e.is_floating_point():
+            assert torch.equal(a, e), (what, path, a, e)
+            continue
+        finite = torch.isfinite(e)
+        assert torch.equal(torch.isfinite(a), finite), (what, path, a, e)
+        if finite.any():
+            diff = (a.double() - e.double())[finite].abs().max().item()
+            scale = e.double()[finite].abs().max().item()
+            assert diff <= REL * max(scale, 1e-300), (what, path, diff)
+
+
+GUARDED = {
+    "adamw": lambda: functopt.apply_if_finite(functopt.adamw(0.1, weight_decay=0.1), 2),
+    "clip_adam_then_schedule": lambda: functopt.chain(
+        functopt.apply_if_finite(functopt.chain(functopt.clip_by_global_norm(0.5),
+                                                functopt.scale_by_adam()), 1),
+        # outside the guard: its count moves on skipped steps too
+        functopt.scale_by_learning_rate(functopt.schedules.cosine_decay_schedule(0.1, 10))),
+    "injected_sgd": lambda: functopt.apply_if_finite(functopt.inject_hyperparams(
+        functopt.sgd)(learning_rate=functopt.schedules.cosine_decay_schedule(0.1, 10),
+                      momentum=0.9), 0),
+}
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["copy", "donate"])
+@pytest.mark.parametrize("chain", list(GUARDED))
+def test_apply_if_finite_folds_into_the_kernels_skip(chain: str, donate: bool) -> None:
+    """apply_if_finite around a lowerable rule: its finiteness check is one foreach pass
+    (packed with the clips' norms), its skip the kernels' found_inf; its counters, the
+    counters inside it (held on a skip) and outside it (moving on) as on the pure path,
+    including the step that gives up after max_consecutive_errors."""
+    tx = GUARDED[chain]()
+    gen = torch.Generator().manual_seed(3)
+    params = {"w": torch.randn(5, 3, generator=gen, dtype=torch.float64),
+              "b": torch.randn(3, generator=gen, dtype=torch.float64)}
+    state = tx.init(params)
+    assert explain(tx, params, state).fast
+    ref_params, ref_state = _clone(params), _clone(state)
+    step = make_step(tx, donate=donate)
+    for i in range(8):
+        grads = {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in
+                 params.items()}
+        if i in (2, 3, 4, 6):  # three bad steps in a row: a guard of 2 gives up on the third
+            grads["b"][0] = float("nan") if i % 2 else float("inf")
+        ref_params, ref_state = _pure(tx, grads, ref_state, ref_params)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error", FastPathWarning)
+            params, state = step(_clone(grads), state, params)
+        _nan_mask_and_close(params, ref_params, f"step {i} params")
+        _nan_mask_and_close(state, ref_state, f"step {i} state")
+    assert int(state.total_notfinite if hasattr(state, "total_notfinite")
+               else state[0].total_notfinite) == 4

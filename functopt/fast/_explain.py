@@ -28,6 +28,7 @@ class GroupPath:
     leaves: tuple[str, ...]  # paths of the leaves in the group
     clip: bool  # a global-norm clip is folded into the kernel's grad_scale
     weight_decay: bool  # the group is decayed
+    skip_if_nonfinite: bool = False  # an apply_if_finite is folded into the kernel's skip
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class Explanation:
     reason: str | None
     groups: tuple[GroupPath, ...]
     clips: int  # global-norm clips, all measured in one pass (and one all-reduce)
+    guards: int = 0  # apply_if_finite checks, in the same reduction
 
     def __str__(self) -> str:
         if not self.fast:
@@ -56,7 +58,8 @@ class Explanation:
         lines = [f"fused path: {len(self.groups)} kernel call(s) per step, "
                  f"{self.clips} global norm(s) in one pass"]
         for g in self.groups:
-            extras = [x for x, on in (("clip", g.clip), ("weight decay", g.weight_decay))
+            extras = [x for x, on in (("apply_if_finite", g.skip_if_nonfinite),
+                                      ("clip", g.clip), ("weight decay", g.weight_decay))
                       if on]
             more = f" + {', '.join(extras)}" if extras else ""
             shown = ", ".join(g.leaves[:4]) + (", ..." if len(g.leaves) > 4 else "")
@@ -108,7 +111,8 @@ def explain(tx: GradientTransformation, params: Any, state: Any = None,
     groups = tuple(
         GroupPath(kernel=_KERNELS[g.plan.kernel], device=g.device, dtype=g.dtype,
                   leaves=tuple(paths[i] for i in g.leaves), clip=g.plan.clip is not None,
-                  weight_decay=g.plan.decay is not None)
+                  weight_decay=g.plan.decay is not None,
+                  skip_if_nonfinite=g.plan.guard is not None)
         for g in lowered.groups)
     return Explanation(fast=lowered.fast, reason=lowered.reason, groups=groups,
-                       clips=len(structure.clips))
+                       clips=len(structure.clips), guards=len(structure.guards))

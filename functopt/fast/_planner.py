@@ -57,7 +57,16 @@ import torch
 
 from functopt._base import GradientTransformation
 from functopt._collective.dtensor import _counted_here, _rewrap_like, local_tensor
-from functopt._spec import GlobalNormClip, Injected, Leafwise, Select, Sequence, Spec, describe
+from functopt._spec import (
+    FiniteGuard,
+    GlobalNormClip,
+    Injected,
+    Leafwise,
+    Select,
+    Sequence,
+    Spec,
+    describe,
+)
 from functopt.transforms import _common
 from functopt.tree import _core
 
@@ -161,12 +170,38 @@ class _Clip:
         return "clip_by_global_norm"
 
 
+@dataclass(frozen=True, eq=False)
+class _Guard:
+    """``apply_if_finite``: ``index`` into the structure's guards."""
+
+    index: int
+
+    @property
+    def kind(self) -> str:
+        return "apply_if_finite"
+
+    def __repr__(self) -> str:
+        return "apply_if_finite"
+
+
+@dataclass
+class _GuardState:
+    """Where an ``apply_if_finite`` keeps its counters, and what it checks."""
+
+    notfinite_count: int  # flat state indices
+    last_finite: int
+    total_notfinite: int
+    max_consecutive_errors: int
+    leaves: list[int]  # the leaves whose updates it checks
+
+
 @dataclass
 class _Injection:
     count: int  # flat index of the injected transform's count
     hyper: dict[str, int]  # key -> flat index of state.hyperparams[key]
     constants: tuple[str, ...]
     values_at: Callable[[Any, dict[str, Any]], dict[str, Any]]
+    guard: int | None = None  # the apply_if_finite it sits in
 
 
 @dataclass
@@ -178,6 +213,8 @@ class Structure:
     injections: list[_Injection] = field(default_factory=list)
     clips: list[list[int]] = field(default_factory=list)  # leaves each clip measures
     clip_bounds: list[Any] = field(default_factory=list)  # each clip's max_norm binding
+    guards: list[_GuardState] = field(default_factory=list)
+    counter_guard: dict[int, int] = field(default_factory=dict)  # counter -> its guard
     opaque: list[str] = field(default_factory=list)  # why the whole step must stay pure
     nodes: int = 0
     matched: list[Any] | None = None  # per leaf: match(program), computed once
@@ -198,6 +235,12 @@ class _Walk:
         self.state_leaves = state_leaves
         self.out = Structure(programs=[[] for _ in param_leaves])
         self.placeholders: dict[int, Any] = {}  # id(placeholder tensor) -> _Hyper
+        self.guard: int | None = None  # the apply_if_finite the walk is inside
+
+    def counter(self, index: int) -> None:
+        self.out.counters.append(index)
+        if self.guard is not None:
+            self.out.counter_guard[index] = self.guard
 
     def node(self) -> int:
         self.out.nodes += 1
@@ -250,6 +293,19 @@ class _Walk:
                 self.out.programs[i].append(clip)
         elif isinstance(spec, Injected):
             self.injected(spec, idx, sel, where)
+        elif isinstance(spec, FiniteGuard):
+            if self.guard is not None:
+                self.out.opaque.append(f"{where}: apply_if_finite inside apply_if_finite")
+                return
+            mark = _Guard(len(self.out.guards))
+            self.out.guards.append(_GuardState(
+                idx.notfinite_count, idx.last_finite, idx.total_notfinite,
+                spec.max_consecutive_errors, list(sel)))
+            for i in sel:
+                self.out.programs[i].append(mark)
+            self.guard = mark.index
+            self.walk(spec.inner, idx.inner_state, sel, f"{where}.apply_if_finite")
+            self.guard = None
         elif isinstance(spec, Leafwise):
             self.leafwise(spec, idx, sel, where)
         else:  # a Spec subclass of a later layer that this planner does not know
@@ -268,8 +324,8 @@ class _Walk:
         self.out.injections.append(_Injection(
             count=idx.count, hyper=hyper_idx,
             constants=tuple(k for k in spec.names if k not in spec.schedules),
-            values_at=spec.values_at))
-        self.out.counters.append(idx.count)
+            values_at=spec.values_at, guard=self.guard))
+        self.counter(idx.count)
         self.walk(describe(inner), idx.inner_state, sel, f"{where}.inject_hyperparams")
         del placeholders  # ids of freed placeholders must not match later tensors
         self.placeholders = {k: v for k, v in self.placeholders.items() if v.node != node}
@@ -312,7 +368,7 @@ class _Walk:
                 f"{where}: {kind} has no fused kernel (compiled lowering is not built yet)")
             return
         if count is not None:
-            self.out.counters.append(count)
+            self.counter(count)
         for i in sel:
             self.out.programs[i].append(
                 _Op(kind, args, {k: v[i] for k, v in slots.items()}, node, count))
@@ -348,9 +404,11 @@ class _KernelPlan:
     decay: _Op | None = None
     trace: _Op | None = None
     lr: Any = None  # binding of the (positive) learning rate
+    guard: _Guard | None = None  # a leading apply_if_finite: its skip joins found_inf
 
     def key(self) -> tuple[Any, ...]:
-        return (self.kernel, None if self.clip is None else self.clip.index,
+        return (self.kernel, None if self.guard is None else self.guard.index,
+                None if self.clip is None else self.clip.index,
                 None if self.adam is None else self.adam.node,
                 None if self.decay is None else self.decay.node,
                 None if self.trace is None else self.trace.node, id(self.lr))
@@ -375,6 +433,13 @@ def _learning_rate(op: _Op) -> Any | None:
 def match(program: list[Any]) -> _KernelPlan | str:
     """The kernel for one leaf's program, or the reason there is none."""
     ops = [op for op in program if op.kind != "identity"]
+    guard = None
+    if ops and isinstance(ops[0], _Guard):
+        guard = ops.pop(0)
+    for i, op in enumerate(ops):
+        if isinstance(op, _Guard):
+            return (f"apply_if_finite after {ops[i - 1].kind} has no fused form (only one "
+                    f"around the whole rule folds into the kernel's skip)")
     clip = None
     if ops and isinstance(ops[0], _Clip):
         clip = ops.pop(0)
@@ -388,7 +453,7 @@ def match(program: list[Any]) -> _KernelPlan | str:
         return "no update rule (the updates would be the gradients themselves)"
     if "set_to_zero" in kinds:
         if kinds[-1] == "set_to_zero":
-            return _KernelPlan("zero", None)
+            return _KernelPlan("zero", None, guard=guard)
         return "set_to_zero followed by other rules"
     if kinds[-1] not in _LR_KINDS:
         return f"the program {' -> '.join(kinds)} does not end with a learning rate"
@@ -403,11 +468,12 @@ def match(program: list[Any]) -> _KernelPlan | str:
         if _python(adam.args["eps_root"]) not in (None, 0):
             return "scale_by_adam(eps_root > 0) has no fused kernel"
         return _KernelPlan("adamw", clip, adam=adam,
-                           decay=body_ops[1] if len(body_ops) == 2 else None, lr=lr)
+                           decay=body_ops[1] if len(body_ops) == 2 else None, lr=lr,
+                           guard=guard)
     if body in ((), ("trace",), ("add_decayed_weights",), ("add_decayed_weights", "trace")):
         decay = body_ops[0] if body and body[0] == "add_decayed_weights" else None
         trace = body_ops[-1] if body and body[-1] == "trace" else None
-        return _KernelPlan("sgd", clip, decay=decay, trace=trace, lr=lr)
+        return _KernelPlan("sgd", clip, decay=decay, trace=trace, lr=lr, guard=guard)
     return f"the program {' -> '.join(kinds)} matches no fused kernel"
 
 
@@ -566,6 +632,36 @@ def clip_sums(structure: Structure, grads: list[Any], name: Callable[[int], str]
     return out
 
 
+def nonfinite_counts(structure: Structure, grads: list[Any], name: Callable[[int], str],
+                     device: torch.device) -> list[torch.Tensor]:
+    """Per guard, this rank's count (float64) of leaves it checks that hold an inf or a
+    nan, from one ``foreach`` max-norm pass (exact: the largest magnitude of finite values
+    is finite, and inf and nan propagate), replicated copies counted once."""
+    if not structure.guards:
+        return []
+    counted = [g is not None and _counted_here(g, functools.partial(name, i))
+               for i, g in enumerate(grads)]
+    bad: list[Any] = [None] * len(grads)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, (g, c) in enumerate(zip(grads, counted, strict=True)):
+        if c:
+            local = local_tensor(g)
+            if local.numel():  # (an empty shard holds nothing non-finite; the max-norm of
+                # an empty tensor has no identity)
+                groups.setdefault((local.device, local.dtype), []).append(i)
+    for idx in groups.values():
+        norms = torch._foreach_norm([local_tensor(grads[i]) for i in idx], float("inf"))
+        flags = ~torch.isfinite(torch.stack(norms))
+        for j, i in enumerate(idx):
+            bad[i] = flags[j]
+    out = []
+    for guard in structure.guards:
+        mine = [bad[i] for i in guard.leaves if bad[i] is not None]
+        out.append(torch.stack(mine).sum().to(device=device, dtype=torch.float64) if mine
+                   else torch.zeros((), dtype=torch.float64, device=device))
+    return out
+
+
 def leaf_squares(tensors: list[Any], counted: list[bool],
                  multiplier: torch.Tensor | None) -> list[Any]:
     """Each counted tensor's squared L2 norm (times ``multiplier``, applied to the norm in
@@ -600,10 +696,13 @@ def _clip_multiplier(sumsq: torch.Tensor, max_norm: Any, acc: torch.dtype) -> to
 def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: list[Any], *,
         donate: bool, donate_grads: bool = False, multiplier: torch.Tensor | None = None,
         found_inf: torch.Tensor | None = None, sums: list[torch.Tensor] | None = None,
-        ) -> Result | str:
+        finite: list[torch.Tensor] | None = None) -> Result | str:
     """One step on the kernels. ``multiplier`` (a 0-d float64 tensor) multiplies the
     gradients before the chain (a mixed step's unscale and clip); ``sums`` are the
-    clips' global sums of squares of the multiplied gradients; ``found_inf`` skips the step.
+    clips' global sums of squares of the multiplied gradients; ``finite`` the guards'
+    (``apply_if_finite``) global verdicts on the gradients they check; ``found_inf``
+    skips the whole step: values, moments and every counter keep their values (as a
+    skipped mixed step restores the inner state whole).
 
     Returns the reason instead when a hyperparameter read at run time has no fused form
     (an injected ``eps_root`` that is not 0, say), before any tensor was written: the
@@ -621,6 +720,8 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
     acc = torch.float64 if torch.float64 in accs else torch.float32
     if structure.clips and (sums is None or len(sums) != len(structure.clips)):
         raise ValueError("the planner's run needs one sum of squares per clip")
+    if structure.guards and (finite is None or len(finite) != len(structure.guards)):
+        raise ValueError("the planner's run needs one finiteness flag per guard")
     clip_factors = [_clip_multiplier(s, bound(env), acc)
                     for s, bound in zip(sums or [], structure.clip_bounds, strict=True)]
     # every value read at run time first, so that a refusal comes before any write
@@ -632,6 +733,8 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
         if isinstance(hp, str):
             return hp
         resolved.append((group, hp))
+    skipped = None if found_inf is None else found_inf != 0
+    applied = _guards(structure, state_leaves, new_leaves, finite or [], skipped)
     advanced = {c: _increment(state_leaves[c]) for c in dict.fromkeys(structure.counters)}
     for group, hp in resolved:
         plan = group.plan
@@ -640,17 +743,54 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
             factor = clip_factors[plan.clip.index]
             scale = factor.to(torch.float64) if scale is None else scale * factor.to(
                 torch.float64)
+        flag = skipped
+        if plan.guard is not None:
+            flag = _or(flag, ~applied[plan.guard.index])
         _run_group(group, hp, values, grads, state_leaves, new_values, new_leaves,
-                   donate=donate, donate_grads=donate_grads, scale=scale, found_inf=found_inf,
+                   donate=donate, donate_grads=donate_grads, scale=scale, found_inf=flag,
                    advanced=advanced)
     for c, new in advanced.items():
-        # a skipped step (found_inf) leaves its counters as they were
-        new_leaves[c] = new if found_inf is None else torch.where(
-            found_inf.to(new.device) != 0, state_leaves[c], new)
+        # a skipped step (found_inf, or a guard that skipped) leaves its counters as they were
+        keep = _keep(skipped, applied, structure.counter_guard.get(c))
+        new_leaves[c] = new if keep is None else torch.where(
+            keep.to(new.device), state_leaves[c], new)
     for inj, hyper in zip(structure.injections, env.hyper, strict=True):
+        keep = _keep(skipped, applied, inj.guard)
         for k, i in inj.hyper.items():
-            new_leaves[i] = hyper[k]
+            old, value = state_leaves[i], hyper[k]
+            new_leaves[i] = value if keep is None or value is old else torch.where(
+                keep.to(old.device), old, value.to(old.dtype))
     return Result(new_values, _core.unflatten(lowered.state_spec, new_leaves))
+
+
+def _or(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
+    return b if a is None else a | b.to(a.device)
+
+
+def _keep(skipped: torch.Tensor | None, applied: list[torch.Tensor],
+          guard: int | None) -> torch.Tensor | None:
+    """Where a state entry keeps its old value: the step was skipped, or its guard was."""
+    if guard is None:
+        return skipped
+    return _or(skipped, ~applied[guard])
+
+
+def _guards(structure: Structure, old: list[Any], new: list[Any],
+            finite: list[torch.Tensor], skipped: torch.Tensor | None) -> list[torch.Tensor]:
+    """``apply_if_finite``'s counters, as its update moves them; returns per guard whether
+    its step is applied. A skipped (mixed) step leaves them as they were."""
+    applied = []
+    for g, ok in zip(structure.guards, finite, strict=True):
+        count, total = old[g.notfinite_count], old[g.total_notfinite]
+        ok = ok.to(count.device)
+        new_count = torch.where(ok, torch.zeros_like(count), _common.safe_increment(count))
+        new_total = torch.where(ok, total, _common.safe_increment(total))
+        applied.append(ok | (new_count > g.max_consecutive_errors))
+        for k, value in ((g.notfinite_count, new_count), (g.last_finite, ok),
+                         (g.total_notfinite, new_total)):
+            new[k] = value if skipped is None else torch.where(
+                skipped.to(value.device), old[k], value.to(old[k].dtype))
+    return applied
 
 
 def _increment(count: torch.Tensor) -> torch.Tensor:
@@ -719,7 +859,7 @@ def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[
         # the kernels take grad_scale in float32: a float64 group is unscaled here
         torch._foreach_mul_(g, scale.to(device=device, dtype=torch.float64))
         grad_scale = None
-    flag = None if found_inf is None else found_inf.to(device=device, dtype=torch.float32)
+    flag = None if found_inf is None else found_inf.to(device=device, dtype=torch.float32)  # 1.0: skip
     lr_value = hp["lr"]
     lr: Any = (lr_value.to(device=device, dtype=torch.promote_types(dtype, torch.float32))
                if isinstance(lr_value, torch.Tensor) else float(lr_value))

@@ -144,9 +144,10 @@ def make_step(
         reason = lowered.reason
         if reason is None:
             with torch.no_grad():  # donated params may be leaves that require grad
-                sums = _clip_sums(structure, param_leaves, grad_leaves, name)
+                sums, finite = _reductions(structure, param_leaves, grad_leaves, name)
                 result = _planner.run(lowered, param_leaves, grad_leaves, state_leaves,
-                                      donate=donate, donate_grads=donate_grads, sums=sums)
+                                      donate=donate, donate_grads=donate_grads, sums=sums,
+                                      finite=finite)
             if not isinstance(result, str):
                 return _core.unflatten(treespec, result.values), result.state
             reason = result
@@ -157,20 +158,22 @@ def make_step(
     return step
 
 
-def _clip_sums(structure: _planner.Structure, params: list[Any], grads: list[Any],
-               name: Callable[[int], str]) -> list[torch.Tensor]:
-    """The global sums of squares the chain's clips need: one local pass, and one
-    all-reduce of them packed together when the params are sharded."""
-    if not structure.clips:
-        return []
+def _reductions(structure: _planner.Structure, params: list[Any], grads: list[Any],
+                name: Callable[[int], str]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The global values the chain's clips (sums of squares) and ``apply_if_finite`` guards
+    (is every gradient finite) need: one local pass each, and one all-reduce of them all,
+    packed, when the params are sharded."""
+    if not (structure.clips or structure.guards):
+        return [], []
     device = next((local_tensor(g).device for g in grads if g is not None),
                   torch.device("cpu"))
-    local = _planner.clip_sums(structure, grads, name, device)
+    local = [*_planner.clip_sums(structure, grads, name, device),
+             *_planner.nonfinite_counts(structure, grads, name, device)]
     group = _infer_group(params, name)
-    if group is None:
-        return local
-    packed = all_reduce_stats(torch.stack(local), group)
-    return list(packed.unbind())
+    if group is not None:
+        local = list(all_reduce_stats(torch.stack(local), group).unbind())
+    n = len(structure.clips)
+    return local[:n], [count == 0 for count in local[n:]]
 
 
 def _check(grads: Updates, params: Params) -> tuple[list[Any], _core.TreeSpec, list[Any]]:

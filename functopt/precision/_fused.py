@@ -194,9 +194,12 @@ def fused_mixed_step(
     cast = [w if w is None or w is not local_tensor(g) or (
         multiplier is None and not structure.clips) else w.clone()
             for g, w in zip(grads, wide, strict=True)]
+    # an apply_if_finite in the inner chain sees finite gradients whenever the step is not
+    # skipped (a non-finite gradient makes the norm non-finite, which skips the step)
+    finite = [~stats.found_inf] * len(structure.guards)
     result = _planner.run(lowered, views, cast, inner_leaves, donate=donate,
                           donate_grads=True, multiplier=multiplier,
-                          found_inf=stats.found_inf, sums=sums)
+                          found_inf=stats.found_inf, sums=sums, finite=finite)
     if isinstance(result, str):
         return result
 

@@ -14,6 +14,7 @@ import torch
 from functopt._base import GradientTransformation, Params, State, Updates
 from functopt._collective.dtensor import _infer_group, _leaf_names, is_dtensor
 from functopt._collective.reduce import all_reduce_stats
+from functopt._spec import FiniteGuard, describe, specified
 from functopt.transforms import _common
 from functopt.transforms.combining import _check_transform
 from functopt.tree import _core
@@ -228,4 +229,5 @@ def apply_if_finite(
             inner_state=_select_state(selector, new_inner_state, state.inner_state),
         )
 
-    return GradientTransformation(init_fn, update_fn)
+    return specified(GradientTransformation(init_fn, update_fn),
+                     FiniteGuard(describe(inner), max_consecutive_errors))

@@ -120,14 +120,16 @@ def make_step_on_sharded_params_equals_full(rank: int, world: int) -> None:
 
 @check
 def composed_chain_on_sharded_params_one_collective(rank: int, world: int) -> None:
-    """chain(clip_by_global_norm, adamw with a no-decay mask) on Shard(0) params: one
-    all-reduce per step (the clip's packed sum of squares), results equal to the full
-    tensors' pure path."""
+    """apply_if_finite(chain(clip_by_global_norm, adamw with a no-decay mask)) on Shard(0)
+    params: one all-reduce per step (the clip's sum of squares and the guard's non-finite
+    count, packed), results equal to the full tensors' pure path, an inf in one rank's
+    shard skipping every rank's step."""
     del rank
     mesh = _mesh(world)
     for donate in (False, True):
-        tx = functopt.chain(functopt.clip_by_global_norm(0.5), functopt.adamw(
-            1e-2, weight_decay=0.1, mask={"w": True, "b": False, "m": True}))
+        tx = functopt.apply_if_finite(functopt.chain(
+            functopt.clip_by_global_norm(0.5), functopt.adamw(
+                1e-2, weight_decay=0.1, mask={"w": True, "b": False, "m": True})), 3)
         full = _full_params(2, torch.float64)
         params = _shard(full, mesh)
         state, ref_state = tx.init(params), tx.init(full)
@@ -137,6 +139,8 @@ def composed_chain_on_sharded_params_one_collective(rank: int, world: int) -> No
             gen = torch.Generator().manual_seed(30 + i)
             gfull = {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) * 2
                      for k, v in full.items()}
+            if i == 1:
+                gfull["m"][-1, 0] = float("inf")  # the last rows: the last rank's shard
             grads = _shard(gfull, mesh)
             with CommDebugMode() as comm, torch.no_grad():
                 params, state = step(grads, state, params)
@@ -145,6 +149,7 @@ def composed_chain_on_sharded_params_one_collective(rank: int, world: int) -> No
             full = functopt.apply_updates(full, updates)
             _assert_close(params, full, f"donate={donate} step {i} params")
             _assert_close(state, ref_state, f"donate={donate} step {i} state")
+        assert int(state.total_notfinite) == 1  # the skipped step, on every rank
 
 
 def _clip_adamw() -> functopt.GradientTransformation:
