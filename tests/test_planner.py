@@ -299,3 +299,39 @@ def test_apply_if_finite_folds_into_the_kernels_skip(chain: str, donate: bool) -
         _nan_mask_and_close(state, ref_state, f"step {i} state")
     assert int(state.total_notfinite if hasattr(state, "total_notfinite")
                else state[0].total_notfinite) == 4
+
+
+def test_injected_constants_are_read_on_the_host_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels take betas, eps and weight decay as Python floats: an injected constant
+    is read once and remembered while it is the same, unmodified tensor (each read is a
+    synchronisation on an accelerator); an edit in place or a new tensor is read again."""
+    tx = functopt.inject_hyperparams(functopt.adamw)(learning_rate=1e-2, weight_decay=0.1)
+    params = {"w": torch.randn(4, 3, dtype=torch.float64)}
+    state, ref_state, ref_params = tx.init(params), tx.init(params), _clone(params)
+    step = make_step(tx)
+    reads: list[float] = []
+    real_item = torch.Tensor.item
+
+    def item(self: torch.Tensor) -> Any:
+        value = real_item(self)
+        reads.append(value)
+        return value
+
+    monkeypatch.setattr(torch.Tensor, "item", item)
+    per_step = []
+    for i in range(5):
+        if i == 3:  # an edit in place (as a scheduler does) and a replaced tensor
+            for s in (state, ref_state):
+                s.hyperparams["b1"].fill_(0.5)
+                s.hyperparams["weight_decay"] = torch.tensor(0.3, dtype=torch.float64)
+        grads = {"w": torch.randn(4, 3, dtype=torch.float64)}
+        before = len(reads)
+        with torch.no_grad():
+            params, state = step(grads, state, params)
+        per_step.append(len(reads) - before)
+        ref_params, ref_state = _pure(tx, grads, ref_state, ref_params)
+        _assert_close(params, ref_params, f"step {i}")
+        _assert_close(state, ref_state, f"step {i} state")
+    # b1, b2, eps, eps_root, weight_decay at the first step; nothing until the edit; then
+    # the two changed ones
+    assert per_step == [5, 0, 0, 2, 0], per_step

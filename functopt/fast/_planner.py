@@ -136,6 +136,24 @@ class _Negated:
 class _Env:
     leaves: list[Any]  # the flat state
     hyper: list[dict[str, Any]]  # per injected node: this step's hyperparameters
+    # the planner's memo of host reads: id(tensor) -> (weakref, version, value)
+    reads: dict[int, tuple[Any, int, float]] = field(default_factory=dict)
+
+    def number(self, value: Any) -> float:
+        """A hyperparameter as the Python float the kernels take. A tensor is read on the
+        host once and remembered while it is the same, unmodified tensor (its version
+        counter unchanged): an injected constant costs one read, not one per step (on an
+        accelerator each read is a synchronisation)."""
+        if not isinstance(value, torch.Tensor):
+            return float(value)
+        found = self.reads.get(id(value))
+        if found is not None and found[0]() is value and found[1] == value._version:
+            return found[2]
+        number = float(value.item())
+        if len(self.reads) > 64:
+            self.reads.clear()
+        self.reads[id(value)] = (weakref.ref(value), value._version, number)
+        return number
 
 
 # --- programs -----------------------------------------------------------------------------
@@ -602,13 +620,6 @@ def _python(binding: Any) -> Any:
     return binding.value if isinstance(binding, _Const) else None
 
 
-def _number(value: Any) -> float:
-    """A hyperparameter as the Python float the kernels take (a host read for a tensor)."""
-    if isinstance(value, torch.Tensor):
-        return float(value.item())
-    return float(value)
-
-
 @dataclass
 class Result:
     values: list[Any]
@@ -696,7 +707,8 @@ def _clip_multiplier(sumsq: torch.Tensor, max_norm: Any, acc: torch.dtype) -> to
 def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: list[Any], *,
         donate: bool, donate_grads: bool = False, multiplier: torch.Tensor | None = None,
         found_inf: torch.Tensor | None = None, sums: list[torch.Tensor] | None = None,
-        finite: list[torch.Tensor] | None = None) -> Result | str:
+        finite: list[torch.Tensor] | None = None,
+        reads: dict[int, Any] | None = None) -> Result | str:
     """One step on the kernels. ``multiplier`` (a 0-d float64 tensor) multiplies the
     gradients before the chain (a mixed step's unscale and clip); ``sums`` are the
     clips' global sums of squares of the multiplied gradients; ``finite`` the guards'
@@ -709,7 +721,7 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
     caller takes the pure path.
     """
     structure = lowered.structure
-    env = _Env(state_leaves, [])
+    env = _Env(state_leaves, []) if reads is None else _Env(state_leaves, [], reads)
     for inj in structure.injections:
         constants = {k: state_leaves[inj.hyper[k]] for k in inj.constants}
         env.hyper.append(inj.values_at(state_leaves[inj.count], constants))
@@ -825,17 +837,17 @@ def _hyperparameters(plan: _KernelPlan, env: _Env) -> dict[str, Any] | str:
     """The kernel's arguments at this step (Python floats, the lr possibly a 0-d tensor), or
     the reason a value read now has no fused form."""
     hp: dict[str, Any] = {"lr": plan.lr(env), "weight_decay": 0.0 if plan.decay is None
-                          else _number(plan.decay.args["weight_decay"](env))}
+                          else env.number(plan.decay.args["weight_decay"](env))}
     if plan.kernel == "adamw":
         adam = plan.adam
         assert adam is not None
-        if _number(adam.args["eps_root"](env)) != 0.0:
+        if env.number(adam.args["eps_root"](env)) != 0.0:
             return "an injected eps_root other than 0 has no fused kernel"
-        hp.update(beta1=_number(adam.args["b1"](env)), beta2=_number(adam.args["b2"](env)),
-                  eps=_number(adam.args["eps"](env)))
+        hp.update(beta1=env.number(adam.args["b1"](env)),
+                  beta2=env.number(adam.args["b2"](env)), eps=env.number(adam.args["eps"](env)))
     else:
         trace = plan.trace
-        hp["momentum"] = 0.0 if trace is None else _number(trace.args["decay"](env))
+        hp["momentum"] = 0.0 if trace is None else env.number(trace.args["decay"](env))
         hp["nesterov"] = False if trace is None else bool(trace.args["nesterov"].value)
         if trace is not None and hp["momentum"] == 0.0:
             return ("trace(decay=0) (here an injected momentum of 0) keeps a trace equal to "
@@ -912,6 +924,7 @@ class Planner:
         # a donated step sees the same params and state tensors every time, whose layouts
         # do not change, so the per-leaf layout and aliasing checks run once.
         self._lowered: dict[Any, tuple[list[Any], Lowered]] = {}
+        self.reads: dict[int, Any] = {}  # host reads of unchanged hyperparameter tensors
 
     def lower(self, structure: Structure, state_spec: _core.TreeSpec, values: list[Any],
               grads: list[Any], state_leaves: list[Any], name: Callable[[int], str], *,

@@ -147,7 +147,7 @@ def make_step(
                 sums, finite = _reductions(structure, param_leaves, grad_leaves, name)
                 result = _planner.run(lowered, param_leaves, grad_leaves, state_leaves,
                                       donate=donate, donate_grads=donate_grads, sums=sums,
-                                      finite=finite)
+                                      finite=finite, reads=planner.reads)
             if not isinstance(result, str):
                 return _core.unflatten(treespec, result.values), result.state
             reason = result

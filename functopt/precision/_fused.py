@@ -199,7 +199,8 @@ def fused_mixed_step(
     finite = [~stats.found_inf] * len(structure.guards)
     result = _planner.run(lowered, views, cast, inner_leaves, donate=donate,
                           donate_grads=True, multiplier=multiplier,
-                          found_inf=stats.found_inf, sums=sums, finite=finite)
+                          found_inf=stats.found_inf, sums=sums, finite=finite,
+                          reads=planner.reads)
     if isinstance(result, str):
         return result
 
