@@ -119,6 +119,9 @@ class TorchOptimizer(Optimizer):
                 f"Tensors or dicts, but got {torch.typename(params)}. Fix: wrap it in a list, "
                 f"or pass model.parameters()."
             )
+        # Module-level factory and plain values: enough to rebuild the transform when the
+        # optimizer is unpickled (its closures cannot be pickled).
+        self._recipe = (factory, dict(hyperparams), dict(flags))
         transform = inject_hyperparams(factory)(**hyperparams, **flags)
         self._fixed = {**fixed, "differentiable": False}
         # fused=None: the fused kernel where the planner has one, the pure path (no warning)
@@ -169,7 +172,23 @@ class TorchOptimizer(Optimizer):
         return super().step(closure)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "_fixed": self._fixed}
+        return {**super().__getstate__(), "_fixed": self._fixed, "_recipe": self._recipe}
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # Pickle without the transform's closures; __setstate__ rebuilds it from the recipe.
+        state = self.__getstate__()
+        state.pop("_transform", None)
+        return (_rebuild, (type(self),), state)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if "_transform" not in self.__dict__:
+            factory, hyperparams, flags = self._recipe
+            self._transform = inject_hyperparams(factory)(**hyperparams, **flags)
+
+
+def _rebuild(cls: type) -> Any:
+    return cls.__new__(cls)
 
 
 def _same(a: Any, b: Any) -> bool:
