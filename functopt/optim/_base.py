@@ -165,10 +165,14 @@ class TorchOptimizer(Optimizer):
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """``torch.optim.Optimizer.step``: update every param group (after ``closure``)."""
+        fixed = self._fixed
         for i, group in enumerate(self.param_groups):
-            self._check_fixed(f"functopt.optim.{type(self).__name__}.step",
-                              f"param_groups[{i}]",
-                              {k: group[k] for k in self._fixed if k in group})
+            # The groups hold the very objects stored at construction: identity is the fast
+            # check, equality the exact one.
+            if any(group.get(k, v) is not v for k, v in fixed.items() if k not in HINTS):
+                self._check_fixed(f"functopt.optim.{type(self).__name__}.step",
+                                  f"param_groups[{i}]",
+                                  {k: group[k] for k in fixed if k in group})
         return super().step(closure)
 
     def __getstate__(self) -> dict[str, Any]:
