@@ -2,7 +2,7 @@
 
 The public surface is this module's ``__all__`` and the documented subpackages
 ``functopt.schedules``, ``functopt.tree``, ``functopt.precision``, ``functopt.distributed``,
-``functopt.fast``, ``functopt.contrib`` and ``functopt.testing``
+``functopt.fast``, ``functopt.contrib``, ``functopt.optim`` and ``functopt.testing``
 (the last imports hypothesis, so it is not imported here).
 """
 
@@ -219,8 +219,8 @@ __all__ = [
     "masked",
     "nadam",
     "nadamw",
-    "optim",
     "named_chain",
+    "optim",
     "partition",
     "precision",
     "radam",

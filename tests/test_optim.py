@@ -223,7 +223,7 @@ def test_lr_written_to_a_group_is_used() -> None:
 
 def test_fixed_options_cannot_differ_or_change() -> None:
     a, b = torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(1))
-    with pytest.raises(ValueError, match="nesterov=True.*built with nesterov=False"):
+    with pytest.raises(ValueError, match=r"nesterov=True.*built with nesterov=False"):
         optim.SGD([{"params": [a]}, {"params": [b], "nesterov": True}], lr=0.1, momentum=0.9)
     opt = optim.Adam([a], amsgrad=False)
     opt.param_groups[0]["amsgrad"] = True
@@ -234,7 +234,7 @@ def test_fixed_options_cannot_differ_or_change() -> None:
     opt = optim.Adam([b])
     opt.param_groups[0]["weight_decay"] = 0.1
     b.grad = torch.ones(1)
-    with pytest.raises(ValueError, match="weight_decay=0.1"):
+    with pytest.raises(ValueError, match=r"weight_decay=0\.1"):
         opt.step()
 
 

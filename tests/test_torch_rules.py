@@ -172,7 +172,7 @@ def test_amsgrad_correct_after_max(grads: list[list[float]], eps: float) -> None
 
 
 def test_amsgrad_correct_after_max_needs_the_correction() -> None:
-    with pytest.raises(ValueError, match="correct_after_max=True.*bias_correction_nu=False"):
+    with pytest.raises(ValueError, match=r"correct_after_max=True.*bias_correction_nu=False"):
         functopt.scale_by_amsgrad(bias_correction_nu=False, correct_after_max=True)
 
 

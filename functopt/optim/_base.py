@@ -191,7 +191,7 @@ class TorchOptimizer(Optimizer):
             self._transform = inject_hyperparams(factory)(**hyperparams, **flags)
 
 
-def _rebuild(cls: type) -> Any:
+def _rebuild(cls: type[TorchOptimizer]) -> TorchOptimizer:
     return cls.__new__(cls)
 
 
