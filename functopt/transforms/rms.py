@@ -317,14 +317,14 @@ def scale_by_rss(
             positive = s_t > 0
             # Feed rsqrt a harmless 1 off the selected branch: rsqrt(0) = inf would turn the
             # (zero) backward of torch.where into 0 * inf = nan.
+            # A factor times g (as optax): a NaN gradient stays NaN where s_t is not > 0.
             e = _common.scalar(eps, wide.dtype)
             if eps_in_sqrt:
-                inv = torch.rsqrt(torch.where(positive, s_t + e, 1.0))
-                u = torch.where(positive, inv * wide, 0.0)
+                inv = torch.where(positive, torch.rsqrt(torch.where(positive, s_t + e, 1.0)), 0.0)
             else:
-                u = torch.where(positive, wide / (torch.sqrt(torch.where(positive, s_t, 1.0)) + e),
-                                0.0)
-            return u.to(g.dtype), s_t.to(s.dtype)
+                inv = torch.where(positive, 1 / (torch.sqrt(torch.where(positive, s_t, 1.0)) + e),
+                                  0.0)
+            return (inv * wide).to(g.dtype), s_t.to(s.dtype)
 
         new_updates, new_sums = _common.map_with_state(leaf, grads, sums)
         new_state = ScaleByRssState(sum_of_squares=_common.unflatten(treespec, new_sums))
