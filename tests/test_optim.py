@@ -317,3 +317,15 @@ def test_error_messages_say_what_and_how() -> None:
     with pytest.raises(ValueError, match=re.escape("Invalid beta parameter at index 1: 1.0") +
                        ".*expected 0 <= betas"):
         optim.NAdam([torch.nn.Parameter(torch.ones(1))], betas=(0.9, 1.0))
+
+
+def test_group_values_are_range_checked() -> None:
+    a, b = torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(1))
+    with pytest.raises(ValueError, match=r"param group 1\['betas'\]"):
+        optim.Adam([{"params": [a]}, {"params": [b], "betas": (1.0, 0.999)}])
+    opt = optim.SGD([a], lr=0.1, momentum=0.9)
+    opt.param_groups[0]["momentum"] = -1.0
+    a.grad = torch.ones(1)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['momentum'\] is -1.0"):
+        opt.step()
+    assert torch.equal(a.detach(), torch.ones(1))  # nothing was written

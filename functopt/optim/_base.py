@@ -88,6 +88,40 @@ def groups_set(params: Any, key: str) -> list[Any]:
     return [item[key] for item in params if isinstance(item, dict) and key in item]
 
 
+# Ranges of the numeric group values (torch.optim checks them in its constructors only; a
+# group value out of range would give NaN params or a silent ascent).
+_RANGES: dict[str, tuple[float, float, bool]] = {  # key: (low, high, high open)
+    "lr": (0.0, math.inf, False), "eps": (0.0, math.inf, False),
+    "weight_decay": (0.0, math.inf, False), "momentum": (0.0, math.inf, False),
+    "alpha": (0.0, 1.0, False), "rho": (0.0, 1.0, False), "lr_decay": (0.0, math.inf, False),
+    "momentum_decay": (0.0, math.inf, False),
+    "initial_accumulator_value": (0.0, math.inf, False),
+}
+
+
+def check_group(owner: str, where: str, group: dict[str, Any]) -> None:
+    """Raise naming the group and key whose value is out of the range torch's constructor
+    enforces (Python numbers and 0-d tensors; betas each in [0, 1))."""
+    for key, (low, high, high_open) in _RANGES.items():
+        value = group.get(key)
+        if value is None:
+            continue
+        v = float(value) if isinstance(value, (int, float, torch.Tensor)) else math.nan
+        if not (low <= v <= high) or (high_open and v == high):
+            raise ValueError(
+                f"{owner}: {where}[{key!r}] is {value!r}; expected a number in [{low:g}, "
+                f"{high:g}]. Fix: write a valid value (a scheduler writes only 'lr' and "
+                f"'momentum' or 'betas')."
+            )
+    betas = group.get("betas")
+    if betas is not None:
+        ok = isinstance(betas, (tuple, list)) and len(betas) == 2 and all(
+            isinstance(b, (int, float, torch.Tensor)) and 0.0 <= float(b) < 1.0 for b in betas)
+        if not ok:
+            raise ValueError(f"{owner}: {where}['betas'] is {betas!r}; expected a pair of "
+                             f"numbers in [0, 1). Fix: write e.g. (0.9, 0.999).")
+
+
 class TorchOptimizer(Optimizer):
     """A functopt.Optimizer with torch.optim's fixed options kept in its param groups."""
 
@@ -150,6 +184,12 @@ class TorchOptimizer(Optimizer):
         finally:
             self.defaults.update(saved)
         self.param_groups[-1].update({**fixed, **{k: given[k] for k in HINTS if k in given}})
+        try:
+            check_group(owner, f"param group {len(self.param_groups) - 1}",
+                        self.param_groups[-1])
+        except ValueError:
+            self.param_groups.pop()
+            raise
 
     def _check_fixed(self, owner: str, where: str, values: dict[str, Any]) -> None:
         for key, value in values.items():
@@ -173,6 +213,8 @@ class TorchOptimizer(Optimizer):
                 self._check_fixed(f"functopt.optim.{type(self).__name__}.step",
                                   f"param_groups[{i}]",
                                   {k: group[k] for k in fixed if k in group})
+            check_group(f"functopt.optim.{type(self).__name__}.step", f"param_groups[{i}]",
+                        group)
         return super().step(closure)
 
     def __getstate__(self) -> dict[str, Any]:
