@@ -329,3 +329,26 @@ def test_group_values_are_range_checked() -> None:
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['momentum'\] is -1.0"):
         opt.step()
     assert torch.equal(a.detach(), torch.ones(1))  # nothing was written
+
+
+def test_grad_scaler_drives_it_as_torch_optim() -> None:
+    results = []
+    for cls in (torch.optim.AdamW, optim.AdamW):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        opt = cls(model.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        x, y = torch.randn(16, 4), torch.randn(16, 2)
+        for step in range(4):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            if step == 2:
+                loss = loss * float("inf")  # an overflow: the step is skipped
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        results.append(([p.detach().clone() for p in model.parameters()], scaler.get_scale()))
+    (torch_params, torch_scale), (ours, our_scale) = results
+    assert our_scale == torch_scale == 2.0**9
+    for a, b in zip(ours, torch_params, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
