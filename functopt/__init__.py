@@ -2,11 +2,11 @@
 
 The public surface is this module's ``__all__`` and the documented subpackages
 ``functopt.schedules``, ``functopt.tree``, ``functopt.precision``, ``functopt.distributed``,
-``functopt.fast``, ``functopt.contrib`` and ``functopt.testing``
+``functopt.fast``, ``functopt.contrib``, ``functopt.optim`` and ``functopt.testing``
 (the last imports hypothesis, so it is not imported here).
 """
 
-from functopt import contrib, distributed, fast, precision, schedules, tree
+from functopt import contrib, distributed, fast, optim, precision, schedules, tree
 from functopt._apply import apply_updates, apply_updates_
 from functopt._base import (
     EmptyState,
@@ -27,9 +27,11 @@ from functopt._base import (
 )
 from functopt.adapters import MixedPrecisionOptimizer, Optimizer
 from functopt.optimizers import (
+    adadelta,
     adafactor,
     adagrad,
     adam,
+    adamax,
     adamw,
     amsgrad,
     lamb,
@@ -37,7 +39,9 @@ from functopt.optimizers import (
     lion,
     nadam,
     nadamw,
+    radam,
     rmsprop,
+    rprop,
     sgd,
     sign_sgd,
 )
@@ -48,8 +52,10 @@ from functopt.precision.loss_scale import (
     static_loss_scale,
 )
 from functopt.transforms.accumulation import (
+    DampenedTraceState,
     EmaState,
     TraceState,
+    dampened_trace,
     ema,
     trace,
 )
@@ -92,9 +98,13 @@ from functopt.transforms.moments import (
     ScaleByAdamState,
     ScaleByAmsgradState,
     ScaleByLionState,
+    ScaleByNadamState,
     scale_by_adam,
+    scale_by_adamax,
     scale_by_amsgrad,
     scale_by_lion,
+    scale_by_nadam,
+    scale_by_radam,
 )
 from functopt.transforms.multi_steps import (
     MultiSteps,
@@ -111,9 +121,11 @@ from functopt.transforms.projection import (
     centralize,
 )
 from functopt.transforms.rms import (
+    ScaleByAdaDeltaState,
     ScaleByRmsState,
     ScaleByRssState,
     ScaleByRStdDevState,
+    scale_by_adadelta,
     scale_by_rms,
     scale_by_rss,
     scale_by_stddev,
@@ -127,6 +139,8 @@ from functopt.transforms.scaling import (
     scale_by_schedule,
 )
 from functopt.transforms.sign import (
+    ScaleByRpropState,
+    scale_by_rprop,
     scale_by_sign,
 )
 from functopt.transforms.trust_ratio import (
@@ -138,6 +152,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AddDecayedWeightsState",
     "ApplyIfFiniteState",
+    "DampenedTraceState",
     "EmaState",
     "EmptyState",
     "FactoredState",
@@ -154,11 +169,14 @@ __all__ = [
     "Params",
     "PartitionState",
     "ScalarOrSchedule",
+    "ScaleByAdaDeltaState",
     "ScaleByAdamState",
     "ScaleByAmsgradState",
     "ScaleByLionState",
+    "ScaleByNadamState",
     "ScaleByRStdDevState",
     "ScaleByRmsState",
+    "ScaleByRpropState",
     "ScaleByRssState",
     "ScaleByScheduleState",
     "Schedule",
@@ -169,9 +187,11 @@ __all__ = [
     "TransformUpdateFn",
     "Updates",
     "ZeroNansState",
+    "adadelta",
     "adafactor",
     "adagrad",
     "adam",
+    "adamax",
     "adamw",
     "adaptive_grad_clip",
     "add_decayed_weights",
@@ -185,6 +205,7 @@ __all__ = [
     "clip_by_block_rms",
     "clip_by_global_norm",
     "contrib",
+    "dampened_trace",
     "distributed",
     "dynamic_loss_scale",
     "ema",
@@ -199,18 +220,26 @@ __all__ = [
     "nadam",
     "nadamw",
     "named_chain",
+    "optim",
     "partition",
     "precision",
+    "radam",
     "rmsprop",
+    "rprop",
     "scale",
+    "scale_by_adadelta",
     "scale_by_adam",
+    "scale_by_adamax",
     "scale_by_amsgrad",
     "scale_by_factored_rms",
     "scale_by_learning_rate",
     "scale_by_lion",
+    "scale_by_nadam",
     "scale_by_param_block_norm",
     "scale_by_param_block_rms",
+    "scale_by_radam",
     "scale_by_rms",
+    "scale_by_rprop",
     "scale_by_rss",
     "scale_by_schedule",
     "scale_by_sign",

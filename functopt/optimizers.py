@@ -21,16 +21,24 @@ from functopt.transforms.clipping import clip_by_block_rms
 from functopt.transforms.combining import chain
 from functopt.transforms.factored import scale_by_factored_rms
 from functopt.transforms.masking import masked
-from functopt.transforms.moments import scale_by_adam, scale_by_amsgrad, scale_by_lion
-from functopt.transforms.rms import scale_by_rms, scale_by_rss, scale_by_stddev
+from functopt.transforms.moments import (
+    scale_by_adam,
+    scale_by_adamax,
+    scale_by_amsgrad,
+    scale_by_lion,
+    scale_by_radam,
+)
+from functopt.transforms.rms import scale_by_adadelta, scale_by_rms, scale_by_rss, scale_by_stddev
 from functopt.transforms.scaling import scale, scale_by_learning_rate, scale_by_param_block_rms
-from functopt.transforms.sign import scale_by_sign
+from functopt.transforms.sign import scale_by_rprop, scale_by_sign
 from functopt.transforms.trust_ratio import scale_by_trust_ratio
 
 __all__ = [
+    "adadelta",
     "adafactor",
     "adagrad",
     "adam",
+    "adamax",
     "adamw",
     "amsgrad",
     "lamb",
@@ -38,7 +46,9 @@ __all__ = [
     "lion",
     "nadam",
     "nadamw",
+    "radam",
     "rmsprop",
+    "rprop",
     "sgd",
     "sign_sgd",
 ]
@@ -427,3 +437,108 @@ def sign_sgd(learning_rate: ScalarOrSchedule) -> GradientTransformation:
     """
     _check_lr("sign_sgd", learning_rate)
     return chain(scale_by_sign(), scale_by_learning_rate(learning_rate))
+
+
+def adamax(
+    learning_rate: ScalarOrSchedule,
+    b1: Numeric = 0.9,
+    b2: Numeric = 0.999,
+    eps: Numeric = 1e-8,
+) -> GradientTransformation:
+    """Adamax (Kingma & Ba 2014): ``chain(scale_by_adamax, scale_by_learning_rate)``.
+
+    Equals ``torch.optim.Adamax(lr, betas=(b1, b2), eps=eps)``; see
+    [`functopt.scale_by_adamax`][functopt.scale_by_adamax] for the rule.
+
+    Examples:
+        >>> import torch, functopt
+        >>> opt = functopt.adamax(0.1)
+        >>> opt.update({"w": torch.tensor([3.0])}, opt.init({"w": torch.zeros(1)}))[0]["w"]
+        tensor([-0.1000])
+    """
+    _check_lr("adamax", learning_rate)
+    return chain(scale_by_adamax(b1=b1, b2=b2, eps=eps), scale_by_learning_rate(learning_rate))
+
+
+def adadelta(
+    learning_rate: ScalarOrSchedule | None = None,
+    rho: Numeric = 0.9,
+    eps: Numeric = 1e-6,
+    weight_decay: Numeric = 0.0,
+    weight_decay_mask: MaskOrFn = None,
+) -> GradientTransformation:
+    """Adadelta (Zeiler 2012): ``chain(add_decayed_weights, scale_by_adadelta,
+    scale_by_learning_rate)``.
+
+    With ``learning_rate=None`` the rule's own step is taken (a learning rate of 1, as
+    ``torch.optim.Adadelta``'s default). The weight decay is added to the gradient
+    (torch.optim.Adadelta's ``weight_decay``).
+
+    Examples:
+        >>> import torch, functopt
+        >>> opt = functopt.adadelta(rho=0.5, eps=1e-4)
+        >>> p = {"w": torch.zeros(1)}
+        >>> opt.update({"w": torch.tensor([1.0])}, opt.init(p), p)[0]["w"]
+        tensor([-0.0141])
+    """
+    if learning_rate is not None:
+        _check_lr("adadelta", learning_rate)
+    return chain(
+        add_decayed_weights(weight_decay, weight_decay_mask),
+        scale_by_adadelta(rho=rho, eps=eps),
+        scale_by_learning_rate(1.0 if learning_rate is None else learning_rate),
+    )
+
+
+def radam(
+    learning_rate: ScalarOrSchedule,
+    b1: Numeric = 0.9,
+    b2: Numeric = 0.999,
+    eps: Numeric = 1e-8,
+    eps_root: Numeric = 0.0,
+    threshold: Numeric = 5.0,
+    *,
+    nesterov: bool = False,
+) -> GradientTransformation:
+    """RAdam (Liu et al. 2020): ``chain(scale_by_radam, scale_by_learning_rate)``.
+
+    optax's placement of ``eps`` (inside the bias correction);
+    [`functopt.optim.RAdam`][functopt.optim.RAdam] uses torch's.
+
+    Examples:
+        >>> import torch, functopt
+        >>> opt = functopt.radam(0.1)
+        >>> opt.update({"w": torch.tensor([3.0])}, opt.init({"w": torch.zeros(1)}))[0]["w"]
+        tensor([-0.3000])
+    """
+    _check_lr("radam", learning_rate)
+    return chain(
+        scale_by_radam(b1=b1, b2=b2, eps=eps, eps_root=eps_root, threshold=threshold,
+                       nesterov=nesterov),
+        scale_by_learning_rate(learning_rate),
+    )
+
+
+def rprop(
+    learning_rate: Numeric,
+    eta_minus: Numeric = 0.5,
+    eta_plus: Numeric = 1.2,
+    min_step_size: Numeric = 1e-6,
+    max_step_size: Numeric = 50.0,
+) -> GradientTransformation:
+    """Rprop (Riedmiller & Braun 1993): ``chain(scale_by_rprop, scale(-1))``.
+
+    ``learning_rate`` is the initial step size. Equals ``torch.optim.Rprop(lr, etas=(
+    eta_minus, eta_plus), step_sizes=(min_step_size, max_step_size))``.
+
+    Examples:
+        >>> import torch, functopt
+        >>> opt = functopt.rprop(0.1)
+        >>> opt.update({"w": torch.tensor([-3.0])}, opt.init({"w": torch.zeros(1)}))[0]["w"]
+        tensor([0.1000])
+    """
+    return chain(
+        scale_by_rprop(learning_rate, eta_minus=eta_minus, eta_plus=eta_plus,
+                       min_step_size=min_step_size, max_step_size=max_step_size),
+        scale(-1.0),
+    )

@@ -12,8 +12,10 @@ from functopt._spec import Leafwise, specified
 from functopt.transforms import _common
 
 __all__ = [
+    "DampenedTraceState",
     "EmaState",
     "TraceState",
+    "dampened_trace",
     "ema",
     "trace",
 ]
@@ -95,6 +97,101 @@ def trace(
 
     return specified(GradientTransformation(init_fn, update_fn), Leafwise(
         "trace", {"decay": decay, "nesterov": nesterov, "accumulator_dtype": accumulator_dtype}))
+
+
+class DampenedTraceState(NamedTuple):
+    """State of [`dampened_trace`][functopt.dampened_trace]."""
+
+    # The name shadows tuple.count (hence the ignore); kept: the name used elsewhere.
+    count: torch.Tensor  # type: ignore[assignment]  # int32, shape (): updates done so far
+    trace: Updates  # like params, dtype accumulator_dtype (default: the param's): momentum
+
+
+def dampened_trace(
+    decay: Numeric,
+    dampening: Numeric = 0.0,
+    nesterov: bool = False,
+    accumulator_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
+    r"""Momentum with dampening, as ``torch.optim.SGD`` computes it.
+
+    With update $g_t$, $t$ counting from 1, momentum $\mu$ (``decay``) and dampening
+    $\tau$:
+
+    $$
+    m_1 = g_1, \qquad m_t = \mu\, m_{t-1} + (1 - \tau)\, g_t, \qquad
+    u_t = m_t \quad\text{or, with nesterov,}\quad u_t = g_t + \mu\, m_t.
+    $$
+
+    The first step takes the update undamped (torch.optim starts its buffer from a copy of
+    the gradient), which is why the state counts steps. With ``dampening=0`` this is
+    [`trace`][functopt.trace], which has a fused kernel; prefer it there. Chained with
+    ``scale_by_learning_rate(lr)`` this is ``torch.optim.SGD(lr, momentum=decay,
+    dampening=dampening, nesterov=nesterov)``. The trace is computed in the wider of the
+    update's and the trace's dtype and stored in the trace's; where an update is ``None``
+    the trace is left as it is.
+
+    Args:
+        decay: the momentum coefficient $\mu$, >= 0.
+        dampening: the dampening $\tau$, in [0, 1]: the new update is weighted $1-\tau$.
+        nesterov: use Nesterov momentum (torch requires ``dampening=0`` for it; this
+            transform does not).
+        accumulator_dtype: storage dtype of the trace (default: the param's dtype).
+
+    Returns:
+        A [`GradientTransformation`][functopt.GradientTransformation] with
+        [`DampenedTraceState`][functopt.DampenedTraceState].
+
+    Examples:
+        >>> import torch, functopt
+        >>> tx = functopt.dampened_trace(0.5, dampening=0.5)
+        >>> state = tx.init({"w": torch.zeros(1)})
+        >>> u, state = tx.update({"w": torch.tensor([2.0])}, state)
+        >>> u["w"]  # the first step is undamped
+        tensor([2.])
+        >>> u, state = tx.update({"w": torch.tensor([2.0])}, state)
+        >>> u["w"]  # 0.5 * 2 + (1 - 0.5) * 2
+        tensor([2.])
+    """
+    owner = "dampened_trace"
+    _validate.check_range(owner, "decay", decay, low=0.0,
+                          hint="Fix: pass a momentum coefficient such as 0.9.")
+    _validate.check_range(owner, "dampening", dampening, low=0.0, high=1.0,
+                          hint="Fix: dampening weights the new update by 1 - dampening.")
+    _validate.check_dtype(owner, "accumulator_dtype", accumulator_dtype)
+
+    def init_fn(params: Params) -> DampenedTraceState:
+        leaves, treespec = _common.flatten_params(params)
+        trace_ = [None if p is None else _common.zeros_like(p, accumulator_dtype) for p in leaves]
+        return DampenedTraceState(count=_common.zero_count(leaves),
+                                  trace=_common.unflatten(treespec, trace_))
+
+    def update_fn(
+        updates: Updates, state: DampenedTraceState, params: Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[Updates, DampenedTraceState]:
+        del params, extra_args
+        grads, treespec = _common.flatten_updates(updates)
+        traces = _common.state_like(treespec, state.trace, name="state.trace")
+        _common.check_state_present(owner, treespec, grads, trace=traces)
+        first = state.count == 0
+
+        def leaf(g: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            wide = g.to(torch.promote_types(g.dtype, t.dtype))
+            later = _common.scaled(t.to(wide.dtype), decay) + _common.scaled(wide, 1 - dampening)
+            m = torch.where(first.to(wide.device), wide, later)
+            u = wide + _common.scaled(m, decay) if nesterov else m
+            return u.to(g.dtype), m.to(t.dtype)
+
+        new_updates, new_traces = _common.map_with_state(leaf, grads, traces)
+        return _common.unflatten(treespec, new_updates), DampenedTraceState(
+            count=_common.safe_increment(state.count),
+            trace=_common.unflatten(treespec, new_traces),
+        )
+
+    return specified(GradientTransformation(init_fn, update_fn), Leafwise(
+        "dampened_trace", {"decay": decay, "dampening": dampening, "nesterov": nesterov,
+                           "accumulator_dtype": accumulator_dtype}))
 
 
 class EmaState(NamedTuple):

@@ -28,9 +28,13 @@ __all__ = [
     "ScaleByAdamState",
     "ScaleByAmsgradState",
     "ScaleByLionState",
+    "ScaleByNadamState",
     "scale_by_adam",
+    "scale_by_adamax",
     "scale_by_amsgrad",
     "scale_by_lion",
+    "scale_by_nadam",
+    "scale_by_radam",
 ]
 
 
@@ -173,6 +177,7 @@ def scale_by_amsgrad(
     bias_correction_nu: bool = True,
     *,
     nu_dtype: torch.dtype | None = None,
+    correct_after_max: bool = False,
 ) -> GradientTransformation:
     r"""Rescale updates by AMSGrad: Adam with a never-decreasing second moment.
 
@@ -193,6 +198,10 @@ def scale_by_amsgrad(
     $1-\beta_2^t$, i.e. $\sqrt{\max_{s\le t} v_s / (1-\beta_2^t)}$. The two
     agree while $v_t$ grows, and differ once it shrinks (then torch's denominator
     keeps shrinking as $1-\beta_2^t \to 1$ while optax's stays at its peak).
+    ``correct_after_max=True`` gives torch's variant: ``nu_max`` then holds the maximum of
+    the raw $v_t$ and the update is $\hat m_t / (\sqrt{v^{max}_t / (1-\beta_2^t) +
+    \epsilon_{root}} + \epsilon)$ (what [`functopt.optim.Adam`][functopt.optim.Adam] uses
+    for ``amsgrad=True``).
 
     Args:
         b1: decay of the first moment, in [0, 1).
@@ -204,6 +213,9 @@ def scale_by_amsgrad(
         bias_correction_nu: bias-correct the second moment before taking the maximum.
         nu_dtype: storage dtype of ``nu`` and ``nu_max`` (default: the param's dtype). Not
             in optax.
+        correct_after_max: take the maximum of the raw second moment and bias-correct it
+            afterwards, as ``torch.optim.Adam(amsgrad=True)`` does. Not in optax; needs
+            ``bias_correction_nu=True``.
 
     Returns:
         A [`GradientTransformation`][functopt.GradientTransformation] with [`ScaleByAmsgradState`][functopt.ScaleByAmsgradState].
@@ -226,6 +238,12 @@ def scale_by_amsgrad(
     _validate.check_range(owner, "eps_root", eps_root, low=0.0)
     _validate.check_dtype(owner, "mu_dtype", mu_dtype)
     _validate.check_dtype(owner, "nu_dtype", nu_dtype)
+    if correct_after_max and not bias_correction_nu:
+        raise ValueError(
+            f"{owner}: correct_after_max=True moves the second moment's bias correction after "
+            f"the maximum, but bias_correction_nu=False removes that correction. Fix: drop "
+            f"one of the two (bias_correction_nu=False alone is the paper's algorithm)."
+        )
 
     def init_fn(params: Params) -> ScaleByAmsgradState:
         leaves, treespec = _common.flatten_params(params)
@@ -260,9 +278,13 @@ def scale_by_amsgrad(
             mu_t = c(b1) * mu.to(wide.dtype) + c(1 - b1) * wide
             nu_t = c(b2) * nu.to(wide.dtype) + c(1 - b2) * (wide * wide)
             mu_hat = mu_t / c(bc1) if bias_correction_mu else mu_t
-            nu_hat = nu_t / c(bc2) if bias_correction_nu else nu_t
-            max_t = torch.maximum(nu_max.to(wide.dtype), nu_hat)
-            u = mu_hat / (torch.sqrt(max_t + c(eps_root)) + c(eps))
+            if correct_after_max:
+                max_t = torch.maximum(nu_max.to(wide.dtype), nu_t)
+                u = mu_hat / (torch.sqrt(max_t / c(bc2) + c(eps_root)) + c(eps))
+            else:
+                nu_hat = nu_t / c(bc2) if bias_correction_nu else nu_t
+                max_t = torch.maximum(nu_max.to(wide.dtype), nu_hat)
+                u = mu_hat / (torch.sqrt(max_t + c(eps_root)) + c(eps))
             return u.to(g.dtype), mu_t.to(mu.dtype), nu_t.to(nu.dtype), max_t.to(nu_max.dtype)
 
         new_updates, new_mus, new_nus, new_maxes = _common.map_with_state(
@@ -277,7 +299,9 @@ def scale_by_amsgrad(
         return _common.unflatten(treespec, new_updates), new_state
 
     return specified(GradientTransformation(init_fn, update_fn), Leafwise("scale_by_amsgrad", {
-        "b1": b1, "b2": b2, "eps": eps, "eps_root": eps_root, "mu_dtype": mu_dtype}))
+        "b1": b1, "b2": b2, "eps": eps, "eps_root": eps_root, "mu_dtype": mu_dtype,
+        "bias_correction_mu": bias_correction_mu, "bias_correction_nu": bias_correction_nu,
+        "nu_dtype": nu_dtype, "correct_after_max": correct_after_max}))
 
 
 class ScaleByLionState(NamedTuple):
@@ -361,3 +385,302 @@ def scale_by_lion(
 
     return specified(GradientTransformation(init_fn, update_fn), Leafwise(
         "scale_by_lion", {"b1": b1, "b2": b2, "mu_dtype": mu_dtype}))
+
+
+def scale_by_adamax(
+    b1: Numeric = 0.9,
+    b2: Numeric = 0.999,
+    eps: Numeric = 1e-8,
+) -> GradientTransformation:
+    r"""Rescale updates by Adamax: Adam with the infinity norm for the second moment.
+
+    With gradient $g_t$ and $t$ counting from 1:
+
+    $$
+    m_t = \beta_1 m_{t-1} + (1-\beta_1) g_t, \quad
+    v_t = \max(\beta_2 v_{t-1}, |g_t| + \epsilon), \quad
+    u_t = \frac{m_t}{(1-\beta_1^t)\, v_t}.
+    $$
+
+    The infinity moment needs no bias correction. As in optax, the state is a
+    [`ScaleByAdamState`][functopt.ScaleByAdamState] whose ``nu`` holds $v_t$. Chained with
+    ``scale_by_learning_rate(lr)`` this is ``torch.optim.Adamax(lr, betas=(b1, b2), eps)``.
+    The maths runs in the widest of the leaf's dtypes and float32.
+
+    Args:
+        b1: decay of the first moment, in [0, 1).
+        b2: decay of the infinity moment, in [0, 1].
+        eps: added to $|g_t|$, >= 0 (with 0, a zero gradient over a zero moment is NaN).
+
+    Returns:
+        A [`GradientTransformation`][functopt.GradientTransformation] with [`ScaleByAdamState`][functopt.ScaleByAdamState].
+
+    Examples:
+        >>> import torch, functopt
+        >>> tx = functopt.scale_by_adamax(eps=0.0)
+        >>> state = tx.init({"w": torch.zeros(2)})
+        >>> u, state = tx.update({"w": torch.tensor([2.0, -0.5])}, state)
+        >>> u["w"]  # the first step is sign(g)
+        tensor([ 1., -1.])
+
+    References:
+        Kingma & Ba, *Adam: A Method for Stochastic Optimization*, 2014 (section 7.1).
+    """
+    owner = "scale_by_adamax"
+    _common.check_betas(owner, b1=b1)
+    _common.check_betas(owner, closed=True, b2=b2)
+    _validate.check_range(owner, "eps", eps, low=0.0)
+
+    def init_fn(params: Params) -> ScaleByAdamState:
+        leaves, treespec = _common.flatten_params(params)
+        mu = [None if p is None else _common.zeros_like(p) for p in leaves]
+        nu = [None if p is None else _common.zeros_like(p) for p in leaves]
+        return ScaleByAdamState(count=_common.zero_count(leaves),
+                                mu=_common.unflatten(treespec, mu),
+                                nu=_common.unflatten(treespec, nu))
+
+    def update_fn(
+        updates: Updates, state: ScaleByAdamState, params: Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[Updates, ScaleByAdamState]:
+        del params, extra_args
+        grads, treespec = _common.flatten_updates(updates)
+        mus = _common.state_like(treespec, state.mu, name="state.mu")
+        nus = _common.state_like(treespec, state.nu, name="state.nu")
+        _common.check_state_present(owner, treespec, grads, mu=mus, nu=nus)
+        count = _common.safe_increment(state.count)
+        bc1 = _common.bias_correction(b1, count)
+
+        def leaf(g: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            wide = g.to(_common.compute_dtype(g.dtype, mu.dtype, nu.dtype))
+            c = functools.partial(_common.scalar, dtype=wide.dtype)
+            mu_t = c(b1) * mu.to(wide.dtype) + c(1 - b1) * wide
+            nu_t = torch.maximum(c(b2) * nu.to(wide.dtype), wide.abs() + c(eps))
+            u = mu_t / (c(bc1) * nu_t)
+            return u.to(g.dtype), mu_t.to(mu.dtype), nu_t.to(nu.dtype)
+
+        new_updates, new_mus, new_nus = _common.map_with_state(leaf, grads, mus, nus)
+        return _common.unflatten(treespec, new_updates), ScaleByAdamState(
+            count=count, mu=_common.unflatten(treespec, new_mus),
+            nu=_common.unflatten(treespec, new_nus))
+
+    return specified(GradientTransformation(init_fn, update_fn), Leafwise(
+        "scale_by_adamax", {"b1": b1, "b2": b2, "eps": eps}))
+
+
+def scale_by_radam(
+    b1: Numeric = 0.9,
+    b2: Numeric = 0.999,
+    eps: Numeric = 1e-8,
+    eps_root: Numeric = 0.0,
+    threshold: Numeric = 5.0,
+    *,
+    nesterov: bool = False,
+    eps_before_correction: bool = False,
+) -> GradientTransformation:
+    r"""Rescale updates by Rectified Adam (Liu et al., 2020).
+
+    With Adam's moments $m_t, v_t$ and corrections (see
+    [`scale_by_adam`][functopt.scale_by_adam]), $\rho_\infty = 2/(1-\beta_2) - 1$ and
+    $\rho_t = \rho_\infty - 2t\beta_2^t/(1-\beta_2^t)$:
+
+    $$
+    u_t = r_t\, \frac{\hat m_t}{\sqrt{\hat v_t + \epsilon_{root}} + \epsilon}
+    \ \text{ if } \rho_t \ge \text{threshold}, \text{ else } \hat m_t, \qquad
+    r_t = \sqrt{\frac{(\rho_t-4)(\rho_t-2)\rho_\infty}{(\rho_\infty-4)(\rho_\infty-2)\rho_t}}.
+    $$
+
+    ``eps_before_correction=True`` adds ``eps`` to the root of the raw $v_t$ and divides by
+    the correction afterwards, $\sqrt{1-\beta_2^t} / (\sqrt{v_t + \epsilon_{root}} +
+    \epsilon)$, as ``torch.optim.RAdam`` does (not in optax). ``nesterov`` uses the NAdam
+    look-ahead for $\hat m_t$. As in optax, the state is a
+    [`ScaleByAdamState`][functopt.ScaleByAdamState].
+
+    Args:
+        b1: decay of the first moment, in [0, 1).
+        b2: decay of the second moment, in [0, 1).
+        eps: stabilizer of the denominator, >= 0.
+        eps_root: added inside the root, >= 0.
+        threshold: the $\rho_t$ from which the rectified step is taken (torch: 5).
+        nesterov: use Nesterov momentum.
+        eps_before_correction: torch.optim.RAdam's placement of ``eps``.
+
+    Returns:
+        A [`GradientTransformation`][functopt.GradientTransformation] with [`ScaleByAdamState`][functopt.ScaleByAdamState].
+
+    Examples:
+        >>> import torch, functopt
+        >>> tx = functopt.scale_by_radam()
+        >>> state = tx.init({"w": torch.zeros(1)})
+        >>> u, state = tx.update({"w": torch.tensor([3.0])}, state)
+        >>> u["w"]  # rho_1 = 1 < 5: the bias-corrected momentum, unscaled
+        tensor([3.])
+
+    References:
+        Liu et al., *On the Variance of the Adaptive Learning Rate and Beyond*, ICLR 2020.
+    """
+    owner = "scale_by_radam"
+    _common.check_betas(owner, b1=b1, b2=b2)
+    _validate.check_range(owner, "eps", eps, low=0.0)
+    _validate.check_range(owner, "eps_root", eps_root, low=0.0)
+    _validate.check_range(owner, "threshold", threshold, low=4.0, low_open=True,
+                          hint="Fix: the rectifier needs rho_t > 4; torch and optax use 5.")
+
+    def init_fn(params: Params) -> ScaleByAdamState:
+        leaves, treespec = _common.flatten_params(params)
+        mu = [None if p is None else _common.zeros_like(p) for p in leaves]
+        nu = [None if p is None else _common.zeros_like(p) for p in leaves]
+        return ScaleByAdamState(count=_common.zero_count(leaves),
+                                mu=_common.unflatten(treespec, mu),
+                                nu=_common.unflatten(treespec, nu))
+
+    def update_fn(
+        updates: Updates, state: ScaleByAdamState, params: Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[Updates, ScaleByAdamState]:
+        del params, extra_args
+        grads, treespec = _common.flatten_updates(updates)
+        mus = _common.state_like(treespec, state.mu, name="state.mu")
+        nus = _common.state_like(treespec, state.nu, name="state.nu")
+        _common.check_state_present(owner, treespec, grads, mu=mus, nu=nus)
+        count = _common.safe_increment(state.count)
+        bc1 = _common.bias_correction(b1, count)
+        bc2 = _common.bias_correction(b2, count)
+        bc1_next = _common.bias_correction(b1, _common.safe_increment(count)) if nesterov else bc1
+        # float64 scalars, as torch.optim computes them with Python floats
+        ro_inf = 2 / (1 - _common.scalar(b2, torch.float64)) - 1
+        ro = ro_inf - 2 * count.to(torch.float64) * (1 - bc2) / bc2
+        rectified = ro >= _common.scalar(threshold, torch.float64)
+        # Off the rectified branch the ratio may be negative: take the root of a harmless 1.
+        ratio = (ro - 4) * (ro - 2) * ro_inf / ((ro_inf - 4) * (ro_inf - 2) * ro)
+        r = torch.sqrt(torch.where(rectified, ratio, 1.0))
+
+        def leaf(g: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            wide = g.to(_common.compute_dtype(g.dtype, mu.dtype, nu.dtype))
+            c = functools.partial(_common.scalar, dtype=wide.dtype)
+            mu_t = c(b1) * mu.to(wide.dtype) + c(1 - b1) * wide
+            nu_t = c(b2) * nu.to(wide.dtype) + c(1 - b2) * (wide * wide)
+            if nesterov:
+                mu_hat = c(b1) * mu_t / c(bc1_next) + c(1 - b1) * wide / c(bc1)
+            else:
+                mu_hat = mu_t / c(bc1)
+            if eps_before_correction:
+                adaptive = torch.sqrt(c(bc2)) / (torch.sqrt(nu_t + c(eps_root)) + c(eps))
+            else:
+                adaptive = 1 / (torch.sqrt(nu_t / c(bc2) + c(eps_root)) + c(eps))
+            u = torch.where(rectified.to(wide.device), mu_hat * c(r) * adaptive, mu_hat)
+            return u.to(g.dtype), mu_t.to(mu.dtype), nu_t.to(nu.dtype)
+
+        new_updates, new_mus, new_nus = _common.map_with_state(leaf, grads, mus, nus)
+        return _common.unflatten(treespec, new_updates), ScaleByAdamState(
+            count=count, mu=_common.unflatten(treespec, new_mus),
+            nu=_common.unflatten(treespec, new_nus))
+
+    return specified(GradientTransformation(init_fn, update_fn), Leafwise("scale_by_radam", {
+        "b1": b1, "b2": b2, "eps": eps, "eps_root": eps_root, "threshold": threshold,
+        "nesterov": nesterov, "eps_before_correction": eps_before_correction}))
+
+
+class ScaleByNadamState(NamedTuple):
+    """State of [`scale_by_nadam`][functopt.scale_by_nadam]."""
+
+    # The name shadows tuple.count (hence the ignore); kept: the name used elsewhere.
+    count: torch.Tensor  # type: ignore[assignment]  # int32, shape (): updates done so far
+    mu_product: torch.Tensor  # float64, shape (): the product of the momentum schedule
+    mu: Updates  # like params, the param's dtype: EMA of the gradient
+    nu: Updates  # like params, the param's dtype: EMA of its square
+
+
+def scale_by_nadam(
+    b1: Numeric = 0.9,
+    b2: Numeric = 0.999,
+    eps: Numeric = 1e-8,
+    momentum_decay: Numeric = 4e-3,
+) -> GradientTransformation:
+    r"""Rescale updates by NAdam with Dozat's momentum schedule (``torch.optim.NAdam``).
+
+    With Adam's moments $m_t, v_t$, $t$ counting from 1, the schedule
+    $\mu_t = \beta_1 (1 - \tfrac12 \cdot 0.96^{t\psi})$ ($\psi$ is ``momentum_decay``)
+    and its running product $\Pi_t = \prod_{s \le t} \mu_s$:
+
+    $$
+    u_t = \Big(\frac{1-\mu_t}{1-\Pi_t}\, g_t + \frac{\mu_{t+1}}{1-\Pi_t\,\mu_{t+1}}\, m_t
+    \Big) \Big/ \Big(\sqrt{v_t / (1-\beta_2^t)} + \epsilon\Big).
+    $$
+
+    Chained with ``scale_by_learning_rate(lr)`` this is ``torch.optim.NAdam(lr, betas,
+    eps, momentum_decay=momentum_decay)``. optax's NAdam
+    ([`nadam`][functopt.nadam], ``scale_by_adam(nesterov=True)``) has no schedule: it is a
+    different rule. $\Pi_t$ is kept in float64 (torch keeps it in the default dtype,
+    float32 unless changed, so the two differ by float32 rounding there).
+
+    Args:
+        b1: decay of the first moment, in [0, 1).
+        b2: decay of the second moment, in [0, 1).
+        eps: stabilizer of the denominator, >= 0.
+        momentum_decay: $\psi$, >= 0.
+
+    Returns:
+        A [`GradientTransformation`][functopt.GradientTransformation] with [`ScaleByNadamState`][functopt.ScaleByNadamState].
+
+    Examples:
+        >>> import torch, functopt
+        >>> tx = functopt.scale_by_nadam()
+        >>> state = tx.init({"w": torch.zeros(1)})
+        >>> u, state = tx.update({"w": torch.tensor([1.0])}, state)
+        >>> u["w"], state.mu_product  # 1 + 0.1 * mu_2 / (1 - mu_1 * mu_2), mu_1
+        (tensor([1.0565]), tensor(0.4501, dtype=torch.float64))
+
+    References:
+        Dozat, *Incorporating Nesterov Momentum into Adam*, 2016.
+    """
+    owner = "scale_by_nadam"
+    _common.check_betas(owner, b1=b1, b2=b2)
+    _validate.check_range(owner, "eps", eps, low=0.0)
+    _validate.check_range(owner, "momentum_decay", momentum_decay, low=0.0)
+
+    def init_fn(params: Params) -> ScaleByNadamState:
+        leaves, treespec = _common.flatten_params(params)
+        mu = [None if p is None else _common.zeros_like(p) for p in leaves]
+        nu = [None if p is None else _common.zeros_like(p) for p in leaves]
+        return ScaleByNadamState(
+            count=_common.zero_count(leaves),
+            mu_product=torch.ones((), dtype=torch.float64, device=_common.first_device(leaves)),
+            mu=_common.unflatten(treespec, mu), nu=_common.unflatten(treespec, nu))
+
+    def update_fn(
+        updates: Updates, state: ScaleByNadamState, params: Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[Updates, ScaleByNadamState]:
+        del params, extra_args
+        grads, treespec = _common.flatten_updates(updates)
+        mus = _common.state_like(treespec, state.mu, name="state.mu")
+        nus = _common.state_like(treespec, state.nu, name="state.nu")
+        _common.check_state_present(owner, treespec, grads, mu=mus, nu=nus)
+        count = _common.safe_increment(state.count)
+        t = count.to(torch.float64)
+        b1_64 = _common.scalar(b1, torch.float64)
+        psi = _common.scalar(momentum_decay, torch.float64)
+        mu_now = b1_64 * (1 - 0.5 * 0.96 ** (t * psi))
+        mu_next = b1_64 * (1 - 0.5 * 0.96 ** ((t + 1) * psi))
+        product = state.mu_product * mu_now
+        g_coef = (1 - mu_now) / (1 - product)
+        m_coef = mu_next / (1 - product * mu_next)
+        bc2 = _common.bias_correction(b2, count)
+
+        def leaf(g: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            wide = g.to(_common.compute_dtype(g.dtype, mu.dtype, nu.dtype))
+            c = functools.partial(_common.scalar, dtype=wide.dtype)
+            mu_t = c(b1) * mu.to(wide.dtype) + c(1 - b1) * wide
+            nu_t = c(b2) * nu.to(wide.dtype) + c(1 - b2) * (wide * wide)
+            denom = torch.sqrt(nu_t / c(bc2)) + c(eps)
+            u = (c(g_coef) * wide + c(m_coef) * mu_t) / denom
+            return u.to(g.dtype), mu_t.to(mu.dtype), nu_t.to(nu.dtype)
+
+        new_updates, new_mus, new_nus = _common.map_with_state(leaf, grads, mus, nus)
+        return _common.unflatten(treespec, new_updates), ScaleByNadamState(
+            count=count, mu_product=product, mu=_common.unflatten(treespec, new_mus),
+            nu=_common.unflatten(treespec, new_nus))
+
+    return specified(GradientTransformation(init_fn, update_fn), Leafwise("scale_by_nadam", {
+        "b1": b1, "b2": b2, "eps": eps, "momentum_decay": momentum_decay}))

@@ -10,12 +10,15 @@ import torch
 
 from functopt import _validate
 from functopt._base import GradientTransformation, Numeric, Params, Updates
+from functopt._spec import Leafwise, specified
 from functopt.transforms import _common
 
 __all__ = [
+    "ScaleByAdaDeltaState",
     "ScaleByRStdDevState",
     "ScaleByRmsState",
     "ScaleByRssState",
+    "scale_by_adadelta",
     "scale_by_rms",
     "scale_by_rss",
     "scale_by_stddev",
@@ -248,7 +251,7 @@ class ScaleByRssState(NamedTuple):
 
 
 def scale_by_rss(
-    initial_accumulator_value: Numeric = 0.1, eps: Numeric = 1e-7
+    initial_accumulator_value: Numeric = 0.1, eps: Numeric = 1e-7, *, eps_in_sqrt: bool = True
 ) -> GradientTransformation:
     r"""Rescale updates by the root of the sum of all squared gradients so far (Adagrad).
 
@@ -256,18 +259,22 @@ def scale_by_rss(
 
     $$
     s_t = s_{t-1} + g_t^2, \quad
-    u_t = g_t / \sqrt{s_t + \epsilon} \text{ where } s_t > 0, \text{ else } 0.
+    u_t = g_t / \sqrt{s_t + \epsilon} \text{ where } s_t > 0, \text{ else } 0
     $$
 
+    (or $g_t / (\sqrt{s_t} + \epsilon)$ with ``eps_in_sqrt=False``, torch's placement).
+
     ``torch.optim.Adagrad`` differs in its defaults (``initial_accumulator_value=0``,
-    ``eps=1e-10``) and puts ``eps`` outside the root ($g/(\sqrt{s}+\epsilon)$); with
-    ``eps=0`` on both sides, ``chain(scale_by_rss(v, 0.0), scale(-lr))`` is
-    ``Adagrad(lr, initial_accumulator_value=v, eps=0)``. The zero branch is written so
+    ``eps=1e-10``) and puts ``eps`` outside the root ($g/(\sqrt{s}+\epsilon)$):
+    ``chain(scale_by_rss(v, eps, eps_in_sqrt=False), scale(-lr))`` is
+    ``Adagrad(lr, initial_accumulator_value=v, eps=eps)``. The zero branch is written so
     that gradients through this transform stay finite where $s_t = 0$.
 
     Args:
         initial_accumulator_value: starting value of the accumulator, >= 0.
         eps: added to the accumulator inside the root, >= 0.
+        eps_in_sqrt: add ``eps`` inside the root (True, optax) or to the root (False, as
+            torch.optim.Adagrad). Not in optax's ``scale_by_rss``.
 
     Returns:
         A [`GradientTransformation`][functopt.GradientTransformation] with [`ScaleByRssState`][functopt.ScaleByRssState].
@@ -310,8 +317,13 @@ def scale_by_rss(
             positive = s_t > 0
             # Feed rsqrt a harmless 1 off the selected branch: rsqrt(0) = inf would turn the
             # (zero) backward of torch.where into 0 * inf = nan.
-            s_eps = s_t + _common.scalar(eps, wide.dtype)
-            inv = torch.where(positive, torch.rsqrt(torch.where(positive, s_eps, 1.0)), 0.0)
+            # A factor times g (as optax): a NaN gradient stays NaN where s_t is not > 0.
+            e = _common.scalar(eps, wide.dtype)
+            if eps_in_sqrt:
+                inv = torch.where(positive, torch.rsqrt(torch.where(positive, s_t + e, 1.0)), 0.0)
+            else:
+                inv = torch.where(positive, 1 / (torch.sqrt(torch.where(positive, s_t, 1.0)) + e),
+                                  0.0)
             return (inv * wide).to(g.dtype), s_t.to(s.dtype)
 
         new_updates, new_sums = _common.map_with_state(leaf, grads, sums)
@@ -319,3 +331,84 @@ def scale_by_rss(
         return _common.unflatten(treespec, new_updates), new_state
 
     return GradientTransformation(init_fn, update_fn)
+
+
+class ScaleByAdaDeltaState(NamedTuple):
+    """State of [`scale_by_adadelta`][functopt.scale_by_adadelta]."""
+
+    e_g: Updates  # like params, the param's dtype: EMA of the squared gradient
+    e_x: Updates  # like params, the param's dtype: EMA of the squared update
+
+
+def scale_by_adadelta(rho: Numeric = 0.9, eps: Numeric = 1e-6) -> GradientTransformation:
+    r"""Rescale updates by Adadelta (Zeiler, 2012).
+
+    With $E[g^2]_0 = E[\Delta x^2]_0 = 0$:
+
+    $$
+    E[g^2]_t = \rho E[g^2]_{t-1} + (1-\rho) g_t^2, \quad
+    u_t = \frac{\sqrt{E[\Delta x^2]_{t-1} + \epsilon}}{\sqrt{E[g^2]_t + \epsilon}}\, g_t,
+    \quad E[\Delta x^2]_t = \rho E[\Delta x^2]_{t-1} + (1-\rho) u_t^2.
+    $$
+
+    optax's rule; chained with ``scale_by_learning_rate(lr)`` it is
+    ``torch.optim.Adadelta(lr, rho, eps)``. The maths runs in the widest of the leaf's
+    dtypes and float32.
+
+    Args:
+        rho: decay of both averages, in [0, 1].
+        eps: added inside both roots, >= 0.
+
+    Returns:
+        A [`GradientTransformation`][functopt.GradientTransformation] with [`ScaleByAdaDeltaState`][functopt.ScaleByAdaDeltaState].
+
+    Examples:
+        >>> import torch, functopt
+        >>> tx = functopt.scale_by_adadelta(rho=0.5, eps=1e-4)
+        >>> state = tx.init({"w": torch.zeros(1)})
+        >>> u, state = tx.update({"w": torch.tensor([1.0])}, state)
+        >>> u["w"]  # sqrt(1e-4) / sqrt(0.5 + 1e-4)
+        tensor([0.0141])
+
+    References:
+        Zeiler, *ADADELTA: An Adaptive Learning Rate Method*, 2012.
+    """
+    owner = "scale_by_adadelta"
+    _common.check_betas(owner, closed=True, rho=rho)
+    _validate.check_range(owner, "eps", eps, low=0.0)
+
+    def init_fn(params: Params) -> ScaleByAdaDeltaState:
+        leaves, treespec = _common.flatten_params(params)
+        zeros = [None if p is None else _common.zeros_like(p) for p in leaves]
+        return ScaleByAdaDeltaState(e_g=_common.unflatten(treespec, zeros),
+                                    e_x=_common.unflatten(treespec, list(map(_clone, zeros))))
+
+    def update_fn(
+        updates: Updates, state: ScaleByAdaDeltaState, params: Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[Updates, ScaleByAdaDeltaState]:
+        del params, extra_args
+        grads, treespec = _common.flatten_updates(updates)
+        e_gs = _common.state_like(treespec, state.e_g, name="state.e_g")
+        e_xs = _common.state_like(treespec, state.e_x, name="state.e_x")
+        _common.check_state_present(owner, treespec, grads, e_g=e_gs, e_x=e_xs)
+
+        def leaf(g: torch.Tensor, e_g: torch.Tensor,
+                 e_x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            wide = g.to(_common.compute_dtype(g.dtype, e_g.dtype, e_x.dtype))
+            c = functools.partial(_common.scalar, dtype=wide.dtype)
+            e_g_t = c(rho) * e_g.to(wide.dtype) + c(1 - rho) * (wide * wide)
+            u = torch.sqrt(e_x.to(wide.dtype) + c(eps)) / torch.sqrt(e_g_t + c(eps)) * wide
+            e_x_t = c(rho) * e_x.to(wide.dtype) + c(1 - rho) * (u * u)
+            return u.to(g.dtype), e_g_t.to(e_g.dtype), e_x_t.to(e_x.dtype)
+
+        new_updates, new_e_gs, new_e_xs = _common.map_with_state(leaf, grads, e_gs, e_xs)
+        return _common.unflatten(treespec, new_updates), ScaleByAdaDeltaState(
+            e_g=_common.unflatten(treespec, new_e_gs), e_x=_common.unflatten(treespec, new_e_xs))
+
+    return specified(GradientTransformation(init_fn, update_fn), Leafwise(
+        "scale_by_adadelta", {"rho": rho, "eps": eps}))
+
+
+def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.clone()

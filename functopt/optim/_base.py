@@ -1,0 +1,245 @@
+"""What every ``functopt.optim`` class shares: torch.optim's checks and the fixed options.
+
+A ``functopt.optim`` class is a [`functopt.Optimizer`][functopt.Optimizer] over a chain
+built from torch's keyword arguments. The numeric hyperparameters are injected
+(``inject_hyperparams``), so they live in ``param_groups`` under torch's names and
+schedulers move them. The options that choose the chain's stages (``amsgrad``,
+``maximize``, ``nesterov``, ...) are *fixed*: they are stored in every param group, as
+torch stores them, and a group that sets or later changes one to another value raises,
+instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from functopt._base import GradientTransformation
+from functopt.adapters.optimizer import Optimizer
+from functopt.transforms.hyperparams import inject_hyperparams
+
+__all__: list[str] = []
+
+# Execution hints of torch.optim: they choose how torch runs the same maths, so any value
+# is accepted (and kept in the groups) here.
+HINTS = ("foreach", "fused", "capturable")
+
+
+def number(owner: str, name: str, value: Any) -> float:
+    """A hyperparameter as a Python float (a 1-element tensor's value), checked to be one."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(
+                f"{owner}: Tensor {name} must be 1-element, got a tensor of shape "
+                f"{tuple(value.shape)}. Fix: pass a float or a 0-d tensor."
+            )
+        return float(value.item())
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{owner}: {name} must be a float, got {type(value).__name__} "
+                        f"{value!r}.")
+    return float(value)
+
+
+def check(owner: str, ok: bool, torch_message: str, expected: str) -> None:
+    """Raise torch.optim's ValueError (its message first, so code matching it still does)."""
+    if not ok:
+        raise ValueError(f"{owner}: {torch_message} (expected {expected}).")
+
+
+def check_lr(owner: str, lr: Any) -> None:
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError(f"{owner}: Tensor lr must be 1-element, got shape {tuple(lr.shape)}. "
+                         f"Fix: pass a float or a 0-d tensor.")
+    value = number(owner, "lr", lr)
+    check(owner, value >= 0.0, f"Invalid learning rate: {lr}", "lr >= 0")
+
+
+def check_nonnegative(owner: str, **values: Any) -> None:
+    torch_names = {"eps": "epsilon"}
+    for name, value in values.items():
+        v = number(owner, name, value)
+        check(owner, v >= 0.0 and not math.isnan(v),
+              f"Invalid {torch_names.get(name, name)} value: {value}", f"{name} >= 0")
+
+
+def check_betas(owner: str, betas: Any) -> None:
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise TypeError(f"{owner}: betas must be a pair (beta1, beta2), got {betas!r}.")
+    for i, beta in enumerate(betas):
+        v = number(owner, f"betas[{i}]", beta)
+        check(owner, 0.0 <= v < 1.0, f"Invalid beta parameter at index {i}: {beta}",
+              f"0 <= betas[{i}] < 1")
+
+
+def listed(params: Any) -> Any:
+    """``params`` as a list (it is read twice), unless it is a tensor (rejected later)."""
+    if isinstance(params, torch.Tensor) or not isinstance(params, Iterable):
+        return params
+    return list(params)
+
+
+def groups_set(params: Any, key: str) -> list[Any]:
+    """The values group dicts in ``params`` give for ``key``."""
+    if isinstance(params, torch.Tensor) or not isinstance(params, list):
+        return []
+    return [item[key] for item in params if isinstance(item, dict) and key in item]
+
+
+# Ranges of the numeric group values (torch.optim checks them in its constructors only; a
+# group value out of range would give NaN params or a silent ascent).
+_RANGES: dict[str, tuple[float, float, bool]] = {  # key: (low, high, high open)
+    "lr": (0.0, math.inf, False), "eps": (0.0, math.inf, False),
+    "weight_decay": (0.0, math.inf, False), "momentum": (0.0, math.inf, False),
+    "alpha": (0.0, 1.0, False), "rho": (0.0, 1.0, False), "lr_decay": (0.0, math.inf, False),
+    "momentum_decay": (0.0, math.inf, False),
+    "initial_accumulator_value": (0.0, math.inf, False),
+}
+
+
+def check_group(owner: str, where: str, group: dict[str, Any]) -> None:
+    """Raise naming the group and key whose value is out of the range torch's constructor
+    enforces (Python numbers and 0-d tensors; betas each in [0, 1))."""
+    for key, (low, high, high_open) in _RANGES.items():
+        value = group.get(key)
+        if value is None:
+            continue
+        v = float(value) if isinstance(value, (int, float, torch.Tensor)) else math.nan
+        if not (low <= v <= high) or (high_open and v == high):
+            raise ValueError(
+                f"{owner}: {where}[{key!r}] is {value!r}; expected a number in [{low:g}, "
+                f"{high:g}]. Fix: write a valid value (a scheduler writes only 'lr' and "
+                f"'momentum' or 'betas')."
+            )
+    betas = group.get("betas")
+    if betas is not None:
+        ok = isinstance(betas, (tuple, list)) and len(betas) == 2 and all(
+            isinstance(b, (int, float, torch.Tensor)) and 0.0 <= float(b) < 1.0 for b in betas)
+        if not ok:
+            raise ValueError(f"{owner}: {where}['betas'] is {betas!r}; expected a pair of "
+                             f"numbers in [0, 1). Fix: write e.g. (0.9, 0.999).")
+
+
+class TorchOptimizer(Optimizer):
+    """A functopt.Optimizer with torch.optim's fixed options kept in its param groups."""
+
+    _owner = "functopt.optim"
+
+    def __init__(
+        self,
+        params: Any,
+        factory: Callable[..., GradientTransformation],
+        hyperparams: dict[str, Any],
+        flags: dict[str, Any],
+        fixed: dict[str, Any],
+        *,
+        lowerable: bool,
+        fused: bool | None,
+        differentiable: bool,
+    ) -> None:
+        owner = f"functopt.optim.{type(self).__name__}"
+        if differentiable:
+            raise NotImplementedError(
+                f"{owner}: differentiable=True is not supported: the step writes the params "
+                f"in place under no_grad. Fix: differentiate through the functional "
+                f"transform instead (opt.transform.update under torch.func), or use "
+                f"torch.optim with differentiable=True."
+            )
+        if isinstance(params, torch.Tensor):
+            raise TypeError(
+                f"{owner}: params argument given to the optimizer should be an iterable of "
+                f"Tensors or dicts, but got {torch.typename(params)}. Fix: wrap it in a list, "
+                f"or pass model.parameters()."
+            )
+        # Module-level factory and plain values: enough to rebuild the transform when the
+        # optimizer is unpickled (its closures cannot be pickled).
+        self._recipe = (factory, dict(hyperparams), dict(flags))
+        transform = inject_hyperparams(factory)(**hyperparams, **flags)
+        self._fixed = {**fixed, "differentiable": False}
+        # fused=None: the fused kernel where the planner has one, the pure path (no warning)
+        # elsewhere, as torch picks foreach. fused=True where there is no kernel warns.
+        super().__init__(params, transform, fused=lowerable if fused is None else bool(fused))
+        self.defaults.update(self._fixed)
+
+    @property
+    def transform(self) -> GradientTransformation:
+        """The functopt transform this optimizer runs (``inject_hyperparams`` of a chain)."""
+        return self._transform
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """``torch.optim.Optimizer.add_param_group``; the fixed options must match."""
+        owner = f"functopt.optim.{type(self).__name__}.add_param_group"
+        if not isinstance(param_group, dict):
+            raise TypeError(f"{owner}: expected a dict such as {{'params': [...], 'lr': 0.1}}, "
+                            f"got {type(param_group).__name__}.")
+        group = dict(param_group)
+        fixed = self.__dict__.get("_fixed", {})
+        given = {key: group.pop(key) for key in list(group) if key in fixed}
+        self._check_fixed(owner, f"param group {len(self.param_groups)}", given)
+        saved = {key: self.defaults.pop(key) for key in fixed if key in self.defaults}
+        try:
+            super().add_param_group(group)
+        finally:
+            self.defaults.update(saved)
+        self.param_groups[-1].update({**fixed, **{k: given[k] for k in HINTS if k in given}})
+        try:
+            check_group(owner, f"param group {len(self.param_groups) - 1}",
+                        self.param_groups[-1])
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    def _check_fixed(self, owner: str, where: str, values: dict[str, Any]) -> None:
+        for key, value in values.items():
+            expected = self._fixed[key]
+            if key in HINTS or _same(value, expected):
+                continue
+            raise ValueError(
+                f"{owner}: {where} has {key}={value!r}, but this optimizer was built with "
+                f"{key}={expected!r}. functopt.optim fixes {key!r} for all groups (it chooses "
+                f"the stages of the chain). Fix: build a separate optimizer for the params "
+                f"that need {key}={value!r}, or set it in the constructor."
+            )
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """``torch.optim.Optimizer.step``: update every param group (after ``closure``)."""
+        fixed = self._fixed
+        for i, group in enumerate(self.param_groups):
+            # The groups hold the very objects stored at construction: identity is the fast
+            # check, equality the exact one.
+            if any(group.get(k, v) is not v for k, v in fixed.items() if k not in HINTS):
+                self._check_fixed(f"functopt.optim.{type(self).__name__}.step",
+                                  f"param_groups[{i}]",
+                                  {k: group[k] for k in fixed if k in group})
+            check_group(f"functopt.optim.{type(self).__name__}.step", f"param_groups[{i}]",
+                        group)
+        return super().step(closure)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "_fixed": self._fixed, "_recipe": self._recipe}
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # Pickle without the transform's closures; __setstate__ rebuilds it from the recipe.
+        state = self.__getstate__()
+        state.pop("_transform", None)
+        return (_rebuild, (type(self),), state)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if "_transform" not in self.__dict__:
+            factory, hyperparams, flags = self._recipe
+            self._transform = inject_hyperparams(factory)(**hyperparams, **flags)
+
+
+def _rebuild(cls: type[TorchOptimizer]) -> TorchOptimizer:
+    return cls.__new__(cls)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return bool(torch.as_tensor(a) == torch.as_tensor(b))
+    return bool(a == b)
