@@ -91,13 +91,21 @@ FUSED_RECIPES: dict[str, Callable[[], functopt.GradientTransformation]] = {
     "sgd_schedule": lambda: functopt.sgd(_schedule(), momentum=0.9),
     "sgd_decay": lambda: functopt.chain(functopt.add_decayed_weights(0.1),
                                         functopt.sgd(0.1, momentum=0.9)),
+    # torch.optim's maximize (a leading scale(-1)) and Adam's L2 weight_decay (decay before
+    # the moments): the kernels' maximize flag and torch._fused_adam_'s weight_decay
+    "adamw_maximize": lambda: functopt.chain(functopt.scale(-1.0),
+                                             functopt.adamw(1e-2, weight_decay=0.1)),
+    "adam_l2": lambda: functopt.chain(functopt.add_decayed_weights(0.1), functopt.adam(1e-2)),
+    "sgd_maximize_l2": lambda: functopt.chain(functopt.scale(-1.0),
+                                              functopt.add_decayed_weights(0.1),
+                                              functopt.sgd(0.1, momentum=0.9)),
     "frozen_partition": lambda: functopt.partition(
         {"a": functopt.adamw(1e-2), "f": functopt.set_to_zero()},
         {"w": "a", "b": "f", "s": "a"}),
 }
 
 _SGD = ("sgd", "sgd_momentum", "sgd_nesterov", "injected_sgd_momentum", "sgd_schedule",
-        "sgd_decay", "masked_clip_sgd", "partition_adamw_sgd")
+        "sgd_decay", "masked_clip_sgd", "partition_adamw_sgd", "sgd_maximize_l2")
 
 # Chains that take the grouped foreach apply (no kernel, or leaves the kernel refuses).
 FALLBACKS: dict[str, Callable[[], functopt.GradientTransformation]] = {

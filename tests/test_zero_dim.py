@@ -113,6 +113,23 @@ CASES: dict[str, tuple[Callable[[], Any], bool]] = {
     "nadamw[schedule]": (lambda: F.nadamw(LR, weight_decay=0.1), True),
     "amsgrad[injected]": (lambda: inject(F.amsgrad)(0.1), False),
     "lion[injected]": (lambda: inject(F.lion)(0.1, weight_decay=0.1), True),
+    # the transforms functopt.optim needs (torch.optim's rules)
+    "scale_by_adamax[injected]": (lambda: inject(F.scale_by_adamax)(b1=0.8, b2=0.95, eps=1e-3),
+                                  False),
+    "adamax[schedule]": (lambda: F.adamax(LR, b1=0.8, b2=0.95, eps=1e-3), False),
+    "scale_by_nadam[injected]": (
+        lambda: inject(F.scale_by_nadam)(b1=0.8, b2=0.95, eps=1e-3, momentum_decay=0.01),
+        False),
+    "scale_by_radam[injected]": (
+        lambda: inject(F.scale_by_radam)(b1=0.8, b2=0.95, eps=1e-3, threshold=4.5), False),
+    "radam[schedule]": (lambda: F.radam(LR, b1=0.8, b2=0.95, eps=1e-3, threshold=4.5), False),
+    "scale_by_adadelta[injected]": (lambda: inject(F.scale_by_adadelta)(rho=0.7, eps=1e-3),
+                                    False),
+    "adadelta[schedule]": (lambda: F.adadelta(LR, rho=0.7, eps=1e-3, weight_decay=0.1), True),
+    "scale_by_rprop": (lambda: F.scale_by_rprop(0.1, eta_minus=0.4, eta_plus=1.3), False),
+    "rprop": (lambda: F.rprop(0.1, eta_minus=0.4, eta_plus=1.3), False),
+    "dampened_trace[injected]": (
+        lambda: inject(F.dampened_trace)(decay=0.7, dampening=0.2, nesterov=True), False),
     "rmsprop[injected]": (lambda: inject(F.rmsprop)(0.1, momentum=0.7), False),
     "rmsprop[injected,centered]": (
         lambda: inject(F.rmsprop)(0.1, centered=True, eps_in_sqrt=False, bias_correction=True),

@@ -14,7 +14,8 @@ from functopt.tree import _core
 
 __all__ = ["Explanation", "explain"]
 
-_KERNELS = {"adamw": "torch._fused_adamw_", "sgd": "torch._fused_sgd_",
+_KERNELS = {"adamw": "torch._fused_adamw_", "adam": "torch._fused_adam_",
+            "sgd": "torch._fused_sgd_",
             "zero": "nothing (the updates are zero)"}
 
 

@@ -416,16 +416,17 @@ def walk(tx: GradientTransformation, params: Any, treespec: _core.TreeSpec,
 class _KernelPlan:
     """The kernel one leaf's program lowers to, with the bindings of its arguments."""
 
-    kernel: str  # "adamw", "sgd", "zero"
+    kernel: str  # "adamw" (decoupled decay), "adam" (L2 decay), "sgd", "zero"
     clip: _Clip | None
     adam: _Op | None = None
     decay: _Op | None = None
     trace: _Op | None = None
     lr: Any = None  # binding of the (positive) learning rate
     guard: _Guard | None = None  # a leading apply_if_finite: its skip joins found_inf
+    maximize: bool = False  # a leading scale(-1): the kernels' maximize flag
 
     def key(self) -> tuple[Any, ...]:
-        return (self.kernel, None if self.guard is None else self.guard.index,
+        return (self.kernel, self.maximize, None if self.guard is None else self.guard.index,
                 None if self.clip is None else self.clip.index,
                 None if self.adam is None else self.adam.node,
                 None if self.decay is None else self.decay.node,
@@ -466,6 +467,11 @@ def match(program: list[Any]) -> _KernelPlan | str:
             before = ops[i - 1].kind if i else "another clip"
             return (f"clip_by_global_norm after {before} has no fused form (only a leading "
                     f"clip folds into the kernel)")
+    # torch.optim's maximize: the gradient negated first (then decayed, then the rule)
+    maximize = bool(ops) and ops[0].kind == "scale" and isinstance(
+        ops[0].args["step_size"], _Const) and ops[0].args["step_size"].value == -1
+    if maximize:
+        ops.pop(0)
     kinds = tuple(op.kind for op in ops)
     if not kinds:
         return "no update rule (the updates would be the gradients themselves)"
@@ -479,19 +485,24 @@ def match(program: list[Any]) -> _KernelPlan | str:
     if lr is None:
         return f"{kinds[-1]} with a positive factor (ascent) has no fused kernel"
     body, body_ops = kinds[:-1], ops[:-1]
-    if body and body[0] == "scale_by_adam" and body[1:] in ((), ("add_decayed_weights",)):
-        adam = body_ops[0]
+    # Adam with decoupled decay after the moments (AdamW), or L2 decay before them (Adam's
+    # weight_decay, torch._fused_adam_'s): the same moments, two kernels
+    l2 = body[:2] == ("add_decayed_weights", "scale_by_adam") and len(body) == 2
+    if l2 or (body and body[0] == "scale_by_adam" and body[1:] in (
+            (), ("add_decayed_weights",))):
+        adam = body_ops[1] if l2 else body_ops[0]
         if adam.args["nesterov"].value:
             return "scale_by_adam(nesterov=True) (NAdam) has no fused kernel"
         if _python(adam.args["eps_root"]) not in (None, 0):
             return "scale_by_adam(eps_root > 0) has no fused kernel"
-        return _KernelPlan("adamw", clip, adam=adam,
-                           decay=body_ops[1] if len(body_ops) == 2 else None, lr=lr,
-                           guard=guard)
+        decay = body_ops[0] if l2 else (body_ops[1] if len(body_ops) == 2 else None)
+        return _KernelPlan("adam" if l2 else "adamw", clip, adam=adam, decay=decay, lr=lr,
+                           guard=guard, maximize=maximize)
     if body in ((), ("trace",), ("add_decayed_weights",), ("add_decayed_weights", "trace")):
         decay = body_ops[0] if body and body[0] == "add_decayed_weights" else None
         trace = body_ops[-1] if body and body[-1] == "trace" else None
-        return _KernelPlan("sgd", clip, decay=decay, trace=trace, lr=lr, guard=guard)
+        return _KernelPlan("sgd", clip, decay=decay, trace=trace, lr=lr, guard=guard,
+                           maximize=maximize)
     return f"the program {' -> '.join(kinds)} matches no fused kernel"
 
 
@@ -838,7 +849,7 @@ def _hyperparameters(plan: _KernelPlan, env: _Env) -> dict[str, Any] | str:
     the reason a value read now has no fused form."""
     hp: dict[str, Any] = {"lr": plan.lr(env), "weight_decay": 0.0 if plan.decay is None
                           else env.number(plan.decay.args["weight_decay"](env))}
-    if plan.kernel == "adamw":
+    if plan.kernel in ("adamw", "adam"):
         adam = plan.adam
         assert adam is not None
         if env.number(adam.args["eps_root"](env)) != 0.0:
@@ -877,17 +888,17 @@ def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[
                if isinstance(lr_value, torch.Tensor) else float(lr_value))
     wd = hp["weight_decay"]
     written: list[tuple[list[int], list[torch.Tensor]]] = []
-    if plan.kernel == "adamw":
+    if plan.kernel in ("adamw", "adam"):
         adam = plan.adam
         assert adam is not None
         m = _owned([state_leaves[k] for k in group.slots("adam", "mu")], donate)
         n = _owned([state_leaves[k] for k in group.slots("adam", "nu")], donate)
         assert adam.count is not None
         step = advanced[adam.count].to(device=device, dtype=torch.float32)
-        torch._fused_adamw_(
-            p, g, m, n, [], [step] * len(idx), lr=lr, beta1=hp["beta1"], beta2=hp["beta2"],
-            weight_decay=wd, eps=hp["eps"], amsgrad=False,
-            maximize=False, grad_scale=grad_scale, found_inf=flag)
+        kernel = torch._fused_adamw_ if plan.kernel == "adamw" else torch._fused_adam_
+        kernel(p, g, m, n, [], [step] * len(idx), lr=lr, beta1=hp["beta1"],
+               beta2=hp["beta2"], weight_decay=wd, eps=hp["eps"], amsgrad=False,
+               maximize=plan.maximize, grad_scale=grad_scale, found_inf=flag)
         written = [(group.slots("adam", "mu"), m), (group.slots("adam", "nu"), n)]
     else:  # sgd
         trace = plan.trace
@@ -897,7 +908,7 @@ def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[
         # A zero momentum buffer makes the first step's ``momentum * 0 + g`` exactly the
         # ``buf = g`` of is_first_step, so the chain's zero-initialised trace fits.
         torch._fused_sgd_(p, g, bufs, weight_decay=wd, momentum=momentum, lr=lr,
-                          dampening=0.0, nesterov=nesterov, maximize=False,
+                          dampening=0.0, nesterov=nesterov, maximize=plan.maximize,
                           is_first_step=False, grad_scale=grad_scale, found_inf=flag)
         if trace is not None:
             written = [(group.slots("trace", "trace"), bufs)]
