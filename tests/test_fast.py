@@ -99,6 +99,10 @@ FUSED_RECIPES: dict[str, Callable[[], functopt.GradientTransformation]] = {
     "sgd_maximize_l2": lambda: functopt.chain(functopt.scale(-1.0),
                                               functopt.add_decayed_weights(0.1),
                                               functopt.sgd(0.1, momentum=0.9)),
+    # torch's AMSGrad (max of the raw second moments): the kernels' amsgrad=True
+    "amsgrad_torch": lambda: functopt.chain(
+        functopt.scale_by_amsgrad(correct_after_max=True), functopt.add_decayed_weights(0.1),
+        functopt.scale_by_learning_rate(1e-2)),
     "frozen_partition": lambda: functopt.partition(
         {"a": functopt.adamw(1e-2), "f": functopt.set_to_zero()},
         {"w": "a", "b": "f", "s": "a"}),

@@ -173,6 +173,31 @@ def test_fused_where_torch_math_allows(name: str, kwargs: dict[str, Any], kernel
 
 @pytest.mark.parametrize(("name", "kwargs"), [
     ("Adam", {"amsgrad": True}), ("Adam", {"weight_decay": 0.1}), ("AdamW", {"maximize": True}),
+    ("Adam", {"amsgrad": True, "weight_decay": 0.1, "maximize": True}),
+    ("SGD", {"momentum": 0.9, "maximize": True, "weight_decay": 0.1}),
+])
+def test_torch_options_with_a_kernel_stay_fused(name: str, kwargs: dict[str, Any]) -> None:
+    """amsgrad, maximize and Adam's L2 weight_decay have PyTorch kernels (the planner
+    lowers them): the step is fused and equals torch.optim's."""
+    ps = _mlp_params()
+    ref = [p.detach().clone().requires_grad_() for p in ps]
+    opt = getattr(optim, name)(ps, **kwargs)
+    torch_opt = getattr(torch.optim, name)(ref, **kwargs)
+    assert functopt.fast.explain(opt.transform, list(ps)).fast
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        grads = [torch.randn(p.shape, generator=g) for p in ps]
+        for p, q, gr in zip(ps, ref, grads, strict=True):
+            p.grad, q.grad = gr.clone(), gr.clone()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            opt.step()
+        torch_opt.step()
+    for p, q in zip(ps, ref, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("name", "kwargs"), [
     ("SGD", {"momentum": 0.9, "dampening": 0.5}), ("RMSprop", {}), ("Rprop", {}),
 ])
 def test_pure_path_without_a_warning(name: str, kwargs: dict[str, Any]) -> None:
@@ -188,10 +213,10 @@ def test_pure_path_without_a_warning(name: str, kwargs: dict[str, Any]) -> None:
 
 def test_fused_true_without_a_kernel_warns() -> None:
     ps = _mlp_params()
-    opt = optim.Adam(ps, amsgrad=True, fused=True)
+    opt = optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.5, fused=True)
     for p in ps:
         p.grad = torch.ones_like(p)
-    with pytest.warns(functopt.fast.FastPathWarning, match="scale_by_amsgrad"):
+    with pytest.warns(functopt.fast.FastPathWarning, match="dampened_trace"):
         opt.step()
 
 

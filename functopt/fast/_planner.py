@@ -372,11 +372,19 @@ class _Walk:
                 args[name] = self.bind(value)
             if kind == "scale_by_learning_rate":
                 args["flip_sign"] = _Const(hyper["flip_sign"])
-        elif kind == "scale_by_adam":
+        elif kind in ("scale_by_adam", "scale_by_amsgrad"):
             count = idx.count
             args = {k: self.bind(hyper[k]) for k in ("b1", "b2", "eps", "eps_root")}
-            args["nesterov"] = _Const(hyper["nesterov"])
+            args["nesterov"] = _Const(hyper.get("nesterov", False))
             slots = {"mu": self.per_leaf(idx.mu, "mu"), "nu": self.per_leaf(idx.nu, "nu")}
+            if kind == "scale_by_amsgrad":
+                # torch's AMSGrad (the max of the raw second moments, corrected after) is
+                # the kernels' amsgrad=True; optax's (the max of corrected ones) is not
+                args["torch_variant"] = _Const(
+                    bool(hyper.get("correct_after_max")) and hyper.get(
+                        "bias_correction_mu", True) is not False and hyper.get(
+                        "bias_correction_nu", True) is not False)
+                slots["nu_max"] = self.per_leaf(idx.nu_max, "nu_max")
         elif kind == "trace":
             args = {"decay": self.bind(hyper["decay"]), "nesterov": _Const(hyper["nesterov"])}
             slots = {"trace": self.per_leaf(idx.trace, "trace")}
@@ -449,6 +457,10 @@ def _learning_rate(op: _Op) -> Any | None:
     return None
 
 
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def match(program: list[Any]) -> _KernelPlan | str:
     """The kernel for one leaf's program, or the reason there is none."""
     ops = [op for op in program if op.kind != "identity"]
@@ -468,8 +480,8 @@ def match(program: list[Any]) -> _KernelPlan | str:
             return (f"clip_by_global_norm after {before} has no fused form (only a leading "
                     f"clip folds into the kernel)")
     # torch.optim's maximize: the gradient negated first (then decayed, then the rule)
-    maximize = bool(ops) and ops[0].kind == "scale" and isinstance(
-        ops[0].args["step_size"], _Const) and ops[0].args["step_size"].value == -1
+    first = ops[0].args.get("step_size") if ops and ops[0].kind == "scale" else None
+    maximize = isinstance(first, _Const) and _is_number(first.value) and first.value == -1
     if maximize:
         ops.pop(0)
     kinds = tuple(op.kind for op in ops)
@@ -487,10 +499,13 @@ def match(program: list[Any]) -> _KernelPlan | str:
     body, body_ops = kinds[:-1], ops[:-1]
     # Adam with decoupled decay after the moments (AdamW), or L2 decay before them (Adam's
     # weight_decay, torch._fused_adam_'s): the same moments, two kernels
-    l2 = body[:2] == ("add_decayed_weights", "scale_by_adam") and len(body) == 2
-    if l2 or (body and body[0] == "scale_by_adam" and body[1:] in (
-            (), ("add_decayed_weights",))):
+    moments = ("scale_by_adam", "scale_by_amsgrad")
+    l2 = len(body) == 2 and body[0] == "add_decayed_weights" and body[1] in moments
+    if l2 or (body and body[0] in moments and body[1:] in ((), ("add_decayed_weights",))):
         adam = body_ops[1] if l2 else body_ops[0]
+        if adam.kind == "scale_by_amsgrad" and not adam.args["torch_variant"].value:
+            return ("scale_by_amsgrad (optax's variant, the max of corrected moments) has no "
+                    "fused kernel; correct_after_max=True is torch's, which has")
         if adam.args["nesterov"].value:
             return "scale_by_adam(nesterov=True) (NAdam) has no fused kernel"
         if _python(adam.args["eps_root"]) not in (None, 0):
@@ -893,13 +908,18 @@ def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[
         assert adam is not None
         m = _owned([state_leaves[k] for k in group.slots("adam", "mu")], donate)
         n = _owned([state_leaves[k] for k in group.slots("adam", "nu")], donate)
+        amsgrad = adam.kind == "scale_by_amsgrad"
+        top = _owned([state_leaves[k] for k in group.slots("adam", "nu_max")], donate) if (
+            amsgrad) else []
         assert adam.count is not None
         step = advanced[adam.count].to(device=device, dtype=torch.float32)
         kernel = torch._fused_adamw_ if plan.kernel == "adamw" else torch._fused_adam_
-        kernel(p, g, m, n, [], [step] * len(idx), lr=lr, beta1=hp["beta1"],
-               beta2=hp["beta2"], weight_decay=wd, eps=hp["eps"], amsgrad=False,
+        kernel(p, g, m, n, top, [step] * len(idx), lr=lr, beta1=hp["beta1"],
+               beta2=hp["beta2"], weight_decay=wd, eps=hp["eps"], amsgrad=amsgrad,
                maximize=plan.maximize, grad_scale=grad_scale, found_inf=flag)
         written = [(group.slots("adam", "mu"), m), (group.slots("adam", "nu"), n)]
+        if amsgrad:
+            written.append((group.slots("adam", "nu_max"), top))
     else:  # sgd
         trace = plan.trace
         bufs = [] if trace is None else _owned(
