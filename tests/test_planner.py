@@ -335,3 +335,21 @@ def test_injected_constants_are_read_on_the_host_once(monkeypatch: pytest.Monkey
     # b1, b2, eps, eps_root, weight_decay at the first step; nothing until the edit; then
     # the two changed ones
     assert per_step == [5, 0, 0, 2, 0], per_step
+
+
+def test_a_param_whose_data_is_replaced_is_checked_again() -> None:
+    """module.to(dtype) replaces each parameter's .data in place (same object): the
+    remembered lowering must not be reused for the new memory."""
+    model = torch.nn.Linear(3, 2)
+    params = dict(model.named_parameters())
+    tx = functopt.adamw(1e-2)
+    step = make_step(tx, donate=True)
+    state = tx.init({k: p.detach() for k, p in params.items()})
+    grads = {k: torch.ones_like(p) for k, p in params.items()}
+    with torch.no_grad():
+        params, state = step(grads, state, params)
+    model.double()  # float64 params, float32 moments: no kernel takes both
+    grads = {k: torch.ones_like(p) for k, p in params.items()}
+    with torch.no_grad(), pytest.warns(FastPathWarning, match="one dtype per leaf"):
+        new, _ = step(grads, state, params)
+    assert new["weight"].dtype == torch.float64

@@ -964,8 +964,11 @@ class Planner:
         checked with `check_donation` the first time."""
         # (counters are new tensors at every step; the per-leaf entries are what is checked)
         slots = [state_leaves[k] for k in structure.slot_indices]
+        # (the data pointers catch a param whose .data was replaced in place, as
+        # module.to() or .half() do: same object, new memory, maybe a new dtype)
         key = (id(structure), tuple(map(id, values)), tuple(g is None for g in grads),
-               tuple(map(id, slots)), donated is not None)
+               tuple(map(id, slots)), donated is not None,
+               tuple(0 if v is None else local_tensor(v).data_ptr() for v in values))
         hit = self._lowered.get(key)
         if hit is not None and all(
                 (r() if isinstance(r, weakref.ref) else r) is x
