@@ -179,7 +179,7 @@ class FacadeMixed(C.Contender):
     def result(self) -> list[torch.Tensor]:
         master = self.opt.state_dict()["master"]
         return [*(master[n] for n in C._names(len(self.params))),
-                torch.tensor([self.opt.loss_scale])]
+                torch.tensor([self.opt.loss_scale], device=C.DEVICE)]
 
     def tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"params": list(self.params)}

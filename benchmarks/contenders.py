@@ -55,12 +55,18 @@ def make_shapes(total: int, leaves: int) -> list[tuple[int, ...]]:
     return [(r * d, c * d) if c else (r * d,) for r, c in kinds]
 
 
+# Where every contender's tensors live (run.py --device sets it before building any).
+DEVICE = torch.device("cpu")
+
+
 def make_values(shapes: list[tuple[int, ...]], seed: int, grad_scale: float = 1.0,
                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Float32 params (~N(0, 0.02)) and grads (~N(0, 0.01) * grad_scale), reproducibly."""
+    """Float32 params (~N(0, 0.02)) and grads (~N(0, 0.01) * grad_scale), reproducibly
+    (drawn on the CPU, then moved to ``DEVICE``)."""
     gen = torch.Generator().manual_seed(seed)
-    params = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
-    grads = [torch.randn(s, generator=gen) * (0.01 * grad_scale) for s in shapes]
+    params = [(torch.randn(s, generator=gen) * 0.02).to(DEVICE) for s in shapes]
+    grads = [(torch.randn(s, generator=gen) * (0.01 * grad_scale)).to(DEVICE)
+             for s in shapes]
     return params, grads
 
 
@@ -343,9 +349,9 @@ class TorchMixedIdiom(Contender):
             m.grad = g
         self.opt = torch.optim.AdamW(self.master, lr=LR, betas=BETAS, eps=EPS,
                                      weight_decay=WEIGHT_DECAY, fused=True)
-        self.scale = torch.full((), INIT_SCALE, dtype=torch.float32)
-        self.growth_tracker = torch.zeros((), dtype=torch.int32)
-        self.found_inf = torch.zeros((), dtype=torch.float32)
+        self.scale = torch.full((), INIT_SCALE, dtype=torch.float32, device=DEVICE)
+        self.growth_tracker = torch.zeros((), dtype=torch.int32, device=DEVICE)
+        self.found_inf = torch.zeros((), dtype=torch.float32, device=DEVICE)
         # Read by the fused kernel, which then skips the step on overflow (GradScaler.step
         # sets this attribute the same way).
         self.opt.found_inf = self.found_inf  # type: ignore[attr-defined]

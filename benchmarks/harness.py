@@ -63,6 +63,13 @@ def summarize(samples: Sequence[float]) -> dict[str, Any]:
             "iqr_s": q75 - q25, "min_s": xs[0], "samples_s": list(samples)}
 
 
+def _sync() -> None:
+    """Wait for queued device work, so that a wall-clock reading covers it (CUDA runs
+    kernels asynchronously; the CPU needs nothing)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def time_interleaved(
     contenders: Sequence[Contender], *, repeats: int, warmup: int, block_s: float,
     max_block_s: float,
@@ -79,8 +86,10 @@ def time_interleaved(
             c.step()
     once = {}
     for c in contenders:  # calibration: one step each, also equal for all
+        _sync()
         t0 = time.perf_counter()
         c.step()
+        _sync()
         once[c.name] = max(time.perf_counter() - t0, 1e-7)
     fastest, slowest = min(once.values()), max(once.values())
     inner = max(1, min(math.ceil(block_s / fastest), int(max_block_s / slowest)))
@@ -89,9 +98,11 @@ def time_interleaved(
         order = contenders if r % 2 == 0 else list(reversed(contenders))
         for c in order:
             gc.collect()  # a collection started by another contender's garbage is not ours
+            _sync()
             t0 = time.perf_counter()
             for _ in range(inner):
                 c.step()
+            _sync()
             samples[c.name].append((time.perf_counter() - t0) / inner)
     return {name: summarize(xs) for name, xs in samples.items()}, inner
 

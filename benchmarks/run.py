@@ -42,7 +42,9 @@ interquartile range (IQR). After the timed steps the contenders' params are comp
 benchmark of a wrong computation is worthless, so a failed check makes the exit status 1.
 
 Usage: ``python benchmarks/run.py [--quick] [--only CASES] [--repeats N] [--threads N]
-[--json PATH]``. See benchmarks/README.md.
+[--json PATH] [--device cpu|cuda]``. See benchmarks/README.md. With ``--device cuda`` every
+timed case runs on the GPU (timings synchronise before each clock reading); the memory and
+bandwidth cases measure the CPU and are left out.
 """
 
 from __future__ import annotations
@@ -448,7 +450,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="torch.set_num_threads(N) (default: torch's default)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH",
                         help="also write every number to this JSON file")
+    parser.add_argument("--device", default="cpu",
+                        help="where the params, grads and state live: cpu (default) or "
+                             "cuda (the memory and bandwidth cases measure the CPU only)")
     args = parser.parse_args(argv)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as error:
+        parser.error(f"--device {args.device!r}: {error}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: this torch has no CUDA device "
+                     f"(torch {torch.__version__}); run on a machine with a GPU")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device {args.device}: expected cpu or cuda")
+    C.DEVICE = device
     cfg = QUICK if args.quick else FULL
     if args.repeats is None:
         args.repeats = cfg["repeats"]
@@ -460,6 +475,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         unknown = sorted(set(wanted) - set(CASES))
         if unknown:
             parser.error(f"unknown case(s) {unknown}; choose from {list(CASES)}")
+    if device.type != "cpu":
+        cpu_only = [c for c in wanted if c in ("memory", "bandwidth")]
+        if args.only and cpu_only:
+            parser.error(f"{cpu_only} measure the CPU only; leave them out with --device "
+                         f"{args.device}")
+        wanted = [c for c in wanted if c not in ("memory", "bandwidth")]
     if args.threads is not None:
         if args.threads < 1:
             parser.error("--threads must be >= 1")
@@ -472,7 +493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gc.freeze()
     facts = H.machine_facts()
     print(f"functopt benchmarks ({'quick' if args.quick else 'full'}): "
-          f"repeats {args.repeats}, warmup {args.warmup}")
+          f"repeats {args.repeats}, warmup {args.warmup}, device {device}")
     for k, v in facts.items():
         print(f"  {k}: {v}")
     funcs = {"adamw": case_adamw, "mixed": case_mixed, "chains": case_chains,
@@ -495,7 +516,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json is not None:
         report = {"machine": facts, "config": {
             **cfg, "quick": args.quick, "repeats": args.repeats, "warmup": args.warmup,
-            "threads": torch.get_num_threads(), "cases": wanted,
+            "threads": torch.get_num_threads(), "cases": wanted, "device": str(device),
             "hyperparameters": {"lr": C.LR, "betas": C.BETAS, "eps": C.EPS,
                                 "weight_decay": C.WEIGHT_DECAY,
                                 "max_grad_norm": C.MAX_GRAD_NORM, "init_scale": C.INIT_SCALE}},

@@ -334,3 +334,15 @@ def test_unknown_case_is_rejected(capsys):
         run.main(["--only", "adamw,nope"])
     assert exc.value.code == 2
     assert "unknown case(s) ['nope']" in capsys.readouterr().err
+
+
+def test_device_cuda_without_a_gpu_is_a_clear_error() -> None:
+    """``--device cuda`` is how the suite runs on a GPU; on a machine without one it stops
+    at once, saying so, instead of timing the CPU under a GPU label."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the flag is valid here")
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "run.py"), "--quick", "--device", "cuda"],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "--device cuda: this torch has no CUDA device" in proc.stderr
