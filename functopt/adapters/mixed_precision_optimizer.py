@@ -23,7 +23,7 @@ from functopt._base import GradientTransformation, Params
 from functopt._collective.dtensor import local_tensor
 from functopt.adapters import _param_groups, _state_dict
 from functopt.distributed.offloading import OffloadedState, offload, reload
-from functopt.precision.loss_scale import LossScale, dynamic_loss_scale
+from functopt.precision.loss_scale import LossScale, _warn_if_collapsed, dynamic_loss_scale
 from functopt.precision.master import float32_master
 from functopt.precision.step import (
     MixedPrecisionState,
@@ -237,8 +237,11 @@ class MixedPrecisionOptimizer:
     has a master copy to ``master.to(param.dtype)`` (as LightRFT does), so loading the
     optimizer alone restores the low-precision weights as well.
 
-    **Host syncs.** ``step()`` reads its skip decision (one bool); ``loss_scale`` reads
-    the scale as a Python float. Nothing else syncs: ``backward`` multiplies by the scale
+    **Host syncs.** ``step()`` reads its skip decision (one bool), and on a skipped step
+    with a dynamic scale the scale too, to warn with a
+    [`LossScaleWarning`][functopt.precision.LossScaleWarning] when it has collapsed (below
+    float32's smallest normal number, on its way to 0.0); ``loss_scale`` reads the scale
+    as a Python float. Nothing else syncs: ``backward`` multiplies by the scale
     tensor, and ``get_loss_scale()``, ``get_grad_norm()`` and ``count_zeros()`` return
     0-d tensors.
 
@@ -380,6 +383,10 @@ class MixedPrecisionOptimizer:
 
         Raises:
             RuntimeError: when no param has a gradient.
+
+        Warns:
+            LossScaleWarning: on a skipped step that left a dynamic loss scale collapsed
+                (see [`loss_scale_collapsed`][functopt.precision.loss_scale_collapsed]).
         """
         self._check_not_offloaded("step")
         grads = [p.grad for p in self._params]
@@ -407,6 +414,9 @@ class MixedPrecisionOptimizer:
                         p.copy_(after)
         self._state = new_state
         self._state_shared = False
+        if not took and self._loss_scale_rule is not None and self._loss_scale_rule.dynamic:
+            # A second host read, on skipped steps only.
+            _warn_if_collapsed(new_state.loss_scale, stacklevel=2)
         return took
 
     def zero_grad(self, set_to_none: bool = True) -> None:
