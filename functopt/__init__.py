@@ -25,6 +25,7 @@ from functopt._base import (
     stateless_with_tree_map,
     with_extra_args_support,
 )
+from functopt._serialization import safe_globals, state_classes
 from functopt.adapters import MixedPrecisionOptimizer, Optimizer
 from functopt.optimizers import (
     adafactor,
@@ -202,6 +203,7 @@ __all__ = [
     "partition",
     "precision",
     "rmsprop",
+    "safe_globals",
     "scale",
     "scale_by_adam",
     "scale_by_amsgrad",
@@ -222,6 +224,7 @@ __all__ = [
     "sign_sgd",
     "skip_large_updates",
     "skip_not_finite",
+    "state_classes",
     "stateless",
     "stateless_with_tree_map",
     "static_loss_scale",

@@ -142,3 +142,206 @@ def test_overflow_soak_1000_steps_leaves_no_nan_and_the_documented_scale(rule, f
     for leaf in _leaves(state._replace(metrics=None)):
         if leaf.is_floating_point():
             assert bool(torch.isfinite(leaf).all())  # no nan or inf in any state leaf
+
+
+# ------------------------------------------------------- a state from another transform
+
+def _p() -> dict[str, torch.Tensor]:
+    return {"w": torch.zeros(3), "b": torch.zeros(2)}
+
+
+def _g() -> dict[str, torch.Tensor]:
+    return {"w": torch.ones(3), "b": torch.ones(2)}
+
+
+@pytest.mark.parametrize(
+    ("tx", "other", "owner", "expected", "got"),
+    [
+        (functopt.lion(0.1), functopt.adamw(0.1), "scale_by_lion", "ScaleByLionState",
+         "a ScaleByAdamState (fields count, mu, nu)"),  # same field names, once misread
+        (functopt.adam(0.1), functopt.sgd(0.1), "scale_by_adam", "ScaleByAdamState",
+         "an EmptyState"),  # once an AttributeError
+        (functopt.sgd(0.1, momentum=0.9), functopt.adam(0.1), "trace", "TraceState",
+         "a ScaleByAdamState"),
+        (functopt.sgd(0.1), functopt.adam(0.1), "identity", "EmptyState", "a ScaleByAdamState"),
+        (functopt.apply_if_finite(functopt.sgd(0.1), 2), functopt.sgd(0.1),
+         "apply_if_finite", "ApplyIfFiniteState", "a tuple of 2"),
+        (functopt.contrib.muon(0.1), functopt.adamw(0.1), "partition", "PartitionState",
+         "a tuple of 3"),  # muon partitions matrices from the rest
+    ],
+    ids=["lion-adamw", "adam-sgd", "momentum-adam", "sgd-adam", "apply_if_finite", "muon"])
+def test_a_state_from_another_transform_is_refused_by_its_type(tx, other, owner, expected, got
+                                                                ) -> None:
+    from functopt.transforms import _common
+
+    foreign = other.init(_p())
+    with pytest.raises(TypeError) as info:
+        tx.update(_g(), foreign, _p())
+    message = str(info.value)
+    assert message.startswith(f"{owner}: state must be the {expected}")
+    assert got in message and "Fix: pass the state returned by this transform's init" in message
+    prefix = _common.STATE_TYPE_MISMATCH.split("{")[1]  # the named constant's text
+    assert prefix.startswith("owner}")
+    tx.update(_g(), tx.init(_p()), _p())  # its own state still works
+
+
+def test_wrong_state_types_are_type_errors_and_wrong_structures_value_errors() -> None:
+    tx = functopt.chain(functopt.scale(1.0), functopt.scale(2.0))
+    with pytest.raises(TypeError, match="expects a tuple of 2 states, got a dict"):
+        tx.update([torch.ones(1)], {})
+    with pytest.raises(ValueError, match="got a tuple of length 3"):
+        tx.update([torch.ones(1)], ((), (), ()))
+    adam = functopt.adam(0.1)
+    state = adam.init({"w": torch.zeros(3)})
+    with pytest.raises(ValueError, match="structure"):
+        adam.update(_g(), state, _p())  # the right type, another tree: ValueError
+
+
+# ---------------------------------------------- grads that do not match the params given
+
+@pytest.mark.parametrize("make", [lambda: functopt.sgd(0.1), lambda: functopt.sgd(
+    functopt.schedules.constant_schedule(0.1)), lambda: functopt.sign_sgd(0.1)],
+    ids=["sgd", "sgd-schedule", "sign_sgd"])
+def test_stateless_recipe_refuses_grads_with_an_extra_leaf(make) -> None:
+    tx = make()
+    params = _p()
+    state = tx.init(params)
+    grads = dict(_g(), extra=torch.ones(1))
+    with pytest.raises(ValueError, match=r"params does not have the structure of updates .*"
+                                         r"'extra'"):
+        tx.update(grads, state, params)
+    missing = {"w": torch.ones(3)}
+    with pytest.raises(ValueError, match=r"params does not have the structure of updates"):
+        tx.update(missing, state, params)
+    tx.update(_g(), state, params)  # matching trees still pass
+    tx.update(grads, state)  # no params given: nothing to compare
+
+
+# --------------------------------------------------------- what a schedule may return
+
+@pytest.mark.parametrize(
+    ("value", "got"),
+    [(lambda c: torch.full((3,), 0.1), r"a torch.float32 tensor of shape \(3,\)"),
+     (lambda c: "0.1", r"str '0.1'"),
+     (lambda c: torch.tensor(True), r"a torch.bool tensor of shape \(\)"),
+     (lambda c: None, r"NoneType None")],
+    ids=["shape-3", "str", "bool", "none"])
+@pytest.mark.parametrize(
+    ("make", "owner"),
+    [(lambda s: functopt.sgd(s), "scale_by_learning_rate"),
+     (lambda s: functopt.adamw(0.1, weight_decay=s), "add_decayed_weights"),
+     (lambda s: functopt.scale_by_schedule(s), "scale_by_schedule")],
+    ids=["learning_rate", "weight_decay", "scale_by_schedule"])
+def test_a_schedule_returning_no_scalar_is_named(value, got, make, owner) -> None:
+    tx = make(value)
+    params = _p()
+    with pytest.raises(TypeError, match=rf"^{owner}: the schedule passed as \w+ \(.*<lambda>\) "
+                                        rf"returned {got}; expected a Python number"):
+        tx.update(_g(), tx.init(params), params)
+
+
+def test_a_schedule_that_goes_bad_later_is_named_under_inject_hyperparams() -> None:
+    tx = functopt.inject_hyperparams(functopt.adam)(
+        learning_rate=lambda c: torch.where(c < 1, 0.1, 0.2) if True else None)
+    params = _p()
+    state = tx.init(params)
+    tx.update(_g(), state, params)  # a 0-d tensor: fine
+    bad = functopt.inject_hyperparams(functopt.adam)(
+        learning_rate=lambda c: 0.1 if int(c) < 1 else torch.ones(3))
+    state = bad.init(params)
+    _, state = bad.update(_g(), state, params)
+    with pytest.raises(TypeError, match=r"inject_hyperparams\(adam\): the schedule passed as "
+                                        r"'learning_rate' .* shape \(3,\)"):
+        bad.update(_g(), state, params)
+
+
+# ------------------------------------------------- torch.load(weights_only=True) of states
+
+def _every_state(params: dict[str, torch.Tensor]) -> dict[str, Any]:
+    tx = functopt.chain(
+        functopt.masked(functopt.clip_by_global_norm(1.0), {"w": True, "b": False}),
+        functopt.inject_hyperparams(functopt.adamw)(learning_rate=1e-3),
+        functopt.apply_if_finite(functopt.lion(1e-4), 3))
+    low = {k: v.bfloat16() for k, v in params.items()}
+    return {
+        "chain": tx.init(params),
+        "multi": functopt.MultiSteps(functopt.adam(0.1), 2).init(params),
+        "partition": functopt.partition({"a": functopt.sgd(0.1, momentum=0.9),
+                                         "b": functopt.adafactor(0.1)},
+                                        {"w": "a", "b": "b"}).init(params),
+        "mixed": mixed_precision(functopt.adamw(0.1), loss_scale=dynamic_loss_scale()).init(low),
+        "contrib": (functopt.contrib.muon(0.1).init(params),
+                    functopt.contrib.schedule_free_adamw(0.1).init(params)),
+    }
+
+
+def test_states_load_with_weights_only_inside_safe_globals() -> None:
+    import io
+    import pickle
+
+    state = _every_state(_p())
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        torch.load(buffer)  # PyTorch's default refuses the state classes
+    buffer.seek(0)
+    with functopt.safe_globals():
+        loaded = torch.load(buffer)
+    assert functopt.tree.structure(loaded) == functopt.tree.structure(state)
+    for a, b in zip(functopt.tree.flatten(loaded)[0], functopt.tree.flatten(state)[0],
+                    strict=True):
+        assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b))
+    buffer.seek(0)
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(buffer)  # allowed for the block only: no global mode
+
+
+def test_state_classes_cover_every_namedtuple_the_package_defines() -> None:
+    import ast
+    from pathlib import Path
+
+    package = Path(functopt.__file__).parent
+    defined = set()
+    for path in package.rglob("*.py"):
+        if "testing" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                    getattr(base, "id", None) == "NamedTuple" for base in node.bases):
+                defined.add(node.name)
+    listed = {cls.__name__ for cls in functopt.state_classes()}
+    assert {name for name in defined if name.endswith("State")} <= listed
+    assert len(defined - listed) == 0, defined - listed
+
+
+# ------------------------------------------------------------- pickling functopt.Optimizer
+
+def test_pickling_a_functopt_optimizer_says_why_and_what_to_do_deepcopy_works() -> None:
+    import copy
+    import pickle
+
+    from functopt.adapters import optimizer as optimizer_module
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = functopt.Optimizer(model.parameters(), functopt.adamw(1e-2))
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    with pytest.raises(TypeError) as info:
+        pickle.dumps(opt)
+    message = str(info.value)
+    assert message.startswith("functopt.Optimizer cannot be pickled")
+    assert "Can't pickle local object" in message and "state_dict()" in message
+    assert optimizer_module.OPTIMIZER_NOT_PICKLABLE.split("{")[0] in message
+    twin = copy.deepcopy(opt)  # an in-process copy still works, and steps alike
+    twin_params = list(twin.param_groups[0]["params"])
+    assert all(p is not q for p, q in zip(twin_params, model.parameters(), strict=True))
+    for p in twin_params:
+        p.grad = torch.ones_like(p)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    twin.step()
+    for p, q in zip(twin_params, model.parameters(), strict=True):
+        assert torch.equal(p, q)

@@ -89,6 +89,7 @@ def clip(max_delta: Numeric) -> GradientTransformation:
     def update_fn(
         updates: Updates, state: EmptyState, params: Params | None = None, **extra_args: Any
     ) -> tuple[Updates, EmptyState]:
+        _common.check_state("clip", state, EmptyState)
         del params, extra_args
         leaves, treespec = _common.flatten_updates(updates)
         new: list[Any] = []
@@ -138,6 +139,7 @@ def clip_by_block_rms(threshold: Numeric) -> GradientTransformation:
     def update_fn(
         updates: Updates, state: EmptyState, params: Params | None = None, **extra_args: Any
     ) -> tuple[Updates, EmptyState]:
+        _common.check_state("clip_by_block_rms", state, EmptyState)
         del params, extra_args
         leaves, treespec = _common.flatten_updates(updates)
         return _common.unflatten(treespec, _core.map_leaves(clip_leaf, leaves)), state
@@ -187,6 +189,7 @@ def clip_by_global_norm(max_norm: Numeric) -> GradientTransformation:
     def update_fn(
         updates: Updates, state: EmptyState, params: Params | None = None, **extra_args: Any
     ) -> tuple[Updates, EmptyState]:
+        _common.check_state("clip_by_global_norm", state, EmptyState)
         del params, extra_args
         leaves, treespec = _common.flatten_updates(updates)
         wide = _sharded_norm(leaves, treespec) if any(map(is_dtensor, leaves)) else (
@@ -363,6 +366,7 @@ def adaptive_grad_clip(
     def update_fn(
         updates: Updates, state: EmptyState, params: Params | None = None, **extra_args: Any
     ) -> tuple[Updates, EmptyState]:
+        _common.check_state("adaptive_grad_clip", state, EmptyState)
         del extra_args
         leaves, treespec = _common.flatten_updates(updates)
         param_leaves = _common.params_like(treespec, params, leaves, owner=owner)

@@ -116,6 +116,7 @@ def scale_by_adam(
         updates: Updates, state: ScaleByAdamState, params: Params | None = None,
         **extra_args: Any,
     ) -> tuple[Updates, ScaleByAdamState]:
+        _common.check_state("scale_by_adam", state, ScaleByAdamState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
         mus = _common.state_like(treespec, state.mu, name="state.mu")
@@ -243,6 +244,7 @@ def scale_by_amsgrad(
         updates: Updates, state: ScaleByAmsgradState, params: Params | None = None,
         **extra_args: Any,
     ) -> tuple[Updates, ScaleByAmsgradState]:
+        _common.check_state("scale_by_amsgrad", state, ScaleByAmsgradState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
         mus = _common.state_like(treespec, state.mu, name="state.mu")
@@ -342,6 +344,7 @@ def scale_by_lion(
         updates: Updates, state: ScaleByLionState, params: Params | None = None,
         **extra_args: Any,
     ) -> tuple[Updates, ScaleByLionState]:
+        _common.check_state("scale_by_lion", state, ScaleByLionState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
         mus = _common.state_like(treespec, state.mu, name="state.mu")
