@@ -345,3 +345,64 @@ def test_pickling_a_functopt_optimizer_says_why_and_what_to_do_deepcopy_works() 
     twin.step()
     for p, q in zip(twin_params, model.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+# ------------------------------------------- a facade checkpoint under another loss-scale rule
+
+def _facade(rule: Any) -> MixedPrecisionOptimizer:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    return MixedPrecisionOptimizer(model.named_parameters(), functopt.sgd(0.1), loss_scale=rule)
+
+
+@pytest.mark.parametrize(
+    ("saved", "loaded", "words"),
+    [(dynamic_loss_scale(), None, "saved with dynamic_loss_scale(init_scale=65536.0"),
+     (None, dynamic_loss_scale(), "saved with no loss scale (loss_scale=None)"),
+     (dynamic_loss_scale(), dynamic_loss_scale(hysteresis=2, min_scale=1.0), "hysteresis=1"),
+     (static_loss_scale(128.0), static_loss_scale(256.0), "static_loss_scale(init_scale=128.0)"),
+     (static_loss_scale(128.0), dynamic_loss_scale(), "this optimizer has dynamic_loss_scale")],
+    ids=["fp16-to-bf16", "none-to-dynamic", "pytorch-to-megatron", "static-128-256",
+         "static-to-dynamic"])
+def test_facade_refuses_a_checkpoint_of_another_loss_scale_rule(saved, loaded, words) -> None:
+    from functopt.adapters import mixed_precision_optimizer as facade_module
+
+    state_dict = _facade(saved).state_dict()
+    target = _facade(loaded)
+    before = [p.detach().clone() for p in target._params]
+    with pytest.raises(ValueError, match=r"^MixedPrecisionOptimizer.load_state_dict: the "
+                                         r"checkpoint was saved with ") as info:
+        target.load_state_dict(state_dict)
+    assert words in str(info.value)
+    assert facade_module.LOSS_SCALE_RULE_MISMATCH.split("{")[0] in str(info.value)
+    for p, b in zip(target._params, before, strict=True):
+        assert torch.equal(p, b)  # nothing loaded
+
+
+def test_facade_checkpoint_loads_under_the_same_rule_and_a_deliberate_switch_works() -> None:
+    source = _facade(dynamic_loss_scale())
+    for p in source._params:
+        p.grad = torch.ones_like(p)
+    assert source.step()
+    state_dict = source.state_dict()
+    same = _facade(dynamic_loss_scale(init_scale=8.0))  # the initial scale is not the rule
+    same.load_state_dict(state_dict)
+    assert same.loss_scale == 2.0**16
+    for p, q in zip(same._params, source._params, strict=True):
+        assert torch.equal(p, q)
+    # Switching rules on purpose (the fix the message gives): this optimizer's own entries.
+    bf16 = _facade(None)
+    own = bf16.state_dict()
+    switched = dict(state_dict, loss_scale=own["loss_scale"],
+                    loss_scale_rule=own["loss_scale_rule"])
+    bf16.load_state_dict(switched)
+    assert bf16.loss_scale == 1.0
+    for p in bf16._params:
+        p.grad = torch.ones_like(p)
+    before = [p.detach().float().clone() for p in bf16._params]
+    assert bf16.step()
+    for p, b in zip(bf16._params, before, strict=True):
+        # An SGD step of lr * grad = 0.1, not 0.1 * 65536.
+        torch.testing.assert_close(p.float(), b - 0.1, rtol=0, atol=2e-2)
+    legacy = {k: v for k, v in state_dict.items() if k != "loss_scale_rule"}
+    _facade(dynamic_loss_scale()).load_state_dict(legacy)  # older checkpoints: unchecked

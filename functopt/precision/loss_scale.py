@@ -128,6 +128,53 @@ class LossScale(NamedTuple):
     init: Callable[..., LossScaleState]
     adjust: Callable[[LossScaleState, torch.Tensor], LossScaleState]
     dynamic: bool
+    # The factory's arguments, for checkpoints to record and check (see _RULE_FIELDS):
+    # (scale,) for static_loss_scale, the seven arguments of dynamic_loss_scale (None for
+    # no floor or ceiling); () for a rule built by hand.
+    config: tuple[float | None, ...] = ()
+
+
+# A rule as a fixed-length vector, for a checkpoint (nan: not given or not applicable).
+_RULE_FIELDS = ("kind", "init_scale", "growth_factor", "backoff_factor", "growth_interval",
+                "hysteresis", "min_scale", "max_scale")
+_KINDS = {0.0: "no loss scale (loss_scale=None)", 1.0: "static_loss_scale",
+          2.0: "dynamic_loss_scale", 3.0: "a LossScale built by hand"}
+
+
+def _rule_vector(rule: LossScale | None) -> torch.Tensor:
+    """``rule`` as a float64 tensor of shape (8,) (``_RULE_FIELDS``), the same length for
+    every rule so that a checkpoint template of any optimizer can load any checkpoint."""
+    values = [math.nan] * len(_RULE_FIELDS)
+    if rule is None:
+        values[0] = 0.0
+    elif not rule.config:
+        values[0] = 3.0
+    elif not rule.dynamic:
+        values[0], values[1] = 1.0, float(rule.config[0] or math.nan)
+    else:
+        values[0] = 2.0
+        for i, v in enumerate(rule.config):
+            values[1 + i] = math.nan if v is None else float(v)
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def _describe_rule(vector: torch.Tensor) -> str:
+    values = vector.tolist()
+    kind = _KINDS.get(values[0], f"an unknown rule code {values[0]!r}")
+    args = [f"{name}={int(v) if name in ('growth_interval', 'hysteresis') else v!r}"
+            for name, v in zip(_RULE_FIELDS[1:], values[1:], strict=True) if not math.isnan(v)]
+    return f"{kind}({', '.join(args)})" if args else kind
+
+
+def _same_rule(saved: torch.Tensor, current: torch.Tensor) -> bool:
+    """Whether a checkpoint's rule is this one's: the kind and every argument but the
+    initial scale (the checkpoint carries the scale reached)."""
+    if saved.shape != current.shape:
+        return False
+    keep = torch.ones(len(_RULE_FIELDS), dtype=torch.bool)
+    keep[1] = bool(current[0] == 1.0)  # a static scale is its initial scale
+    a, b = saved.double()[keep], current.double()[keep]
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
 def _inverse(state: LossScaleState) -> torch.Tensor:
@@ -171,7 +218,7 @@ def static_loss_scale(scale: float) -> LossScale:
         del found_inf
         return state
 
-    return LossScale(init, adjust, dynamic=False)
+    return LossScale(init, adjust, dynamic=False, config=(scale,))
 
 
 def dynamic_loss_scale(
@@ -272,4 +319,6 @@ def dynamic_loss_scale(
         )
         return LossScaleState(scale, growth_tracker, hysteresis_tracker)
 
-    return LossScale(init, adjust, dynamic=True)
+    return LossScale(init, adjust, dynamic=True, config=(
+        init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale,
+        max_scale))
