@@ -25,6 +25,7 @@ from functopt._base import (
     stateless_with_tree_map,
     with_extra_args_support,
 )
+from functopt._serialization import safe_globals, state_classes
 from functopt.adapters import MixedPrecisionOptimizer, Optimizer
 from functopt.optimizers import (
     adadelta,
@@ -226,6 +227,7 @@ __all__ = [
     "radam",
     "rmsprop",
     "rprop",
+    "safe_globals",
     "scale",
     "scale_by_adadelta",
     "scale_by_adam",
@@ -251,6 +253,7 @@ __all__ = [
     "sign_sgd",
     "skip_large_updates",
     "skip_not_finite",
+    "state_classes",
     "stateless",
     "stateless_with_tree_map",
     "static_loss_scale",

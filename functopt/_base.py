@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from functopt import _validate
 from functopt.tree import _core
 
 Params = Any
@@ -89,6 +90,7 @@ def identity() -> GradientTransformation:
         updates: Updates, state: State, params: Params | None = None, **extra_args: Any
     ) -> tuple[Updates, State]:
         del params, extra_args
+        _validate.check_state("identity", state, EmptyState)
         return updates, state
 
     from functopt import _spec  # (the spec module builds on this one)
@@ -110,6 +112,7 @@ def set_to_zero() -> GradientTransformation:
         updates: Updates, state: State, params: Params | None = None, **extra_args: Any
     ) -> tuple[Updates, State]:
         del params, extra_args
+        _validate.check_state("set_to_zero", state, EmptyState)
         leaves, treespec = _core.flatten(updates)
         _core.check_tensors(leaves, treespec, name="updates")
         return _core.unflatten(treespec, _core.map_leaves(torch.zeros_like, leaves)), state

@@ -72,3 +72,40 @@ def check_dtype(owner: str, name: str, value: Any) -> None:
             f"{owner}: {name} must be None or a floating torch.dtype (e.g. torch.bfloat16), "
             f"got {value!r}."
         )
+
+
+STATE_TYPE_MISMATCH = (
+    "{owner}: state must be the {expected} that {owner}'s init and update return, got "
+    "{got}. A state is refused by its type, not accepted because its field names match: "
+    "a state from another transform (lion's for adamw, sgd's for adam) would be misread. "
+    "Fix: pass the state returned by this transform's init(params) or by its last update "
+    "(for a recipe or chain: the state from its own init, whose entries follow the "
+    "transforms in order)."
+)
+
+
+def describe_state(state: Any) -> str:
+    """``a ScaleByAdamState (fields count, mu, nu)``, ``a tuple of 2``, ``None``."""
+    if state is None:
+        return "None"
+    name = type(state).__name__
+    article = "an" if name[:1].lower() in "aeiou" else "a"
+    fields = getattr(type(state), "_fields", None)
+    if isinstance(state, tuple) and fields is not None:
+        return f"{article} {name} (fields {', '.join(fields) or 'none'})"
+    if isinstance(state, (tuple, list, dict)):
+        return f"{article} {name} of {len(state)}"
+    return f"{article} {name}"
+
+
+def check_state(owner: str, state: Any, expected: type) -> None:
+    """Raise ``TypeError`` (``STATE_TYPE_MISMATCH``) unless ``state`` is an ``expected``.
+
+    A field-less ``expected`` (``EmptyState``) also takes ``None`` and ``()``, as optax's
+    stateless transforms do; a state that carries fields never passes for it."""
+    if not getattr(expected, "_fields", True) and (
+            state is None or (isinstance(state, tuple) and len(state) == 0)):
+        return  # a stateless transform: no state in any spelling (None, (), EmptyState())
+    if not isinstance(state, expected):
+        raise TypeError(STATE_TYPE_MISMATCH.format(
+            owner=owner, expected=expected.__name__, got=describe_state(state)))

@@ -111,6 +111,15 @@ def test_clip_by_block_rms_bounds_each_leaf_separately() -> None:
 # -------------------------------------------------------------------------- clip_by_global_norm
 
 
+def _norm_reference(leaves: list[torch.Tensor]) -> float:
+    """The exact global norm in Python floats, scaled by the largest element (no overflow)."""
+    values = [abs(v) for x in leaves for v in x.double().reshape(-1).tolist()]
+    peak = max(values, default=0.0)
+    if peak == 0.0:
+        return 0.0
+    return peak * math.sqrt(sum((v / peak) ** 2 for v in values))
+
+
 @given(fst.params_and_gradients(grad_kind="any", allow_none=True), st.floats(0.01, 10.0))
 def test_clip_by_global_norm_matches_reference(pg, max_norm) -> None:
     _, grads = pg
@@ -120,7 +129,7 @@ def test_clip_by_global_norm_matches_reference(pg, max_norm) -> None:
         # The documented rule: no meaningful scale exists, every update becomes nan.
         assert all(o.isnan().all() for _, o in pairs)
         return
-    norm64 = math.sqrt(sum((g.double() ** 2).sum().item() for g, _ in pairs))
+    norm64 = _norm_reference([g for g, _ in pairs])
     factor = 1.0 if norm64 < max_norm else max_norm / norm64
     for g, o in pairs:
         _assert_matches(o, g.double() * factor)
@@ -158,9 +167,9 @@ def test_clip_by_global_norm_leaves_small_updates_unchanged_bitwise() -> None:
         ([1.0, math.nan], torch.float32),
         ([1.0, math.inf], torch.float32),
         ([-math.inf, 2.0], torch.bfloat16),
-        ([1e20, 1e20], torch.float32),  # finite entries, but the float32 sum of squares overflows
+        ([1e20, math.inf], torch.float32),  # an inf beside an overflowing sum: still nan
     ],
-    ids=["nan", "inf", "-inf-bf16", "overflow"],
+    ids=["nan", "inf", "-inf-bf16", "inf-and-overflow"],
 )
 def test_clip_by_global_norm_non_finite_norm_gives_nan_everywhere(values, dtype) -> None:
     tx = functopt.clip_by_global_norm(1.0)
@@ -168,6 +177,76 @@ def test_clip_by_global_norm_non_finite_norm_gives_nan_everywhere(values, dtype)
     out = tx.update(u, tx.init(None))[0]
     assert out["none"] is None
     assert out["bad"].isnan().all() and out["fine"].isnan().all()  # never silently zero
+
+
+@pytest.mark.parametrize(
+    ("values", "dtype"),
+    [
+        ([1e20, 1e20], torch.float32),  # the float32 sum of squares overflows: 2e40
+        ([1e30] * 4, torch.float32),  # the issue's case (torch: zeros, optax: nan)
+        ([3e38, -3e38, 3e38], torch.float32),  # a norm beyond float32's range
+        ([6e4, 6e4, 6e4], torch.float16),  # accumulated in float32: no overflow at all
+        ([1e200, -1e200], torch.float64),  # the float64 sum of squares overflows
+    ],
+    ids=["f32-1e20", "f32-1e30", "f32-beyond-range", "f16", "f64-1e200"],
+)
+def test_clip_by_global_norm_of_finite_huge_updates_is_finite(values, dtype) -> None:
+    u = {"big": torch.tensor(values, dtype=dtype), "fine": torch.tensor([0.25, -0.5]),
+         "none": None}
+    out = _update(functopt.clip_by_global_norm(1.0), u)
+    norm64 = _norm_reference([u["big"], u["fine"]])
+    assert math.isfinite(norm64)
+    for key in ("big", "fine"):
+        expected = torch.tensor([v / norm64 for v in u[key].double().tolist()],
+                                dtype=torch.float64)
+        _assert_matches(out[key], expected)
+    norm = functopt.tree.global_norm({k: v for k, v in u.items() if v is not None})
+    if norm64 <= torch.finfo(norm.dtype).max:
+        assert math.isclose(norm.item(), norm64, rel_tol=1e-6)
+    else:
+        assert norm.item() == math.inf  # the right answer is not a float32 number
+
+
+@settings(max_examples=40)
+@given(st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=1,
+                max_size=6),
+       st.lists(st.floats(-1e3, 1e3, width=32), min_size=1, max_size=4))
+def test_global_norm_of_finite_float32_leaves_is_exact(big, small) -> None:
+    leaves = [torch.tensor(big), torch.tensor(small)]
+    norm = functopt.tree.global_norm(leaves).item()
+    norm64 = _norm_reference(leaves)
+    if norm64 > F32_MAX * (1 - 1e-7):
+        return  # rounds to inf or to the largest float32: both right
+    assert math.isclose(norm, norm64, rel_tol=2e-7, abs_tol=1e-45)
+
+
+def test_global_norm_common_path_is_bitwise_the_float32_reduction() -> None:
+    gen = torch.Generator().manual_seed(3)
+    leaves = [torch.randn(7, 5, generator=gen), torch.randn(3, generator=gen).bfloat16()]
+    squares = [torch.linalg.vector_norm(x, dtype=torch.float32).double() ** 2 for x in leaves]
+    want = torch.sqrt(torch.stack(squares).sum()).float()
+    assert torch.equal(functopt.tree.global_norm(leaves), want)
+
+
+def test_global_norm_rescue_under_torch_func_matches_eager() -> None:
+    # Under torch.func the rescue is computed and selected with torch.where (no host read).
+    xs = torch.tensor([[1e30, 1e30, 1e30], [1.0, 2.0, 2.0], [1e20, math.inf, 0.0]])
+    batched = torch.func.vmap(lambda x: functopt.tree.global_norm({"x": x}))(xs)
+    eager = torch.stack([functopt.tree.global_norm({"x": x}) for x in xs])
+    assert torch.equal(batched, eager)
+    assert math.isclose(eager[0].item(), math.sqrt(3) * 1e30, rel_tol=1e-6)
+    assert eager[1].item() == 3.0 and eager[2].item() == math.inf
+
+    def clipped_sum(g: torch.Tensor) -> torch.Tensor:
+        tx = functopt.clip_by_global_norm(1.0)
+        return tx.update({"g": g}, tx.init(None))[0]["g"].sum()
+
+    for g in (torch.tensor([1e20, 1e20]), torch.tensor([3.0, 4.0]), torch.tensor([1e30, -2.0])):
+        d_func = torch.func.grad(clipped_sum)(g)
+        leaf = g.clone().requires_grad_(True)
+        (d_eager,) = torch.autograd.grad(clipped_sum(leaf), leaf)
+        assert torch.isfinite(d_func).all(), g
+        torch.testing.assert_close(d_func, d_eager, rtol=1e-6, atol=0.0)
 
 
 def test_clip_by_global_norm_gradient_through_max_norm_is_finite() -> None:

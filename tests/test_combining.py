@@ -177,7 +177,7 @@ def test_error_wrong_state_for_chain():
     tx = functopt.chain(functopt.scale(1.0), functopt.scale(2.0))
     with pytest.raises(ValueError, match=r"chain of 2 transforms expects a tuple of 2 states, got a tuple of length 3"):
         tx.update([torch.ones(1)], ((), (), ()))
-    with pytest.raises(ValueError, match=r"expects a tuple of 2 states, got a dict\. Fix: pass the state"):
+    with pytest.raises(TypeError, match=r"expects a tuple of 2 states, got a dict\. Fix: pass the state"):
         tx.update([torch.ones(1)], {})
 
 
@@ -223,7 +223,7 @@ def test_error_wrong_state_for_named_chain():
     tx = functopt.named_chain(("a", functopt.identity()), ("b", functopt.identity()))
     with pytest.raises(ValueError, match=r"keys \['a', 'b'\], got a dict with keys \['a'\]"):
         tx.update([torch.ones(1)], {"a": ()})
-    with pytest.raises(ValueError, match=r"keys \['a', 'b'\], got a tuple"):
+    with pytest.raises(TypeError, match=r"keys \['a', 'b'\], got a tuple"):
         tx.update([torch.ones(1)], ((), ()))
 
 

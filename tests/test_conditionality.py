@@ -247,7 +247,7 @@ def test_error_inner_not_a_transform():
 
 def test_error_wrong_state():
     tx = functopt.apply_if_finite(functopt.identity(), 1)
-    with pytest.raises(ValueError, match=r"expects an ApplyIfFiniteState, got tuple"):
+    with pytest.raises(TypeError, match=r"apply_if_finite: state must be the ApplyIfFiniteState .* got a tuple of 0"):
         tx.update([torch.ones(1)], ())
 
 

@@ -291,7 +291,7 @@ def test_error_transform_value_is_a_factory():
 
 def test_error_wrong_state():
     tx = functopt.partition({"a": functopt.identity(), "b": functopt.identity()}, "a")
-    with pytest.raises(ValueError, match=r"PartitionState with inner states for \['a', 'b'\], got a tuple"):
+    with pytest.raises(TypeError, match=r"partition: state must be the PartitionState .* got a tuple of 0"):
         tx.update({"w": torch.ones(1)}, ())
     with pytest.raises(ValueError, match=r"got inner states for \['a'\]"):
         tx.update({"w": torch.ones(1)}, functopt.PartitionState({"a": ()}))

@@ -23,7 +23,14 @@ from functopt._base import GradientTransformation, Params
 from functopt._collective.dtensor import local_tensor
 from functopt.adapters import _param_groups, _state_dict
 from functopt.distributed.offloading import OffloadedState, offload, reload
-from functopt.precision.loss_scale import LossScale, dynamic_loss_scale
+from functopt.precision.loss_scale import (
+    LossScale,
+    _describe_rule,
+    _rule_vector,
+    _same_rule,
+    _warn_if_collapsed,
+    dynamic_loss_scale,
+)
 from functopt.precision.master import float32_master
 from functopt.precision.step import (
     MixedPrecisionState,
@@ -37,6 +44,17 @@ from functopt.tree import _core
 __all__ = ["MixedPrecisionOptimizer"]
 
 _OWNER = "MixedPrecisionOptimizer"
+_RULE_KEY = "loss_scale_rule"  # the state dict's record of the loss-scale rule
+
+LOSS_SCALE_RULE_MISMATCH = (
+    "MixedPrecisionOptimizer.load_state_dict: the checkpoint was saved with {saved}, this "
+    "optimizer has {current}. The saved scale only means something under its own rule (a "
+    "dynamic scale of 65536 loaded into loss_scale=None would scale every loss by 65536 "
+    "and never unscale it). Fix: build the optimizer with the checkpoint's rule (the same "
+    "loss_scale=...) to resume; to switch rules on purpose (float16 to bfloat16), replace "
+    "the checkpoint's 'loss_scale' and 'loss_scale_rule' entries by this optimizer's own "
+    "(from opt.state_dict()) before loading, which restarts the scale under the new rule."
+)
 
 TransformOrFactory = GradientTransformation | Callable[..., GradientTransformation]
 """A transform for every param, or a factory ``(**group_options) -> transform``."""
@@ -230,15 +248,20 @@ class MixedPrecisionOptimizer:
     **Checkpoints.** ``state_dict()`` returns the step's state as nested dicts of tensors
     (loss scale and its counters, master weights, the transform's state, the last step's
     metrics, the step key), keyed by field names and parameter names, loadable with
-    ``torch.load(weights_only=True)`` and by ``torch.distributed.checkpoint``. The
-    configuration (transform, loss-scale rule, clipping norm) is not in it: build the
-    optimizer the same way (and call ``clip_grad_norm`` again), then ``load_state_dict``;
+    ``torch.load(weights_only=True)`` and by ``torch.distributed.checkpoint``. It records
+    the loss-scale rule (``"loss_scale_rule"``, a float64 tensor of the rule's arguments),
+    and ``load_state_dict`` refuses a checkpoint saved under another rule. The rest of
+    the configuration (transform, clipping norm) is not in it: build the optimizer the
+    same way (and call ``clip_grad_norm`` again), then ``load_state_dict``;
     it continues bitwise as the original would have. Loading also sets each param that
     has a master copy to ``master.to(param.dtype)`` (as LightRFT does), so loading the
     optimizer alone restores the low-precision weights as well.
 
-    **Host syncs.** ``step()`` reads its skip decision (one bool); ``loss_scale`` reads
-    the scale as a Python float. Nothing else syncs: ``backward`` multiplies by the scale
+    **Host syncs.** ``step()`` reads its skip decision (one bool), and on a skipped step
+    with a dynamic scale the scale too, to warn with a
+    [`LossScaleWarning`][functopt.precision.LossScaleWarning] when it has collapsed (below
+    float32's smallest normal number, on its way to 0.0); ``loss_scale`` reads the scale
+    as a Python float. Nothing else syncs: ``backward`` multiplies by the scale
     tensor, and ``get_loss_scale()``, ``get_grad_norm()`` and ``count_zeros()`` return
     0-d tensors.
 
@@ -386,6 +409,10 @@ class MixedPrecisionOptimizer:
 
         Raises:
             RuntimeError: when no param has a gradient.
+
+        Warns:
+            LossScaleWarning: on a skipped step that left a dynamic loss scale collapsed
+                (see [`loss_scale_collapsed`][functopt.precision.loss_scale_collapsed]).
         """
         self._check_not_offloaded("step")
         grads = [p.grad for p in self._params]
@@ -413,6 +440,9 @@ class MixedPrecisionOptimizer:
                         p.copy_(after)
         self._state = new_state
         self._state_shared = False
+        if not took and self._loss_scale_rule is not None and self._loss_scale_rule.dynamic:
+            # A second host read, on skipped steps only.
+            _warn_if_collapsed(new_state.loss_scale, stacklevel=2)
         return took
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -507,7 +537,9 @@ class MixedPrecisionOptimizer:
         the template, ``load`` into it in place, then pass it to ``load_state_dict``.
         """
         self._state_shared = True
-        return _state_dict.to_nested(f"{_OWNER}.state_dict", self._state)
+        out = _state_dict.to_nested(f"{_OWNER}.state_dict", self._state)
+        out[_RULE_KEY] = _rule_vector(self._loss_scale_rule)
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state saved by ``state_dict()``; params with a master copy are set from it.
@@ -521,6 +553,10 @@ class MixedPrecisionOptimizer:
             TypeError: naming a key whose tensor has another dtype (a float16 loss scale).
         """
         self._check_not_offloaded("load_state_dict")
+        if isinstance(state_dict, dict) and _RULE_KEY in state_dict:
+            # (A checkpoint from before the rule was recorded has no entry: not checked.)
+            state_dict = dict(state_dict)
+            self._check_rule(state_dict.pop(_RULE_KEY))
         state: MixedPrecisionState = _state_dict.from_nested(
             f"{_OWNER}.load_state_dict", self._state, state_dict
         )
@@ -531,6 +567,14 @@ class MixedPrecisionOptimizer:
                 if store is not None:  # as LightRFT: the model follows the loaded master
                     p.copy_(mw.write(p, store, mw.view(p, store), None)[0])
         self._state = state
+
+    def _check_rule(self, saved: Any) -> None:
+        current = _rule_vector(self._loss_scale_rule)
+        if not isinstance(saved, torch.Tensor) or not _same_rule(saved.cpu(), current):
+            got = (_describe_rule(saved.cpu()) if isinstance(saved, torch.Tensor)
+                   and saved.shape == current.shape else repr(saved))
+            raise ValueError(LOSS_SCALE_RULE_MISMATCH.format(
+                saved=got, current=_describe_rule(current)))
 
     # -- offloading ---------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ that belong to ``param``.
 from __future__ import annotations
 
 import copy
+import pickle
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -652,5 +653,41 @@ class Optimizer(torch.optim.Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         # Plans are rebuilt on the next step; the transform's closures travel as they are.
         # A copy holds copies of the state tensors: it shares nothing with a state dict.
-        return {**super().__getstate__(), "_transform": self._transform, "_plans": [],
-                "_fused": self._fused, "_state_shared": False}
+        return {**super().__getstate__(), "_transform": _HeldTransform(self._transform),
+                "_plans": [], "_fused": self._fused, "_state_shared": False}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        held = state.get("_transform")
+        if isinstance(held, _HeldTransform):
+            state = {**state, "_transform": held.transform}
+        super().__setstate__(state)
+
+
+OPTIMIZER_NOT_PICKLABLE = (
+    "functopt.Optimizer cannot be pickled: its transform is made of functions local to the "
+    "transform's factory (functopt.adamw(...) returns closures), and pickle stores functions "
+    "by their importable name ({error}). torch.optim optimizers pickle because their rule is "
+    "a class. Fix: save opt.state_dict() with torch.save, and to resume build the optimizer "
+    "again with the same transform and call load_state_dict (the usual checkpoint); "
+    "copy.deepcopy(opt) makes an in-process copy."
+)
+
+
+class _HeldTransform:
+    """The transform inside a copied or pickled Optimizer's state: deep copies share it (a
+    transform is immutable: two functions and a spec); pickling it says why it cannot."""
+
+    __slots__ = ("transform",)
+
+    def __init__(self, transform: GradientTransformation) -> None:
+        self.transform = transform
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _HeldTransform:
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        try:
+            pickle.dumps(self.transform)
+        except (pickle.PicklingError, AttributeError, TypeError) as error:
+            raise TypeError(OPTIMIZER_NOT_PICKLABLE.format(error=error)) from None
+        return (_HeldTransform, (self.transform,))

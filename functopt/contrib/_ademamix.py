@@ -111,6 +111,7 @@ def scale_by_ademamix(
         updates: Updates, state: ScaleByAdemamixState, params: Params | None = None,
         **extra_args: Any,
     ) -> tuple[Updates, ScaleByAdemamixState]:
+        _common.check_state("scale_by_ademamix", state, ScaleByAdemamixState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
         m1s = _common.state_like(treespec, state.m1, name="state.m1")
@@ -246,6 +247,7 @@ def scale_by_simplified_ademamix(
         updates: Updates, state: ScaleBySimplifiedAdEMAMixState, params: Params | None = None,
         **extra_args: Any,
     ) -> tuple[Updates, ScaleBySimplifiedAdEMAMixState]:
+        _common.check_state("scale_by_simplified_ademamix", state, ScaleBySimplifiedAdEMAMixState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
         ms = _common.state_like(treespec, state.m, name="state.m")

@@ -98,6 +98,7 @@ def scale_by_adopt(
         updates: Updates, state: ScaleByAdamState, params: Params | None = None,
         **extra_args: Any,
     ) -> tuple[Updates, ScaleByAdamState]:
+        _common.check_state("scale_by_adopt", state, ScaleByAdamState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
         mus = _common.state_like(treespec, state.mu, name="state.mu")

@@ -85,6 +85,7 @@ def scale_by_madgrad(
     def update_fn(
         updates: Updates, state: MadgradState, params: Params | None = None, **extra_args: Any
     ) -> tuple[Updates, MadgradState]:
+        _common.check_state("scale_by_madgrad", state, MadgradState)
         del extra_args
         grads, treespec = _common.flatten_updates(updates)
         ps = _common.params_like(treespec, params, grads, owner=owner)

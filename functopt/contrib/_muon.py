@@ -276,6 +276,7 @@ def scale_by_muon(
     def update_fn(
         updates: Updates, state: MuonState, params: Params | None = None, **extra_args: Any
     ) -> tuple[Updates, MuonState]:
+        _common.check_state("scale_by_muon", state, MuonState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
         mus = _common.state_like(treespec, state.mu, name="state.mu")

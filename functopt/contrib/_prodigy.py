@@ -133,6 +133,7 @@ def prodigy(
     def update_fn(
         updates: Updates, state: ProdigyState, params: Params | None = None, **extra_args: Any
     ) -> tuple[Updates, ProdigyState]:
+        _common.check_state("prodigy", state, ProdigyState)
         del extra_args
         grads, treespec = _common.flatten_updates(updates)
         ps = _common.params_like(treespec, params, grads, owner=owner)
@@ -288,6 +289,7 @@ def dadapt_adamw(
         updates: Updates, state: DAdaptAdamWState, params: Params | None = None,
         **extra_args: Any,
     ) -> tuple[Updates, DAdaptAdamWState]:
+        _common.check_state("dadapt_adamw", state, DAdaptAdamWState)
         del extra_args
         grads, treespec = _common.flatten_updates(updates)
         ps = _common.params_like(treespec, params, grads, owner=owner)

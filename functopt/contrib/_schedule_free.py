@@ -132,6 +132,7 @@ def schedule_free(
         updates: Updates, state: ScheduleFreeState, params: Params | None = None,
         **extra_args: Any,
     ) -> tuple[Updates, ScheduleFreeState]:
+        _common.check_state("schedule_free", state, ScheduleFreeState)
         grads, treespec = _common.flatten_updates(updates)
         ps = _common.params_like(treespec, params, grads, owner=owner)
         zs = _common.state_like(treespec, state.z, name="state.z")

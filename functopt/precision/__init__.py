@@ -17,7 +17,9 @@ the data-parallel ranks, is a sharding strategy and lives one layer up, in
 from functopt.precision.loss_scale import (
     LossScale,
     LossScaleState,
+    LossScaleWarning,
     dynamic_loss_scale,
+    loss_scale_collapsed,
     static_loss_scale,
 )
 from functopt.precision.master import (
@@ -41,6 +43,7 @@ __all__ = [
     "GradStats",
     "LossScale",
     "LossScaleState",
+    "LossScaleWarning",
     "MasterWeights",
     "MixedPrecisionState",
     "MixedPrecisionTransformation",
@@ -51,6 +54,7 @@ __all__ = [
     "get_policy",
     "grad_stats",
     "kahan_summation",
+    "loss_scale_collapsed",
     "mixed_precision",
     "scale_loss",
     "select_tree",

@@ -16,6 +16,7 @@ covers both systems users migrate between:
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -26,9 +27,86 @@ from functopt import _validate
 __all__ = [
     "LossScale",
     "LossScaleState",
+    "LossScaleWarning",
     "dynamic_loss_scale",
+    "loss_scale_collapsed",
     "static_loss_scale",
 ]
+
+# Below float32's smallest normal number a loss scale has no use: any loss below about 1
+# times it is subnormal or zero in float32, and with no floor the next backoffs reach 0.0,
+# where every later step scales the loss to zero and never recovers.
+COLLAPSED_BELOW = torch.finfo(torch.float32).tiny
+
+LOSS_SCALE_COLLAPSED = (
+    "the dynamic loss scale has collapsed to {scale!r} (below float32's smallest normal "
+    "number, {floor!r}) after a run of overflowing steps: every step is being skipped, and "
+    "a scale of 0.0 never takes a step again. The gradients are inf or nan at any scale: "
+    "look for an inf or nan in the loss or the model (a bad batch, a too large learning "
+    "rate, a float16 overflow in the forward pass). Fix: find the non-finite values; to "
+    "stop the collapse itself, give the rule a floor (dynamic_loss_scale(min_scale=1.0), "
+    "Megatron-LM's default), and resume from a checkpoint taken before the run."
+)
+
+
+class LossScaleWarning(UserWarning):
+    """A dynamic loss scale has collapsed (see
+    [`loss_scale_collapsed`][functopt.precision.loss_scale_collapsed]): the steps are being
+    skipped and the training has stopped making progress. Raised by
+    [`MixedPrecisionOptimizer.step`][functopt.adapters.MixedPrecisionOptimizer] on a skipped
+    step (it reads the skip decision anyway); the functional step never reads a value back,
+    so a loop over [`mixed_precision`][functopt.precision.mixed_precision] checks
+    ``loss_scale_collapsed(state.loss_scale)`` where it reads its metrics.
+
+    Examples:
+        >>> import warnings, torch, functopt
+        >>> from functopt.precision import LossScaleWarning
+        >>> w = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+        >>> opt = functopt.adapters.MixedPrecisionOptimizer([w], functopt.sgd(0.1))
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     for _ in range(170):  # 2**16 halved on every overflow: 0.0 after 166
+        ...         w.grad = torch.full_like(w, float("inf"))
+        ...         _ = opt.step()
+        >>> caught[0].category is LossScaleWarning, opt.loss_scale
+        (True, 0.0)
+    """
+
+
+def loss_scale_collapsed(state: LossScaleState) -> torch.Tensor:
+    """Whether the loss scale has collapsed: a 0-d bool tensor, read nothing back to the host.
+
+    True when ``state.scale`` is below float32's smallest normal number (``2**-126``):
+    PyTorch's rule with no floor (the default ``dynamic_loss_scale()``, like
+    ``torch.amp.GradScaler``) halves the scale on every overflow and reaches ``0.0``
+    after about 165 overflows in a row from ``2**16``, from where no step is ever taken
+    again; no legitimate loss needs a scale that small. A rule with a ``min_scale`` never
+    collapses.
+
+    Examples:
+        >>> import torch, functopt
+        >>> from functopt.precision import loss_scale_collapsed
+        >>> ls = functopt.dynamic_loss_scale(init_scale=2.0**-125)
+        >>> state = ls.init()
+        >>> bool(loss_scale_collapsed(state))
+        False
+        >>> bool(loss_scale_collapsed(ls.adjust(ls.adjust(state, torch.tensor(True)),
+        ...                                     torch.tensor(True))))
+        True
+    """
+    out: torch.Tensor = state.scale < COLLAPSED_BELOW
+    return out
+
+
+def _warn_if_collapsed(state: LossScaleState, stacklevel: int) -> bool:
+    """Warn with ``LossScaleWarning`` (one host read of the scale) if it has collapsed;
+    ``stacklevel`` counts from the caller of this function."""
+    scale = float(state.scale)
+    if not scale < COLLAPSED_BELOW:
+        return False
+    warnings.warn(LOSS_SCALE_COLLAPSED.format(scale=scale, floor=COLLAPSED_BELOW),
+                  LossScaleWarning, stacklevel=stacklevel + 1)
+    return True
 
 
 class LossScaleState(NamedTuple):
@@ -50,6 +128,53 @@ class LossScale(NamedTuple):
     init: Callable[..., LossScaleState]
     adjust: Callable[[LossScaleState, torch.Tensor], LossScaleState]
     dynamic: bool
+    # The factory's arguments, for checkpoints to record and check (see _RULE_FIELDS):
+    # (scale,) for static_loss_scale, the seven arguments of dynamic_loss_scale (None for
+    # no floor or ceiling); () for a rule built by hand.
+    config: tuple[float | None, ...] = ()
+
+
+# A rule as a fixed-length vector, for a checkpoint (nan: not given or not applicable).
+_RULE_FIELDS = ("kind", "init_scale", "growth_factor", "backoff_factor", "growth_interval",
+                "hysteresis", "min_scale", "max_scale")
+_KINDS = {0.0: "no loss scale (loss_scale=None)", 1.0: "static_loss_scale",
+          2.0: "dynamic_loss_scale", 3.0: "a LossScale built by hand"}
+
+
+def _rule_vector(rule: LossScale | None) -> torch.Tensor:
+    """``rule`` as a float64 tensor of shape (8,) (``_RULE_FIELDS``), the same length for
+    every rule so that a checkpoint template of any optimizer can load any checkpoint."""
+    values = [math.nan] * len(_RULE_FIELDS)
+    if rule is None:
+        values[0] = 0.0
+    elif not rule.config:
+        values[0] = 3.0
+    elif not rule.dynamic:
+        values[0], values[1] = 1.0, float(rule.config[0] or math.nan)
+    else:
+        values[0] = 2.0
+        for i, v in enumerate(rule.config):
+            values[1 + i] = math.nan if v is None else float(v)
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def _describe_rule(vector: torch.Tensor) -> str:
+    values = vector.tolist()
+    kind = _KINDS.get(values[0], f"an unknown rule code {values[0]!r}")
+    args = [f"{name}={int(v) if name in ('growth_interval', 'hysteresis') else v!r}"
+            for name, v in zip(_RULE_FIELDS[1:], values[1:], strict=True) if not math.isnan(v)]
+    return f"{kind}({', '.join(args)})" if args else kind
+
+
+def _same_rule(saved: torch.Tensor, current: torch.Tensor) -> bool:
+    """Whether a checkpoint's rule is this one's: the kind and every argument but the
+    initial scale (the checkpoint carries the scale reached)."""
+    if saved.shape != current.shape:
+        return False
+    keep = torch.ones(len(_RULE_FIELDS), dtype=torch.bool)
+    keep[1] = bool(current[0] == 1.0)  # a static scale is its initial scale
+    a, b = saved.double()[keep], current.double()[keep]
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
 def _inverse(state: LossScaleState) -> torch.Tensor:
@@ -93,7 +218,7 @@ def static_loss_scale(scale: float) -> LossScale:
         del found_inf
         return state
 
-    return LossScale(init, adjust, dynamic=False)
+    return LossScale(init, adjust, dynamic=False, config=(scale,))
 
 
 def dynamic_loss_scale(
@@ -116,7 +241,12 @@ def dynamic_loss_scale(
 
     ``hysteresis=1`` with no ``min_scale``/``max_scale`` is PyTorch's ``GradScaler`` rule
     (bitwise the rule of ``torch._amp_update_scale_``); ``hysteresis=2, min_scale=1`` is
-    Megatron-LM's defaults for its ``DynamicGradScaler``.
+    Megatron-LM's defaults for its ``DynamicGradScaler``. Without ``min_scale`` a long run of
+    overflows halves the scale down to ``0.0`` (from ``2**16``, about 165 overflows),
+    from where no step is taken again, as with PyTorch's rule;
+    [`loss_scale_collapsed`][functopt.precision.loss_scale_collapsed] detects it and
+    [`MixedPrecisionOptimizer`][functopt.adapters.MixedPrecisionOptimizer] warns with a
+    [`LossScaleWarning`][functopt.precision.LossScaleWarning].
 
     Args:
         init_scale: the first scale (PyTorch: 2**16; Megatron: 2**32).
@@ -189,4 +319,6 @@ def dynamic_loss_scale(
         )
         return LossScaleState(scale, growth_tracker, hysteresis_tracker)
 
-    return LossScale(init, adjust, dynamic=True)
+    return LossScale(init, adjust, dynamic=True, config=(
+        init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale,
+        max_scale))

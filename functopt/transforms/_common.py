@@ -20,6 +20,57 @@ from functopt.tree import _core
 
 INT32_MAX = 2**31 - 1
 
+# The state checks live in _validate (layer 0), so that the protocol's identity uses them.
+STATE_TYPE_MISMATCH = _validate.STATE_TYPE_MISMATCH
+describe_state = _validate.describe_state
+check_state = _validate.check_state
+
+
+SCHEDULE_VALUE = (
+    "{owner}: the schedule passed as {arg} ({name}) returned {got}; expected a Python "
+    "number or a 0-d tensor: a schedule maps the step count (a 0-d int32 tensor) to one "
+    "value of the hyperparameter for every leaf. Fix: return a float or a 0-d tensor, such "
+    "as `lambda count: 0.1 * 0.99 ** count` or a functopt.schedules function; for values "
+    "that differ between params, give each group its own schedule with "
+    "functopt.partition(...)."
+)
+
+
+def _describe_value(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
+
+
+def schedule_value(owner: str, arg: str, schedule: Callable[[Any], Any], count: Any) -> Any:
+    """``schedule(count)``, refused with ``TypeError`` (``SCHEDULE_VALUE``) unless it is a
+    number or a 0-d non-boolean tensor (a shape-(3,) result would broadcast elementwise on
+    one path and fail on another; a string would fail deep inside with no word of the
+    schedule). No host read: only the type and shape are looked at."""
+    value = schedule(count)
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)) or (
+        isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype != torch.bool
+        and not value.is_complex())
+    if not ok:
+        name = getattr(schedule, "__qualname__", None) or type(schedule).__name__
+        raise TypeError(SCHEDULE_VALUE.format(owner=owner, arg=arg, name=name,
+                                              got=_describe_value(value)))
+    return value
+
+
+def check_params_structure(owner: str, treespec: _core.TreeSpec, params: Any) -> None:
+    """Where ``params`` are given to a transform that does not read them, they must still
+    have the updates' structure: a grads tree with an extra or a missing leaf is a bug
+    (grads of another model, a renamed param) that a stateless recipe would otherwise pass
+    through silently. One ``flatten_up_to`` (a tenth of a flatten)."""
+    if params is None:
+        return
+    try:
+        _core.flatten_like(treespec, params, name="params", reference="updates")
+    except ValueError as error:
+        raise ValueError(f"{owner}: {error}") from None
+
 
 def flatten_updates(updates: Any) -> tuple[list[Any], _core.TreeSpec]:
     """Flatten the updates; every leaf must be a floating tensor or None."""

@@ -82,6 +82,7 @@ def trace(
     def update_fn(
         updates: Updates, state: TraceState, params: Params | None = None, **extra_args: Any
     ) -> tuple[Updates, TraceState]:
+        _common.check_state("trace", state, TraceState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
         traces = _common.state_like(treespec, state.trace, name="state.trace")
@@ -251,6 +252,7 @@ def ema(
     def update_fn(
         updates: Updates, state: EmaState, params: Params | None = None, **extra_args: Any
     ) -> tuple[Updates, EmaState]:
+        _common.check_state("ema", state, EmaState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
         averages = _common.state_like(treespec, state.ema, name="state.ema")

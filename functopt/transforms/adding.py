@@ -83,6 +83,7 @@ def add_decayed_weights(
         updates: Updates, state: Any, params: Params | None = None, **extra_args: Any
     ) -> tuple[Updates, Any]:
         del extra_args
+        _common.check_state(owner, state, AddDecayedWeightsState if is_schedule else EmptyState)
         leaves, treespec = _common.flatten_updates(updates)
         # Checked even for a zero decay, so that a chain missing its params fails at once.
         param_leaves = _common.params_like(treespec, params, leaves, owner=owner)
@@ -91,7 +92,8 @@ def add_decayed_weights(
             new_state = AddDecayedWeightsState(count=_common.safe_increment(state.count))
         if is_python_zero:
             return updates, new_state
-        rate = weight_decay(state.count) if callable(weight_decay) else weight_decay
+        rate = _common.schedule_value(owner, "weight_decay", weight_decay, state.count) if (
+            callable(weight_decay)) else weight_decay
         new: list[torch.Tensor | None] = []
         for i, (g, p) in enumerate(zip(leaves, param_leaves, strict=True)):
             if g is None:

@@ -8,8 +8,9 @@ their dtype.
 Non-finite norms. A norm that is inf or nan cannot give a meaningful scale: dividing by it
 would turn the finite entries into zeros (optax and ``torch.nn.utils.clip_grad_norm_`` do
 that) and would do so silently where the norm overflowed although every entry is finite.
-The norm-based clips here therefore return nan wherever the norm they scale by is not
-finite (the whole tree for [`clip_by_global_norm`][functopt.clip_by_global_norm], the leaf for
+[`clip_by_global_norm`][functopt.clip_by_global_norm] measures again in float64 where a
+float32 sum of squares overflowed, so its norm of finite updates is finite. The
+norm-based clips here return nan wherever the norm they scale by is not finite (the whole tree for [`clip_by_global_norm`][functopt.clip_by_global_norm], the leaf for
 [`clip_by_block_rms`][functopt.clip_by_block_rms], the unit for [`adaptive_grad_clip`][functopt.adaptive_grad_clip]), so that a finite check
 further down the chain (``apply_if_finite``, the loss scaler's overflow check) sees the
 problem and skips the step.
@@ -17,18 +18,26 @@ problem and skips the step.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from functopt import _validate
 from functopt._base import EmptyState, GradientTransformation, Numeric, Params, Updates
-from functopt._collective.dtensor import _infer_group, _leaf_names, is_dtensor
+from functopt._collective.dtensor import (
+    _counted_here,
+    _infer_group,
+    _leaf_names,
+    is_dtensor,
+    local_tensor,
+)
 from functopt._collective.reduce import _local_stats, all_reduce_stats
 from functopt._spec import GlobalNormClip, specified
 from functopt.transforms import _common
-from functopt.tree import _core, global_norm
+from functopt.tree import _core, _ops
 
 __all__ = [
     "adaptive_grad_clip",
@@ -80,6 +89,7 @@ def clip(max_delta: Numeric) -> GradientTransformation:
     def update_fn(
         updates: Updates, state: EmptyState, params: Params | None = None, **extra_args: Any
     ) -> tuple[Updates, EmptyState]:
+        _common.check_state("clip", state, EmptyState)
         del params, extra_args
         leaves, treespec = _common.flatten_updates(updates)
         new: list[Any] = []
@@ -129,6 +139,7 @@ def clip_by_block_rms(threshold: Numeric) -> GradientTransformation:
     def update_fn(
         updates: Updates, state: EmptyState, params: Params | None = None, **extra_args: Any
     ) -> tuple[Updates, EmptyState]:
+        _common.check_state("clip_by_block_rms", state, EmptyState)
         del params, extra_args
         leaves, treespec = _common.flatten_updates(updates)
         return _common.unflatten(treespec, _core.map_leaves(clip_leaf, leaves)), state
@@ -145,8 +156,13 @@ def clip_by_global_norm(max_norm: Numeric) -> GradientTransformation:
     $\text{max\_norm} / \lVert u\rVert$ otherwise, so that their global norm becomes
     ``max_norm``. ``None`` leaves are skipped.
 
-    Where the global norm is not finite (an update holds inf or nan, or the float32 sum of
-    squares overflows), every update becomes nan instead of optax's zeros (finite entries)
+    The norm of finite updates is always finite: where a float32 sum of squares overflows
+    (norms above about ``1.8e19``), the leaf is measured again in float64 (see
+    [`global_norm`][functopt.tree.global_norm]), and a norm beyond float32's range is
+    turned into a scale in float64, so updates of ``1e30`` are clipped where
+    ``torch.nn.utils.clip_grad_norm_`` turns them into zeros and optax into nan.
+
+    Where the global norm is not finite (an update holds inf or nan), every update becomes nan instead of optax's zeros (finite entries)
     and nan (non-finite ones): zeros would be a silent no-op step where the sum overflowed,
     and a finite check downstream should skip such a step anyway. The scale is computed with
     the norm clamped to at least ``max_norm``, so that gradients through a tensor
@@ -173,15 +189,23 @@ def clip_by_global_norm(max_norm: Numeric) -> GradientTransformation:
     def update_fn(
         updates: Updates, state: EmptyState, params: Params | None = None, **extra_args: Any
     ) -> tuple[Updates, EmptyState]:
+        _common.check_state("clip_by_global_norm", state, EmptyState)
         del params, extra_args
         leaves, treespec = _common.flatten_updates(updates)
-        norm = _sharded_norm(leaves, treespec) if any(map(is_dtensor, leaves)) else (
-            global_norm(updates))
+        wide = _sharded_norm(leaves, treespec) if any(map(is_dtensor, leaves)) else (
+            _plain_norm(leaves))
+        norm = wide.to(_ops._accumulation_dtype([x for x in leaves if x is not None]))
         keep = norm < max_norm
         # A tensor numerator: torch computes `number / tensor` as `number * (1 / tensor)`,
         # and 1 / a subnormal norm overflows to inf.
         bound = torch.as_tensor(max_norm, dtype=norm.dtype, device=norm.device)
-        scale = _nan_unless_finite(norm, bound / torch.clamp(norm, min=bound))
+        scale = bound / torch.clamp(norm, min=bound)
+        if norm.dtype != torch.float64:
+            # A finite norm beyond float32's range (rescued in float64): scale in float64.
+            bound64 = torch.as_tensor(max_norm, dtype=torch.float64, device=wide.device)
+            far = (bound64 / torch.clamp(wide, min=bound64)).to(norm.dtype)
+            scale = torch.where(torch.isfinite(norm), scale, far)
+        scale = _nan_unless_finite(wide, scale)
         # `scaled`: a float64 norm (from a float64 leaf elsewhere in the tree) must not
         # promote a 0-d float32 leaf.
         new = [None if g is None else torch.where(keep, g, _common.scaled(g, scale))
@@ -191,18 +215,45 @@ def clip_by_global_norm(max_norm: Numeric) -> GradientTransformation:
     return specified(GradientTransformation(_init_empty, update_fn), GlobalNormClip(max_norm))
 
 
+def _plain_norm(leaves: list[Any]) -> torch.Tensor:
+    """The global norm of plain tensor updates, float64 (``global_norm`` before its cast)."""
+    tensors = [x for x in leaves if x is not None]
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64)
+    return _ops._global_norm64(tensors)
+
+
 def _sharded_norm(leaves: list[Any], treespec: _core.TreeSpec) -> torch.Tensor:
     """``global_norm`` of DTensor updates with one collective: each rank sums the squares of
     the shards it counts (a replicated copy once), one all-reduce over the mesh sums them.
     Per-leaf DTensor norms would make one collective per leaf. The result is a plain 0-d
-    tensor (float64 if any leaf is float64, else float32), the same on every rank."""
+    float64 tensor, the same on every rank. Where the float32 sums overflowed although
+    every element is finite, the rescue of ``global_norm`` measures again with two more
+    collectives (the largest norm, then the scaled sum); on the CPU only then, on an
+    accelerator at every call (see ``functopt.tree._ops._rescued``)."""
     name = _leaf_names(treespec)
     group = _infer_group(leaves, name)
     tensors = [x for x in leaves if x is not None]
     local = next(x.to_local() if is_dtensor(x) else x for x in tensors)
     packed = all_reduce_stats(_local_stats(leaves, name, local.device), group)
-    wide = any(x.dtype == torch.float64 for x in tensors)
-    return torch.sqrt(packed[0]).to(torch.float64 if wide else torch.float32)
+
+    def rescue() -> torch.Tensor:
+        # Every rank measures its counted shards again in float64; the largest norm over
+        # the mesh scales the sum, so that float64 leaves cannot overflow it either.
+        counted = [local_tensor(x) for i, x in enumerate(leaves)
+                   if x is not None and _counted_here(x, functools.partial(name, i))]
+        norms = torch.stack([_ops._safe_norm(x).to(local.device) for x in counted]) if (
+            counted) else torch.zeros(1, dtype=torch.float64, device=local.device)
+        peak = norms.max()
+        if group is not None:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        unit = torch.where((peak > 0) & torch.isfinite(peak), peak, torch.ones_like(peak))
+        scaled = all_reduce_stats(((norms / unit) ** 2).sum().reshape(1), group)[0]
+        return torch.where(peak > 0, unit * torch.sqrt(scaled), peak)
+
+    # The reduced sum is the same on every rank, so every rank takes the same branch.
+    norm = torch.sqrt(packed[0])
+    return _ops._rescued(norm, torch.isfinite(norm), norm, rescue)
 
 
 def _reduction_dims(x: torch.Tensor, axis: tuple[int, ...] | None) -> tuple[int, ...] | None:
@@ -315,6 +366,7 @@ def adaptive_grad_clip(
     def update_fn(
         updates: Updates, state: EmptyState, params: Params | None = None, **extra_args: Any
     ) -> tuple[Updates, EmptyState]:
+        _common.check_state("adaptive_grad_clip", state, EmptyState)
         del extra_args
         leaves, treespec = _common.flatten_updates(updates)
         param_leaves = _common.params_like(treespec, params, leaves, owner=owner)

@@ -79,7 +79,9 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             got = f"a {type(state).__name__}" + (
                 f" of length {len(state)}" if isinstance(state, (tuple, list)) else ""
             )
-            raise ValueError(
+            # Not a tuple at all (a NamedTuple is one: it is refused by its element's check).
+            error = ValueError if isinstance(state, (tuple, list)) else TypeError
+            raise error(
                 f"chain of {len(txs)} transforms expects a tuple of {len(txs)} states, got "
                 f"{got}. Fix: pass the state returned by this chain's init/update."
             )
@@ -143,7 +145,7 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
                 f"a dict with keys {list(state)}" if isinstance(state, dict)
                 else f"a {type(state).__name__}"
             )
-            raise ValueError(
+            raise (ValueError if isinstance(state, dict) else TypeError)(
                 f"named_chain expects a state dict with keys {names}, got {got}. "
                 f"Fix: pass the state returned by this chain's init/update."
             )

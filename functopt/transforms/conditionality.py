@@ -189,11 +189,7 @@ def apply_if_finite(
         updates: Updates, state: ApplyIfFiniteState, params: Params | None = None,
         **extra_args: Any,
     ) -> tuple[Updates, ApplyIfFiniteState]:
-        if not isinstance(state, ApplyIfFiniteState):
-            raise ValueError(
-                f"apply_if_finite expects an ApplyIfFiniteState, got {type(state).__name__}. "
-                f"Fix: pass the state returned by this transform's init/update."
-            )
+        _common.check_state("apply_if_finite", state, ApplyIfFiniteState)
         leaves, treespec = _common.flatten_updates(updates)
         device = state.notfinite_count.device
         if any(is_dtensor(x) for x in leaves):

@@ -62,6 +62,7 @@ def zero_nans() -> GradientTransformation:
     def update_fn(
         updates: Updates, state: ZeroNansState, params: Params | None = None, **extra_args: Any
     ) -> tuple[Updates, ZeroNansState]:
+        _common.check_state("zero_nans", state, ZeroNansState)
         del params, extra_args
         leaves, treespec = _common.flatten_updates(updates)
         flags = _common.state_like(treespec, state.found_nan, name="state.found_nan")
@@ -136,6 +137,7 @@ def keep_params_nonnegative() -> GradientTransformation:
     def update_fn(
         updates: Updates, state: EmptyState, params: Params | None = None, **extra_args: Any
     ) -> tuple[Updates, EmptyState]:
+        _common.check_state("keep_params_nonnegative", state, EmptyState)
         del extra_args
         leaves, treespec = _common.flatten_updates(updates)
         param_leaves = _common.params_like(treespec, params, leaves, owner=owner)

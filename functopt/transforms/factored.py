@@ -189,6 +189,7 @@ def scale_by_factored_rms(
         updates: Updates, state: FactoredState, params: Params | None = None,
         **extra_args: Any,
     ) -> tuple[Updates, FactoredState]:
+        _common.check_state("scale_by_factored_rms", state, FactoredState)
         del extra_args
         grads, treespec = _common.flatten_updates(updates)
         if params is not None:  # only checked: a gradient has its param's shape

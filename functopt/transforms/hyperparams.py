@@ -245,7 +245,8 @@ def inject_hyperparams(
             device = count.device
             hyperparams = {k: as_tensor(k, v, device) for k, v in constants.items()}
             for k, f in schedules.items():
-                hyperparams[k] = as_tensor(k, f(count), device)
+                hyperparams[k] = as_tensor(k, _common.schedule_value(
+                    f"{owner}({name})", repr(k), f, count), device)
             return hyperparams
 
         def init_fn(params: Params) -> InjectHyperparamsState:

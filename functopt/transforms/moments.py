@@ -120,6 +120,7 @@ def scale_by_adam(
         updates: Updates, state: ScaleByAdamState, params: Params | None = None,
         **extra_args: Any,
     ) -> tuple[Updates, ScaleByAdamState]:
+        _common.check_state("scale_by_adam", state, ScaleByAdamState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
         mus = _common.state_like(treespec, state.mu, name="state.mu")
@@ -261,6 +262,7 @@ def scale_by_amsgrad(
         updates: Updates, state: ScaleByAmsgradState, params: Params | None = None,
         **extra_args: Any,
     ) -> tuple[Updates, ScaleByAmsgradState]:
+        _common.check_state("scale_by_amsgrad", state, ScaleByAmsgradState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
         mus = _common.state_like(treespec, state.mu, name="state.mu")
@@ -366,6 +368,7 @@ def scale_by_lion(
         updates: Updates, state: ScaleByLionState, params: Params | None = None,
         **extra_args: Any,
     ) -> tuple[Updates, ScaleByLionState]:
+        _common.check_state("scale_by_lion", state, ScaleByLionState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
         mus = _common.state_like(treespec, state.mu, name="state.mu")

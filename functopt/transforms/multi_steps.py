@@ -269,6 +269,7 @@ class MultiSteps:
         **extra_args: Any,
     ) -> tuple[Updates, MultiStepsState]:
         """Accumulate ``updates``; return zeros, or the inner update when the window closes."""
+        _common.check_state("MultiSteps", state, MultiStepsState)
         leaves, treespec = _common.flatten_updates(updates)
         accs = _common.state_like(treespec, state.acc_grads, name="state.acc_grads")
         for i, (g, acc) in enumerate(zip(leaves, accs, strict=True)):

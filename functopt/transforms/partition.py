@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 from functopt._base import GradientTransformation, Params, State, Updates
 from functopt._spec import Select, describe, specified
+from functopt.transforms import _common
 from functopt.transforms.combining import _check_transform
 from functopt.tree import _core
 
@@ -172,6 +173,7 @@ def partition(
         updates: Updates, state: PartitionState, params: Params | None = None,
         **extra_args: Any,
     ) -> tuple[Updates, PartitionState]:
+        _common.check_state("partition", state, PartitionState)
         inner_states = getattr(state, "inner_states", None)
         if not isinstance(inner_states, Mapping) or set(inner_states) != set(txs):
             got = (

@@ -62,6 +62,7 @@ def centralize() -> GradientTransformation:
     def update_fn(
         updates: Updates, state: EmptyState, params: Params | None = None, **extra_args: Any
     ) -> tuple[Updates, EmptyState]:
+        _common.check_state("centralize", state, EmptyState)
         del params, extra_args
         leaves, treespec = _common.flatten_updates(updates)
         return _common.unflatten(treespec, _core.map_leaves(_subtract_mean, leaves)), state

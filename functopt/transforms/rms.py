@@ -119,6 +119,7 @@ def scale_by_rms(
         updates: Updates, state: ScaleByRmsState, params: Params | None = None,
         **extra_args: Any,
     ) -> tuple[Updates, ScaleByRmsState]:
+        _common.check_state("scale_by_rms", state, ScaleByRmsState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
         nus = _common.state_like(treespec, state.nu, name="state.nu")
@@ -216,6 +217,7 @@ def scale_by_stddev(
         updates: Updates, state: ScaleByRStdDevState, params: Params | None = None,
         **extra_args: Any,
     ) -> tuple[Updates, ScaleByRStdDevState]:
+        _common.check_state("scale_by_stddev", state, ScaleByRStdDevState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
         mus = _common.state_like(treespec, state.mu, name="state.mu")
@@ -307,6 +309,7 @@ def scale_by_rss(
         updates: Updates, state: ScaleByRssState, params: Params | None = None,
         **extra_args: Any,
     ) -> tuple[Updates, ScaleByRssState]:
+        _common.check_state("scale_by_rss", state, ScaleByRssState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
         sums = _common.state_like(treespec, state.sum_of_squares, name="state.sum_of_squares")

@@ -58,8 +58,10 @@ def scale(step_size: Numeric) -> GradientTransformation:
     def update_fn(
         updates: Updates, state: EmptyState, params: Params | None = None, **extra_args: Any
     ) -> tuple[Updates, EmptyState]:
-        del params, extra_args
+        _common.check_state("scale", state, EmptyState)
+        del extra_args
         leaves, treespec = _common.flatten_updates(updates)
+        _common.check_params_structure("scale", treespec, params)
         return _common.unflatten(treespec, _scaled(leaves, step_size)), state
 
     return specified(GradientTransformation(init_fn, update_fn),
@@ -107,9 +109,12 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
         params: Params | None = None,
         **extra_args: Any,
     ) -> tuple[Updates, ScaleByScheduleState]:
-        del params, extra_args
+        _common.check_state("scale_by_schedule", state, ScaleByScheduleState)
+        del extra_args
         leaves, treespec = _common.flatten_updates(updates)
-        new = _scaled(leaves, step_size_fn(state.count))
+        _common.check_params_structure("scale_by_schedule", treespec, params)
+        new = _scaled(leaves, _common.schedule_value("scale_by_schedule", "step_size_fn",
+                                                     step_size_fn, state.count))
         count = _common.safe_increment(state.count)
         return _common.unflatten(treespec, new), ScaleByScheduleState(count=count)
 
@@ -142,7 +147,8 @@ def scale_by_learning_rate(
                     {"learning_rate": learning_rate, "flip_sign": flip_sign})
     if callable(learning_rate) and not isinstance(learning_rate, torch.Tensor):
         schedule = learning_rate
-        return specified(scale_by_schedule(lambda count: sign * schedule(count)), spec)
+        return specified(scale_by_schedule(lambda count: sign * _common.schedule_value(
+            "scale_by_learning_rate", "learning_rate", schedule, count)), spec)
     return specified(scale(sign * learning_rate), spec)
 
 

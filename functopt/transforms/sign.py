@@ -57,6 +57,7 @@ def scale_by_sign() -> GradientTransformation:
     def update_fn(
         updates: Updates, state: EmptyState, params: Params | None = None, **extra_args: Any
     ) -> tuple[Updates, EmptyState]:
+        _common.check_state("scale_by_sign", state, EmptyState)
         del params, extra_args
         leaves, treespec = _common.flatten_updates(updates)
         return _common.unflatten(treespec, [None if u is None else _sign(u)

@@ -84,6 +84,7 @@ def scale_by_trust_ratio(
     def update_fn(
         updates: Updates, state: EmptyState, params: Params | None = None, **extra_args: Any
     ) -> tuple[Updates, EmptyState]:
+        _common.check_state("scale_by_trust_ratio", state, EmptyState)
         del extra_args
         leaves, treespec = _common.flatten_updates(updates)
         param_leaves = _common.params_like(treespec, params, leaves, owner=owner)

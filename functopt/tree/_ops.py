@@ -6,6 +6,7 @@ gradient, or the state of such a parameter), and names leaves by dotted path in 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -264,6 +265,81 @@ def _leaf_stats(x: torch.Tensor) -> torch.Tensor:
     ])
 
 
+def _host_branch_ok(x: torch.Tensor) -> bool:
+    """Whether a step may read a boolean of ``x`` back and branch on it: ``x`` is on the CPU
+    (where the value is already computed, so the read costs no synchronisation) and no
+    ``torch.func`` transform is active (``vmap`` has no data-dependent control flow)."""
+    return x.device.type == "cpu" and torch._C._functorch.maybe_current_level() is None
+
+
+def _safe_norm(x: torch.Tensor) -> torch.Tensor:
+    """The L2 norm of ``x`` as a 0-d float64 tensor, finite whenever ``x`` is finite and its
+    norm is below float64's largest number. The rescue of an overflowing float32 sum of
+    squares: slower than the float32 reduction (a float64 copy on the CPU), so it only runs
+    where that sum overflowed (or, without a host read, selected by ``_rescued``)."""
+    if x.dtype != torch.float64:
+        # Squares of float32 (or narrower) values stay below 1.2e77: no float64 overflow.
+        wide: torch.Tensor = torch.linalg.vector_norm(x, dtype=torch.float64)
+        return wide
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float64, device=x.device)
+    # A float64 sum of squares overflows above 1.3e154: scale by the largest magnitude.
+    peak = torch.linalg.vector_norm(x, ord=math.inf)
+    unit = torch.where((peak > 0) & torch.isfinite(peak), peak, torch.ones_like(peak))
+    out: torch.Tensor = unit * torch.linalg.vector_norm(x / unit)
+    return out
+
+
+def _combine_norms(norms: torch.Tensor) -> torch.Tensor:
+    """The square root of the sum of squares of a float64 vector of norms, without overflow (scaled by the
+    largest); inf or nan when a norm is."""
+    peak = norms.max()
+    unit = torch.where((peak > 0) & torch.isfinite(peak), peak, torch.ones_like(peak))
+    # At least 1 whenever peak > 0 (the largest term is 1); the clamp keeps the gradient of
+    # sqrt finite when every norm is zero, a branch torch.where then discards.
+    out: torch.Tensor = unit * torch.sqrt(torch.clamp(((norms / unit) ** 2).sum(), min=1.0))
+    return torch.where(peak > 0, out, peak)
+
+
+def _rescued(common: torch.Tensor, ok: torch.Tensor, raw: torch.Tensor,
+             rescue: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``common`` (a 0-d float64 norm) where ``ok`` (the float32 sums did not overflow);
+    else ``rescue()``'s norm where that is finite (every element was finite, only a float32
+    sum of squares overflowed); else ``raw``, the non-finite norm (an element is inf or
+    nan), with no gradient (inf minus inf is no derivative).
+
+    On the CPU outside ``torch.func`` the rescue runs only when ``ok`` is false (one
+    boolean read, free there); elsewhere it is computed every time and selected with
+    ``torch.where``, so that a step never waits for the device and ``vmap`` works.
+    ``common`` must have finite gradients where it is not selected (see
+    ``_global_norm64``)."""
+    if _host_branch_ok(ok):
+        if bool(ok):
+            return common
+        wide = rescue()
+        return wide if bool(torch.isfinite(wide)) else raw.detach()
+    wide = rescue()
+    return torch.where(ok, common, torch.where(torch.isfinite(wide), wide, raw.detach()))
+
+
+def _global_norm64(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The global L2 norm of ``tensors`` (no None) as a 0-d float64 tensor on the first
+    tensor's device: float32 accumulation per leaf (float64 for float64 leaves), and the
+    rescue of ``_safe_norm`` where that overflowed although every element is finite."""
+    device = tensors[0].device
+    dtype = _accumulation_dtype(tensors)
+    # `_sum_of_squares`, as norms: bitwise the same sum when nothing overflows.
+    norms = torch.stack([torch.linalg.vector_norm(x, dtype=dtype).to(torch.float64).to(device)
+                         for x in tensors])
+    finite = torch.isfinite(norms)
+    # Overflowed norms left out of `common`, so that torch.where's unselected branch has no
+    # inf * 0 in its gradient; `raw` keeps them for the non-finite answer.
+    common = torch.sqrt((torch.where(finite, norms, 0.0) ** 2).sum())
+    raw = torch.sqrt((norms ** 2).sum())
+    return _rescued(common, finite.all() & torch.isfinite(common), raw, lambda: _combine_norms(
+        torch.stack([_safe_norm(x).to(device) for x in tensors])))
+
+
 def global_norm(tree: Any) -> torch.Tensor:
     r"""The L2 norm of all leaves together, $\sqrt{\sum_i \lVert x_i \rVert_2^2}$.
 
@@ -271,13 +347,25 @@ def global_norm(tree: Any) -> torch.Tensor:
     float16 leaves do not lose precision or overflow in the sum, and the leaves' squares
     are summed in float64. The result is float32 (float64 if any leaf is float64). ``None``
     leaves are skipped; an empty tree has norm 0. The result is a 0-d tensor on the first
-    leaf's device; nothing is read back to the host. A float32 leaf whose own norm exceeds
-    about ``1.8e19`` overflows to inf, as in ``torch.nn.utils.clip_grad_norm_``.
+    leaf's device.
+
+    The norm of finite leaves is finite whenever it is representable in the result's
+    dtype: where a leaf's float32 sum of squares overflows (a norm above about ``1.8e19``,
+    such as four elements of ``1e30``) although every element is finite, that leaf is
+    measured again in float64 (scaled by its largest element for float64 leaves), where
+    ``torch.linalg.vector_norm`` and ``torch.nn.utils.clip_grad_norm_`` return inf. The
+    common path keeps the float32 reduction; on the CPU the rescue runs only when the
+    float32 sum overflowed (one boolean read, which costs no synchronisation there), on
+    an accelerator and under ``torch.func`` it is computed at every call and selected
+    with ``torch.where``, so nothing is read back to the host. A leaf holding inf or nan
+    makes the norm inf or nan.
 
     Examples:
         >>> import torch, functopt
         >>> functopt.tree.global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0]), "c": None})
         tensor(5.)
+        >>> functopt.tree.global_norm({"a": torch.full((4,), 1e30)})  # float32 sum of squares: inf
+        tensor(2.0000e+30)
     """
     leaves, treespec = _core.flatten(tree)
     _core.check_tensors(leaves, treespec, name="tree")
@@ -285,7 +373,4 @@ def global_norm(tree: Any) -> torch.Tensor:
     dtype = _accumulation_dtype(tensors)
     if not tensors:
         return torch.zeros((), dtype=dtype)
-    device = tensors[0].device
-    squares = [_sum_of_squares(x, dtype).to(device) for x in tensors]
-    return torch.sqrt(torch.stack(squares).sum()).to(dtype)
-
+    return _global_norm64(tensors).to(dtype)

@@ -145,6 +145,32 @@ def clip_by_global_norm_on_shards_one_collective(rank: int, world: int) -> None:
     torch.testing.assert_close(norm, torch.tensor(0.5, dtype=norm.dtype), rtol=1e-6, atol=0.0)
 
 
+@check
+def clip_by_global_norm_on_shards_rescues_a_float32_overflow(rank: int, world: int) -> None:
+    """Finite shards of 1e30 (the float32 sums of squares overflow): the rescue measures
+    again on every rank (two more collectives, on the CPU only when needed) and clips like
+    one process; an inf on one rank's shard still makes every rank's updates nan."""
+    del rank
+    mesh = _mesh(world)
+    full = {"w": torch.full((6, 2), 1e30), "d": torch.full((3,), 1e200, dtype=torch.float64),
+            "r": torch.ones(2)}
+    sharded = {"w": distribute_tensor(full["w"], mesh, [Shard(0)]),
+               "d": distribute_tensor(full["d"], mesh, [Shard(0)]),
+               "r": distribute_tensor(full["r"], mesh, [Replicate()])}
+    tx = functopt.clip_by_global_norm(0.5)
+    with CommDebugMode() as comm:
+        got, _ = tx.update(sharded, tx.init(None))
+    assert comm.get_total_counts() == 3, comm.get_comm_counts()
+    want, _ = tx.update(full, tx.init(None))
+    assert all(bool(torch.isfinite(v).all()) for v in want.values())
+    for k, v in got.items():
+        torch.testing.assert_close(_full(v), want[k], rtol=1e-12, atol=0.0)
+    full["w"][5, 1] = float("inf")  # the last rank's shard only
+    bad = dict(sharded, w=distribute_tensor(full["w"], mesh, [Shard(0)]))
+    got, _ = tx.update(bad, tx.init(None))
+    assert all(bool(torch.isnan(v.to_local()).all()) for v in got.values())
+
+
 # ------------------------------------------------------------------------ zero_nans
 
 @check

@@ -1,0 +1,408 @@
+"""Misuse and faults: each case of docs/reliability.md gets the right result or a clear
+error, and the dangerous but legal ones warn (issue 12).
+
+References: PyTorch's own ``torch._amp_update_scale_`` kernel for the loss-scale rule,
+float64 arithmetic in Python for norms.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+import functopt
+from functopt.adapters import MixedPrecisionOptimizer
+from functopt.precision import (
+    LossScaleWarning,
+    dynamic_loss_scale,
+    loss_scale_collapsed,
+    mixed_precision,
+    static_loss_scale,
+)
+from functopt.precision import loss_scale as loss_scale_module
+
+TINY = torch.finfo(torch.float32).tiny
+
+
+def _leaves(tree: Any) -> list[Any]:
+    return [x for x in functopt.tree.flatten(tree)[0] if x is not None]
+
+
+# ------------------------------------------------------------ a collapsing loss scale
+
+
+def _torch_scale_trace(overflows: int) -> list[float]:
+    """The scale after each overflow, by PyTorch's kernel (GradScaler's defaults)."""
+    scale = torch.tensor(2.0**16)
+    tracker = torch.zeros((), dtype=torch.int32)
+    out = []
+    for _ in range(overflows):
+        torch._amp_update_scale_(scale, tracker, torch.tensor(1.0), 2.0, 0.5, 2000)
+        out.append(float(scale))
+    return out
+
+
+def test_default_rule_reaches_zero_like_torch_and_collapse_is_detected() -> None:
+    reference = _torch_scale_trace(200)
+    ls = dynamic_loss_scale()
+    state = ls.init()
+    ours, flags = [], []
+    for _ in range(200):
+        state = ls.adjust(state, torch.tensor(True))
+        ours.append(float(state.scale))
+        flags.append(bool(loss_scale_collapsed(state)))
+    assert ours == reference  # the documented rule is PyTorch's, collapse included
+    first_zero = reference.index(0.0)
+    assert 160 <= first_zero <= 170  # "about 165 overflows" in the docs
+    assert flags == [s < TINY for s in reference]  # below 2**-126, not only at 0.0
+    assert flags.index(True) < first_zero
+
+
+def test_a_floor_never_collapses() -> None:
+    ls = dynamic_loss_scale(min_scale=1.0, hysteresis=2)
+    state = ls.init()
+    for _ in range(1000):
+        state = ls.adjust(state, torch.tensor(True))
+    assert float(state.scale) == 1.0 and not bool(loss_scale_collapsed(state))
+
+
+def _overflowing_facade(loss_scale: Any) -> tuple[MixedPrecisionOptimizer, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    opt = MixedPrecisionOptimizer(model.named_parameters(), functopt.adamw(1e-3),
+                                  loss_scale=loss_scale)
+    return opt, list(model.parameters())
+
+
+def _overflow_step(opt: MixedPrecisionOptimizer, params: list[torch.Tensor]) -> bool:
+    for p in params:
+        p.grad = torch.full_like(p, math.inf)
+    return opt.step()
+
+
+def test_facade_warns_once_the_scale_collapses_pointing_at_the_callers_step() -> None:
+    opt, params = _overflowing_facade(dynamic_loss_scale())
+    before = [p.detach().clone() for p in params]
+    collapse_at = [s < TINY for s in _torch_scale_trace(200)].index(True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(collapse_at):
+            assert not _overflow_step(opt, params)
+    assert caught == []  # a scale of 2**-126 and above: no warning
+    with pytest.warns(LossScaleWarning, match=r"collapsed to .* every step is being skipped"
+                      ) as record:
+        assert not _overflow_step(opt, params)
+    assert record[0].filename == __file__  # stacklevel: the caller's opt.step()
+    for p, b in zip(params, before, strict=True):
+        assert torch.equal(p, b)
+
+
+@pytest.mark.parametrize(
+    "rule", [dynamic_loss_scale(min_scale=1.0, hysteresis=2), static_loss_scale(2.0**10)],
+    ids=["megatron", "static"])
+def test_facade_with_a_floor_or_static_scale_never_warns(rule) -> None:
+    opt, params = _overflowing_facade(rule)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(300):
+            assert not _overflow_step(opt, params)
+    assert opt.loss_scale == (1.0 if rule.dynamic else 2.0**10)
+
+
+def test_collapse_message_is_a_named_constant_with_the_fix() -> None:
+    text = loss_scale_module.LOSS_SCALE_COLLAPSED.format(scale=0.0, floor=TINY)
+    assert "collapsed to 0.0" in text and "min_scale=1.0" in text and "inf or nan" in text
+
+
+@pytest.mark.parametrize(
+    ("rule", "final"),
+    [(dynamic_loss_scale(), 0.0), (dynamic_loss_scale(hysteresis=2, min_scale=1.0), 1.0),
+     (static_loss_scale(128.0), 128.0)],
+    ids=["pytorch", "megatron", "static"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "pure"])
+def test_overflow_soak_1000_steps_leaves_no_nan_and_the_documented_scale(rule, final, fused
+                                                                           ) -> None:
+    params = {"w": torch.randn(4, 3).bfloat16(), "b": torch.zeros(3, dtype=torch.float16)}
+    step = mixed_precision(functopt.adamw(1e-3), loss_scale=rule, fused=fused)
+    state = step.init(params)
+    start = [x.clone() for x in _leaves(params)]
+    gen = torch.Generator().manual_seed(0)
+    current = params
+    for i in range(1000):
+        grads = {k: torch.randn(v.shape, generator=gen).to(v.dtype) for k, v in params.items()}
+        grads["w" if i % 2 else "b"].view(-1)[i % 3] = math.nan if i % 3 else math.inf
+        current, state = step.step(grads, state, current)
+    for x, y in zip(_leaves(current), start, strict=True):
+        assert torch.equal(x, y)  # every step skipped: params bitwise unchanged
+    assert float(state.loss_scale.scale) == final
+    for leaf in _leaves(state._replace(metrics=None)):
+        if leaf.is_floating_point():
+            assert bool(torch.isfinite(leaf).all())  # no nan or inf in any state leaf
+
+
+# ------------------------------------------------------- a state from another transform
+
+def _p() -> dict[str, torch.Tensor]:
+    return {"w": torch.zeros(3), "b": torch.zeros(2)}
+
+
+def _g() -> dict[str, torch.Tensor]:
+    return {"w": torch.ones(3), "b": torch.ones(2)}
+
+
+@pytest.mark.parametrize(
+    ("tx", "other", "owner", "expected", "got"),
+    [
+        (functopt.lion(0.1), functopt.adamw(0.1), "scale_by_lion", "ScaleByLionState",
+         "a ScaleByAdamState (fields count, mu, nu)"),  # same field names, once misread
+        (functopt.adam(0.1), functopt.sgd(0.1), "scale_by_adam", "ScaleByAdamState",
+         "an EmptyState"),  # once an AttributeError
+        (functopt.sgd(0.1, momentum=0.9), functopt.adam(0.1), "trace", "TraceState",
+         "a ScaleByAdamState"),
+        (functopt.sgd(0.1), functopt.adam(0.1), "identity", "EmptyState", "a ScaleByAdamState"),
+        (functopt.apply_if_finite(functopt.sgd(0.1), 2), functopt.sgd(0.1),
+         "apply_if_finite", "ApplyIfFiniteState", "a tuple of 2"),
+        (functopt.contrib.muon(0.1), functopt.adamw(0.1), "partition", "PartitionState",
+         "a tuple of 3"),  # muon partitions matrices from the rest
+    ],
+    ids=["lion-adamw", "adam-sgd", "momentum-adam", "sgd-adam", "apply_if_finite", "muon"])
+def test_a_state_from_another_transform_is_refused_by_its_type(tx, other, owner, expected, got
+                                                                ) -> None:
+    from functopt.transforms import _common
+
+    foreign = other.init(_p())
+    with pytest.raises(TypeError) as info:
+        tx.update(_g(), foreign, _p())
+    message = str(info.value)
+    assert message.startswith(f"{owner}: state must be the {expected}")
+    assert got in message and "Fix: pass the state returned by this transform's init" in message
+    prefix = _common.STATE_TYPE_MISMATCH.split("{")[1]  # the named constant's text
+    assert prefix.startswith("owner}")
+    tx.update(_g(), tx.init(_p()), _p())  # its own state still works
+
+
+def test_wrong_state_types_are_type_errors_and_wrong_structures_value_errors() -> None:
+    tx = functopt.chain(functopt.scale(1.0), functopt.scale(2.0))
+    with pytest.raises(TypeError, match="expects a tuple of 2 states, got a dict"):
+        tx.update([torch.ones(1)], {})
+    with pytest.raises(ValueError, match="got a tuple of length 3"):
+        tx.update([torch.ones(1)], ((), (), ()))
+    adam = functopt.adam(0.1)
+    state = adam.init({"w": torch.zeros(3)})
+    with pytest.raises(ValueError, match="structure"):
+        adam.update(_g(), state, _p())  # the right type, another tree: ValueError
+
+
+# ---------------------------------------------- grads that do not match the params given
+
+@pytest.mark.parametrize("make", [lambda: functopt.sgd(0.1), lambda: functopt.sgd(
+    functopt.schedules.constant_schedule(0.1)), lambda: functopt.sign_sgd(0.1)],
+    ids=["sgd", "sgd-schedule", "sign_sgd"])
+def test_stateless_recipe_refuses_grads_with_an_extra_leaf(make) -> None:
+    tx = make()
+    params = _p()
+    state = tx.init(params)
+    grads = dict(_g(), extra=torch.ones(1))
+    with pytest.raises(ValueError, match=r"params does not have the structure of updates .*"
+                                         r"'extra'"):
+        tx.update(grads, state, params)
+    missing = {"w": torch.ones(3)}
+    with pytest.raises(ValueError, match=r"params does not have the structure of updates"):
+        tx.update(missing, state, params)
+    tx.update(_g(), state, params)  # matching trees still pass
+    tx.update(grads, state)  # no params given: nothing to compare
+
+
+# --------------------------------------------------------- what a schedule may return
+
+@pytest.mark.parametrize(
+    ("value", "got"),
+    [(lambda c: torch.full((3,), 0.1), r"a torch.float32 tensor of shape \(3,\)"),
+     (lambda c: "0.1", r"str '0.1'"),
+     (lambda c: torch.tensor(True), r"a torch.bool tensor of shape \(\)"),
+     (lambda c: None, r"NoneType None")],
+    ids=["shape-3", "str", "bool", "none"])
+@pytest.mark.parametrize(
+    ("make", "owner"),
+    [(lambda s: functopt.sgd(s), "scale_by_learning_rate"),
+     (lambda s: functopt.adamw(0.1, weight_decay=s), "add_decayed_weights"),
+     (lambda s: functopt.scale_by_schedule(s), "scale_by_schedule")],
+    ids=["learning_rate", "weight_decay", "scale_by_schedule"])
+def test_a_schedule_returning_no_scalar_is_named(value, got, make, owner) -> None:
+    tx = make(value)
+    params = _p()
+    with pytest.raises(TypeError, match=rf"^{owner}: the schedule passed as \w+ \(.*<lambda>\) "
+                                        rf"returned {got}; expected a Python number"):
+        tx.update(_g(), tx.init(params), params)
+
+
+def test_a_schedule_that_goes_bad_later_is_named_under_inject_hyperparams() -> None:
+    tx = functopt.inject_hyperparams(functopt.adam)(
+        learning_rate=lambda c: torch.where(c < 1, 0.1, 0.2) if True else None)
+    params = _p()
+    state = tx.init(params)
+    tx.update(_g(), state, params)  # a 0-d tensor: fine
+    bad = functopt.inject_hyperparams(functopt.adam)(
+        learning_rate=lambda c: 0.1 if int(c) < 1 else torch.ones(3))
+    state = bad.init(params)
+    _, state = bad.update(_g(), state, params)
+    with pytest.raises(TypeError, match=r"inject_hyperparams\(adam\): the schedule passed as "
+                                        r"'learning_rate' .* shape \(3,\)"):
+        bad.update(_g(), state, params)
+
+
+# ------------------------------------------------- torch.load(weights_only=True) of states
+
+def _every_state(params: dict[str, torch.Tensor]) -> dict[str, Any]:
+    tx = functopt.chain(
+        functopt.masked(functopt.clip_by_global_norm(1.0), {"w": True, "b": False}),
+        functopt.inject_hyperparams(functopt.adamw)(learning_rate=1e-3),
+        functopt.apply_if_finite(functopt.lion(1e-4), 3))
+    low = {k: v.bfloat16() for k, v in params.items()}
+    return {
+        "chain": tx.init(params),
+        "multi": functopt.MultiSteps(functopt.adam(0.1), 2).init(params),
+        "partition": functopt.partition({"a": functopt.sgd(0.1, momentum=0.9),
+                                         "b": functopt.adafactor(0.1)},
+                                        {"w": "a", "b": "b"}).init(params),
+        "mixed": mixed_precision(functopt.adamw(0.1), loss_scale=dynamic_loss_scale()).init(low),
+        "contrib": (functopt.contrib.muon(0.1).init(params),
+                    functopt.contrib.schedule_free_adamw(0.1).init(params)),
+    }
+
+
+def test_states_load_with_weights_only_inside_safe_globals() -> None:
+    import io
+    import pickle
+
+    state = _every_state(_p())
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        torch.load(buffer)  # PyTorch's default refuses the state classes
+    buffer.seek(0)
+    with functopt.safe_globals():
+        loaded = torch.load(buffer)
+    assert functopt.tree.structure(loaded) == functopt.tree.structure(state)
+    for a, b in zip(functopt.tree.flatten(loaded)[0], functopt.tree.flatten(state)[0],
+                    strict=True):
+        assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b))
+    buffer.seek(0)
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(buffer)  # allowed for the block only: no global mode
+
+
+def test_state_classes_cover_every_namedtuple_the_package_defines() -> None:
+    import ast
+    from pathlib import Path
+
+    package = Path(functopt.__file__).parent
+    defined = set()
+    for path in package.rglob("*.py"):
+        if "testing" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                    getattr(base, "id", None) == "NamedTuple" for base in node.bases):
+                defined.add(node.name)
+    listed = {cls.__name__ for cls in functopt.state_classes()}
+    assert {name for name in defined if name.endswith("State")} <= listed
+    assert len(defined - listed) == 0, defined - listed
+
+
+# ------------------------------------------------------------- pickling functopt.Optimizer
+
+def test_pickling_a_functopt_optimizer_says_why_and_what_to_do_deepcopy_works() -> None:
+    import copy
+    import pickle
+
+    from functopt.adapters import optimizer as optimizer_module
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = functopt.Optimizer(model.parameters(), functopt.adamw(1e-2))
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    with pytest.raises(TypeError) as info:
+        pickle.dumps(opt)
+    message = str(info.value)
+    assert message.startswith("functopt.Optimizer cannot be pickled")
+    assert "Can't pickle local object" in message and "state_dict()" in message
+    assert optimizer_module.OPTIMIZER_NOT_PICKLABLE.split("{")[0] in message
+    twin = copy.deepcopy(opt)  # an in-process copy still works, and steps alike
+    twin_params = list(twin.param_groups[0]["params"])
+    assert all(p is not q for p, q in zip(twin_params, model.parameters(), strict=True))
+    for p in twin_params:
+        p.grad = torch.ones_like(p)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    twin.step()
+    for p, q in zip(twin_params, model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+# ------------------------------------------- a facade checkpoint under another loss-scale rule
+
+def _facade(rule: Any) -> MixedPrecisionOptimizer:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    return MixedPrecisionOptimizer(model.named_parameters(), functopt.sgd(0.1), loss_scale=rule)
+
+
+@pytest.mark.parametrize(
+    ("saved", "loaded", "words"),
+    [(dynamic_loss_scale(), None, "saved with dynamic_loss_scale(init_scale=65536.0"),
+     (None, dynamic_loss_scale(), "saved with no loss scale (loss_scale=None)"),
+     (dynamic_loss_scale(), dynamic_loss_scale(hysteresis=2, min_scale=1.0), "hysteresis=1"),
+     (static_loss_scale(128.0), static_loss_scale(256.0), "static_loss_scale(init_scale=128.0)"),
+     (static_loss_scale(128.0), dynamic_loss_scale(), "this optimizer has dynamic_loss_scale")],
+    ids=["fp16-to-bf16", "none-to-dynamic", "pytorch-to-megatron", "static-128-256",
+         "static-to-dynamic"])
+def test_facade_refuses_a_checkpoint_of_another_loss_scale_rule(saved, loaded, words) -> None:
+    from functopt.adapters import mixed_precision_optimizer as facade_module
+
+    state_dict = _facade(saved).state_dict()
+    target = _facade(loaded)
+    before = [p.detach().clone() for p in target._params]
+    with pytest.raises(ValueError, match=r"^MixedPrecisionOptimizer.load_state_dict: the "
+                                         r"checkpoint was saved with ") as info:
+        target.load_state_dict(state_dict)
+    assert words in str(info.value)
+    assert facade_module.LOSS_SCALE_RULE_MISMATCH.split("{")[0] in str(info.value)
+    for p, b in zip(target._params, before, strict=True):
+        assert torch.equal(p, b)  # nothing loaded
+
+
+def test_facade_checkpoint_loads_under_the_same_rule_and_a_deliberate_switch_works() -> None:
+    source = _facade(dynamic_loss_scale())
+    for p in source._params:
+        p.grad = torch.ones_like(p)
+    assert source.step()
+    state_dict = source.state_dict()
+    same = _facade(dynamic_loss_scale(init_scale=8.0))  # the initial scale is not the rule
+    same.load_state_dict(state_dict)
+    assert same.loss_scale == 2.0**16
+    for p, q in zip(same._params, source._params, strict=True):
+        assert torch.equal(p, q)
+    # Switching rules on purpose (the fix the message gives): this optimizer's own entries.
+    bf16 = _facade(None)
+    own = bf16.state_dict()
+    switched = dict(state_dict, loss_scale=own["loss_scale"],
+                    loss_scale_rule=own["loss_scale_rule"])
+    bf16.load_state_dict(switched)
+    assert bf16.loss_scale == 1.0
+    for p in bf16._params:
+        p.grad = torch.ones_like(p)
+    before = [p.detach().float().clone() for p in bf16._params]
+    assert bf16.step()
+    for p, b in zip(bf16._params, before, strict=True):
+        # An SGD step of lr * grad = 0.1, not 0.1 * 65536.
+        torch.testing.assert_close(p.float(), b - 0.1, rtol=0, atol=2e-2)
+    legacy = {k: v for k, v in state_dict.items() if k != "loss_scale_rule"}
+    _facade(dynamic_loss_scale()).load_state_dict(legacy)  # older checkpoints: unchecked
