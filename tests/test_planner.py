@@ -353,3 +353,29 @@ def test_a_param_whose_data_is_replaced_is_checked_again() -> None:
     with torch.no_grad(), pytest.warns(FastPathWarning, match="one dtype per leaf"):
         new, _ = step(grads, state, params)
     assert new["weight"].dtype == torch.float64
+
+
+@pytest.mark.parametrize("magnitude", [1e20, 1e30, 1e37])
+def test_huge_finite_grads_are_clipped_like_the_pure_path(magnitude: float) -> None:
+    """A float32 sum of squares overflows above a norm of about 1.8e19: the pure clip
+    measures such leaves again in float64 (and scales in float64 beyond float32's range);
+    the fused step does the same instead of clipping to nan (or dividing to zero)."""
+    tx = functopt.chain(functopt.clip_by_global_norm(1.0), functopt.adamw(1e-2, weight_decay=0.1))
+    gen = torch.Generator().manual_seed(5)
+    params = {"w": torch.randn(50, 40, generator=gen), "b": torch.randn(40, generator=gen)}
+    grads = {k: torch.randn(v.shape, generator=gen) * magnitude for k, v in params.items()}
+    state = tx.init(params)
+    want, _ = _pure(tx, grads, state, params)
+    with torch.no_grad():
+        got, _ = make_step(tx)(grads, state, params)
+    for k in params:
+        assert torch.isfinite(got[k]).all(), k
+        torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-6)
+
+
+def test_a_schedule_returning_a_vector_is_refused_on_the_fast_path_too() -> None:
+    tx = functopt.adamw(lambda count: torch.ones(3) * 1e-3)
+    params = {"w": torch.zeros(3)}
+    state = tx.init(params)
+    with torch.no_grad(), pytest.raises(TypeError, match="schedule"):
+        make_step(tx)({"w": torch.ones(3)}, state, params)

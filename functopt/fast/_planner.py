@@ -69,6 +69,7 @@ from functopt._spec import (
 )
 from functopt.transforms import _common
 from functopt.tree import _core
+from functopt.tree._ops import _safe_norm
 
 __all__ = ["Lowered", "Structure", "lower", "match", "run", "walk"]
 
@@ -113,9 +114,13 @@ class _Scheduled:
 
     schedule: Callable[[Any], Any]
     count: int
+    owner: str = "schedule"  # the transform and argument, for the error of a bad value
+    arg: str = "schedule"
 
     def __call__(self, env: _Env) -> Any:
-        return self.schedule(env.leaves[self.count])
+        # checked as the pure path checks it: a number or a 0-d tensor
+        return _common.schedule_value(self.owner, self.arg, self.schedule,
+                                      env.leaves[self.count])
 
     def __repr__(self) -> str:
         return "schedule(count)"
@@ -360,14 +365,14 @@ class _Walk:
             args["step_size"] = self.bind(hyper["step_size"])
         elif kind == "scale_by_schedule":
             count = idx.count
-            args["step_size"] = _Scheduled(hyper["step_size_fn"], count)
+            args["step_size"] = _Scheduled(hyper["step_size_fn"], count, kind, "step_size_fn")
         elif kind in ("scale_by_learning_rate", "add_decayed_weights"):
             # a number, a 0-d tensor (maybe injected) or a schedule of the rule's own count
             name = "learning_rate" if kind == "scale_by_learning_rate" else "weight_decay"
             value = hyper[name]
             if callable(value) and not isinstance(value, torch.Tensor):
                 count = idx.count
-                args[name] = _Scheduled(value, count)
+                args[name] = _Scheduled(value, count, kind, name)
             else:
                 args[name] = self.bind(value)
             if kind == "scale_by_learning_rate":
@@ -660,7 +665,8 @@ def clip_sums(structure: Structure, grads: list[Any], name: Callable[[int], str]
         return []
     counted = [g is not None and _counted_here(g, functools.partial(name, i))
                for i, g in enumerate(grads)]
-    sq = leaf_squares([None if g is None else local_tensor(g) for g in grads], counted, None)
+    sq = leaf_squares([None if g is None else local_tensor(g) for g in grads], counted, None,
+                      rescue=True)
     out = []
     for leaves in structure.clips:
         parts = [sq[i] for i in leaves if sq[i] is not None]
@@ -700,10 +706,15 @@ def nonfinite_counts(structure: Structure, grads: list[Any], name: Callable[[int
 
 
 def leaf_squares(tensors: list[Any], counted: list[bool],
-                 multiplier: torch.Tensor | None) -> list[Any]:
+                 multiplier: torch.Tensor | None, *, rescue: bool = False) -> list[Any]:
     """Each counted tensor's squared L2 norm (times ``multiplier``, applied to the norm in
     its accumulation precision) as a 0-d float64 tensor, None elsewhere; accumulated like
-    ``tree._ops._sum_of_squares`` (float32, float64 for float64 tensors)."""
+    ``tree._ops._sum_of_squares`` (float32, float64 for float64 tensors).
+
+    ``rescue``: where a float32 norm overflowed although the leaf is finite, measure it
+    again in float64, as ``clip_by_global_norm``'s pure path does (on the CPU, where the
+    check is a free host read; elsewhere the overflow stays inf: the step then clips to
+    nan, as the mixed step counts such a norm as an overflow)."""
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, (t, c) in enumerate(zip(tensors, counted, strict=True)):
         if c and t is not None:
@@ -716,18 +727,30 @@ def leaf_squares(tensors: list[Any], counted: list[bool],
         if multiplier is not None:
             norms = norms * multiplier.to(device=where, dtype=acc)
         squares = norms.to(torch.float64) ** 2
+        if rescue and where.type == "cpu" and bool(torch.isinf(norms).any()):
+            for j, i in enumerate(idx):
+                if bool(torch.isinf(norms[j])):
+                    wide = _safe_norm(tensors[i])
+                    if bool(torch.isfinite(wide)):
+                        squares[j] = wide ** 2
         for j, i in enumerate(idx):
             out[i] = squares[j]
     return out
 
 
 def _clip_multiplier(sumsq: torch.Tensor, max_norm: Any, acc: torch.dtype) -> torch.Tensor:
-    """clip_by_global_norm's factor from a (global) sum of squares, in the norm's dtype."""
-    norm = torch.sqrt(sumsq).to(acc)
+    """clip_by_global_norm's factor from a (global) sum of squares, in the norm's dtype (in
+    float64 for a norm beyond the norm dtype's range, as the pure path scales then)."""
+    wide = torch.sqrt(sumsq)
+    norm = wide.to(acc)
     bound = torch.as_tensor(max_norm, dtype=acc, device=norm.device)
     factor = torch.where(norm < bound, torch.ones_like(norm),
-                         bound / torch.clamp(norm, min=bound))
-    return torch.where(torch.isfinite(norm), factor, torch.nan)
+                         bound / torch.clamp(norm, min=bound)).to(torch.float64)
+    if acc != torch.float64:
+        bound64 = torch.as_tensor(max_norm, dtype=torch.float64, device=norm.device)
+        factor = torch.where(torch.isinf(norm) & torch.isfinite(wide),
+                             bound64 / torch.clamp(wide, min=bound64), factor)
+    return torch.where(torch.isfinite(wide), factor, torch.nan)
 
 
 def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: list[Any], *,
@@ -896,6 +919,13 @@ def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[
     if scale is not None and dtype == torch.float64:
         # the kernels take grad_scale in float32: a float64 group is unscaled here
         torch._foreach_mul_(g, scale.to(device=device, dtype=torch.float64))
+        grad_scale = None
+    elif (grad_scale is not None and grad_scale.device.type == "cpu"
+          and not bool(torch.isfinite(grad_scale)) and bool(torch.isfinite(scale))):
+        # a divisor beyond float32 (a clip of a norm above 3.4e38): multiply by the factor
+        # in the gradients' dtype, as the pure path's scaling does (a free host read on the
+        # CPU; elsewhere such a norm divides the gradients to zero)
+        torch._foreach_mul_(g, scale.to(device=device, dtype=dtype))
         grad_scale = None
     flag = None if found_inf is None else found_inf.to(device=device, dtype=torch.float32)  # 1.0: skip
     lr_value = hp["lr"]
