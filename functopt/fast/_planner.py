@@ -920,7 +920,7 @@ def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[
         # the kernels take grad_scale in float32: a float64 group is unscaled here
         torch._foreach_mul_(g, scale.to(device=device, dtype=torch.float64))
         grad_scale = None
-    elif (grad_scale is not None and grad_scale.device.type == "cpu"
+    elif (scale is not None and grad_scale is not None and grad_scale.device.type == "cpu"
           and not bool(torch.isfinite(grad_scale)) and bool(torch.isfinite(scale))):
         # a divisor beyond float32 (a clip of a norm above 3.4e38): multiply by the factor
         # in the gradients' dtype, as the pure path's scaling does (a free host read on the
