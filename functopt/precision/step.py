@@ -162,43 +162,7 @@ def select_tree(found_inf: torch.Tensor, old: Any, new: Any, *, name: str = "sta
         >>> select_tree(torch.tensor(True), old, new), select_tree(torch.tensor(False), old, new)
         ({'m': tensor([1.]), 'c': None}, {'m': tensor([2.]), 'c': None})
     """
-    old_leaves, treespec = _core.flatten(old)
-    new_leaves = _core.flatten_like(treespec, new, name=f"new {name}", reference=f"old {name}")
-    cond = _OnDevice(found_inf)
-    out = []
-    for i, (o, n) in enumerate(zip(old_leaves, new_leaves, strict=True)):
-        if n is o:
-            out.append(o)
-            continue
-        if not (isinstance(o, torch.Tensor) and isinstance(n, torch.Tensor)):
-            raise TypeError(
-                f"select_tree: {name} leaf {_core.paths(treespec)[i]!r} went from "
-                f"{_core._describe(o)} to {_core._describe(n)}; expected a tensor on both "
-                f"sides (or the same object, such as None). Fix: keep every value that changes "
-                f"from step to step in a tensor, so that a skipped step can restore it without "
-                f"reading it on the host."
-            )
-        if n.shape != o.shape:
-            raise ValueError(
-                f"select_tree: {name} leaf {_core.paths(treespec)[i]!r} changed shape from "
-                f"{tuple(o.shape)} to {tuple(n.shape)}; a skipped step must restore the old "
-                f"value. Fix: keep the shapes of a state fixed from step to step."
-            )
-        out.append(torch.where(cond.on(o.device), o, n.to(o.dtype)))
-    return _core.unflatten(treespec, out)
-
-
-class _OnDevice:
-    """A 0-d condition, moved once to each device it is needed on."""
-
-    def __init__(self, cond: torch.Tensor) -> None:
-        self._by_device = {cond.device: cond}
-        self._cond = cond
-
-    def on(self, device: torch.device) -> torch.Tensor:
-        if device not in self._by_device:
-            self._by_device[device] = self._cond.to(device)
-        return self._by_device[device]
+    return _common.select_tree(found_inf, old, new, owner="select_tree", name=name)
 
 
 def _zero_metrics(device: torch.device) -> StepMetrics:
@@ -459,7 +423,7 @@ def mixed_precision(
             generator = torch.Generator(device=_first_device(param_leaves))
             generator.manual_seed(int(state.key))  # a CPU tensor: no device sync
         found = stats.found_inf
-        cond = _OnDevice(found)
+        cond = _common.OnDevice(found)
         new_params: list[Any] = []
         new_store: list[Any] = []
         for i, (p, s, v, u) in enumerate(

@@ -262,3 +262,48 @@ def map_with_state(
         for out, value in zip(outputs, results, strict=True):
             out.append(value)
     return tuple(outputs)
+
+
+class OnDevice:
+    """A 0-d condition, moved once to each device it is needed on."""
+
+    def __init__(self, cond: torch.Tensor) -> None:
+        self._by_device = {cond.device: cond}
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        if device not in self._by_device:
+            self._by_device[device] = next(iter(self._by_device.values())).to(device)
+        return self._by_device[device]
+
+
+def select_tree(keep_old: torch.Tensor, old: Any, new: Any, *, owner: str, name: str) -> Any:
+    """Leaf by leaf, ``old`` where ``keep_old`` (a 0-d bool) is true and ``new`` elsewhere:
+    the one skip selection of functopt (``apply_if_finite``'s inner state, the
+    mixed-precision step's), bitwise the old leaf when kept, in the old leaf's dtype.
+    A leaf that is the same object on both sides is kept as it is; a leaf that changes
+    must be a tensor of fixed shape on both sides (``owner`` and ``name`` word the errors).
+    """
+    old_leaves, treespec = _core.flatten(old)
+    new_leaves = _core.flatten_like(treespec, new, name=f"new {name}", reference=f"old {name}")
+    cond = OnDevice(keep_old)
+    out = []
+    for i, (o, n) in enumerate(zip(old_leaves, new_leaves, strict=True)):
+        if n is o:
+            out.append(o)  # unchanged leaves (None, constants) need no select
+            continue
+        if not (isinstance(o, torch.Tensor) and isinstance(n, torch.Tensor)):
+            raise TypeError(
+                f"{owner}: {name} leaf {_core.paths(treespec)[i]!r} went from "
+                f"{_core._describe(o)} to {_core._describe(n)}; expected a tensor on both "
+                f"sides (or the same object, such as None). Fix: keep every value that changes "
+                f"from step to step in a tensor, so that a skipped step can restore it without "
+                f"reading it on the host."
+            )
+        if n.shape != o.shape:
+            raise ValueError(
+                f"{owner}: {name} leaf {_core.paths(treespec)[i]!r} changed shape from "
+                f"{tuple(o.shape)} to {tuple(n.shape)}; a skipped step must restore the old "
+                f"value. Fix: keep the shapes of a state fixed from step to step."
+            )
+        out.append(torch.where(cond.on(o.device), o, n.to(o.dtype)))
+    return _core.unflatten(treespec, out)

@@ -70,48 +70,6 @@ def _all_finite_sharded(leaves: list[Any], treespec: _core.TreeSpec,
     return (all_reduce_stats(packed, group)[0] == 0).to(device)
 
 
-class _Selector:
-    """``torch.where(apply, new, old)`` with the condition moved once per device."""
-
-    def __init__(self, apply: torch.Tensor) -> None:
-        self._by_device = {apply.device: apply}
-
-    def cond(self, device: torch.device) -> torch.Tensor:
-        if device not in self._by_device:
-            self._by_device[device] = next(iter(self._by_device.values())).to(device)
-        return self._by_device[device]
-
-
-def _select_state(selector: _Selector, new: State, old: State) -> State:
-    """Leaf by leaf, the new inner state where the step is applied and the old one elsewhere."""
-    old_leaves, treespec = _core.flatten(old)
-    new_leaves = _core.flatten_like(
-        treespec, new, name="the inner transform's new state", reference="its old state"
-    )
-    out = []
-    for i, (o, n) in enumerate(zip(old_leaves, new_leaves, strict=True)):
-        if n is o:
-            out.append(o)  # unchanged leaves (None, constants) need no select
-            continue
-        if not (isinstance(o, torch.Tensor) and isinstance(n, torch.Tensor)):
-            where = _core.paths(treespec)[i]
-            raise TypeError(
-                f"apply_if_finite: inner state leaf {where!r} went from {_core._describe(o)} to "
-                f"{_core._describe(n)}; expected tensors (or the same object, such as None). "
-                f"Fix: keep every changing value of the inner state in a tensor, so that a "
-                f"skipped step can restore it without reading it on the host."
-            )
-        if n.shape != o.shape:
-            where = _core.paths(treespec)[i]
-            raise ValueError(
-                f"apply_if_finite: inner state leaf {where!r} changed shape from "
-                f"{tuple(o.shape)} to {tuple(n.shape)}; a skipped step must restore it. "
-                f"Fix: keep the inner state's shapes fixed from step to step."
-            )
-        out.append(torch.where(selector.cond(o.device), n.to(o.dtype), o))
-    return _core.unflatten(treespec, out)
-
-
 def apply_if_finite(
     inner: GradientTransformation, max_consecutive_errors: int
 ) -> GradientTransformation:
@@ -208,21 +166,22 @@ def apply_if_finite(
         new_updates, new_inner_state = inner.update(
             updates, state.inner_state, params, **extra_args
         )
-        selector = _Selector(apply)
+        applied = _common.OnDevice(apply)
         out_leaves = _core.flatten_like(
             treespec, new_updates, name="the inner transform's updates", reference="updates"
         )
         # A scalar 0 keeps each leaf's dtype, and where() never lets a nan of the rejected
         # side through.
         out = [
-            None if u is None else torch.where(selector.cond(u.device), u, 0)
+            None if u is None else torch.where(applied.on(u.device), u, 0)
             for u in out_leaves
         ]
         return _core.unflatten(treespec, out), ApplyIfFiniteState(
             notfinite_count=notfinite_count,
             last_finite=finite,
             total_notfinite=total_notfinite,
-            inner_state=_select_state(selector, new_inner_state, state.inner_state),
+            inner_state=_common.select_tree(~apply, state.inner_state, new_inner_state,
+                                            owner="apply_if_finite", name="inner state"),
         )
 
     return specified(GradientTransformation(init_fn, update_fn),
