@@ -574,3 +574,66 @@ def test_partitioned_state_round_trip_and_empty_group():
         _loss(ps).backward()
         o.step()
     assert all(torch.equal(p, q) for p, q in zip(params, twin_params, strict=True))
+
+
+# --- schedule-free: train / eval -----------------------------------------------------------
+
+
+def _schedule_free_run(switch_at: int | None,
+                       ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).double()
+    opt = Optimizer(model.parameters(), functopt.contrib.schedule_free_adamw(0.05), fused=False)
+    x = torch.randn(16, 4, dtype=torch.float64)
+    evals = None
+    for t in range(8):
+        if t == switch_at:
+            before = [p.detach().clone() for p in model.parameters()]
+            opt.eval()
+            opt.eval()  # a no-op the second time
+            evals = [p.detach().clone() for p in model.parameters()]
+            with pytest.raises(RuntimeError, match=r"call optimizer.train\(\) before"):
+                opt.step()
+            opt.train()
+            assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before,
+                                                         strict=True))
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], evals
+
+
+def test_schedule_free_eval_moves_to_x_and_train_restores_bitwise() -> None:
+    """eval() puts schedule_free_eval_params(state, y) in the params; train() restores y
+    bitwise, and training continues exactly as without the switch."""
+    plain, _ = _schedule_free_run(None)
+    switched, evals = _schedule_free_run(4)
+    assert all(torch.equal(a, b) for a, b in zip(plain, switched, strict=True))
+    # the evaluation point is the averaged iterate, away from the training params
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).double()
+    tx = functopt.contrib.schedule_free_adamw(0.05)
+    params = dict(model.named_parameters())
+    state = tx.init({k: p.detach() for k, p in params.items()})
+    x = torch.randn(16, 4, dtype=torch.float64)
+    for _ in range(4):
+        loss = model(x).pow(2).mean()
+        grads = dict(zip(params, torch.autograd.grad(loss, list(params.values())),
+                         strict=True))
+        updates, state = tx.update(grads, state, {k: p.detach() for k, p in params.items()})
+        with torch.no_grad():
+            for k, p in params.items():
+                p.add_(updates[k])
+    want = functopt.contrib.schedule_free_eval_params(
+        state, {k: p.detach() for k, p in params.items()})
+    assert evals is not None
+    assert all(torch.allclose(e, want[k], rtol=1e-12, atol=1e-15)
+               for e, k in zip(evals, ["weight", "bias"], strict=True))
+    assert not torch.equal(evals[0], params["weight"])
+
+
+def test_eval_without_schedule_free_is_a_clear_error() -> None:
+    opt = Optimizer([torch.nn.Parameter(torch.zeros(2))], functopt.adamw(1e-3))
+    with pytest.raises(TypeError, match="0 schedule_free stages"):
+        opt.eval()
+    opt.train()  # in train mode already: nothing to do

@@ -264,6 +264,10 @@ class Optimizer(torch.optim.Optimizer):
         2
     """
 
+    # the training params kept by eval() (schedule-free), restored by train(); None in
+    # train mode
+    _train_params: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -496,6 +500,10 @@ class Optimizer(torch.optim.Optimizer):
         Returns:
             The closure's return value (the loss), or None.
         """
+        if self._train_params is not None:
+            raise RuntimeError(
+                "functopt.Optimizer.step: the params hold the schedule-free evaluation point "
+                "(after optimizer.eval()). Fix: call optimizer.train() before training again.")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -505,6 +513,63 @@ class Optimizer(torch.optim.Optimizer):
                 self._step_group(index, group)
         self._state_shared = False
         return loss
+
+    # -- schedule-free: train / eval ------------------------------------------------------
+
+    def eval(self) -> None:
+        """Move the params to the schedule-free evaluation point, as the schedulefree
+        package's optimizers do: ``x = (y - (1 - b1) z) / b1``
+        ([`schedule_free_eval_params`][functopt.contrib.schedule_free_eval_params]), the
+        averaged iterate where the model is evaluated. The training params are kept, so
+        [`train`][functopt.Optimizer.train] restores them bitwise and training continues
+        exactly as if ``eval()`` had not been called. A no-op when already in eval mode.
+
+        Save checkpoints to resume from in train mode (the params of a model saved in eval
+        mode are ``x``, not the training iterate).
+
+        Raises:
+            TypeError: the transform has no ``schedule_free`` stage (or has several in one
+                param group).
+        """
+        if self._train_params is not None:
+            return
+        from functopt.contrib import ScheduleFreeState, schedule_free_eval_params
+
+        points = []
+        for index, group in enumerate(self.param_groups):
+            flags = _param_groups.group_flags("functopt.Optimizer", f"param_groups[{index}]",
+                                              group)
+            if flags.frozen:
+                continue
+            plan = self._plan(index, group)
+            found = _find_states(self._gather(index, group, plan, flags), ScheduleFreeState)
+            if len(found) != 1:
+                raise TypeError(
+                    f"functopt.Optimizer.eval: param_groups[{index}]'s transform has "
+                    f"{len(found)} schedule_free stages; train()/eval() switch the params of "
+                    f"schedule-free optimizers (functopt.contrib.schedule_free_adamw, "
+                    f"schedule_free_sgd, schedule_free(...)). Fix: evaluate without eval(), "
+                    f"or use one schedule_free stage per group.")
+            points.append((group, schedule_free_eval_params(
+                found[0], self._tree(group, [p.detach() for p in group["params"]]))))
+        kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+        with torch.no_grad():
+            for group, x in points:
+                for p, value in zip(group["params"], _core.flatten(x)[0], strict=True):
+                    kept.append((p, p.detach().clone()))
+                    p.copy_(value)
+        self._train_params = kept
+
+    def train(self) -> None:
+        """Back to the training params after [`eval`][functopt.Optimizer.eval] (bitwise
+        the ones ``eval()`` left); a no-op in train mode."""
+        kept = self._train_params
+        if kept is None:
+            return
+        with torch.no_grad():
+            for p, value in kept:
+                p.copy_(value)
+        self._train_params = None
 
     def state_dict(self) -> dict[str, Any]:
         """``torch.optim.Optimizer.state_dict``: the live state tensors, not copies.
@@ -691,3 +756,16 @@ class _HeldTransform:
         except (pickle.PicklingError, AttributeError, TypeError) as error:
             raise TypeError(OPTIMIZER_NOT_PICKLABLE.format(error=error)) from None
         return (_HeldTransform, (self.transform,))
+
+
+def _find_states(tree: Any, cls: type) -> list[Any]:
+    """Every ``cls`` instance in a state tree (NamedTuples, tuples, lists, dicts)."""
+    if isinstance(tree, cls):
+        return [tree]
+    if isinstance(tree, dict):
+        children: Iterable[Any] = tree.values()
+    elif isinstance(tree, (tuple, list)):
+        children = tree
+    else:
+        return []
+    return [found for child in children for found in _find_states(child, cls)]
