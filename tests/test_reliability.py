@@ -406,3 +406,40 @@ def test_facade_checkpoint_loads_under_the_same_rule_and_a_deliberate_switch_wor
         torch.testing.assert_close(p.float(), b - 0.1, rtol=0, atol=2e-2)
     legacy = {k: v for k, v in state_dict.items() if k != "loss_scale_rule"}
     _facade(dynamic_loss_scale()).load_state_dict(legacy)  # older checkpoints: unchecked
+
+
+# --- functopt.Optimizer given torch.optim's things; sparse gradients ---------------------
+
+
+def test_optimizer_given_a_torch_optimizer_or_torch_kwargs_says_what_to_do() -> None:
+    from functopt.adapters.optimizer import NO_TRANSFORM, TORCH_OPTIMIZER
+
+    ps = [torch.nn.Parameter(torch.zeros(3))]
+    with pytest.raises(TypeError) as caught:
+        functopt.Optimizer(ps, torch.optim.AdamW)  # type: ignore[arg-type]
+    assert str(caught.value) == TORCH_OPTIMIZER.format(name="AdamW")
+    assert "functopt.optim.AdamW(params" in str(caught.value)
+    with pytest.raises(TypeError, match=r"the transform is torch\.optim's SGD"):
+        functopt.Optimizer(ps, torch.optim.SGD(ps, lr=0.1))  # type: ignore[arg-type]
+    with pytest.raises(TypeError) as caught:
+        functopt.Optimizer(ps, lr=1e-3)
+    assert str(caught.value) == NO_TRANSFORM.format(given="lr=0.001")
+    with pytest.raises(TypeError, match="got no transform"):
+        functopt.Optimizer(ps)
+
+
+@pytest.mark.parametrize("path", ["pure", "make_step", "mixed"])
+def test_sparse_gradients_are_refused_naming_the_leaf(path: str) -> None:
+    """The pure path treated a sparse gradient as dense and the fast path failed inside
+    PyTorch; both refuse it now, with the leaf and the fix."""
+    tx = functopt.adamw(1e-3)
+    params = {"emb": torch.zeros(4, 3), "b": torch.zeros(3)}
+    grads = {"emb": torch.zeros(4, 3).to_sparse(), "b": torch.ones(3)}
+    with pytest.raises(TypeError, match=r"leaf 'emb' is a torch.sparse_coo tensor.*to_dense"):
+        if path == "pure":
+            tx.update(grads, tx.init(params), params)
+        elif path == "make_step":
+            functopt.fast.make_step(tx)(grads, tx.init(params), params)
+        else:
+            mp = functopt.precision.mixed_precision(tx)
+            mp.step(grads, mp.init(params), params)

@@ -81,6 +81,22 @@ def _python_value(t: torch.Tensor) -> Any:
     return t if t.requires_grad else t.item()
 
 
+NO_TRANSFORM = (
+    "functopt.Optimizer: expected a functopt transform after the params, got {given}. "
+    "functopt.Optimizer drives a transform; torch.optim's hyperparameters (lr, betas, "
+    "weight_decay, ...) are the arguments of the transform, or of the drop-in classes. "
+    "Fix: functopt.optim.AdamW(params, lr=1e-3) (torch's names and defaults), or "
+    "functopt.Optimizer(params, functopt.inject_hyperparams(functopt.adamw)("
+    "learning_rate=1e-3)) (optax's)."
+)
+TORCH_OPTIMIZER = (
+    "functopt.Optimizer: the transform is torch.optim's {name}, not a functopt transform. "
+    "Fix: functopt.optim.{name}(params, ...) is the drop-in with torch's signature (if "
+    "functopt.optim has it), or pass the matching recipe, e.g. "
+    "functopt.Optimizer(params, functopt.adamw(1e-3))."
+)
+
+
 class _ParamGroup(dict):  # type: ignore[type-arg]
     """A param group whose missing keys raise an error that says how to get them."""
 
@@ -272,11 +288,18 @@ class Optimizer(torch.optim.Optimizer):
         self,
         params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
         | Iterable[dict[str, Any]],
-        transform: GradientTransformation,
+        transform: GradientTransformation | None = None,
         *,
         fused: bool = True,
+        **torch_kwargs: Any,
     ) -> None:
         owner = "functopt.Optimizer"
+        if transform is None or torch_kwargs:
+            given = ", ".join(f"{k}={v!r}" for k, v in torch_kwargs.items()) or "no transform"
+            raise TypeError(NO_TRANSFORM.format(given=given))
+        torch_class = transform if isinstance(transform, type) else type(transform)
+        if issubclass(torch_class, torch.optim.Optimizer):
+            raise TypeError(TORCH_OPTIMIZER.format(name=torch_class.__name__))
         self._transform = _check_transform(owner, "transform", transform)
         self._fused = bool(fused)
         self._state_shared = False  # state_dict()/load_state_dict() handed tensors over

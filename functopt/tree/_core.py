@@ -200,6 +200,14 @@ def check_tensors(
                 f"Fix: convert it with torch.as_tensor(...), or keep non-tensor values out of "
                 f"the pytree you hand to functopt."
             )
+        if leaf.layout != torch.strided:
+            where = paths(treespec)[i]
+            raise TypeError(
+                f"{name} leaf {where!r} is a {leaf.layout} tensor; functopt transforms take "
+                f"dense (strided) tensors, and would treat a sparse one as dense on one path "
+                f"and fail on another. Fix: call .to_dense() on it, or use a dense layer "
+                f"(nn.Embedding(sparse=False))."
+            )
         if floating and not leaf.is_floating_point():
             where = paths(treespec)[i]
             raise TypeError(
