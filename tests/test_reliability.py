@@ -443,3 +443,22 @@ def test_sparse_gradients_are_refused_naming_the_leaf(path: str) -> None:
         else:
             mp = functopt.precision.mixed_precision(tx)
             mp.step(grads, mp.init(params), params)
+
+
+@pytest.mark.parametrize(("make", "owner", "expected"), [
+    (lambda: functopt.scale_by_adamax(), "scale_by_adamax", "ScaleByAdamState"),
+    (lambda: functopt.scale_by_radam(), "scale_by_radam", "ScaleByAdamState"),
+    (lambda: functopt.scale_by_nadam(), "scale_by_nadam", "ScaleByNadamState"),
+    (lambda: functopt.scale_by_adadelta(), "scale_by_adadelta", "ScaleByAdaDeltaState"),
+    (lambda: functopt.scale_by_rprop(0.1), "scale_by_rprop", "ScaleByRpropState"),
+    (lambda: functopt.dampened_trace(0.9, dampening=0.1), "dampened_trace",
+     "DampenedTraceState"),
+], ids=["adamax", "radam", "nadam", "adadelta", "rprop", "dampened_trace"])
+def test_the_torch_rule_transforms_refuse_a_state_by_its_type(make, owner, expected) -> None:
+    """The transforms functopt.optim added check their state's type as every built-in
+    does (an sgd state used to reach them as an AttributeError or a misread field)."""
+    tx = make()
+    with pytest.raises(TypeError) as info:
+        tx.update(_g(), functopt.sgd(0.1).init(_p()), _p())
+    assert str(info.value).startswith(f"{owner}: state must be the {expected}")
+    tx.update(_g(), tx.init(_p()), _p())

@@ -13,7 +13,7 @@ from functopt._base import GradientTransformation, Numeric, Params, ScalarOrSche
 from functopt.contrib import _shared
 from functopt.transforms import _common
 from functopt.transforms.combining import chain
-from functopt.transforms.moments import ScaleByAdamState
+from functopt.transforms.moments import ScaleByAdamState, init_moments, moment_inputs
 from functopt.transforms.scaling import scale_by_learning_rate
 
 __all__ = ["adopt", "scale_by_adopt"]
@@ -87,23 +87,15 @@ def scale_by_adopt(
                         f"{type(clip_value_fn).__name__}. Fix: pass e.g. lambda t: t ** 0.25.")
 
     def init_fn(params: Params) -> ScaleByAdamState:
-        leaves, treespec = _common.flatten_params(params)
-        mu = [None if p is None else _common.zeros_like(p, mu_dtype) for p in leaves]
-        nu = [None if p is None else _common.zeros_like(p) for p in leaves]
-        return ScaleByAdamState(count=_common.zero_count(leaves),
-                                mu=_common.unflatten(treespec, mu),
-                                nu=_common.unflatten(treespec, nu))
+        return init_moments(params, mu_dtype)
 
     def update_fn(
         updates: Updates, state: ScaleByAdamState, params: Params | None = None,
         **extra_args: Any,
     ) -> tuple[Updates, ScaleByAdamState]:
-        _common.check_state("scale_by_adopt", state, ScaleByAdamState)
         del params, extra_args
-        grads, treespec = _common.flatten_updates(updates)
-        mus = _common.state_like(treespec, state.mu, name="state.mu")
-        nus = _common.state_like(treespec, state.nu, name="state.nu")
-        _common.check_state_present(owner, treespec, grads, mu=mus, nu=nus)
+        grads, treespec, mus, nus, _ = moment_inputs(owner, updates, state,
+                                                     ScaleByAdamState)
         started = state.count > 0
         # The first update sets nu = g^2 and keeps mu = 0: b2 -> 0 and b1 -> 1 there.
         b1_t = torch.where(started, _shared.f64(b1, state.count.device), 1.0)

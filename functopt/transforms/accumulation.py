@@ -171,6 +171,7 @@ def dampened_trace(
         updates: Updates, state: DampenedTraceState, params: Params | None = None,
         **extra_args: Any,
     ) -> tuple[Updates, DampenedTraceState]:
+        _common.check_state(owner, state, DampenedTraceState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
         traces = _common.state_like(treespec, state.trace, name="state.trace")

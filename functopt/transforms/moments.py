@@ -23,6 +23,7 @@ from functopt._base import GradientTransformation, Numeric, Params, Updates
 from functopt._spec import Leafwise, specified
 from functopt.transforms import _common
 from functopt.transforms.sign import _sign
+from functopt.tree import _core
 
 __all__ = [
     "ScaleByAdamState",
@@ -45,6 +46,32 @@ class ScaleByAdamState(NamedTuple):
     count: torch.Tensor  # type: ignore[assignment]  # int32, shape (): updates done so far
     mu: Updates  # like params, dtype mu_dtype (default: the param's): EMA of the gradient
     nu: Updates  # like params, dtype nu_dtype (default: the param's): EMA of its square
+
+
+def init_moments(params: Params, mu_dtype: torch.dtype | None = None,
+                 nu_dtype: torch.dtype | None = None) -> ScaleByAdamState:
+    """A fresh Adam-like state: a zero count and zero moments like the params (``None``
+    where a param is ``None``), stored in ``mu_dtype`` / ``nu_dtype`` (default: the param's).
+    Shared by every transform whose state is a ``ScaleByAdamState`` (or holds its fields)."""
+    leaves, treespec = _common.flatten_params(params)
+    mu = [None if p is None else _common.zeros_like(p, mu_dtype) for p in leaves]
+    nu = [None if p is None else _common.zeros_like(p, nu_dtype) for p in leaves]
+    return ScaleByAdamState(count=_common.zero_count(leaves),
+                            mu=_common.unflatten(treespec, mu),
+                            nu=_common.unflatten(treespec, nu))
+
+
+def moment_inputs(owner: str, updates: Updates, state: Any, expected: type,
+                  ) -> tuple[list[Any], _core.TreeSpec, list[Any], list[Any], torch.Tensor]:
+    """The start of an Adam-like update: the state checked by its type, the gradients
+    flattened, ``state.mu`` and ``state.nu`` lined up with them (each present where a
+    gradient is), and the step count after this update."""
+    _common.check_state(owner, state, expected)
+    grads, treespec = _common.flatten_updates(updates)
+    mus = _common.state_like(treespec, state.mu, name="state.mu")
+    nus = _common.state_like(treespec, state.nu, name="state.nu")
+    _common.check_state_present(owner, treespec, grads, mu=mus, nu=nus)
+    return grads, treespec, mus, nus, _common.safe_increment(state.count)
 
 
 def scale_by_adam(
@@ -107,26 +134,15 @@ def scale_by_adam(
     _validate.check_dtype(owner, "nu_dtype", nu_dtype)
 
     def init_fn(params: Params) -> ScaleByAdamState:
-        leaves, treespec = _common.flatten_params(params)
-        mu = [None if p is None else _common.zeros_like(p, mu_dtype) for p in leaves]
-        nu = [None if p is None else _common.zeros_like(p, nu_dtype) for p in leaves]
-        return ScaleByAdamState(
-            count=_common.zero_count(leaves),
-            mu=_common.unflatten(treespec, mu),
-            nu=_common.unflatten(treespec, nu),
-        )
+        return init_moments(params, mu_dtype, nu_dtype)
 
     def update_fn(
         updates: Updates, state: ScaleByAdamState, params: Params | None = None,
         **extra_args: Any,
     ) -> tuple[Updates, ScaleByAdamState]:
-        _common.check_state("scale_by_adam", state, ScaleByAdamState)
         del params, extra_args
-        grads, treespec = _common.flatten_updates(updates)
-        mus = _common.state_like(treespec, state.mu, name="state.mu")
-        nus = _common.state_like(treespec, state.nu, name="state.nu")
-        _common.check_state_present(owner, treespec, grads, mu=mus, nu=nus)
-        count = _common.safe_increment(state.count)
+        grads, treespec, mus, nus, count = moment_inputs(owner, updates, state,
+                                                         ScaleByAdamState)
         bc1 = _common.bias_correction(b1, count)
         bc2 = _common.bias_correction(b2, count)
         bc1_next = _common.bias_correction(b1, _common.safe_increment(count)) if nesterov else bc1
@@ -435,23 +451,15 @@ def scale_by_adamax(
     _validate.check_range(owner, "eps", eps, low=0.0)
 
     def init_fn(params: Params) -> ScaleByAdamState:
-        leaves, treespec = _common.flatten_params(params)
-        mu = [None if p is None else _common.zeros_like(p) for p in leaves]
-        nu = [None if p is None else _common.zeros_like(p) for p in leaves]
-        return ScaleByAdamState(count=_common.zero_count(leaves),
-                                mu=_common.unflatten(treespec, mu),
-                                nu=_common.unflatten(treespec, nu))
+        return init_moments(params)
 
     def update_fn(
         updates: Updates, state: ScaleByAdamState, params: Params | None = None,
         **extra_args: Any,
     ) -> tuple[Updates, ScaleByAdamState]:
         del params, extra_args
-        grads, treespec = _common.flatten_updates(updates)
-        mus = _common.state_like(treespec, state.mu, name="state.mu")
-        nus = _common.state_like(treespec, state.nu, name="state.nu")
-        _common.check_state_present(owner, treespec, grads, mu=mus, nu=nus)
-        count = _common.safe_increment(state.count)
+        grads, treespec, mus, nus, count = moment_inputs(owner, updates, state,
+                                                         ScaleByAdamState)
         bc1 = _common.bias_correction(b1, count)
 
         def leaf(g: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -530,23 +538,15 @@ def scale_by_radam(
                           hint="Fix: the rectifier needs rho_t > 4; torch and optax use 5.")
 
     def init_fn(params: Params) -> ScaleByAdamState:
-        leaves, treespec = _common.flatten_params(params)
-        mu = [None if p is None else _common.zeros_like(p) for p in leaves]
-        nu = [None if p is None else _common.zeros_like(p) for p in leaves]
-        return ScaleByAdamState(count=_common.zero_count(leaves),
-                                mu=_common.unflatten(treespec, mu),
-                                nu=_common.unflatten(treespec, nu))
+        return init_moments(params)
 
     def update_fn(
         updates: Updates, state: ScaleByAdamState, params: Params | None = None,
         **extra_args: Any,
     ) -> tuple[Updates, ScaleByAdamState]:
         del params, extra_args
-        grads, treespec = _common.flatten_updates(updates)
-        mus = _common.state_like(treespec, state.mu, name="state.mu")
-        nus = _common.state_like(treespec, state.nu, name="state.nu")
-        _common.check_state_present(owner, treespec, grads, mu=mus, nu=nus)
-        count = _common.safe_increment(state.count)
+        grads, treespec, mus, nus, count = moment_inputs(owner, updates, state,
+                                                         ScaleByAdamState)
         bc1 = _common.bias_correction(b1, count)
         bc2 = _common.bias_correction(b2, count)
         bc1_next = _common.bias_correction(b1, _common.safe_increment(count)) if nesterov else bc1
@@ -643,24 +643,19 @@ def scale_by_nadam(
     _validate.check_range(owner, "momentum_decay", momentum_decay, low=0.0)
 
     def init_fn(params: Params) -> ScaleByNadamState:
-        leaves, treespec = _common.flatten_params(params)
-        mu = [None if p is None else _common.zeros_like(p) for p in leaves]
-        nu = [None if p is None else _common.zeros_like(p) for p in leaves]
+        fresh = init_moments(params)
         return ScaleByNadamState(
-            count=_common.zero_count(leaves),
-            mu_product=torch.ones((), dtype=torch.float64, device=_common.first_device(leaves)),
-            mu=_common.unflatten(treespec, mu), nu=_common.unflatten(treespec, nu))
+            count=fresh.count,
+            mu_product=torch.ones((), dtype=torch.float64, device=fresh.count.device),
+            mu=fresh.mu, nu=fresh.nu)
 
     def update_fn(
         updates: Updates, state: ScaleByNadamState, params: Params | None = None,
         **extra_args: Any,
     ) -> tuple[Updates, ScaleByNadamState]:
         del params, extra_args
-        grads, treespec = _common.flatten_updates(updates)
-        mus = _common.state_like(treespec, state.mu, name="state.mu")
-        nus = _common.state_like(treespec, state.nu, name="state.nu")
-        _common.check_state_present(owner, treespec, grads, mu=mus, nu=nus)
-        count = _common.safe_increment(state.count)
+        grads, treespec, mus, nus, count = moment_inputs(owner, updates, state,
+                                                         ScaleByNadamState)
         t = count.to(torch.float64)
         b1_64 = _common.scalar(b1, torch.float64)
         psi = _common.scalar(momentum_decay, torch.float64)

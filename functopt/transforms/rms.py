@@ -390,6 +390,7 @@ def scale_by_adadelta(rho: Numeric = 0.9, eps: Numeric = 1e-6) -> GradientTransf
         updates: Updates, state: ScaleByAdaDeltaState, params: Params | None = None,
         **extra_args: Any,
     ) -> tuple[Updates, ScaleByAdaDeltaState]:
+        _common.check_state(owner, state, ScaleByAdaDeltaState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
         e_gs = _common.state_like(treespec, state.e_g, name="state.e_g")

@@ -141,6 +141,7 @@ def scale_by_rprop(
         updates: Updates, state: ScaleByRpropState, params: Params | None = None,
         **extra_args: Any,
     ) -> tuple[Updates, ScaleByRpropState]:
+        _common.check_state(owner, state, ScaleByRpropState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
         sizes = _common.state_like(treespec, state.step_sizes, name="state.step_sizes")
