@@ -657,14 +657,18 @@ class Result:
     state: Any
 
 
-def clip_sums(structure: Structure, grads: list[Any], name: Callable[[int], str],
+def counted_leaves(grads: list[Any], name: Callable[[int], str]) -> list[bool]:
+    """Per leaf, whether this rank counts it in a sum over the ranks (False for None)."""
+    return [g is not None and _counted_here(g, functools.partial(name, i))
+            for i, g in enumerate(grads)]
+
+
+def clip_sums(structure: Structure, grads: list[Any], counted: list[bool],
               device: torch.device) -> list[torch.Tensor]:
     """Per clip, this rank's sum of squares (float64) of the gradients it measures: one
     ``foreach`` norm per (device, dtype) group of leaves."""
     if not structure.clips:
         return []
-    counted = [g is not None and _counted_here(g, functools.partial(name, i))
-               for i, g in enumerate(grads)]
     sq = leaf_squares([None if g is None else local_tensor(g) for g in grads], counted, None,
                       rescue=True)
     out = []
@@ -675,15 +679,13 @@ def clip_sums(structure: Structure, grads: list[Any], name: Callable[[int], str]
     return out
 
 
-def nonfinite_counts(structure: Structure, grads: list[Any], name: Callable[[int], str],
+def nonfinite_counts(structure: Structure, grads: list[Any], counted: list[bool],
                      device: torch.device) -> list[torch.Tensor]:
     """Per guard, this rank's count (float64) of leaves it checks that hold an inf or a
     nan, from one ``foreach`` max-norm pass (exact: the largest magnitude of finite values
     is finite, and inf and nan propagate), replicated copies counted once."""
     if not structure.guards:
         return []
-    counted = [g is not None and _counted_here(g, functools.partial(name, i))
-               for i, g in enumerate(grads)]
     bad: list[Any] = [None] * len(grads)
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, (g, c) in enumerate(zip(grads, counted, strict=True)):
@@ -776,15 +778,18 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
         env.hyper.append(inj.values_at(state_leaves[inj.count], constants))
     new_values = list(values)
     new_leaves = list(state_leaves)
-    accs = {torch.float64 if v is not None and v.dtype == torch.float64 else torch.float32
-            for v in values}
-    acc = torch.float64 if torch.float64 in accs else torch.float32
     if structure.clips and (sums is None or len(sums) != len(structure.clips)):
         raise ValueError("the planner's run needs one sum of squares per clip")
     if structure.guards and (finite is None or len(finite) != len(structure.guards)):
         raise ValueError("the planner's run needs one finiteness flag per guard")
-    clip_factors = [_clip_multiplier(s, bound(env), acc)
-                    for s, bound in zip(sums or [], structure.clip_bounds, strict=True)]
+    # each clip's norm in global_norm's dtype over the leaves it measures: float64 if
+    # one of them is float64 (computed only for chains that clip)
+    clip_factors = [
+        _clip_multiplier(s, bound(env), torch.float64 if any(
+            values[i] is not None and values[i].dtype == torch.float64 for i in leaves)
+            else torch.float32)
+        for s, bound, leaves in zip(sums or [], structure.clip_bounds, structure.clips,
+                                    strict=True)]
     # every value read at run time first, so that a refusal comes before any write
     resolved = []
     for group in lowered.groups:

@@ -167,8 +167,9 @@ def _reductions(structure: _planner.Structure, params: list[Any], grads: list[An
         return [], []
     device = next((local_tensor(g).device for g in grads if g is not None),
                   torch.device("cpu"))
-    local = [*_planner.clip_sums(structure, grads, name, device),
-             *_planner.nonfinite_counts(structure, grads, name, device)]
+    counted = _planner.counted_leaves(grads, name)
+    local = [*_planner.clip_sums(structure, grads, counted, device),
+             *_planner.nonfinite_counts(structure, grads, counted, device)]
     group = _infer_group(params, name)
     if group is not None:
         local = list(all_reduce_stats(torch.stack(local), group).unbind())

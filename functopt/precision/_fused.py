@@ -42,14 +42,13 @@ How it differs from the pure path, and why that is the same step:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from functopt._collective.dtensor import _counted_here, _rewrap_like, local_tensor
+from functopt._collective.dtensor import _rewrap_like, local_tensor
 from functopt._collective.reduce import all_reduce_stats
 from functopt.fast import _planner
 from functopt.precision.loss_scale import LossScale, LossScaleState, _inverse
@@ -82,10 +81,8 @@ def fused_stats(grads: list[Any], wide: list[Any], name: Callable[[int], str],
     leaves each clip of the inner chain measures.
     """
     if counted is None:
-        counted = [w is not None and _counted_here(g, functools.partial(name, i))
-                   for i, (g, w) in enumerate(zip(grads, wide, strict=True))]
-    else:
-        counted = [c and w is not None for c, w in zip(counted, wide, strict=True)]
+        counted = _planner.counted_leaves(grads, name)
+    counted = [c and w is not None for c, w in zip(counted, wide, strict=True)]
     squares = _planner.leaf_squares(wide, list(counted), inv_scale)
     packed = torch.zeros(_CLIPS + len(clips), dtype=torch.float64, device=device)
     present = [s for s in squares if s is not None]
