@@ -10,6 +10,7 @@ check.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -44,26 +45,33 @@ class FunctoptChain(C.Contender):
     """A composed chain: pure (``update`` + ``apply_updates``) or ``make_step(donate=True)``."""
 
     def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor],
-                 tx: functopt.GradientTransformation, *, fast: bool) -> None:
+                 tx: functopt.GradientTransformation, *, fast: bool,
+                 compile: bool = False) -> None:
         super().__init__()
-        self.name = "functopt fused" if fast else "functopt pure"
+        self.name = "functopt compiled" if compile else (
+            "functopt fused" if fast else "functopt pure")
         names = C._names(len(params))
         self.params = {k: p.clone() for k, p in zip(names, params, strict=True)}
         self.grads = {k: g.clone() for k, g in zip(names, grads, strict=True)}
-        self.tx, self.fast = tx, fast
-        self.state = tx.init(self.params)
+        self.tx, self.fast = tx, fast or compile
         # the grads are handed over too, as clip_grad_norm_ scales torch's in place
-        self.step_fn = functopt.fast.make_step(tx, donate=True, donate_grads=True) if (
-            fast) else None
+        self.step_fn = functopt.fast.make_step(
+            tx, donate=True, donate_grads=True, compile=compile) if self.fast else None
+        # the compiled tier's state laid out flat by step.init (values as tx.init's)
+        self.state = self.step_fn.init(self.params) if compile else tx.init(self.params)
         self.start = list(self.params.values())
+        self.call_s: list[float] = []  # wall time of the first calls (the first compiles)
 
     def step(self) -> None:
+        t0 = time.perf_counter()
         if self.step_fn is None:
             updates, self.state = self.tx.update(self.grads, self.state, self.params)
             self.params = functopt.apply_updates(self.params, updates)
         else:
             with torch.no_grad():
                 self.params, self.state = self.step_fn(self.grads, self.state, self.params)
+        if self.steps < 3:
+            self.call_s.append(time.perf_counter() - t0)
         self.steps += 1
 
     def result(self) -> list[torch.Tensor]:
@@ -110,6 +118,8 @@ def chain_contenders(case: str, shapes: list[tuple[int, ...]], seed: int = 0,
     ours = [FunctoptChain(params, grads, make(), fast=False),
             FunctoptChain(params, grads, make(), fast=True)]
     if case == "lion":
+        # no PyTorch kernel: the compiled tier (make_step(compile=True))
+        ours.append(FunctoptChain(params, grads, make(), fast=True, compile=True))
         return ours, [TorchAdamWFor(params, grads, name="torch fused AdamW")]
     torch_one = TorchAdamWFor(params, grads, clip=case == "clip_adamw",
                               no_decay_group=case == "masked_decay")

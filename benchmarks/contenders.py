@@ -3,8 +3,7 @@
 functopt runs each step on two paths: the pure reference (``tx.update`` then
 ``functopt.apply_updates``; ``mixed_precision(..., fused=False)``) and the fast path a
 training loop uses (``functopt.fast.make_step(tx, donate=True)``; ``mixed_precision(...,
-fused=True, donate=True)``), plus, for plain AdamW, the pure step compiled with
-``torch.compile`` (``make_step(tx, compile=True)``).
+fused=True, donate=True)``). The compiled tier's contenders are in chains.py.
 
 A contender owns its params, grads and optimizer state, and exposes ``step()`` (one full
 optimizer step, nothing else), ``result()`` (the float32 values to compare between
@@ -18,7 +17,6 @@ to rounding.
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 import optree
@@ -170,30 +168,6 @@ class FunctoptFusedAdamW(FunctoptAdamW):
 
     def problems(self) -> list[str]:
         return [] if _same_tensors(list(self.params.values()), self.start) else [NOT_IN_PLACE]
-
-
-class FunctoptCompiledAdamW(FunctoptAdamW):
-    """``functopt.fast.make_step(adamw, compile=True)``: the pure step, ``torch.compile``d.
-
-    The first call compiles; ``call_s`` keeps the wall time of the first calls (the first
-    one is the compile time; a second one much slower than the rest is a recompile).
-    """
-
-    name = "functopt compiled"
-
-    def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        super().__init__(params, grads)
-        self.step_fn = functopt.fast.make_step(self.tx, compile=True)
-        self.call_s: list[float] = []
-
-    def step(self) -> None:
-        if self.steps < 3:
-            t0 = time.perf_counter()
-            self.params, self.state = self.step_fn(self.grads, self.state, self.params)
-            self.call_s.append(time.perf_counter() - t0)
-        else:
-            self.params, self.state = self.step_fn(self.grads, self.state, self.params)
-        self.steps += 1
 
 
 class TorchAdamW(Contender):
@@ -399,9 +373,3 @@ def mixed_contenders(shapes: list[tuple[int, ...]], seed: int = 0) -> list[Conte
     return [FunctoptMixed(params, grads, fused=False), FunctoptMixed(params, grads, fused=True),
             TorchMixedIdiom(params, grads)]
 
-
-def compile_contenders(shapes: list[tuple[int, ...]], seed: int = 0) -> list[Contender]:
-    """functopt compiled (the reference here), functopt fused, torch fused."""
-    params, grads = make_values(shapes, seed)
-    return [FunctoptCompiledAdamW(params, grads), FunctoptFusedAdamW(params, grads),
-            TorchAdamW(params, grads, fused=True)]

@@ -65,6 +65,9 @@ class Leafwise(Spec):
 
     kind: str
     hyper: Mapping[str, Any] = field(default_factory=dict)
+    # the update function of the transform this spec describes, set by ``specified``: the
+    # planner's compiled tier runs it on a group's leaves laid end to end
+    update: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.hyper.items())
@@ -151,7 +154,11 @@ class SpecifiedTransformation(GradientTransformation):
 
 
 def specified(tx: GradientTransformation, spec: Spec | None) -> GradientTransformation:
-    """``tx`` carrying ``spec`` (a factory's last line: ``return specified(tx, Leafwise(...))``)."""
+    """``tx`` carrying ``spec`` (a factory's last line: ``return specified(tx, Leafwise(...))``).
+    A [`Leafwise`][functopt._spec.Leafwise] spec also keeps ``tx.update``, the reference the
+    compiled tier runs."""
+    if isinstance(spec, Leafwise) and spec.update is None:
+        object.__setattr__(spec, "update", tx.update)
     return SpecifiedTransformation(tx.init, tx.update, spec)
 
 

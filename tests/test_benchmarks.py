@@ -30,7 +30,7 @@ CASES = {"adamw", "mixed", "chains", "mixed_chains", "small", "leaves", "size", 
          "compile", "bandwidth"}
 ADAMW_NAMES = {"functopt pure", "functopt fused", "torch foreach", "torch fused"}
 MIXED_NAMES = {"functopt pure", "functopt fused", "torch idiom"}
-COMPILE_NAMES = {"functopt compiled", "functopt fused", "torch fused"}
+COMPILE_NAMES = {"functopt compiled", "functopt pure", "torch fused"}
 # the adamw case also times the torch.optim.Optimizer adapter
 ADAMW_CASE_NAMES = ADAMW_NAMES | {"functopt.Optimizer"}
 
@@ -146,7 +146,10 @@ def test_quick_run_checks_the_contenders_computed_the_same_result(quick_report):
         check = cases[case]["check"]
         assert check["passed"] is True and check["problems"] == []
         assert check["steps"] >= 2 + 1 + 2  # warm-up, calibration, two timed rounds
-        names = set(cases[case]["timings"]) - {check["reference"]}
+        # every contender but the reference is checked; the compile case's torch fused
+        # AdamW is a yardstick beside Lion, timed only
+        yardsticks = {"torch fused"} if case == "compile" else set()
+        names = set(cases[case]["timings"]) - {check["reference"]} - yardsticks
         assert set(check["max_abs_diff"]) == names
         assert all(0 <= d <= 1e-4 for d in check["max_abs_diff"].values())
     for case in ("leaves", "size"):
@@ -193,7 +196,7 @@ def test_quick_run_memory_and_bandwidth_numbers(quick_report):
     assert mem["adamw"]["ratios"]["functopt fused"]["step_total_peak"] <= 1.1
     bw = report["cases"]["bandwidth"]
     assert _positive_finite(bw["bound_bytes_per_s"])
-    for case, per_param in (("adamw", 28), ("mixed", 30), ("compile", 28)):
+    for case, per_param in (("adamw", 28), ("mixed", 30), ("compile", 20)):
         assert bw[case]["bytes_per_param"] == per_param
         assert set(bw[case]["percent_of_bound"]) == set(report["cases"][case]["timings"])
         assert all(_positive_finite(x) for x in bw[case]["percent_of_bound"].values())
@@ -207,10 +210,9 @@ def test_quick_run_compile_case(quick_report):
     assert _positive_finite(res["compile_s"])
     assert res["compile_s"] == res["first_calls_s"][0]
     assert len(res["first_calls_s"]) == 3 and all(map(_positive_finite, res["first_calls_s"]))
-    assert res["check"]["passed"] is True and res["check"]["reference"] == "functopt compiled"
+    assert res["check"]["passed"] is True and res["check"]["reference"] == "functopt pure"
     assert set(res["ratios"]) == {"functopt compiled/torch fused",
-                                  "functopt fused/torch fused",
-                                  "functopt compiled/functopt fused"}
+                                  "functopt pure/torch fused"}
     assert "compile time (wall time of the first call)" in stdout
 
 

@@ -1,5 +1,5 @@
-"""Fast paths: the step planner, a whole-step entry point with donation, and
-``torch.compile`` of any chain.
+"""Fast paths: the step planner (PyTorch's fused kernels, and a compiled tier for the
+elementwise rules they lack), a whole-step entry point with donation, and ``explain``.
 
 The pure transforms stay the reference (readable, per leaf, differentiable with
 ``torch.func``); everything here computes the same steps faster and is tested equal to
@@ -9,6 +9,6 @@ the measured speed.
 
 from functopt.fast._explain import Explanation, explain
 from functopt.fast._planner import FastPathWarning
-from functopt.fast._step import make_step
+from functopt.fast._step import Step, make_step
 
-__all__ = ["Explanation", "FastPathWarning", "explain", "make_step"]
+__all__ = ["Explanation", "FastPathWarning", "Step", "explain", "make_step"]

@@ -16,20 +16,22 @@ __all__ = ["Explanation", "explain"]
 
 _KERNELS = {"adamw": "torch._fused_adamw_", "adam": "torch._fused_adam_",
             "sgd": "torch._fused_sgd_",
-            "zero": "nothing (the updates are zero)"}
+            "zero": "nothing (the updates are zero)",
+            "compiled": "compiled"}
 
 
 @dataclass(frozen=True)
 class GroupPath:
     """One group of leaves and the kernel call that steps them."""
 
-    kernel: str  # the PyTorch kernel
+    kernel: str  # the PyTorch kernel, or "compiled" (the compiled tier)
     device: torch.device
     dtype: torch.dtype
     leaves: tuple[str, ...]  # paths of the leaves in the group
     clip: bool  # a global-norm clip is folded into the kernel's grad_scale
-    weight_decay: bool  # the group is decayed
+    weight_decay: bool  # the group is decayed (by the kernel; compiled rules say it in ``rules``)
     skip_if_nonfinite: bool = False  # an apply_if_finite is folded into the kernel's skip
+    rules: tuple[str, ...] = ()  # the compiled tier: the rules its one call runs, in order
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,8 @@ class Explanation:
                                       ("clip", g.clip), ("weight decay", g.weight_decay))
                       if on]
             more = f" + {', '.join(extras)}" if extras else ""
+            if g.rules:
+                more += f" ({' -> '.join(g.rules)})"
             shown = ", ".join(g.leaves[:4]) + (", ..." if len(g.leaves) > 4 else "")
             lines.append(f"  {g.kernel}{more} on {len(g.leaves)} {_core._dtype_name(g.dtype)} "
                          f"leaves ({g.device}): {shown}")
@@ -70,7 +74,7 @@ class Explanation:
 
 
 def explain(tx: GradientTransformation, params: Any, state: Any = None,
-            grads: Any = None) -> Explanation:
+            grads: Any = None, *, compile: bool = False) -> Explanation:
     """Say which path a fast step of ``tx`` takes on these params, per group of leaves.
 
     Args:
@@ -79,6 +83,8 @@ def explain(tx: GradientTransformation, params: Any, state: Any = None,
         params: the params the step will see.
         state: the state (default: ``tx.init(params)``).
         grads: the gradients (default: every param has one, laid out like it).
+        compile: explain ``make_step(tx, compile=True)``: groups without a PyTorch kernel
+            take the compiled tier where their rules are elementwise.
 
     Returns:
         An [`Explanation`][functopt.fast.Explanation].
@@ -93,7 +99,10 @@ def explain(tx: GradientTransformation, params: Any, state: Any = None,
           torch._fused_adamw_ + clip on 1 float32 leaves (cpu): b
           torch._fused_adamw_ + clip, weight decay on 1 float32 leaves (cpu): w
         >>> functopt.fast.explain(functopt.lion(1e-4), params).reason
-        '[0]: scale_by_lion has no fused kernel (compiled lowering is not built yet)'
+        "leaf 'b': scale_by_lion has no fused kernel (make_step(tx, compile=True) compiles it)"
+        >>> print(functopt.fast.explain(functopt.lion(1e-4), params, compile=True))
+        fused path: 1 kernel call(s) per step, 0 global norm(s) in one pass
+          compiled (scale_by_lion -> add_decayed_weights -> scale_by_learning_rate) on 2 float32 leaves (cpu): b, w
     """
     if not isinstance(tx, GradientTransformation):
         raise TypeError(
@@ -107,13 +116,15 @@ def explain(tx: GradientTransformation, params: Any, state: Any = None,
     state_leaves, state_spec = _core.flatten(state)
     name = _leaf_names(treespec)
     structure = _planner.walk(tx, params, treespec, leaves, state_leaves, state_spec)
-    lowered = _planner.lower(structure, state_spec, leaves, grad_leaves, state_leaves, name)
+    lowered = _planner.lower(structure, state_spec, leaves, grad_leaves, state_leaves, name,
+                             compiled=compile)
     paths = _core.paths(treespec)
     groups = tuple(
         GroupPath(kernel=_KERNELS[g.plan.kernel], device=g.device, dtype=g.dtype,
                   leaves=tuple(paths[i] for i in g.leaves), clip=g.plan.clip is not None,
                   weight_decay=g.plan.decay is not None,
-                  skip_if_nonfinite=g.plan.guard is not None)
+                  skip_if_nonfinite=g.plan.guard is not None,
+                  rules=tuple(op.kind for op in g.plan.ops))
         for g in lowered.groups)
     return Explanation(fast=lowered.fast, reason=lowered.reason, groups=groups,
                        clips=len(structure.clips), guards=len(structure.guards))

@@ -67,6 +67,9 @@ from functopt._spec import (
     Spec,
     describe,
 )
+from functopt.fast import _compiled
+from functopt.fast._layout import dense as _dense
+from functopt.fast._layout import overlapping
 from functopt.transforms import _common
 from functopt.tree import _core
 from functopt.tree._ops import _safe_norm
@@ -79,6 +82,25 @@ _KERNEL_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 # bfloat16 params and writes wrong momentum buffers (pytorch/pytorch#191763, fixed after
 # 2.13 by #192545), so SGD takes its kernel on the CPU for these dtypes only.
 _SGD_CPU_DTYPES = (torch.float64, torch.float32)
+
+# The elementwise rules the compiled tier lowers beside the kernels' own (scale_by_adam,
+# trace, add_decayed_weights, the learning rate, scale, scale_by_schedule): per kind, the
+# fields of its state that hold one tensor per leaf. Each must compute every element of a
+# leaf from the same element of its inputs (no reduction within a leaf, no dependence on
+# the leaf's shape), so that its update over the group's leaves laid end to end in one flat
+# tensor equals its update leaf by leaf.
+COMPILED_SLOTS: dict[str, tuple[str, ...]] = {
+    "scale_by_lion": ("mu",),
+    "scale_by_adamax": ("mu", "nu"),
+    "scale_by_radam": ("mu", "nu"),
+    "scale_by_nadam": ("mu", "nu"),
+    "scale_by_adadelta": ("e_g", "e_x"),
+    "scale_by_rprop": ("step_sizes", "prev_updates"),
+    "dampened_trace": ("trace",),
+}
+_KERNEL_SLOTS: dict[str, tuple[str, ...]] = {
+    "scale_by_adam": ("mu", "nu"), "scale_by_amsgrad": ("mu", "nu", "nu_max"),
+    "trace": ("trace",)}
 
 
 # --- where a hyperparameter's value comes from at run time ------------------------------
@@ -173,6 +195,11 @@ class _Op:
     slots: dict[str, int]  # per-leaf state entries (flat state indices): "mu", "nu", "trace"
     node: int
     count: int | None = None  # the flat index of the transform's step count
+    # for the compiled tier: the transform's own update, the index tree of its state (the
+    # state with flat state indices for leaves), and whether it sits in inject_hyperparams
+    fn: Any = None
+    state_at: Any = None
+    injected: bool = False
 
     def __repr__(self) -> str:
         return self.kind
@@ -241,6 +268,10 @@ class Structure:
     opaque: list[str] = field(default_factory=list)  # why the whole step must stay pure
     nodes: int = 0
     matched: list[Any] | None = None  # per leaf: match(program), computed once
+    matched_compiled: list[Any] | None = None  # the same with the compiled tier
+    compiled: dict[Any, Any] = field(default_factory=dict)  # the compiled tier's functions
+    # the rules (nodes) that keep state beside their count that only their update moves
+    shared: set[int] = field(default_factory=set)
 
     @functools.cached_property
     def slot_indices(self) -> list[int]:
@@ -393,16 +424,27 @@ class _Walk:
         elif kind == "trace":
             args = {"decay": self.bind(hyper["decay"]), "nesterov": _Const(hyper["nesterov"])}
             slots = {"trace": self.per_leaf(idx.trace, "trace")}
+        elif kind in COMPILED_SLOTS:
+            # an elementwise rule without a PyTorch kernel: the compiled tier runs its own
+            # update on the group's leaves laid end to end; its per-leaf state entries are
+            # the fields the table names, the others (a count, ...) are shared
+            slots = {f: self.per_leaf(getattr(idx, f), f) for f in COMPILED_SLOTS[kind]}
+            fields = getattr(idx, "_fields", ())
+            count = idx.count if "count" in fields else None
+            if set(fields) - set(slots) - {"count"}:
+                self.out.shared.add(node)  # (NAdam's mu_product) moved by a group's call
         else:
-            # a rule the kernels do not cover: its state layout is its own
+            # a rule without a known layout: only its own update can compute it
             self.out.opaque.append(
-                f"{where}: {kind} has no fused kernel (compiled lowering is not built yet)")
+                f"{where}: {kind} has neither a fused kernel nor a compiled lowering")
             return
         if count is not None:
             self.counter(count)
         for i in sel:
             self.out.programs[i].append(
-                _Op(kind, args, {k: v[i] for k, v in slots.items()}, node, count))
+                _Op(kind, args, {k: v[i] for k, v in slots.items()}, node, count,
+                    fn=spec.update, state_at=idx if hasattr(idx, "_fields") else None,
+                    injected=bool(self.placeholders)))
 
 
 class _Mismatch(Exception):
@@ -437,8 +479,13 @@ class _KernelPlan:
     lr: Any = None  # binding of the (positive) learning rate
     guard: _Guard | None = None  # a leading apply_if_finite: its skip joins found_inf
     maximize: bool = False  # a leading scale(-1): the kernels' maximize flag
+    ops: tuple[_Op, ...] = ()  # "compiled": the rules, in order, after the clip
 
     def key(self) -> tuple[Any, ...]:
+        if self.kernel == "compiled":
+            return (self.kernel, None if self.guard is None else self.guard.index,
+                    None if self.clip is None else self.clip.index,
+                    tuple(op.node for op in self.ops))
         return (self.kernel, self.maximize, None if self.guard is None else self.guard.index,
                 None if self.clip is None else self.clip.index,
                 None if self.adam is None else self.adam.node,
@@ -466,8 +513,40 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def match(program: list[Any]) -> _KernelPlan | str:
-    """The kernel for one leaf's program, or the reason there is none."""
+def match(program: list[Any], compiled: bool = False) -> _KernelPlan | str:
+    """The kernel for one leaf's program, or the reason there is none. ``compiled``: a
+    program no kernel covers takes the compiled tier when it can."""
+    plan = _match_kernel(program)
+    if isinstance(plan, str) and compiled:
+        alternative = _match_compiled(program)
+        return alternative if isinstance(alternative, _KernelPlan) else (
+            f"{plan}, and {alternative}")
+    return plan
+
+
+def _match_compiled(program: list[Any]) -> _KernelPlan | str:
+    """The compiled tier for a program of elementwise rules after an optional leading
+    ``apply_if_finite`` and clip, or the reason it has none."""
+    ops = [op for op in program if op.kind != "identity"]
+    guard = ops.pop(0) if ops and isinstance(ops[0], _Guard) else None
+    clip = ops.pop(0) if ops and isinstance(ops[0], _Clip) else None
+    for op in ops:
+        if isinstance(op, (_Guard, _Clip)):
+            return f"the compiled tier takes {op.kind} only before the rules, not after them"
+        if op.kind == "set_to_zero":
+            return "the compiled tier has no set_to_zero after other rules"
+        if op.fn is None or op.state_at is None:
+            return f"the compiled tier has no lowering of {op.kind}"
+        if op.injected:
+            return (f"the compiled tier does not lower injected hyperparameters yet "
+                    f"({op.kind} inside inject_hyperparams)")
+    if not ops:
+        return "no update rule"
+    return _KernelPlan("compiled", clip, guard=guard, ops=tuple(ops))
+
+
+def _match_kernel(program: list[Any]) -> _KernelPlan | str:
+    """The PyTorch kernel for one leaf's program, or the reason there is none."""
     ops = [op for op in program if op.kind != "identity"]
     guard = None
     if ops and isinstance(ops[0], _Guard):
@@ -523,41 +602,17 @@ def match(program: list[Any]) -> _KernelPlan | str:
         trace = body_ops[-1] if body and body[-1] == "trace" else None
         return _KernelPlan("sgd", clip, decay=decay, trace=trace, lr=lr, guard=guard,
                            maximize=maximize)
+    unknown = next((k for k in kinds if k in COMPILED_SLOTS), None)
+    if unknown is not None:
+        return f"{unknown} has no fused kernel"
     return f"the program {' -> '.join(kinds)} matches no fused kernel"
 
 
 # --- per step: layouts, groups, the kernel calls ------------------------------------------
 
-def _dense(t: torch.Tensor) -> bool:
-    """Non-overlapping and dense: the elements fill ``numel`` consecutive slots (in some
-    order of the dimensions), so an elementwise kernel may read the memory linearly."""
-    if t.is_contiguous():
-        return True
-    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape, strict=True) if n != 1)
-    expected = 1
-    for s, n in dims:
-        if s != expected:
-            return False
-        expected *= n
-    return True
-
-
-def overlapping(t: torch.Tensor) -> bool:
-    """Whether two elements of ``t`` share memory (an expanded tensor, say)."""
-    if t.numel() <= 1 or _dense(t):
-        return False
-    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape, strict=True) if n != 1)
-    reach = 0  # the largest offset reachable with the dimensions so far
-    for s, n in dims:
-        if s <= reach:
-            return True
-        reach += s * (n - 1)
-    return False
-
-
 @dataclass
 class Group:
-    """Leaves that take one kernel call."""
+    """Leaves that take one kernel call (one compiled call for the compiled tier)."""
 
     plan: _KernelPlan  # the first leaf's (the kernel and its bindings are the group's)
     device: torch.device
@@ -591,18 +646,27 @@ class Lowered:
 
 
 def lower(structure: Structure, state_spec: _core.TreeSpec, values: list[Any],
-          grads: list[Any], state_leaves: list[Any], name: Callable[[int], str]) -> Lowered:
-    """Group the leaves with a gradient by kernel, or say why this step stays pure."""
+          grads: list[Any], state_leaves: list[Any], name: Callable[[int], str], *,
+          compiled: bool = False) -> Lowered:
+    """Group the leaves with a gradient by kernel, or say why this step stays pure.
+    ``compiled``: programs without a kernel take the compiled tier where they can."""
     if structure.opaque:
         return Lowered(structure, state_spec, [], structure.opaque[0])
     groups: dict[tuple[Any, ...], Group] = {}
-    if structure.matched is None:
-        structure.matched = [match(program) for program in structure.programs]
+    matched = structure.matched_compiled if compiled else structure.matched
+    if matched is None:
+        matched = [match(program, compiled) for program in structure.programs]
+        if compiled:
+            structure.matched_compiled = matched
+        else:
+            structure.matched = matched
     for i, (v, g) in enumerate(zip(values, grads, strict=True)):
         if v is None or g is None:
             continue
-        plan = structure.matched[i]
+        plan = matched[i]
         if isinstance(plan, str):
+            if not compiled and isinstance(_match_compiled(structure.programs[i]), _KernelPlan):
+                plan += " (make_step(tx, compile=True) compiles it)"
             return Lowered(structure, state_spec, [], f"leaf {name(i)!r}: {plan}")
         problem = _layout_problem(plan, v, state_leaves, i, structure)
         if problem is not None:
@@ -612,6 +676,15 @@ def lower(structure: Structure, state_spec: _core.TreeSpec, values: list[Any],
             groups[key] = Group(plan, v.device, v.dtype, [], [])
         groups[key].leaves.append(i)
         groups[key].plans.append(plan)
+    if structure.shared:
+        # such a rule's shared state (NAdam's mu_product) moves in its groups' calls, which
+        # run only on leaves with elements
+        moved = {op.node for g in groups.values() if g.plan.kernel == "compiled"
+                 and any(local_tensor(values[i]).numel() for i in g.leaves)
+                 for op in g.plan.ops}
+        if structure.shared - moved:
+            return Lowered(structure, state_spec, [],
+                           "a rule with shared state has no leaf with a gradient and elements")
     return Lowered(structure, state_spec, list(groups.values()), None)
 
 
@@ -620,6 +693,8 @@ def _layout_problem(plan: _KernelPlan, v: Any, state_leaves: list[Any], i: int,
     if plan.kernel == "zero":
         return None
     local = local_tensor(v)
+    if plan.kernel == "compiled":
+        return _compiled.layout_problem(plan, local, state_leaves)
     if local.dtype not in _KERNEL_DTYPES:
         return f"{local.dtype} has no fused kernel"
     if plan.kernel == "sgd" and local.device.type == "cpu" and local.dtype not in (
@@ -759,13 +834,17 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
         donate: bool, donate_grads: bool = False, multiplier: torch.Tensor | None = None,
         found_inf: torch.Tensor | None = None, sums: list[torch.Tensor] | None = None,
         finite: list[torch.Tensor] | None = None,
-        reads: dict[int, Any] | None = None) -> Result | str:
+        reads: dict[int, Any] | None = None,
+        workspace: dict[Any, Any] | None = None) -> Result | str:
     """One step on the kernels. ``multiplier`` (a 0-d float64 tensor) multiplies the
     gradients before the chain (a mixed step's unscale and clip); ``sums`` are the
     clips' global sums of squares of the multiplied gradients; ``finite`` the guards'
     (``apply_if_finite``) global verdicts on the gradients they check; ``found_inf``
     skips the whole step: values, moments and every counter keep their values (as a
     skipped mixed step restores the inner state whole).
+
+    ``workspace``: scratch buffers the compiled tier may reuse for its gathered copies
+    (kept by a donating caller per thread), or None.
 
     Returns the reason instead when a hyperparameter read at run time has no fused form
     (an injected ``eps_root`` that is not 0, say), before any tensor was written: the
@@ -814,7 +893,7 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
             flag = _or(flag, ~applied[plan.guard.index])
         _run_group(group, hp, values, grads, state_leaves, new_values, new_leaves,
                    donate=donate, donate_grads=donate_grads, scale=scale, found_inf=flag,
-                   advanced=advanced)
+                   advanced=advanced, compiled=structure.compiled, workspace=workspace)
     for c, new in advanced.items():
         # a skipped step (found_inf, or a guard that skipped) leaves its counters as they were
         keep = _keep(skipped, applied, structure.counter_guard.get(c))
@@ -890,6 +969,8 @@ def _kernel_grads(grads: list[Any], values: list[torch.Tensor], owned: bool,
 def _hyperparameters(plan: _KernelPlan, env: _Env) -> dict[str, Any] | str:
     """The kernel's arguments at this step (Python floats, the lr possibly a 0-d tensor), or
     the reason a value read now has no fused form."""
+    if plan.kernel == "compiled":
+        return {}  # the rules' own updates read their hyperparameters
     hp: dict[str, Any] = {"lr": plan.lr(env), "weight_decay": 0.0 if plan.decay is None
                           else env.number(plan.decay.args["weight_decay"](env))}
     if plan.kernel in ("adamw", "adam"):
@@ -912,8 +993,14 @@ def _hyperparameters(plan: _KernelPlan, env: _Env) -> dict[str, Any] | str:
 def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[Any],
                state_leaves: list[Any], new_values: list[Any], new_leaves: list[Any], *,
                donate: bool, donate_grads: bool, scale: torch.Tensor | None,
-               found_inf: torch.Tensor | None, advanced: dict[int, torch.Tensor]) -> None:
+               found_inf: torch.Tensor | None, advanced: dict[int, torch.Tensor],
+               compiled: dict[Any, Any], workspace: dict[Any, Any] | None) -> None:
     """One kernel call for the leaves of ``group``."""
+    if group.plan.kernel == "compiled":
+        _compiled.run_group(group, values, grads, state_leaves, new_values, new_leaves,
+                            donate=donate, scale=scale, found_inf=found_inf,
+                            compiled=compiled, workspace=workspace)
+        return
     plan, idx, device, dtype = group.plan, group.leaves, group.device, group.dtype
     p = _owned([values[i] for i in idx], donate)
     grad_scale = None
@@ -994,14 +1081,14 @@ class Planner:
 
     def lower(self, structure: Structure, state_spec: _core.TreeSpec, values: list[Any],
               grads: list[Any], state_leaves: list[Any], name: Callable[[int], str], *,
-              donated: list[Any] | None = None) -> Lowered:
+              donated: list[Any] | None = None, compiled: bool = False) -> Lowered:
         """`lower`, remembered for the same tensors; ``donated``: leaves written in place,
         checked with `check_donation` the first time."""
         # (counters are new tensors at every step; the per-leaf entries are what is checked)
         slots = [state_leaves[k] for k in structure.slot_indices]
         # (the data pointers catch a param whose .data was replaced in place, as
         # module.to() or .half() do: same object, new memory, maybe a new dtype)
-        key = (id(structure), tuple(map(id, values)), tuple(g is None for g in grads),
+        key = (id(structure), compiled, tuple(map(id, values)), tuple(g is None for g in grads),
                tuple(map(id, slots)), donated is not None,
                tuple(0 if v is None else local_tensor(v).data_ptr() for v in values))
         hit = self._lowered.get(key)
@@ -1011,7 +1098,8 @@ class Planner:
             return hit[1]
         if donated is not None:
             check_donation(donated, name)
-        lowered = lower(structure, state_spec, values, grads, state_leaves, name)
+        lowered = lower(structure, state_spec, values, grads, state_leaves, name,
+                        compiled=compiled)
         refs = [weakref.ref(x) if isinstance(x, torch.Tensor) else x
                 for x in itertools.chain(values, slots)]
         if len(self._lowered) >= self._SIZE:

@@ -15,8 +15,11 @@ params and state over to be overwritten (donation). ``make_step(tx)`` is that st
 2. a transform the planner cannot lower runs its pure ``update``, and the updates are
    added with one ``torch._foreach_add`` per (device, dtype) group (in place when
    donated); a [`FastPathWarning`][functopt.fast.FastPathWarning] says why, once;
-3. ``compile=True`` compiles the pure step (``update`` then ``apply_updates``) with
-   ``torch.compile``, which fuses each leaf's elementwise chain into one loop.
+3. ``compile=True`` adds the planner's compiled tier (``functopt/fast/_compiled.py``):
+   a group of leaves whose rules are elementwise but have no PyTorch kernel (Lion, NAdam,
+   RAdam, Adamax, Adadelta, Rprop, dampened SGD, ...) runs as one ``torch.compile``\ d
+   call over the group's tensors laid end to end, the rules' own pure ``update`` fused
+   into one loop; ``step.init(params)`` lays the state out that way.
 
 Every path returns ``(new_params, new_state)`` with the state in the transform's own
 layout, so the paths are interchangeable at any step.
@@ -24,6 +27,7 @@ layout, so the paths are interchangeable at any step.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -33,10 +37,10 @@ from functopt._apply import apply_updates
 from functopt._base import GradientTransformation, Params, State, Updates
 from functopt._collective.dtensor import _infer_group, _leaf_names, _rewrap_like, local_tensor
 from functopt._collective.reduce import all_reduce_stats
-from functopt.fast import _planner
+from functopt.fast import _compiled, _planner
 from functopt.tree import _core
 
-__all__ = ["differentiated", "make_step"]
+__all__ = ["Step", "differentiated", "make_step"]
 
 StepFn = Callable[..., tuple[Params, State]]
 
@@ -60,7 +64,7 @@ def differentiated(*trees: Any) -> bool:
 def make_step(
     tx: GradientTransformation, *, donate: bool = False, compile: bool = False,
     fused: bool = True, donate_grads: bool = False,
-) -> StepFn:
+) -> Step:
     r"""``step(grads, state, params, **extra_args) -> (new_params, new_state)`` for ``tx``.
 
     Equal to ``updates, state = tx.update(grads, state, params, **extra_args)`` followed
@@ -90,12 +94,18 @@ def make_step(
             every gradient on steps with a clip. Without it gradients are never written.
         fused: False keeps every step on the pure ``update`` (with the grouped ``foreach``
             apply, and donation), without a warning: the reference path, for comparison.
-        compile: compile the pure step with ``torch.compile`` (the first call compiles:
-            seconds to minutes; later calls with the same structure, shapes and dtypes
-            reuse it). Ignores the fused kernel and ``donate``.
+        compile: the compiled tier for the groups no PyTorch kernel covers: each such
+            group of leaves (one program of elementwise rules, one device and dtype) is one
+            ``torch.compile``\ d call over its gradients, values and state laid end to end,
+            running the rules' own ``update`` (groups with a kernel keep it). The first step
+            of each group compiles (seconds; Inductor's on-disk cache makes later processes
+            faster; a change of sizes recompiles). Initialise the state with
+            ``step.init(params)`` so that it is read and written in place; params that are
+            views of one buffer are too. Held to the pure path by the conformance law.
 
     Returns:
-        The step function.
+        The step function (a [`Step`][functopt.fast.Step]: ``step(...)`` and
+        ``step.init(params)``).
 
     Raises:
         TypeError: ``tx`` is not a transformation; at each call, leaves that are not
@@ -119,12 +129,80 @@ def make_step(
             f"make_step: tx must be a functopt.GradientTransformation, got "
             f"{type(tx).__name__}. Fix: make_step(functopt.adamw(1e-3))."
         )
-    if compile:
-        return _compiled_step(tx)
-    planner = _planner.Planner(tx)
+    return Step(tx, donate=donate, compile=compile, fused=fused, donate_grads=donate_grads)
 
-    def step(grads: Updates, state: State, params: Params, **extra_args: Any,
-             ) -> tuple[Params, State]:
+
+class Step:
+    """The step function [`make_step`][functopt.fast.make_step] returns:
+    ``step(grads, state, params, **extra_args) -> (new_params, new_state)``, plus
+    ``step.init(params)``, the transform's initial state laid out for this step's fast
+    path. It keeps the plans it derived (structures, no tensors) and, with
+    ``compile=True``, the compiled functions: nothing that changes a result.
+
+    Examples:
+        >>> import torch, functopt
+        >>> step = functopt.fast.make_step(functopt.sgd(0.1))
+        >>> params = {"w": torch.ones(2)}
+        >>> new, state = step({"w": torch.tensor([1.0, -1.0])}, step.init(params), params)
+        >>> new["w"]
+        tensor([0.9000, 1.1000])
+    """
+
+    def __init__(self, tx: GradientTransformation, *, donate: bool, compile: bool,
+                 fused: bool, donate_grads: bool) -> None:
+        self.tx = tx
+        self.donate = donate
+        self.compile = compile
+        self.fused = fused
+        self.donate_grads = donate_grads
+        self.planner = _planner.Planner(tx)
+        # The compiled tier's gather buffers of a donating step, per thread (two threads
+        # stepping their own states with one step must not share them). Scratch: every
+        # step overwrites them before reading, so they carry nothing between steps.
+        self._workspace = threading.local()
+
+    def __repr__(self) -> str:
+        return (f"make_step({self.tx!r}, donate={self.donate}, compile={self.compile}, "
+                f"fused={self.fused}, donate_grads={self.donate_grads})")
+
+    def init(self, params: Params) -> State:
+        """``tx.init(params)``, with the per-leaf state entries of every compiled group laid
+        end to end in one buffer per entry (the leaves stay views with their params'
+        shapes and strides, so the state is used and saved as any other): the compiled
+        tier then reads and writes the state in place instead of gathering it. Equal to
+        ``tx.init(params)`` value for value; without ``compile=True`` it is that.
+
+        Examples:
+            >>> import torch, functopt
+            >>> step = functopt.fast.make_step(functopt.lion(1e-4), compile=True)
+            >>> params = {"a": torch.zeros(2), "b": torch.zeros(3)}
+            >>> state = step.init(params)
+            >>> mu = state[0].mu
+            >>> mu["a"].untyped_storage().data_ptr() == mu["b"].untyped_storage().data_ptr()
+            True
+        """
+        state = self.tx.init(params)
+        if not self.compile:
+            return state
+        param_leaves, treespec = _core.flatten(params)
+        state_leaves, state_spec = _core.flatten(state)
+        structure = self.planner.structure(params, treespec, param_leaves, state_leaves,
+                                           state_spec)
+        lowered = _planner.lower(structure, state_spec, param_leaves, param_leaves,
+                                 state_leaves, _leaf_names(treespec), compiled=True)
+        if not lowered.fast:
+            return state
+        return _core.unflatten(state_spec, _compiled.flat_state(state_leaves, lowered.groups))
+
+    def _scratch(self) -> dict[Any, Any]:
+        found: dict[Any, Any] | None = getattr(self._workspace, "buffers", None)
+        if found is None:
+            found = self._workspace.buffers = {}
+        return found
+
+    def __call__(self, grads: Updates, state: State, params: Params, **extra_args: Any,
+                 ) -> tuple[Params, State]:
+        tx, donate = self.tx, self.donate
         param_leaves, treespec, grad_leaves = _check(grads, params)
         if differentiated(params, grads, state):
             # autograd records (or torch.func transforms) this step: the pure path, whose
@@ -132,30 +210,31 @@ def make_step(
             updates, new_state = tx.update(grads, state, params, **extra_args)
             return apply_updates(params, updates), new_state
         name = _leaf_names(treespec)
-        if not fused:
+        if not self.fused:
             if donate:
                 _planner.check_donation(param_leaves, name)
             updates, new_state = tx.update(grads, state, params, **extra_args)
             return _grouped_apply(param_leaves, treespec, updates, donate), new_state
         state_leaves, state_spec = _core.flatten(state)
+        planner = self.planner
         structure = planner.structure(params, treespec, param_leaves, state_leaves, state_spec)
         lowered = planner.lower(structure, state_spec, param_leaves, grad_leaves, state_leaves,
-                                name, donated=param_leaves if donate else None)
+                                name, donated=param_leaves if donate else None,
+                                compiled=self.compile)
         reason = lowered.reason
         if reason is None:
             with torch.no_grad():  # donated params may be leaves that require grad
                 sums, finite = _reductions(structure, param_leaves, grad_leaves, name)
                 result = _planner.run(lowered, param_leaves, grad_leaves, state_leaves,
-                                      donate=donate, donate_grads=donate_grads, sums=sums,
-                                      finite=finite, reads=planner.reads)
+                                      donate=donate, donate_grads=self.donate_grads,
+                                      sums=sums, finite=finite, reads=planner.reads,
+                                      workspace=self._scratch() if donate else None)
             if not isinstance(result, str):
                 return _core.unflatten(treespec, result.values), result.state
             reason = result
         _planner.warn_lost("make_step", reason, stacklevel=2)
         updates, new_state = tx.update(grads, state, params, **extra_args)
         return _grouped_apply(param_leaves, treespec, updates, donate), new_state
-
-    return step
 
 
 def _reductions(structure: _planner.Structure, params: list[Any], grads: list[Any],
@@ -209,20 +288,3 @@ def _grouped_apply(param_leaves: list[Any], treespec: _core.TreeSpec, updates: U
                 for i, out in zip(idx, torch._foreach_add(ps, us), strict=True):
                     new[i] = _rewrap_like(param_leaves[i], out)
     return _core.unflatten(treespec, new)
-
-
-def _compiled_step(tx: GradientTransformation) -> StepFn:
-    def pure_step(grads: Updates, state: State, params: Params,
-                  extra_args: dict[str, Any]) -> tuple[Params, State]:
-        updates, new_state = tx.update(grads, state, params, **extra_args)
-        return apply_updates(params, updates), new_state
-
-    compiled = torch.compile(pure_step, dynamic=False)
-
-    def step(grads: Updates, state: State, params: Params, **extra_args: Any,
-             ) -> tuple[Params, State]:
-        _check(grads, params)
-        out: tuple[Params, State] = compiled(grads, state, params, extra_args)
-        return out
-
-    return step

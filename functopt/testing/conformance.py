@@ -68,6 +68,7 @@ import warnings
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
+import optree
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -576,8 +577,14 @@ def _assert_fast_close(actual: Any, expected: Any, before: Any, *, check: str, w
 def check_fast_path(
     tx: TransformOrFactory, params: Any, grads: Any, steps: int = 2, *,
     with_params: bool = True, extra_args: Mapping[str, Any] | None = None,
+    compile: bool = False,
 ) -> None:
     """``functopt.fast.make_step(tx)`` equals the pure step (see the module docstring).
+
+    ``compile=True`` holds the compiled tier to the same law
+    (``make_step(tx, compile=True)``, its state from ``step.init`` laid out flat as the
+    tier wants it, and from ``tx.init`` as a user may pass it); each new structure
+    compiles (seconds).
 
     Each step starts both paths from the pure path's params and state, so the tolerance is
     one step's rounding. ``with_params=False`` is not meaningful for a whole step and is
@@ -602,15 +609,25 @@ def check_fast_path(
     for step in range(1, steps + 1):
         updates, pure_state = built.update(grads, state, params, **(extra_args or {}))
         pure_params = functopt.apply_updates(params, updates)
-        exact = not explain(built, params, state, grads).fast
-        for donate in (False, True):
+        exact = not explain(built, params, state, grads, compile=compile).fast
+        for donate, flat in ((False, False), (True, False), *(
+                ((False, True), (True, True)) if compile else ())):
+            step_fn = make_step(built, donate=donate, compile=compile)
             inputs = _compare.clone_tree((grads, state, params))
-            g, s, p = _compare.clone_tree(inputs)
+            if flat:  # the state laid out as step.init lays it out, with the same values
+                laid = step_fn.init(params)
+                inputs = (inputs[0], optree.tree_map(
+                    lambda x, v: x.copy_(v) if isinstance(x, torch.Tensor) else v, laid,
+                    inputs[1]), inputs[2])
+            if flat:  # stepped as they are (a clone would not be flat); compared with a copy
+                g, s, p = inputs
+                inputs = _compare.clone_tree(inputs)
+            else:
+                g, s, p = _compare.clone_tree(inputs)
             with torch.no_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore", FastPathWarning)
-                new_params, new_state = make_step(built, donate=donate)(
-                    g, s, p, **(extra_args or {}))
-            what = f"step {step}, donate={donate}"
+                new_params, new_state = step_fn(g, s, p, **(extra_args or {}))
+            what = f"step {step}, donate={donate}" + (", flat state" if flat else "")
             _assert_fast_close(new_params, pure_params, params, check=check,
                                what=f"{what}, params", exact=exact)
             _assert_fast_close(new_state, pure_state, state, check=check,

@@ -1,0 +1,211 @@
+r"""The planner's compiled tier: elementwise rules without a PyTorch kernel, compiled.
+
+A group of leaves whose programs are the same chain of elementwise rules (Lion, NAdam,
+RAdam, Adamax, Adadelta, Rprop, SGD with dampening, Adam variants the kernels lack, with
+decay, learning rates, schedules, a leading clip or ``apply_if_finite``) runs as one call of
+a ``torch.compile``\ d function over *flat* tensors: the group's gradients, values and
+per-leaf state entries, each laid end to end in memory order. The function runs each rule's
+own pure ``update`` on those flat tensors (elementwise, so the same numbers as leaf by leaf)
+and writes the results in place, which Inductor fuses into one loop per group.
+
+What is flat costs nothing: state that [`make_step(...).init`][functopt.fast.make_step]
+allocated (each state entry of a group is a view into one buffer, while the state tree the
+user sees stays per leaf), params that are views of one contiguous buffer. What is not
+flat is gathered with one ``torch.cat`` before the call and written back with one
+``foreach`` copy after: correct for any layout, and the reason to allocate the state flat.
+
+One compiled function per group, built at the group's first step (seconds; Inductor's cache
+makes later processes faster) and recompiled only when the group's sizes change. It holds
+no tensor between calls: every buffer it writes belongs to the caller's params or state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+
+from functopt._collective.dtensor import _rewrap_like, local_tensor
+from functopt.fast._layout import dense, end_to_end, memory_view, shaped_like
+from functopt.transforms import _common
+
+__all__ = ["flat_state", "layout_problem", "run_group"]
+
+
+def layout_problem(plan: Any, local: torch.Tensor, state_leaves: list[Any]) -> str | None:
+    """Why a leaf cannot join a compiled group, or None: its value and per-leaf state must
+    be dense, of one shape and one stride pattern (their dtypes may differ)."""
+    if not local.is_floating_point():
+        return f"{local.dtype} is not a floating dtype"
+    if not dense(local):
+        return f"its layout (strides {local.stride()}) is not dense"
+    for op in plan.ops:
+        for slot, k in op.slots.items():
+            s = state_leaves[k]
+            if not isinstance(s, torch.Tensor):
+                return f"its {op.kind} state.{slot} is not a tensor"
+            ls = local_tensor(s)
+            if ls.shape != local.shape or (ls.stride() != local.stride()
+                                            and local.numel() > 1):
+                return (f"its {op.kind} state.{slot} has shape {tuple(ls.shape)} and strides "
+                        f"{ls.stride()}, the param {tuple(local.shape)} and {local.stride()}")
+    return None
+
+
+def _gather(tensors: list[torch.Tensor], writable: bool, workspace: dict[Any, Any] | None,
+            key: Any) -> tuple[torch.Tensor, bool]:
+    """One flat tensor over ``tensors`` and whether it is a view of them (writes reach
+    them). ``writable`` False: a view is copied, so that the call writes into nothing of the
+    caller's. A gathered copy is written into ``workspace[key]`` when a workspace is given
+    (scratch kept by the caller: a fresh buffer of this size costs more than the copy)."""
+    flat = end_to_end(tensors)
+    if flat is not None:
+        return (flat, True) if writable else (flat.clone(), False)
+    views = [memory_view(t) for t in tensors]
+    if workspace is None:
+        return torch.cat(views), False
+    total = sum(t.numel() for t in tensors)
+    buffer = workspace.get(key)
+    if buffer is None or buffer.numel() != total or buffer.dtype != tensors[0].dtype or (
+            buffer.device != tensors[0].device):
+        buffer = workspace[key] = torch.empty(total, dtype=tensors[0].dtype,
+                                              device=tensors[0].device)
+    return torch.cat(views, out=buffer), False
+
+
+def _scatter(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Tensors shaped and strided like ``like``, viewing consecutive segments of ``flat``."""
+    out, start = [], 0
+    for t in like:
+        out.append(shaped_like(flat, start, t))
+        start += t.numel()
+    return out
+
+
+def _pieces(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``flat`` cut into 1-d pieces of the sizes of ``like``."""
+    out, start = [], 0
+    for t in like:
+        out.append(flat[start:start + t.numel()])
+        start += t.numel()
+    return out
+
+
+def _body(ops: tuple[Any, ...]) -> Any:
+    """The function compiled for one group: the rules' pure updates over flat tensors,
+    written into them in place; returns the new shared state entries of each rule."""
+    def step(g: torch.Tensor, p: torch.Tensor, slots: list[torch.Tensor],
+             shared: list[dict[str, Any]], scale: torch.Tensor | None,
+             skip: torch.Tensor | None) -> list[dict[str, Any]]:
+        u = g if scale is None else _common.scaled(g, scale)
+        new_slots: list[torch.Tensor] = []
+        new_shared: list[dict[str, Any]] = []
+        k = 0
+        for op, own in zip(ops, shared, strict=True):
+            fields = dict(own)
+            for name in op.slots:
+                fields[name] = slots[k]
+                k += 1
+            u, new = op.fn(u, type(op.state_at)(**fields), p)
+            new_slots.extend(getattr(new, name) for name in op.slots)
+            new_shared.append({f: getattr(new, f) for f in own})
+        new_p = p + u
+        if skip is not None:
+            new_p = torch.where(skip, p, new_p)
+            new_slots = [torch.where(skip, old, new) for old, new in
+                         zip(slots, new_slots, strict=True)]
+            new_shared = [{f: optree.tree_map(lambda a, b: torch.where(skip, a, b), own[f],
+                                              new[f]) for f in own}
+                          for own, new in zip(shared, new_shared, strict=True)]
+        p.copy_(new_p)
+        for old, new in zip(slots, new_slots, strict=True):
+            old.copy_(new)
+        return new_shared
+    return step
+
+
+def run_group(group: Any, values: list[Any], grads: list[Any], state_leaves: list[Any],
+              new_values: list[Any], new_leaves: list[Any], *, donate: bool,
+              scale: torch.Tensor | None, found_inf: torch.Tensor | None,
+              compiled: dict[Any, Any], workspace: dict[Any, Any] | None = None) -> None:
+    """One compiled call for ``group`` (see the module docstring); ``compiled`` holds the
+    compiled functions by group (the structure's, so that a plan compiles once);
+    ``workspace`` the caller's scratch buffers for the gathered copies (a donating step's,
+    kept per thread), or None to allocate them."""
+    plan = group.plan
+    keep = [j for j, i in enumerate(group.leaves) if local_tensor(values[i]).numel()]
+    if not keep:
+        return  # empty leaves: nothing to compute, their state is empty
+    idx = [group.leaves[j] for j in keep]
+    plans = [group.plans[j] for j in keep]
+    ps = [local_tensor(values[i]) for i in idx]
+    gs = []
+    for i, p in zip(idx, ps, strict=True):
+        g = local_tensor(grads[i])
+        gs.append(torch.empty_like(p, dtype=g.dtype).copy_(g) if (
+            g.stride() != p.stride() and p.numel() > 1) else g)
+    key = plan.key()
+    g_flat, _ = _gather(gs, True, workspace, (key, "grads"))
+    p_flat, p_view = _gather(ps, donate, workspace, (key, "values"))
+    slot_sets: list[tuple[list[int], list[torch.Tensor]]] = []
+    slot_flats: list[torch.Tensor] = []
+    slot_views: list[bool] = []
+    shared: list[dict[str, Any]] = []
+    for j, op in enumerate(plan.ops):
+        for name in op.slots:
+            ks = [leaf_plan.ops[j].slots[name] for leaf_plan in plans]
+            tensors = [local_tensor(state_leaves[k]) for k in ks]
+            flat, view = _gather(tensors, donate, workspace, (key, j, name))
+            slot_sets.append((ks, tensors))
+            slot_flats.append(flat)
+            slot_views.append(view)
+        shared.append({f: optree.tree_map(lambda k: state_leaves[k], getattr(op.state_at, f))
+                       for f in op.state_at._fields if f not in op.slots})
+    fn = compiled.get(key)
+    if fn is None:
+        fn = compiled[key] = torch.compile(_body(plan.ops), dynamic=False)
+    skip = None if found_inf is None else found_inf.to(device=p_flat.device, dtype=torch.bool)
+    new_shared = fn(g_flat, p_flat, slot_flats, shared, scale, skip)
+    if donate:
+        if not p_view:
+            torch._foreach_copy_([memory_view(p) for p in ps], _pieces(p_flat, ps))
+        for (_, tensors), flat, view in zip(slot_sets, slot_flats, slot_views, strict=True):
+            if not view:
+                torch._foreach_copy_([memory_view(t) for t in tensors], _pieces(flat, tensors))
+    else:
+        for i, out in zip(idx, _scatter(p_flat, ps), strict=True):
+            new_values[i] = _rewrap_like(values[i], out)
+        for (ks, tensors), flat in zip(slot_sets, slot_flats, strict=True):
+            for k, out in zip(ks, _scatter(flat, tensors), strict=True):
+                new_leaves[k] = _rewrap_like(state_leaves[k], out)
+    counters = {op.count for op in plan.ops if op.count is not None}
+    for op, own in zip(plan.ops, new_shared, strict=True):
+        for f, value in own.items():
+            index_tree = getattr(op.state_at, f)
+            for k, v in zip(optree.tree_leaves(index_tree), optree.tree_leaves(value),
+                            strict=True):
+                if k not in counters:  # the planner advances the counts, once per step
+                    new_leaves[k] = v
+
+
+def flat_state(state_leaves: list[Any], groups: list[Any]) -> list[Any]:
+    """``state_leaves`` with each compiled group's per-leaf state entries moved into one
+    buffer per entry (views keep each leaf's shape and strides): what the compiled tier
+    then reads and writes in place."""
+    out = list(state_leaves)
+    for group in groups:
+        if group.plan.kernel != "compiled":
+            continue
+        for j, op in enumerate(group.plan.ops):
+            for name in op.slots:
+                ks = [leaf_plan.ops[j].slots[name] for leaf_plan in group.plans]
+                tensors = [local_tensor(state_leaves[k]) for k in ks]
+                if end_to_end(tensors) is not None:
+                    continue
+                flat = torch.cat([memory_view(t) for t in tensors]) if tensors else None
+                if flat is None:
+                    continue
+                for k, view in zip(ks, _scatter(flat, tensors), strict=True):
+                    out[k] = _rewrap_like(state_leaves[k], view)
+    return out

@@ -1,0 +1,215 @@
+"""The planner's compiled tier (``make_step(tx, compile=True)``): elementwise rules without a
+PyTorch kernel, one compiled call per group, held to the pure path.
+
+Each distinct group compiles once per process (seconds on this machine; Inductor's cache
+makes reruns faster), so the default run keeps to a few chains that cover the mechanism;
+``-m slow`` runs every compiled rule.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+import functopt
+from functopt import fast
+from functopt.testing import conformance
+from functopt.tree import _core
+
+# Importing Inductor on the CPU defines torch.utils.mkldnn's ScriptModules, which warn.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+
+
+def _tree(dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Leaves of every layout the tier must handle: contiguous, channels_last, transposed,
+    0-d, empty."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, dtype=dtype)
+
+    return {"w": randn(4, 3), "b": randn(3),
+            "conv": randn(2, 3, 2, 2).to(memory_format=torch.channels_last),
+            "t": randn(3, 5).t(), "s": randn(), "e": torch.zeros(0, dtype=dtype)}
+
+
+def _grads(params: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    # laid out unlike the params (contiguous), which the tier must copy into their layout
+    return {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in params.items()}
+
+
+def _no_vectors(params: Any) -> Any:
+    return {k: v.ndim > 1 for k, v in params.items()}
+
+
+def _lion() -> functopt.GradientTransformation:
+    return functopt.lion(1e-2, weight_decay=0.1)
+
+
+def _clip_nadam() -> functopt.GradientTransformation:
+    return functopt.apply_if_finite(functopt.chain(
+        functopt.clip_by_global_norm(0.5), functopt.nadam(1e-2)), max_consecutive_errors=2)
+
+
+def _masked_schedule() -> functopt.GradientTransformation:
+    # two programs (decayed matrices, undecayed vectors): two groups, two compiled calls
+    return functopt.chain(
+        functopt.scale_by_lion(),
+        functopt.add_decayed_weights(0.1, mask=_no_vectors),
+        functopt.scale_by_learning_rate(functopt.schedules.cosine_decay_schedule(1e-2, 10)))
+
+
+@pytest.mark.parametrize("factory", [_lion, _clip_nadam, _masked_schedule],
+                         ids=["lion", "guard_clip_nadam", "masked_schedule"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_compiled_tier_obeys_the_fast_path_law(factory: Any, dtype: torch.dtype) -> None:
+    """The conformance law (float64 to 1e-12, float32 to a few ulps per step), donated or
+    not, with the state as tx.init lays it out and as step.init does, on every layout."""
+    params = _tree(dtype)
+    tx = factory()
+    assert fast.explain(tx, params, compile=True).fast
+    assert all(g.kernel == "compiled" for g in fast.explain(tx, params, compile=True).groups)
+    conformance.check_fast_path(factory, params, _grads(params, 1), steps=3, compile=True)
+
+
+def test_a_skipped_step_keeps_params_and_state() -> None:
+    """apply_if_finite folded into the compiled call: a non-finite gradient leaves params
+    and moments bitwise as they were, and only the guard's counters move."""
+    params = _tree(torch.float64)
+    tx = _clip_nadam()
+    step = fast.make_step(tx, compile=True, donate=True)
+    state = step.init(params)
+    before = _core.flatten(_clone(state))[0]
+    kept = {k: v.clone() for k, v in params.items()}
+    grads = _grads(params, 2)
+    grads["b"][1] = float("nan")
+    with torch.no_grad():
+        new, state = step(grads, state, params)
+    assert all(torch.equal(new[k], kept[k]) for k in params)
+    inner = state.inner_state[1][0]  # nadam's moments
+    old_inner = _core.unflatten(_core.flatten(state)[1], before).inner_state[1][0]
+    for a, b in zip(_core.flatten(inner)[0], _core.flatten(old_inner)[0], strict=True):
+        assert torch.equal(a, b)
+    assert int(state.notfinite_count) == 1
+
+
+def _clone(tree: Any) -> Any:
+    leaves, spec = _core.flatten(tree)
+    return _core.unflatten(spec, [x.clone() if isinstance(x, torch.Tensor) else x
+                                  for x in leaves])
+
+
+def test_init_lays_each_state_entry_end_to_end() -> None:
+    """step.init: values equal tx.init's, every compiled group's moments are views of one
+    buffer with their params' shapes and strides, and a donated step writes into them (the
+    returned state holds the same tensors)."""
+    params = _tree(torch.float32)
+    tx = _lion()
+    step = fast.make_step(tx, compile=True, donate=True)
+    state, reference = step.init(params), tx.init(params)
+    mu = state[0].mu
+    for k, p in params.items():
+        assert mu[k].shape == p.shape and (mu[k].stride() == p.stride() or p.numel() <= 1)
+        assert torch.equal(mu[k], reference[0].mu[k])
+    storages = {mu[k].untyped_storage().data_ptr() for k in params if params[k].numel()}
+    assert len(storages) == 1
+    pointers = {k: mu[k].data_ptr() for k in params}
+    params2 = {k: v.clone() for k, v in params.items()}
+    with torch.no_grad():
+        _, new_state = step(_grads(params, 3), state, params)
+    assert {k: new_state[0].mu[k].data_ptr() for k in params} == pointers
+    assert not torch.equal(new_state[0].mu["w"], reference[0].mu["w"])
+    # a state that is not laid out flat (here the reference) still steps, equally
+    other = fast.make_step(tx, compile=True, donate=True)
+    state2 = tx.init(params2)
+    with torch.no_grad():
+        other(_grads(params, 3), state2, params2)
+    assert all(torch.equal(params2[k], params[k]) for k in params)
+
+
+def test_params_in_one_buffer_are_stepped_in_place() -> None:
+    """Params that are views of one contiguous buffer (as a contiguous parameter buffer
+    gives) are read and written where they are: no copy back."""
+    flat = torch.randn(12 + 3, dtype=torch.float64)
+    params = {"w": flat[:12].view(4, 3), "b": flat[12:]}
+    tx = _lion()
+    step = fast.make_step(tx, compile=True, donate=True)
+    state = step.init(params)
+    reference_params = {k: v.clone() for k, v in params.items()}
+    reference_state = tx.init(reference_params)
+    grads = _grads(params, 4)
+    with torch.no_grad():
+        new, _ = step(grads, state, params)
+    updates, _ = tx.update(grads, reference_state, reference_params)
+    expected = functopt.apply_updates(reference_params, updates)
+    assert new["w"] is params["w"]
+    assert torch.equal(flat[:12].view(4, 3), expected["w"])
+    assert torch.equal(flat[12:], expected["b"])
+
+
+def test_two_threads_step_their_own_states() -> None:
+    """One donating step function, two threads, two models: the gathered copies are per
+    thread, so each result equals stepping alone."""
+    tx = _lion()
+    step = fast.make_step(tx, compile=True, donate=True)
+    models = [_tree(torch.float32, seed) for seed in (5, 6)]
+    alone = [{k: v.clone() for k, v in m.items()} for m in models]
+    grads = [_grads(m, 7 + i) for i, m in enumerate(models)]
+    solo = fast.make_step(tx, compile=True, donate=True)
+    for m, g in zip(alone, grads, strict=True):
+        s = tx.init(m)
+        with torch.no_grad():
+            for _ in range(5):
+                m, s = solo(g, s, m)
+    states = [tx.init(m) for m in models]
+    errors: list[BaseException] = []
+
+    def train(i: int) -> None:
+        try:
+            m, s = models[i], states[i]
+            with torch.no_grad():
+                for _ in range(5):
+                    m, s = step(grads[i], s, m)
+        except BaseException as error:  # pragma: no cover - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=train, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors
+    for m, a in zip(models, alone, strict=True):
+        assert all(torch.equal(m[k], a[k]) for k in m)
+
+
+def test_what_the_tier_does_not_lower_is_said() -> None:
+    params = {"w": torch.zeros(3)}
+    plain = fast.explain(functopt.lion(1e-3), params)
+    assert not plain.fast and "make_step(tx, compile=True) compiles it" in str(plain.reason)
+    injected = functopt.inject_hyperparams(functopt.lion)(learning_rate=1e-3)
+    got = fast.explain(injected, params, compile=True)
+    assert not got.fast and "injected hyperparameters" in str(got.reason)
+    late_clip = functopt.chain(functopt.scale_by_lion(), functopt.clip_by_global_norm(1.0),
+                               functopt.scale_by_learning_rate(1e-3))
+    got = fast.explain(late_clip, params, compile=True)
+    assert not got.fast and "only before the rules" in str(got.reason)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("factory", [
+    lambda: functopt.radam(1e-2), lambda: functopt.adamax(1e-2),
+    lambda: functopt.adadelta(1.0), lambda: functopt.rprop(1e-2),
+    lambda: functopt.adamw(1e-2, nesterov=True),
+    lambda: functopt.chain(functopt.dampened_trace(0.9, 0.1),
+                           functopt.scale_by_learning_rate(1e-2)),
+], ids=["radam", "adamax", "adadelta", "rprop", "nadamw", "dampened_sgd"])
+def test_every_compiled_rule_obeys_the_law(factory: Any) -> None:
+    params = _tree(torch.float64)
+    assert fast.explain(factory(), params, compile=True).fast
+    conformance.check_fast_path(factory, params, _grads(params, 1), steps=3, compile=True)
