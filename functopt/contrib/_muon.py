@@ -226,6 +226,12 @@ def scale_by_muon(
     with a gradient must be 2-D. The maths runs in the widest of the leaf's dtypes and
     float32; the update keeps the gradient's dtype.
 
+    On DTensor params (FSDP2's ``fully_shard``, tensor parallelism) the momentum stays
+    sharded as the params are, and each matrix is orthogonalised whole on one rank: the
+    shards travel to their owners in one all-to-all and the updates back in another, for
+    all matrices together; the result is the single-process one ("Muon on sharded params"
+    in the contrib guide gives the communication per step).
+
     Args:
         ns_coeffs: Newton-Schulz coefficients: a triple, or a tuple of triples.
         ns_steps: the number of Newton-Schulz steps, >= 1.
