@@ -11,17 +11,21 @@ shard of the owner's result. Each is **one** ``all_to_all_single`` over bytes fo
 leaves together (every dtype in one buffer), so a step makes two collectives whatever the
 number of leaves, and a leaf's bytes cross the network at most once each way:
 
-- gather: rank $q$ sends its shard of leaf $j$ to the owner $o_j$ unless $q = o_j$ or $q$
-  holds a copy that another rank already sends (``Replicate()`` along a mesh dimension:
-  only coordinate 0 sends), so the owner receives $N_j - n_{j,o_j}$ elements of leaf $j$
-  ($N_j$ its elements, $n_{j,q}$ those in $q$'s shard).
+- gather: rank $q$ sends its shard of leaf $j$ to the owner $o_j$ unless $q = o_j$, the
+  owner holds the same block (a copy along a ``Replicate()`` mesh dimension), or another
+  copy of it is sent (only the copy at coordinate 0 of the replicated mesh dimensions is),
+  so the owner receives $N_j - n_{j,o_j}$ elements of leaf $j$ ($N_j$ its elements,
+  $n_{j,q}$ those in $q$'s shard).
 - scatter: the owner sends every other rank its shard (copies included), so rank $q$
   receives $n_{j,q}$ elements of each leaf it does not own.
 
-The placements read are ``Shard(d)`` and ``Replicate()`` along each mesh dimension
-(several mesh dimensions, several on one tensor dimension; ``Shard`` splits like
-``torch.chunk``). Other placements (``Partial``, FSDP2's strided shards of a 2-D mesh)
-raise naming the leaf. The meshes of all leaves must span the same ranks.
+The placements read are ``Shard(d)``, ``Replicate()`` and FSDP2's strided shards (what
+``fully_shard`` makes of a tensor-parallel param on a 2-D mesh), along each mesh dimension
+of a mesh of any number of dimensions, as DTensor lays them out (``Shard`` splits like
+``torch.chunk``). A shard is a product of runs of consecutive indices along each tensor
+dimension (one run for ``Shard``), so it is cut and pasted with slices. ``Partial`` (and
+any other placement) raises naming the leaf. The meshes of all leaves must span the same
+ranks.
 """
 
 from __future__ import annotations
@@ -38,7 +42,6 @@ from functopt._collective.dtensor import _infer_group, _rewrap_like, is_dtensor
 
 __all__ = ["assign_owners", "gather_to_owners", "scatter_from_owners"]
 
-_Block = tuple[tuple[int, ...], tuple[int, ...]]  # (offset, shape) in the global tensor
 
 
 def assign_owners(costs: Sequence[float], world: int) -> list[int]:
@@ -60,43 +63,102 @@ def assign_owners(costs: Sequence[float], world: int) -> list[int]:
     return owners
 
 
-def _chunk(start: int, length: int, parts: int, index: int) -> tuple[int, int]:
+_Runs = tuple[tuple[int, int], ...]  # (global start, length) runs along one tensor dimension
+
+
+def _take(runs: _Runs, lo: int, hi: int) -> _Runs:
+    """Elements ``lo:hi`` of the index list that ``runs`` spell, as runs."""
+    out: list[tuple[int, int]] = []
+    pos = 0
+    for start, n in runs:
+        a, b = max(lo, pos), min(hi, pos + n)
+        if a < b:
+            if out and out[-1][0] + out[-1][1] == start + a - pos:
+                out[-1] = (out[-1][0], out[-1][1] + b - a)
+            else:
+                out.append((start + a - pos, b - a))
+        pos += n
+    return tuple(out)
+
+
+def _chunk(runs: _Runs, parts: int, index: int) -> _Runs:
     # torch.chunk's split, as DTensor's Shard: pieces of ceil(length / parts), the last ones
     # shorter or empty.
-    size = -(-length // parts) if length else 0
+    length = sum(n for _, n in runs)
+    size = -(-length // parts)
     lo = min(index * size, length)
-    return start + lo, max(0, min(size, length - lo))
+    return _take(runs, lo, min(lo + size, length))
 
 
-def _blocks(x: Any, where: Callable[[], str]) -> list[tuple[_Block, bool]]:
-    """Per rank of ``x``'s mesh, in mesh order: its block of the global tensor, and whether it
-    sends it (False for a copy of a block that a rank with a lower coordinate sends)."""
+def _strided(runs: _Runs, split_factor: int, parts: int, index: int) -> _Runs:
+    # FSDP2's _StridedShard (a dimension already split split_factor ways by a later mesh
+    # dimension, then each piece split again here): piece ``index`` of every one of the
+    # split_factor chunks, in order; contiguous when the later split is a plain Shard.
+    pieces = [_chunk(_chunk(runs, split_factor, k), parts, index) for k in range(split_factor)]
+    joined = tuple(r for piece in pieces for r in piece)
+    return _take(joined, 0, sum(n for _, n in joined))  # merges adjacent runs
+
+
+@functools.lru_cache(maxsize=1024)
+def _grid_blocks(shape: tuple[int, ...], grid: tuple[int, ...],
+                 placements: tuple[Any, ...]) -> tuple[tuple[tuple[_Runs, ...], bool], ...]:
+    """Per coordinate of a mesh of shape ``grid`` (row-major): the runs of the global tensor
+    it holds along each dimension, and whether it sends them (False for a copy of what a
+    rank at a lower coordinate of a replicated mesh dimension sends)."""
     from torch.distributed.tensor import Shard  # imported once DTensors exist
 
-    mesh = x.device_mesh
-    for dim, placement in enumerate(x.placements):
-        # type(...) is Shard: FSDP2's _StridedShard subclasses Shard but splits otherwise
-        if not (placement.is_replicate() or type(placement) is Shard):
-            raise ValueError(
-                f"{where()!r}: placement {placement!r} on mesh dimension {dim} of {mesh}; the "
-                f"whole tensor can be gathered from Shard(d) and Replicate() placements only. "
-                f"Fix: redistribute it first (x.redistribute(placements=[Shard(0)])), or keep "
-                f"it off a strided (2-D FSDP) layout."
-            )
-    grid = mesh.mesh
-    out: list[tuple[_Block, bool]] = []
-    for coordinate in _coordinates(tuple(grid.shape)):
-        start = [0] * x.dim()
-        length = list(x.shape)
+    out = []
+    for coordinate in _coordinates(grid):
+        runs: list[_Runs] = [((0, n),) if n else () for n in shape]
         sends = True
-        for dim, placement in enumerate(x.placements):
+        for dim, placement in enumerate(placements):
             if placement.is_replicate():
                 sends = sends and coordinate[dim] == 0
                 continue
-            d = placement.dim % x.dim()
-            start[d], length[d] = _chunk(start[d], length[d], grid.shape[dim], coordinate[dim])
-        out.append(((tuple(start), tuple(length)), sends))
-    return out
+            d = placement.dim % len(shape)
+            if type(placement) is Shard:
+                runs[d] = _chunk(runs[d], grid[dim], coordinate[dim])
+            else:  # _StridedShard, checked by the caller
+                runs[d] = _strided(runs[d], int(placement.split_factor), grid[dim],
+                                   coordinate[dim])
+        out.append((tuple(runs), sends))
+    return tuple(out)
+
+
+def _blocks(x: Any, where: Callable[[], str]) -> tuple[tuple[tuple[_Runs, ...], bool], ...]:
+    """Per rank of ``x``'s mesh, in mesh order: the runs of the global tensor its shard holds
+    along each dimension, and whether it sends them (see ``_grid_blocks``)."""
+    from torch.distributed.tensor import Shard  # imported once DTensors exist
+
+    for dim, placement in enumerate(x.placements):
+        strided = type(placement).__name__ == "_StridedShard" and hasattr(placement,
+                                                                           "split_factor")
+        if not (placement.is_replicate() or type(placement) is Shard or strided):
+            raise ValueError(
+                f"{where()!r}: placement {placement!r} on mesh dimension {dim} of "
+                f"{x.device_mesh}; the whole tensor can be gathered from Shard(d), FSDP2's "
+                f"strided shards and Replicate() placements only. Fix: redistribute it first "
+                f"(x.redistribute(placements=[Shard(0)] * mesh.ndim))."
+            )
+    return _grid_blocks(tuple(x.shape), tuple(x.device_mesh.mesh.shape), tuple(x.placements))
+
+
+def _shape(runs: tuple[_Runs, ...]) -> tuple[int, ...]:
+    return tuple(sum(n for _, n in r) for r in runs)
+
+
+def _regions(runs: tuple[_Runs, ...]) -> list[tuple[tuple[slice, ...], tuple[slice, ...]]]:
+    """``(global region, local region)`` pairs, one per product of runs: the shard's
+    elements sit at ``whole[global]`` and ``local[local]``."""
+    pairs: list[tuple[tuple[slice, ...], tuple[slice, ...]]] = [((), ())]
+    for dim_runs in runs:
+        step: list[tuple[slice, slice]] = []
+        pos = 0
+        for start, n in dim_runs:
+            step.append((slice(start, start + n), slice(pos, pos + n)))
+            pos += n
+        pairs = [((*g, gs), (*loc, ls)) for g, loc in pairs for gs, ls in step]
+    return pairs
 
 
 def _coordinates(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -106,29 +168,32 @@ def _coordinates(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     return coords
 
 
+_Row = list[tuple[tuple[_Runs, ...], bool]]  # per group rank: its runs, whether it sends
+
+
 def _layout(leaves: Sequence[Any], name: Callable[[int], str],
-            group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, list[list[Any]]]:
-    """The group and, per leaf, per group rank: ``(block, sends)`` of that rank."""
+            group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, list[_Row]]:
+    """The group and, per leaf, per group rank: ``(runs, sends)`` of that rank's shard."""
     if group is None:
         group = _infer_group(leaves, name)
     if group is None:
         raise ValueError("gather_to_owners: no DTensor leaf; plain tensors are already whole.")
     world = dist.get_world_size(group)
-    per_leaf: list[list[Any]] = []
+    per_leaf: list[_Row] = []
     for j, x in enumerate(leaves):
         if not is_dtensor(x):
             raise TypeError(f"{name(j)!r}: expected a DTensor, got {type(x).__name__}.")
         ranks = [dist.get_group_rank(group, int(r)) for r in x.device_mesh.mesh.reshape(-1)]
-        blocks = _blocks(x, functools.partial(name, j))
         row: list[Any] = [None] * world
-        for r, block in zip(ranks, blocks, strict=True):
+        for r, block in zip(ranks, _blocks(x, functools.partial(name, j)), strict=True):
             row[r] = block
-        mine = row[dist.get_rank(group)]
-        if tuple(x.to_local().shape) != mine[0][1]:
+        expected = _shape(row[dist.get_rank(group)][0])
+        if tuple(x.to_local().shape) != expected:
             raise ValueError(
                 f"{name(j)!r}: this rank's shard has shape {tuple(x.to_local().shape)} but its "
-                f"placements {tuple(x.placements)} give {mine[0][1]}; the shards are not laid "
-                f"out like torch.chunk. Fix: build it with distribute_tensor or fully_shard."
+                f"placements {tuple(x.placements)} give {expected}; the shards are not laid "
+                f"out as DTensor lays them out. Fix: build it with distribute_tensor or "
+                f"fully_shard."
             )
         per_leaf.append(row)
     return group, per_leaf
@@ -144,6 +209,23 @@ def _from_bytes(buf: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> 
     return buf.view(dtype).reshape(tuple(shape))
 
 
+def _put(whole: torch.Tensor, runs: tuple[_Runs, ...], local: torch.Tensor) -> None:
+    """Write a shard (laid out as ``runs`` say) into the whole tensor."""
+    for g, loc in _regions(runs):
+        whole[g] = local[loc]
+
+
+def _cut(whole: torch.Tensor, runs: tuple[_Runs, ...]) -> torch.Tensor:
+    """The shard that ``runs`` spell, read out of the whole tensor (contiguous)."""
+    regions = _regions(runs)
+    if len(regions) == 1:
+        return whole[regions[0][0]].contiguous()
+    local = whole.new_empty(_shape(runs))
+    for g, loc in regions:
+        local[loc] = whole[g]
+    return local
+
+
 def _exchange(send: list[list[torch.Tensor]], recv_sizes: list[int],
               group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
     """One ``all_to_all_single``: ``send[r]`` (byte tensors) to rank ``r``; the received
@@ -157,16 +239,19 @@ def _exchange(send: list[list[torch.Tensor]], recv_sizes: list[int],
     return out
 
 
-def _moves(owners: Sequence[int], layout: list[list[Any]]) -> bool:
+def _moves(owners: Sequence[int], layout: list[_Row]) -> bool:
     """Whether any rank holds a piece of a leaf it does not own (the same answer on every
     rank, so that all of them make the collective or none does)."""
-    return any(q != owner and math.prod(block[1]) > 0
+    return any(q != owner and math.prod(_shape(runs)) > 0
                for owner, row in zip(owners, layout, strict=True)
-               for q, (block, _) in enumerate(row))
+               for q, (runs, _) in enumerate(row))
 
 
-def _region(block: _Block) -> tuple[slice, ...]:
-    return tuple(slice(s, s + n) for s, n in zip(block[0], block[1], strict=True))
+def _sends(row: _Row, q: int, owner: int) -> bool:
+    """Whether rank ``q`` sends its shard to ``owner``: one copy of each block (the one at
+    coordinate 0 of the replicated mesh dimensions), and none of the owner's own block."""
+    runs, first_copy = row[q]
+    return q != owner and first_copy and runs != row[owner][0] and math.prod(_shape(runs)) > 0
 
 
 def gather_to_owners(leaves: Sequence[Any], owners: Sequence[int], *,
@@ -174,7 +259,7 @@ def gather_to_owners(leaves: Sequence[Any], owners: Sequence[int], *,
                      group: dist.ProcessGroup | None = None) -> list[torch.Tensor | None]:
     """For each DTensor leaf, its whole value (a plain tensor) on its owner, ``None`` elsewhere.
 
-    One ``all_to_all_single`` for all leaves (none if every leaf lives on one rank). The
+    One ``all_to_all_single`` for all leaves (none if every leaf lives on its owner). The
     ranks must all call it with the same leaves (the same global shapes and placements)
     and owners.
 
@@ -189,14 +274,13 @@ def gather_to_owners(leaves: Sequence[Any], owners: Sequence[int], *,
     send: list[list[torch.Tensor]] = [[] for _ in range(world)]
     recv = [0] * world
     for x, owner, row in zip(leaves, owners, layout, strict=True):
-        (_, _), sends = row[me]
-        if sends and owner != me:
+        if owner != me and _sends(row, me, owner):
             send[owner].append(_as_bytes(x.to_local()))
         if owner == me:
-            for q, ((_, shape), q_sends) in enumerate(row):
-                if q_sends and q != me:
-                    recv[q] += math.prod(shape) * x.dtype.itemsize
-    device = leaves[0].to_local().device if leaves else torch.device("cpu")
+            for q, (runs, _) in enumerate(row):
+                if _sends(row, q, owner):
+                    recv[q] += math.prod(_shape(runs)) * x.dtype.itemsize
+    device = leaves[0].to_local().device
     received = _exchange(send, recv, group, device) if _moves(owners, layout) else None
     cursor = [sum(recv[:q]) for q in range(world)]
     out: list[torch.Tensor | None] = []
@@ -205,15 +289,15 @@ def gather_to_owners(leaves: Sequence[Any], owners: Sequence[int], *,
             out.append(None)
             continue
         whole = torch.empty(tuple(x.shape), dtype=x.dtype, device=x.to_local().device)
-        for q, (block, q_sends) in enumerate(row):
+        for q, (runs, _) in enumerate(row):
             if q == me:
-                whole[_region(block)] = x.to_local()
-            elif q_sends:
-                size = math.prod(block[1]) * x.dtype.itemsize
+                _put(whole, runs, x.to_local())
+            elif _sends(row, q, owner):
+                size = math.prod(_shape(runs)) * x.dtype.itemsize
                 assert received is not None
                 piece = received[cursor[q]:cursor[q] + size]
                 cursor[q] += size
-                whole[_region(block)] = _from_bytes(piece, x.dtype, block[1])
+                _put(whole, runs, _from_bytes(piece, x.dtype, _shape(runs)))
         out.append(whole)
     return out
 
@@ -235,25 +319,25 @@ def scatter_from_owners(values: Sequence[torch.Tensor | None], like: Sequence[An
     for value, owner, row, dtype in zip(values, owners, layout, dtypes, strict=True):
         if owner == me:
             assert value is not None, "the owner holds the whole value"
-            for q, (block, _) in enumerate(row):
+            for q, (runs, _) in enumerate(row):
                 if q != me:
-                    send[q].append(_as_bytes(value[_region(block)]))
+                    send[q].append(_as_bytes(_cut(value, runs)))
         else:
-            recv[owner] += math.prod(row[me][0][1]) * dtype.itemsize
-    device = like[0].to_local().device if like else torch.device("cpu")
+            recv[owner] += math.prod(_shape(row[me][0])) * dtype.itemsize
+    device = like[0].to_local().device
     received = _exchange(send, recv, group, device) if _moves(owners, layout) else None
     cursor = [sum(recv[:q]) for q in range(world)]
     out: list[Any] = []
     for value, x, owner, row, dtype in zip(values, like, owners, layout, dtypes, strict=True):
-        block = row[me][0]
+        runs = row[me][0]
         if owner == me:
             assert value is not None
-            local = value[_region(block)].contiguous()
+            local = _cut(value, runs)
         else:
-            size = math.prod(block[1]) * dtype.itemsize
+            size = math.prod(_shape(runs)) * dtype.itemsize
             assert received is not None
-            local = _from_bytes(received[cursor[owner]:cursor[owner] + size], dtype, block[1])
+            local = _from_bytes(received[cursor[owner]:cursor[owner] + size], dtype,
+                                _shape(runs))
             cursor[owner] += size
-        local = local.to(x.to_local().device)
-        out.append(_rewrap_like(x, local))
+        out.append(_rewrap_like(x, local.to(x.to_local().device)))
     return out

@@ -11,7 +11,8 @@ sizes, against sizes computed here from ``torch.chunk``.
 
 Shards are uneven on purpose (5 rows over 2 ranks are 3 + 2; over 4 ranks 2 + 2 + 1 + 0;
 a 1-row matrix lives on rank 0 only). ``tests/test_distributed_muon.py`` runs the checks
-at 2 and 4 ranks; the 2-D mesh check runs at 4.
+at 2 and 4 ranks; the 2-D mesh checks (a 2 x 2 mesh of DTensors, and FSDP2 over tensor
+parallelism, whose column-parallel weights are FSDP2's strided shards) run at 4.
 """
 
 from __future__ import annotations
@@ -316,3 +317,78 @@ def fsdp2_training_equals_single_process_float64(rank: int, world: int) -> None:
         _fsdp._write(single, functopt.apply_updates(ref, ref_updates))
     _assert_tree(_fsdp._params(model), _fsdp._params(single), bitwise=False,
                  rtol=0.0, atol=1e-12)
+
+
+@check
+def make_step_runs_sharded_muon_on_the_pure_path(rank: int, world: int) -> None:
+    """functopt.fast.make_step(muon), donating, on Shard(0) params: the pure update with a
+    FastPathWarning (no kernel for Muon), bitwise the update plus apply_updates, params and
+    state still DTensors placed as before, and still two collectives per step."""
+    mesh = _mesh(world)
+    full = _tree(torch.float32)
+    tx = _recipe()
+    step = functopt.fast.make_step(tx, donate=True)
+    params, ref_params = _shard_tree(full, mesh), _shard_tree(full, mesh)
+    state, ref_state = tx.init(params), tx.init(ref_params)
+    for i in range(2):
+        grads = _shard_tree(_grads(i, full), mesh)
+        ref_updates, ref_state = tx.update(grads, ref_state, ref_params)
+        ref_params = functopt.apply_updates(ref_params, ref_updates)
+        with CommDebugMode() as comm, pytest.warns(FastPathWarning, match="muon"):
+            params, state = step(grads, state, params)
+        assert comm.get_total_counts() == 2, comm.get_comm_counts()
+    _assert_tree(params, ref_params)
+    _assert_tree(state, ref_state)
+    assert _placed_like(state, ref_params) == 5 + 2
+
+
+@check
+def fsdp2_over_tensor_parallel_2d_mesh(rank: int, world: int) -> None:
+    """fully_shard over ColwiseParallel / RowwiseParallel on a (dp 2, tp 2) mesh (4 ranks):
+    the column-parallel weight becomes (_StridedShard(0, sf=2), Shard(0)), the row-parallel
+    one (Shard(0), Shard(1)). Muon's updates of the real gradients equal one process's on
+    the gradients DTensor itself gathers (full_tensor), bitwise, over two steps."""
+    if world != 4:
+        return
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(),
+                                torch.nn.Linear(10, 5)).double()
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    strided = params["0.weight"].placements[0]
+    assert type(strided).__name__ == "_StridedShard", params["0.weight"].placements
+    assert params["2.weight"].placements == (Shard(0), Shard(1))
+    layout = {k: DN(reduction_axis=1, output_axis=0) if v.dim() == 2 else None
+              for k, v in params.items()}
+    tx = contrib.muon(0.02, muon_weight_dimension_numbers=layout)
+    state = tx.init(params)
+    ref_state = tx.init({k: _full(v) for k, v in params.items()})
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(2):
+        x = torch.randn(8, 6, generator=gen, dtype=torch.float64)
+        dp = mesh.get_coordinate()[0]
+        model(x[4 * dp:4 * dp + 4]).square().mean().backward()
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        grads = {k: v.grad for k, v in model.named_parameters()}
+        with CommDebugMode() as comm:
+            updates, state = tx.update(grads, state, params)
+        assert comm.get_comm_counts()[torch.ops.c10d.alltoall_base_] == 2
+        ref_updates, ref_state = tx.update({k: _full(g) for k, g in grads.items()}, ref_state,
+                                           {k: _full(p) for k, p in params.items()})
+        for k, u in updates.items():
+            assert isinstance(u, DTensor) and u.placements == params[k].placements, k
+            assert torch.equal(_full(u), ref_updates[k]), k
+        new = functopt.apply_updates(params, updates)
+        with torch.no_grad():
+            for k, p in model.named_parameters():
+                p.copy_(new[k])
+                p.grad = None
+    _assert_tree(state, ref_state)
