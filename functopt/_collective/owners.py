@@ -168,6 +168,12 @@ def _coordinates(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     return coords
 
 
+@functools.lru_cache(maxsize=64)
+def _group_ranks_of(mesh: Any, group: dist.ProcessGroup) -> tuple[int, ...]:
+    """The rank in ``group`` of each rank of ``mesh``, in mesh order."""
+    return tuple(dist.get_group_rank(group, int(r)) for r in mesh.mesh.reshape(-1))
+
+
 _Row = list[tuple[tuple[_Runs, ...], bool]]  # per group rank: its runs, whether it sends
 
 
@@ -183,7 +189,7 @@ def _layout(leaves: Sequence[Any], name: Callable[[int], str],
     for j, x in enumerate(leaves):
         if not is_dtensor(x):
             raise TypeError(f"{name(j)!r}: expected a DTensor, got {type(x).__name__}.")
-        ranks = [dist.get_group_rank(group, int(r)) for r in x.device_mesh.mesh.reshape(-1)]
+        ranks = _group_ranks_of(x.device_mesh, group)
         row: list[Any] = [None] * world
         for r, block in zip(ranks, _blocks(x, functools.partial(name, j)), strict=True):
             row[r] = block

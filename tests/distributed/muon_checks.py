@@ -215,6 +215,37 @@ def communication_two_all_to_alls_and_their_bytes(rank: int, world: int) -> None
 
 
 @check
+def communication_bytes_with_replicated_and_column_shards(rank: int, world: int) -> None:
+    """The byte rule with copies: a Replicate() matrix needs no gather at all (its owner
+    holds it whole) and its update goes to the W - 1 other copies; Shard(1) pieces are
+    torch.chunk's along the columns; a float64 matrix travels at 8 bytes an element."""
+    mesh = _mesh(world)
+    full = {"rep": torch.randn(6, 5), "col": torch.randn(4, 7),
+            "wide64": torch.randn(3, 9, dtype=torch.float64)}
+    placements = {"rep": [Replicate()], "col": [Shard(1)], "wide64": [Shard(0)]}
+    params = _shard_tree(full, mesh, placements)
+    tx = contrib.scale_by_muon()
+    grads = _shard_tree(_grads(0, full), mesh, placements)
+    with CommDebugMode() as comm, _AllToAllBytes() as seen:
+        tx.update(grads, tx.init(params), params)
+    assert comm.get_total_counts() == 2, comm.get_comm_counts()
+    keys = list(full)
+    owner_of = dict(zip(keys, owners_module.assign_owners(
+        [_muon._ns_cost(full[k].shape, DN()) for k in keys], world), strict=True))
+    mine = {"rep": full["rep"].numel(), "col": _chunk_numel((4, 7), 1, world)[rank],
+            "wide64": _chunk_numel((3, 9), 0, world)[rank]}
+    copies = {"rep": world, "col": 1, "wide64": 1}
+    item = {k: full[k].element_size() for k in keys}
+    gather_sent = sum(mine[k] * item[k] for k in keys if owner_of[k] != rank and copies[k] == 1)
+    gather_recv = sum((full[k].numel() - mine[k]) * item[k] for k in keys if owner_of[k] == rank)
+    scatter_sent = sum((copies[k] * full[k].numel() - mine[k]) * item[k]
+                       for k in keys if owner_of[k] == rank)
+    scatter_recv = sum(mine[k] * item[k] for k in keys if owner_of[k] != rank)
+    assert seen.calls == [(gather_sent, gather_recv), (scatter_sent, scatter_recv)], (
+        seen.calls, owner_of)
+
+
+@check
 def work_is_spread_over_the_ranks(rank: int, world: int) -> None:
     """Each matrix is orthogonalised on exactly one rank, and every rank gets work when
     there are at least as many matrices as ranks (the owners balance the iteration cost)."""
