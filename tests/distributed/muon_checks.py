@@ -423,3 +423,47 @@ def fsdp2_over_tensor_parallel_2d_mesh(rank: int, world: int) -> None:
                 p.copy_(new[k])
                 p.grad = None
     _assert_tree(state, ref_state)
+
+
+@check
+def checkpoint_of_sharded_state_continues_bitwise(rank: int, world: int) -> None:
+    """Muon's sharded state saved with torch.distributed.checkpoint after two steps and
+    loaded into a fresh state: two more steps are bitwise the uninterrupted run."""
+    import shutil
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+
+    from functopt import distributed as fdist
+
+    mesh = _mesh(world)
+    full = _tree(torch.float32)
+    tx = _recipe()
+
+    def steps(params: Any, state: Any, which: range) -> tuple[Any, Any]:
+        for i in which:
+            updates, state = tx.update(_shard_tree(_grads(i, full), mesh), state, params)
+            params = functopt.apply_updates(params, updates)
+        return params, state
+
+    params = _shard_tree(full, mesh)
+    ref_params, ref_state = steps(params, tx.init(params), range(4))
+    params, state = steps(params, tx.init(params), range(2))
+    box = [tempfile.mkdtemp(prefix="functopt-muon-dcp-") if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    try:
+        dcp.save({"params": params, "opt": fdist.state_to_dict(state, params)},
+                 checkpoint_id=box[0])
+        loaded_params = _shard_tree({k: torch.zeros_like(v) for k, v in full.items()}, mesh)
+        template = tx.init(loaded_params)
+        target = {"params": loaded_params, "opt": fdist.state_to_dict(template, loaded_params)}
+        dcp.load(target, checkpoint_id=box[0])
+        loaded = fdist.state_from_dict(target["opt"], template)
+        assert _placed_like(loaded, loaded_params) == 5 + 2
+        params, state = steps(target["params"], loaded, range(2, 4))
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(box[0], ignore_errors=True)
+    _assert_tree(params, ref_params)
+    _assert_tree(state, ref_state)
