@@ -3,11 +3,9 @@ r"""Whole DTensors on one rank each, and the results back into their shards.
 Some per-leaf maths needs the whole tensor, not a shard: Muon's Newton-Schulz iteration
 multiplies the matrix by its transpose. Gathering every such leaf on every rank
 (``full_tensor()``) makes each rank receive every matrix and compute every iteration. Here
-each leaf has one *owner* rank ([`assign_owners`][functopt._collective.owners.assign_owners]
-spreads the leaves by cost); [`gather_to_owners`][functopt._collective.owners.gather_to_owners]
-sends each rank's shard of a leaf to its owner only, and
-[`scatter_from_owners`][functopt._collective.owners.scatter_from_owners] sends each rank its
-shard of the owner's result. Each is **one** ``all_to_all_single`` over bytes for all
+each leaf has one *owner* rank (``assign_owners`` spreads the leaves by cost);
+``gather_to_owners`` sends each rank's shard of a leaf to its owner only, and
+``scatter_from_owners`` sends each rank its shard of the owner's result. Each is **one** ``all_to_all_single`` over bytes for all
 leaves together (every dtype in one buffer), so a step makes two collectives whatever the
 number of leaves, and a leaf's bytes cross the network at most once each way:
 
@@ -41,7 +39,6 @@ import torch.distributed as dist
 from functopt._collective.dtensor import _infer_group, _rewrap_like, is_dtensor
 
 __all__ = ["assign_owners", "gather_to_owners", "scatter_from_owners"]
-
 
 
 def assign_owners(costs: Sequence[float], world: int) -> list[int]:
