@@ -8,5 +8,6 @@ all-reduce without importing the sharding strategies in ``functopt.distributed``
 sit above ``functopt.precision``: ``dtensor`` (which part of a DTensor a rank holds and
 counts, over which group), ``counting`` (each element counted once: placements and the
 ``replicated`` declaration of plain tensors), ``reduce`` (the packed statistics and their
-one all-reduce).
+one all-reduce), ``owners`` (whole leaves on one owner rank each and the results back into
+the shards, two all-to-alls: Muon's Newton-Schulz on sharded matrices).
 """

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from functopt import _validate
 from functopt._base import (
@@ -18,6 +19,8 @@ from functopt._base import (
     ScalarOrSchedule,
     Updates,
 )
+from functopt._collective.dtensor import _infer_group, _leaf_names, is_dtensor
+from functopt._collective.owners import assign_owners, gather_to_owners, scatter_from_owners
 from functopt.contrib import _shared
 from functopt.optimizers import adamw
 from functopt.transforms import _common
@@ -223,6 +226,12 @@ def scale_by_muon(
     with a gradient must be 2-D. The maths runs in the widest of the leaf's dtypes and
     float32; the update keeps the gradient's dtype.
 
+    On DTensor params (FSDP2's ``fully_shard``, tensor parallelism) the momentum stays
+    sharded as the params are, and each matrix is orthogonalised whole on one rank: the
+    shards travel to their owners in one all-to-all and the updates back in another, for
+    all matrices together; the result is the single-process one ("Muon on sharded params"
+    in the contrib guide gives the communication per step).
+
     Args:
         ns_coeffs: Newton-Schulz coefficients: a triple, or a tuple of triples.
         ns_steps: the number of Newton-Schulz steps, >= 1.
@@ -287,18 +296,25 @@ def scale_by_muon(
         bc_next = _common.bias_correction(beta, _common.safe_increment(count))
         out: list[Any] = []
         new_mus: list[Any] = []
+        sharded: list[int] = []  # leaves whose whole matrix lives on no single rank
+        names = _leaf_names(treespec)
+
+        def orthogonalize(mu_hat: torch.Tensor, d: MuonDimensionNumbers,
+                          dtype: torch.dtype) -> torch.Tensor:
+            return _update_of(mu_hat, d, dtype, state.ns_coeffs, ns_steps, preconditioning,
+                              eps, adaptive)
+
         for i, (g, mu, d) in enumerate(zip(grads, mus, dims, strict=True)):
             if g is None:
                 out.append(None)
                 new_mus.append(mu)
                 continue
-            path = _core.paths(treespec)[i]
             if d is None:
                 raise ValueError(
-                    f"{owner}: {path!r} has a gradient but no dimension numbers (None). Fix: "
-                    f"give it a MuonDimensionNumbers, or use muon(), which updates such "
-                    f"leaves with Adam.")
-            order, flat_shape, _, _ = _layout(g.shape, d, path)
+                    f"{owner}: {names(i)!r} has a gradient but no dimension "
+                    f"numbers (None). Fix: give it a MuonDimensionNumbers, or use muon(), "
+                    f"which updates such leaves with Adam.")
+            _layout(g.shape, d, names(i))  # checked here, before any collective
             wide = g.to(_common.compute_dtype(g.dtype, mu.dtype))
             mu_t = _common.scalar(beta, wide.dtype) * mu.to(wide.dtype) + _common.scalar(
                 1 - beta, wide.dtype) * wide
@@ -309,18 +325,63 @@ def scale_by_muon(
                           / _common.scalar(bc, wide.dtype))
             else:
                 mu_hat = mu_t / _common.scalar(bc, wide.dtype)
-            permuted = mu_hat.permute(order)
-            ortho = _orthogonalize(permuted.reshape(flat_shape), state.ns_coeffs, ns_steps,
-                                   preconditioning, eps)
-            u = ortho.reshape(permuted.shape).permute(_inverse(order))
-            if adaptive:
-                u = torch.sum(mu_hat * u) * u
-            out.append(u.to(g.dtype))
             new_mus.append(mu_t.to(mu.dtype))
+            if is_dtensor(mu_hat):
+                out.append(mu_hat)  # replaced below, once every sharded matrix is known
+                sharded.append(i)
+            else:
+                out.append(orthogonalize(mu_hat, d, g.dtype))
+        if sharded:
+            _orthogonalize_sharded(out, grads, dims, sharded, names, orthogonalize)
         return _common.unflatten(treespec, out), MuonState(
             count=count, mu=_common.unflatten(treespec, new_mus), ns_coeffs=state.ns_coeffs)
 
     return GradientTransformation(init_fn, update_fn)
+
+
+def _update_of(mu_hat: torch.Tensor, d: MuonDimensionNumbers, dtype: torch.dtype,
+               coeffs: torch.Tensor, ns_steps: int, preconditioning: str, eps: Any,
+               adaptive: bool) -> torch.Tensor:
+    """The update of one whole (plain) momentum matrix, in ``dtype``."""
+    order, flat_shape, _, _ = _layout(mu_hat.shape, d, "")
+    permuted = mu_hat.permute(order)
+    ortho = _orthogonalize(permuted.reshape(flat_shape), coeffs, ns_steps, preconditioning, eps)
+    u = ortho.reshape(permuted.shape).permute(_inverse(order))
+    if adaptive:
+        u = torch.sum(mu_hat * u) * u
+    return u.to(dtype)
+
+
+def _ns_cost(shape: Sequence[int], d: MuonDimensionNumbers) -> float:
+    """The multiply-adds of one Newton-Schulz step on a leaf (batch b of m x n, m <= n):
+    b (2 m^2 n + m^3), the sizes of X X^T, A A and B X."""
+    _, (b, m, n), _, _ = _layout(shape, d, "")
+    m, n = min(m, n), max(m, n)
+    return float(b * (2 * m * m * n + m ** 3))
+
+
+def _orthogonalize_sharded(out: list[Any], grads: Sequence[Any], dims: Sequence[Any],
+                           sharded: Sequence[int], names: Callable[[int], str],
+                           orthogonalize: Callable[..., torch.Tensor]) -> None:
+    """Replace each sharded momentum ``out[i]`` (i in ``sharded``) by its update.
+
+    Each matrix is orthogonalised whole on one owner rank, the owners spread by the cost
+    of the iteration; the shards travel to the owners in one all-to-all and the updates
+    back in another (``functopt/_collective/owners.py``; the counts are in docs/contrib.md).
+    """
+    leaves = [out[i] for i in sharded]
+    group = _infer_group(leaves, lambda j: names(sharded[j]))
+    assert group is not None  # every leaf here is a DTensor
+    owners = assign_owners([_ns_cost(x.shape, dims[i]) for x, i in zip(leaves, sharded,
+                                                                      strict=True)],
+                           dist.get_world_size(group))
+    wholes = gather_to_owners(leaves, owners, names=lambda j: names(sharded[j]), group=group)
+    values = [None if w is None else orthogonalize(w, dims[i], grads[i].dtype)
+              for w, i in zip(wholes, sharded, strict=True)]
+    updates = scatter_from_owners(values, leaves, owners, [grads[i].dtype for i in sharded],
+                                  names=lambda j: names(sharded[j]), group=group)
+    for i, u in zip(sharded, updates, strict=True):
+        out[i] = u
 
 
 def _inverse(order: Sequence[int]) -> tuple[int, ...]:
