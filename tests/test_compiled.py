@@ -213,3 +213,41 @@ def test_every_compiled_rule_obeys_the_law(factory: Any) -> None:
     params = _tree(torch.float64)
     assert fast.explain(factory(), params, compile=True).fast
     conformance.check_fast_path(factory, params, _grads(params, 1), steps=3, compile=True)
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_mixed_precision_rides_the_compiled_tier(donate: bool) -> None:
+    """mixed_precision(lion, compile=True): bf16 params with float32 masters laid end to end
+    by init, a clip, a dynamic loss scale and an overflow step: equal to the pure mixed
+    step (float32 masters to a few ulps; here the same arithmetic), params their masters
+    rounded, no lost-fast-path warning."""
+    gen = torch.Generator().manual_seed(8)
+    params = {"w": torch.randn(8, 4, generator=gen).bfloat16(),
+              "conv": torch.randn(2, 3, 2, 2, generator=gen).bfloat16().to(
+                  memory_format=torch.channels_last),
+              "b": torch.randn(4, generator=gen).bfloat16()}
+    inner = functopt.lion(1e-2, weight_decay=0.1)
+    fast_tx = functopt.precision.mixed_precision(
+        inner, max_grad_norm=0.5, compile=True, donate=donate,
+        loss_scale=functopt.precision.dynamic_loss_scale())
+    pure_tx = functopt.precision.mixed_precision(
+        inner, max_grad_norm=0.5, fused=False,
+        loss_scale=functopt.precision.dynamic_loss_scale())
+    p_fast = {k: v.clone() for k, v in params.items()}
+    p_pure = {k: v.clone() for k, v in params.items()}
+    s_fast, s_pure = fast_tx.init(p_fast), pure_tx.init(p_pure)
+    masters = [s_fast.master[k] for k in params]
+    assert len({m.untyped_storage().data_ptr() for m in masters}) == 1
+    for i in range(4):
+        grads = {k: (torch.randn(v.shape, generator=gen) * 1e3).to(v.dtype)
+                 for k, v in params.items()}
+        if i == 2:
+            grads["b"][0] = float("inf")  # an overflow: the step is skipped
+        with torch.no_grad():
+            p_fast, s_fast = fast_tx.step(grads, s_fast, p_fast)
+        p_pure, s_pure = pure_tx.step(grads, s_pure, p_pure)
+        for k in params:
+            torch.testing.assert_close(s_fast.master[k], s_pure.master[k], rtol=4e-7,
+                                       atol=0.0)
+            assert torch.equal(p_fast[k], s_fast.master[k].to(torch.bfloat16))
+    assert int(s_fast.metrics.skipped_steps) == int(s_pure.metrics.skipped_steps) == 1

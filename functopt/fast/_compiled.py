@@ -30,7 +30,7 @@ from functopt._collective.dtensor import _rewrap_like, local_tensor
 from functopt.fast._layout import dense, end_to_end, memory_view, shaped_like
 from functopt.transforms import _common
 
-__all__ = ["flat_state", "layout_problem", "run_group"]
+__all__ = ["flat_layout", "layout_problem", "run_group"]
 
 
 def layout_problem(plan: Any, local: torch.Tensor, state_leaves: list[Any]) -> str | None:
@@ -189,23 +189,32 @@ def run_group(group: Any, values: list[Any], grads: list[Any], state_leaves: lis
                     new_leaves[k] = v
 
 
-def flat_state(state_leaves: list[Any], groups: list[Any]) -> list[Any]:
-    """``state_leaves`` with each compiled group's per-leaf state entries moved into one
-    buffer per entry (views keep each leaf's shape and strides): what the compiled tier
-    then reads and writes in place."""
-    out = list(state_leaves)
+def flat_layout(values: list[Any], movable: list[bool], state_leaves: list[Any],
+                groups: list[Any]) -> tuple[list[Any], list[Any]]:
+    """``values`` and ``state_leaves`` with each compiled group's per-leaf state entries,
+    and its values where ``movable`` (a mixed step's masters; never a caller's params),
+    moved into one buffer per entry (views keep each leaf's shape and strides, values
+    equal): what the compiled tier then reads and writes in place."""
+    out_values, out_leaves = list(values), list(state_leaves)
     for group in groups:
         if group.plan.kernel != "compiled":
             continue
+        idx = [i for i in group.leaves if local_tensor(values[i]).numel()]
+        if idx and all(movable[i] for i in idx):
+            _lay_end_to_end(idx, values, out_values)
         for j, op in enumerate(group.plan.ops):
             for name in op.slots:
-                ks = [leaf_plan.ops[j].slots[name] for leaf_plan in group.plans]
-                tensors = [local_tensor(state_leaves[k]) for k in ks]
-                if end_to_end(tensors) is not None:
-                    continue
-                flat = torch.cat([memory_view(t) for t in tensors]) if tensors else None
-                if flat is None:
-                    continue
-                for k, view in zip(ks, _scatter(flat, tensors), strict=True):
-                    out[k] = _rewrap_like(state_leaves[k], view)
-    return out
+                ks = [leaf_plan.ops[j].slots[name] for leaf_plan, i in
+                      zip(group.plans, group.leaves, strict=True)
+                      if local_tensor(values[i]).numel()]
+                _lay_end_to_end(ks, state_leaves, out_leaves)
+    return out_values, out_leaves
+
+
+def _lay_end_to_end(indices: list[int], tensors: list[Any], out: list[Any]) -> None:
+    local = [local_tensor(tensors[k]) for k in indices]
+    if not local or end_to_end(local) is not None:
+        return
+    flat = torch.cat([memory_view(t) for t in local])
+    for k, view in zip(indices, _scatter(flat, local), strict=True):
+        out[k] = _rewrap_like(tensors[k], view)

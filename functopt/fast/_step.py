@@ -192,7 +192,9 @@ class Step:
                                  state_leaves, _leaf_names(treespec), compiled=True)
         if not lowered.fast:
             return state
-        return _core.unflatten(state_spec, _compiled.flat_state(state_leaves, lowered.groups))
+        _, laid = _compiled.flat_layout(param_leaves, [False] * len(param_leaves),
+                                        state_leaves, lowered.groups)
+        return _core.unflatten(state_spec, laid)
 
     def _scratch(self) -> dict[Any, Any]:
         found: dict[Any, Any] | None = getattr(self._workspace, "buffers", None)

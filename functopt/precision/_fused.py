@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from functopt._collective.dtensor import _rewrap_like, local_tensor
 from functopt._collective.reduce import all_reduce_stats
-from functopt.fast import _planner
+from functopt.fast import _compiled, _planner
 from functopt.precision.loss_scale import LossScale, LossScaleState, _inverse
 from functopt.precision.stats import (
     _SUMSQ,
@@ -140,12 +140,33 @@ def _widened(grads: list[Any], views: list[Any], workspace: list[Any] | None) ->
     return out
 
 
+def flat_init(planner: _planner.Planner, treespec: Any, stores: list[Any], views: list[Any],
+              inner_state: Any, name: Callable[[int], str]) -> tuple[list[Any], Any]:
+    """The masters and inner state of a new mixed step laid out for the compiled tier:
+    each compiled group's masters and per-leaf state entries as views of one buffer (equal
+    values). Returns ``(stores, inner_state)``."""
+    inner_leaves, inner_spec = _core.flatten(inner_state)
+    structure = planner.structure(_core.unflatten(treespec, views), treespec, views,
+                                  inner_leaves, inner_spec)
+    lowered = _planner.lower(structure, inner_spec, views, views, inner_leaves, name,
+                             compiled=True)
+    if not lowered.fast:
+        return stores, inner_state
+    laid_views, laid = _compiled.flat_layout(
+        views, [s is not None and s is v for s, v in zip(stores, views, strict=True)],
+        inner_leaves, lowered.groups)
+    new_stores = [laid_views[i] if s is not None and s is views[i] else s
+                  for i, s in enumerate(stores)]
+    return new_stores, _core.unflatten(inner_spec, laid)
+
+
 def fused_mixed_step(
     planner: _planner.Planner, params: list[Any], stores: list[Any], views: list[Any],
     grads: list[Any], inner_state: Any, loss_scale: LossScaleState, *, treespec: Any,
     scale_rule: LossScale, scaled: bool, max_grad_norm: float | torch.Tensor | None,
     group: dist.ProcessGroup | None, name: Callable[[int], str], count_zeros: bool,
     donate: bool, workspace: list[Any] | None = None, counted: Sequence[bool] | None = None,
+    compiled: bool = False, scratch: dict[Any, Any] | None = None,
 ) -> tuple[list[Any], list[Any], Any, GradStats, LossScaleState] | str:
     """The mixed-precision step on the planner's kernels (see the module docstring), or the
     reason the planner gives why it cannot lower these leaves (the caller then takes the
@@ -154,6 +175,8 @@ def fused_mixed_step(
     ``workspace``: a list the caller keeps between steps, where the gradient casts are
     written (see `_widened`); ``None`` allocates them at every step. ``counted``: per leaf,
     whether this rank counts it in the statistics (``functopt._collective.counting``).
+    ``compiled``: inner rules without a kernel take the planner's compiled tier, with
+    ``scratch`` (kept by a donating caller) for its gathered copies.
 
     Returns ``(new params, new stores, new inner state, statistics, new loss scale)``.
     """
@@ -163,7 +186,8 @@ def fused_mixed_step(
                                   inner_leaves, inner_spec)
     lowered = planner.lower(structure, inner_spec, views, proxies, inner_leaves, name,
                             donated=[*params, *(v for v, s in zip(views, stores, strict=True)
-                                                if s is not None)] if donate else None)
+                                                if s is not None)] if donate else None,
+                            compiled=compiled)
     if lowered.reason is not None:
         return lowered.reason
     # the gradients in the precision of the values they update (a cast is a new tensor)
@@ -197,7 +221,7 @@ def fused_mixed_step(
     result = _planner.run(lowered, views, cast, inner_leaves, donate=donate,
                           donate_grads=True, multiplier=multiplier,
                           found_inf=stats.found_inf, sums=sums, finite=finite,
-                          reads=planner.reads)
+                          reads=planner.reads, workspace=scratch)
     if isinstance(result, str):
         return result
 

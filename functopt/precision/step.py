@@ -65,7 +65,7 @@ from functopt._collective.dtensor import _leaf_names
 from functopt._collective.reduce import _local_stats, all_reduce_stats
 from functopt.fast import _planner
 from functopt.fast._step import differentiated
-from functopt.precision._fused import fused_mixed_step
+from functopt.precision._fused import flat_init, fused_mixed_step
 from functopt.precision.loss_scale import (
     LossScale,
     LossScaleState,
@@ -185,6 +185,7 @@ def mixed_precision(
     count_zeros: bool = True,
     donate: bool = False,
     fused: bool = True,
+    compile: bool = False,
 ) -> MixedPrecisionTransformation:
     r"""A complete mixed-precision optimizer step around ``inner``.
 
@@ -256,6 +257,12 @@ def mixed_precision(
             [`FastPathWarning`][functopt.fast.FastPathWarning] says why. False forces the
             pure path (no warning), and so does a step that must stay differentiable
             (grad mode on and an input that requires grad, or ``torch.func`` inputs).
+        compile: the planner's compiled tier for inner rules without a PyTorch kernel
+            (Lion, NAdam, RAdam, ...; see [`make_step`][functopt.fast.make_step]): each
+            group is one ``torch.compile``\ d call over the masters, the gradient casts and
+            the state laid end to end; ``init`` then allocates each group's masters and
+            per-leaf state as views of one buffer, which the call writes in place. The
+            first step of a group compiles (seconds). Groups with a kernel keep it.
 
     Returns:
         A [`MixedPrecisionTransformation`][functopt.precision.MixedPrecisionTransformation].
@@ -331,16 +338,28 @@ def mixed_precision(
         found: list[Any] = workspace.buffers
         return found
 
+    def scratch_here() -> dict[Any, Any]:
+        # the compiled tier's gathered copies (scratch as the casts are)
+        if not hasattr(workspace, "scratch"):
+            workspace.scratch = {}
+        found: dict[Any, Any] = workspace.scratch
+        return found
+
     def init_fn(params: Params) -> MixedPrecisionState:
         leaves, treespec = _core.flatten(params)
         _core.check_tensors(leaves, treespec, name="params", floating=True)
         store = [None if p is None else mw.init(p) for p in leaves]
         view = [None if p is None else mw.view(p, s) for p, s in zip(leaves, store, strict=True)]
         device = _first_device(leaves)
+        inner_state = inner.init(_core.unflatten(treespec, view))
+        if compile and fast:
+            # the compiled groups' masters and per-leaf state laid end to end
+            store, inner_state = flat_init(
+                planner, treespec, store, view, inner_state, _leaf_names(treespec))
         return MixedPrecisionState(
             loss_scale=scale_rule.init(device),
             master=_core.unflatten(treespec, store),
-            inner_state=inner.init(_core.unflatten(treespec, view)),
+            inner_state=inner_state,
             metrics=_zero_metrics(device),
             key=torch.zeros((), dtype=torch.int64),
         )
@@ -376,8 +395,9 @@ def mixed_precision(
                     state.loss_scale, treespec=treespec, scale_rule=scale_rule,
                     scaled=loss_scale is not None, max_grad_norm=max_grad_norm, group=group,
                     name=name, counted=counted, count_zeros=count_zeros,
-                    donate=donate,
+                    donate=donate, compiled=compile,
                     workspace=buffers_here() if donate else None,
+                    scratch=scratch_here() if donate else None,
                 )
             if isinstance(lowered, str):
                 _planner.warn_lost(owner, lowered, stacklevel=2)
