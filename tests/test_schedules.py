@@ -450,7 +450,7 @@ def test_polynomial_equals_polynomial_lr():
         (lambda: fs.exponential_decay(1.0, 10, 0.5, -3), ValueError,
          "exponential_decay: transition_begin must be >= 0"),
         (lambda: fs.exponential_decay(1.0, 10, 0.5, staircase=1), TypeError,
-         "staircase must be a bool"),
+         "staircase must be True or False"),
         (lambda: fs.exponential_decay(1.0, 10, 0.5, end_value="x"), TypeError,
          "end_value must be"),
         (lambda: fs.cosine_decay_schedule(1.0, 0), ValueError,

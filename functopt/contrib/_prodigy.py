@@ -101,6 +101,7 @@ def prodigy(
         Mishchenko & Defazio, *Prodigy: An Expeditiously Adaptive Parameter-Free Learner*,
         2023.
     """
+    _validate.check_flags("prodigy", safeguard_warmup=safeguard_warmup)
     owner = "prodigy"
     _shared.check_lr(owner, learning_rate)
     beta1, beta2 = _shared.check_betas_pair(owner, betas)

@@ -69,6 +69,7 @@ def trace(
         Sutskever et al., *On the importance of initialization and momentum in deep
         learning*, 2013.
     """
+    _validate.check_flags("trace", nesterov=nesterov)
     owner = "trace"
     _validate.check_range(owner, "decay", decay, low=0.0,
                           hint="Fix: pass a momentum coefficient such as 0.9.")
@@ -154,6 +155,7 @@ def dampened_trace(
         >>> u["w"]  # 0.5 * 2 + (1 - 0.5) * 2
         tensor([2.])
     """
+    _validate.check_flags("dampened_trace", nesterov=nesterov)
     owner = "dampened_trace"
     _validate.check_range(owner, "decay", decay, low=0.0,
                           hint="Fix: pass a momentum coefficient such as 0.9.")
@@ -239,6 +241,7 @@ def ema(
         >>> u["w"], state.ema["w"]  # debiased update, raw average
         (tensor([2.]), tensor([0.2000]))
     """
+    _validate.check_flags("ema", debias=debias)
     owner = "ema"
     _validate.check_range(owner, "decay", decay, low=0.0, high=1.0, high_open=debias,
                           hint="Fix: pass a decay rate such as 0.9 (1 only with debias=False).")

@@ -144,9 +144,7 @@ def scale_by_factored_rms(
         Zhai et al., *Scaling Vision Transformers*, 2021 (capped decay schedules).
     """
     owner = "scale_by_factored_rms"
-    if not isinstance(factored, bool):
-        raise TypeError(f"{owner}: factored must be a bool, got {type(factored).__name__} "
-                        f"{factored!r}.")
+    _validate.check_flags(owner, factored=factored)
     _validate.check_range(owner, "decay_rate", decay_rate, low=0.0)
     if isinstance(step_offset, bool) or not isinstance(step_offset, (int, torch.Tensor)):
         raise TypeError(f"{owner}: step_offset must be an int, got "

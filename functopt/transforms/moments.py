@@ -126,6 +126,7 @@ def scale_by_adam(
         Kingma & Ba, *Adam: A Method for Stochastic Optimization*, 2014.
         Dozat, *Incorporating Nesterov Momentum into Adam*, 2016.
     """
+    _validate.check_flags("scale_by_adam", nesterov=nesterov)
     owner = "scale_by_adam"
     _common.check_betas(owner, b1=b1, b2=b2)
     _validate.check_range(owner, "eps", eps, low=0.0)
@@ -249,6 +250,9 @@ def scale_by_amsgrad(
     References:
         Reddi, Kale & Kumar, *On the Convergence of Adam and Beyond*, ICLR 2018.
     """
+    _validate.check_flags("scale_by_amsgrad", bias_correction_mu=bias_correction_mu,
+                          bias_correction_nu=bias_correction_nu,
+                          correct_after_max=correct_after_max)
     owner = "scale_by_amsgrad"
     _common.check_betas(owner, b1=b1, b2=b2)
     _validate.check_range(owner, "eps", eps, low=0.0)
@@ -530,6 +534,8 @@ def scale_by_radam(
     References:
         Liu et al., *On the Variance of the Adaptive Learning Rate and Beyond*, ICLR 2020.
     """
+    _validate.check_flags("scale_by_radam", nesterov=nesterov,
+                          eps_before_correction=eps_before_correction)
     owner = "scale_by_radam"
     _common.check_betas(owner, b1=b1, b2=b2)
     _validate.check_range(owner, "eps", eps, low=0.0)

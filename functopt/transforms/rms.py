@@ -105,6 +105,8 @@ def scale_by_rms(
         Tieleman & Hinton, *Lecture 6.5 - RMSProp*, COURSERA: Neural Networks for Machine
         Learning, 2012.
     """
+    _validate.check_flags("scale_by_rms", eps_in_sqrt=eps_in_sqrt,
+                          bias_correction=bias_correction)
     owner = "scale_by_rms"
     _check_rms_args(owner, decay, eps, initial_scale, bias_correction)
 
@@ -201,6 +203,8 @@ def scale_by_stddev(
     References:
         Graves, *Generating Sequences With Recurrent Neural Networks*, 2013 (eq. 38-45).
     """
+    _validate.check_flags("scale_by_stddev", eps_in_sqrt=eps_in_sqrt,
+                          bias_correction=bias_correction)
     owner = "scale_by_stddev"
     _check_rms_args(owner, decay, eps, initial_scale, bias_correction)
 
@@ -294,6 +298,7 @@ def scale_by_rss(
         Duchi, Hazan & Singer, *Adaptive Subgradient Methods for Online Learning and
         Stochastic Optimization*, JMLR 2011.
     """
+    _validate.check_flags("scale_by_rss", eps_in_sqrt=eps_in_sqrt)
     owner = "scale_by_rss"
     _validate.check_range(owner, "initial_accumulator_value", initial_accumulator_value,
                           low=0.0, hint="Fix: it starts a sum of squares; use >= 0.")
