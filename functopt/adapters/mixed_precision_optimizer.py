@@ -539,6 +539,8 @@ class MixedPrecisionOptimizer:
         the template, ``load`` into it in place, then pass it to ``load_state_dict``.
         """
         self._state_shared = True
+        if self._offloaded is not None:  # the dict holds the host buffers: never reuse them
+            self._offload_buffers = None
         out = _state_dict.to_nested(f"{_OWNER}.state_dict", self._state)
         out[_RULE_KEY] = _rule_vector(self._loss_scale_rule)
         return out
