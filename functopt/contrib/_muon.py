@@ -280,7 +280,7 @@ def scale_by_muon(
         _common.check_state("scale_by_muon", state, MuonState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
-        mus = _common.state_like(treespec, state.mu, name="state.mu")
+        mus = _common.state_like(treespec, state.mu, name="state.mu", like=grads)
         _common.check_state_present(owner, treespec, grads, mu=mus)
         dims = _resolve_dims(weight_dimension_numbers, updates, grads, treespec)
         count = _common.safe_increment(state.count)

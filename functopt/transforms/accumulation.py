@@ -86,7 +86,7 @@ def trace(
         _common.check_state("trace", state, TraceState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
-        traces = _common.state_like(treespec, state.trace, name="state.trace")
+        traces = _common.state_like(treespec, state.trace, name="state.trace", like=grads)
         def leaf(g: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
             m = g + _common.scaled(t.to(torch.promote_types(g.dtype, t.dtype)), decay)
             u = g + _common.scaled(m, decay) if nesterov else m
@@ -176,7 +176,7 @@ def dampened_trace(
         _common.check_state(owner, state, DampenedTraceState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
-        traces = _common.state_like(treespec, state.trace, name="state.trace")
+        traces = _common.state_like(treespec, state.trace, name="state.trace", like=grads)
         _common.check_state_present(owner, treespec, grads, trace=traces)
         first = state.count == 0
 
@@ -259,7 +259,7 @@ def ema(
         _common.check_state("ema", state, EmaState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
-        averages = _common.state_like(treespec, state.ema, name="state.ema")
+        averages = _common.state_like(treespec, state.ema, name="state.ema", like=grads)
         count = _common.safe_increment(state.count)
         correction = _common.bias_correction(decay, count) if debias else None
         def leaf(g: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, ...]:

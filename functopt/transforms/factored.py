@@ -192,9 +192,9 @@ def scale_by_factored_rms(
         grads, treespec = _common.flatten_updates(updates)
         if params is not None:  # only checked: a gradient has its param's shape
             _common.params_like(treespec, params, grads, owner=owner)
-        rows = _common.state_like(treespec, state.v_row, name="state.v_row")
-        cols = _common.state_like(treespec, state.v_col, name="state.v_col")
-        fulls = _common.state_like(treespec, state.v, name="state.v")
+        rows = _common.state_like(treespec, state.v_row, name="state.v_row", like=grads)
+        cols = _common.state_like(treespec, state.v_col, name="state.v_col", like=grads)
+        fulls = _common.state_like(treespec, state.v, name="state.v", like=grads)
         _common.check_state_present(owner, treespec, grads, same_shape=False, v_row=rows, v_col=cols,
                              v=fulls)
         decay = decay_rate_fn(state.count - step_offset, decay_rate)

@@ -68,8 +68,8 @@ def moment_inputs(owner: str, updates: Updates, state: Any, expected: type,
     gradient is), and the step count after this update."""
     _common.check_state(owner, state, expected)
     grads, treespec = _common.flatten_updates(updates)
-    mus = _common.state_like(treespec, state.mu, name="state.mu")
-    nus = _common.state_like(treespec, state.nu, name="state.nu")
+    mus = _common.state_like(treespec, state.mu, name="state.mu", like=grads)
+    nus = _common.state_like(treespec, state.nu, name="state.nu", like=grads)
     _common.check_state_present(owner, treespec, grads, mu=mus, nu=nus)
     return grads, treespec, mus, nus, _common.safe_increment(state.count)
 
@@ -285,9 +285,9 @@ def scale_by_amsgrad(
         _common.check_state("scale_by_amsgrad", state, ScaleByAmsgradState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
-        mus = _common.state_like(treespec, state.mu, name="state.mu")
-        nus = _common.state_like(treespec, state.nu, name="state.nu")
-        maxes = _common.state_like(treespec, state.nu_max, name="state.nu_max")
+        mus = _common.state_like(treespec, state.mu, name="state.mu", like=grads)
+        nus = _common.state_like(treespec, state.nu, name="state.nu", like=grads)
+        maxes = _common.state_like(treespec, state.nu_max, name="state.nu_max", like=grads)
         _common.check_state_present(owner, treespec, grads, mu=mus, nu=nus, nu_max=maxes)
         count = _common.safe_increment(state.count)
         bc1 = _common.bias_correction(b1, count)
@@ -391,7 +391,7 @@ def scale_by_lion(
         _common.check_state("scale_by_lion", state, ScaleByLionState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
-        mus = _common.state_like(treespec, state.mu, name="state.mu")
+        mus = _common.state_like(treespec, state.mu, name="state.mu", like=grads)
         _common.check_state_present(owner, treespec, grads, mu=mus)
         def leaf(g: torch.Tensor, mu: torch.Tensor) -> tuple[torch.Tensor, ...]:
             wide = g.to(_common.compute_dtype(g.dtype, mu.dtype))

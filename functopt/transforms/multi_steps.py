@@ -271,7 +271,7 @@ class MultiSteps:
         """Accumulate ``updates``; return zeros, or the inner update when the window closes."""
         _common.check_state("MultiSteps", state, MultiStepsState)
         leaves, treespec = _common.flatten_updates(updates)
-        accs = _common.state_like(treespec, state.acc_grads, name="state.acc_grads")
+        accs = _common.state_like(treespec, state.acc_grads, name="state.acc_grads", like=leaves)
         for i, (g, acc) in enumerate(zip(leaves, accs, strict=True)):
             if g is not None and acc is None:
                 where = _core.paths(treespec)[i]

@@ -124,7 +124,7 @@ def scale_by_rms(
         _common.check_state("scale_by_rms", state, ScaleByRmsState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
-        nus = _common.state_like(treespec, state.nu, name="state.nu")
+        nus = _common.state_like(treespec, state.nu, name="state.nu", like=grads)
         _common.check_state_present(owner, treespec, grads, nu=nus)
         count = _common.safe_increment(state.count)
         bc = _common.bias_correction(decay, count) if bias_correction else None
@@ -224,8 +224,8 @@ def scale_by_stddev(
         _common.check_state("scale_by_stddev", state, ScaleByRStdDevState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
-        mus = _common.state_like(treespec, state.mu, name="state.mu")
-        nus = _common.state_like(treespec, state.nu, name="state.nu")
+        mus = _common.state_like(treespec, state.mu, name="state.mu", like=grads)
+        nus = _common.state_like(treespec, state.nu, name="state.nu", like=grads)
         _common.check_state_present(owner, treespec, grads, mu=mus, nu=nus)
         count = _common.safe_increment(state.count)
         bc = _common.bias_correction(decay, count) if bias_correction else None
@@ -317,7 +317,8 @@ def scale_by_rss(
         _common.check_state("scale_by_rss", state, ScaleByRssState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
-        sums = _common.state_like(treespec, state.sum_of_squares, name="state.sum_of_squares")
+        sums = _common.state_like(treespec, state.sum_of_squares, name="state.sum_of_squares",
+                                  like=grads)
         _common.check_state_present(owner, treespec, grads, sum_of_squares=sums)
         def leaf(g: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, ...]:
             wide = g.to(_common.compute_dtype(g.dtype, s.dtype))
@@ -398,8 +399,8 @@ def scale_by_adadelta(rho: Numeric = 0.9, eps: Numeric = 1e-6) -> GradientTransf
         _common.check_state(owner, state, ScaleByAdaDeltaState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
-        e_gs = _common.state_like(treespec, state.e_g, name="state.e_g")
-        e_xs = _common.state_like(treespec, state.e_x, name="state.e_x")
+        e_gs = _common.state_like(treespec, state.e_g, name="state.e_g", like=grads)
+        e_xs = _common.state_like(treespec, state.e_x, name="state.e_x", like=grads)
         _common.check_state_present(owner, treespec, grads, e_g=e_gs, e_x=e_xs)
 
         def leaf(g: torch.Tensor, e_g: torch.Tensor,
