@@ -19,10 +19,12 @@ def _is_number(value: Any) -> bool:
 
 
 def check_number(owner: str, name: str, value: Any, *, allow_callable: bool = False) -> None:
-    """Raise ``TypeError`` unless ``value`` is a number, a tensor (or a schedule if allowed)."""
+    """Raise ``TypeError`` unless ``value`` is a number, a 0-d tensor (or a schedule if allowed)."""
     if _is_number(value) or isinstance(value, torch.Tensor):
         if isinstance(value, torch.Tensor) and value.dim() != 0:
-            raise ValueError(
+            # A vector where a scalar belongs is a value of the wrong kind, as a schedule
+            # that returns one is (TypeError), not a scalar out of range.
+            raise TypeError(
                 f"{owner}: {name} must be a number or a 0-d tensor, got a tensor of shape "
                 f"{tuple(value.shape)}. Fix: pass a scalar (use .reshape(()) on a 1-element tensor)."
             )
