@@ -127,6 +127,37 @@ def test_save_checkpoint_leaves_nothing_behind_when_the_object_cannot_be_saved(t
     assert mode == 0o666 & ~umask  # as open() would create it, not mkstemp's 0o600
 
 
+DCP_CHILD = textwrap.dedent("""
+    import os, signal, sys, torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    # Killed with the shards written, before the .metadata file that completes the save.
+    FileSystemWriter.finish = lambda self, *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+    dcp.save({"opt": {"mu": torch.ones(3)}}, checkpoint_id=sys.argv[1])
+""")
+
+
+def test_a_killed_dcp_save_leaves_a_directory_without_metadata(tmp_path) -> None:
+    """What docs/reliability.md tells DCP users: save to a new directory each time; an
+    unfinished save is one without ``.metadata``, and loading it fails."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    path = tmp_path / "step-2"
+    result = subprocess.run([sys.executable, "-c", DCP_CHILD, str(path)], capture_output=True,
+                            text=True, timeout=120, check=False,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    names = sorted(p.name for p in path.iterdir())
+    assert names and ".metadata" not in names  # shards, no completion marker
+    target = {"opt": {"mu": torch.zeros(3)}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that it runs without a process group
+        with pytest.raises(CheckpointException, match="metadata"):
+            dcp.load(target, checkpoint_id=str(path))
+    assert torch.equal(target["opt"]["mu"], torch.zeros(3))  # nothing half loaded
+
+
 # ------------------------------------------------------------- truncated or damaged files
 
 @pytest.fixture(scope="module")
