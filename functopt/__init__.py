@@ -25,7 +25,12 @@ from functopt._base import (
     stateless_with_tree_map,
     with_extra_args_support,
 )
-from functopt._serialization import safe_globals, state_classes
+from functopt._serialization import (
+    load_checkpoint,
+    safe_globals,
+    save_checkpoint,
+    state_classes,
+)
 from functopt.adapters import MixedPrecisionOptimizer, Optimizer
 from functopt.optimizers import (
     adadelta,
@@ -217,6 +222,7 @@ __all__ = [
     "lamb",
     "lars",
     "lion",
+    "load_checkpoint",
     "masked",
     "nadam",
     "nadamw",
@@ -228,6 +234,7 @@ __all__ = [
     "rmsprop",
     "rprop",
     "safe_globals",
+    "save_checkpoint",
     "scale",
     "scale_by_adadelta",
     "scale_by_adam",

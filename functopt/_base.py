@@ -197,6 +197,11 @@ def with_extra_args_support(tx: GradientTransformation) -> GradientTransformatio
         >>> wrapped.update({"w": torch.ones(1)}, (), loss=torch.tensor(0.5))[0]
         {'w': tensor([1.])}
     """
+    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+        raise TypeError(
+            f"with_extra_args_support: expected a GradientTransformation (init and update), "
+            f"got {type(tx).__name__}. Fix: pass a transform such as functopt.sgd(0.1)."
+        )
     if accepts_extra_args(tx.update):
         return tx
     inner_update = tx.update

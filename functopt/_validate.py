@@ -19,10 +19,12 @@ def _is_number(value: Any) -> bool:
 
 
 def check_number(owner: str, name: str, value: Any, *, allow_callable: bool = False) -> None:
-    """Raise ``TypeError`` unless ``value`` is a number, a tensor (or a schedule if allowed)."""
+    """Raise ``TypeError`` unless ``value`` is a number, a 0-d tensor (or a schedule if allowed)."""
     if _is_number(value) or isinstance(value, torch.Tensor):
         if isinstance(value, torch.Tensor) and value.dim() != 0:
-            raise ValueError(
+            # A vector where a scalar belongs is a value of the wrong kind, as a schedule
+            # that returns one is (TypeError), not a scalar out of range.
+            raise TypeError(
                 f"{owner}: {name} must be a number or a 0-d tensor, got a tensor of shape "
                 f"{tuple(value.shape)}. Fix: pass a scalar (use .reshape(()) on a 1-element tensor)."
             )
@@ -109,3 +111,20 @@ def check_state(owner: str, state: Any, expected: type) -> None:
     if not isinstance(state, expected):
         raise TypeError(STATE_TYPE_MISMATCH.format(
             owner=owner, expected=expected.__name__, got=describe_state(state)))
+
+
+FLAG_NOT_BOOL = (
+    "{owner}: {name} must be True or False, got {got}. An option that chooses what the "
+    "transform computes is not read by truthiness: a string, a number or a tensor there is a "
+    "mistake (an argument in the wrong place, a misspelled keyword). Fix: pass {name}=True "
+    "or {name}=False."
+)
+
+
+def check_flags(owner: str, **flags: Any) -> None:
+    """Raise ``TypeError`` (``FLAG_NOT_BOOL``) unless every keyword value is a ``bool``."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            got = (f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+                   else f"{type(value).__name__} {value!r}")
+            raise TypeError(FLAG_NOT_BOOL.format(owner=owner, name=name, got=got))

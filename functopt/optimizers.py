@@ -90,6 +90,7 @@ def sgd(
         >>> functopt.apply_updates(params, updates)
         {'w': tensor([0.8000])}
     """
+    _validate.check_flags("sgd", nesterov=nesterov)
     _check_lr("sgd", learning_rate)
     if nesterov and momentum is None:
         raise ValueError("sgd: nesterov=True needs a momentum. Fix: pass momentum=0.9 (say).")
@@ -123,6 +124,7 @@ def adam(
         >>> updates["w"]
         tensor([-0.0010,  0.0010,  0.0000])
     """
+    _validate.check_flags("adam", nesterov=nesterov)
     _check_lr("adam", learning_rate)
     return chain(
         scale_by_adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
@@ -158,6 +160,7 @@ def adamw(
         >>> updates["w"]  # only the decay: -0.1 * 0.5 * 2
         tensor([-0.1000])
     """
+    _validate.check_flags("adamw", nesterov=nesterov)
     _check_lr("adamw", learning_rate)
     return chain(
         scale_by_adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
@@ -286,6 +289,8 @@ def rmsprop(
         >>> opt.update({"w": torch.tensor([2.0])}, opt.init({"w": torch.zeros(1)}))[0]["w"]
         tensor([-0.0316])
     """
+    _validate.check_flags("rmsprop", eps_in_sqrt=eps_in_sqrt, centered=centered,
+                          nesterov=nesterov, bias_correction=bias_correction)
     _check_lr("rmsprop", learning_rate)
     if nesterov and momentum is None:
         raise ValueError("rmsprop: nesterov=True needs a momentum. Fix: pass momentum=0.9 (say).")
@@ -369,6 +374,7 @@ def lars(
         >>> opt.update({"w": torch.tensor([0.6, 0.8])}, opt.init(p), p)[0]["w"]
         tensor([-0.3000, -0.4000])
     """
+    _validate.check_flags("lars", nesterov=nesterov)
     _check_lr("lars", learning_rate)
     return chain(
         add_decayed_weights(weight_decay, mask=weight_decay_mask),
@@ -407,6 +413,9 @@ def adafactor(
         >>> opt.update({"w": torch.tensor([2.0, -2.0])}, opt.init(p), p)[0]["w"]
         tensor([-0.1000,  0.1000])
     """
+    _validate.check_flags("adafactor",
+                          multiply_by_parameter_scale=multiply_by_parameter_scale,
+                          factored=factored)
     if learning_rate is not None:
         _check_lr("adafactor", learning_rate)
     stages = [
@@ -511,6 +520,7 @@ def radam(
         >>> opt.update({"w": torch.tensor([3.0])}, opt.init({"w": torch.zeros(1)}))[0]["w"]
         tensor([-0.3000])
     """
+    _validate.check_flags("radam", nesterov=nesterov)
     _check_lr("radam", learning_rate)
     return chain(
         scale_by_radam(b1=b1, b2=b2, eps=eps, eps_root=eps_root, threshold=threshold,

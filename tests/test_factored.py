@@ -314,7 +314,7 @@ def test_tensor_hyperparameters() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"factored": 1}, TypeError, "factored must be a bool, got int 1"),
+        ({"factored": 1}, TypeError, "factored must be True or False, got int 1"),
         ({"decay_rate": -0.8}, ValueError, r"decay_rate must be in \[0, inf\), got -0.8"),
         ({"step_offset": 1.5}, TypeError, "step_offset must be an int, got float 1.5"),
         ({"min_dim_size_to_factor": -1}, ValueError, "min_dim_size_to_factor must be an int >= 0"),

@@ -669,7 +669,7 @@ def test_error_bad_loss_scale_and_master_weights() -> None:
         (float("nan"), ValueError, r"max_grad_norm must be in \(0, inf\), got nan"),
         ("1.0", TypeError, r"max_grad_norm must be a number or a 0-d tensor, got str"),
         (True, TypeError, r"max_grad_norm must be a number or a 0-d tensor, got bool"),
-        (torch.ones(2), ValueError, r"max_grad_norm must be a number or a 0-d tensor, got a "
+        (torch.ones(2), TypeError, r"max_grad_norm must be a number or a 0-d tensor, got a "
                                     r"tensor of shape \(2,\)"),
     ],
 )

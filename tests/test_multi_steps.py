@@ -379,7 +379,7 @@ def test_error_should_skip_not_callable():
 def test_error_should_skip_returns_wrong_decision(decision):
     ms = functopt.MultiSteps(functopt.identity(), 2, should_skip_update_fn=lambda u, s, p: (decision, ()))
     state = ms.init([torch.zeros(1)])
-    with pytest.raises(ValueError, match=r"should_skip a bool or a 0-d bool tensor"):
+    with pytest.raises(TypeError, match=r"should_skip a bool or a 0-d bool tensor"):
         ms.update([torch.ones(1)], state)
 
 
@@ -407,7 +407,7 @@ def test_error_state_structure():
     state = ms.init({"a": torch.zeros(2)})
     with pytest.raises(ValueError, match=r"state.acc_grads does not have the structure of updates"):
         ms.update({"b": torch.ones(2)}, state)
-    with pytest.raises(ValueError, match=r"state.mini_step must be a 0-d integer tensor, got a int"):
+    with pytest.raises(TypeError, match=r"state.mini_step must be a 0-d integer tensor, got a int"):
         ms.update({"a": torch.ones(2)}, state._replace(mini_step=0))
 
 

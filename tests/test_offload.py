@@ -140,7 +140,7 @@ def test_facade_offload_to_cpu_and_restore() -> None:
         with pytest.raises(RuntimeError, match=r"step: the optimizer state is offloaded"):
             opt.step()
         with pytest.raises(RuntimeError, match="restore_from_cpu"):
-            opt.load_state_dict(opt.state_dict())
+            opt.load_state_dict(before)  # (a state_dict() now would own the host buffers)
         opt.restore_from_cpu()
         opt.restore_from_cpu()  # a second call does nothing
         after = dict(functopt.tree._core.leaves_with_path(opt.state_dict()))

@@ -462,3 +462,55 @@ def test_the_torch_rule_transforms_refuse_a_state_by_its_type(make, owner, expec
         tx.update(_g(), functopt.sgd(0.1).init(_p()), _p())
     assert str(info.value).startswith(f"{owner}: state must be the {expected}")
     tx.update(_g(), tx.init(_p()), _p())
+
+
+# ------------------------------------------------ a state on another device than the params
+
+@pytest.mark.parametrize(
+    ("tx", "field"),
+    [(functopt.adam(0.1), "state.mu"), (functopt.sgd(0.1, momentum=0.9), "state.trace"),
+     (functopt.rmsprop(0.1), "state.nu"), (functopt.lion(0.1), "state.mu"),
+     (functopt.adafactor(0.1), "state.v_row"), (functopt.contrib.prodigy(), "state.exp_avg")],
+    ids=["adam", "momentum", "rmsprop", "lion", "adafactor", "prodigy"])
+def test_a_state_on_another_device_is_refused_naming_the_leaf(tx, field) -> None:
+    from functopt.transforms import _common
+
+    params = {"w": torch.zeros(4, 3), "b": torch.zeros(3)}
+    state = tx.init(params)
+    # "meta" stands for another device on a CPU-only machine: same check, no accelerator.
+    moved = functopt.tree.map(
+        lambda x: x.to("meta") if isinstance(x, torch.Tensor) and x.dim() > 0 else x, state)
+    with pytest.raises(ValueError) as info:
+        tx.update(_g4(), moved, params)
+    message = str(info.value)
+    assert message.startswith(f"{field} leaf ") and "is on meta but its update is on cpu" in message
+    assert "x.to('cpu')" in message  # the fix, with the device to move to
+    assert _common.STATE_DEVICE.startswith("{name} leaf {path!r} is on {got}")
+    tx.update(_g4(), state, params)  # on the params' device it still works
+
+
+def _g4() -> dict[str, torch.Tensor]:
+    return {"w": torch.ones(4, 3), "b": torch.ones(3)}
+
+
+# --------------------------------------------- a checkpoint dict built with another model
+
+def test_state_to_dict_refuses_the_params_of_an_unrelated_model() -> None:
+    from functopt.distributed import state_to_dict
+
+    params = {"w": torch.zeros(4, 3), "b": torch.zeros(3)}
+    state = functopt.adam(0.1).init(params)
+    with pytest.raises(ValueError, match=r"none of the state's per-param entries "
+                                         r"\(\['0.mu.b', '0.mu.w', '0.nu.b', '0.nu.w'\]\) "
+                                         r"belongs to the params given \(\['x'\]\)"):
+        state_to_dict(state, {"x": torch.zeros(4, 3)})
+    assert sorted(state_to_dict(state, params)) == ["0.count", "0.mu.b", "0.mu.w", "0.nu.b",
+                                                    "0.nu.w"]
+    # Only 0-d entries under dict keys (a partition of stateless transforms, keyed by its
+    # labels): nothing per-param to check, so any params are accepted.
+    tx = functopt.partition({"a": functopt.sgd(0.1), "b": functopt.sgd(0.2)},
+                            lambda p: {"w": "a", "b": "b"})
+    out = state_to_dict(tx.init(params), {"x": torch.zeros(1)})
+    assert all(v.dim() == 0 for v in out.values())
+    with pytest.raises(ValueError, match="initialised on another model"):
+        state_to_dict(functopt.adam(0.1).init({"q": torch.zeros(2)}), params)

@@ -167,7 +167,7 @@ def test_lamb_like_chain_runs_end_to_end() -> None:
         ({"min_norm": -1.0}, ValueError, r"scale_by_trust_ratio: min_norm must be in \[0, inf\)"),
         ({"eps": -1e-3}, ValueError, r"eps must be in \[0, inf\), got -0.001"),
         ({"trust_coefficient": "1"}, TypeError, "trust_coefficient must be a number"),
-        ({"trust_coefficient": torch.ones(3)}, ValueError, "must be a number or a 0-d tensor"),
+        ({"trust_coefficient": torch.ones(3)}, TypeError, "must be a number or a 0-d tensor"),
     ],
 )
 def test_bad_hyperparameters(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:

@@ -108,6 +108,15 @@ def _local_stats(leaves: Sequence[Any], name: Callable[[int], str],
     return torch.stack(parts).sum(dim=0)
 
 
+COLLECTIVE_FAILED = (
+    "functopt: the all_reduce of the gradient statistics (one per step, over {world} ranks) "
+    "failed: a rank died, left the step, or did not reach it within the process group's "
+    "timeout. Every rank must run the same step; the ranks still alive cannot go on. Fix: "
+    "restart every rank from the last checkpoint (functopt.load_checkpoint); to fail sooner "
+    "when a rank hangs, pass a shorter timeout= to init_process_group or new_group."
+)
+
+
 def all_reduce_stats(packed: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Sum ``packed`` over the ranks of ``group`` with exactly one ``all_reduce``.
 
@@ -141,7 +150,15 @@ def all_reduce_stats(packed: torch.Tensor, group: dist.ProcessGroup | None) -> t
             "statistics from local_grad_stats (which reads the DTensors' local shards)."
         )
     out = packed.clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    try:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    except RuntimeError as exc:  # gloo's and NCCL's errors (DistBackendError) keep their type
+        note = COLLECTIVE_FAILED.format(world=dist.get_world_size(group))
+        add_note = getattr(exc, "add_note", None)  # Python 3.11+
+        if add_note is None:
+            raise RuntimeError(f"{exc}\n{note}") from exc
+        add_note(note)
+        raise
     return out
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from functopt import _validate
 from functopt._base import GradientTransformation, Params
 from functopt._collective.dtensor import local_tensor
 from functopt.adapters import _param_groups, _state_dict
@@ -366,8 +367,9 @@ class MixedPrecisionOptimizer:
         self._frozen = [p for group in groups if group.frozen for p in group.params]
         self._loss_scale_rule = loss_scale
         self._master_weights = float32_master(master_dtype)
-        self._fused = bool(fused)
-        self._count_zeros = bool(count_zeros)
+        _validate.check_flags(_OWNER, fused=fused, count_zeros=count_zeros)
+        self._fused = fused
+        self._count_zeros = count_zeros
         self._max_grad_norm: float | None = None
         self._tx = self._build()
         with torch.no_grad():
@@ -537,6 +539,8 @@ class MixedPrecisionOptimizer:
         the template, ``load`` into it in place, then pass it to ``load_state_dict``.
         """
         self._state_shared = True
+        if self._offloaded is not None:  # the dict holds the host buffers: never reuse them
+            self._offload_buffers = None
         out = _state_dict.to_nested(f"{_OWNER}.state_dict", self._state)
         out[_RULE_KEY] = _rule_vector(self._loss_scale_rule)
         return out

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from functopt import _validate
 from functopt._base import GradientTransformation, State
 from functopt.adapters import _param_groups
 from functopt.fast._step import make_step
@@ -301,7 +302,8 @@ class Optimizer(torch.optim.Optimizer):
         if issubclass(torch_class, torch.optim.Optimizer):
             raise TypeError(TORCH_OPTIMIZER.format(name=torch_class.__name__))
         self._transform = _check_transform(owner, "transform", transform)
-        self._fused = bool(fused)
+        _validate.check_flags(owner, fused=fused)
+        self._fused = fused
         self._state_shared = False  # state_dict()/load_state_dict() handed tensors over
         self._plans: list[_Plan | None] = []
         if isinstance(params, torch.Tensor):

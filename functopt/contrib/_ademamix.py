@@ -114,9 +114,9 @@ def scale_by_ademamix(
         _common.check_state("scale_by_ademamix", state, ScaleByAdemamixState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
-        m1s = _common.state_like(treespec, state.m1, name="state.m1")
-        m2s = _common.state_like(treespec, state.m2, name="state.m2")
-        nus = _common.state_like(treespec, state.nu, name="state.nu")
+        m1s = _common.state_like(treespec, state.m1, name="state.m1", like=grads)
+        m2s = _common.state_like(treespec, state.m2, name="state.m2", like=grads)
+        nus = _common.state_like(treespec, state.nu, name="state.nu", like=grads)
         _common.check_state_present(owner, treespec, grads, m1=m1s, m2=m2s, nu=nus)
         b3_t = _shared.value_at(b3, state.count_m2)
         alpha_t = _shared.value_at(alpha, state.count_m2)
@@ -250,8 +250,8 @@ def scale_by_simplified_ademamix(
         _common.check_state("scale_by_simplified_ademamix", state, ScaleBySimplifiedAdEMAMixState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
-        ms = _common.state_like(treespec, state.m, name="state.m")
-        ns = _common.state_like(treespec, state.n, name="state.n")
+        ms = _common.state_like(treespec, state.m, name="state.m", like=grads)
+        ns = _common.state_like(treespec, state.n, name="state.n", like=grads)
         _common.check_state_present(owner, treespec, grads, m=ms, n=ns)
         alpha_t = _shared.value_at(alpha, state.t)
         t = _common.safe_increment(state.t)

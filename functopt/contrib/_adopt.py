@@ -78,6 +78,7 @@ def scale_by_adopt(
         Taniguchi et al., *ADOPT: Modified Adam Can Converge with Any β2 with the Optimal
         Rate*, 2024.
     """
+    _validate.check_flags("scale_by_adopt", nesterov=nesterov, use_clipping=use_clipping)
     owner = "scale_by_adopt"
     _common.check_betas(owner, b1=b1, b2=b2)
     _validate.check_range(owner, "eps", eps, low=0.0)
@@ -150,6 +151,7 @@ def adopt(
         >>> updates["w"]  # -lr * (1 - b1) * sign(g)
         tensor([-0.0100])
     """
+    _validate.check_flags("adopt", nesterov=nesterov, use_clipping=use_clipping)
     _shared.check_lr("adopt", learning_rate)
     return chain(
         scale_by_adopt(b1=b1, b2=b2, eps=eps, mu_dtype=mu_dtype, nesterov=nesterov,

@@ -89,9 +89,9 @@ def scale_by_madgrad(
         del extra_args
         grads, treespec = _common.flatten_updates(updates)
         ps = _common.params_like(treespec, params, grads, owner=owner)
-        sqs = _common.state_like(treespec, state.grad_sum_sq, name="state.grad_sum_sq")
-        ss = _common.state_like(treespec, state.s, name="state.s")
-        x0s = _common.state_like(treespec, state.x0, name="state.x0")
+        sqs = _common.state_like(treespec, state.grad_sum_sq, name="state.grad_sum_sq", like=grads)
+        ss = _common.state_like(treespec, state.s, name="state.s", like=grads)
+        x0s = _common.state_like(treespec, state.x0, name="state.x0", like=grads)
         _common.check_state_present(owner, treespec, grads, grad_sum_sq=sqs, s=ss, x0=x0s)
         device = _common.first_device(grads)
         lr = _shared.f64(_shared.value_at(learning_rate, state.count), device)

@@ -264,6 +264,7 @@ def scale_by_muon(
         Grishina et al., *Accelerating Newton-Schulz Iteration for Orthogonalization via
         Chebyshev-type Polynomials*, 2025.
     """
+    _validate.check_flags("scale_by_muon", nesterov=nesterov, adaptive=adaptive)
     owner = "scale_by_muon"
     if not isinstance(ns_steps, int) or isinstance(ns_steps, bool) or ns_steps < 1:
         raise ValueError(f"{owner}: ns_steps must be an int >= 1, got {ns_steps!r}. "
@@ -288,7 +289,7 @@ def scale_by_muon(
         _common.check_state("scale_by_muon", state, MuonState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
-        mus = _common.state_like(treespec, state.mu, name="state.mu")
+        mus = _common.state_like(treespec, state.mu, name="state.mu", like=grads)
         _common.check_state_present(owner, treespec, grads, mu=mus)
         dims = _resolve_dims(weight_dimension_numbers, updates, grads, treespec)
         count = _common.safe_increment(state.count)
@@ -470,6 +471,7 @@ def muon(
         >>> bool(torch.linalg.matrix_norm(u["w"], ord=2) < 0.03)  # the matrix: about lr * U V^T
         True
     """
+    _validate.check_flags("muon", nesterov=nesterov, adaptive=adaptive)
     owner = "muon"
     _shared.check_lr(owner, learning_rate)
     if adam_learning_rate is None:

@@ -101,6 +101,7 @@ def prodigy(
         Mishchenko & Defazio, *Prodigy: An Expeditiously Adaptive Parameter-Free Learner*,
         2023.
     """
+    _validate.check_flags("prodigy", safeguard_warmup=safeguard_warmup)
     owner = "prodigy"
     _shared.check_lr(owner, learning_rate)
     beta1, beta2 = _shared.check_betas_pair(owner, betas)
@@ -137,10 +138,10 @@ def prodigy(
         del extra_args
         grads, treespec = _common.flatten_updates(updates)
         ps = _common.params_like(treespec, params, grads, owner=owner)
-        eas = _common.state_like(treespec, state.exp_avg, name="state.exp_avg")
-        sqs = _common.state_like(treespec, state.exp_avg_sq, name="state.exp_avg_sq")
-        sums = _common.state_like(treespec, state.grad_sum, name="state.grad_sum")
-        p0s = _common.state_like(treespec, state.params0, name="state.params0")
+        eas = _common.state_like(treespec, state.exp_avg, name="state.exp_avg", like=grads)
+        sqs = _common.state_like(treespec, state.exp_avg_sq, name="state.exp_avg_sq", like=grads)
+        sums = _common.state_like(treespec, state.grad_sum, name="state.grad_sum", like=grads)
+        p0s = _common.state_like(treespec, state.params0, name="state.params0", like=grads)
         _common.check_state_present(owner, treespec, grads, exp_avg=eas, exp_avg_sq=sqs,
                                     grad_sum=sums, params0=p0s)
         dtype, device = state.estim_lr.dtype, state.estim_lr.device
@@ -293,9 +294,9 @@ def dadapt_adamw(
         del extra_args
         grads, treespec = _common.flatten_updates(updates)
         ps = _common.params_like(treespec, params, grads, owner=owner)
-        eas = _common.state_like(treespec, state.exp_avg, name="state.exp_avg")
-        sqs = _common.state_like(treespec, state.exp_avg_sq, name="state.exp_avg_sq")
-        sums = _common.state_like(treespec, state.grad_sum, name="state.grad_sum")
+        eas = _common.state_like(treespec, state.exp_avg, name="state.exp_avg", like=grads)
+        sqs = _common.state_like(treespec, state.exp_avg_sq, name="state.exp_avg_sq", like=grads)
+        sums = _common.state_like(treespec, state.grad_sum, name="state.grad_sum", like=grads)
         _common.check_state_present(owner, treespec, grads, exp_avg=eas, exp_avg_sq=sqs,
                                     grad_sum=sums)
         dtype, device = state.estim_lr.dtype, state.estim_lr.device

@@ -135,7 +135,7 @@ def schedule_free(
         _common.check_state("schedule_free", state, ScheduleFreeState)
         grads, treespec = _common.flatten_updates(updates)
         ps = _common.params_like(treespec, params, grads, owner=owner)
-        zs = _common.state_like(treespec, state.z, name="state.z")
+        zs = _common.state_like(treespec, state.z, name="state.z", like=grads)
         _common.check_state_present(owner, treespec, grads, z=zs)
         dtype = state.max_lr.dtype
         lr = _common.scalar(_shared.f64(_shared.value_at(learning_rate, state.step_count),

@@ -63,11 +63,24 @@ def _keyed_leaves(owner: str, state: Any) -> tuple[list[Any], _core.TreeSpec, li
     return leaves, treespec, keys
 
 
-def _check_params(owner: str, state_spec: _core.TreeSpec, params: Any) -> None:
+def _check_params(owner: str, state_spec: _core.TreeSpec, params: Any,
+                  leaves: list[Any]) -> None:
     """Every param's path ends some per-param state path, if any does (state for these params)."""
     param_paths = {tuple(a) for a in optree.treespec_accessors(_core.structure(params))}
     state_paths = [tuple(a) for a in optree.treespec_accessors(state_spec)]
     found = {p for s in state_paths for n in range(1, len(s) + 1) if (p := s[-n:]) in param_paths}
+    # A tensor of a param's rank under a dict key is per-param state: for other params if
+    # no path matches (counts under labels, as in partition, are 0-d).
+    keyed = [_core.path_str(s) for s, leaf in zip(state_paths, leaves, strict=True)
+             if isinstance(leaf, torch.Tensor) and leaf.dim() > 0
+             and any(isinstance(e, optree.MappingEntry) for e in s)]
+    if not found and param_paths and () not in param_paths and keyed:  # () a lone tensor
+        raise ValueError(
+            f"{owner}: none of the state's per-param entries ({_listing(keyed, 4)}) belongs to "
+            f"the params given ({_listing([_core.path_str(p) for p in param_paths], 4)}): "
+            f"the state was initialised on another model. Fix: pass the params the state "
+            f"was initialised on (same names and structure)."
+        )
     if found and found != param_paths:
         missing = sorted(_core.path_str(p) for p in param_paths - found)
         raise ValueError(
@@ -113,7 +126,7 @@ def state_to_dict(state: Any, params: Any = None) -> dict[str, torch.Tensor]:
     owner = "state_to_dict"
     leaves, treespec, keys = _keyed_leaves(owner, state)
     if params is not None:
-        _check_params(owner, treespec, params)
+        _check_params(owner, treespec, params, leaves)
     out: dict[str, torch.Tensor] = {}
     storages: set[tuple[torch.device, int]] = set()
     for key, leaf in zip(keys, leaves, strict=True):

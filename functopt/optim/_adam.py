@@ -81,6 +81,9 @@ class Adam(_base.TorchOptimizer):
         decoupled_weight_decay: bool = False,
     ) -> None:
         owner = f"functopt.optim.{type(self).__name__}"
+        _base.check_options(owner, amsgrad=amsgrad, foreach=foreach, maximize=maximize,
+                            capturable=capturable, differentiable=differentiable, fused=fused,
+                            decoupled_weight_decay=decoupled_weight_decay)
         _check_tensor_options(owner, lr, betas, foreach, capturable)
         _base.check_lr(owner, lr)
         _base.check_nonnegative(owner, eps=eps)
@@ -180,6 +183,9 @@ class NAdam(_base.TorchOptimizer):
         differentiable: bool = False,
     ) -> None:
         owner = "functopt.optim.NAdam"
+        _base.check_options(owner, decoupled_weight_decay=decoupled_weight_decay, foreach=foreach,
+                            maximize=maximize, capturable=capturable,
+                            differentiable=differentiable)
         _base.check_lr(owner, lr)
         _base.check_nonnegative(owner, eps=eps)
         _base.check_betas(owner, betas)
@@ -234,6 +240,9 @@ class RAdam(_base.TorchOptimizer):
         differentiable: bool = False,
     ) -> None:
         owner = "functopt.optim.RAdam"
+        _base.check_options(owner, decoupled_weight_decay=decoupled_weight_decay, foreach=foreach,
+                            maximize=maximize, capturable=capturable,
+                            differentiable=differentiable)
         _base.check_lr(owner, lr)
         _base.check_nonnegative(owner, eps=eps)
         _base.check_betas(owner, betas)
@@ -285,6 +294,8 @@ class Adamax(_base.TorchOptimizer):
         capturable: bool = False,
     ) -> None:
         owner = "functopt.optim.Adamax"
+        _base.check_options(owner, foreach=foreach, maximize=maximize,
+                            differentiable=differentiable, capturable=capturable)
         _base.check_lr(owner, lr)
         _base.check_nonnegative(owner, eps=eps)
         _base.check_betas(owner, betas)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from functopt import _validate
 from functopt._base import GradientTransformation
 from functopt.adapters.optimizer import Optimizer
 from functopt.transforms.hyperparams import inject_hyperparams
@@ -41,6 +42,16 @@ def number(owner: str, name: str, value: Any) -> float:
         raise TypeError(f"{owner}: {name} must be a float, got {type(value).__name__} "
                         f"{value!r}.")
     return float(value)
+
+
+def check_options(owner: str, **options: Any) -> None:
+    """Every option that chooses stages True or False; every execution hint also None.
+
+    torch.optim reads these by truthiness, so a string or a tensor there would pick a
+    chain silently (or fail inside PyTorch); here it is a ``TypeError`` naming the option.
+    """
+    _validate.check_flags(owner, **{k: v for k, v in options.items()
+                                    if k not in HINTS or v is not None})
 
 
 def check(owner: str, ok: bool, torch_message: str, expected: str) -> None:

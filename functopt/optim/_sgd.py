@@ -58,6 +58,8 @@ class SGD(_base.TorchOptimizer):
         fused: bool | None = None,
     ) -> None:
         owner = "functopt.optim.SGD"
+        _base.check_options(owner, nesterov=nesterov, maximize=maximize, foreach=foreach,
+                            differentiable=differentiable, fused=fused)
         _base.check_lr(owner, lr)
         _base.check_nonnegative(owner, momentum=momentum, weight_decay=weight_decay)
         damp = _base.number(owner, "dampening", dampening)
@@ -117,6 +119,8 @@ class RMSprop(_base.TorchOptimizer):
         differentiable: bool = False,
     ) -> None:
         owner = "functopt.optim.RMSprop"
+        _base.check_options(owner, centered=centered, capturable=capturable, foreach=foreach,
+                            maximize=maximize, differentiable=differentiable)
         _base.check_lr(owner, lr)
         _base.check_nonnegative(owner, eps=eps, momentum=momentum, weight_decay=weight_decay,
                                 alpha=alpha)
@@ -170,6 +174,8 @@ class Adagrad(_base.TorchOptimizer):
         fused: bool | None = None,
     ) -> None:
         owner = "functopt.optim.Adagrad"
+        _base.check_options(owner, foreach=foreach, maximize=maximize,
+                            differentiable=differentiable, fused=fused)
         _base.check_lr(owner, lr)
         _base.check_nonnegative(owner, lr_decay=lr_decay, weight_decay=weight_decay,
                                 initial_accumulator_value=initial_accumulator_value, eps=eps)
@@ -217,6 +223,8 @@ class Adadelta(_base.TorchOptimizer):
         differentiable: bool = False,
     ) -> None:
         owner = "functopt.optim.Adadelta"
+        _base.check_options(owner, foreach=foreach, capturable=capturable, maximize=maximize,
+                            differentiable=differentiable)
         _base.check_lr(owner, lr)
         r = _base.number(owner, "rho", rho)
         _base.check(owner, 0.0 <= r <= 1.0, f"Invalid rho value: {rho}", "0 <= rho <= 1")
@@ -266,6 +274,8 @@ class Rprop(_base.TorchOptimizer):
         differentiable: bool = False,
     ) -> None:
         owner = "functopt.optim.Rprop"
+        _base.check_options(owner, capturable=capturable, foreach=foreach, maximize=maximize,
+                            differentiable=differentiable)
         _base.check_lr(owner, lr)
         minus, plus = (_base.number(owner, "etas", e) for e in etas)
         _base.check(owner, 0.0 < minus < 1.0 < plus, f"Invalid eta values: {etas[0]}, "

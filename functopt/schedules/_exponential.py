@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from functopt import _validate
 from functopt._base import Schedule
 from functopt.schedules import _common, _join, _polynomial
 from functopt.schedules._common import Value
@@ -78,8 +79,7 @@ def exponential(
     _common.check_positive(owner, "decay_rate", decay_rate)
     _common.check_int(owner, "transition_begin", transition_begin, low=0,
                       hint="Fix: pass 0 to start the decay at the first step.")
-    if not isinstance(staircase, bool):
-        raise TypeError(f"{owner}: staircase must be a bool, got {type(staircase).__name__}.")
+    _validate.check_flags(owner, staircase=staircase)
     if end_value is not None:
         _common.check_value(owner, "end_value", end_value)
 

@@ -105,9 +105,29 @@ def params_like(
     return leaves
 
 
-def state_like(treespec: _core.TreeSpec, tree: Any, *, name: str) -> list[Any]:
-    """A per-leaf state field lined up with the updates."""
-    return _core.flatten_like(treespec, tree, name=name, reference="updates")
+STATE_DEVICE = (
+    "{name} leaf {path!r} is on {got} but its update is on {want}: a state lives on its "
+    "params' device (PyTorch would stop with an error that names no leaf). Fix: init the "
+    "state on the params where they are now, or move it there, e.g. "
+    "functopt.tree.map(lambda x: x.to({want_str!r}), state) (after an offload: "
+    "functopt.distributed.reload(offloaded, {want_str!r}))."
+)
+
+
+def state_like(treespec: _core.TreeSpec, tree: Any, *, name: str,
+               like: Sequence[Any]) -> list[Any]:
+    """A per-leaf state field lined up with the updates ``like``, on their devices.
+
+    Raises ``ValueError`` (``STATE_DEVICE``) naming the first leaf whose state tensor is
+    on another device than its update (the check reads device attributes only)."""
+    leaves = _core.flatten_like(treespec, tree, name=name, reference="updates")
+    for i, (leaf, ref) in enumerate(zip(leaves, like, strict=True)):
+        if (isinstance(leaf, torch.Tensor) and isinstance(ref, torch.Tensor)
+                and leaf.device != ref.device):
+            raise ValueError(STATE_DEVICE.format(
+                name=name, path=_core.paths(treespec)[i], got=leaf.device, want=ref.device,
+                want_str=str(ref.device)))
+    return leaves
 
 
 def first_device(leaves: Sequence[Any]) -> torch.device:

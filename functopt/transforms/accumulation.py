@@ -69,6 +69,7 @@ def trace(
         Sutskever et al., *On the importance of initialization and momentum in deep
         learning*, 2013.
     """
+    _validate.check_flags("trace", nesterov=nesterov)
     owner = "trace"
     _validate.check_range(owner, "decay", decay, low=0.0,
                           hint="Fix: pass a momentum coefficient such as 0.9.")
@@ -85,7 +86,7 @@ def trace(
         _common.check_state("trace", state, TraceState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
-        traces = _common.state_like(treespec, state.trace, name="state.trace")
+        traces = _common.state_like(treespec, state.trace, name="state.trace", like=grads)
         def leaf(g: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
             m = g + _common.scaled(t.to(torch.promote_types(g.dtype, t.dtype)), decay)
             u = g + _common.scaled(m, decay) if nesterov else m
@@ -154,6 +155,7 @@ def dampened_trace(
         >>> u["w"]  # 0.5 * 2 + (1 - 0.5) * 2
         tensor([2.])
     """
+    _validate.check_flags("dampened_trace", nesterov=nesterov)
     owner = "dampened_trace"
     _validate.check_range(owner, "decay", decay, low=0.0,
                           hint="Fix: pass a momentum coefficient such as 0.9.")
@@ -174,7 +176,7 @@ def dampened_trace(
         _common.check_state(owner, state, DampenedTraceState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
-        traces = _common.state_like(treespec, state.trace, name="state.trace")
+        traces = _common.state_like(treespec, state.trace, name="state.trace", like=grads)
         _common.check_state_present(owner, treespec, grads, trace=traces)
         first = state.count == 0
 
@@ -239,6 +241,7 @@ def ema(
         >>> u["w"], state.ema["w"]  # debiased update, raw average
         (tensor([2.]), tensor([0.2000]))
     """
+    _validate.check_flags("ema", debias=debias)
     owner = "ema"
     _validate.check_range(owner, "decay", decay, low=0.0, high=1.0, high_open=debias,
                           hint="Fix: pass a decay rate such as 0.9 (1 only with debias=False).")
@@ -256,7 +259,7 @@ def ema(
         _common.check_state("ema", state, EmaState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
-        averages = _common.state_like(treespec, state.ema, name="state.ema")
+        averages = _common.state_like(treespec, state.ema, name="state.ema", like=grads)
         count = _common.safe_increment(state.count)
         correction = _common.bias_correction(decay, count) if debias else None
         def leaf(g: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -65,7 +65,7 @@ def zero_nans() -> GradientTransformation:
         _common.check_state("zero_nans", state, ZeroNansState)
         del params, extra_args
         leaves, treespec = _common.flatten_updates(updates)
-        flags = _common.state_like(treespec, state.found_nan, name="state.found_nan")
+        flags = _common.state_like(treespec, state.found_nan, name="state.found_nan", like=leaves)
         new_updates: list[Any] = []
         new_flags: list[Any] = []
         sharded: list[int] = []  # positions in new_flags of DTensor leaves' local flags

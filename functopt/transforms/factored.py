@@ -144,9 +144,7 @@ def scale_by_factored_rms(
         Zhai et al., *Scaling Vision Transformers*, 2021 (capped decay schedules).
     """
     owner = "scale_by_factored_rms"
-    if not isinstance(factored, bool):
-        raise TypeError(f"{owner}: factored must be a bool, got {type(factored).__name__} "
-                        f"{factored!r}.")
+    _validate.check_flags(owner, factored=factored)
     _validate.check_range(owner, "decay_rate", decay_rate, low=0.0)
     if isinstance(step_offset, bool) or not isinstance(step_offset, (int, torch.Tensor)):
         raise TypeError(f"{owner}: step_offset must be an int, got "
@@ -194,9 +192,9 @@ def scale_by_factored_rms(
         grads, treespec = _common.flatten_updates(updates)
         if params is not None:  # only checked: a gradient has its param's shape
             _common.params_like(treespec, params, grads, owner=owner)
-        rows = _common.state_like(treespec, state.v_row, name="state.v_row")
-        cols = _common.state_like(treespec, state.v_col, name="state.v_col")
-        fulls = _common.state_like(treespec, state.v, name="state.v")
+        rows = _common.state_like(treespec, state.v_row, name="state.v_row", like=grads)
+        cols = _common.state_like(treespec, state.v_col, name="state.v_col", like=grads)
+        fulls = _common.state_like(treespec, state.v, name="state.v", like=grads)
         _common.check_state_present(owner, treespec, grads, same_shape=False, v_row=rows, v_col=cols,
                              v=fulls)
         decay = decay_rate_fn(state.count - step_offset, decay_rate)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
+from functopt import _validate
 from functopt._base import (
     GradientTransformation,
     Params,
@@ -108,6 +109,7 @@ def masked(
         >>> updates["w"][0], updates["b"]
         (tensor([-1., -1.]), tensor([1., 1.]))
     """
+    _validate.check_flags("masked", mask_compatible_extra_args=mask_compatible_extra_args)
     if not isinstance(inner, GradientTransformation):
         raise TypeError(
             f"masked: inner must be a functopt.GradientTransformation, got "

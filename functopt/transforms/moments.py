@@ -68,8 +68,8 @@ def moment_inputs(owner: str, updates: Updates, state: Any, expected: type,
     gradient is), and the step count after this update."""
     _common.check_state(owner, state, expected)
     grads, treespec = _common.flatten_updates(updates)
-    mus = _common.state_like(treespec, state.mu, name="state.mu")
-    nus = _common.state_like(treespec, state.nu, name="state.nu")
+    mus = _common.state_like(treespec, state.mu, name="state.mu", like=grads)
+    nus = _common.state_like(treespec, state.nu, name="state.nu", like=grads)
     _common.check_state_present(owner, treespec, grads, mu=mus, nu=nus)
     return grads, treespec, mus, nus, _common.safe_increment(state.count)
 
@@ -126,6 +126,7 @@ def scale_by_adam(
         Kingma & Ba, *Adam: A Method for Stochastic Optimization*, 2014.
         Dozat, *Incorporating Nesterov Momentum into Adam*, 2016.
     """
+    _validate.check_flags("scale_by_adam", nesterov=nesterov)
     owner = "scale_by_adam"
     _common.check_betas(owner, b1=b1, b2=b2)
     _validate.check_range(owner, "eps", eps, low=0.0)
@@ -249,6 +250,9 @@ def scale_by_amsgrad(
     References:
         Reddi, Kale & Kumar, *On the Convergence of Adam and Beyond*, ICLR 2018.
     """
+    _validate.check_flags("scale_by_amsgrad", bias_correction_mu=bias_correction_mu,
+                          bias_correction_nu=bias_correction_nu,
+                          correct_after_max=correct_after_max)
     owner = "scale_by_amsgrad"
     _common.check_betas(owner, b1=b1, b2=b2)
     _validate.check_range(owner, "eps", eps, low=0.0)
@@ -281,9 +285,9 @@ def scale_by_amsgrad(
         _common.check_state("scale_by_amsgrad", state, ScaleByAmsgradState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
-        mus = _common.state_like(treespec, state.mu, name="state.mu")
-        nus = _common.state_like(treespec, state.nu, name="state.nu")
-        maxes = _common.state_like(treespec, state.nu_max, name="state.nu_max")
+        mus = _common.state_like(treespec, state.mu, name="state.mu", like=grads)
+        nus = _common.state_like(treespec, state.nu, name="state.nu", like=grads)
+        maxes = _common.state_like(treespec, state.nu_max, name="state.nu_max", like=grads)
         _common.check_state_present(owner, treespec, grads, mu=mus, nu=nus, nu_max=maxes)
         count = _common.safe_increment(state.count)
         bc1 = _common.bias_correction(b1, count)
@@ -387,7 +391,7 @@ def scale_by_lion(
         _common.check_state("scale_by_lion", state, ScaleByLionState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
-        mus = _common.state_like(treespec, state.mu, name="state.mu")
+        mus = _common.state_like(treespec, state.mu, name="state.mu", like=grads)
         _common.check_state_present(owner, treespec, grads, mu=mus)
         def leaf(g: torch.Tensor, mu: torch.Tensor) -> tuple[torch.Tensor, ...]:
             wide = g.to(_common.compute_dtype(g.dtype, mu.dtype))
@@ -530,6 +534,8 @@ def scale_by_radam(
     References:
         Liu et al., *On the Variance of the Adaptive Learning Rate and Beyond*, ICLR 2020.
     """
+    _validate.check_flags("scale_by_radam", nesterov=nesterov,
+                          eps_before_correction=eps_before_correction)
     owner = "scale_by_radam"
     _common.check_betas(owner, b1=b1, b2=b2)
     _validate.check_range(owner, "eps", eps, low=0.0)

@@ -106,7 +106,7 @@ class MultiStepsState(NamedTuple):
 
 def _read_count(count: Any, name: str) -> int:
     if not (isinstance(count, torch.Tensor) and count.dim() == 0 and not count.is_floating_point()):
-        raise ValueError(
+        raise TypeError(
             f"MultiSteps: state.{name} must be a 0-d integer tensor, got "
             f"{_core._describe(count)}. Fix: pass the state returned by this MultiSteps' "
             f"init/update."
@@ -119,7 +119,7 @@ def _read_skip(value: Any) -> bool:
         return value
     if isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.dim() == 0:
         return bool(value)
-    raise ValueError(
+    raise TypeError(
         f"MultiSteps: should_skip_update_fn must return (should_skip, skip_state) with "
         f"should_skip a bool or a 0-d bool tensor; its first output was {_core._describe(value)}."
         f" Fix: return for example (norm_sq > limit, {{}}), a 0-d bool tensor."
@@ -271,7 +271,7 @@ class MultiSteps:
         """Accumulate ``updates``; return zeros, or the inner update when the window closes."""
         _common.check_state("MultiSteps", state, MultiStepsState)
         leaves, treespec = _common.flatten_updates(updates)
-        accs = _common.state_like(treespec, state.acc_grads, name="state.acc_grads")
+        accs = _common.state_like(treespec, state.acc_grads, name="state.acc_grads", like=leaves)
         for i, (g, acc) in enumerate(zip(leaves, accs, strict=True)):
             if g is not None and acc is None:
                 where = _core.paths(treespec)[i]

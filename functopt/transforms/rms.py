@@ -105,6 +105,8 @@ def scale_by_rms(
         Tieleman & Hinton, *Lecture 6.5 - RMSProp*, COURSERA: Neural Networks for Machine
         Learning, 2012.
     """
+    _validate.check_flags("scale_by_rms", eps_in_sqrt=eps_in_sqrt,
+                          bias_correction=bias_correction)
     owner = "scale_by_rms"
     _check_rms_args(owner, decay, eps, initial_scale, bias_correction)
 
@@ -122,7 +124,7 @@ def scale_by_rms(
         _common.check_state("scale_by_rms", state, ScaleByRmsState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
-        nus = _common.state_like(treespec, state.nu, name="state.nu")
+        nus = _common.state_like(treespec, state.nu, name="state.nu", like=grads)
         _common.check_state_present(owner, treespec, grads, nu=nus)
         count = _common.safe_increment(state.count)
         bc = _common.bias_correction(decay, count) if bias_correction else None
@@ -201,6 +203,8 @@ def scale_by_stddev(
     References:
         Graves, *Generating Sequences With Recurrent Neural Networks*, 2013 (eq. 38-45).
     """
+    _validate.check_flags("scale_by_stddev", eps_in_sqrt=eps_in_sqrt,
+                          bias_correction=bias_correction)
     owner = "scale_by_stddev"
     _check_rms_args(owner, decay, eps, initial_scale, bias_correction)
 
@@ -220,8 +224,8 @@ def scale_by_stddev(
         _common.check_state("scale_by_stddev", state, ScaleByRStdDevState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
-        mus = _common.state_like(treespec, state.mu, name="state.mu")
-        nus = _common.state_like(treespec, state.nu, name="state.nu")
+        mus = _common.state_like(treespec, state.mu, name="state.mu", like=grads)
+        nus = _common.state_like(treespec, state.nu, name="state.nu", like=grads)
         _common.check_state_present(owner, treespec, grads, mu=mus, nu=nus)
         count = _common.safe_increment(state.count)
         bc = _common.bias_correction(decay, count) if bias_correction else None
@@ -294,6 +298,7 @@ def scale_by_rss(
         Duchi, Hazan & Singer, *Adaptive Subgradient Methods for Online Learning and
         Stochastic Optimization*, JMLR 2011.
     """
+    _validate.check_flags("scale_by_rss", eps_in_sqrt=eps_in_sqrt)
     owner = "scale_by_rss"
     _validate.check_range(owner, "initial_accumulator_value", initial_accumulator_value,
                           low=0.0, hint="Fix: it starts a sum of squares; use >= 0.")
@@ -312,7 +317,8 @@ def scale_by_rss(
         _common.check_state("scale_by_rss", state, ScaleByRssState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
-        sums = _common.state_like(treespec, state.sum_of_squares, name="state.sum_of_squares")
+        sums = _common.state_like(treespec, state.sum_of_squares, name="state.sum_of_squares",
+                                  like=grads)
         _common.check_state_present(owner, treespec, grads, sum_of_squares=sums)
         def leaf(g: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, ...]:
             wide = g.to(_common.compute_dtype(g.dtype, s.dtype))
@@ -393,8 +399,8 @@ def scale_by_adadelta(rho: Numeric = 0.9, eps: Numeric = 1e-6) -> GradientTransf
         _common.check_state(owner, state, ScaleByAdaDeltaState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
-        e_gs = _common.state_like(treespec, state.e_g, name="state.e_g")
-        e_xs = _common.state_like(treespec, state.e_x, name="state.e_x")
+        e_gs = _common.state_like(treespec, state.e_g, name="state.e_g", like=grads)
+        e_xs = _common.state_like(treespec, state.e_x, name="state.e_x", like=grads)
         _common.check_state_present(owner, treespec, grads, e_g=e_gs, e_x=e_xs)
 
         def leaf(g: torch.Tensor, e_g: torch.Tensor,

@@ -140,6 +140,7 @@ def scale_by_learning_rate(
         >>> tx.update({"w": torch.tensor([1.0])}, tx.init(None))[0]
         {'w': tensor([-0.1000])}
     """
+    _validate.check_flags("scale_by_learning_rate", flip_sign=flip_sign)
     _validate.check_number("scale_by_learning_rate", "learning_rate", learning_rate,
                            allow_callable=True)
     sign = -1 if flip_sign else 1

@@ -144,8 +144,9 @@ def scale_by_rprop(
         _common.check_state(owner, state, ScaleByRpropState)
         del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
-        sizes = _common.state_like(treespec, state.step_sizes, name="state.step_sizes")
-        prevs = _common.state_like(treespec, state.prev_updates, name="state.prev_updates")
+        sizes = _common.state_like(treespec, state.step_sizes, name="state.step_sizes", like=grads)
+        prevs = _common.state_like(treespec, state.prev_updates, name="state.prev_updates",
+                                   like=grads)
         _common.check_state_present(owner, treespec, grads, step_sizes=sizes,
                                     prev_updates=prevs)
 
