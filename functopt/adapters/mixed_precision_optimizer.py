@@ -311,9 +311,33 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     norm, as Megatron's ``ChainedOptimizer``). For example, no weight decay on biases:
     ``[{"params": weights}, {"params": biases, "weight_decay": 0.0}]`` with
     ``transform=lambda weight_decay=0.1: functopt.adamw(1e-3, weight_decay=weight_decay)``.
-    Learning-rate schedules belong in the transform (a functopt schedule, or
-    [`inject_hyperparams`][functopt.inject_hyperparams]); there is no ``param_groups``
-    list for a ``torch.optim.lr_scheduler`` to edit.
+    **A torch.optim.Optimizer.** The facade is one, so it goes where an optimizer goes
+    (torch's schedulers, Lightning's ``configure_optimizers``, accelerate's ``prepare``).
+    ``param_groups`` are plain dicts holding each group's params and its transform's
+    arguments under torch's names (``lr`` for ``learning_rate``, ``betas`` for ``b1, b2``,
+    the others as they are), and a value written there is used by the next ``step()``:
+    an argument that ``inject_hyperparams`` put in the state (a transform built by
+    [`inject_hyperparams`][functopt.inject_hyperparams], a factory that returns one, or a
+    translated torch optimizer) is written into the state, a 0-d tensor, so nothing is
+    rebuilt; any other argument of a factory rebuilds that group's transform (the state
+    is kept; an edit that changes the state's layout, such as momentum from 0, is not
+    supported). With a fixed ``transform`` that does not inject, the groups hold no
+    hyperparameters. A key that no transform reads raises at ``step()`` (``momentum`` on
+    an AdamW), except the records of torch's schedulers (``initial_lr``, ...) and of
+    Megatron's groups (``max_lr``, ``min_lr``, ...): ``BOOKKEEPING_KEYS``.
+    ``add_param_group`` after construction raises: master copies and state are made
+    then. Megatron's ``OptimizerParamScheduler`` writes ``lr * lr_mult`` into
+    ``group['lr']`` itself, so leave ``lr_mult``/``wd_mult`` out of the groups with it
+    (the facade multiplies them in, as torch's schedulers need).
+
+    **From a torch.optim optimizer.** ``MixedPrecisionOptimizer(torch.optim.AdamW(
+    model.parameters(), lr=1e-4), ...)`` (LightRFT's ``FSDPadaptOptimizer`` form) reads the
+    optimizer's param groups and picks the chain of the same numerics for ``Adam``,
+    ``AdamW`` and ``SGD`` (and ``functopt.optim``'s classes of those names), injected, so
+    that every group's ``lr``, ``betas``, ``eps``, ``weight_decay`` (``momentum``) are in
+    ``param_groups``; any other class, an optimizer that has already stepped, or a group
+    key the translation does not read raises. Params keep the torch optimizer's
+    ``param_names``, else are numbered.
 
     Three group options are read by the optimizer itself, not passed to the factory:
 
@@ -335,16 +359,29 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
       as ``torch.optim`` does for every param of its groups. ``lr_mult=0`` is not the
       same: such a group keeps its state, and its gradients still count.
 
-    **Clipping.** ``clip_grad_norm(model, max_norm)`` sets the global L2 norm the
-    *following* ``step()`` calls clip the unscaled gradients to (``max_norm=0`` or None:
-    no clipping, the initial setting); the step computes the norm in its single
-    statistics pass, so clipping costs no extra reduction. It returns None, as LightRFT's
-    does: the norm exists only inside the step; read it afterwards with
-    ``get_grad_norm()``. Differences from LightRFT: its ``clip_grad_norm`` is a no-op and
-    its step always clips at 1.0 with the factor $\max(1, (\|g\| + 10^{-6}) / c)$; here
-    nothing is clipped until ``clip_grad_norm`` is called, and the rule is
+    **Clipping.** ``clip_grad_norm(model, max_norm)`` (LightRFT's signature) sets the
+    global L2 norm the *following* ``step()`` calls clip the unscaled gradients to
+    (``max_norm=0`` or None: no clipping, the initial setting); the step computes the
+    norm in its single statistics pass, so clipping costs no extra reduction. It returns
+    None. Differences from LightRFT: its ``clip_grad_norm`` is a no-op and its step always
+    clips at 1.0 with the factor $\max(1, (\|g\| + 10^{-6}) / c)$; here nothing is
+    clipped until ``clip_grad_norm`` is called, and the rule is
     [`clip_by_global_norm`][functopt.clip_by_global_norm]'s, $g \cdot c / \|g\|$ when
-    $\|g\| > c$ (no $10^{-6}$).
+    $\|g\| > c$ (no $10^{-6}$). ``clip_grad_norm(clip_grad)`` (one number: Megatron's
+    signature) clips the current gradients now, by Megatron's rule, and returns their norm.
+
+    **Megatron-LM's surface.** ``get_grad_norm()`` is the norm of the current gradients
+    (the last step's when they are unchanged since); ``grad_norm_skip_threshold``
+    skips a step whose norm exceeds it (counted in ``metrics.skipped_steps`` like an
+    overflow); ``return_grad_stats=True`` makes ``step()`` return Megatron's
+    ``(ok, grad_norm, num_zeros)``; ``reload_model_params(state_dict=None)``; a param's
+    ``.main_grad`` (Megatron's float32 accumulation buffer) is read instead of its
+    ``.grad`` when it has one.
+
+    **Schedule-free.** With a ``schedule_free`` transform
+    ([`schedule_free_adamw`][functopt.contrib.schedule_free_adamw], ...), ``eval()`` puts
+    the averaged iterate into the params and ``train()`` restores the training params
+    bitwise, as the schedulefree package's optimizers do.
 
     **Checkpoints.** ``state_dict()`` returns the step's state as nested dicts of tensors
     (loss scale and its counters, master weights, the transform's state, the last step's
@@ -368,7 +405,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
     Args:
         params: the parameters to optimize (see *Param groups*). Each must be a
-            floating-point leaf tensor that requires grad.
+            floating-point leaf tensor that requires grad. Or a ``torch.optim`` optimizer
+            (then without ``transform``), translated into the matching chain.
         transform: the update rule, e.g. ``functopt.adamw(1e-3)``, without clipping of its
             own (use ``clip_grad_norm``); or a factory ``(**group_options) -> transform``.
         loss_scale: the loss-scale rule: ``dynamic_loss_scale()`` (the default:
@@ -383,6 +421,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         count_zeros: count the zero gradient elements at every step (``count_zeros()``;
             one more read of the gradients). False, Megatron-LM's default, saves it and
             ``count_zeros()`` returns -1.
+        grad_norm_skip_threshold: skip steps whose gradient norm exceeds it (Megatron's
+            option; ``inf``, the default, never skips).
+        return_grad_stats: ``step()`` returns ``(ok, grad_norm, num_zeros)`` as
+            Megatron-LM's does, instead of ``ok``.
 
     Raises:
         TypeError: for a malformed ``params`` or ``transform``, or naming a param of a
@@ -429,6 +471,21 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         >>> inner = opt.state_dict()["inner_state"]["inner_states"]  # no state for group 0
         >>> sorted(inner), sorted(inner["1"]["0"]["mu"]), sorted(inner["2"]["0"]["mu"])
         (['1', '2'], ['1.weight'], ['1.bias'])
+
+        From a torch optimizer (LightRFT's form), driven by a torch scheduler:
+
+        >>> model = torch.nn.Linear(2, 1).to(torch.bfloat16)
+        >>> opt = functopt.MixedPrecisionOptimizer(
+        ...     torch.optim.AdamW(model.parameters(), lr=1e-2), loss_scale=None)
+        >>> isinstance(opt, torch.optim.Optimizer), opt.param_groups[0]["weight_decay"]
+        (True, 0.01)
+        >>> scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        >>> model(torch.ones(3, 2, dtype=torch.bfloat16)).float().sum().backward()
+        >>> opt.step()
+        True
+        >>> scheduler.step()
+        >>> opt.param_groups[0]["lr"]  # the next step uses it
+        0.005
     """
 
     # the training params kept by eval() (schedule-free), restored by train(); None in
