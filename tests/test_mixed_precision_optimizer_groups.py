@@ -14,6 +14,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import functopt
 from functopt import contrib
@@ -138,6 +140,26 @@ def test_cosine_annealing_drives_an_injected_transform_and_a_factory() -> None:
             s.step()
     for m in models:
         _close(m, ref)
+
+
+@settings(max_examples=20, deadline=None)
+@given(lrs=st.lists(st.floats(0.0, 0.5), min_size=1, max_size=6),
+       wds=st.lists(st.floats(0.0, 0.2), min_size=6, max_size=6),
+       momentum=st.sampled_from([0.0, 0.9]))
+def test_any_written_lr_and_weight_decay_sequence_equals_torch_sgd(lrs, wds, momentum) -> None:
+    model, ref = _model(), _model()
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(_groups(model), lr=0.1, momentum=momentum),
+                                  loss_scale=None)
+    ref_opt = torch.optim.SGD(_groups(ref), lr=0.1, momentum=momentum)
+    for t, lr in enumerate(lrs):
+        for o in (opt, ref_opt):
+            o.param_groups[1]["lr"] = lr
+            o.param_groups[0]["weight_decay"] = wds[t]
+        for m, o in ((model, opt), (ref, ref_opt)):
+            _loss(m, t).backward()
+            o.step()
+            o.zero_grad()
+    _close(model, ref)
 
 
 def test_a_written_lr_is_used_by_the_next_step_exactly() -> None:
