@@ -162,6 +162,22 @@ def test_any_written_lr_and_weight_decay_sequence_equals_torch_sgd(lrs, wds, mom
     _close(model, ref)
 
 
+def test_a_deep_copy_keeps_the_state_and_steps_alike() -> None:
+    model = _model(torch.bfloat16)
+    opt = MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    opt.backward(_loss(model, 0))
+    assert opt.step()
+    twin = copy.deepcopy(opt)  # torch.optim's __getstate__ alone would drop the state
+    params = [p for g in twin.param_groups for p in g["params"]]
+    for p, q in zip(model.parameters(), params, strict=True):
+        q.grad = p.grad.clone()
+    for o in (opt, twin):
+        o.param_groups[0]["lr"] = 5e-3
+        assert o.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params, strict=True))
+    assert not any(p is q for p, q in zip(model.parameters(), params, strict=True))
+
+
 def test_a_written_lr_is_used_by_the_next_step_exactly() -> None:
     w = torch.nn.Parameter(torch.zeros(2, dtype=F64))
     opt = MixedPrecisionOptimizer([("w", w)], functopt.inject_hyperparams(functopt.sgd)(
