@@ -209,6 +209,36 @@ def test_group_keys_no_transform_reads_are_refused() -> None:
                                 functopt.inject_hyperparams(functopt.scale_by_adam)())
 
 
+def test_a_group_edit_that_changes_the_state_layout_is_refused() -> None:
+    model = _model()
+    opt = MixedPrecisionOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
+                                  loss_scale=None)
+    _loss(model, 0).backward()
+    assert opt.step()
+    opt.param_groups[0]["amsgrad"] = True
+    with pytest.raises(ValueError, match=r"new values of \[\"param_groups\[0\]\['amsgrad'\]\"\] "
+                                         r"change the layout of the transform's state"):
+        opt.step()
+    opt.param_groups[0]["amsgrad"] = False  # as it was: steps again
+    assert opt.step()
+
+
+def test_a_group_edit_within_the_layout_rebuilds_and_equals_torch() -> None:
+    """nesterov switched on after 3 steps (same momentum buffer), as in torch.optim.SGD."""
+    model, ref = _model(), _model()
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                  loss_scale=None)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for t in range(6):
+        if t == 3:
+            opt.param_groups[0]["nesterov"] = ref_opt.param_groups[0]["nesterov"] = True
+        for m, o in ((model, opt), (ref, ref_opt)):
+            _loss(m, t).backward()
+            o.step()
+            o.zero_grad()
+    _close(model, ref)
+
+
 def test_translation_refuses_what_it_cannot_translate() -> None:
     model = _model()
     with pytest.raises(TypeError, match=r"cannot translate torch.optim.rmsprop.RMSprop"):
