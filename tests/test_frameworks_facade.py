@@ -1,9 +1,11 @@
-"""MixedPrecisionOptimizer in the training frameworks: Lightning and accelerate.
+"""MixedPrecisionOptimizer in the training frameworks: Lightning, accelerate, HF Trainer.
 
 Lightning: ``configure_optimizers`` returns the facade with a torch scheduler, in automatic
 optimization (bf16-mixed autocast) and in a manual loop (the facade's own bfloat16 masters),
 ``global_step`` advancing and a resume from checkpoint continuing bitwise. accelerate:
-``prepare`` and a ``save_state`` / ``load_state`` round trip continuing bitwise.
+``prepare`` and a ``save_state`` / ``load_state`` round trip continuing bitwise. HF Trainer:
+a tiny GPT-2 built from a config (no download) trained with the facade and its scheduler
+passed as ``optimizers=``, resumed from a checkpoint bitwise.
 """
 
 from __future__ import annotations
@@ -142,3 +144,41 @@ def test_accelerate_prepare_save_state_load_state_continue_bitwise(tmp_path) -> 
     train(acc2, model2, opt2, sched2, batches[4:])
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters(),
                                                  strict=True))
+
+
+def test_hf_trainer_trains_a_tiny_gpt2_with_the_facade_and_resumes_bitwise(tmp_path) -> None:
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": ids, "labels": ids}
+            for ids in torch.randint(0, 64, (16, 12), generator=g)]
+
+    def run(out, resume=None):  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16,
+                                           n_layer=1, n_head=2, bos_token_id=0,
+                                           eos_token_id=0)).to(torch.bfloat16)
+        opt = functopt.MixedPrecisionOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-3), loss_scale=None)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))
+        args = TrainingArguments(
+            output_dir=str(out), max_steps=6, per_device_train_batch_size=4, save_steps=3,
+            save_strategy="steps", report_to=[], use_cpu=True, logging_strategy="no",
+            seed=0, disable_tqdm=True)
+        trainer = Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, sched))
+        trainer.train(resume_from_checkpoint=resume)
+        return model, opt, trainer
+
+    model, opt, trainer = run(tmp_path / "a")
+    assert trainer.state.global_step == 6 and opt.param_groups[0]["lr"] == 1e-3 * (1.0 / 7)
+    master = opt.state_dict()["master"]
+    assert all(torch.equal(p, master[str(i)].to(torch.bfloat16))
+               for i, p in enumerate(model.parameters()))
+    resumed, _, _ = run(tmp_path / "b", resume=str(tmp_path / "a" / "checkpoint-3"))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed.parameters(),
+                                                 strict=True))
+    fresh = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1,
+                                       n_head=2))
+    assert not torch.equal(fresh.transformer.wte.weight.to(torch.bfloat16),
+                           model.transformer.wte.weight)
