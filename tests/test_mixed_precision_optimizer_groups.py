@@ -336,6 +336,19 @@ def test_grad_norm_skip_threshold_skips_like_an_overflow_without_a_trace() -> No
         opt.grad_norm_skip_threshold = 0.0
 
 
+def test_a_state_dict_taken_before_a_threshold_skip_keeps_its_values() -> None:
+    model = _model(torch.bfloat16)
+    opt = MixedPrecisionOptimizer(model.named_parameters(), functopt.adamw(1e-2),
+                                  grad_norm_skip_threshold=1e-9)
+    held = opt.state_dict()
+    values = copy.deepcopy(held)
+    opt.backward(_loss(model, 0))
+    assert not opt.step()  # skipped for the threshold
+    opt.grad_norm_skip_threshold = math.inf
+    assert opt.step()  # must not update the held tensors in place
+    assert all(torch.equal(held["master"][k], values["master"][k]) for k in values["master"])
+
+
 def test_step_result_triple_on_overflow_and_without_zero_counting() -> None:
     w = torch.nn.Parameter(torch.zeros(3))
     opt = MixedPrecisionOptimizer([("w", w)], functopt.sgd(0.1), return_grad_stats=True,

@@ -784,7 +784,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 else m.num_zeros),
             key=state.key + 1,
         )
-        self._state_shared = False
+        # (_state_shared stays: the masters and the transform's state are still the
+        # tensors a state dict may hold, which the next step must not update in place.)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the params' gradients (set them to None, or zero them in place).
