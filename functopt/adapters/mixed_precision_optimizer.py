@@ -239,9 +239,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     with a dynamic scale the scale too, to warn with a
     [`LossScaleWarning`][functopt.precision.LossScaleWarning] when it has collapsed (below
     float32's smallest normal number, on its way to 0.0); ``loss_scale`` reads the scale
-    as a Python float. Nothing else syncs: ``backward`` multiplies by the scale
-    tensor, and ``get_loss_scale()``, ``get_grad_norm()`` and ``count_zeros()`` return
-    0-d tensors.
+    as a Python float. A finite ``grad_norm_skip_threshold`` adds two reads per step (the
+    norm's finiteness and its value), ``return_grad_stats=True`` the norm and the zero
+    count (Megatron's Python numbers), and Megatron's ``clip_grad_norm(clip_grad)`` the
+    norm. Nothing else syncs: ``backward`` multiplies by the scale tensor, and
+    ``get_loss_scale()``, ``get_grad_norm()`` and ``count_zeros()`` return 0-d tensors.
 
     Args:
         params: the parameters to optimize (see *Param groups*). Each must be a
