@@ -2,7 +2,7 @@
 
 LightRFT builds ``FSDPadaptOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))``:
 the mixed-precision wrapper receives a configured torch optimizer. The facade takes the same
-object and reads what it needs from it: its param groups (params, names, every numeric
+object (Adam, AdamW, SGD, RMSprop, Adagrad) and reads what it needs from it: its param groups (params, names, every numeric
 hyperparameter) and its class, which picks the functopt chain of the same numerics
 (``functopt/optim/_chains.py``, the chains behind ``functopt.optim``). Each group gets its
 own factory, ``inject_hyperparams`` of that chain, so its hyperparameters live in the state
@@ -26,7 +26,8 @@ _HINTS = ("foreach", "fused", "capturable")
 
 CANNOT_TRANSLATE = (
     "{owner}: cannot translate {name} into a functopt chain; translated are "
-    "torch.optim.Adam, AdamW and SGD (and functopt.optim's classes of those names). Fix: "
+    "torch.optim.Adam, AdamW, SGD, RMSprop and Adagrad (and functopt.optim's classes of "
+    "those names). Fix: "
     "pass the params and a functopt transform instead, e.g. "
     "MixedPrecisionOptimizer(model.named_parameters(), "
     "functopt.inject_hyperparams(functopt.adamw)(learning_rate=1e-4))."
@@ -61,7 +62,38 @@ def _sgd_momentum(learning_rate: Any, weight_decay: Any, momentum: Any, *,
                        nesterov=nesterov, maximize=maximize)
 
 
+def _rmsprop(learning_rate: Any, alpha: Any, eps: Any, weight_decay: Any, *,
+             centered: bool = False, maximize: bool = False) -> GradientTransformation:
+    """torch.optim.RMSprop without momentum."""
+    from functopt.optim import _chains
+
+    return _chains.rmsprop(learning_rate, alpha, eps, weight_decay, None, centered=centered,
+                           maximize=maximize)
+
+
+def _rmsprop_momentum(learning_rate: Any, alpha: Any, eps: Any, weight_decay: Any,
+                      momentum: Any, *, centered: bool = False,
+                      maximize: bool = False) -> GradientTransformation:
+    """torch.optim.RMSprop with a momentum buffer."""
+    from functopt.optim import _chains
+
+    return _chains.rmsprop(learning_rate, alpha, eps, weight_decay, momentum,
+                           centered=centered, maximize=maximize)
+
+
+def _adagrad(learning_rate: Any, lr_decay: Any, initial_accumulator_value: Any, eps: Any,
+             weight_decay: Any, *, maximize: bool = False) -> GradientTransformation:
+    """torch.optim.Adagrad."""
+    from functopt.optim import _chains
+
+    return _chains.adagrad(learning_rate, lr_decay, initial_accumulator_value, eps,
+                           weight_decay, maximize=maximize)
+
+
 _ADAM = inject_hyperparams(_adam)
+_RMSPROP = inject_hyperparams(_rmsprop)
+_RMSPROP_MOMENTUM = inject_hyperparams(_rmsprop_momentum)
+_ADAGRAD = inject_hyperparams(_adagrad)
 _SGD = inject_hyperparams(_sgd)
 # dampening chooses the stage (dampened_trace or trace): a Python number, not injected.
 _SGD_MOMENTUM = inject_hyperparams(_sgd_momentum, static_args="dampening")
@@ -89,6 +121,23 @@ def _sgd_group(group: dict[str, Any]) -> tuple[Callable[..., Any], dict[str, Any
                            "nesterov": bool(group["nesterov"])}
 
 
+def _rmsprop_group(group: dict[str, Any]) -> tuple[Callable[..., Any], dict[str, Any]]:
+    options: dict[str, Any] = {"learning_rate": group["lr"], "alpha": group["alpha"],
+                               "eps": group["eps"], "weight_decay": group["weight_decay"],
+                               "centered": bool(group["centered"]),
+                               "maximize": bool(group["maximize"])}
+    if group["momentum"] == 0:
+        return _RMSPROP, options
+    return _RMSPROP_MOMENTUM, {**options, "momentum": group["momentum"]}
+
+
+def _adagrad_group(group: dict[str, Any]) -> tuple[Callable[..., Any], dict[str, Any]]:
+    return _ADAGRAD, {"learning_rate": group["lr"], "lr_decay": group["lr_decay"],
+                      "initial_accumulator_value": group["initial_accumulator_value"],
+                      "eps": group["eps"], "weight_decay": group["weight_decay"],
+                      "maximize": bool(group["maximize"])}
+
+
 # What each group key of the translated classes becomes; a key outside these sets is
 # refused (it would change the maths without a stage reading it).
 _READ = {
@@ -98,6 +147,10 @@ _READ = {
             "nesterov", "maximize", "differentiable", *_HINTS},
 }
 _READ["AdamW"] = _READ["Adam"]
+_READ["RMSprop"] = {"params", "param_names", "lr", "alpha", "eps", "weight_decay", "momentum",
+                    "centered", "maximize", "differentiable", *_HINTS}
+_READ["Adagrad"] = {"params", "param_names", "lr", "lr_decay", "initial_accumulator_value",
+                    "eps", "weight_decay", "maximize", "differentiable", *_HINTS}
 
 
 def translate(
@@ -120,7 +173,8 @@ def translate(
     if name not in _READ or not (cls is torch_class or ours):
         raise TypeError(CANNOT_TRANSLATE.format(owner=owner,
                                                 name=f"{cls.__module__}.{cls.__qualname__}"))
-    if any(optimizer.state.values()):
+    # (Adagrad makes its state at construction, with step 0: not stepped yet.)
+    if any(entry and float(entry.get("step", 1)) > 0 for entry in optimizer.state.values()):
         raise ValueError(
             f"{owner}: the {name} optimizer has state (it has stepped); its state does not "
             f"carry over into functopt's. Fix: build the torch optimizer and hand it over "
@@ -141,8 +195,11 @@ def translate(
                 f"the mixed-precision step writes the params in place under no_grad. Fix: "
                 f"build it with differentiable=False."
             )
-        factory, options = (_sgd_group(group) if name == "SGD"
-                            else _adam_group(group, decoupled=name == "AdamW"))
+        if name in ("Adam", "AdamW"):
+            factory, options = _adam_group(group, decoupled=name == "AdamW")
+        else:
+            factory, options = {"SGD": _sgd_group, "RMSprop": _rmsprop_group,
+                                "Adagrad": _adagrad_group}[name](group)
         names = group.get("param_names")
         params = list(group["params"])
         spec: dict[str, Any] = {

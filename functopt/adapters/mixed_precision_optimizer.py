@@ -173,9 +173,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     **From a torch.optim optimizer.** ``MixedPrecisionOptimizer(torch.optim.AdamW(
     model.parameters(), lr=1e-4), ...)`` (LightRFT's ``FSDPadaptOptimizer`` form) reads the
     optimizer's param groups and picks the chain of the same numerics for ``Adam``,
-    ``AdamW`` and ``SGD`` (and ``functopt.optim``'s classes of those names), injected, so
-    that every group's ``lr``, ``betas``, ``eps``, ``weight_decay`` (``momentum``) are in
-    ``param_groups``; any other class, an optimizer that has already stepped, or a group
+    ``AdamW``, ``SGD``, ``RMSprop`` and ``Adagrad`` (and ``functopt.optim``'s classes of
+    those names; ``functopt/optim/_chains.py``), injected, so that every group's numeric
+    options (``lr``, ``betas``, ``eps``, ``weight_decay``, ``momentum``, ...) are in
+    ``param_groups``; RMSprop and Adagrad have no fused kernel (the step says so with a
+    ``FastPathWarning``; ``fused=False`` runs the pure path without it); any other class, an optimizer that has already stepped, or a group
     key the translation does not read raises. Params keep the torch optimizer's
     ``param_names``, else are numbered.
 
