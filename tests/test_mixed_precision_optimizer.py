@@ -52,9 +52,10 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _state_only(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """The state dict less its record of the loss-scale rule (tested in test_reliability)."""
+    """The state dict less its record of the loss-scale rule (tested in test_reliability)
+    and of the group values (tested in test_mixed_precision_optimizer_groups)."""
     assert state_dict["loss_scale_rule"].shape == (8,)
-    return {k: v for k, v in state_dict.items() if k != "loss_scale_rule"}
+    return {k: v for k, v in state_dict.items() if k not in ("loss_scale_rule", "param_groups")}
 
 
 def _same_nested(a: Any, b: Any) -> bool:
@@ -62,6 +63,10 @@ def _same_nested(a: Any, b: Any) -> bool:
         return isinstance(b, dict) and a.keys() == b.keys() and all(
             _same_nested(a[k], b[k]) for k in a
         )
+    if isinstance(a, list):  # the group values
+        return isinstance(b, list) and len(a) == len(b) and all(map(_same_nested, a, b))
+    if not isinstance(a, torch.Tensor):
+        return type(a) is type(b) and a == b
     return isinstance(b, torch.Tensor) and _same_bits(a, b)
 
 

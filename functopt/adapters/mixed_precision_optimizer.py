@@ -12,9 +12,10 @@ so everything the functional step guarantees (bitwise skips, params exactly
 
 from __future__ import annotations
 
-import inspect
 import math
-from collections.abc import Callable, Hashable
+import typing
+import weakref
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import torch
@@ -22,23 +23,41 @@ import torch
 from functopt import _validate
 from functopt._base import GradientTransformation, Params
 from functopt._collective.dtensor import local_tensor
-from functopt.adapters import _param_groups, _state_dict
+from functopt._collective.reduce import global_grad_stats
+from functopt._spec import Injected, describe
+from functopt.adapters import _from_torch, _param_groups, _state_dict
+from functopt.adapters._facade_groups import (
+    _OWN_KEYS,
+    _UNSET,
+    BOOKKEEPING_KEYS,
+    UNREAD_GROUP_KEY,
+    _as_argument,
+    _hyper_tensor,
+    _Plan,
+    _same,
+    _scaled,
+)
+from functopt.adapters.optimizer import _find_states
 from functopt.distributed.offloading import OffloadedState, offload, reload
 from functopt.precision.loss_scale import (
     LossScale,
     _describe_rule,
+    _inverse,
     _rule_vector,
     _same_rule,
     _warn_if_collapsed,
     dynamic_loss_scale,
 )
 from functopt.precision.master import float32_master
+from functopt.precision.stats import GradStats, unpack_grad_stats
 from functopt.precision.step import (
     MixedPrecisionState,
     MixedPrecisionTransformation,
+    StepMetrics,
     mixed_precision,
     scale_loss,
 )
+from functopt.transforms.hyperparams import InjectHyperparamsState
 from functopt.transforms.partition import partition
 from functopt.tree import _core
 
@@ -46,6 +65,7 @@ __all__ = ["MixedPrecisionOptimizer"]
 
 _OWNER = "MixedPrecisionOptimizer"
 _RULE_KEY = "loss_scale_rule"  # the state dict's record of the loss-scale rule
+_GROUPS_KEY = "param_groups"  # the state dict's group values (when the groups hold any)
 
 LOSS_SCALE_RULE_MISMATCH = (
     "MixedPrecisionOptimizer.load_state_dict: the checkpoint was saved with {saved}, this "
@@ -61,89 +81,8 @@ TransformOrFactory = GradientTransformation | Callable[..., GradientTransformati
 """A transform for every param, or a factory ``(**group_options) -> transform``."""
 
 
-def _scaled(transform: Any, index: int, group: _param_groups.ParamGroup, option: str,
-            key: str, mult: float) -> Any:
-    """The group's ``option`` (its own, else the factory's default) times ``mult``."""
-    if option in group.options:
-        base = group.options[option]
-    else:
-        try:
-            parameter = inspect.signature(transform).parameters.get(option)
-        except (TypeError, ValueError):  # a callable without a signature
-            parameter = None
-        if parameter is None or parameter.default is inspect.Parameter.empty:
-            raise TypeError(
-                f"{_OWNER}: param group {index} sets {key}={mult!r}, which multiplies the "
-                f"factory's {option!r}, but the group does not set {option!r} and the factory "
-                f"has no {option!r} argument with a default. Fix: give the factory one, e.g. "
-                f"transform=lambda learning_rate=1e-3, weight_decay=0.1: functopt.adamw("
-                f"learning_rate, weight_decay=weight_decay), or set {option!r} in the group."
-            )
-        base = parameter.default
-    if isinstance(base, torch.Tensor) or (
-        isinstance(base, (int, float)) and not isinstance(base, bool)
-    ):
-        return base * mult
-    if callable(base):  # a schedule: scale its value at every step
-        return lambda count: base(count) * mult
-    raise TypeError(
-        f"{_OWNER}: param group {index} sets {key}={mult!r}, but its {option!r} is "
-        f"{type(base).__name__} {base!r}, not a number, a 0-d tensor or a schedule, so it "
-        f"cannot be multiplied. Fix: give {option!r} a numeric value."
-    )
-
-
-def _inner_transform(
-    transform: Any, groups: list[_param_groups.ParamGroup]
-) -> GradientTransformation:
-    """One transform over the trainable params; group options go through a factory and
-    ``partition``, the multipliers through the factory's ``learning_rate``/``weight_decay``."""
-    indexed = [(i, group) for i, group in enumerate(groups) if not group.frozen]
-    if isinstance(transform, GradientTransformation):
-        for i, group in indexed:
-            mults = {k: v for k, v in (("lr_mult", group.lr_mult), ("wd_mult", group.wd_mult))
-                     if v != 1.0}
-            if group.options or mults:
-                raise TypeError(
-                    f"{_OWNER}: param group {i} sets {sorted(group.options) + sorted(mults)}, "
-                    f"but transform is a GradientTransformation, whose hyperparameters are "
-                    f"fixed when it is built. Fix: pass a factory that builds each group's "
-                    f"transform from its options, e.g. transform=lambda learning_rate=1e-3, "
-                    f"weight_decay=0.01: functopt.adamw(learning_rate, "
-                    f"weight_decay=weight_decay)."
-                )
-        return transform
-    if not callable(transform):
-        raise TypeError(
-            f"{_OWNER}: transform must be a functopt.GradientTransformation (e.g. "
-            f"functopt.adamw(1e-3)) or a factory (**group_options) -> GradientTransformation, "
-            f"got {type(transform).__name__}."
-        )
-    transforms: dict[Hashable, GradientTransformation] = {}
-    for i, group in indexed:
-        options = dict(group.options)
-        for option, key, mult in (("learning_rate", "lr_mult", group.lr_mult),
-                                  ("weight_decay", "wd_mult", group.wd_mult)):
-            if mult != 1.0:  # 1.0 leaves the factory's call as it was
-                options[option] = _scaled(transform, i, group, option, key, mult)
-        try:
-            tx = transform(**options)
-        except TypeError as error:
-            raise TypeError(
-                f"{_OWNER}: the transform factory failed on the options of param group {i} "
-                f"({sorted(options)}): {error}. Fix: give the factory a keyword argument "
-                f"for every option the groups set."
-            ) from error
-        if not isinstance(tx, GradientTransformation):
-            raise TypeError(
-                f"{_OWNER}: the transform factory returned a {type(tx).__name__} for param "
-                f"group {i}; expected a functopt.GradientTransformation."
-            )
-        transforms[i] = tx
-    if len(transforms) == 1:
-        return next(iter(transforms.values()))
-    labels = {name: i for i, group in indexed for name in group.names}
-    return partition(transforms, labels)
+StepResult = tuple[bool, float | None, int | None]
+"""``(ok, grad_norm, num_zeros)``, Megatron-LM's ``step()`` result (``return_grad_stats``)."""
 
 
 def _unaliased(state: MixedPrecisionState, params: list[torch.Tensor]) -> MixedPrecisionState:
@@ -168,7 +107,7 @@ def _unaliased(state: MixedPrecisionState, params: list[torch.Tensor]) -> MixedP
     return unaliased
 
 
-class MixedPrecisionOptimizer:
+class MixedPrecisionOptimizer(torch.optim.Optimizer):
     r"""A LightRFT/Megatron-style mixed-precision optimizer over ``nn.Parameter`` objects.
 
     The calls of a training loop, and what they do:
@@ -211,9 +150,37 @@ class MixedPrecisionOptimizer:
     norm, as Megatron's ``ChainedOptimizer``). For example, no weight decay on biases:
     ``[{"params": weights}, {"params": biases, "weight_decay": 0.0}]`` with
     ``transform=lambda weight_decay=0.1: functopt.adamw(1e-3, weight_decay=weight_decay)``.
-    Learning-rate schedules belong in the transform (a functopt schedule, or
-    [`inject_hyperparams`][functopt.inject_hyperparams]); there is no ``param_groups``
-    list for a ``torch.optim.lr_scheduler`` to edit.
+    **A torch.optim.Optimizer.** The facade is one, so it goes where an optimizer goes
+    (torch's schedulers, Lightning's ``configure_optimizers``, accelerate's ``prepare``).
+    ``param_groups`` are plain dicts holding each group's params and its transform's
+    arguments under torch's names (``lr`` for ``learning_rate``, ``betas`` for ``b1, b2``,
+    the others as they are), and a value written there is used by the next ``step()``:
+    an argument that ``inject_hyperparams`` put in the state (a transform built by
+    [`inject_hyperparams`][functopt.inject_hyperparams], a factory that returns one, or a
+    translated torch optimizer) is written into the state, a 0-d tensor, so nothing is
+    rebuilt; any other argument of a factory rebuilds that group's transform (the state
+    is kept; an edit that changes the state's layout, such as ``amsgrad`` or a momentum
+    from 0, raises, checked on meta tensors). A rebuild re-plans the fused step (measured: 5-8 ms more per step for 20
+    leaves), so for a value a scheduler writes at every step pass
+    ``functopt.inject_hyperparams(factory)`` as the factory. With a fixed ``transform`` that does not inject, the groups hold no
+    hyperparameters. A key that no transform reads raises at ``step()`` (``momentum`` on
+    an AdamW), except the records of torch's schedulers (``initial_lr``, ...) and of
+    Megatron's groups (``max_lr``, ``min_lr``, ...): ``BOOKKEEPING_KEYS``.
+    ``add_param_group`` after construction raises: master copies and state are made
+    then. Megatron's ``OptimizerParamScheduler`` writes ``lr * lr_mult`` into
+    ``group['lr']`` itself, so leave ``lr_mult``/``wd_mult`` out of the groups with it
+    (the facade multiplies them in, as torch's schedulers need).
+
+    **From a torch.optim optimizer.** ``MixedPrecisionOptimizer(torch.optim.AdamW(
+    model.parameters(), lr=1e-4), ...)`` (LightRFT's ``FSDPadaptOptimizer`` form) reads the
+    optimizer's param groups and picks the chain of the same numerics for ``Adam``,
+    ``AdamW``, ``SGD``, ``RMSprop`` and ``Adagrad`` (and ``functopt.optim``'s classes of
+    those names; ``functopt/optim/_chains.py``), injected, so that every group's numeric
+    options (``lr``, ``betas``, ``eps``, ``weight_decay``, ``momentum``, ...) are in
+    ``param_groups``; RMSprop and Adagrad have no fused kernel (the step says so with a
+    ``FastPathWarning``; ``fused=False`` runs the pure path without it); any other class, an optimizer that has already stepped, or a group
+    key the translation does not read raises. Params keep the torch optimizer's
+    ``param_names``, else are numbered.
 
     Three group options are read by the optimizer itself, not passed to the factory:
 
@@ -235,16 +202,29 @@ class MixedPrecisionOptimizer:
       as ``torch.optim`` does for every param of its groups. ``lr_mult=0`` is not the
       same: such a group keeps its state, and its gradients still count.
 
-    **Clipping.** ``clip_grad_norm(model, max_norm)`` sets the global L2 norm the
-    *following* ``step()`` calls clip the unscaled gradients to (``max_norm=0`` or None:
-    no clipping, the initial setting); the step computes the norm in its single
-    statistics pass, so clipping costs no extra reduction. It returns None, as LightRFT's
-    does: the norm exists only inside the step; read it afterwards with
-    ``get_grad_norm()``. Differences from LightRFT: its ``clip_grad_norm`` is a no-op and
-    its step always clips at 1.0 with the factor $\max(1, (\|g\| + 10^{-6}) / c)$; here
-    nothing is clipped until ``clip_grad_norm`` is called, and the rule is
+    **Clipping.** ``clip_grad_norm(model, max_norm)`` (LightRFT's signature) sets the
+    global L2 norm the *following* ``step()`` calls clip the unscaled gradients to
+    (``max_norm=0`` or None: no clipping, the initial setting); the step computes the
+    norm in its single statistics pass, so clipping costs no extra reduction. It returns
+    None. Differences from LightRFT: its ``clip_grad_norm`` is a no-op and its step always
+    clips at 1.0 with the factor $\max(1, (\|g\| + 10^{-6}) / c)$; here nothing is
+    clipped until ``clip_grad_norm`` is called, and the rule is
     [`clip_by_global_norm`][functopt.clip_by_global_norm]'s, $g \cdot c / \|g\|$ when
-    $\|g\| > c$ (no $10^{-6}$).
+    $\|g\| > c$ (no $10^{-6}$). ``clip_grad_norm(clip_grad)`` (one number: Megatron's
+    signature) clips the current gradients now, by Megatron's rule, and returns their norm.
+
+    **Megatron-LM's surface.** ``get_grad_norm()`` is the norm of the current gradients
+    (the last step's when they are unchanged since); ``grad_norm_skip_threshold``
+    skips a step whose norm exceeds it (counted in ``metrics.skipped_steps`` like an
+    overflow); ``return_grad_stats=True`` makes ``step()`` return Megatron's
+    ``(ok, grad_norm, num_zeros)``; ``reload_model_params(state_dict=None)``; a param's
+    ``.main_grad`` (Megatron's float32 accumulation buffer) is read instead of its
+    ``.grad`` when it has one.
+
+    **Schedule-free.** With a ``schedule_free`` transform
+    ([`schedule_free_adamw`][functopt.contrib.schedule_free_adamw], ...), ``eval()`` puts
+    the averaged iterate into the params and ``train()`` restores the training params
+    bitwise, as the schedulefree package's optimizers do.
 
     **Checkpoints.** ``state_dict()`` returns the step's state as nested dicts of tensors
     (loss scale and its counters, master weights, the transform's state, the last step's
@@ -262,13 +242,16 @@ class MixedPrecisionOptimizer:
     with a dynamic scale the scale too, to warn with a
     [`LossScaleWarning`][functopt.precision.LossScaleWarning] when it has collapsed (below
     float32's smallest normal number, on its way to 0.0); ``loss_scale`` reads the scale
-    as a Python float. Nothing else syncs: ``backward`` multiplies by the scale
-    tensor, and ``get_loss_scale()``, ``get_grad_norm()`` and ``count_zeros()`` return
-    0-d tensors.
+    as a Python float. A finite ``grad_norm_skip_threshold`` adds two reads per step (the
+    norm's finiteness and its value), ``return_grad_stats=True`` the norm and the zero
+    count (Megatron's Python numbers), and Megatron's ``clip_grad_norm(clip_grad)`` the
+    norm. Nothing else syncs: ``backward`` multiplies by the scale tensor, and
+    ``get_loss_scale()``, ``get_grad_norm()`` and ``count_zeros()`` return 0-d tensors.
 
     Args:
         params: the parameters to optimize (see *Param groups*). Each must be a
-            floating-point leaf tensor that requires grad.
+            floating-point leaf tensor that requires grad. Or a ``torch.optim`` optimizer
+            (then without ``transform``), translated into the matching chain.
         transform: the update rule, e.g. ``functopt.adamw(1e-3)``, without clipping of its
             own (use ``clip_grad_norm``); or a factory ``(**group_options) -> transform``.
         loss_scale: the loss-scale rule: ``dynamic_loss_scale()`` (the default:
@@ -283,6 +266,10 @@ class MixedPrecisionOptimizer:
         count_zeros: count the zero gradient elements at every step (``count_zeros()``;
             one more read of the gradients). False, Megatron-LM's default, saves it and
             ``count_zeros()`` returns -1.
+        grad_norm_skip_threshold: skip steps whose gradient norm exceeds it (Megatron's
+            option; ``inf``, the default, never skips).
+        return_grad_stats: ``step()`` returns ``(ok, grad_norm, num_zeros)`` as
+            Megatron-LM's does, instead of ``ok``.
 
     Raises:
         TypeError: for a malformed ``params`` or ``transform``, or naming a param of a
@@ -329,18 +316,40 @@ class MixedPrecisionOptimizer:
         >>> inner = opt.state_dict()["inner_state"]["inner_states"]  # no state for group 0
         >>> sorted(inner), sorted(inner["1"]["0"]["mu"]), sorted(inner["2"]["0"]["mu"])
         (['1', '2'], ['1.weight'], ['1.bias'])
+
+        From a torch optimizer (LightRFT's form), driven by a torch scheduler:
+
+        >>> model = torch.nn.Linear(2, 1).to(torch.bfloat16)
+        >>> opt = functopt.MixedPrecisionOptimizer(
+        ...     torch.optim.AdamW(model.parameters(), lr=1e-2), loss_scale=None)
+        >>> isinstance(opt, torch.optim.Optimizer), opt.param_groups[0]["weight_decay"]
+        (True, 0.01)
+        >>> scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        >>> model(torch.ones(3, 2, dtype=torch.bfloat16)).float().sum().backward()
+        >>> opt.step()
+        True
+        >>> scheduler.step()
+        >>> opt.param_groups[0]["lr"]  # the next step uses it
+        0.005
     """
+
+    # the training params kept by eval() (schedule-free), restored by train(); None in
+    # train mode
+    _train_params: list[torch.Tensor] | None = None
+    _constructing = False
 
     def __init__(
         self,
         params: Any,
-        transform: TransformOrFactory,
+        transform: TransformOrFactory | None = None,
         *,
         # A LossScale is immutable (two pure functions), so one default can be shared.
         loss_scale: LossScale | None = dynamic_loss_scale(),  # noqa: B008
         master_dtype: torch.dtype = torch.float32,
         fused: bool = True,
         count_zeros: bool = True,
+        grad_norm_skip_threshold: float = math.inf,
+        return_grad_stats: bool = False,
     ) -> None:
         if not isinstance(master_dtype, torch.dtype) or not master_dtype.is_floating_point:
             raise TypeError(
@@ -353,18 +362,72 @@ class MixedPrecisionOptimizer:
                 f"functopt.dynamic_loss_scale() or functopt.static_loss_scale(...)) or None, "
                 f"got {type(loss_scale).__name__}."
             )
+        factories: list[Any] | None = None
+        if isinstance(params, torch.optim.Optimizer):
+            if transform is not None:
+                raise TypeError(
+                    f"{_OWNER}: got a {type(params).__name__} optimizer and a transform; the "
+                    f"optimizer's class and param groups already give the update rule. Fix: "
+                    f"pass one of them, MixedPrecisionOptimizer(torch_optimizer, ...) or "
+                    f"MixedPrecisionOptimizer(params, transform, ...)."
+                )
+            translated = _from_torch.translate(_OWNER, params, BOOKKEEPING_KEYS)
+            params = [spec for spec, _ in translated]
+            factories = [factory for _, factory in translated]
+        elif transform is None:
+            raise TypeError(
+                f"{_OWNER}: expected a transform after the params (functopt.adamw(1e-3), or "
+                f"a factory (**group_options) -> transform), or a torch.optim optimizer in "
+                f"place of both: MixedPrecisionOptimizer(torch.optim.AdamW("
+                f"model.parameters(), lr=1e-4))."
+            )
+        elif not isinstance(transform, GradientTransformation) and not callable(transform):
+            raise TypeError(
+                f"{_OWNER}: transform must be a functopt.GradientTransformation (e.g. "
+                f"functopt.adamw(1e-3)) or a factory (**group_options) -> GradientTransformation, "
+                f"got {type(transform).__name__}."
+            )
+        self.grad_norm_skip_threshold = grad_norm_skip_threshold
+        self._return_grad_stats = bool(return_grad_stats)
         groups = _param_groups.collect(_OWNER, params)
         if all(group.frozen for group in groups):
             raise ValueError(
                 f"{_OWNER}: every param group is frozen, so there is nothing to optimize. "
                 f"Fix: leave at least one group unfrozen (frozen=False, the default)."
             )
-        self._inner = _inner_transform(transform, groups)
+        fixed = transform if isinstance(transform, GradientTransformation) else None
+        self._fixed = fixed
+        self._fixed_injected = fixed is not None and isinstance(describe(fixed), Injected)
+        self._plans: list[_Plan] = []
+        kept: list[dict[str, Any]] = []  # each group's bookkeeping keys
+        for i, group in enumerate(groups):
+            options = {k: v for k, v in group.options.items() if k not in BOOKKEEPING_KEYS}
+            kept.append({k: v for k, v in group.options.items() if k in BOOKKEEPING_KEYS})
+            factory = factories[i] if factories is not None else (
+                None if fixed is not None else transform)
+            if fixed is not None and not group.frozen and not self._fixed_injected:
+                mults = {k: v for k, v in (("lr_mult", group.lr_mult),
+                                           ("wd_mult", group.wd_mult)) if v != 1.0}
+                if options or mults:
+                    raise TypeError(
+                        f"{_OWNER}: param group {i} sets {sorted(options) + sorted(mults)}, "
+                        f"but transform is a GradientTransformation, whose hyperparameters "
+                        f"are fixed when it is built. Fix: pass a factory that builds each "
+                        f"group's transform from its options, e.g. transform=lambda "
+                        f"learning_rate=1e-3, weight_decay=0.01: functopt.adamw("
+                        f"learning_rate, weight_decay=weight_decay), or inject them: "
+                        f"functopt.inject_hyperparams(functopt.adamw)(learning_rate=1e-3)."
+                    )
+            self._plans.append(_Plan(i, group, factory, _as_argument(factory, options)))
         # Frozen params stay out of the step: no state, no master copy, no statistics.
         trainable = [group for group in groups if not group.frozen]
         self._names = [name for group in trainable for name in group.names]
         self._params = [p for group in trainable for p in group.params]
+        self._labels = {name: i for i, group in enumerate(groups) if not group.frozen
+                        for name in group.names}
         self._frozen = [p for group in groups if group.frozen for p in group.params]
+        self._partitioned = False
+        self._inner = self._compose()
         self._loss_scale_rule = loss_scale
         self._master_weights = float32_master(master_dtype)
         _validate.check_flags(_OWNER, fused=fused, count_zeros=count_zeros)
@@ -379,6 +442,203 @@ class MixedPrecisionOptimizer:
         # offload_to_cpu: the state held on the host, and the host buffers kept for reuse
         self._offloaded: OffloadedState | None = None
         self._offload_buffers: tuple[Any, ...] | None = None
+        # the gradients the last step read, to tell whether get_grad_norm() may reuse its norm
+        self._last_grads: list[tuple[Any, int] | None] = []
+        torch_groups = []
+        for plan, group, book in zip(self._plans, groups, kept, strict=True):
+            if not plan.frozen:
+                found = self._group_state(self._state, plan.index)
+                plan.expose(found.hyperparams if isinstance(found, InjectHyperparamsState)
+                            else None)
+                unread = sorted(n for n in plan.built if plan.factory is None
+                                and n not in plan.injected)
+                if unread:
+                    raise ValueError(UNREAD_GROUP_KEY.format(
+                        owner=_OWNER, index=plan.index, keys=unread,
+                        read=sorted(plan.keys) or "no group keys",
+                        them="them" if len(unread) > 1 else "it"))
+            flags = {k: v for k, v in (("lr_mult", group.lr_mult), ("wd_mult", group.wd_mult),
+                                       ("frozen", group.frozen))
+                     if v != (k != "frozen" and 1.0)}
+            torch_groups.append({"params": list(zip(group.names, group.params, strict=True)),
+                                 **self._group_values(plan), **flags, **book})
+        first = next(plan for plan in self._plans if not plan.frozen)
+        self._constructing = True
+        try:  # torch's checks and layout; frozen groups get the first group's values
+            super().__init__(torch_groups, defaults=self._group_values(first))
+        finally:
+            self._constructing = False
+
+    # -- param groups -------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused after construction: the groups' state and partition are fixed then."""
+        if not self._constructing:
+            raise TypeError(
+                f"{_OWNER}.add_param_group: the param groups are fixed when the optimizer is "
+                f"built (their master copies, state and the partition of the transform are "
+                f"made then). Fix: build the optimizer with all its groups."
+            )
+        super().add_param_group(param_group)
+
+    @property
+    def grad_norm_skip_threshold(self) -> float:
+        """Skip the step when the global norm of the unscaled gradients exceeds this.
+
+        Megatron-LM's ``OptimizerConfig.grad_norm_skip_threshold`` (default ``inf``: off).
+        A step skipped for it leaves params, masters and the transform's state bitwise
+        unchanged, counts in ``metrics.skipped_steps`` like an overflow, and moves the loss
+        scale as a finite step does (Megatron updates its scaler before the check). A
+        finite threshold costs one more statistics pass over the gradients per step.
+        """
+        return self._skip_threshold
+
+    @grad_norm_skip_threshold.setter
+    def grad_norm_skip_threshold(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(
+                f"{_OWNER}: grad_norm_skip_threshold must be a Python number > 0 (math.inf "
+                f"switches it off), got {value!r}."
+            )
+        self._skip_threshold = float(value)
+
+    def _compose(self) -> GradientTransformation:
+        """The transform over the trainable params: one per group through ``partition``."""
+        plans = [plan for plan in self._plans if not plan.frozen]
+        if self._fixed is not None:
+            for plan in plans:
+                plan.transform = self._fixed
+            if len(plans) == 1 or not self._fixed_injected:
+                self._partitioned = False
+                return self._fixed
+            transforms: dict[Hashable, GradientTransformation] = {
+                plan.index: self._fixed for plan in plans}
+        else:
+            transforms = {plan.index: plan.build() for plan in plans}
+            if len(transforms) == 1:
+                self._partitioned = False
+                return next(iter(transforms.values()))
+        self._partitioned = True
+        return partition(transforms, self._labels)
+
+    def _group_state(self, state: MixedPrecisionState, index: int) -> Any:
+        inner = state.inner_state
+        return inner.inner_states[index] if self._partitioned else inner
+
+    def _with_group_state(self, state: MixedPrecisionState, index: int,
+                          group_state: Any) -> MixedPrecisionState:
+        inner = state.inner_state
+        if self._partitioned:
+            inner = inner._replace(inner_states={**inner.inner_states, index: group_state})
+        else:
+            inner = group_state
+        return state._replace(inner_state=inner)
+
+    def _group_values(self, plan: _Plan) -> dict[str, Any]:
+        """The group keys of ``plan`` and their values (torch's names)."""
+        out: dict[str, Any] = {}
+        for key, names in plan.keys.items():
+            values = []
+            for name in names:
+                if name in plan.built:
+                    values.append(plan.built[name])
+                else:  # an injected value the constructor was not given: as built
+                    held = plan.injected[name]
+                    values.append(held if held.requires_grad else held.item())
+            out[key] = values[0] if len(values) == 1 else tuple(values)
+        return out
+
+    def _sync(self) -> None:
+        """Bring the group values into the step: write injected ones into the state,
+        rebuild the transform of a group whose other values changed; raise on keys no
+        transform reads."""
+        state = self._state
+        rebuild = False
+        before = [(dict(plan.built), plan.mults) for plan in self._plans]
+        for plan, group in zip(self._plans, self.param_groups, strict=True):
+            where = f"param_groups[{plan.index}]"
+            flags = _param_groups.group_flags(_OWNER, where, group)
+            if flags.frozen != plan.frozen:
+                raise ValueError(
+                    f"{_OWNER}: {where} changed frozen to {flags.frozen}; which params a step "
+                    f"updates is fixed when the optimizer is built (their state is made then). "
+                    f"Fix: build a new optimizer with the groups frozen as wanted."
+                )
+            if plan.frozen:
+                continue
+            readable = plan.readable()
+            unread = sorted(str(k) for k in group if k not in _OWN_KEYS
+                            and k not in BOOKKEEPING_KEYS and k not in readable)
+            if unread:
+                raise ValueError(UNREAD_GROUP_KEY.format(
+                    owner=_OWNER, index=plan.index, keys=unread,
+                    read=sorted(plan.keys) or "no group keys",
+                    them="them" if len(unread) > 1 else "it"))
+            values = _as_argument(plan.factory, {k: group[k] for k in group if k in readable})
+            mults = (flags.lr_mult, flags.wd_mult)
+            found = None
+            for name, value in values.items():
+                if name in plan.injected:
+                    mult = {"learning_rate": mults[0], "weight_decay": mults[1]}.get(name, 1.0)
+                    target = value if mult == 1.0 else _scaled(
+                        plan.factory, plan.index, {name: value}, name,
+                        "lr_mult" if name == "learning_rate" else "wd_mult", mult)
+                    if not _same(plan.written.get(name, _UNSET), target):
+                        found = self._group_state(state, plan.index) if found is None else found
+                        found = found._replace(hyperparams={
+                            **found.hyperparams,
+                            name: _hyper_tensor(where, name, target, plan.injected[name])})
+                        plan.written[name] = target
+                    plan.built[name] = value
+                elif not _same(plan.built.get(name, _UNSET), value):
+                    plan.built[name] = value
+                    rebuild = True
+            if mults != plan.mults:
+                for name, mult in zip(("learning_rate", "weight_decay"), mults, strict=True):
+                    if mult != 1.0 and name not in plan.injected and plan.factory is None:
+                        raise ValueError(
+                            f"{_OWNER}: {where} sets {('lr_mult', 'wd_mult')[mults.index(mult)]}"
+                            f"={mult!r}, which multiplies the injected {name!r}, but the "
+                            f"transform does not inject it. Fix: remove the multiplier, or "
+                            f"inject {name!r}.")
+                plan.mults = mults
+                rebuild = rebuild or plan.factory is not None
+            if found is not None:
+                state = self._with_group_state(state, plan.index, found)
+        if rebuild:
+            inner = self._compose()
+            if self._changes_layout(inner):
+                changed = sorted({
+                    f"param_groups[{plan.index}][{k!r}]"
+                    for plan, (built, _) in zip(self._plans, before, strict=True)
+                    for k in plan.built if not _same(built.get(k, _UNSET), plan.built[k])})
+                for plan, (built, mults) in zip(self._plans, before, strict=True):
+                    plan.built, plan.mults = built, mults
+                self._compose()  # the transforms as they were
+                raise ValueError(
+                    f"{_OWNER}: the new values of {changed} change the layout of the "
+                    f"transform's state (a stage added or removed, such as amsgrad or a "
+                    f"momentum from 0), which the state built at construction cannot follow. "
+                    f"Fix: build a new optimizer with these values (the state of this one "
+                    f"does not carry over), or leave them as they were."
+                )
+            self._inner = inner
+            self._tx = self._build()
+        self._state = state
+
+    def _changes_layout(self, inner: GradientTransformation) -> bool:
+        """Whether ``inner``'s state has another structure than the one held (its init on
+        meta tensors: nothing is allocated)."""
+        mw = self._master_weights
+        with torch.no_grad():
+            views = [torch.empty_like(mw.view(p.detach(), self._state.master[name]),
+                                      device="meta")
+                     for p, name in zip(self._params, self._names, strict=True)]
+            try:
+                fresh = inner.init(self._tree(views))
+            except Exception:  # an init that cannot run on meta tensors: not checked
+                return False
+        return _core.structure(fresh) != _core.structure(self._state.inner_state)
 
     def _build(self, *, donate: bool = True) -> MixedPrecisionTransformation:
         return mixed_precision(
@@ -396,6 +656,14 @@ class MixedPrecisionOptimizer:
     def _tree(self, leaves: list[Any]) -> Params:
         return dict(zip(self._names, leaves, strict=True))
 
+    def _grads(self) -> list[torch.Tensor | None]:
+        # Megatron-LM accumulates into a float32 .main_grad: read it where there is one.
+        out = []
+        for p in self._params:
+            main = getattr(p, "main_grad", None)
+            out.append(main if main is not None else p.grad)
+        return out
+
     # -- the training loop ------------------------------------------------------------
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
@@ -406,18 +674,35 @@ class MixedPrecisionOptimizer:
             )
         torch.autograd.backward(scale_loss(loss, self._state), retain_graph=retain_graph)
 
-    def step(self) -> bool:
-        """Update the params from their ``.grad``; False when the step was skipped (overflow).
+    def step(  # type: ignore[override]  # torch types step() -> None; this one reports
+        self, closure: Callable[[], Any] | None = None
+    ) -> bool | StepResult:
+        """Update the params from their gradients; False when the step was skipped.
+
+        ``closure`` (as ``torch.optim``'s, with grad enabled) runs first: Lightning's
+        automatic optimization and ``torch.optim.LBFGS``-style loops pass one.
+
+        Returns:
+            False when the step was skipped (overflow, or a global norm above
+            ``grad_norm_skip_threshold``), True otherwise; with ``return_grad_stats=True``
+            the triple ``(ok, grad_norm, num_zeros)`` of Megatron-LM (Python numbers,
+            ``(False, None, None)`` on overflow, ``num_zeros`` None without
+            ``count_zeros``).
 
         Raises:
-            RuntimeError: when no param has a gradient.
+            RuntimeError: when no param has a gradient, or in ``eval()`` mode.
 
         Warns:
             LossScaleWarning: on a skipped step that left a dynamic loss scale collapsed
                 (see [`loss_scale_collapsed`][functopt.precision.loss_scale_collapsed]).
         """
         self._check_not_offloaded("step")
-        grads = [p.grad for p in self._params]
+        self._check_train_mode("step")
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        self._sync()
+        grads = self._grads()
         if all(g is None for g in grads):
             shown = self._names[:5] + (["..."] if len(self._names) > 5 else [])
             raise RuntimeError(
@@ -425,13 +710,20 @@ class MixedPrecisionOptimizer:
                 f"({shown} all have .grad None). Fix: call backward(loss) before step(), and "
                 f"zero_grad() after it, not between them."
             )
+        if math.isfinite(self._skip_threshold):
+            stats = self._stats(grads)
+            # Two host reads, on steps with a threshold only; an overflow is the step's own.
+            if bool(torch.isfinite(stats.norm)) and float(stats.norm) > self._skip_threshold:
+                self._skip_for_norm(stats)
+                self._remember(grads)
+                return self._result(False)
         with torch.no_grad():
             old = [p.detach() for p in self._params]
             # After state_dict() the live state is shared with the caller's dict: this one
             # step writes new tensors, so the dict keeps its values.
             tx = self._build(donate=False) if self._state_shared else self._tx
             new_params, new_state = tx.step(self._tree(grads), self._state,
-                                                  self._tree(old))
+                                            self._tree(old))
             # The one host sync. A skipped step returns the old params bitwise, so there
             # is nothing to write then.
             took = not bool(new_state.metrics.found_inf)
@@ -442,17 +734,76 @@ class MixedPrecisionOptimizer:
                         p.copy_(after)
         self._state = new_state
         self._state_shared = False
+        self._remember(grads)
         if not took and self._loss_scale_rule is not None and self._loss_scale_rule.dynamic:
             # A second host read, on skipped steps only.
-            _warn_if_collapsed(new_state.loss_scale, stacklevel=2)
-        return took
+            # 3: past torch.optim's step wrapper (profile_hook_step), to the caller
+            _warn_if_collapsed(new_state.loss_scale, stacklevel=3)
+        return self._result(took)
+
+    def _remember(self, grads: list[torch.Tensor | None]) -> None:
+        self._last_grads = [None if g is None else (weakref.ref(g), g._version) for g in grads]
+
+    def _seen(self, grads: list[torch.Tensor | None]) -> bool:
+        """Whether ``grads`` are the tensors the last step read, unmodified since."""
+        if len(grads) != len(self._last_grads):
+            return False
+        for g, seen in zip(grads, self._last_grads, strict=True):
+            if (g is None) != (seen is None):
+                return False
+            if g is not None and seen is not None and (seen[0]() is not g
+                                                       or g._version != seen[1]):
+                return False
+        return True
+
+    def _result(self, took: bool) -> bool | StepResult:
+        if not self._return_grad_stats:
+            return took
+        metrics = self._state.metrics
+        if bool(metrics.found_inf):
+            return False, None, None
+        zeros = int(metrics.num_zeros) if self._count_zeros else None
+        return took, float(metrics.grad_norm), zeros
+
+    def _stats(self, grads: list[torch.Tensor | None]) -> GradStats:
+        """Norm, overflow and zeros of the unscaled ``grads``, computed as the step does."""
+        inv_scale = _inverse(self._state.loss_scale)
+        master = self._master_weights.dtype
+        with torch.no_grad():
+            unscaled = [None if g is None else g.to(torch.promote_types(p.dtype, master))
+                        * inv_scale for p, g in zip(self._params, grads, strict=True)]
+            return unpack_grad_stats(global_grad_stats(self._tree(unscaled)))
+
+    def _skip_for_norm(self, stats: GradStats) -> None:
+        state = self._state
+        m = state.metrics
+        finite = torch.zeros((), dtype=torch.bool, device=m.found_inf.device)
+        rule = self._loss_scale_rule
+        self._state = state._replace(
+            loss_scale=state.loss_scale if rule is None else rule.adjust(state.loss_scale,
+                                                                         finite),
+            metrics=StepMetrics(
+                grad_norm=stats.norm.to(m.grad_norm.dtype),
+                found_inf=finite,
+                skipped_steps=m.skipped_steps + 1,
+                num_zeros=stats.num_zeros.to(m.num_zeros.dtype) if self._count_zeros
+                else m.num_zeros),
+            key=state.key + 1,
+        )
+        # (_state_shared stays: the masters and the transform's state are still the
+        # tensors a state dict may hold, which the next step must not update in place.)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the params' gradients (set them to None, or zero them in place).
 
-        Frozen params included, as ``torch.optim`` clears every param of its groups.
+        Frozen params included, as ``torch.optim`` clears every param of its groups. A
+        ``.main_grad`` (Megatron-LM's accumulation buffer, usually a view into one flat
+        buffer) is zeroed in place, never set to None.
         """
         for p in self._params + self._frozen:
+            main = getattr(p, "main_grad", None)
+            if isinstance(main, torch.Tensor):
+                main.zero_()
             if p.grad is None:
                 continue
             if set_to_none:
@@ -464,14 +815,38 @@ class MixedPrecisionOptimizer:
                     p.grad.requires_grad_(False)
                 p.grad.zero_()
 
-    def clip_grad_norm(self, model: Any, max_norm: float | None) -> None:
-        """Clip the unscaled gradients of the following steps to global L2 norm ``max_norm``.
+    @typing.overload
+    def clip_grad_norm(self, clip_grad: float, /) -> float: ...
 
-        The setting stays until changed; ``max_norm`` 0 or None switches clipping off.
-        ``model`` is not used (LightRFT's signature). Returns None: the norm is computed
-        inside ``step()``; read it after the step with ``get_grad_norm()``.
+    @typing.overload
+    def clip_grad_norm(self, model: Any, max_norm: float | None) -> None: ...
+
+    def clip_grad_norm(self, *args: Any, **kwargs: Any) -> float | None:
+        """Clipping, with LightRFT's signature or Megatron-LM's (told apart by the arguments).
+
+        - ``clip_grad_norm(model, max_norm)`` (LightRFT): the following ``step()`` calls
+          clip the unscaled gradients to global L2 norm ``max_norm``
+          ([`clip_by_global_norm`][functopt.clip_by_global_norm]'s rule, inside the step's
+          one statistics pass); the setting stays until changed, ``max_norm`` 0 or None
+          switches clipping off. ``model`` is not used. Returns None.
+        - ``clip_grad_norm(clip_grad)`` (Megatron-LM, one number): now, computes the global
+          norm of the unscaled current gradients, scales the gradients in place by
+          $c / (\\|g\\| + 10^{-6})$ when that is below 1 (Megatron's
+          ``clip_grad_by_total_norm_fp32``; not when the norm is not finite: the step
+          then skips), and returns the norm before clipping as a float (a host sync).
         """
-        del model
+        if len(args) + len(kwargs) == 1 and (
+                (args and not isinstance(args[0], torch.nn.Module)) or "clip_grad" in kwargs):
+            return self._clip_now(args[0] if args else kwargs["clip_grad"])
+
+        def lightrft(model: Any, max_norm: float | None) -> None:
+            del model
+            self._set_max_grad_norm(max_norm)
+
+        lightrft(*args, **kwargs)
+        return None
+
+    def _set_max_grad_norm(self, max_norm: float | None) -> None:
         if max_norm is not None and (
             isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))
         ):
@@ -489,6 +864,88 @@ class MixedPrecisionOptimizer:
             self._max_grad_norm = value
             self._tx = self._build()  # same state layout: only the step's closure changes
 
+    def _clip_now(self, clip_grad: Any) -> float:
+        if isinstance(clip_grad, bool) or not isinstance(clip_grad, (int, float)) or not (
+                math.isfinite(clip_grad) and clip_grad >= 0):
+            raise ValueError(
+                f"{_OWNER}.clip_grad_norm: clip_grad must be a finite Python number >= 0 (0: "
+                f"compute the norm without clipping), got {clip_grad!r}."
+            )
+        grads = self._grads()
+        if all(g is None for g in grads):
+            raise RuntimeError(
+                f"{_OWNER}.clip_grad_norm: no param has a gradient. Fix: call backward(loss) "
+                f"first."
+            )
+        norm = float(self._stats(grads).norm)
+        if clip_grad > 0 and math.isfinite(norm):
+            coeff = clip_grad / (norm + 1.0e-6)
+            if coeff < 1.0:
+                with torch.no_grad():
+                    for g in grads:
+                        if g is not None:
+                            g.mul_(coeff)
+        return norm
+
+    # -- schedule-free: train / eval ------------------------------------------------------
+
+    def eval(self) -> None:
+        """Move the params to the schedule-free evaluation point, as the schedulefree
+        package's optimizers do: ``x = (y - (1 - b1) z) / b1``
+        ([`schedule_free_eval_params`][functopt.contrib.schedule_free_eval_params]) of the
+        master weights ``y``, written into the params (rounded to their dtype). The
+        training params are kept, so [`train`][functopt.MixedPrecisionOptimizer.train]
+        restores them bitwise; the masters and the state are not touched, so a checkpoint
+        taken in eval mode resumes training as one taken in train mode. Until ``train()``,
+        ``step()``, ``load_state_dict`` and ``reload_model_params`` raise. A no-op in eval
+        mode.
+
+        Raises:
+            TypeError: the transform has no ``schedule_free`` stage.
+        """
+        if self._train_params is not None:
+            return
+        self._check_not_offloaded("eval")
+        from functopt.contrib import ScheduleFreeState, schedule_free_eval_params
+
+        found = _find_states(self._state.inner_state, ScheduleFreeState)
+        if not found:
+            raise TypeError(
+                f"{_OWNER}.eval: the transform has no schedule_free stage; train()/eval() "
+                f"switch the params of schedule-free optimizers "
+                f"(functopt.contrib.schedule_free_adamw, schedule_free_sgd, "
+                f"schedule_free(...)). Fix: evaluate without eval()."
+            )
+        mw = self._master_weights
+        with torch.no_grad():
+            x = self._tree([mw.view(p.detach(), self._state.master[name])
+                            for p, name in zip(self._params, self._names, strict=True)])
+            for sf_state in found:  # one per group: each moves only its group's leaves
+                x = schedule_free_eval_params(sf_state, x)
+            kept = []
+            for p, name in zip(self._params, self._names, strict=True):
+                kept.append(p.detach().clone())
+                p.copy_(x[name])
+        self._train_params = kept
+
+    def train(self) -> None:
+        """Back to the training params after [`eval`][functopt.MixedPrecisionOptimizer.eval]
+        (bitwise the ones ``eval()`` left); a no-op in train mode."""
+        kept = self._train_params
+        if kept is None:
+            return
+        with torch.no_grad():
+            for p, value in zip(self._params, kept, strict=True):
+                p.copy_(value)
+        self._train_params = None
+
+    def _check_train_mode(self, method: str) -> None:
+        if self._train_params is not None:
+            raise RuntimeError(
+                f"{_OWNER}.{method}: the params hold the schedule-free evaluation point (after "
+                f"optimizer.eval()). Fix: call optimizer.train() first."
+            )
+
     # -- reading the state ------------------------------------------------------------
 
     @property
@@ -501,13 +958,19 @@ class MixedPrecisionOptimizer:
         return self._state.loss_scale.scale
 
     def get_grad_norm(self) -> torch.Tensor:
-        """The last step's global L2 norm of the unscaled gradients, before clipping.
+        """The global L2 norm of the current unscaled gradients (Megatron-LM's name).
 
-        A 0-d float32 tensor (no host sync): inf or nan after a skipped step, 0 before the
-        first. Megatron's ``get_grad_norm`` computes the norm of the current gradients and
-        returns a float; here the step has already computed it.
+        A 0-d float32 tensor (no host sync), over the params that are not frozen, read
+        from ``.main_grad`` where a param has one. Where the gradients are the ones the
+        last step read, unmodified, it is that step's norm before clipping (no second
+        pass); where no param has a gradient (after ``zero_grad``), the last step's norm
+        (0 before the first step; inf or nan after an overflow); otherwise it is computed
+        now, as the step computes it.
         """
-        return self._state.metrics.grad_norm
+        grads = self._grads()
+        if all(g is None for g in grads) or self._seen(grads):
+            return self._state.metrics.grad_norm
+        return self._stats(grads).norm.to(self._state.metrics.grad_norm.dtype)
 
     def count_zeros(self) -> torch.Tensor:
         """The number of zero elements in the last step's gradients (0-d int64 tensor).
@@ -517,15 +980,56 @@ class MixedPrecisionOptimizer:
         """
         return self._state.metrics.num_zeros
 
-    def reload_model_params(self) -> None:
-        """Re-copy the params into the master weights (after loading a model checkpoint).
+    def reload_model_params(self, state_dict: Mapping[str, Any] | None = None) -> None:
+        """Set the master weights from the params, or from a model ``state_dict``.
 
-        The transform's state and the loss scale are kept, as in Megatron.
+        Megatron-LM's signature: after loading a model checkpoint into the params, call it
+        without arguments to copy the params into the masters. With ``state_dict`` (keyed
+        by the param names, as ``model.state_dict()``; other keys such as buffers are not
+        read), each master becomes that tensor in the master precision and each param its
+        rounding (params without a master copy take the value itself), so a float32
+        checkpoint of a bfloat16 model restores the masters without loss. The transform's
+        state and the loss scale are kept, as in Megatron.
+
+        Raises:
+            ValueError: naming the params the state dict lacks, or a tensor of another
+                shape.
         """
+        self._check_train_mode("reload_model_params")
         mw = self._master_weights
+        if state_dict is None:
+            with torch.no_grad():
+                master = [mw.init(p.detach()) for p in self._params]
+            self._state = self._state._replace(master=self._tree(master))
+            return
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"{_OWNER}.reload_model_params: state_dict must be a mapping of "
+                            f"param names to tensors, got {type(state_dict).__name__}.")
+        missing = [name for name in self._names if name not in state_dict]
+        if missing:
+            raise ValueError(
+                f"{_OWNER}.reload_model_params: the state dict has no entry for the params "
+                f"{missing[:5]}{' ...' if len(missing) > 5 else ''} (it has "
+                f"{sorted(map(str, state_dict))[:5]} ...). Fix: pass model.state_dict() of the "
+                f"model whose named_parameters() built this optimizer."
+            )
+        stores = []
         with torch.no_grad():
-            master = [mw.init(p.detach()) for p in self._params]
-        self._state = self._state._replace(master=self._tree(master))
+            for p, name in zip(self._params, self._names, strict=True):
+                value, store = state_dict[name], self._state.master[name]
+                if not isinstance(value, torch.Tensor) or value.shape != p.shape:
+                    got = (tuple(value.shape) if isinstance(value, torch.Tensor)
+                           else type(value).__name__)
+                    raise ValueError(
+                        f"{_OWNER}.reload_model_params: state dict entry {name!r} is {got}, "
+                        f"the param has shape {tuple(p.shape)}. Fix: load the checkpoint of "
+                        f"this model.")
+                view = mw.view(p.detach(), store)
+                new_param, new_store = mw.write(p, store, value.detach().to(
+                    dtype=view.dtype, device=view.device, copy=True), None)
+                p.copy_(new_param)
+                stores.append(new_store)
+        self._state = self._state._replace(master=self._tree(stores))
 
     # -- checkpoints ------------------------------------------------------------------
 
@@ -537,19 +1041,27 @@ class MixedPrecisionOptimizer:
         values (later steps update the optimizer's own tensors in place again). For
         ``torch.distributed.checkpoint``, take the state dict of the optimizer to restore as
         the template, ``load`` into it in place, then pass it to ``load_state_dict``.
+        When the groups hold hyperparameters, ``"param_groups"`` lists each group's keys
+        and values but the params (as ``torch.optim``'s state dict does), so that a
+        scheduler's last values are restored.
         """
         self._state_shared = True
         if self._offloaded is not None:  # the dict holds the host buffers: never reuse them
             self._offload_buffers = None
         out = _state_dict.to_nested(f"{_OWNER}.state_dict", self._state)
         out[_RULE_KEY] = _rule_vector(self._loss_scale_rule)
+        if any(plan.keys for plan in self._plans):
+            out[_GROUPS_KEY] = [{k: v for k, v in group.items()
+                                 if k not in ("params", "param_names")}
+                                for group in self.param_groups]
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state saved by ``state_dict()``; params with a master copy are set from it.
 
         The optimizer keeps copies of the given tensors (moved to the params' devices), so
-        the dict can be reused or changed afterwards without touching the optimizer.
+        the dict can be reused or changed afterwards without touching the optimizer. The
+        saved group values (``"param_groups"``) replace the groups' own.
 
         Raises:
             ValueError: naming missing or unexpected keys (other param names, another
@@ -557,10 +1069,15 @@ class MixedPrecisionOptimizer:
             TypeError: naming a key whose tensor has another dtype (a float16 loss scale).
         """
         self._check_not_offloaded("load_state_dict")
-        if isinstance(state_dict, dict) and _RULE_KEY in state_dict:
+        self._check_train_mode("load_state_dict")
+        groups = None
+        if isinstance(state_dict, dict) and (_RULE_KEY in state_dict
+                                             or _GROUPS_KEY in state_dict):
             # (A checkpoint from before the rule was recorded has no entry: not checked.)
             state_dict = dict(state_dict)
-            self._check_rule(state_dict.pop(_RULE_KEY))
+            if _RULE_KEY in state_dict:
+                self._check_rule(state_dict.pop(_RULE_KEY))
+            groups = self._check_groups(state_dict.pop(_GROUPS_KEY, None))
         state: MixedPrecisionState = _state_dict.from_nested(
             f"{_OWNER}.load_state_dict", self._state, state_dict
         )
@@ -571,6 +1088,43 @@ class MixedPrecisionOptimizer:
                 if store is not None:  # as LightRFT: the model follows the loaded master
                     p.copy_(mw.write(p, store, mw.view(p, store), None)[0])
         self._state = state
+        for group, saved in zip(self.param_groups, groups or [], strict=False):
+            group.update(saved)
+        for plan in self._plans:  # the next step writes the group values into the state
+            plan.written.clear()
+
+    def _check_groups(self, saved: Any) -> list[dict[str, Any]] | None:
+        if saved is None:
+            return None
+        where = f"{_OWNER}.load_state_dict"
+        if not isinstance(saved, list) or len(saved) != len(self.param_groups) or not all(
+                isinstance(g, dict) for g in saved):
+            raise ValueError(
+                f"{where}: the state dict's 'param_groups' is not a list of "
+                f"{len(self.param_groups)} dicts (one per param group of this optimizer). "
+                f"Fix: build the optimizer with the param groups of the one that saved it."
+            )
+        for plan, group in zip(self._plans, saved, strict=True):
+            if group.get("frozen", False) != plan.frozen:
+                raise ValueError(
+                    f"{where}: param_groups[{plan.index}] is {'' if plan.frozen else 'not '}"
+                    f"frozen here but was {'not ' if plan.frozen else ''}frozen when saved. "
+                    f"Fix: build the optimizer with the groups of the one that saved it."
+                )
+            unread = sorted(str(k) for k in group if k not in _OWN_KEYS
+                            and k not in BOOKKEEPING_KEYS and k not in plan.readable()
+                            and not plan.frozen)
+            if unread:
+                raise ValueError(UNREAD_GROUP_KEY.format(
+                    owner=where, index=plan.index, keys=unread,
+                    read=sorted(plan.keys) or "no group keys",
+                    them="them" if len(unread) > 1 else "it"))
+        return saved
+
+    def __getstate__(self) -> dict[str, Any]:
+        # torch.optim.Optimizer's keeps defaults, state and param_groups only; the facade's
+        # state lives in its own attributes, so a copy.deepcopy keeps them all.
+        return dict(self.__dict__)
 
     def _check_rule(self, saved: Any) -> None:
         current = _rule_vector(self._loss_scale_rule)

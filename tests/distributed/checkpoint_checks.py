@@ -99,7 +99,9 @@ def _facade_steps(model: torch.nn.Module, opt: functopt.MixedPrecisionOptimizer,
             g = _grad(step, name, _full(p.detach()))
             p.grad = (distribute_tensor(g, p.device_mesh, p.placements)
                       if isinstance(p, DTensor) else g)
+        current = opt.get_grad_norm()  # of these gradients, over the shards: one all-reduce
         assert opt.step()
+        torch.testing.assert_close(current, opt.get_grad_norm(), rtol=1e-6, atol=0.0)
         opt.zero_grad()
 
 
