@@ -3,25 +3,16 @@ saved there and resumed on 2 ranks, continuing as the uninterrupted run."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-TIMEOUT_S = 90
+from distributed import harness
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fsdp_tp_train.py"
 
 
 def torchrun(ranks: int, *args: str) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         str(ranks), str(ROOT / "examples" / "fsdp_tp_train.py"), "--quick", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S, check=False, env=env,
-    )
-    assert result.returncode == 0, f"fsdp_tp_train.py failed:\n{result.stdout}\n{result.stderr}"
-    return result.stdout
+    return harness.torchrun(EXAMPLE, ranks, "--quick", *args)
 
 
 def test_fsdp_tp_saved_on_4_resumed_on_2(tmp_path: Path) -> None:

@@ -385,3 +385,50 @@ def zero1_with_tensor_parallel_agrees(rank: int, world: int) -> None:
     with pytest.raises(ValueError, match=r"'3.bias' is a plain tensor beside tensor-parallel "
                                          r"\(DTensor\) params.*Fix: pass replicated=True"):
         zero1(functopt.adamw(1e-2), process_group=mesh["dp"].get_group()).init(params)
+
+
+@check
+def zero1_overlapped_equals_zero1(rank: int, world: int) -> None:
+    """zero1_overlapped: the same step with the gather cut into buckets and left in flight.
+    wait() and the forward pre-hooks of attach() give params bitwise zero1's, the state is
+    bitwise zero1's, and a step makes one all_reduce and one all_gather per bucket."""
+    from functopt.distributed import zero1_overlapped
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3),
+                                torch.nn.Linear(3, 1)).to(torch.bfloat16)
+    kwargs = {"loss_scale": functopt.dynamic_loss_scale(init_scale=2.0**4), "max_grad_norm": 1.0}
+    ref = zero1(functopt.adamw(1e-2, weight_decay=0.1), **kwargs)
+    # at most 16 bytes of a rank's slices per bucket: several buckets at 2 and 4 ranks
+    opt = zero1_overlapped(functopt.adamw(1e-2, weight_decay=0.1), bucket_bytes=16, **kwargs)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ref_params = dict(params)
+    state, ref_state = opt.init(params), ref.init(ref_params)
+    from functopt.distributed.overlap import _buckets
+    leaves = functopt.tree._core.flatten(params)[0]
+    expected_buckets = len(_buckets(leaves, leaves, world, 16))
+    assert expected_buckets >= 2, expected_buckets
+    for step in range(3):
+        g = torch.Generator().manual_seed(50 + step)
+        grads = {n: torch.randn(p.shape, generator=g).to(p.dtype) for n, p in params.items()}
+        with CommDebugMode() as comm:
+            pending, state = opt.step(grads, state, params)
+            new = pending.wait() if step != 1 else None
+        counts = {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()}
+        assert sum(v for k, v in counts.items() if "allreduce" in k) == 1, counts
+        assert sum(v for k, v in counts.items() if "allgather" in k) == expected_buckets, counts
+        ref_params, ref_state = ref.step(grads, ref_state, ref_params)
+        if step == 1:  # through the module: each layer's forward waits for its params
+            handles = pending.attach(model)
+            assert len(handles) == 3  # the three Linear layers own params
+            model(torch.ones(2, 6, dtype=torch.bfloat16))
+            new = {n: p.detach().clone() for n, p in model.named_parameters()}
+            assert not any(m._forward_pre_hooks for m in model)  # each hook removed itself
+        assert new is not None
+        _assert_tree(new, ref_params)  # bitwise
+        _assert_tree(state, ref_state)
+        params = new
+    with pytest.raises(ValueError, match=r"PendingParams.attach: params leaves \['extra'\] are "
+                                         r"not parameters of the module"):
+        more = {**params, "extra": torch.ones(3, dtype=torch.bfloat16)}
+        s = opt.init(more)
+        opt.step({k: torch.ones_like(v) for k, v in more.items()}, s, more)[0].attach(model)
