@@ -36,6 +36,7 @@ import gc
 import json
 import logging
 import os
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -134,7 +135,8 @@ def full(x: torch.Tensor) -> torch.Tensor:
     return x.full_tensor() if isinstance(x, DTensor) else x
 
 
-def main() -> None:
+def main() -> bool:
+    """Train (or resume); rank 0 returns the verdict, the others True."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, required=True, help="checkpoint and records")
     parser.add_argument("--resume", action="store_true",
@@ -245,13 +247,14 @@ def main() -> None:
     log(f"{args.steps - first} steps in {elapsed:.1f} s; collectives per optimizer step: "
         f"{max_comms}")
     if rank != 0:
-        return
+        return True
     if not args.resume:
         record.write_text(json.dumps({"world": world, "losses": losses}))
         torch.save(masters, args.dir / "final.pt")
         begin, end = losses[0], losses[args.steps - 1]
         print(f"loss {begin:.5f} -> {end:.5f} (decreased: {end < begin})")
-        return
+        print(f"verdict: one collective per optimizer step: {max_comms == 1}")
+        return max_comms == 1
     reference = {int(k): v for k, v in json.loads(record.read_text())["losses"].items()}
     gap = max(abs(losses[s] - reference[s]) / reference[s] for s in losses)
     final = torch.load(args.dir / "final.pt")
@@ -263,6 +266,10 @@ def main() -> None:
           f"(within {LOSS_RTOL:g}: {gap <= LOSS_RTOL}); final master weights: difference "
           f"norm {master_gap:.1e}, {master_gap / moved:.3f} of their move since the "
           f"checkpoint ({moved:.1e}; within {MASTER_RTOL:g}: {master_gap <= MASTER_RTOL * moved})")
+    ok = bitwise and gap <= LOSS_RTOL and master_gap <= MASTER_RTOL * moved and max_comms == 1
+    print(f"verdict: resumed on {world} ranks bitwise and continues as the uninterrupted run: "
+          f"{ok}")
+    return ok
 
 
 def teardown() -> None:
@@ -274,5 +281,6 @@ def teardown() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    verdict = main()
     teardown()
+    sys.exit(0 if verdict else 1)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import sys
 import time
 from typing import Any
 
@@ -101,7 +102,8 @@ def train(args: argparse.Namespace, overlapped: bool) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
+def main() -> bool:
+    """Both runs and the comparisons; rank 0 returns the verdict, the others True."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--width", type=int, default=512)
@@ -156,6 +158,10 @@ def main() -> None:
     b, o = blocking["losses"], overlapped["losses"]
     log(f"loss {b[0]:.5f} -> {b[-1]:.5f} (decreased: {b[-1] < b[0]}); overlapped run "
         f"{o[0]:.5f} -> {o[-1]:.5f}")
+    two = {(("_allgather_base_", 1), ("allreduce_", 1))}
+    ok = same and off <= 2.0**-7 and blocking["comms"] == two and b[-1] < b[0]
+    log(f"verdict: zero1 trains with 2 collectives per step, overlapped equals it bitwise: {ok}")
+    return ok or rank != 0
 
 
 def teardown() -> None:
@@ -167,5 +173,6 @@ def teardown() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    verdict = main()
     teardown()
+    sys.exit(0 if verdict else 1)

@@ -24,6 +24,7 @@ def test_fsdp_tp_saved_on_4_resumed_on_2(tmp_path: Path) -> None:
     assert "saved a checkpoint after step 3 on 4 ranks" in first, first
     assert "collectives per optimizer step: 1\n" in first, first  # the packed all-reduce
     assert len(re.findall(r"^step +\d+ ", first, flags=re.M)) == 8, first  # rank 0 alone
+    assert "verdict: one collective per optimizer step: True" in first, first
 
     second = torchrun(2, "--dir", str(tmp_path), "--resume")
     assert "world 2 (gloo, cpu), mesh (dp 1, tp 2)" in second, second
@@ -39,6 +40,8 @@ def test_fsdp_tp_saved_on_4_resumed_on_2(tmp_path: Path) -> None:
     assert float(verdict.group(1)) <= float(verdict.group(2)) == 1e-3, second
     assert float(verdict.group(4)) <= float(verdict.group(5)) == 0.1, second
     assert verdict.group(3) == verdict.group(6) == "True"
+    assert ("verdict: resumed on 2 ranks bitwise and continues as the uninterrupted run: True"
+            in second), second
     # the losses of the resumed steps, printed by both runs, agree to the stated tolerance
     losses = [{int(s): float(v) for s, v in re.findall(r"^step +(\d+) +loss ([0-9.]+)", out,
                                                         flags=re.M)} for out in (first, second)]

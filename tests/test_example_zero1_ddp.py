@@ -32,3 +32,5 @@ def test_zero1_ddp_example_quick() -> None:
     loss = re.search(r"loss ([0-9.]+) -> ([0-9.]+) \(decreased: True\); overlapped run "
                      r"\1 -> \2", out)
     assert loss, out
+    assert ("verdict: zero1 trains with 2 collectives per step, overlapped equals it bitwise: "
+            "True") in out, out
