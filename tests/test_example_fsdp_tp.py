@@ -24,13 +24,23 @@ def test_fsdp_tp_saved_on_4_resumed_on_2(tmp_path: Path) -> None:
     assert "saved a checkpoint after step 3 on 4 ranks" in first, first
     assert "collectives per optimizer step: 1\n" in first, first  # the packed all-reduce
     assert len(re.findall(r"^step +\d+ ", first, flags=re.M)) == 8, first  # rank 0 alone
-    assert "verdict: one collective per optimizer step: True" in first, first
+    assert "(Shard(dim=0),)" in first, first  # the LayerNorms: on the dp sub-mesh alone
+    assert ("verdict: one collective per optimizer step, the norm counts each element once: "
+            "True") in first, first
+    # the LayerNorms left out of the TP plan, declared replicated, are counted once: the
+    # norm is the gathered gradients' (counted once per TP rank it would be far off)
+    norms = re.search(r"global gradient norm [0-9.]+, of the gathered gradients [0-9.]+: "
+                      r"relative difference ([0-9.e+-]+)", first)
+    assert norms and float(norms.group(1)) <= 1e-5, first
 
     second = torchrun(2, "--dir", str(tmp_path), "--resume")
     assert "world 2 (gloo, cpu), mesh (dp 1, tp 2)" in second, second
     assert ("resumed at step 4 on 2 ranks from the checkpoint of 4 ranks: master weights "
             "bitwise the saved ones: True") in second, second
     assert "collectives per optimizer step: 1\n" in second, second
+    norms = re.search(r"global gradient norm [0-9.]+, of the gathered gradients [0-9.]+: "
+                      r"relative difference ([0-9.e+-]+)", second)
+    assert norms and float(norms.group(1)) <= 1e-5, second
     assert [int(s) for s in re.findall(r"^step +(\d+) ", second, flags=re.M)] == [4, 5, 6, 7]
     verdict = re.search(r"loss max relative difference ([0-9.e+-]+) \(within ([0-9.e+-]+): "
                         r"(\w+)\); final master weights: difference norm [0-9.e+-]+, "
