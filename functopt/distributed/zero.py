@@ -775,8 +775,14 @@ def zero1_reduce_scatter(grads: Any, *, process_group: dist.ProcessGroup | None 
     leaves (the collective is matched by position). With ``average``, each gradient is
     divided by the group size before the sum, as DDP's default communication hook does.
 
+    With tensor parallelism (``zero1`` given DTensor params on a tensor-parallel mesh), a
+    gradient may be a DTensor placed like its param: its local shard is reduce-scattered
+    over the data-parallel group, and the result is this rank's slice of the local shard,
+    as ``zero1`` slices it (a plain 1-D tensor).
+
     Args:
-        grads: a pytree of this rank's full local gradients (plain tensors, or ``None``).
+        grads: a pytree of this rank's full local gradients (plain tensors, DTensors of
+            tensor-parallel params, or ``None``).
         process_group: the group given to ``zero1`` (``None``: the default group when
             ``torch.distributed`` is initialized).
         average: divide by the group size (the mean over ranks, as DDP), or sum.
@@ -787,7 +793,8 @@ def zero1_reduce_scatter(grads: Any, *, process_group: dist.ProcessGroup | None 
         unchanged).
 
     Raises:
-        TypeError: a leaf is not a floating tensor or ``None`` (naming it), or is a DTensor.
+        TypeError: a leaf is not a floating tensor or ``None`` (naming it).
+        ValueError: a leaf is a ``Partial`` DTensor (naming it).
 
     Examples:
         >>> import torch
@@ -800,10 +807,14 @@ def zero1_reduce_scatter(grads: Any, *, process_group: dist.ProcessGroup | None 
     _core.check_tensors(leaves, treespec, name="grads", floating=True)
     for i, g in enumerate(leaves):
         if is_dtensor(g):
-            raise TypeError(
-                f"{owner}: grads leaf {_core.paths(treespec)[i]!r} is a DTensor; expected this "
-                f"rank's full local gradient of a replicated param (a plain tensor)."
-            )
+            if any(pl.is_partial() for pl in g.placements):
+                raise ValueError(
+                    f"{owner}: grads leaf {_core.paths(treespec)[i]!r} is a Partial DTensor "
+                    f"({tuple(g.placements)}); expected the gradient of a tensor-parallel "
+                    f"param, placed like it (Shard or Replicate over the tensor-parallel "
+                    f"mesh). Fix: reduce it over that mesh first (redistribute)."
+                )
+            leaves[i] = g.to_local()  # a TP grad: its local shard, sliced over the dp group
     group, rank, world = _resolve_group(process_group)
     if group is None:
         return _core.unflatten(treespec, [None if g is None else g.detach().reshape(-1)
