@@ -97,6 +97,16 @@ class PendingParams:
             self._full[i] = t
         self._arrived[b] = True
 
+    @property
+    def arrived(self) -> bool:
+        """Whether every bucket has arrived (and been unpacked)."""
+        return all(self._arrived)
+
+    @property
+    def arrived_buckets(self) -> int:
+        """How many buckets have arrived so far."""
+        return sum(self._arrived)
+
     def leaf(self, path: str) -> torch.Tensor | None:
         """The new value of the param at ``path`` (as ``functopt.tree`` names it, e.g.
         ``'blocks.0.weight'``), waiting only for its bucket."""
@@ -263,8 +273,18 @@ def zero1_overlapped(
         replicated=replicated, loss_scale=loss_scale, master_weights=master_weights,
         max_grad_norm=max_grad_norm, fused=fused)
 
+    last: list[PendingParams] = []  # the previous step's params, which must have arrived
+
     def step_fn(grads: Any, state: MixedPrecisionState, params: Params,
                 **extra_args: Any) -> tuple[PendingParams, MixedPrecisionState]:
+        if last and not last[0].arrived:
+            raise RuntimeError(
+                "zero1_overlapped: the previous step's params are still being gathered "
+                f"({last[0].arrived_buckets} of {len(last[0]._buckets)} buckets arrived), so "
+                "the params passed now are not its result. Fix: call pending.wait(), or run "
+                "the forward of the module given to pending.attach (every module owning "
+                "params must run), before the next step."
+            )
         pl, new_leaves, new_state = step_slices(grads, state, params, **extra_args)
         buckets: list[_Bucket] = []
         for indices in _buckets(pl.local, pl.leaves, pl.world, bucket_bytes):
@@ -278,6 +298,8 @@ def zero1_overlapped(
                               device=local[0].device)
             work = _all_gather_bytes(out, buf, pl.group, async_op=True)
             buckets.append(_Bucket(indices, layout, out, work))
-        return PendingParams(pl, new_leaves, buckets), new_state
+        pending = PendingParams(pl, new_leaves, buckets)
+        last[:] = [pending]
+        return pending, new_state
 
     return OverlappedZero1(init_fn, step_fn, buffers)

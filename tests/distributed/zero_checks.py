@@ -440,11 +440,21 @@ def zero1_overlapped_equals_zero1(rank: int, world: int) -> None:
         _assert_tree(new, ref_params)  # bitwise
         _assert_tree(state, ref_state)
         params = new
+    more = {**params, "extra": torch.ones(3, dtype=torch.bfloat16)}
+    pending, s = opt.step({k: torch.ones_like(v) for k, v in more.items()}, opt.init(more), more)
     with pytest.raises(ValueError, match=r"PendingParams.attach: params leaves \['extra'\] are "
                                          r"not parameters of the module"):
-        more = {**params, "extra": torch.ones(3, dtype=torch.bfloat16)}
-        s = opt.init(more)
-        opt.step({k: torch.ones_like(v) for k, v in more.items()}, s, more)[0].attach(model)
+        pending.attach(model)
+    # a next step before the params arrived would step from stale params: refused
+    assert not pending.arrived and pending.arrived_buckets == 0
+    with pytest.raises(RuntimeError, match=r"the previous step's params are still being "
+                                           r"gathered \(0 of \d+ buckets arrived\)"):
+        opt.step({k: torch.ones_like(v) for k, v in more.items()}, s, more)
+    pending.leaf("extra")  # one bucket
+    assert 0 < pending.arrived_buckets < expected_buckets + 1
+    pending.wait()
+    assert pending.arrived
+    opt.step({k: torch.ones_like(v) for k, v in more.items()}, s, more)[0].wait()
 
 
 @check
