@@ -194,12 +194,12 @@ def _buckets(local: list[Any], leaves: list[Any], world: int, bucket_bytes: int,
              ) -> list[list[int]]:
     """Consecutive non-``None`` leaves, cut where a rank's slices pass ``bucket_bytes``."""
     out: list[list[int]] = []
-    size = bucket_bytes  # start a new bucket at the first leaf
+    size = 0
     for i, p in enumerate(local):
         if p is None or leaves[i] is None:
             continue
         nbytes = -(-p.numel() // world) * p.element_size()
-        if size + nbytes > bucket_bytes and (not out or out[-1]):
+        if not out or size + nbytes > bucket_bytes:
             out.append([])
             size = 0
         out[-1].append(i)

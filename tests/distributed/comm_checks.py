@@ -139,11 +139,11 @@ def zero1_overlapped_is_one_all_gather_per_bucket(rank: int, world: int) -> None
     state = opt.init(params)
     count, ops, _ = _measure(lambda: opt.step(_grads(params), state, params)[0].wait())
     buckets: list[list[torch.Tensor]] = []
-    used = bucket
+    used = 0
     for key in sorted(params):  # the pytree's leaf order
         p = params[key]
         size = -(-p.numel() // world) * p.element_size()  # the longest rank's slice
-        if used + size > bucket and (not buckets or buckets[-1]):
+        if not buckets or used + size > bucket:  # a new bucket when this one would overflow
             buckets.append([])
             used = 0
         buckets[-1].append(p)

@@ -367,8 +367,12 @@ def _zero1_tensor_parallel(world: int, tp: int) -> None:
     opt = zero1(functopt.adamw(1e-2, weight_decay=0.1), process_group=mesh["dp"].get_group(),
                 replicated=True, **kwargs)
     ref = mixed_precision(functopt.adamw(1e-2, weight_decay=0.1), **kwargs)
-    state, ref_state = opt.init(params), ref.init(full)
-    ref_params = full
+    # the overlapped gather (buckets of 64 bytes) on the same TP params: bitwise zero1
+    from functopt.distributed import zero1_overlapped
+    ov = zero1_overlapped(functopt.adamw(1e-2, weight_decay=0.1), bucket_bytes=64,
+                          process_group=mesh["dp"].get_group(), replicated=True, **kwargs)
+    state, ref_state, ov_state = opt.init(params), ref.init(full), ov.init(params)
+    ref_params, ov_params = full, params
     for step in range(4):
         grads, whole = _tp_grads(step, full, params, float(ref_state.loss_scale.scale))
         if step == 1:  # an inf in row 3 of the column-parallel weight: one TP rank's only
@@ -380,6 +384,11 @@ def _zero1_tensor_parallel(world: int, tp: int) -> None:
             params, state = opt.step(grads, state, params)
         # the stats all_reduce, and the all_gather when the data-parallel size is above 1
         assert comm.get_total_counts() == (2 if world > tp else 1), comm.get_comm_counts()
+        pending, ov_state = ov.step(grads, ov_state, ov_params)
+        ov_params = pending.wait()
+        _assert_tree(ov_params, params)
+        _assert_tree(ov_state, state)
+        assert all(type(ov_params[k]) is type(v) for k, v in params.items())
         ref_params, ref_state = ref.step(whole, ref_state, ref_params)
         ours = torch.stack([state.metrics.grad_norm.double(), state.loss_scale.scale.double(),
                             state.metrics.found_inf.double()])
