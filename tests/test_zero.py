@@ -94,3 +94,55 @@ def results(request: pytest.FixtureRequest) -> list[dict[str, str | None]]:
 def test_check(results: list[dict[str, str | None]], name: str) -> None:
     failures = [f"rank {rank}:\n{r[name]}" for rank, r in enumerate(results) if r[name]]
     assert not failures, "\n".join(failures)
+
+
+@settings(max_examples=15)
+@given(fst.params_and_gradients(grad_kind="any", allow_none=True), st.integers(1, 64))
+def test_overlapped_one_rank_is_zero1_bitwise(pair, bucket_bytes: int) -> None:
+    """Without a process group zero1_overlapped's params (through wait()) and state are
+    zero1's, bitwise, whatever the bucket size; nothing is left in flight."""
+    from functopt.distributed import zero1_overlapped
+    params, grads = pair
+    kwargs = {"loss_scale": functopt.dynamic_loss_scale(init_scale=4.0), "max_grad_norm": 1.0}
+    opt = zero1_overlapped(functopt.adamw(1e-2), bucket_bytes=bucket_bytes, **kwargs)
+    ref = zero1(functopt.adamw(1e-2), **kwargs)
+    pending, state = opt.step(grads, opt.init(params), params)
+    assert pending.arrived
+    ref_params, ref_state = ref.step(grads, ref.init(params), params)
+    assert_bitwise_equal(pending.wait(), ref_params, what="params")
+    assert_bitwise_equal(state, ref_state, what="state")
+
+
+@given(st.lists(st.one_of(st.none(), st.integers(0, 40)), max_size=12), st.integers(1, 4),
+       st.integers(1, 48), st.sampled_from([torch.bfloat16, torch.float32]))
+def test_buckets_partition_the_leaves_in_order(sizes, world: int, bucket_bytes: int,
+                                               dtype: torch.dtype) -> None:
+    """The buckets hold every non-None leaf once, in order; a bucket passes bucket_bytes
+    (the longest rank's slices) only when it is a single leaf."""
+    from functopt.distributed.overlap import _buckets
+    leaves = [None if n is None else torch.zeros(n, dtype=dtype) for n in sizes]
+    buckets = _buckets(leaves, leaves, world, bucket_bytes)
+    assert [i for b in buckets for i in b] == [i for i, n in enumerate(sizes) if n is not None]
+    for b in buckets:
+        assert b
+        used = sum(-(-leaves[i].numel() // world) * leaves[i].element_size() for i in b)
+        assert used <= bucket_bytes or len(b) == 1, (b, used)
+
+
+def test_overlapped_rejects_a_bad_bucket_size() -> None:
+    from functopt.distributed import zero1_overlapped
+    with pytest.raises(ValueError, match=r"bucket_bytes must be a positive int .* got 0"):
+        zero1_overlapped(functopt.sgd(0.1), bucket_bytes=0)
+
+
+def test_attach_names_a_leaf_that_is_no_module_parameter() -> None:
+    from functopt.distributed import zero1_overlapped
+    model = torch.nn.Linear(2, 1)
+    params = {"weight": model.weight.detach(), "other": torch.ones(2)}
+    opt = zero1_overlapped(functopt.sgd(0.1))
+    pending, _ = opt.step({k: torch.ones_like(v) for k, v in params.items()},
+                          opt.init(params), params)
+    with pytest.raises(ValueError, match=r"params leaves \['other'\] are not parameters"):
+        pending.attach(model)
+    with pytest.raises(KeyError, match=r"no param at 'nope'"):
+        pending.leaf("nope")

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import torch
 import torch.distributed as dist
 
-from functopt._collective.dtensor import _dtensor_class, _infer_group, is_dtensor
+from functopt._collective.dtensor import _dtensor_class, _infer_group, _mesh_ranks, is_dtensor
 from functopt.tree import _core
 
 if TYPE_CHECKING:
@@ -190,6 +190,60 @@ def _plain_counted(entry: bool | dist.ProcessGroup, where: Callable[[], str],
     return dist.get_rank(entry) == 0
 
 
+@functools.lru_cache(maxsize=256)
+def _ranks_of(mesh: DeviceMesh) -> frozenset[int]:
+    return _mesh_ranks(mesh)
+
+
+def _enclosing(leaves: Sequence[Any]) -> dict[frozenset[int], tuple[int, frozenset[int]]]:
+    """For each mesh (by its ranks) of a DTensor leaf lying strictly inside the mesh of
+    another DTensor leaf on this rank: (that other leaf, the union of the larger meshes)."""
+    meshes: dict[frozenset[int], int] = {}
+    for i, x in enumerate(leaves):
+        if x is not None and is_dtensor(x):
+            meshes.setdefault(_ranks_of(x.device_mesh), i)
+    out: dict[frozenset[int], tuple[int, frozenset[int]]] = {}
+    if len(meshes) < 2:
+        return out
+    for ranks in meshes:
+        larger = [r for r in meshes if ranks < r]
+        if larger:
+            out[ranks] = (meshes[larger[0]], frozenset().union(*larger))
+    return out
+
+
+def _nested_counted(entry: _Entry, x: Any, where: Callable[[], str], other: str,
+                    larger: frozenset[int]) -> bool:
+    """Whether this rank counts the DTensor ``x``, whose mesh lies inside the larger mesh
+    ``larger`` of the leaf ``other``, beyond what its placements say (its mesh's copies)."""
+    ranks = _ranks_of(x.device_mesh)
+    if entry is None:
+        raise ValueError(
+            f"{where()!r} is a DTensor on mesh {x.device_mesh} (ranks {sorted(ranks)}), inside "
+            f"the mesh of {other!r} (ranks {sorted(larger)}); in a sum over a group it is "
+            f"unclear whether the other ranks of that larger mesh hold copies of it (a param "
+            f"left out of the tensor-parallel plan, which FSDP2 then shards over the data-"
+            f"parallel sub-mesh only) or values of their own (experts on an expert-parallel "
+            f"sub-mesh). Fix: declare it with replicated=True (copies: counted once, on the "
+            f"copy holding rank {min(larger)}), replicated=False (values of their own), or "
+            f"the process group over which its mesh repeats (e.g. mesh['tp'].get_group()); "
+            f"or put it in the tensor-parallel plan."
+        )
+    if entry is False:
+        return True
+    if entry is True:
+        return min(larger) in ranks
+    if dist.get_rank(entry) < 0 or _group_ranks(entry) & ranks != {dist.get_rank()}:
+        raise ValueError(
+            f"{where()!r}: declared replicated over ranks {sorted(_group_ranks(entry))}, "
+            f"which must cross its mesh {x.device_mesh} (ranks {sorted(ranks)}) in this rank "
+            f"({dist.get_rank()}) alone: one rank of each copy of the mesh. Fix: pass the "
+            f"group of the copies through this rank, e.g. mesh['tp'].get_group() for a "
+            f"DTensor on mesh['dp']."
+        )
+    return dist.get_rank(entry) == 0
+
+
 def _counting(owner: str, leaves: Sequence[Any], name: Callable[[int], str],
               group: dist.ProcessGroup | None, entries: Sequence[_Entry],
               ) -> tuple[dist.ProcessGroup | None, list[bool]]:
@@ -198,13 +252,18 @@ def _counting(owner: str, leaves: Sequence[Any], name: Callable[[int], str],
     explicit = group is not None
     if not explicit:
         group = _infer_group(leaves, name, lambda i: entries[i] is not None)
+    nested = _enclosing(leaves) if explicit and _dtensor_class() is not None else {}
     counted: list[bool] = []
     for i, (x, entry) in enumerate(zip(leaves, entries, strict=True)):
         if x is None:
             counted.append(False)
         elif _dtensor_class() is not None and is_dtensor(x):
-            counted.append(_dtensor_counted(x, functools.partial(name, i),
-                                            group if explicit else None))
+            here = _dtensor_counted(x, functools.partial(name, i), group if explicit else None)
+            inside = nested.get(_ranks_of(x.device_mesh)) if nested else None
+            if inside is not None:
+                here = _nested_counted(entry, x, functools.partial(name, i), name(inside[0]),
+                                       inside[1]) and here
+            counted.append(here)
         elif group is None:
             counted.append(True)  # no DTensor, no group: whole on every rank, nothing summed
         elif entry is None:

@@ -193,7 +193,9 @@ def _infer_group(leaves: Sequence[Any], name: Callable[[int], str],
                     f"{name(i)!r} is a DTensor on mesh {leaf.device_mesh} but {name(first[0])!r} "
                     f"is on mesh {first[1].device_mesh}, over other ranks; one reduction cannot "
                     f"cover both. Fix: put every param on one mesh, or pass the process group "
-                    f"to reduce over explicitly (pipeline stages: the group over all stages)."
+                    f"to reduce over explicitly (pipeline stages: the group over all stages; "
+                    f"a param left out of the tensor-parallel plan under FSDP2: the group of "
+                    f"all ranks, declaring the leaf with replicated=True)."
                 )
         elif (isinstance(leaf, torch.Tensor) and plain is None
               and not (declared is not None and declared(i))):

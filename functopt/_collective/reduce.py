@@ -185,7 +185,11 @@ def global_grad_stats(
             of that group, a subgroup of ``group`` (counted once per such group: e.g. the
             tensor-parallel ranks of one pipeline stage). One value for all plain leaves, a
             pytree of them with the grads' structure or a prefix of it, or a function of
-            ``grads`` returning one. Entries at DTensor leaves are not read.
+            ``grads`` returning one. Entries at DTensor leaves are read only for a
+            DTensor on a mesh inside another leaf's mesh (FSDP2 x TP with a param left out
+            of the plan): ``True``, its mesh's copies hold the same values; ``False``,
+            values of their own; a group, the copies through this rank (see
+            ``functopt/_collective/counting.py``).
         device: where the result lives when no leaf is counted.
 
     Returns:

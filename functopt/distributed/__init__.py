@@ -19,7 +19,9 @@ state to host memory and back, reusing buffers. [`zero1`][functopt.distributed.z
 ZeRO-1 for replicated params: the mixed-precision step with its state sharded over the
 data-parallel ranks, with checkpoints that reshard
 ([`zero1_state_to_dict`][functopt.distributed.zero1_state_to_dict]) and reduce-scattered
-gradients ([`zero1_reduce_scatter`][functopt.distributed.zero1_reduce_scatter]).
+gradients ([`zero1_reduce_scatter`][functopt.distributed.zero1_reduce_scatter]);
+[`zero1_overlapped`][functopt.distributed.zero1_overlapped] makes the same step with the
+parameter all-gather left in flight for the next forward to wait on.
 
 The sharding strategies (ZeRO-1, checkpoints, offload) sit above ``functopt.precision``,
 whose step ZeRO-1 wraps. The packed reductions they and the transforms share live in the
@@ -30,6 +32,7 @@ from functopt._collective.dtensor import counted_here, infer_group, is_dtensor, 
 from functopt._collective.reduce import all_reduce_stats, global_grad_stats, local_grad_stats
 from functopt.distributed.checkpoint import state_from_dict, state_to_dict
 from functopt.distributed.offloading import OffloadedState, offload, reload
+from functopt.distributed.overlap import OverlappedZero1, PendingParams, zero1_overlapped
 from functopt.distributed.zero import (
     slice_bounds,
     zero1,
@@ -40,6 +43,8 @@ from functopt.distributed.zero import (
 
 __all__ = [
     "OffloadedState",
+    "OverlappedZero1",
+    "PendingParams",
     "all_reduce_stats",
     "counted_here",
     "global_grad_stats",
@@ -53,6 +58,7 @@ __all__ = [
     "state_from_dict",
     "state_to_dict",
     "zero1",
+    "zero1_overlapped",
     "zero1_reduce_scatter",
     "zero1_state_from_dict",
     "zero1_state_to_dict",

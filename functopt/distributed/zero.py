@@ -51,6 +51,7 @@ between ranks (not a ZeRO-1 setting) an element outside a rank's slice is never 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import optree
@@ -215,20 +216,16 @@ def _slice(x: torch.Tensor | None, bounds: tuple[int, int, int] | None) -> torch
     return x.detach().reshape(-1)[bounds[0]:bounds[1]]
 
 
-def _all_gather_bytes(out: torch.Tensor, buf: torch.Tensor, group: dist.ProcessGroup) -> None:
+def _all_gather_bytes(out: torch.Tensor, buf: torch.Tensor, group: dist.ProcessGroup, *,
+                      async_op: bool = False) -> Any:
     gather = getattr(dist, "all_gather_single", None)  # torch >= 2.13; the old name warns
     if gather is None:  # pragma: no cover - older torch
         gather = dist.all_gather_into_tensor
-    gather(out, buf, group=group)
+    return gather(out, buf, group=group, async_op=async_op)
 
 
-def _gather(new_slices: list[Any], old: list[Any], layout: _Layout, rank: int, world: int,
-            group: dist.ProcessGroup | None) -> list[Any]:
-    """Every rank's new slices of every leaf, reassembled into full params: one all_gather."""
-    if group is None or world == 1:
-        return [None if p is None else s.reshape(p.shape)
-                for p, s in zip(old, new_slices, strict=True)]
-    device = next(p.device for p in old if p is not None)
+def _pack(new_slices: list[Any], layout: _Layout, device: torch.device) -> torch.Tensor:
+    """This rank's new slices as one byte buffer of ``layout.buffer_bytes`` (8-byte aligned)."""
     pieces = []
     used = 0
     for s, bounds in zip(new_slices, layout.slices, strict=True):
@@ -242,9 +239,11 @@ def _gather(new_slices: list[Any], old: list[Any], layout: _Layout, rank: int, w
         used += raw.numel() + pad
     if used < layout.buffer_bytes:
         pieces.append(torch.zeros(layout.buffer_bytes - used, dtype=torch.uint8, device=device))
-    buf = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.uint8, device=device)
-    out = torch.empty(world * layout.buffer_bytes, dtype=torch.uint8, device=device)
-    _all_gather_bytes(out, buf, group)
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.uint8, device=device)
+
+
+def _unpack(out: torch.Tensor, old: list[Any], layout: _Layout, world: int) -> list[Any]:
+    """The full leaves from the gathered buffers of every rank (``out``, rank after rank)."""
     rows = out.view(world, layout.buffer_bytes)
     full = []
     for p, bounds in zip(old, layout.slices, strict=True):
@@ -256,6 +255,19 @@ def _gather(new_slices: list[Any], old: list[Any], layout: _Layout, rank: int, w
                  for r, (start, end, off) in enumerate(bounds)]
         full.append(torch.cat(parts).reshape(p.shape))
     return full
+
+
+def _gather(new_slices: list[Any], old: list[Any], layout: _Layout, rank: int, world: int,
+            group: dist.ProcessGroup | None) -> list[Any]:
+    """Every rank's new slices of every leaf, reassembled into full params: one all_gather."""
+    if group is None or world == 1:
+        return [None if p is None else s.reshape(p.shape)
+                for p, s in zip(old, new_slices, strict=True)]
+    device = next(p.device for p in old if p is not None)
+    buf = _pack(new_slices, layout, device)
+    out = torch.empty(world * layout.buffer_bytes, dtype=torch.uint8, device=device)
+    _all_gather_bytes(out, buf, group)
+    return _unpack(out, old, layout, world)
 
 
 def zero1(
@@ -357,7 +369,47 @@ def zero1(
         >>> params["w"].shape, state.master["w"].shape  # this rank's slice: all 6 elements
         (torch.Size([2, 3]), torch.Size([6]))
     """
-    owner = "zero1"
+    init_fn, step_slices, buffers = _zero1_parts(
+        "zero1", inner, process_group=process_group, stats_group=stats_group,
+        replicated=replicated, loss_scale=loss_scale, master_weights=master_weights,
+        max_grad_norm=max_grad_norm, fused=fused)
+
+    def step_fn(grads: Any, state: MixedPrecisionState, params: Params,
+                **extra_args: Any) -> tuple[Params, MixedPrecisionState]:
+        pl, new_leaves, new_state = step_slices(grads, state, params, **extra_args)
+        full = _gather(new_leaves, pl.local, pl.layout, pl.rank, pl.world, pl.group)
+        return _core.unflatten(pl.treespec, _rewrap(pl.leaves, full)), new_state
+
+    return MixedPrecisionTransformation(init_fn, step_fn, buffers)
+
+
+_Parts = tuple[
+    Callable[[Params], MixedPrecisionState],
+    Callable[..., tuple[_Plan, list[Any], MixedPrecisionState]],
+    Callable[[], list[torch.Tensor]],
+]
+
+
+def _rewrap(leaves: list[Any], full: list[Any]) -> list[Any]:
+    """The gathered local tensors, as DTensors placed like the params where they are."""
+    return [t if p is None or not is_dtensor(p) else _rewrap_like(p, t)
+            for p, t in zip(leaves, full, strict=True)]
+
+
+def _zero1_parts(
+    owner: str,
+    inner: GradientTransformation,
+    *,
+    process_group: dist.ProcessGroup | None,
+    stats_group: dist.ProcessGroup | None,
+    replicated: Replicated,
+    loss_scale: LossScale | None,
+    master_weights: MasterWeights | None,
+    max_grad_norm: float | torch.Tensor | None,
+    fused: bool,
+) -> _Parts:
+    """``init``, the step up to the new slices (``(plan, new slices, state)``), and
+    ``buffers`` of zero1: what zero1 and zero1_overlapped share; the gather is theirs."""
     if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(
             f"{owner}: process_group must be a torch.distributed.ProcessGroup or None (the "
@@ -443,8 +495,8 @@ def zero1(
         return pl.opt.init(_core.unflatten(
             pl.treespec, [_slice(p, b) for p, b in zip(pl.local, pl.mine, strict=True)]))
 
-    def step_fn(grads: Any, state: MixedPrecisionState, params: Params,
-                **extra_args: Any) -> tuple[Params, MixedPrecisionState]:
+    def step_slices(grads: Any, state: MixedPrecisionState, params: Params,
+                    **extra_args: Any) -> tuple[_Plan, list[Any], MixedPrecisionState]:
         pl = plan(params)
         treespec, rank, world = pl.treespec, pl.rank, pl.world
         grad_leaves = _core.flatten_like(treespec, grads, name="grads", reference="params")
@@ -486,15 +538,12 @@ def zero1(
         )
         new_leaves = _core.flatten_like(treespec, new_slices, name="new params",
                                         reference="params")
-        full = _gather(new_leaves, pl.local, pl.layout, rank, world, pl.group)
-        return _core.unflatten(treespec, [
-            t if p is None or not is_dtensor(p) else _rewrap_like(p, t)
-            for p, t in zip(pl.leaves, full, strict=True)]), new_state
+        return pl, new_leaves, new_state
 
     def buffers() -> list[torch.Tensor]:
         return [*unsharded.buffers(), *(b for _, mp in by_group.values() for b in mp.buffers())]
 
-    return MixedPrecisionTransformation(init_fn, step_fn, buffers)
+    return init_fn, step_slices, buffers
 
 
 def _flat_keys(state: Any) -> tuple[list[str], list[tuple[Any, ...]]]:
@@ -726,8 +775,14 @@ def zero1_reduce_scatter(grads: Any, *, process_group: dist.ProcessGroup | None 
     leaves (the collective is matched by position). With ``average``, each gradient is
     divided by the group size before the sum, as DDP's default communication hook does.
 
+    With tensor parallelism (``zero1`` given DTensor params on a tensor-parallel mesh), a
+    gradient may be a DTensor placed like its param: its local shard is reduce-scattered
+    over the data-parallel group, and the result is this rank's slice of the local shard,
+    as ``zero1`` slices it (a plain 1-D tensor).
+
     Args:
-        grads: a pytree of this rank's full local gradients (plain tensors, or ``None``).
+        grads: a pytree of this rank's full local gradients (plain tensors, DTensors of
+            tensor-parallel params, or ``None``).
         process_group: the group given to ``zero1`` (``None``: the default group when
             ``torch.distributed`` is initialized).
         average: divide by the group size (the mean over ranks, as DDP), or sum.
@@ -738,7 +793,8 @@ def zero1_reduce_scatter(grads: Any, *, process_group: dist.ProcessGroup | None 
         unchanged).
 
     Raises:
-        TypeError: a leaf is not a floating tensor or ``None`` (naming it), or is a DTensor.
+        TypeError: a leaf is not a floating tensor or ``None`` (naming it).
+        ValueError: a leaf is a ``Partial`` DTensor (naming it).
 
     Examples:
         >>> import torch
@@ -751,10 +807,14 @@ def zero1_reduce_scatter(grads: Any, *, process_group: dist.ProcessGroup | None 
     _core.check_tensors(leaves, treespec, name="grads", floating=True)
     for i, g in enumerate(leaves):
         if is_dtensor(g):
-            raise TypeError(
-                f"{owner}: grads leaf {_core.paths(treespec)[i]!r} is a DTensor; expected this "
-                f"rank's full local gradient of a replicated param (a plain tensor)."
-            )
+            if any(pl.is_partial() for pl in g.placements):
+                raise ValueError(
+                    f"{owner}: grads leaf {_core.paths(treespec)[i]!r} is a Partial DTensor "
+                    f"({tuple(g.placements)}); expected the gradient of a tensor-parallel "
+                    f"param, placed like it (Shard or Replicate over the tensor-parallel "
+                    f"mesh). Fix: reduce it over that mesh first (redistribute)."
+                )
+            leaves[i] = g.to_local()  # a TP grad: its local shard, sliced over the dp group
     group, rank, world = _resolve_group(process_group)
     if group is None:
         return _core.unflatten(treespec, [None if g is None else g.detach().reshape(-1)

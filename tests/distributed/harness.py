@@ -18,11 +18,13 @@ import datetime
 import os
 import pickle
 import socket
+import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -149,3 +151,17 @@ def run_checks(checks: dict[str, Check], rank: int, world: int) -> dict[str, str
         except RuntimeError as exc:
             raise RuntimeError(f"ranks out of step after check {name!r}; so far: {out}") from exc
     return out
+
+
+def torchrun(script: Path, ranks: int, *args: str, timeout_s: float = 90.0) -> str:
+    """The stdout of ``python -m torch.distributed.run --standalone`` of ``script`` on
+    ``ranks`` CPU processes (one thread each), after checking that it succeeded."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         str(ranks), str(script), *args],
+        cwd=script.parents[1], capture_output=True, text=True, timeout=timeout_s, check=False,
+        env=env,
+    )
+    assert result.returncode == 0, f"{script.name} failed:\n{result.stdout}\n{result.stderr}"
+    return result.stdout

@@ -216,3 +216,46 @@ def pipeline_stages_through_the_given_group(rank: int, world: int) -> None:
     with pytest.raises(ValueError, match=r"NON_GROUP_MEMBER.*declared replicated over a "
                                          r"process group this rank \(\d\) is not in"):
         fdist.global_grad_stats(grads, dist.group.WORLD, replicated=other)
+
+
+@check
+def fsdp_tp_left_out_param_declared_on_its_sub_mesh(rank: int, world: int) -> None:
+    """FSDP2 x TP on a (world/2, 2) mesh with the last Linear left out of the TP plan: FSDP2
+    shards it over the dp sub-mesh alone, a DTensor inside the 2-D mesh of the others. A sum
+    over WORLD counted it once per TP rank (a norm of 2.58 for 1.97 at 4 ranks); undeclared
+    it now raises, declared True or over the TP group it is counted once."""
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    model = _model()
+    reference = copy.deepcopy(model)
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    dp, rows = mesh["dp"].get_local_rank(), 8 // (world // 2)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    model(x[dp * rows:(dp + 1) * rows]).square().mean().backward()
+    reference(x).square().mean().backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert grads["3.weight"].device_mesh.ndim == 1 and grads["0.weight"].device_mesh.ndim == 2
+    expected = grad_stats([p.grad for p in reference.parameters()])
+    with pytest.raises(ValueError, match=r"'3\.\w+' is a DTensor on mesh .* inside the mesh of "
+                                         r"'0\.\w+'.*Fix: declare it with replicated=True"):
+        fdist.global_grad_stats(grads, dist.group.WORLD)
+    per_leaf = {n: n.startswith("3.") for n in grads}  # read at the sub-mesh leaves only
+    for declared in (True, mesh["tp"].get_group(), per_leaf):
+        packed = fdist.global_grad_stats(grads, dist.group.WORLD, replicated=declared)
+        torch.testing.assert_close(packed[0], expected[0], rtol=1e-5, atol=0.0)
+        assert torch.equal(packed[1:], expected[1:])
+    # False: values of their own on each TP rank, summed: the old over-count
+    wrong = fdist.global_grad_stats(grads, dist.group.WORLD, replicated=False)
+    left_out = grad_stats([reference[3].weight.grad, reference[3].bias.grad])[0]
+    torch.testing.assert_close(wrong[0], expected[0] + left_out, rtol=1e-5, atol=0.0)
+    if world >= 4:  # the dp group is the leaf's own mesh: it does not cross it
+        with pytest.raises(ValueError, match=r"must cross its mesh .* in this rank"):
+            fdist.global_grad_stats(grads, dist.group.WORLD, replicated=mesh["dp"].get_group())
+    # the mixed-precision step clips by the one-process norm
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    opt = mixed_precision(functopt.adamw(1e-2), max_grad_norm=0.01,
+                          process_group=dist.group.WORLD, replicated=True)
+    _, state = opt.step(grads, opt.init(params), params)
+    torch.testing.assert_close(state.metrics.grad_norm, expected[0].sqrt().float(), rtol=1e-5,
+                               atol=0.0)

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -344,8 +344,19 @@ def zero1_with_tensor_parallel_agrees(rank: int, world: int) -> None:
     rank gets the one-process norm, skip decision (an inf in one TP rank's shard only) and
     loss scale, and the params of the one-process step; two collectives per step (one at a
     data-parallel size of 1)."""
+    _zero1_tensor_parallel(world, 2)
+
+
+@check
+def zero1_with_tensor_parallel_over_all_ranks_agrees(rank: int, world: int) -> None:
+    """The same with a TP size of world (a (1, world) mesh: uneven and empty TP shards of
+    the 6-row column-parallel weight at 4 ranks), so ZeRO-1 over TP sizes 2 and 4."""
+    _zero1_tensor_parallel(world, world)
+
+
+def _zero1_tensor_parallel(world: int, tp: int) -> None:
     from distributed.replication_checks import _model
-    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
     model = _model()
     full = {n: p.detach().clone() for n, p in model.named_parameters()}
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
@@ -356,17 +367,28 @@ def zero1_with_tensor_parallel_agrees(rank: int, world: int) -> None:
     opt = zero1(functopt.adamw(1e-2, weight_decay=0.1), process_group=mesh["dp"].get_group(),
                 replicated=True, **kwargs)
     ref = mixed_precision(functopt.adamw(1e-2, weight_decay=0.1), **kwargs)
-    state, ref_state = opt.init(params), ref.init(full)
-    ref_params = full
+    # the overlapped gather (buckets of 64 bytes) on the same TP params: bitwise zero1
+    from functopt.distributed import zero1_overlapped
+    ov = zero1_overlapped(functopt.adamw(1e-2, weight_decay=0.1), bucket_bytes=64,
+                          process_group=mesh["dp"].get_group(), replicated=True, **kwargs)
+    state, ref_state, ov_state = opt.init(params), ref.init(full), ov.init(params)
+    ref_params, ov_params = full, params
     for step in range(4):
         grads, whole = _tp_grads(step, full, params, float(ref_state.loss_scale.scale))
-        if step == 1:  # an inf in TP rank 1's rows of the column-parallel weight only
+        if step == 1:  # an inf in row 3 of the column-parallel weight: one TP rank's only
             whole["0.weight"][3, 0] = float("inf")
-            if mesh["tp"].get_local_rank() == 1:
-                grads["0.weight"].to_local()[0, 0] = float("inf")
+            rows = -(-6 // tp)  # Shard(0) of 6 rows: torch.chunk's split
+            if mesh["tp"].get_local_rank() == 3 // rows:
+                grads["0.weight"].to_local()[3 % rows, 0] = float("inf")
         with CommDebugMode() as comm:
             params, state = opt.step(grads, state, params)
-        assert comm.get_total_counts() == (2 if world > 2 else 1), comm.get_comm_counts()
+        # the stats all_reduce, and the all_gather when the data-parallel size is above 1
+        assert comm.get_total_counts() == (2 if world > tp else 1), comm.get_comm_counts()
+        pending, ov_state = ov.step(grads, ov_state, ov_params)
+        ov_params = pending.wait()
+        _assert_tree(ov_params, params)
+        _assert_tree(ov_state, state)
+        assert all(type(ov_params[k]) is type(v) for k, v in params.items())
         ref_params, ref_state = ref.step(whole, ref_state, ref_params)
         ours = torch.stack([state.metrics.grad_norm.double(), state.loss_scale.scale.double(),
                             state.metrics.found_inf.double()])
@@ -385,3 +407,101 @@ def zero1_with_tensor_parallel_agrees(rank: int, world: int) -> None:
     with pytest.raises(ValueError, match=r"'3.bias' is a plain tensor beside tensor-parallel "
                                          r"\(DTensor\) params.*Fix: pass replicated=True"):
         zero1(functopt.adamw(1e-2), process_group=mesh["dp"].get_group()).init(params)
+
+
+@check
+def zero1_overlapped_equals_zero1(rank: int, world: int) -> None:
+    """zero1_overlapped: the same step with the gather cut into buckets and left in flight.
+    wait() and the forward pre-hooks of attach() give params bitwise zero1's, the state is
+    bitwise zero1's, and a step makes one all_reduce and one all_gather per bucket."""
+    from functopt.distributed import zero1_overlapped
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3),
+                                torch.nn.Linear(3, 1)).to(torch.bfloat16)
+    kwargs = {"loss_scale": functopt.dynamic_loss_scale(init_scale=2.0**4), "max_grad_norm": 1.0}
+    ref = zero1(functopt.adamw(1e-2, weight_decay=0.1), **kwargs)
+    # at most 16 bytes of a rank's slices per bucket: several buckets at 2 and 4 ranks
+    opt = zero1_overlapped(functopt.adamw(1e-2, weight_decay=0.1), bucket_bytes=16, **kwargs)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ref_params = dict(params)
+    state, ref_state = opt.init(params), ref.init(ref_params)
+    from functopt.distributed.overlap import _buckets
+    leaves = functopt.tree._core.flatten(params)[0]
+    expected_buckets = len(_buckets(leaves, leaves, world, 16))
+    assert expected_buckets >= 2, expected_buckets
+    for step in range(3):
+        g = torch.Generator().manual_seed(50 + step)
+        grads = {n: torch.randn(p.shape, generator=g).to(p.dtype) for n, p in params.items()}
+        with CommDebugMode() as comm:
+            pending, state = opt.step(grads, state, params)
+            new = pending.wait() if step != 1 else None
+        counts = {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()}
+        assert sum(v for k, v in counts.items() if "allreduce" in k) == 1, counts
+        assert sum(v for k, v in counts.items() if "allgather" in k) == expected_buckets, counts
+        ref_params, ref_state = ref.step(grads, ref_state, ref_params)
+        if step == 1:  # through the module: each layer's forward waits for its params
+            handles = pending.attach(model)
+            assert len(handles) == 3  # the three Linear layers own params
+            model(torch.ones(2, 6, dtype=torch.bfloat16))
+            new = {n: p.detach().clone() for n, p in model.named_parameters()}
+            assert not any(m._forward_pre_hooks for m in model)  # each hook removed itself
+        assert new is not None
+        _assert_tree(new, ref_params)  # bitwise
+        _assert_tree(state, ref_state)
+        params = new
+    more = {**params, "extra": torch.ones(3, dtype=torch.bfloat16)}
+    pending, s = opt.step({k: torch.ones_like(v) for k, v in more.items()}, opt.init(more), more)
+    with pytest.raises(ValueError, match=r"PendingParams.attach: params leaves \['extra'\] are "
+                                         r"not parameters of the module"):
+        pending.attach(model)
+    # a next step before the params arrived would step from stale params: refused
+    assert not pending.arrived and pending.arrived_buckets == 0
+    with pytest.raises(RuntimeError, match=r"the previous step's params are still being "
+                                           r"gathered \(0 of \d+ buckets arrived\)"):
+        opt.step({k: torch.ones_like(v) for k, v in more.items()}, s, more)
+    pending.leaf("extra")  # one bucket
+    assert 0 < pending.arrived_buckets < expected_buckets + 1
+    pending.wait()
+    assert pending.arrived
+    opt.step({k: torch.ones_like(v) for k, v in more.items()}, s, more)[0].wait()
+
+
+@check
+def zero1_tensor_parallel_reduce_scattered_grads(rank: int, world: int) -> None:
+    """ZeRO-1 x TP with reduce-scattered gradients: each data-parallel rank's own TP grads
+    (DTensors placed like the params, plain for the Linear left out of the plan) go through
+    zero1_reduce_scatter over the dp group, and the step on these slices is bitwise the step
+    on the averaged grads (with 2 dp ranks the sum of two halves is the same either way)."""
+    from distributed.replication_checks import _model
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    dp_group, dp = mesh["dp"].get_group(), mesh["dp"].size()
+    model = _model()
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    params = {n: p.detach() for n, p in model.named_parameters()}
+
+    def place(tree: dict[str, torch.Tensor]) -> dict[str, Any]:
+        return {k: distribute_tensor(tree[k], v.device_mesh, v.placements)
+                if isinstance(v, DTensor) else tree[k].clone() for k, v in params.items()}
+
+    kwargs = {"max_grad_norm": 2.0, "fused": False}
+    opt = zero1(functopt.adamw(1e-2), process_group=dp_group, replicated=True, **kwargs)
+    state, ref_state = opt.init(params), opt.init(params)
+    ref_params = params
+    for step in range(3):
+        # each dp rank's own gradients (alike over its TP ranks, as after the TP backward)
+        own = [{k: torch.randn(v.shape, generator=torch.Generator().manual_seed(
+            100 * step + 10 * d + i)) for i, (k, v) in enumerate(sorted(full.items()))}
+            for d in range(dp)]
+        mean = {k: sum((o[k] / dp for o in own), torch.zeros(())) for k in full}
+        slices = zero1_reduce_scatter(place(own[mesh["dp"].get_local_rank()]),
+                                      process_group=dp_group)
+        assert all(not isinstance(s, DTensor) and s.dim() == 1 for s in slices.values())
+        params, state = opt.step(slices, state, params)
+        ref_params, ref_state = opt.step(place(mean), ref_state, ref_params)
+        _assert_tree({k: _full(v) for k, v in params.items()},
+                     {k: _full(v) for k, v in ref_params.items()})
+        _assert_tree(state, ref_state)
+    partial = DTensor.from_local(torch.ones(2), mesh["tp"], [Partial()])
+    with pytest.raises(ValueError, match=r"'p' is a Partial DTensor"):
+        zero1_reduce_scatter({"p": partial}, process_group=dp_group)
