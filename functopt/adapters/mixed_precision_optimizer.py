@@ -387,8 +387,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 f"functopt.adamw(1e-3)) or a factory (**group_options) -> GradientTransformation, "
                 f"got {type(transform).__name__}."
             )
+        _validate.check_flags(_OWNER, fused=fused, count_zeros=count_zeros,
+                              return_grad_stats=return_grad_stats)
         self.grad_norm_skip_threshold = grad_norm_skip_threshold
-        self._return_grad_stats = bool(return_grad_stats)
+        self._return_grad_stats = return_grad_stats
         groups = _param_groups.collect(_OWNER, params)
         if all(group.frozen for group in groups):
             raise ValueError(
@@ -430,7 +432,6 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._inner = self._compose()
         self._loss_scale_rule = loss_scale
         self._master_weights = float32_master(master_dtype)
-        _validate.check_flags(_OWNER, fused=fused, count_zeros=count_zeros)
         self._fused = fused
         self._count_zeros = count_zeros
         self._max_grad_norm: float | None = None

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from functopt import _validate
 from functopt._apply import apply_updates
 from functopt._base import GradientTransformation, Params, State, Updates
 from functopt._collective.dtensor import _infer_group, _leaf_names, _rewrap_like, local_tensor
@@ -129,6 +130,8 @@ def make_step(
             f"make_step: tx must be a functopt.GradientTransformation, got "
             f"{type(tx).__name__}. Fix: make_step(functopt.adamw(1e-3))."
         )
+    _validate.check_flags("make_step", donate=donate, compile=compile, fused=fused,
+                          donate_grads=donate_grads)
     return Step(tx, donate=donate, compile=compile, fused=fused, donate_grads=donate_grads)
 
 

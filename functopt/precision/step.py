@@ -313,6 +313,8 @@ def mixed_precision(
             f"float32_master(), ...), got {type(master_weights).__name__}."
         )
     mw = master_weights
+    _validate.check_flags(owner, count_zeros=count_zeros, donate=donate, fused=fused,
+                          compile=compile)
     # the kernels write the store in place: only a plain copy allows it
     fast = fused and mw.plain_copy and not mw.needs_generator
     if max_grad_norm is not None:
