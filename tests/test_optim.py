@@ -346,7 +346,7 @@ def test_error_messages_say_what_and_how() -> None:
 
 def test_group_values_are_range_checked() -> None:
     a, b = torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(1))
-    with pytest.raises(ValueError, match=r"param group 1\['betas'\]"):
+    with pytest.raises(ValueError, match=r"param_groups\[1\] holds .*'betas': \(1.0, 0.999\).*b1 must be"):
         optim.Adam([{"params": [a]}, {"params": [b], "betas": (1.0, 0.999)}])
     opt = optim.SGD([a], lr=0.1, momentum=0.9)
     opt.param_groups[0]["momentum"] = -1.0

@@ -18,10 +18,12 @@ from typing import Any
 import torch
 
 from functopt._base import GradientTransformation, State
+from functopt._spec import Injected, describe
 from functopt.adapters import _param_groups
 from functopt.fast._step import make_step
+from functopt.optimizers import recipe_of
 from functopt.transforms.combining import _check_transform
-from functopt.transforms.hyperparams import InjectHyperparamsState
+from functopt.transforms.hyperparams import InjectHyperparamsState, inject_hyperparams
 from functopt.tree import _core
 
 __all__ = ["Optimizer"]
@@ -30,6 +32,7 @@ __all__ = ["Optimizer"]
 _FIELD = 0  # a per-parameter leaf: stored in optimizer.state[param][field path]
 _GROUP = 1  # a group-level leaf (a counter): stored, the same tensor, in every param's entry
 _HYPER = 2  # an injected hyperparameter: read from the param group on every step
+_UNSET = object()
 
 # Option names of torch.optim's optimizers. A group that sets one the transform does not
 # inject would be silently ignored; that is an error instead.
@@ -40,36 +43,41 @@ _TORCH_OPTIONS = frozenset({
     "momentum_decay", "decoupled_weight_decay",
 })
 _HOW_TO_INJECT = (
-    "Fix: build the transform with its hyperparameters injected, e.g. functopt.Optimizer("
-    "params, functopt.inject_hyperparams(functopt.adamw)(learning_rate=1e-3)); "
-    "only injected hyperparameters appear in param_groups."
+    "Fix: pass a recipe, whose hyperparameters the groups hold under torch's names "
+    "(functopt.Optimizer(params, functopt.adamw(1e-3)) has lr, betas, eps, weight_decay), "
+    "or inject them into a transform of your own with functopt.inject_hyperparams(factory)"
+    "(...): only the hyperparameters a step reads appear in param_groups."
 )
 
 
-def _torch_names(owner: str, names: Iterable[str]) -> dict[str, tuple[str, ...]]:
-    """Group key -> the injected hyperparameters it holds (torch's names where torch has one)."""
-    names = list(names)
-    exposed: dict[str, tuple[str, ...]] = {}
-    if "learning_rate" in names:
-        exposed["lr"] = ("learning_rate",)
-    if "b1" in names and "b2" in names:
-        exposed["betas"] = ("b1", "b2")
-    if "momentum" in names:
-        exposed["momentum"] = ("momentum",)
-    elif "b1" in names and "b2" not in names:
-        exposed["momentum"] = ("b1",)
-    used = {name for group in exposed.values() for name in group}
-    for name in names:
-        if name in used:
-            continue
-        if name in exposed or name in ("params", "param_names", *_param_groups.FLAG_KEYS):
-            raise ValueError(
-                f"{owner}: the transform injects a hyperparameter named {name!r}, which clashes "
-                f"with the param group key {name!r} (group keys: {sorted(exposed)}). Fix: "
-                f"rename the factory's argument."
-            )
-        exposed[name] = (name,)
-    return exposed
+def _lift(tx: GradientTransformation) -> GradientTransformation:
+    """A plain recipe as ``inject_hyperparams`` of itself, its ``RECIPE_GROUP_KEYS``
+    arguments given as numbers injected and every other argument fixed; any other transform
+    as it is (one built by ``inject_hyperparams`` already injects what it exposes)."""
+    if isinstance(describe(tx), Injected):
+        return tx
+    record = recipe_of(tx)
+    if record is None or record.name not in _param_groups.RECIPE_GROUP_KEYS:
+        return tx
+    listed = [a for args in _param_groups.RECIPE_GROUP_KEYS[record.name].values() for a in args]
+    injected = [a for a in listed if _is_number(record.arguments.get(a)) or (
+        isinstance(record.arguments.get(a), torch.Tensor) and record.arguments[a].dim() == 0)]
+    if not injected:
+        return tx
+    static = [a for a in record.arguments if a not in injected]
+    return inject_hyperparams(record.factory, static_args=static)(**record.arguments)
+
+
+def _recipe_name(tx: GradientTransformation, hyper: dict[str, torch.Tensor]) -> str | None:
+    """The name of the recipe an ``inject_hyperparams`` transform builds, if it builds one."""
+    spec = describe(tx)
+    if not isinstance(spec, Injected):
+        return None
+    try:
+        record = recipe_of(spec.build(dict(hyper)))
+    except Exception:  # a factory of the user's that takes no such values: no recipe row
+        return None
+    return None if record is None else record.name
 
 
 def _is_number(value: Any) -> bool:
@@ -97,25 +105,13 @@ TORCH_OPTIMIZER = (
 )
 
 
-class _ParamGroup(dict):  # type: ignore[type-arg]
-    """A param group whose missing keys raise an error that says how to get them."""
-
-    def __missing__(self, key: Any) -> Any:
-        held = sorted(str(k) for k in self if k not in ("params", "param_names"))
-        if key in _TORCH_OPTIONS:
-            raise KeyError(
-                f"functopt.Optimizer param group has no {key!r}: the transform does not "
-                f"inject it (the group holds {held}). A torch.optim.lr_scheduler needs 'lr' "
-                f"(and OneCycleLR 'betas' or 'momentum'). {_HOW_TO_INJECT}"
-            )
-        raise KeyError(f"functopt.Optimizer param group has no {key!r} (it holds {held}).")
-
-
 class _Plan:
     """How one group's transform state maps onto ``optimizer.state`` and ``param_groups``."""
 
-    def __init__(self, key: Any, template: State, ptree: Any, order: list[int]) -> None:
+    def __init__(self, key: Any, template: State, ptree: Any, order: list[int],
+                 recipe: str | None, kept: frozenset[str]) -> None:
         self.key = key
+        self.recipe = recipe
         self.template, self.treespec = _core.flatten(template)
         pspec = _core.structure(ptree)
         ppaths = _core.paths(pspec)
@@ -161,8 +157,33 @@ class _Plan:
             )
         # Entry name -> template leaf, for the entry of the group's j-th param.
         self.fields = [{**group_leaves, **f} for f in fields]
-        self.exposed = _torch_names("functopt.Optimizer", self.hyper)
+        self.exposed = _param_groups.recipe_group_keys("functopt.Optimizer", recipe,
+                                                       list(self.hyper))
+        # The keys a group may hold: everything else is a value no step would read.
+        self.allowed = frozenset({"params", "param_names", *_param_groups.FLAG_KEYS,
+                                  *_param_groups.SCHEDULER_GROUP_KEYS, *self.exposed, *kept})
         self.cache: dict[str, tuple[Any, torch.Tensor]] = {}
+        self.checked: dict[str, Any] = {}  # injected name -> the group value last validated
+        # Whether the state holds tensors a step updates (in place, with donation): then a
+        # restart needs a fresh init, not the template the first step already took.
+        self.stateful = any(kind != _HYPER and leaf is not None
+                            for (kind, _, _), leaf in zip(self.leaves, self.template,
+                                                          strict=True))
+        self.template_taken = False
+
+    def fresh(self, transform: GradientTransformation, ptree: Any) -> list[Any]:
+        """Leaves of a new ``transform.init`` state (the template, if no step has it yet)."""
+        if not self.template_taken or not self.stateful:
+            self.template_taken = True
+            return self.template
+        with torch.no_grad():
+            leaves, treespec = _core.flatten(transform.init(ptree))
+        if treespec != self.treespec:
+            raise ValueError(
+                f"functopt.Optimizer: the transform's init returned a state of structure "
+                f"{treespec}, earlier {self.treespec}. Fix: a transform's init must give the "
+                f"same structure for the same params.")
+        return leaves
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -300,8 +321,11 @@ class Optimizer(torch.optim.Optimizer):
         torch_class = transform if isinstance(transform, type) else type(transform)
         if issubclass(torch_class, torch.optim.Optimizer):
             raise TypeError(TORCH_OPTIMIZER.format(name=torch_class.__name__))
-        self._transform = _check_transform(owner, "transform", transform)
+        self._transform = _lift(_check_transform(owner, "transform", transform))
         self._fused = bool(fused)
+        # Groups whose state is still the one add_param_group made (no step yet): a step
+        # makes it again if the params moved to another dtype or device since.
+        self._unstepped: dict[int, _Plan] = {}
         self._state_shared = False  # state_dict()/load_state_dict() handed tensors over
         self._plans: list[_Plan | None] = []
         if isinstance(params, torch.Tensor):
@@ -312,6 +336,14 @@ class Optimizer(torch.optim.Optimizer):
             )
         # Filled from the first group's injected hyperparameters (add_param_group).
         super().__init__(params, defaults={})
+
+    @property
+    def transform(self) -> GradientTransformation:
+        """The transform the steps run: the one given, except that a plain recipe
+        (``functopt.adamw(1e-3)``) is its ``inject_hyperparams`` form, so that the values in
+        ``param_groups`` are the ones it reads (``functopt.fast.explain(opt.transform,
+        params)`` says which path it takes)."""
+        return self._transform
 
     # -- param groups -------------------------------------------------------------------
 
@@ -325,7 +357,7 @@ class Optimizer(torch.optim.Optimizer):
                 f"functopt.Optimizer.add_param_group: expected a dict such as "
                 f"{{'params': [...], 'lr': 0.1}}, got {type(param_group).__name__}."
             )
-        group = _ParamGroup(param_group)
+        group = dict(param_group)
         super().add_param_group(group)  # normalises params and names, appends
         index = len(self.param_groups) - 1
         try:
@@ -351,7 +383,12 @@ class Optimizer(torch.optim.Optimizer):
         if flags.frozen:  # no state: the plan (and its template) was only for the checks
             self._plans[index] = None
             return
-        self._scatter(group, plan, plan.template)
+        self._scatter(group, plan, plan.fresh(self._transform, self._tree(group, group["params"])))
+        self._unstepped[index] = plan
+
+    def _kept_keys(self) -> frozenset[str]:
+        """Group keys this optimizer keeps beyond the transform's (torch's fixed options)."""
+        return frozenset()
 
     @staticmethod
     def _check_multipliers(
@@ -370,19 +407,34 @@ class Optimizer(torch.optim.Optimizer):
     def _check_options(self, index: int, group: dict[str, Any], plan: _Plan) -> None:
         renamed = {name: key for key, names in plan.exposed.items() for name in names
                    if name != key}
+        foreign = _param_groups.FOREIGN_GROUP_KEYS.get(plan.recipe or "", {})
+        reads = (f"its groups hold the transform's hyperparameters {sorted(plan.exposed)}, "
+                 f"besides params, param_names, {list(_param_groups.FLAG_KEYS)} and the "
+                 f"schedulers' own {sorted(_param_groups.SCHEDULER_GROUP_KEYS)}")
         for key in group:
+            if key in plan.allowed:
+                continue
+            where = f"functopt.Optimizer: param_groups[{index}] sets {key!r}"
             if key in renamed:
                 raise ValueError(
-                    f"functopt.Optimizer: param_groups[{index}] sets {key!r}, which its groups "
-                    f"call {renamed[key]!r} (torch's name). Fix: set {renamed[key]!r} instead."
+                    f"{where}, which its groups call {renamed[key]!r} (torch's name). Fix: set "
+                    f"{renamed[key]!r} instead."
                 )
-            if key in _TORCH_OPTIONS and key not in plan.exposed:
+            if key in foreign:
                 raise ValueError(
-                    f"functopt.Optimizer: param_groups[{index}] sets {key!r}, but the transform "
-                    f"has no injected hyperparameter for it (it injects "
-                    f"{sorted(plan.exposed) or 'none'}), so the value would be ignored. "
-                    f"Fix: remove it, or inject it: {_HOW_TO_INJECT}"
+                    f"{where}, which {plan.recipe} does not read: {foreign[key]}. Fix: remove "
+                    f"it, and set the recipe's own key ({reads})."
                 )
+            if key in _TORCH_OPTIONS:
+                raise ValueError(
+                    f"{where}, but the transform has no hyperparameter for it that a step "
+                    f"reads from the groups ({reads}), so the value would be ignored. Remove it, "
+                    f"or build the transform with it. {_HOW_TO_INJECT}"
+                )
+            raise ValueError(
+                f"{where}, which the transform does not read ({reads}), so the value would be "
+                f"ignored. Fix: remove it (keep notes outside the param groups)."
+            )
 
     @staticmethod
     def _tree(group: dict[str, Any], leaves: list[Any]) -> Any:
@@ -392,7 +444,10 @@ class Optimizer(torch.optim.Optimizer):
     def _plan(self, index: int, group: dict[str, Any]) -> _Plan:
         params = group["params"]
         names = group.get("param_names")
-        key = (tuple(map(id, params)), None if names is None else tuple(names))
+        # The params' dtypes and devices too: the template (the state a restart takes)
+        # follows the params when they move, as torch.optim's lazily created state does.
+        key = (tuple(map(id, params)), None if names is None else tuple(names),
+               tuple((p.dtype, p.device) for p in params))
         while len(self._plans) <= index:
             self._plans.append(None)
         plan = self._plans[index]
@@ -408,7 +463,11 @@ class Optimizer(torch.optim.Optimizer):
             with torch.no_grad():
                 template = self._transform.init(ptree)
             order = _core.flatten(self._tree(group, list(range(len(params)))))[0]
-            plan = self._plans[index] = _Plan(key, template, ptree, order)
+            hyper = (template.hyperparams if isinstance(template, InjectHyperparamsState)
+                     else {})
+            plan = self._plans[index] = _Plan(key, template, ptree, order,
+                                              _recipe_name(self._transform, hyper),
+                                              self._kept_keys())
         return plan
 
     # -- state: optimizer.state <-> the transform's pytree --------------------------------
@@ -420,6 +479,7 @@ class Optimizer(torch.optim.Optimizer):
 
     def _hyperparams(self, index: int, group: dict[str, Any], plan: _Plan) -> dict[str, Any]:
         values: dict[str, Any] = {}
+        raws: dict[str, Any] = {}
         for key, names in plan.exposed.items():
             raw = group[key]
             if len(names) == 1:
@@ -433,7 +493,36 @@ class Optimizer(torch.optim.Optimizer):
                 parts = raw
             for name, value in zip(names, parts, strict=True):
                 values[name] = self._as_tensor(index, key, name, value, plan)
+                raws[name] = value
+        if any(plan.checked.get(name, _UNSET) is not value for name, value in raws.items()):
+            self._validate(index, plan, raws)
+            plan.checked = raws
         return values
+
+    def _validate(self, index: int, plan: _Plan, raws: dict[str, Any]) -> None:
+        """Check the group's values as the factory checks its arguments (a value out of
+        range, b1 = 1 or a negative momentum, raises the factory's error), on every path: the
+        transform is built once from them as Python numbers."""
+        spec = describe(self._transform)
+        if not isinstance(spec, Injected):
+            return
+        probe: dict[str, Any] = dict(plan.hyper)
+        for name, value in raws.items():
+            if isinstance(value, torch.Tensor):
+                if value.requires_grad:  # a meta-gradient's tensor: trusted, as elsewhere
+                    continue
+                value = value.item()
+            probe[name] = value
+        try:
+            spec.build(probe)
+        except (ValueError, TypeError) as error:
+            shown = ", ".join(
+                f"{key!r}: {tuple(raws[n] for n in names) if len(names) > 1 else raws[names[0]]!r}"
+                for key, names in plan.exposed.items())
+            raise type(error)(
+                f"functopt.Optimizer: param_groups[{index}] holds {{{shown}}}, which the "
+                f"transform rejects: {error}"
+            ) from None
 
     @staticmethod
     def _as_tensor(index: int, key: str, name: str, value: Any, plan: _Plan) -> torch.Tensor:
@@ -466,13 +555,17 @@ class Optimizer(torch.optim.Optimizer):
                     self._check_multipliers(index, group, plan, flags)
                 hyper[name] = hyper[name] * mult
         leaves: list[Any] = []
-        fresh = not any(entries)
+        # No state (cleared, or a stateless transform), or the state add_param_group made
+        # for params that have moved since: start from init, on the params as they are now.
+        fresh = not any(entries) or self._unstepped.get(index, plan) is not plan
+        template = plan.fresh(self._transform, self._tree(group, group["params"])) if fresh \
+            else plan.template
         for i, (kind, j, name) in enumerate(plan.leaves):
             if kind == _HYPER:
                 leaves.append(hyper[name])
                 continue
             if fresh:
-                leaves.append(plan.template[i])
+                leaves.append(template[i])
                 continue
             entry = entries[j if kind == _FIELD else 0] or {}
             value = entry.get(name)
@@ -493,7 +586,8 @@ class Optimizer(torch.optim.Optimizer):
             leaves = state
         else:
             leaves, treespec = _core.flatten(state)
-            if treespec != plan.treespec:
+            # (not under torch.compile, which cannot compare optree specs)
+            if not torch.compiler.is_compiling() and treespec != plan.treespec:
                 raise ValueError(
                     f"functopt.Optimizer: the transform's update returned a state of structure "
                     f"{treespec}, but its init gave {plan.treespec}. Fix: a transform's state "
@@ -508,12 +602,13 @@ class Optimizer(torch.optim.Optimizer):
             else:
                 for entry in entries:
                     entry[name] = value
-        # New dicts each step: a state_dict taken earlier keeps its values.
+        # New dicts each step: a state_dict taken earlier keeps its values. Every param has
+        # an entry, empty for a stateless transform, as torch.optim's SGD keeps
+        # {'momentum_buffer': None}: torch.distributed.checkpoint's state-dict helpers take a
+        # zero-gradient step to create the state of an optimizer whose state is empty, which
+        # a transform that does not scale with lr (a weight decay) would apply.
         for p, entry in zip(params, entries, strict=True):
-            if entry:
-                self.state[p] = entry
-            else:
-                self.state.pop(p, None)
+            self.state[p] = entry
 
     # -- step -----------------------------------------------------------------------------
 
@@ -618,6 +713,8 @@ class Optimizer(torch.optim.Optimizer):
                     f"embedding (sparse=False), or call grad.to_dense() before the step."
                 )
         plan = self._plan(index, group)
+        if not plan.allowed.issuperset(group):
+            self._check_options(index, group, plan)
         state = self._gather(index, group, plan, flags)
         ptree = self._tree(group, params)
         # A recipe with a fused kernel runs it, any other transform its pure update and
@@ -636,6 +733,7 @@ class Optimizer(torch.optim.Optimizer):
                 if n is not p:
                     p.copy_(n)
         self._scatter(group, plan, state)
+        self._unstepped.pop(index, None)
 
     # -- checkpoints ----------------------------------------------------------------------
 
@@ -675,11 +773,16 @@ class Optimizer(torch.optim.Optimizer):
         new_groups: list[dict[str, Any]] = []
         new_state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
         for i, (group, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
-            new_group = _ParamGroup(saved)
+            new_group = dict(saved)
             new_group["params"] = group["params"]
-            if "param_names" in group and "param_names" not in new_group:
+            # The group's names stay this optimizer's (they shape the transform's tree); the
+            # saved entries are matched to them by name when both sides have names.
+            new_group.pop("param_names", None)
+            if "param_names" in group:
                 new_group["param_names"] = group["param_names"]
-            entries = [state_dict["state"].get(sid) or {} for sid in saved["params"]]
+            order = _saved_order(owner, i, len(group["params"]), group.get("param_names"),
+                                 saved.get("param_names"))
+            entries = [state_dict["state"].get(saved["params"][k]) or {} for k in order]
             flags = _param_groups.group_flags(owner, f"param_groups[{i}]", new_group)
             if flags.frozen:
                 if any(entries):
@@ -691,16 +794,16 @@ class Optimizer(torch.optim.Optimizer):
                 new_groups.append(new_group)
                 continue
             plan = self._plan(i, new_group)
+            self._check_options(i, new_group, plan)
             self._check_multipliers(i, new_group, plan, flags)
             self._hyperparams(i, new_group, plan)
-            if any(entries):
-                for j, (p, entry) in enumerate(zip(group["params"], entries, strict=True)):
-                    loaded = self._load_entry(f"param {j} of param_groups[{i}]", plan, j, entry)
-                    if loaded:
-                        new_state[p] = loaded
+            for j, (p, entry) in enumerate(zip(group["params"], entries, strict=True)):
+                new_state[p] = (self._load_entry(f"param {j} of param_groups[{i}]", plan, j,
+                                                 entry) if any(entries) else {})
             new_groups.append(new_group)
         self.state = new_state
         self.param_groups = new_groups
+        self._unstepped.clear()
         self._state_shared = True  # the loaded tensors may be the caller's own
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
@@ -742,7 +845,7 @@ class Optimizer(torch.optim.Optimizer):
         # Plans are rebuilt on the next step; the transform's closures travel as they are.
         # A copy holds copies of the state tensors: it shares nothing with a state dict.
         return {**super().__getstate__(), "_transform": _HeldTransform(self._transform),
-                "_plans": [], "_fused": self._fused, "_state_shared": False}
+                "_plans": [], "_fused": self._fused, "_state_shared": False, "_unstepped": {}}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         held = state.get("_transform")
@@ -779,6 +882,27 @@ class _HeldTransform:
         except (pickle.PicklingError, AttributeError, TypeError) as error:
             raise TypeError(OPTIMIZER_NOT_PICKLABLE.format(error=error)) from None
         return (_HeldTransform, (self.transform,))
+
+
+def _saved_order(owner: str, index: int, count: int, names: Any, saved: Any) -> list[int]:
+    """For each param of a group, the position of its entry in the saved group: by name when
+    both groups name their params (a model whose parameters were registered in another order
+    loads each param's own state), by position otherwise. Names that do not match raise."""
+    if names is None or saved is None:
+        return list(range(count))
+    names, saved = list(names), list(saved)
+    if names == saved:
+        return list(range(len(names)))
+    missing, extra = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
+    if missing or extra or len(set(saved)) != len(saved):
+        raise ValueError(
+            f"{owner}: param_groups[{index}] names its params {names}, the state dict's group "
+            f"{saved}: this group's {missing} have no saved state and the saved {extra} no "
+            f"param here. Fix: load the state dict into an optimizer over the same model "
+            f"(the same parameter names in each group)."
+        )
+    position = {name: k for k, name in enumerate(saved)}
+    return [position[name] for name in names]
 
 
 def _find_states(tree: Any, cls: type) -> list[Any]:
