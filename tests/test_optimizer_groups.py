@@ -265,3 +265,13 @@ def test_torch_compile_of_step_on_a_plain_recipe():
             ((m(x) - y) ** 2).mean().backward()
             s()
     assert _max_diff(model, ref) < 1e-6
+
+
+def test_the_docs_table_is_the_recipe_table():
+    from pathlib import Path
+
+    page = (Path(__file__).parents[1] / "docs" / "coming-from-torch-optim.md").read_text()
+    for name, keys in _param_groups.RECIPE_GROUP_KEYS.items():
+        cells = [f"`{key}`" if args == (key,) else f"`{key}` (`{', '.join(args)}`)"
+                 for key, args in keys.items()]
+        assert f"| `{name}` | {', '.join(cells)} |" in page, name

@@ -200,21 +200,35 @@ class Optimizer(torch.optim.Optimizer):
     as ``torch.optim``'s ``fused=True`` does; any other transform runs its pure update and
     grouped in-place adds.
 
-    Hyperparameters. With a transform built by
-    [`inject_hyperparams`][functopt.inject_hyperparams], every injected hyperparameter
-    appears in each param group under torch's name where torch has one: ``lr`` for
-    ``learning_rate``, ``betas`` for ``(b1, b2)``, ``momentum`` for ``momentum`` (or for a
-    lone ``b1``), ``weight_decay`` and ``eps`` as they are; any other one under its own
-    name (``eps_root``). The group values are read on every step, so
-    ``torch.optim.lr_scheduler`` schedules them (OneCycleLR cycles ``betas[0]`` or
-    ``momentum``), and a group may set its own (``{"params": ..., "lr": 0.1}``). Only
-    injected hyperparameters can be scheduled: with ``functopt.adamw(1e-3)`` the groups
-    hold no ``lr``, and a scheduler fails with a ``KeyError`` that says so. A
-    hyperparameter that ``inject_hyperparams`` received as a schedule is computed by the
-    transform from its own step count; its group value is ignored. Group values are not
-    range-checked (as tensors are not elsewhere in functopt). Only the hyperparameters of
-    ``transform`` itself are exposed; those injected deeper (inside a ``chain`` or a
-    ``partition``) stay in ``optimizer.state``.
+    Hyperparameters. A recipe's hyperparameters appear in each param group under torch's
+    names, with nothing to wrap: ``functopt.Optimizer(params, functopt.adamw(1e-3))`` has
+    groups with ``lr``, ``betas`` (``(b1, b2)``), ``eps``, ``eps_root`` and
+    ``weight_decay``; ``sgd`` has ``lr`` and ``momentum``, ``rmsprop`` ``alpha`` for its
+    ``decay``, ``rprop`` ``etas`` and ``step_sizes`` (one table,
+    ``functopt.adapters._param_groups.RECIPE_GROUP_KEYS``, gives every recipe's keys). The
+    optimizer runs such a recipe as ``inject_hyperparams`` of itself (``opt.transform``), so
+    the fused kernels still take the step. A transform built by
+    [`inject_hyperparams`][functopt.inject_hyperparams] exposes what it injects, under the
+    same names (for another factory: ``lr`` for ``learning_rate``, ``betas`` for
+    ``(b1, b2)``, ``momentum`` for ``momentum`` or a lone ``b1``, any other under its own
+    name). A transform of your own (a ``chain``) exposes nothing; inject its
+    hyperparameters to schedule them. A recipe argument given as a schedule is not in the
+    groups: the transform computes it from its own count.
+
+    The group values are read on every step, so ``torch.optim.lr_scheduler`` (and HF
+    Trainer's and Lightning's schedulers) schedule them (OneCycleLR cycles ``betas[0]`` or
+    ``momentum``), a group may set its own (``{"params": ..., "lr": 0.1}``), and every
+    value is checked, on the fused and the pure path alike, as the factory checks its
+    arguments (``betas=(1.0, 0.999)`` or a negative ``momentum`` raises its ``ValueError``
+    before anything is written); a 0-d tensor value is checked when it is put in the group,
+    not when it is changed in place. A group key that no step reads raises, at
+    construction, at ``load_state_dict`` and at the step (``group["foo"] = 1``,
+    ``momentum`` for a recipe without momentum, torch.optim.Adafactor's ``d`` for
+    ``functopt.adafactor``, whose key is ``clipping_threshold``); the keys schedulers keep
+    for themselves (``initial_lr``, OneCycleLR's ``max_lr``, ...) are allowed. Only the
+    hyperparameters of ``transform`` itself are exposed; those injected deeper (inside a
+    ``chain`` or a ``partition``) stay in ``optimizer.state``. The groups are plain dicts,
+    so ``torch.compile(opt.step)`` traces them.
 
     Parameters. ``params`` is what ``torch.optim`` takes: tensors, ``(name, tensor)`` pairs
     (``model.named_parameters()``), or group dicts. The transform sees a group's params as
@@ -225,17 +239,24 @@ class Optimizer(torch.optim.Optimizer):
     ``torch.optim``, which counts steps per param, a transform counts them per group, so a
     param that missed some steps gets the group's bias correction.
 
-    State. The state is created eagerly (``torch.optim`` creates it at the first step), on
-    the params' devices: move the model before building the optimizer (or clear
-    ``optimizer.state`` after moving it). It is kept in torch's layout:
-    ``optimizer.state[param]`` maps the dotted path of each per-parameter state field to
-    that param's tensor (``'inner_state.0.mu'``), and holds the group-level leaves
+    State. Every param of a group that is not frozen has an entry in ``optimizer.state``
+    from the start (empty for a stateless transform, as torch.optim's SGD keeps
+    ``{'momentum_buffer': None}``), so ``torch.distributed.checkpoint``'s
+    ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` load into it and never take
+    their zero-gradient initialisation step (which would apply a weight decay to the
+    params). The state follows the params as torch.optim's lazily created state does: a
+    group not stepped yet whose params moved to another dtype or device (``model.to(...)``)
+    starts from ``transform.init`` on the params as they are at its first step, and so does a
+    group whose state was cleared (``optimizer.state.clear()``). It is kept in torch's
+    layout: ``optimizer.state[param]`` maps the dotted path of each per-parameter state
+    field to that param's tensor (``'inner_state.0.mu'``), and holds the group-level leaves
     (``'count'``, ``'inner_state.0.count'``) too, the same tensor in every param of the
     group, as torch.optim keeps ``step`` per param. Injected hyperparameters live in
     ``param_groups`` only. ``state_dict()`` is torch's; ``load_state_dict`` checks every
     entry against the transform's state (names, shapes) and moves it to the dtype and device
-    the transform holds it in. Clearing ``optimizer.state`` for a whole group restarts that
-    group from ``transform.init``. A group with no params keeps no state in the state dict.
+    the transform holds it in. When both the saved group and this one name their params
+    (``model.named_parameters()``), each param gets the entry saved under its name, whatever
+    the order; names that differ raise, naming them.
 
     Multipliers and frozen groups. A group may set ``lr_mult`` and ``wd_mult`` (numbers
     $\ge 0$, default 1; Megatron's names): the step then runs the transform with the
@@ -261,16 +282,14 @@ class Optimizer(torch.optim.Optimizer):
 
     Args:
         params: an iterable of tensors, of ``(name, tensor)`` pairs, or of group dicts.
-        transform: the transform to run, e.g.
-            ``functopt.inject_hyperparams(functopt.adamw)(learning_rate=1e-3)``.
+        transform: the transform to run, e.g. ``functopt.adamw(1e-3, weight_decay=1e-2)``.
         fused: take the transform's fused kernel when it has one. False runs its pure
             update (bitwise ``transform.update`` then ``apply_updates_``).
 
     Examples:
         >>> import torch, functopt
         >>> model = torch.nn.Linear(2, 1)
-        >>> tx = functopt.inject_hyperparams(functopt.adamw)(learning_rate=0.1, weight_decay=0.0)
-        >>> opt = functopt.Optimizer(model.parameters(), tx)
+        >>> opt = functopt.Optimizer(model.parameters(), functopt.adamw(0.1, weight_decay=0.0))
         >>> opt.param_groups[0]["lr"], opt.param_groups[0]["betas"]
         (0.1, (0.9, 0.999))
         >>> scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
@@ -285,8 +304,7 @@ class Optimizer(torch.optim.Optimizer):
         A group with ten times the learning rate and no weight decay, and a frozen group:
 
         >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
-        >>> tx = functopt.inject_hyperparams(functopt.adamw)(learning_rate=0.1,
-        ...                                                   weight_decay=0.01)
+        >>> tx = functopt.adamw(0.1, weight_decay=0.01)
         >>> opt = functopt.Optimizer([
         ...     {"params": net[0].parameters(), "frozen": True},
         ...     {"params": [net[1].weight], "lr_mult": 10.0, "wd_mult": 0.0},
