@@ -79,7 +79,7 @@ _RECIPE_ATTRIBUTE = "_functopt_recipe"
 
 
 def recipe_of(tx: Any) -> Recipe | None:
-    """The [`Recipe`][functopt.optimizers.Recipe] record of a transform a recipe returned
+    """The ``Recipe`` record of a transform a recipe returned
     (None for any other transform, or one rebuilt from it with ``_replace``)."""
     record = getattr(tx, _RECIPE_ATTRIBUTE, None)
     return record if isinstance(record, Recipe) else None

@@ -275,3 +275,43 @@ def test_the_docs_table_is_the_recipe_table():
         cells = [f"`{key}`" if args == (key,) else f"`{key}` (`{', '.join(args)}`)"
                  for key, args in keys.items()]
         assert f"| `{name}` | {', '.join(cells)} |" in page, name
+
+
+def test_load_names_a_recipe_that_does_not_match():
+    model = _model()
+    opt = Optimizer(model.parameters(), functopt.adamw(1e-2))
+    _train(model, opt, steps=1)
+    saved = opt.state_dict()
+    assert saved["functopt"]["transforms"][0].startswith("adamw(")
+    # adam and adamw(nesterov=True) keep the same state fields as adamw: only the record
+    # tells them apart.
+    with pytest.raises(ValueError, match=r"saved by adamw\(.*this optimizer runs adam\("):
+        Optimizer(model.parameters(), functopt.adam(1e-2)).load_state_dict(saved)
+    with pytest.raises(ValueError, match=r"runs adamw\(.*nesterov=True"):
+        Optimizer(model.parameters(), functopt.adamw(1e-2, nesterov=True)).load_state_dict(saved)
+    Optimizer(model.parameters(), functopt.adamw(1e-3)).load_state_dict(saved)  # lr may differ
+
+
+def test_the_named_state_dict_is_dcps_layout_and_loads_by_name():
+    model = _model()
+    opt = Optimizer(model.named_parameters(), functopt.adamw(1e-2, weight_decay=1e-2))
+    _train(model, opt, steps=2)
+    named = opt.named_state_dict()
+    dcp = get_optimizer_state_dict(model, opt)
+    assert set(named["state"]) == set(dcp["state"]) == {n for n, _ in model.named_parameters()}
+    for name, entry in dcp["state"].items():
+        assert entry.keys() == named["state"][name].keys()
+        assert all(torch.equal(v, named["state"][name][k]) for k, v in entry.items())
+    assert dcp["param_groups"][0]["params"] == named["param_groups"][0]["params"]
+    # Loaded (from DCP's layout) into an optimizer listing the params in another order,
+    # training continues exactly as the original does.
+    twin = _model()
+    twin.load_state_dict(model.state_dict())
+    other = Optimizer(list(reversed(list(twin.named_parameters()))),
+                      functopt.adamw(1e-2, weight_decay=1e-2))
+    other.load_named_state_dict(dcp)
+    _train(model, opt, steps=2)
+    _train(twin, other, steps=2)
+    assert _max_diff(model, twin) == 0.0
+    with pytest.raises(ValueError, match="has no param_names"):
+        Optimizer(model.parameters(), functopt.adamw(1e-2)).named_state_dict()

@@ -19,7 +19,7 @@ import torch
 
 from functopt._base import GradientTransformation, State
 from functopt._spec import Injected, describe
-from functopt.adapters import _param_groups
+from functopt.adapters import _param_groups, _state_dict
 from functopt.fast._step import make_step
 from functopt.optimizers import recipe_of
 from functopt.transforms.combining import _check_transform
@@ -68,8 +68,9 @@ def _lift(tx: GradientTransformation) -> GradientTransformation:
     return inject_hyperparams(record.factory, static_args=static)(**record.arguments)
 
 
-def _recipe_name(tx: GradientTransformation, hyper: dict[str, torch.Tensor]) -> str | None:
-    """The name of the recipe an ``inject_hyperparams`` transform builds, if it builds one."""
+def _recipe_of_injected(tx: GradientTransformation, hyper: dict[str, torch.Tensor]) -> str | None:
+    """What recipe an ``inject_hyperparams`` transform builds, with its fixed arguments
+    (``"adamw(mu_dtype=None, nesterov=False)"``), or None if it builds none."""
     spec = describe(tx)
     if not isinstance(spec, Injected):
         return None
@@ -77,7 +78,12 @@ def _recipe_name(tx: GradientTransformation, hyper: dict[str, torch.Tensor]) -> 
         record = recipe_of(spec.build(dict(hyper)))
     except Exception:  # a factory of the user's that takes no such values: no recipe row
         return None
-    return None if record is None else record.name
+    if record is None:
+        return None
+    fixed = ", ".join(f"{k}={v!r}" for k, v in record.arguments.items()
+                      if k not in hyper and (v is None or isinstance(v, (bool, int, str,
+                                                                          torch.dtype))))
+    return f"{record.name}({fixed})"
 
 
 def _is_number(value: Any) -> bool:
@@ -111,7 +117,8 @@ class _Plan:
     def __init__(self, key: Any, template: State, ptree: Any, order: list[int],
                  recipe: str | None, kept: frozenset[str]) -> None:
         self.key = key
-        self.recipe = recipe
+        self.signature = recipe  # the recipe with its fixed arguments, saved in state dicts
+        self.recipe = None if recipe is None else recipe.split("(", 1)[0]
         self.template, self.treespec = _core.flatten(template)
         pspec = _core.structure(ptree)
         ppaths = _core.paths(pspec)
@@ -157,7 +164,7 @@ class _Plan:
             )
         # Entry name -> template leaf, for the entry of the group's j-th param.
         self.fields = [{**group_leaves, **f} for f in fields]
-        self.exposed = _param_groups.recipe_group_keys("functopt.Optimizer", recipe,
+        self.exposed = _param_groups.recipe_group_keys("functopt.Optimizer", self.recipe,
                                                        list(self.hyper))
         # The keys a group may hold: everything else is a value no step would read.
         self.allowed = frozenset({"params", "param_names", *_param_groups.FLAG_KEYS,
@@ -484,7 +491,7 @@ class Optimizer(torch.optim.Optimizer):
             hyper = (template.hyperparams if isinstance(template, InjectHyperparamsState)
                      else {})
             plan = self._plans[index] = _Plan(key, template, ptree, order,
-                                              _recipe_name(self._transform, hyper),
+                                              _recipe_of_injected(self._transform, hyper),
                                               self._kept_keys())
         return plan
 
@@ -715,7 +722,38 @@ class Optimizer(torch.optim.Optimizer):
         again).
         """
         self._state_shared = True
-        return super().state_dict()
+        saved = super().state_dict()
+        # Which recipe each group runs (None: not a recipe), checked by load_state_dict.
+        saved["functopt"] = {"transforms": [
+            None if plan is None else plan.signature
+            for plan in (self._plans[i] if i < len(self._plans) else None
+                         for i in range(len(self.param_groups)))]}
+        return saved
+
+    def named_state_dict(self) -> dict[str, Any]:
+        """The state dict keyed by parameter names: ``state`` maps each param's name to its
+        entry, each group lists its params' names. It is the layout
+        ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` gives (which DCP
+        saves and reshards); ``state_dict()``'s int ids are the view of it that
+        ``torch.optim`` code expects. Needs named params (``model.named_parameters()``).
+
+        Examples:
+            >>> import torch, functopt
+            >>> model = torch.nn.Linear(2, 1)
+            >>> opt = functopt.Optimizer(model.named_parameters(), functopt.adamw(0.1))
+            >>> sorted(opt.named_state_dict()["state"])
+            ['bias', 'weight']
+            >>> opt.load_named_state_dict(opt.named_state_dict())
+        """
+        return _state_dict.torch_to_named("functopt.Optimizer.named_state_dict",
+                                          self.state_dict())
+
+    def load_named_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict keyed by parameter names (``named_state_dict()``, or
+        ``get_optimizer_state_dict``'s): each param gets the entry saved under its name, in
+        whatever order the groups list them; names that differ raise, naming them."""
+        self.load_state_dict(_state_dict.named_to_torch(
+            "functopt.Optimizer.load_named_state_dict", state_dict))
 
     def _step_group(self, index: int, group: dict[str, Any]) -> None:
         flags = _param_groups.group_flags("functopt.Optimizer", f"param_groups[{index}]", group)
@@ -781,7 +819,18 @@ class Optimizer(torch.optim.Optimizer):
                 f"{len(self.param_groups)}. Fix: build the optimizer with the param groups of "
                 f"the one that saved it (and add_param_group the same groups) before loading."
             )
+        saved_transforms = (state_dict.get("functopt") or {}).get("transforms")
         for i, (group, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
+            if saved_transforms is not None and i < len(saved_transforms):
+                plan_i = self._plans[i] if i < len(self._plans) else None
+                ours = None if plan_i is None else plan_i.signature
+                if saved_transforms[i] is not None and ours is not None \
+                        and saved_transforms[i] != ours:
+                    raise ValueError(
+                        f"{owner}: param_groups[{i}] of the state dict was saved by "
+                        f"{saved_transforms[i]}, this optimizer runs {ours}. Fix: build the "
+                        f"optimizer with the recipe (and fixed arguments) that saved it."
+                    )
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(
                     f"{owner}: param_groups[{i}] has {len(group['params'])} params, the "
