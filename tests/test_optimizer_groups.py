@@ -315,3 +315,56 @@ def test_the_named_state_dict_is_dcps_layout_and_loads_by_name():
     assert _max_diff(model, twin) == 0.0
     with pytest.raises(ValueError, match="has no param_names"):
         Optimizer(model.parameters(), functopt.adamw(1e-2)).named_state_dict()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_decay_and_no_decay_groups_as_hf_builds_them_match_torch(fused):
+    # HF Trainer's optimizer_cls_and_kwargs hands the optimizer groups that set weight_decay.
+    def groups(m):
+        return [{"params": [p for p in m.parameters() if p.dim() > 1], "weight_decay": 0.1},
+                {"params": [p for p in m.parameters() if p.dim() <= 1], "weight_decay": 0.0}]
+
+    ours, ref = _model(), _model()
+    opt = Optimizer(groups(ours), functopt.adamw(1e-2, weight_decay=1e-4), fused=fused)
+    torch_opt = torch.optim.AdamW(groups(ref), lr=1e-2)
+    _train(ours, opt, LR_SCHED.LinearLR(opt, start_factor=0.5, total_iters=4))
+    _train(ref, torch_opt, LR_SCHED.LinearLR(torch_opt, start_factor=0.5, total_iters=4))
+    assert _max_diff(ours, ref) < 1e-12
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+
+
+@pytest.mark.parametrize("name", sorted(_param_groups.RECIPE_GROUP_KEYS))
+def test_every_recipe_exposes_its_row_and_steps_as_the_recipe_itself(name):
+    from functopt.optimizers import recipe_of
+
+    kwargs = {"learning_rate": 1e-2}
+    if name in ("sgd", "rmsprop", "lars", "adafactor"):
+        kwargs["momentum"] = 0.5
+    tx = getattr(functopt, name)(**kwargs)
+    args = recipe_of(tx).arguments
+    expected = {key for key, names in _param_groups.RECIPE_GROUP_KEYS[name].items()
+                if all(isinstance(args[a], (int, float)) and not isinstance(args[a], bool)
+                       for a in names)}
+    model, ref = _model(), _model()
+    opt = Optimizer(model.parameters(), tx, fused=False)
+    assert set(opt.param_groups[0]) - {"params"} == expected
+    assert "lr" in expected
+    # Three steps equal the recipe's own pure update (to rounding: an injected weight decay
+    # is a tensor product, the plain one torch's add(alpha=)).
+    params = [p.detach().clone() for p in ref.parameters()]
+    state = tx.init(params)
+    x, y = _batch()
+    for _ in range(3):
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        with torch.no_grad():
+            for p, q in zip(ref.parameters(), params, strict=True):
+                p.copy_(q)
+        ref.zero_grad()
+        ((ref(x) - y) ** 2).mean().backward()
+        updates, state = tx.update([p.grad for p in ref.parameters()], state, params)
+        params = functopt.apply_updates(params, updates)
+    diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), params,
+                                                          strict=True))
+    assert diff < 1e-12, diff
