@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, ParamSpec
 
 import torch
@@ -64,39 +63,49 @@ MaskOrFn = Any | Callable[[Params], Any] | None
 _P = ParamSpec("_P")
 
 
-@dataclass(frozen=True)
 class Recipe:
-    """Which recipe built a transform, and from which arguments (all of them, defaults
-    included): what ``functopt.Optimizer`` reads to expose a plain recipe's
-    hyperparameters in its param groups and rebuild it when a group changes one."""
+    """Which recipe built a transform, and from which arguments: what ``functopt.Optimizer``
+    reads to expose a plain recipe's hyperparameters in its param groups and rebuild it
+    when a group changes one. ``arguments`` binds the call (all arguments, defaults
+    included) when it is read, so that building a recipe, which ``inject_hyperparams`` does
+    at every update, costs no more than before."""
 
-    name: str
-    factory: Callable[..., GradientTransformation]
-    arguments: Mapping[str, Any]
+    __slots__ = ("_args", "_kwargs", "factory", "name")
+
+    def __init__(self, name: str, factory: Callable[..., GradientTransformation],
+                 args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.name = name
+        self.factory = factory
+        self._args = args
+        self._kwargs = kwargs
+
+    @property
+    def arguments(self) -> dict[str, Any]:
+        """Every argument of the call by name, defaults included."""
+        bound = inspect.signature(self.factory).bind(*self._args, **self._kwargs)
+        bound.apply_defaults()
+        return dict(bound.arguments)
 
 
 _RECIPE_ATTRIBUTE = "_functopt_recipe"
 
 
 def recipe_of(tx: Any) -> Recipe | None:
-    """The ``Recipe`` record of a transform a recipe returned
-    (None for any other transform, or one rebuilt from it with ``_replace``)."""
+    """The ``Recipe`` record of a transform a recipe returned (None for any other
+    transform, or one rebuilt from it with ``_replace``)."""
     record = getattr(tx, _RECIPE_ATTRIBUTE, None)
     return record if isinstance(record, Recipe) else None
 
 
 def _recorded(fn: Callable[_P, GradientTransformation]) -> Callable[_P, GradientTransformation]:
     """A recipe whose transforms carry their ``Recipe`` record."""
-    signature = inspect.signature(fn)
 
     @functools.wraps(fn)
     def recipe(*args: _P.args, **kwargs: _P.kwargs) -> GradientTransformation:
         tx = fn(*args, **kwargs)
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
         if not isinstance(tx, SpecifiedTransformation):
             tx = specified(tx, describe(tx))
-        object.__setattr__(tx, _RECIPE_ATTRIBUTE, Recipe(fn.__name__, recipe, dict(bound.arguments)))
+        object.__setattr__(tx, _RECIPE_ATTRIBUTE, Recipe(fn.__name__, recipe, args, kwargs))
         return tx
 
     return recipe

@@ -368,3 +368,14 @@ def test_every_recipe_exposes_its_row_and_steps_as_the_recipe_itself(name):
     diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), params,
                                                           strict=True))
     assert diff < 1e-12, diff
+
+
+def test_a_zero_lr_is_checked_by_the_recipe_that_refuses_it():
+    # rprop's learning rate is its initial step size, which must be > 0; the others take 0.
+    model = _model()
+    opt = Optimizer(model.parameters(), functopt.rprop(1e-2), fused=False)
+    opt.param_groups[0]["lr"] = 0.0
+    with pytest.raises(ValueError, match="scale_by_rprop: learning_rate must be in \\(0, inf\\)"):
+        _train(model, opt, steps=1)
+    opt.param_groups[0]["lr"] = 0.5  # any positive value is accepted without a rebuild
+    _train(model, opt, steps=1)

@@ -10,6 +10,7 @@ that belong to ``param``.
 from __future__ import annotations
 
 import copy
+import math
 import pickle
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -519,8 +520,15 @@ class Optimizer(torch.optim.Optimizer):
             for name, value in zip(names, parts, strict=True):
                 values[name] = self._as_tensor(index, key, name, value, plan)
                 raws[name] = value
-        if any(plan.checked.get(name, _UNSET) is not value for name, value in raws.items()):
-            self._validate(index, plan, raws)
+        changed = [name for name, value in raws.items()
+                   if plan.checked.get(name, _UNSET) is not value]
+        if changed:
+            lr: Any = raws.get("learning_rate")
+            # The value a scheduler moves at every step: every recipe accepts any finite
+            # learning rate > 0, so such a value needs no build of the recipe to check it.
+            if not (changed == ["learning_rate"] and plan.recipe is not None
+                    and _is_number(lr) and 0.0 < lr < math.inf):
+                self._validate(index, plan, raws)
             plan.checked = raws
         return values
 
