@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
@@ -379,3 +381,28 @@ def test_a_zero_lr_is_checked_by_the_recipe_that_refuses_it():
         _train(model, opt, steps=1)
     opt.param_groups[0]["lr"] = 0.5  # any positive value is accepted without a rebuild
     _train(model, opt, steps=1)
+
+
+def test_lr_mult_on_a_plain_recipe_multiplies_its_lr():
+    a, b = _model(), _model()
+    opt_a = Optimizer([{"params": a.parameters(), "lr_mult": 3.0}], functopt.sgd(0.01, 0.9))
+    opt_b = Optimizer(b.parameters(), functopt.sgd(0.03, 0.9))
+    _train(a, opt_a, steps=3)
+    _train(b, opt_b, steps=3)
+    assert _max_diff(a, b) < 1e-15
+    assert opt_a.param_groups[0]["lr"] == 0.01  # the group keeps the scheduler's value
+
+
+@settings(max_examples=20, deadline=None)
+@given(lr=st.floats(1e-4, 1e-1), b1=st.floats(0.0, 0.99), b2=st.floats(0.5, 0.9999),
+       eps=st.floats(1e-10, 1e-3), wd=st.floats(0.0, 0.5), fused=st.booleans())
+def test_editing_a_plain_recipes_group_equals_building_it_with_those_values(
+        lr, b1, b2, eps, wd, fused):
+    edited, built = _model(), _model()
+    opt = Optimizer(edited.parameters(), functopt.adamw(1e-3), fused=fused)
+    opt.param_groups[0].update(lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+    ref = Optimizer(built.parameters(), functopt.adamw(lr, b1, b2, eps, weight_decay=wd),
+                    fused=fused)
+    _train(edited, opt, steps=2)
+    _train(built, ref, steps=2)
+    assert _max_diff(edited, built) == 0.0
