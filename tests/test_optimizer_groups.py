@@ -406,3 +406,21 @@ def test_editing_a_plain_recipes_group_equals_building_it_with_those_values(
     _train(edited, opt, steps=2)
     _train(built, ref, steps=2)
     assert _max_diff(edited, built) == 0.0
+
+
+def test_a_named_mixed_dtype_group_keeps_its_plan_and_state_across_steps():
+    # The dtype/device check of a fresh state must not see a move where there is none
+    # (named groups are dicts to the transform, whose order is not the group's).
+    b = torch.nn.Parameter(torch.ones(3, dtype=torch.float32))
+    a = torch.nn.Parameter(torch.ones(2, dtype=F64))
+    opt = Optimizer([("b", b), ("a", a)], functopt.sgd(0.1))  # stateless: checked each step
+    plan = None
+    for _ in range(3):
+        a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
+        opt.step()
+        assert plan is None or opt._plans[0] is plan
+        plan = opt._plans[0]
+    expected = torch.ones(2, dtype=F64)
+    for _ in range(3):
+        expected = expected - 0.1 * torch.ones(2, dtype=F64)
+    torch.testing.assert_close(a.detach(), expected, rtol=0, atol=1e-15)

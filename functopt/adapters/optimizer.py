@@ -118,6 +118,7 @@ class _Plan:
     def __init__(self, key: Any, template: State, ptree: Any, order: list[int],
                  recipe: str | None, kept: frozenset[str]) -> None:
         self.key = key
+        self.placement: tuple[tuple[torch.dtype, torch.device], ...] = ()  # set by _plan
         self.signature = recipe  # the recipe with its fixed arguments, saved in state dicts
         self.recipe = None if recipe is None else recipe.split("(", 1)[0]
         self.template, self.treespec = _core.flatten(template)
@@ -467,16 +468,19 @@ class Optimizer(torch.optim.Optimizer):
         names = group.get("param_names")
         return list(leaves) if names is None else dict(zip(names, leaves, strict=True))
 
-    def _plan(self, index: int, group: dict[str, Any]) -> _Plan:
+    def _plan(self, index: int, group: dict[str, Any], placed: bool = False) -> _Plan:
+        """The group's plan, made again if its params (or names) changed; with ``placed``,
+        also if they moved to other dtypes or devices (the template, the state a restart
+        takes, follows the params as torch.optim's lazily created state does; checked only
+        where a template is about to be used, as reading every param's device costs)."""
         params = group["params"]
         names = group.get("param_names")
-        # The params' dtypes and devices too: the template (the state a restart takes)
-        # follows the params when they move, as torch.optim's lazily created state does.
-        key = (tuple(map(id, params)), None if names is None else tuple(names),
-               tuple((p.dtype, p.device) for p in params))
+        key = (tuple(map(id, params)), None if names is None else tuple(names))
         while len(self._plans) <= index:
             self._plans.append(None)
         plan = self._plans[index]
+        if plan is not None and placed and plan.placement != _placement(params):
+            plan = None
         if plan is None or plan.key != key:
             if names is not None and len(set(names)) != len(names):
                 dup = sorted({n for n in names if names.count(n) > 1})
@@ -494,6 +498,7 @@ class Optimizer(torch.optim.Optimizer):
             plan = self._plans[index] = _Plan(key, template, ptree, order,
                                               _recipe_of_injected(self._transform, hyper),
                                               self._kept_keys())
+            plan.placement = _placement(params)
         return plan
 
     # -- state: optimizer.state <-> the transform's pytree --------------------------------
@@ -777,6 +782,8 @@ class Optimizer(torch.optim.Optimizer):
                     f"embedding (sparse=False), or call grad.to_dense() before the step."
                 )
         plan = self._plan(index, group)
+        if index in self._unstepped or not any(self.state.get(p) for p in params):
+            plan = self._plan(index, group, placed=True)  # a fresh state follows the params
         if not plan.allowed.issuperset(group):
             self._check_options(index, group, plan)
         state = self._gather(index, group, plan, flags)
@@ -868,7 +875,7 @@ class Optimizer(torch.optim.Optimizer):
                     )
                 new_groups.append(new_group)
                 continue
-            plan = self._plan(i, new_group)
+            plan = self._plan(i, new_group, placed=True)  # loaded tensors go where params are
             self._check_options(i, new_group, plan)
             self._check_multipliers(i, new_group, plan, flags)
             self._hyperparams(i, new_group, plan)
@@ -957,6 +964,10 @@ class _HeldTransform:
         except (pickle.PicklingError, AttributeError, TypeError) as error:
             raise TypeError(OPTIMIZER_NOT_PICKLABLE.format(error=error)) from None
         return (_HeldTransform, (self.transform,))
+
+
+def _placement(params: list[torch.Tensor]) -> tuple[tuple[torch.dtype, torch.device], ...]:
+    return tuple((p.dtype, p.device) for p in params)
 
 
 def _saved_order(owner: str, index: int, count: int, names: Any, saved: Any) -> list[int]:
