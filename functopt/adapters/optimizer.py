@@ -525,9 +525,10 @@ class Optimizer(torch.optim.Optimizer):
             for name, value in zip(names, parts, strict=True):
                 values[name] = self._as_tensor(index, key, name, value, plan)
                 raws[name] = value
-        changed = [name for name, value in raws.items()
-                   if plan.checked.get(name, _UNSET) is not value]
-        if changed:
+        checked = plan.checked
+        if any(checked.get(name, _UNSET) is not value for name, value in raws.items()):
+            changed = [name for name, value in raws.items()
+                       if checked.get(name, _UNSET) is not value]
             lr: Any = raws.get("learning_rate")
             # The value a scheduler moves at every step: every recipe accepts any finite
             # learning rate > 0, so such a value needs no build of the recipe to check it.
@@ -782,8 +783,9 @@ class Optimizer(torch.optim.Optimizer):
                     f"embedding (sparse=False), or call grad.to_dense() before the step."
                 )
         plan = self._plan(index, group)
-        if index in self._unstepped or not any(self.state.get(p) for p in params):
-            plan = self._plan(index, group, placed=True)  # a fresh state follows the params
+        # A fresh state (none yet: not stepped, cleared, stateless) follows the params.
+        if index in self._unstepped or not self.state.get(params[0]):
+            plan = self._plan(index, group, placed=True)
         if not plan.allowed.issuperset(group):
             self._check_options(index, group, plan)
         state = self._gather(index, group, plan, flags)
