@@ -218,18 +218,28 @@ SMALL_SHAPES = [(64, 32), (64,), (64, 64), (64,), (10, 64), (10,)]
 
 
 class FunctoptOptimizerPlain(C.TorchAdamW):
-    """``functopt.Optimizer(params, functopt.adamw(...))``: a plain recipe."""
+    """``functopt.Optimizer(params, functopt.adamw(...))``: a plain recipe; with ``make``,
+    the torch.optim.Optimizer it builds from the params instead."""
 
-    def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor], *,
+                 name: str = "functopt.Optimizer",
+                 make: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
+                 ) -> None:
         C.Contender.__init__(self)
-        self.name = "functopt.Optimizer"
+        self.name = name
         self.params = [p.clone() for p in params]
         for p, g in zip(self.params, grads, strict=True):
             p.grad = g.clone()
-        self.opt = functopt.Optimizer(self.params, _adamw())
+        self.opt = (functopt.Optimizer(self.params, _adamw()) if make is None
+                    else make(self.params))
 
     def tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"params": self.params}
+
+
+def _optim_adamw(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """``functopt.optim.AdamW``: torch's AdamW swapped by one import."""
+    return functopt.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
 
 
 def small_contenders(shapes: list[tuple[int, ...]], seed: int = 0,
@@ -239,6 +249,8 @@ def small_contenders(shapes: list[tuple[int, ...]], seed: int = 0,
         "adamw": ([FunctoptChain(params, grads, _adamw(), fast=False),
                    FunctoptChain(params, grads, _adamw(), fast=True),
                    FunctoptOptimizerPlain(params, grads),
+                   FunctoptOptimizerPlain(params, grads, name="functopt.optim.AdamW",
+                                          make=_optim_adamw),
                    TorchAdamWFor(params, grads)], []),
         "mixed": ([C.FunctoptMixed(params, grads, fused=False),
                    FacadeMixed(params, grads, groups=False),

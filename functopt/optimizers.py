@@ -8,13 +8,16 @@ hyperparameter conventions are listed in each docstring.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ParamSpec
 
 import torch
 
 from functopt import _validate
 from functopt._base import GradientTransformation, Numeric, Params, ScalarOrSchedule, identity
+from functopt._spec import SpecifiedTransformation, describe, specified
 from functopt.transforms.accumulation import ema, trace
 from functopt.transforms.adding import add_decayed_weights
 from functopt.transforms.clipping import clip_by_block_rms
@@ -57,11 +60,63 @@ MaskOrFn = Any | Callable[[Params], Any] | None
 """A pytree of bools shaped like (a prefix of) the params, or ``params -> such a tree``."""
 
 
+_P = ParamSpec("_P")
+
+
+class Recipe:
+    """Which recipe built a transform, and from which arguments: what ``functopt.Optimizer``
+    reads to expose a plain recipe's hyperparameters in its param groups and rebuild it
+    when a group changes one. ``arguments`` binds the call (all arguments, defaults
+    included) when it is read, so that building a recipe, which ``inject_hyperparams`` does
+    at every update, costs no more than before."""
+
+    __slots__ = ("_args", "_kwargs", "factory", "name")
+
+    def __init__(self, name: str, factory: Callable[..., GradientTransformation],
+                 args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.name = name
+        self.factory = factory
+        self._args = args
+        self._kwargs = kwargs
+
+    @property
+    def arguments(self) -> dict[str, Any]:
+        """Every argument of the call by name, defaults included."""
+        bound = inspect.signature(self.factory).bind(*self._args, **self._kwargs)
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+
+_RECIPE_ATTRIBUTE = "_functopt_recipe"
+
+
+def recipe_of(tx: Any) -> Recipe | None:
+    """The ``Recipe`` record of a transform a recipe returned (None for any other
+    transform, or one rebuilt from it with ``_replace``)."""
+    record = getattr(tx, _RECIPE_ATTRIBUTE, None)
+    return record if isinstance(record, Recipe) else None
+
+
+def _recorded(fn: Callable[_P, GradientTransformation]) -> Callable[_P, GradientTransformation]:
+    """A recipe whose transforms carry their ``Recipe`` record."""
+
+    @functools.wraps(fn)
+    def recipe(*args: _P.args, **kwargs: _P.kwargs) -> GradientTransformation:
+        tx = fn(*args, **kwargs)
+        if not isinstance(tx, SpecifiedTransformation):
+            tx = specified(tx, describe(tx))
+        object.__setattr__(tx, _RECIPE_ATTRIBUTE, Recipe(fn.__name__, recipe, args, kwargs))
+        return tx
+
+    return recipe
+
+
 def _check_lr(owner: str, learning_rate: Any) -> None:
     _validate.check_range(owner, "learning_rate", learning_rate, low=0.0, allow_callable=True,
                           hint="Fix: pass a non-negative learning rate; the recipe descends.")
 
 
+@_recorded
 def sgd(
     learning_rate: ScalarOrSchedule,
     momentum: Numeric | None = None,
@@ -101,6 +156,7 @@ def sgd(
     )
 
 
+@_recorded
 def adam(
     learning_rate: ScalarOrSchedule,
     b1: Numeric = 0.9,
@@ -133,6 +189,7 @@ def adam(
     )
 
 
+@_recorded
 def adamw(
     learning_rate: ScalarOrSchedule,
     b1: Numeric = 0.9,
@@ -170,6 +227,7 @@ def adamw(
     )
 
 
+@_recorded
 def nadam(
     learning_rate: ScalarOrSchedule,
     b1: Numeric = 0.9,
@@ -193,6 +251,7 @@ def nadam(
     return adam(learning_rate, b1, b2, eps, eps_root, mu_dtype, nesterov=True)
 
 
+@_recorded
 def nadamw(
     learning_rate: ScalarOrSchedule,
     b1: Numeric = 0.9,
@@ -216,6 +275,7 @@ def nadamw(
                  nesterov=True)
 
 
+@_recorded
 def amsgrad(
     learning_rate: ScalarOrSchedule,
     b1: Numeric = 0.9,
@@ -239,6 +299,7 @@ def amsgrad(
     )
 
 
+@_recorded
 def lion(
     learning_rate: ScalarOrSchedule,
     b1: Numeric = 0.9,
@@ -265,6 +326,7 @@ def lion(
     )
 
 
+@_recorded
 def rmsprop(
     learning_rate: ScalarOrSchedule,
     decay: Numeric = 0.9,
@@ -303,6 +365,7 @@ def rmsprop(
     )
 
 
+@_recorded
 def adagrad(
     learning_rate: ScalarOrSchedule,
     initial_accumulator_value: Numeric = 0.1,
@@ -326,6 +389,7 @@ def adagrad(
     )
 
 
+@_recorded
 def lamb(
     learning_rate: ScalarOrSchedule,
     b1: Numeric = 0.9,
@@ -354,6 +418,7 @@ def lamb(
     )
 
 
+@_recorded
 def lars(
     learning_rate: ScalarOrSchedule,
     weight_decay: Numeric = 0.0,
@@ -385,6 +450,7 @@ def lars(
     )
 
 
+@_recorded
 def adafactor(
     learning_rate: ScalarOrSchedule | None = None,
     min_dim_size_to_factor: int = 128,
@@ -435,6 +501,7 @@ def adafactor(
     return chain(*stages)
 
 
+@_recorded
 def sign_sgd(learning_rate: ScalarOrSchedule) -> GradientTransformation:
     r"""SignSGD (Bernstein et al. 2018): $u_t = -\eta\,\operatorname{sign}(g_t)$.
 
@@ -448,6 +515,7 @@ def sign_sgd(learning_rate: ScalarOrSchedule) -> GradientTransformation:
     return chain(scale_by_sign(), scale_by_learning_rate(learning_rate))
 
 
+@_recorded
 def adamax(
     learning_rate: ScalarOrSchedule,
     b1: Numeric = 0.9,
@@ -469,6 +537,7 @@ def adamax(
     return chain(scale_by_adamax(b1=b1, b2=b2, eps=eps), scale_by_learning_rate(learning_rate))
 
 
+@_recorded
 def adadelta(
     learning_rate: ScalarOrSchedule | None = None,
     rho: Numeric = 0.9,
@@ -499,6 +568,7 @@ def adadelta(
     )
 
 
+@_recorded
 def radam(
     learning_rate: ScalarOrSchedule,
     b1: Numeric = 0.9,
@@ -529,6 +599,7 @@ def radam(
     )
 
 
+@_recorded
 def rprop(
     learning_rate: Numeric,
     eta_minus: Numeric = 0.5,

@@ -346,7 +346,7 @@ def test_error_messages_say_what_and_how() -> None:
 
 def test_group_values_are_range_checked() -> None:
     a, b = torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(1))
-    with pytest.raises(ValueError, match=r"param group 1\['betas'\]"):
+    with pytest.raises(ValueError, match=r"param_groups\[1\] holds .*'betas': \(1.0, 0.999\).*b1 must be"):
         optim.Adam([{"params": [a]}, {"params": [b], "betas": (1.0, 0.999)}])
     opt = optim.SGD([a], lr=0.1, momentum=0.9)
     opt.param_groups[0]["momentum"] = -1.0
@@ -377,3 +377,25 @@ def test_grad_scaler_drives_it_as_torch_optim() -> None:
     assert our_scale == torch_scale == 2.0**9
     for a, b in zip(ours, torch_params, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", optim.__all__)
+def test_signatures_and_defaults_are_torchs(name: str) -> None:
+    # A straight swap keeps every default (AdamW's weight_decay=1e-2, not optax's 1e-4).
+    import inspect
+
+    ours = inspect.signature(getattr(optim, name)).parameters
+    theirs = inspect.signature(getattr(torch.optim, name)).parameters
+    assert list(ours) == list(theirs)
+    for key, parameter in theirs.items():
+        assert ours[key].kind == parameter.kind, key
+        assert _same_default(ours[key].default, parameter.default), key
+    if name == "AdamW":
+        p = torch.nn.Parameter(torch.ones(1))
+        assert optim.AdamW([p]).param_groups[0]["weight_decay"] == 1e-2
+
+
+def _same_default(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and bool((a == b).all())
+    return a == b

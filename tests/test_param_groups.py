@@ -234,14 +234,16 @@ def test_optimizer_bad_group_flags_name_the_group(key, value, error, match):
 def test_optimizer_multiplier_without_injected_hyperparameter_is_an_error():
     ps = _params()
     tx = functopt.inject_hyperparams(functopt.adam)(learning_rate=LR)
+    opaque = functopt.chain(functopt.scale_by_adam(), functopt.scale(-LR))  # no recipe record
     with pytest.raises(ValueError, match=r"param_groups\[0\] sets wd_mult=0.5, which multiplies "
                                          r"the injected 'weight_decay', but the transform does"):
         Optimizer([{"params": ps, "wd_mult": 0.5}], tx)
     with pytest.raises(ValueError, match=r"sets lr_mult=2.0, which multiplies the injected "
                                          r"'learning_rate'"):
-        Optimizer([{"params": ps, "lr_mult": 2.0}], functopt.adam(LR))
-    # a multiplier of 1 asks for nothing
-    Optimizer([{"params": ps, "lr_mult": 1.0}], functopt.adam(LR))
+        Optimizer([{"params": ps, "lr_mult": 2.0}], opaque)
+    # a multiplier of 1 asks for nothing; a plain recipe exposes its learning rate
+    Optimizer([{"params": ps, "lr_mult": 1.0}], opaque)
+    Optimizer([{"params": ps, "lr_mult": 2.0}], functopt.adam(LR))
 
 
 def test_optimizer_hyperparameter_named_like_a_flag_is_an_error():

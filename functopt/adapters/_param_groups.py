@@ -228,3 +228,95 @@ def collect(owner: str, params: Any) -> list[ParamGroup]:
     if count == 0:
         raise ValueError(f"{owner}: got an empty list of params. {_GROUP_FIX}")
     return groups
+
+
+# Each recipe's hyperparameters as param-group keys: group key -> the recipe's arguments it
+# holds (several make a tuple, as torch's ``betas``), under torch.optim's names where torch has
+# the same quantity. The one place the adapters map recipes onto torch's groups: a plain recipe
+# exposes these (those given as numbers), inject_hyperparams of a recipe names its injected
+# ones by it. A recipe argument not listed here is fixed when the recipe is built.
+RECIPE_GROUP_KEYS: dict[str, dict[str, tuple[str, ...]]] = {
+    "sgd": {"lr": ("learning_rate",), "momentum": ("momentum",)},
+    "adam": {"lr": ("learning_rate",), "betas": ("b1", "b2"), "eps": ("eps",),
+             "eps_root": ("eps_root",)},
+    "adamw": {"lr": ("learning_rate",), "betas": ("b1", "b2"), "eps": ("eps",),
+              "eps_root": ("eps_root",), "weight_decay": ("weight_decay",)},
+    "nadam": {"lr": ("learning_rate",), "betas": ("b1", "b2"), "eps": ("eps",),
+              "eps_root": ("eps_root",)},
+    "nadamw": {"lr": ("learning_rate",), "betas": ("b1", "b2"), "eps": ("eps",),
+               "eps_root": ("eps_root",), "weight_decay": ("weight_decay",)},
+    "amsgrad": {"lr": ("learning_rate",), "betas": ("b1", "b2"), "eps": ("eps",),
+                "eps_root": ("eps_root",)},
+    "radam": {"lr": ("learning_rate",), "betas": ("b1", "b2"), "eps": ("eps",),
+              "eps_root": ("eps_root",)},
+    "adamax": {"lr": ("learning_rate",), "betas": ("b1", "b2"), "eps": ("eps",)},
+    "lion": {"lr": ("learning_rate",), "betas": ("b1", "b2"),
+             "weight_decay": ("weight_decay",)},
+    "lamb": {"lr": ("learning_rate",), "betas": ("b1", "b2"), "eps": ("eps",),
+             "eps_root": ("eps_root",), "weight_decay": ("weight_decay",)},
+    "rmsprop": {"lr": ("learning_rate",), "alpha": ("decay",), "eps": ("eps",),
+                "momentum": ("momentum",), "initial_scale": ("initial_scale",)},
+    "adagrad": {"lr": ("learning_rate",),
+                "initial_accumulator_value": ("initial_accumulator_value",), "eps": ("eps",)},
+    "adadelta": {"lr": ("learning_rate",), "rho": ("rho",), "eps": ("eps",),
+                 "weight_decay": ("weight_decay",)},
+    "rprop": {"lr": ("learning_rate",), "etas": ("eta_minus", "eta_plus"),
+              "step_sizes": ("min_step_size", "max_step_size")},
+    "lars": {"lr": ("learning_rate",), "momentum": ("momentum",),
+             "weight_decay": ("weight_decay",), "trust_coefficient": ("trust_coefficient",),
+             "eps": ("eps",)},
+    "adafactor": {"lr": ("learning_rate",), "eps": ("eps",), "momentum": ("momentum",),
+                  "weight_decay": ("weight_decay_rate",), "decay_rate": ("decay_rate",),
+                  "clipping_threshold": ("clipping_threshold",)},
+    "sign_sgd": {"lr": ("learning_rate",)},
+}
+
+# torch.optim group keys whose quantity a recipe has in another form: setting one raises with
+# this explanation instead of being ignored (torch.optim.Adafactor's d and beta2_decay).
+FOREIGN_GROUP_KEYS: dict[str, dict[str, str]] = {
+    "adafactor": {
+        "d": "torch.optim.Adafactor's update clipping threshold d is functopt.adafactor's "
+             "'clipping_threshold' (the same rule, clip the update's RMS to d)",
+        "beta2_decay": "torch.optim.Adafactor's beta2_decay (-0.8) is functopt.adafactor's "
+                       "'decay_rate' with the sign flipped (0.8: beta2_t = 1 - t**-0.8)",
+    },
+}
+
+# Keys that torch's and the training stacks' schedulers keep in the groups for themselves
+# (LRScheduler's initial_lr, OneCycleLR's max/min lr and momenta, SWALR's swa_lr): allowed in
+# every group, never read by a transform.
+SCHEDULER_GROUP_KEYS = frozenset({
+    "initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum", "swa_lr",
+})
+
+
+def recipe_group_keys(
+    owner: str, recipe: str | None, names: list[str]
+) -> dict[str, tuple[str, ...]]:
+    """Group key -> injected hyperparameters, for a transform injecting ``names``.
+
+    ``recipe`` (the name of the recipe inside ``inject_hyperparams``, if one is) picks its
+    row of ``RECIPE_GROUP_KEYS``; a key is exposed when all its arguments are injected. Any
+    other factory gets the rule every Adam-like one follows: ``lr`` for ``learning_rate``,
+    ``betas`` for ``(b1, b2)``, ``momentum`` for ``momentum`` or a lone ``b1``. The injected
+    names no key takes are exposed as they are.
+    """
+    if recipe in RECIPE_GROUP_KEYS:
+        table = RECIPE_GROUP_KEYS[recipe]
+    else:
+        table = {"lr": ("learning_rate",), "betas": ("b1", "b2"), "momentum": ("momentum",)}
+        if "b1" in names and "b2" not in names and "momentum" not in names:
+            table["momentum"] = ("b1",)
+    exposed = {key: args for key, args in table.items() if all(a in names for a in args)}
+    used = {a for args in exposed.values() for a in args}
+    for name in names:
+        if name in used:
+            continue
+        if name in exposed or name in ("params", "param_names", *FLAG_KEYS):
+            raise ValueError(
+                f"{owner}: the transform injects a hyperparameter named {name!r}, which clashes "
+                f"with the param group key {name!r} (group keys: {sorted(exposed)}). Fix: "
+                f"rename the factory's argument."
+            )
+        exposed[name] = (name,)
+    return exposed

@@ -149,3 +149,56 @@ def from_nested(owner: str, template: Any, nested: Any) -> Any:
             )
         out.append(value.to(device=ref.device, copy=True))
     return _core.unflatten(treespec, out)
+
+
+def torch_to_named(owner: str, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """A torch-layout optimizer state dict (int ids in ``state`` and in each group's
+    ``params``) keyed by parameter names instead: ``state`` maps each param's name to its
+    entry and each group lists its params' names, the layout of
+    ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``. Needs the groups'
+    ``param_names`` (torch.optim stores them for ``model.named_parameters()``). Other
+    top-level keys are kept."""
+    groups, state = state_dict["param_groups"], state_dict["state"]
+    named_state: dict[str, Any] = {}
+    named_groups = []
+    for i, group in enumerate(groups):
+        names = group.get("param_names")
+        if names is None:
+            raise ValueError(
+                f"{owner}: param_groups[{i}] has no param_names, so its state cannot be keyed by "
+                f"name. Fix: build the optimizer from model.named_parameters() (or groups of "
+                f"(name, param) pairs)."
+            )
+        for sid, name in zip(group["params"], names, strict=True):
+            if name in named_state:
+                raise ValueError(f"{owner}: the param name {name!r} is in two groups.")
+            named_state[name] = state.get(sid, {})
+        named_groups.append({**{k: v for k, v in group.items() if k != "param_names"},
+                             "params": list(names)})
+    extra = {k: v for k, v in state_dict.items() if k not in ("state", "param_groups")}
+    return {**extra, "state": named_state, "param_groups": named_groups}
+
+
+def named_to_torch(owner: str, named: Mapping[str, Any]) -> dict[str, Any]:
+    """The inverse of ``torch_to_named``: int ids numbered in group order, each group's
+    ``param_names`` its saved names (so a load matches entries to params by name)."""
+    if not isinstance(named, Mapping) or not {"state", "param_groups"} <= set(named):
+        raise ValueError(f"{owner}: expected a dict with 'state' (name -> entry) and "
+                         f"'param_groups' (groups listing param names).")
+    state: dict[int, Any] = {}
+    groups = []
+    sid = 0
+    for group in named["param_groups"]:
+        names = list(group["params"])
+        for name in names:
+            entry = named["state"].get(name)
+            if entry:
+                state[sid] = dict(entry)
+            sid += 1
+        groups.append({**group, "params": list(range(sid - len(names), sid)),
+                       "param_names": names})
+    unknown = sorted(set(named["state"]) - {n for g in groups for n in g["param_names"]})
+    if unknown:
+        raise ValueError(f"{owner}: the state names params {unknown} that no group lists.")
+    extra = {k: v for k, v in named.items() if k not in ("state", "param_groups")}
+    return {**extra, "state": state, "param_groups": groups}

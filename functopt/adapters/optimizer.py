@@ -10,6 +10,7 @@ that belong to ``param``.
 from __future__ import annotations
 
 import copy
+import math
 import pickle
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -19,10 +20,12 @@ import torch
 
 from functopt import _validate
 from functopt._base import GradientTransformation, State
-from functopt.adapters import _param_groups
+from functopt._spec import Injected, describe
+from functopt.adapters import _param_groups, _state_dict
 from functopt.fast._step import make_step
+from functopt.optimizers import recipe_of
 from functopt.transforms.combining import _check_transform
-from functopt.transforms.hyperparams import InjectHyperparamsState
+from functopt.transforms.hyperparams import InjectHyperparamsState, inject_hyperparams
 from functopt.tree import _core
 
 __all__ = ["Optimizer"]
@@ -31,6 +34,7 @@ __all__ = ["Optimizer"]
 _FIELD = 0  # a per-parameter leaf: stored in optimizer.state[param][field path]
 _GROUP = 1  # a group-level leaf (a counter): stored, the same tensor, in every param's entry
 _HYPER = 2  # an injected hyperparameter: read from the param group on every step
+_UNSET = object()
 
 # Option names of torch.optim's optimizers. A group that sets one the transform does not
 # inject would be silently ignored; that is an error instead.
@@ -41,36 +45,47 @@ _TORCH_OPTIONS = frozenset({
     "momentum_decay", "decoupled_weight_decay",
 })
 _HOW_TO_INJECT = (
-    "Fix: build the transform with its hyperparameters injected, e.g. functopt.Optimizer("
-    "params, functopt.inject_hyperparams(functopt.adamw)(learning_rate=1e-3)); "
-    "only injected hyperparameters appear in param_groups."
+    "Fix: pass a recipe, whose hyperparameters the groups hold under torch's names "
+    "(functopt.Optimizer(params, functopt.adamw(1e-3)) has lr, betas, eps, weight_decay), "
+    "or inject them into a transform of your own with functopt.inject_hyperparams(factory)"
+    "(...): only the hyperparameters a step reads appear in param_groups."
 )
 
 
-def _torch_names(owner: str, names: Iterable[str]) -> dict[str, tuple[str, ...]]:
-    """Group key -> the injected hyperparameters it holds (torch's names where torch has one)."""
-    names = list(names)
-    exposed: dict[str, tuple[str, ...]] = {}
-    if "learning_rate" in names:
-        exposed["lr"] = ("learning_rate",)
-    if "b1" in names and "b2" in names:
-        exposed["betas"] = ("b1", "b2")
-    if "momentum" in names:
-        exposed["momentum"] = ("momentum",)
-    elif "b1" in names and "b2" not in names:
-        exposed["momentum"] = ("b1",)
-    used = {name for group in exposed.values() for name in group}
-    for name in names:
-        if name in used:
-            continue
-        if name in exposed or name in ("params", "param_names", *_param_groups.FLAG_KEYS):
-            raise ValueError(
-                f"{owner}: the transform injects a hyperparameter named {name!r}, which clashes "
-                f"with the param group key {name!r} (group keys: {sorted(exposed)}). Fix: "
-                f"rename the factory's argument."
-            )
-        exposed[name] = (name,)
-    return exposed
+def _lift(tx: GradientTransformation) -> GradientTransformation:
+    """A plain recipe as ``inject_hyperparams`` of itself, its ``RECIPE_GROUP_KEYS``
+    arguments given as numbers injected and every other argument fixed; any other transform
+    as it is (one built by ``inject_hyperparams`` already injects what it exposes)."""
+    if isinstance(describe(tx), Injected):
+        return tx
+    record = recipe_of(tx)
+    if record is None or record.name not in _param_groups.RECIPE_GROUP_KEYS:
+        return tx
+    listed = [a for args in _param_groups.RECIPE_GROUP_KEYS[record.name].values() for a in args]
+    injected = [a for a in listed if _is_number(record.arguments.get(a)) or (
+        isinstance(record.arguments.get(a), torch.Tensor) and record.arguments[a].dim() == 0)]
+    if not injected:
+        return tx
+    static = [a for a in record.arguments if a not in injected]
+    return inject_hyperparams(record.factory, static_args=static)(**record.arguments)
+
+
+def _recipe_of_injected(tx: GradientTransformation, hyper: dict[str, torch.Tensor]) -> str | None:
+    """What recipe an ``inject_hyperparams`` transform builds, with its fixed arguments
+    (``"adamw(mu_dtype=None, nesterov=False)"``), or None if it builds none."""
+    spec = describe(tx)
+    if not isinstance(spec, Injected):
+        return None
+    try:
+        record = recipe_of(spec.build(dict(hyper)))
+    except Exception:  # a factory of the user's that takes no such values: no recipe row
+        return None
+    if record is None:
+        return None
+    fixed = ", ".join(f"{k}={v!r}" for k, v in record.arguments.items()
+                      if k not in hyper and (v is None or isinstance(v, (bool, int, str,
+                                                                          torch.dtype))))
+    return f"{record.name}({fixed})"
 
 
 def _is_number(value: Any) -> bool:
@@ -98,25 +113,15 @@ TORCH_OPTIMIZER = (
 )
 
 
-class _ParamGroup(dict):  # type: ignore[type-arg]
-    """A param group whose missing keys raise an error that says how to get them."""
-
-    def __missing__(self, key: Any) -> Any:
-        held = sorted(str(k) for k in self if k not in ("params", "param_names"))
-        if key in _TORCH_OPTIONS:
-            raise KeyError(
-                f"functopt.Optimizer param group has no {key!r}: the transform does not "
-                f"inject it (the group holds {held}). A torch.optim.lr_scheduler needs 'lr' "
-                f"(and OneCycleLR 'betas' or 'momentum'). {_HOW_TO_INJECT}"
-            )
-        raise KeyError(f"functopt.Optimizer param group has no {key!r} (it holds {held}).")
-
-
 class _Plan:
     """How one group's transform state maps onto ``optimizer.state`` and ``param_groups``."""
 
-    def __init__(self, key: Any, template: State, ptree: Any, order: list[int]) -> None:
+    def __init__(self, key: Any, template: State, ptree: Any, order: list[int],
+                 recipe: str | None, kept: frozenset[str]) -> None:
         self.key = key
+        self.placement: tuple[tuple[torch.dtype, torch.device], ...] = ()  # set by _plan
+        self.signature = recipe  # the recipe with its fixed arguments, saved in state dicts
+        self.recipe = None if recipe is None else recipe.split("(", 1)[0]
         self.template, self.treespec = _core.flatten(template)
         pspec = _core.structure(ptree)
         ppaths = _core.paths(pspec)
@@ -162,8 +167,33 @@ class _Plan:
             )
         # Entry name -> template leaf, for the entry of the group's j-th param.
         self.fields = [{**group_leaves, **f} for f in fields]
-        self.exposed = _torch_names("functopt.Optimizer", self.hyper)
+        self.exposed = _param_groups.recipe_group_keys("functopt.Optimizer", self.recipe,
+                                                       list(self.hyper))
+        # The keys a group may hold: everything else is a value no step would read.
+        self.allowed = frozenset({"params", "param_names", *_param_groups.FLAG_KEYS,
+                                  *_param_groups.SCHEDULER_GROUP_KEYS, *self.exposed, *kept})
         self.cache: dict[str, tuple[Any, torch.Tensor]] = {}
+        self.checked: dict[str, Any] = {}  # injected name -> the group value last validated
+        # Whether the state holds tensors a step updates (in place, with donation): then a
+        # restart needs a fresh init, not the template the first step already took.
+        self.stateful = any(kind != _HYPER and leaf is not None
+                            for (kind, _, _), leaf in zip(self.leaves, self.template,
+                                                          strict=True))
+        self.template_taken = False
+
+    def fresh(self, transform: GradientTransformation, ptree: Any) -> list[Any]:
+        """Leaves of a new ``transform.init`` state (the template, if no step has it yet)."""
+        if not self.template_taken or not self.stateful:
+            self.template_taken = True
+            return self.template
+        with torch.no_grad():
+            leaves, treespec = _core.flatten(transform.init(ptree))
+        if treespec != self.treespec:
+            raise ValueError(
+                f"functopt.Optimizer: the transform's init returned a state of structure "
+                f"{treespec}, earlier {self.treespec}. Fix: a transform's init must give the "
+                f"same structure for the same params.")
+        return leaves
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -180,21 +210,35 @@ class Optimizer(torch.optim.Optimizer):
     as ``torch.optim``'s ``fused=True`` does; any other transform runs its pure update and
     grouped in-place adds.
 
-    Hyperparameters. With a transform built by
-    [`inject_hyperparams`][functopt.inject_hyperparams], every injected hyperparameter
-    appears in each param group under torch's name where torch has one: ``lr`` for
-    ``learning_rate``, ``betas`` for ``(b1, b2)``, ``momentum`` for ``momentum`` (or for a
-    lone ``b1``), ``weight_decay`` and ``eps`` as they are; any other one under its own
-    name (``eps_root``). The group values are read on every step, so
-    ``torch.optim.lr_scheduler`` schedules them (OneCycleLR cycles ``betas[0]`` or
-    ``momentum``), and a group may set its own (``{"params": ..., "lr": 0.1}``). Only
-    injected hyperparameters can be scheduled: with ``functopt.adamw(1e-3)`` the groups
-    hold no ``lr``, and a scheduler fails with a ``KeyError`` that says so. A
-    hyperparameter that ``inject_hyperparams`` received as a schedule is computed by the
-    transform from its own step count; its group value is ignored. Group values are not
-    range-checked (as tensors are not elsewhere in functopt). Only the hyperparameters of
-    ``transform`` itself are exposed; those injected deeper (inside a ``chain`` or a
-    ``partition``) stay in ``optimizer.state``.
+    Hyperparameters. A recipe's hyperparameters appear in each param group under torch's
+    names, with nothing to wrap: ``functopt.Optimizer(params, functopt.adamw(1e-3))`` has
+    groups with ``lr``, ``betas`` (``(b1, b2)``), ``eps``, ``eps_root`` and
+    ``weight_decay``; ``sgd`` has ``lr`` and ``momentum``, ``rmsprop`` ``alpha`` for its
+    ``decay``, ``rprop`` ``etas`` and ``step_sizes`` (one table,
+    ``functopt.adapters._param_groups.RECIPE_GROUP_KEYS``, gives every recipe's keys). The
+    optimizer runs such a recipe as ``inject_hyperparams`` of itself (``opt.transform``), so
+    the fused kernels still take the step. A transform built by
+    [`inject_hyperparams`][functopt.inject_hyperparams] exposes what it injects, under the
+    same names (for another factory: ``lr`` for ``learning_rate``, ``betas`` for
+    ``(b1, b2)``, ``momentum`` for ``momentum`` or a lone ``b1``, any other under its own
+    name). A transform of your own (a ``chain``) exposes nothing; inject its
+    hyperparameters to schedule them. A recipe argument given as a schedule is not in the
+    groups: the transform computes it from its own count.
+
+    The group values are read on every step, so ``torch.optim.lr_scheduler`` (and HF
+    Trainer's and Lightning's schedulers) schedule them (OneCycleLR cycles ``betas[0]`` or
+    ``momentum``), a group may set its own (``{"params": ..., "lr": 0.1}``), and every
+    value is checked, on the fused and the pure path alike, as the factory checks its
+    arguments (``betas=(1.0, 0.999)`` or a negative ``momentum`` raises its ``ValueError``
+    before anything is written); a 0-d tensor value is checked when it is put in the group,
+    not when it is changed in place. A group key that no step reads raises, at
+    construction, at ``load_state_dict`` and at the step (``group["foo"] = 1``,
+    ``momentum`` for a recipe without momentum, torch.optim.Adafactor's ``d`` for
+    ``functopt.adafactor``, whose key is ``clipping_threshold``); the keys schedulers keep
+    for themselves (``initial_lr``, OneCycleLR's ``max_lr``, ...) are allowed. Only the
+    hyperparameters of ``transform`` itself are exposed; those injected deeper (inside a
+    ``chain`` or a ``partition``) stay in ``optimizer.state``. The groups are plain dicts,
+    so ``torch.compile(opt.step)`` traces them.
 
     Parameters. ``params`` is what ``torch.optim`` takes: tensors, ``(name, tensor)`` pairs
     (``model.named_parameters()``), or group dicts. The transform sees a group's params as
@@ -205,17 +249,24 @@ class Optimizer(torch.optim.Optimizer):
     ``torch.optim``, which counts steps per param, a transform counts them per group, so a
     param that missed some steps gets the group's bias correction.
 
-    State. The state is created eagerly (``torch.optim`` creates it at the first step), on
-    the params' devices: move the model before building the optimizer (or clear
-    ``optimizer.state`` after moving it). It is kept in torch's layout:
-    ``optimizer.state[param]`` maps the dotted path of each per-parameter state field to
-    that param's tensor (``'inner_state.0.mu'``), and holds the group-level leaves
+    State. Every param of a group that is not frozen has an entry in ``optimizer.state``
+    from the start (empty for a stateless transform, as torch.optim's SGD keeps
+    ``{'momentum_buffer': None}``), so ``torch.distributed.checkpoint``'s
+    ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` load into it and never take
+    their zero-gradient initialisation step (which would apply a weight decay to the
+    params). The state follows the params as torch.optim's lazily created state does: a
+    group not stepped yet whose params moved to another dtype or device (``model.to(...)``)
+    starts from ``transform.init`` on the params as they are at its first step, and so does a
+    group whose state was cleared (``optimizer.state.clear()``). It is kept in torch's
+    layout: ``optimizer.state[param]`` maps the dotted path of each per-parameter state
+    field to that param's tensor (``'inner_state.0.mu'``), and holds the group-level leaves
     (``'count'``, ``'inner_state.0.count'``) too, the same tensor in every param of the
     group, as torch.optim keeps ``step`` per param. Injected hyperparameters live in
     ``param_groups`` only. ``state_dict()`` is torch's; ``load_state_dict`` checks every
     entry against the transform's state (names, shapes) and moves it to the dtype and device
-    the transform holds it in. Clearing ``optimizer.state`` for a whole group restarts that
-    group from ``transform.init``. A group with no params keeps no state in the state dict.
+    the transform holds it in. When both the saved group and this one name their params
+    (``model.named_parameters()``), each param gets the entry saved under its name, whatever
+    the order; names that differ raise, naming them.
 
     Multipliers and frozen groups. A group may set ``lr_mult`` and ``wd_mult`` (numbers
     $\ge 0$, default 1; Megatron's names): the step then runs the transform with the
@@ -241,16 +292,14 @@ class Optimizer(torch.optim.Optimizer):
 
     Args:
         params: an iterable of tensors, of ``(name, tensor)`` pairs, or of group dicts.
-        transform: the transform to run, e.g.
-            ``functopt.inject_hyperparams(functopt.adamw)(learning_rate=1e-3)``.
+        transform: the transform to run, e.g. ``functopt.adamw(1e-3, weight_decay=1e-2)``.
         fused: take the transform's fused kernel when it has one. False runs its pure
             update (bitwise ``transform.update`` then ``apply_updates_``).
 
     Examples:
         >>> import torch, functopt
         >>> model = torch.nn.Linear(2, 1)
-        >>> tx = functopt.inject_hyperparams(functopt.adamw)(learning_rate=0.1, weight_decay=0.0)
-        >>> opt = functopt.Optimizer(model.parameters(), tx)
+        >>> opt = functopt.Optimizer(model.parameters(), functopt.adamw(0.1, weight_decay=0.0))
         >>> opt.param_groups[0]["lr"], opt.param_groups[0]["betas"]
         (0.1, (0.9, 0.999))
         >>> scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
@@ -265,8 +314,7 @@ class Optimizer(torch.optim.Optimizer):
         A group with ten times the learning rate and no weight decay, and a frozen group:
 
         >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
-        >>> tx = functopt.inject_hyperparams(functopt.adamw)(learning_rate=0.1,
-        ...                                                   weight_decay=0.01)
+        >>> tx = functopt.adamw(0.1, weight_decay=0.01)
         >>> opt = functopt.Optimizer([
         ...     {"params": net[0].parameters(), "frozen": True},
         ...     {"params": [net[1].weight], "lr_mult": 10.0, "wd_mult": 0.0},
@@ -301,9 +349,12 @@ class Optimizer(torch.optim.Optimizer):
         torch_class = transform if isinstance(transform, type) else type(transform)
         if issubclass(torch_class, torch.optim.Optimizer):
             raise TypeError(TORCH_OPTIMIZER.format(name=torch_class.__name__))
-        self._transform = _check_transform(owner, "transform", transform)
+        self._transform = _lift(_check_transform(owner, "transform", transform))
         _validate.check_flags(owner, fused=fused)
         self._fused = fused
+        # Groups whose state is still the one add_param_group made (no step yet): a step
+        # makes it again if the params moved to another dtype or device since.
+        self._unstepped: dict[int, _Plan] = {}
         self._state_shared = False  # state_dict()/load_state_dict() handed tensors over
         self._plans: list[_Plan | None] = []
         if isinstance(params, torch.Tensor):
@@ -314,6 +365,14 @@ class Optimizer(torch.optim.Optimizer):
             )
         # Filled from the first group's injected hyperparameters (add_param_group).
         super().__init__(params, defaults={})
+
+    @property
+    def transform(self) -> GradientTransformation:
+        """The transform the steps run: the one given, except that a plain recipe
+        (``functopt.adamw(1e-3)``) is its ``inject_hyperparams`` form, so that the values in
+        ``param_groups`` are the ones it reads (``functopt.fast.explain(opt.transform,
+        params)`` says which path it takes)."""
+        return self._transform
 
     # -- param groups -------------------------------------------------------------------
 
@@ -327,7 +386,7 @@ class Optimizer(torch.optim.Optimizer):
                 f"functopt.Optimizer.add_param_group: expected a dict such as "
                 f"{{'params': [...], 'lr': 0.1}}, got {type(param_group).__name__}."
             )
-        group = _ParamGroup(param_group)
+        group = dict(param_group)
         super().add_param_group(group)  # normalises params and names, appends
         index = len(self.param_groups) - 1
         try:
@@ -353,7 +412,12 @@ class Optimizer(torch.optim.Optimizer):
         if flags.frozen:  # no state: the plan (and its template) was only for the checks
             self._plans[index] = None
             return
-        self._scatter(group, plan, plan.template)
+        self._scatter(group, plan, plan.fresh(self._transform, self._tree(group, group["params"])))
+        self._unstepped[index] = plan
+
+    def _kept_keys(self) -> frozenset[str]:
+        """Group keys this optimizer keeps beyond the transform's (torch's fixed options)."""
+        return frozenset()
 
     @staticmethod
     def _check_multipliers(
@@ -372,32 +436,53 @@ class Optimizer(torch.optim.Optimizer):
     def _check_options(self, index: int, group: dict[str, Any], plan: _Plan) -> None:
         renamed = {name: key for key, names in plan.exposed.items() for name in names
                    if name != key}
+        foreign = _param_groups.FOREIGN_GROUP_KEYS.get(plan.recipe or "", {})
+        reads = (f"its groups hold the transform's hyperparameters {sorted(plan.exposed)}, "
+                 f"besides params, param_names, {list(_param_groups.FLAG_KEYS)} and the "
+                 f"schedulers' own {sorted(_param_groups.SCHEDULER_GROUP_KEYS)}")
         for key in group:
+            if key in plan.allowed:
+                continue
+            where = f"functopt.Optimizer: param_groups[{index}] sets {key!r}"
             if key in renamed:
                 raise ValueError(
-                    f"functopt.Optimizer: param_groups[{index}] sets {key!r}, which its groups "
-                    f"call {renamed[key]!r} (torch's name). Fix: set {renamed[key]!r} instead."
+                    f"{where}, which its groups call {renamed[key]!r} (torch's name). Fix: set "
+                    f"{renamed[key]!r} instead."
                 )
-            if key in _TORCH_OPTIONS and key not in plan.exposed:
+            if key in foreign:
                 raise ValueError(
-                    f"functopt.Optimizer: param_groups[{index}] sets {key!r}, but the transform "
-                    f"has no injected hyperparameter for it (it injects "
-                    f"{sorted(plan.exposed) or 'none'}), so the value would be ignored. "
-                    f"Fix: remove it, or inject it: {_HOW_TO_INJECT}"
+                    f"{where}, which {plan.recipe} does not read: {foreign[key]}. Fix: remove "
+                    f"it, and set the recipe's own key ({reads})."
                 )
+            if key in _TORCH_OPTIONS:
+                raise ValueError(
+                    f"{where}, but the transform has no hyperparameter for it that a step "
+                    f"reads from the groups ({reads}), so the value would be ignored. Remove it, "
+                    f"or build the transform with it. {_HOW_TO_INJECT}"
+                )
+            raise ValueError(
+                f"{where}, which the transform does not read ({reads}), so the value would be "
+                f"ignored. Fix: remove it (keep notes outside the param groups)."
+            )
 
     @staticmethod
     def _tree(group: dict[str, Any], leaves: list[Any]) -> Any:
         names = group.get("param_names")
         return list(leaves) if names is None else dict(zip(names, leaves, strict=True))
 
-    def _plan(self, index: int, group: dict[str, Any]) -> _Plan:
+    def _plan(self, index: int, group: dict[str, Any], placed: bool = False) -> _Plan:
+        """The group's plan, made again if its params (or names) changed; with ``placed``,
+        also if they moved to other dtypes or devices (the template, the state a restart
+        takes, follows the params as torch.optim's lazily created state does; checked only
+        where a template is about to be used, as reading every param's device costs)."""
         params = group["params"]
         names = group.get("param_names")
         key = (tuple(map(id, params)), None if names is None else tuple(names))
         while len(self._plans) <= index:
             self._plans.append(None)
         plan = self._plans[index]
+        if plan is not None and placed and plan.placement != _placement(params):
+            plan = None
         if plan is None or plan.key != key:
             if names is not None and len(set(names)) != len(names):
                 dup = sorted({n for n in names if names.count(n) > 1})
@@ -410,7 +495,12 @@ class Optimizer(torch.optim.Optimizer):
             with torch.no_grad():
                 template = self._transform.init(ptree)
             order = _core.flatten(self._tree(group, list(range(len(params)))))[0]
-            plan = self._plans[index] = _Plan(key, template, ptree, order)
+            hyper = (template.hyperparams if isinstance(template, InjectHyperparamsState)
+                     else {})
+            plan = self._plans[index] = _Plan(key, template, ptree, order,
+                                              _recipe_of_injected(self._transform, hyper),
+                                              self._kept_keys())
+            plan.placement = _placement(params)
         return plan
 
     # -- state: optimizer.state <-> the transform's pytree --------------------------------
@@ -422,6 +512,7 @@ class Optimizer(torch.optim.Optimizer):
 
     def _hyperparams(self, index: int, group: dict[str, Any], plan: _Plan) -> dict[str, Any]:
         values: dict[str, Any] = {}
+        raws: dict[str, Any] = {}
         for key, names in plan.exposed.items():
             raw = group[key]
             if len(names) == 1:
@@ -435,7 +526,44 @@ class Optimizer(torch.optim.Optimizer):
                 parts = raw
             for name, value in zip(names, parts, strict=True):
                 values[name] = self._as_tensor(index, key, name, value, plan)
+                raws[name] = value
+        checked = plan.checked
+        if any(checked.get(name, _UNSET) is not value for name, value in raws.items()):
+            changed = [name for name, value in raws.items()
+                       if checked.get(name, _UNSET) is not value]
+            lr: Any = raws.get("learning_rate")
+            # The value a scheduler moves at every step: every recipe accepts any finite
+            # learning rate > 0, so such a value needs no build of the recipe to check it.
+            if not (changed == ["learning_rate"] and plan.recipe is not None
+                    and _is_number(lr) and 0.0 < lr < math.inf):
+                self._validate(index, plan, raws)
+            plan.checked = raws
         return values
+
+    def _validate(self, index: int, plan: _Plan, raws: dict[str, Any]) -> None:
+        """Check the group's values as the factory checks its arguments (a value out of
+        range, b1 = 1 or a negative momentum, raises the factory's error), on every path: the
+        transform is built once from them as Python numbers."""
+        spec = describe(self._transform)
+        if not isinstance(spec, Injected):
+            return
+        probe: dict[str, Any] = dict(plan.hyper)
+        for name, value in raws.items():
+            if isinstance(value, torch.Tensor):
+                if value.requires_grad:  # a meta-gradient's tensor: trusted, as elsewhere
+                    continue
+                value = value.item()
+            probe[name] = value
+        try:
+            spec.build(probe)
+        except (ValueError, TypeError) as error:
+            shown = ", ".join(
+                f"{key!r}: {tuple(raws[n] for n in names) if len(names) > 1 else raws[names[0]]!r}"
+                for key, names in plan.exposed.items())
+            raise type(error)(
+                f"functopt.Optimizer: param_groups[{index}] holds {{{shown}}}, which the "
+                f"transform rejects: {error}"
+            ) from None
 
     @staticmethod
     def _as_tensor(index: int, key: str, name: str, value: Any, plan: _Plan) -> torch.Tensor:
@@ -468,13 +596,17 @@ class Optimizer(torch.optim.Optimizer):
                     self._check_multipliers(index, group, plan, flags)
                 hyper[name] = hyper[name] * mult
         leaves: list[Any] = []
-        fresh = not any(entries)
+        # No state (cleared, or a stateless transform), or the state add_param_group made
+        # for params that have moved since: start from init, on the params as they are now.
+        fresh = not any(entries) or self._unstepped.get(index, plan) is not plan
+        template = plan.fresh(self._transform, self._tree(group, group["params"])) if fresh \
+            else plan.template
         for i, (kind, j, name) in enumerate(plan.leaves):
             if kind == _HYPER:
                 leaves.append(hyper[name])
                 continue
             if fresh:
-                leaves.append(plan.template[i])
+                leaves.append(template[i])
                 continue
             entry = entries[j if kind == _FIELD else 0] or {}
             value = entry.get(name)
@@ -495,7 +627,8 @@ class Optimizer(torch.optim.Optimizer):
             leaves = state
         else:
             leaves, treespec = _core.flatten(state)
-            if treespec != plan.treespec:
+            # (not under torch.compile, which cannot compare optree specs)
+            if not torch.compiler.is_compiling() and treespec != plan.treespec:
                 raise ValueError(
                     f"functopt.Optimizer: the transform's update returned a state of structure "
                     f"{treespec}, but its init gave {plan.treespec}. Fix: a transform's state "
@@ -510,12 +643,13 @@ class Optimizer(torch.optim.Optimizer):
             else:
                 for entry in entries:
                     entry[name] = value
-        # New dicts each step: a state_dict taken earlier keeps its values.
+        # New dicts each step: a state_dict taken earlier keeps its values. Every param has
+        # an entry, empty for a stateless transform, as torch.optim's SGD keeps
+        # {'momentum_buffer': None}: torch.distributed.checkpoint's state-dict helpers take a
+        # zero-gradient step to create the state of an optimizer whose state is empty, which
+        # a transform that does not scale with lr (a weight decay) would apply.
         for p, entry in zip(params, entries, strict=True):
-            if entry:
-                self.state[p] = entry
-            else:
-                self.state.pop(p, None)
+            self.state[p] = entry
 
     # -- step -----------------------------------------------------------------------------
 
@@ -604,7 +738,38 @@ class Optimizer(torch.optim.Optimizer):
         again).
         """
         self._state_shared = True
-        return super().state_dict()
+        saved = super().state_dict()
+        # Which recipe each group runs (None: not a recipe), checked by load_state_dict.
+        saved["functopt"] = {"transforms": [
+            None if plan is None else plan.signature
+            for plan in (self._plans[i] if i < len(self._plans) else None
+                         for i in range(len(self.param_groups)))]}
+        return saved
+
+    def named_state_dict(self) -> dict[str, Any]:
+        """The state dict keyed by parameter names: ``state`` maps each param's name to its
+        entry, each group lists its params' names. It is the layout
+        ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` gives (which DCP
+        saves and reshards); ``state_dict()``'s int ids are the view of it that
+        ``torch.optim`` code expects. Needs named params (``model.named_parameters()``).
+
+        Examples:
+            >>> import torch, functopt
+            >>> model = torch.nn.Linear(2, 1)
+            >>> opt = functopt.Optimizer(model.named_parameters(), functopt.adamw(0.1))
+            >>> sorted(opt.named_state_dict()["state"])
+            ['bias', 'weight']
+            >>> opt.load_named_state_dict(opt.named_state_dict())
+        """
+        return _state_dict.torch_to_named("functopt.Optimizer.named_state_dict",
+                                          self.state_dict())
+
+    def load_named_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict keyed by parameter names (``named_state_dict()``, or
+        ``get_optimizer_state_dict``'s): each param gets the entry saved under its name, in
+        whatever order the groups list them; names that differ raise, naming them."""
+        self.load_state_dict(_state_dict.named_to_torch(
+            "functopt.Optimizer.load_named_state_dict", state_dict))
 
     def _step_group(self, index: int, group: dict[str, Any]) -> None:
         flags = _param_groups.group_flags("functopt.Optimizer", f"param_groups[{index}]", group)
@@ -620,6 +785,11 @@ class Optimizer(torch.optim.Optimizer):
                     f"embedding (sparse=False), or call grad.to_dense() before the step."
                 )
         plan = self._plan(index, group)
+        # A fresh state (none yet: not stepped, cleared, stateless) follows the params.
+        if index in self._unstepped or not self.state.get(params[0]):
+            plan = self._plan(index, group, placed=True)
+        if not plan.allowed.issuperset(group):
+            self._check_options(index, group, plan)
         state = self._gather(index, group, plan, flags)
         ptree = self._tree(group, params)
         # A recipe with a fused kernel runs it, any other transform its pure update and
@@ -638,6 +808,7 @@ class Optimizer(torch.optim.Optimizer):
                 if n is not p:
                     p.copy_(n)
         self._scatter(group, plan, state)
+        self._unstepped.pop(index, None)
 
     # -- checkpoints ----------------------------------------------------------------------
 
@@ -667,7 +838,18 @@ class Optimizer(torch.optim.Optimizer):
                 f"{len(self.param_groups)}. Fix: build the optimizer with the param groups of "
                 f"the one that saved it (and add_param_group the same groups) before loading."
             )
+        saved_transforms = (state_dict.get("functopt") or {}).get("transforms")
         for i, (group, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
+            if saved_transforms is not None and i < len(saved_transforms):
+                plan_i = self._plans[i] if i < len(self._plans) else None
+                ours = None if plan_i is None else plan_i.signature
+                if saved_transforms[i] is not None and ours is not None \
+                        and saved_transforms[i] != ours:
+                    raise ValueError(
+                        f"{owner}: param_groups[{i}] of the state dict was saved by "
+                        f"{saved_transforms[i]}, this optimizer runs {ours}. Fix: build the "
+                        f"optimizer with the recipe (and fixed arguments) that saved it."
+                    )
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(
                     f"{owner}: param_groups[{i}] has {len(group['params'])} params, the "
@@ -677,11 +859,16 @@ class Optimizer(torch.optim.Optimizer):
         new_groups: list[dict[str, Any]] = []
         new_state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
         for i, (group, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
-            new_group = _ParamGroup(saved)
+            new_group = dict(saved)
             new_group["params"] = group["params"]
-            if "param_names" in group and "param_names" not in new_group:
+            # The group's names stay this optimizer's (they shape the transform's tree); the
+            # saved entries are matched to them by name when both sides have names.
+            new_group.pop("param_names", None)
+            if "param_names" in group:
                 new_group["param_names"] = group["param_names"]
-            entries = [state_dict["state"].get(sid) or {} for sid in saved["params"]]
+            order = _saved_order(owner, i, len(group["params"]), group.get("param_names"),
+                                 saved.get("param_names"))
+            entries = [state_dict["state"].get(saved["params"][k]) or {} for k in order]
             flags = _param_groups.group_flags(owner, f"param_groups[{i}]", new_group)
             if flags.frozen:
                 if any(entries):
@@ -692,17 +879,17 @@ class Optimizer(torch.optim.Optimizer):
                     )
                 new_groups.append(new_group)
                 continue
-            plan = self._plan(i, new_group)
+            plan = self._plan(i, new_group, placed=True)  # loaded tensors go where params are
+            self._check_options(i, new_group, plan)
             self._check_multipliers(i, new_group, plan, flags)
             self._hyperparams(i, new_group, plan)
-            if any(entries):
-                for j, (p, entry) in enumerate(zip(group["params"], entries, strict=True)):
-                    loaded = self._load_entry(f"param {j} of param_groups[{i}]", plan, j, entry)
-                    if loaded:
-                        new_state[p] = loaded
+            for j, (p, entry) in enumerate(zip(group["params"], entries, strict=True)):
+                new_state[p] = (self._load_entry(f"param {j} of param_groups[{i}]", plan, j,
+                                                 entry) if any(entries) else {})
             new_groups.append(new_group)
         self.state = new_state
         self.param_groups = new_groups
+        self._unstepped.clear()
         self._state_shared = True  # the loaded tensors may be the caller's own
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
@@ -744,7 +931,7 @@ class Optimizer(torch.optim.Optimizer):
         # Plans are rebuilt on the next step; the transform's closures travel as they are.
         # A copy holds copies of the state tensors: it shares nothing with a state dict.
         return {**super().__getstate__(), "_transform": _HeldTransform(self._transform),
-                "_plans": [], "_fused": self._fused, "_state_shared": False}
+                "_plans": [], "_fused": self._fused, "_state_shared": False, "_unstepped": {}}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         held = state.get("_transform")
@@ -781,6 +968,31 @@ class _HeldTransform:
         except (pickle.PicklingError, AttributeError, TypeError) as error:
             raise TypeError(OPTIMIZER_NOT_PICKLABLE.format(error=error)) from None
         return (_HeldTransform, (self.transform,))
+
+
+def _placement(params: list[torch.Tensor]) -> tuple[tuple[torch.dtype, torch.device], ...]:
+    return tuple((p.dtype, p.device) for p in params)
+
+
+def _saved_order(owner: str, index: int, count: int, names: Any, saved: Any) -> list[int]:
+    """For each param of a group, the position of its entry in the saved group: by name when
+    both groups name their params (a model whose parameters were registered in another order
+    loads each param's own state), by position otherwise. Names that do not match raise."""
+    if names is None or saved is None:
+        return list(range(count))
+    names, saved = list(names), list(saved)
+    if names == saved:
+        return list(range(len(names)))
+    missing, extra = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
+    if missing or extra or len(set(saved)) != len(saved):
+        raise ValueError(
+            f"{owner}: param_groups[{index}] names its params {names}, the state dict's group "
+            f"{saved}: this group's {missing} have no saved state and the saved {extra} no "
+            f"param here. Fix: load the state dict into an optimizer over the same model "
+            f"(the same parameter names in each group)."
+        )
+    position = {name: k for k, name in enumerate(saved)}
+    return [position[name] for name in names]
 
 
 def _find_states(tree: Any, cls: type) -> list[Any]:

@@ -179,6 +179,10 @@ class TorchOptimizer(Optimizer):
         """The functopt transform this optimizer runs (``inject_hyperparams`` of a chain)."""
         return self._transform
 
+    def _kept_keys(self) -> frozenset[str]:
+        # torch's fixed options and execution hints: checked here, kept in every group.
+        return frozenset({*self.__dict__.get("_fixed", {}), *HINTS})
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """``torch.optim.Optimizer.add_param_group``; the fixed options must match."""
         owner = f"functopt.optim.{type(self).__name__}.add_param_group"
