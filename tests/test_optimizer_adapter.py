@@ -638,3 +638,25 @@ def test_eval_without_schedule_free_is_a_clear_error() -> None:
     with pytest.raises(TypeError, match="0 schedule_free stages"):
         opt.eval()
     opt.train()  # in train mode already: nothing to do
+
+
+def test_schedule_free_eval_with_named_params_writes_each_param_its_own_point() -> None:
+    """Named params: the state tree is a dict (flattened by sorted key), the group lists
+    the params in the module's order; eval() must pair them by name (it paired them by
+    position: a size error here, or silently swapped values for equal shapes)."""
+    def run(named: bool) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 4),
+                                    torch.nn.Linear(4, 2)).double()
+        given = model.named_parameters() if named else model.parameters()
+        opt = Optimizer(given, functopt.contrib.schedule_free_adamw(0.05), fused=False)
+        x = torch.randn(5, 3, dtype=torch.float64)
+        for _ in range(3):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+        opt.eval()
+        return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+    by_name, by_position = run(True), run(False)
+    assert all(torch.equal(by_name[k], by_position[k]) for k in by_name)

@@ -16,7 +16,6 @@ import torch
 
 from functopt._base import GradientTransformation
 from functopt.adapters import _param_groups
-from functopt.adapters.optimizer import _torch_names
 
 __all__: list[str] = []
 
@@ -155,7 +154,8 @@ class _Plan:
         """Name the group keys, once the state (and so the injected tensors) exists."""
         self.injected = dict(hyperparams or {})
         names = list(dict.fromkeys([*self.built, *self.injected]))
-        self.keys = _torch_names(_OWNER, names)
+        # the one group-key rule functopt.Optimizer uses for a factory it was given
+        self.keys = _param_groups.recipe_group_keys(_OWNER, None, names)
 
     def readable(self) -> set[str]:
         """The group keys this group's transform reads (plus the factory's other arguments)."""

@@ -714,7 +714,10 @@ class Optimizer(torch.optim.Optimizer):
         kept: list[tuple[torch.Tensor, torch.Tensor]] = []
         with torch.no_grad():
             for group, x in points:
-                for p, value in zip(group["params"], _core.flatten(x)[0], strict=True):
+                # paired in the tree's order (a named group's dict flattens by sorted key,
+                # not in the order of group["params"])
+                params = _core.flatten(self._tree(group, list(group["params"])))[0]
+                for p, value in zip(params, _core.flatten(x)[0], strict=True):
                     kept.append((p, p.detach().clone()))
                     p.copy_(value)
         self._train_params = kept
