@@ -64,8 +64,13 @@ def _masked_schedule() -> functopt.GradientTransformation:
         functopt.scale_by_learning_rate(functopt.schedules.cosine_decay_schedule(1e-2, 10)))
 
 
-@pytest.mark.parametrize("factory", [_lion, _clip_nadam, _masked_schedule],
-                         ids=["lion", "guard_clip_nadam", "masked_schedule"])
+def _ademamix() -> functopt.GradientTransformation:
+    # functopt.contrib: two momenta and a step count of its own (count_m2) moved by the call
+    return functopt.contrib.ademamix(1e-2, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("factory", [_lion, _clip_nadam, _masked_schedule, _ademamix],
+                         ids=["lion", "guard_clip_nadam", "masked_schedule", "ademamix"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_compiled_tier_obeys_the_fast_path_law(factory: Any, dtype: torch.dtype) -> None:
     """The conformance law (float64 to 1e-12, float32 to a few ulps per step), donated or
@@ -208,7 +213,10 @@ def test_what_the_tier_does_not_lower_is_said() -> None:
     lambda: functopt.adamw(1e-2, nesterov=True),
     lambda: functopt.chain(functopt.dampened_trace(0.9, 0.1),
                            functopt.scale_by_learning_rate(1e-2)),
-], ids=["radam", "adamax", "adadelta", "rprop", "nadamw", "dampened_sgd"])
+    lambda: functopt.contrib.adopt(1e-2), lambda: functopt.contrib.simplified_ademamix(1e-2),
+    lambda: functopt.contrib.madgrad(1e-2),
+], ids=["radam", "adamax", "adadelta", "rprop", "nadamw", "dampened_sgd", "adopt",
+        "simplified_ademamix", "madgrad"])
 def test_every_compiled_rule_obeys_the_law(factory: Any) -> None:
     params = _tree(torch.float64)
     assert fast.explain(factory(), params, compile=True).fast

@@ -9,6 +9,7 @@ import torch
 
 from functopt import _validate
 from functopt._base import GradientTransformation, Numeric, Params, ScalarOrSchedule, Updates
+from functopt._spec import Leafwise, specified
 from functopt.contrib import _shared
 from functopt.transforms import _common
 from functopt.transforms.adding import add_decayed_weights
@@ -141,7 +142,9 @@ def scale_by_ademamix(
             m1=_common.unflatten(treespec, new_m1), m2=_common.unflatten(treespec, new_m2),
             nu=_common.unflatten(treespec, new_nu))
 
-    return GradientTransformation(init_fn, update_fn)
+    return specified(GradientTransformation(init_fn, update_fn), Leafwise(
+        "scale_by_ademamix", {"b1": b1, "b2": b2, "b3": b3, "alpha": alpha, "eps": eps,
+            "eps_root": eps_root, "mu_dtype": mu_dtype}))
 
 
 def ademamix(
@@ -270,7 +273,9 @@ def scale_by_simplified_ademamix(
         return _common.unflatten(treespec, new_u), ScaleBySimplifiedAdEMAMixState(
             t=t, m=_common.unflatten(treespec, new_m), n=_common.unflatten(treespec, new_n))
 
-    return GradientTransformation(init_fn, update_fn)
+    return specified(GradientTransformation(init_fn, update_fn), Leafwise(
+        "scale_by_simplified_ademamix", {"b1": b1, "b2": b2, "alpha": alpha, "eps": eps,
+            "eps_root": eps_root}))
 
 
 def simplified_ademamix(

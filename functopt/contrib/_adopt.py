@@ -10,6 +10,7 @@ import torch
 
 from functopt import _validate
 from functopt._base import GradientTransformation, Numeric, Params, ScalarOrSchedule, Updates
+from functopt._spec import Leafwise, specified
 from functopt.contrib import _shared
 from functopt.transforms import _common
 from functopt.transforms.combining import chain
@@ -123,7 +124,9 @@ def scale_by_adopt(
             nu=_common.unflatten(treespec, new_nus),
         )
 
-    return GradientTransformation(init_fn, update_fn)
+    return specified(GradientTransformation(init_fn, update_fn), Leafwise(
+        "scale_by_adopt", {"b1": b1, "b2": b2, "eps": eps, "mu_dtype": mu_dtype,
+            "nesterov": nesterov, "use_clipping": use_clipping}))
 
 
 def adopt(

@@ -9,6 +9,7 @@ import torch
 
 from functopt import _validate
 from functopt._base import GradientTransformation, Numeric, Params, ScalarOrSchedule, Updates
+from functopt._spec import Leafwise, specified
 from functopt.contrib import _shared
 from functopt.transforms import _common
 from functopt.transforms.adding import add_decayed_weights
@@ -117,7 +118,9 @@ def scale_by_madgrad(
             x0=_common.unflatten(treespec, new_x0s),
         )
 
-    return GradientTransformation(init_fn, update_fn)
+    return specified(GradientTransformation(init_fn, update_fn), Leafwise(
+        "scale_by_madgrad", {"learning_rate": learning_rate, "momentum": momentum,
+            "eps": eps}))
 
 
 def madgrad(

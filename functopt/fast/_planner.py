@@ -97,6 +97,11 @@ COMPILED_SLOTS: dict[str, tuple[str, ...]] = {
     "scale_by_adadelta": ("e_g", "e_x"),
     "scale_by_rprop": ("step_sizes", "prev_updates"),
     "dampened_trace": ("trace",),
+    # functopt.contrib
+    "scale_by_adopt": ("mu", "nu"),
+    "scale_by_ademamix": ("m1", "m2", "nu"),
+    "scale_by_simplified_ademamix": ("m", "n"),
+    "scale_by_madgrad": ("grad_sum_sq", "s", "x0"),
 }
 _KERNEL_SLOTS: dict[str, tuple[str, ...]] = {
     "scale_by_adam": ("mu", "nu"), "scale_by_amsgrad": ("mu", "nu", "nu_max"),

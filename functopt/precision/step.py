@@ -234,7 +234,10 @@ def mixed_precision(
             values over a subgroup; one value, a pytree of them with the params' structure
             (or a prefix), or a function of the params. See
             [`global_grad_stats`][functopt.distributed.global_grad_stats]. Without it, a
-            plain param in a sum over a group raises, saying how to declare it.
+            plain param in a sum over a group raises, saying how to declare it. A DTensor
+            param on a sub-mesh of the group (under FSDP2 x TP, a param left out of the
+            tensor-parallel plan lives on the data-parallel mesh only) needs a declaration
+            too: ``True``, the group it repeats over, or ``False``.
         count_zeros: count the zero gradient elements into ``metrics.num_zeros``
             (Megatron-LM's ``count_zeros``; one more read of the gradients). With False,
             ``metrics.num_zeros`` is -1.
