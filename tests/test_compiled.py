@@ -259,3 +259,35 @@ def test_mixed_precision_rides_the_compiled_tier(donate: bool) -> None:
                                        atol=0.0)
             assert torch.equal(p_fast[k], s_fast.master[k].to(torch.bfloat16))
     assert int(s_fast.metrics.skipped_steps) == int(s_pure.metrics.skipped_steps) == 1
+
+
+def test_each_group_compiles_its_own_code() -> None:
+    """Dynamo keeps compiled graphs per code object and runs a function uncompiled past its
+    recompile limit (8): every group's function has a code object of its own, so many
+    groups and transforms in one process never share (and exhaust) one limit (with one
+    code object shared by all of them would stop being compiled at that limit)."""
+    from functopt.fast import _compiled
+
+    first, second = _compiled._body(()), _compiled._body(())
+    assert first.__code__ is not second.__code__
+    assert first.__code__.co_code == second.__code__.co_code  # the same function, renamed
+
+
+@pytest.mark.slow
+def test_ten_transforms_in_one_process_all_compile() -> None:
+    """Ten Lion configurations (ten groups) in one process: each is compiled (one graph
+    each), none runs uncompiled past Dynamo's recompile limit, each equals its pure step."""
+    from torch._dynamo.utils import counters
+
+    params = _tree(torch.float64)
+    grads = _grads(params, 9)
+    before = counters["stats"]["unique_graphs"]
+    for i in range(10):
+        tx = functopt.lion(1e-2 * (i + 1), weight_decay=0.1)
+        with torch.no_grad():
+            new, _ = fast.make_step(tx, compile=True)(grads, tx.init(params), params)
+        updates, _ = tx.update(grads, tx.init(params), params)
+        expected = functopt.apply_updates(params, updates)
+        for k in params:  # the conformance law's float64 bound
+            torch.testing.assert_close(new[k], expected[k], rtol=1e-12, atol=1e-300)
+    assert counters["stats"]["unique_graphs"] - before >= 10

@@ -101,6 +101,8 @@ def test_errors() -> None:
     host, buffers = offload(state)
     with pytest.raises(ValueError, match=r"buffers must be the tuple of 3 entries"):
         offload(state, buffers=buffers[:2])
+    with pytest.raises(TypeError, match=r"buffers must be the tuple a previous call returned"):
+        offload(state, buffers=list(buffers))  # another kind of value: TypeError
     with pytest.raises(ValueError, match=r"host buffer for '0.mu.w' is a float32 tensor of "
                                          r"shape \(3,\), but the leaf is a float32 tensor of "
                                          r"shape \(2,\)"):

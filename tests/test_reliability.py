@@ -489,6 +489,23 @@ def test_a_state_on_another_device_is_refused_naming_the_leaf(tx, field) -> None
     tx.update(_g4(), state, params)  # on the params' device it still works
 
 
+@pytest.mark.parametrize("compile", [False, True], ids=["kernels", "compiled"])
+def test_a_state_on_another_device_is_refused_naming_the_leaf_on_the_fast_path(compile) -> None:
+    """make_step: the planner refuses the group (a state entry on another device than its
+    param), so the step takes the pure path, which names the leaf, instead of failing
+    inside a PyTorch kernel."""
+    tx = functopt.adamw(0.1) if not compile else functopt.lion(0.1)
+    params = {"w": torch.zeros(4, 3), "b": torch.zeros(3)}
+    moved = functopt.tree.map(
+        lambda x: x.to("meta") if isinstance(x, torch.Tensor) and x.dim() > 0 else x,
+        tx.init(params))
+    explained = functopt.fast.explain(tx, params, moved, compile=compile)
+    assert not explained.fast and "is on meta, the param on cpu" in str(explained.reason)
+    with torch.no_grad(), pytest.warns(functopt.fast.FastPathWarning), pytest.raises(
+            ValueError, match=r"state\.mu leaf '(b|w)' is on meta but its update is on cpu"):
+        functopt.fast.make_step(tx, compile=compile)(_g4(), moved, params)
+
+
 def _g4() -> dict[str, torch.Tensor]:
     return {"w": torch.ones(4, 3), "b": torch.ones(3)}
 

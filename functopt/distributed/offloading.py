@@ -78,7 +78,12 @@ def _leaves(owner: str, tree: Any) -> tuple[list[Any], _core.TreeSpec]:
 
 def _check_buffers(owner: str, buffers: Any, locals_: list[torch.Tensor | None],
                    treespec: _core.TreeSpec, what: str) -> list[Any]:
-    if not isinstance(buffers, tuple) or len(buffers) != len(locals_):
+    if not isinstance(buffers, tuple):  # another kind of value: the package's TypeError
+        raise TypeError(
+            f"{owner}: buffers must be the tuple a previous call returned (or None), got "
+            f"{_core._describe(buffers)}. Fix: pass buffers=None to allocate new ones."
+        )
+    if len(buffers) != len(locals_):
         raise ValueError(
             f"{owner}: buffers must be the tuple of {len(locals_)} entries a previous call "
             f"returned for a state of this structure, got "
@@ -118,6 +123,7 @@ def offload(state: Any, *, buffers: tuple[Any, ...] | None = None
 
     Raises:
         TypeError: a leaf is not a tensor or None.
+        TypeError: ``buffers`` is not a tuple.
         ValueError: ``buffers`` do not fit the state (naming the leaf).
 
     Examples:
@@ -173,6 +179,7 @@ def reload(offloaded: OffloadedState, device: torch.device | str | None = None, 
 
     Raises:
         TypeError: ``offloaded`` is not an ``OffloadedState``.
+        TypeError: ``buffers`` is not a tuple.
         ValueError: ``buffers`` do not fit the state (naming the leaf).
 
     Examples:

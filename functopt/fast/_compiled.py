@@ -21,6 +21,8 @@ no tensor between calls: every buffer it writes belongs to the caller's params o
 
 from __future__ import annotations
 
+import itertools
+import types
 from typing import Any
 
 import optree
@@ -31,6 +33,8 @@ from functopt.fast._layout import dense, end_to_end, memory_view, shaped_like
 from functopt.transforms import _common
 
 __all__ = ["flat_layout", "layout_problem", "run_group"]
+
+_GROUPS = itertools.count()  # names the compiled function of each group
 
 
 def layout_problem(plan: Any, local: torch.Tensor, state_leaves: list[Any]) -> str | None:
@@ -46,6 +50,9 @@ def layout_problem(plan: Any, local: torch.Tensor, state_leaves: list[Any]) -> s
             if not isinstance(s, torch.Tensor):
                 return f"its {op.kind} state.{slot} is not a tensor"
             ls = local_tensor(s)
+            if ls.device != local.device:
+                return (f"its {op.kind} state.{slot} is on {ls.device}, the param on "
+                        f"{local.device}")
             if ls.shape != local.shape or (ls.stride() != local.stride()
                                             and local.numel() > 1):
                 return (f"its {op.kind} state.{slot} has shape {tuple(ls.shape)} and strides "
@@ -122,7 +129,12 @@ def _body(ops: tuple[Any, ...]) -> Any:
         for old, new in zip(slots, new_slots, strict=True):
             old.copy_(new)
         return new_shared
-    return step
+    # A code object of its own per group: Dynamo keeps its compiled graphs per code object,
+    # with a limit of recompiles (8 by default) past which it runs the function uncompiled;
+    # one code object shared by every group of every transform would reach it.
+    code = step.__code__.replace(co_name=f"compiled_group_{next(_GROUPS)}")
+    return types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__,
+                              step.__closure__)
 
 
 def run_group(group: Any, values: list[Any], grads: list[Any], state_leaves: list[Any],

@@ -715,6 +715,9 @@ def _layout_problem(plan: _KernelPlan, v: Any, state_leaves: list[Any], i: int,
             if not isinstance(s, torch.Tensor):
                 return f"its {op.kind} state.{slot} is {_core._describe(s)}"
             ls = local_tensor(s)
+            if ls.device != local.device:
+                return (f"its {op.kind} state.{slot} is on {ls.device}, the param on "
+                        f"{local.device}")
             if ls.dtype != local.dtype or ls.shape != local.shape:
                 return (f"its {op.kind} state.{slot} is {_core._describe(ls)} for a "
                         f"{_core._describe(local)} (the kernels need one dtype per leaf)")
