@@ -46,12 +46,18 @@ class FunctoptChain(C.Contender):
 
     def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor],
                  tx: functopt.GradientTransformation, *, fast: bool,
-                 compile: bool = False) -> None:
+                 compile: bool = False, one_buffer: bool = False) -> None:
         super().__init__()
         self.name = "functopt compiled" if compile else (
             "functopt fused" if fast else "functopt pure")
         names = C._names(len(params))
         self.params = {k: p.clone() for k, p in zip(names, params, strict=True)}
+        if one_buffer:  # params as views of one buffer (a contiguous parameter buffer)
+            self.name += ", params in one buffer"
+            flat = torch.cat([p.reshape(-1) for p in self.params.values()])
+            pieces = flat.split([p.numel() for p in self.params.values()])
+            self.params = {k: piece.view(p.shape) for (k, p), piece in
+                           zip(self.params.items(), pieces, strict=True)}
         self.grads = {k: g.clone() for k, g in zip(names, grads, strict=True)}
         self.tx, self.fast = tx, fast or compile
         # the grads are handed over too, as clip_grad_norm_ scales torch's in place

@@ -30,7 +30,8 @@ CASES = {"adamw", "mixed", "chains", "mixed_chains", "small", "leaves", "size", 
          "compile", "bandwidth"}
 ADAMW_NAMES = {"functopt pure", "functopt fused", "torch foreach", "torch fused"}
 MIXED_NAMES = {"functopt pure", "functopt fused", "torch idiom"}
-COMPILE_NAMES = {"functopt compiled", "functopt pure", "torch fused"}
+COMPILE_NAMES = {"functopt compiled", "functopt compiled, params in one buffer",
+                 "functopt pure", "torch fused"}
 # the adamw case also times the torch.optim.Optimizer adapter
 ADAMW_CASE_NAMES = ADAMW_NAMES | {"functopt.Optimizer"}
 
@@ -104,7 +105,8 @@ def test_quick_run_reports_every_case_with_positive_finite_timings(quick_report)
     assert report["config"]["quick"] is True and report["config"]["repeats"] == 2
     assert report["config"]["threads"] == 1
     timings = _timings(report)
-    assert len(timings) == 5 + 3 + 3 + 4 * 3 + 4 * 1 + 3
+    # adamw 5, mixed 3, compile 4, leaves 4 points x 3, size 4 x 1, bandwidth 3
+    assert len(timings) == 5 + 3 + 4 + 4 * 3 + 4 * 1 + 3
     for label, t in timings:
         # Bandwidth takes at least 3 samples whatever --repeats says (it is cheap).
         assert len(t["samples_s"]) == (3 if label.startswith("bandwidth") else 2), label
@@ -212,6 +214,7 @@ def test_quick_run_compile_case(quick_report):
     assert len(res["first_calls_s"]) == 3 and all(map(_positive_finite, res["first_calls_s"]))
     assert res["check"]["passed"] is True and res["check"]["reference"] == "functopt pure"
     assert set(res["ratios"]) == {"functopt compiled/torch fused",
+                                  "functopt compiled, params in one buffer/torch fused",
                                   "functopt pure/torch fused"}
     assert "compile time (wall time of the first call)" in stdout
 
