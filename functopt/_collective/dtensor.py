@@ -63,7 +63,9 @@ def local_tensor(x: torch.Tensor) -> torch.Tensor:
         >>> local_tensor(x) is x  # a plain tensor is its own shard
         True
     """
-    if type(x) is torch.Tensor:  # the common case, without the DTensor lookup
+    # the common cases, without the DTensor lookup (nn.Parameter of a DTensor keeps the
+    # DTensor type, so it is not caught here)
+    if type(x) is torch.Tensor or type(x) is torch.nn.Parameter:
         return x
     return x.to_local() if is_dtensor(x) else x
 
