@@ -31,8 +31,9 @@ import torch
 from functopt._collective.dtensor import _rewrap_like, local_tensor
 from functopt.fast._layout import dense, end_to_end, memory_view, shaped_like
 from functopt.transforms import _common
+from functopt.tree import _core
 
-__all__ = ["flat_layout", "layout_problem", "run_group"]
+__all__ = ["entries_problem", "flat_layout", "layout_problem", "run_group"]
 
 _GROUPS = itertools.count()  # names the compiled function of each group
 
@@ -44,19 +45,30 @@ def layout_problem(plan: Any, local: torch.Tensor, state_leaves: list[Any]) -> s
         return f"{local.dtype} is not a floating dtype"
     if not dense(local):
         return f"its layout (strides {local.stride()}) is not dense"
-    for op in plan.ops:
+    return entries_problem(plan.ops, local, state_leaves, same_dtype=False)
+
+
+def entries_problem(ops: Any, local: torch.Tensor, state_leaves: list[Any], *,
+                    same_dtype: bool) -> str | None:
+    """Why the per-leaf state entries of ``ops`` cannot be read linearly beside the value
+    ``local`` (a leaf's local shard), or None: each a tensor on its device, of its shape
+    and strides, and with ``same_dtype`` (the PyTorch kernels) of its dtype."""
+    for op in ops:
         for slot, k in op.slots.items():
             s = state_leaves[k]
             if not isinstance(s, torch.Tensor):
-                return f"its {op.kind} state.{slot} is not a tensor"
+                return f"its {op.kind} state.{slot} is {_core._describe(s)}"
             ls = local_tensor(s)
             if ls.device != local.device:
                 return (f"its {op.kind} state.{slot} is on {ls.device}, the param on "
                         f"{local.device}")
-            if ls.shape != local.shape or (ls.stride() != local.stride()
-                                            and local.numel() > 1):
-                return (f"its {op.kind} state.{slot} has shape {tuple(ls.shape)} and strides "
-                        f"{ls.stride()}, the param {tuple(local.shape)} and {local.stride()}")
+            if (same_dtype and ls.dtype != local.dtype) or ls.shape != local.shape:
+                return (f"its {op.kind} state.{slot} is {_core._describe(ls)} for a "
+                        f"{_core._describe(local)}" + (
+                            " (the kernels need one dtype per leaf)" if same_dtype else ""))
+            if ls.stride() != local.stride() and local.numel() > 1:
+                return (f"its {op.kind} state.{slot} has strides {ls.stride()}, the param "
+                        f"{local.stride()}")
     return None
 
 

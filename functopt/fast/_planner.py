@@ -708,22 +708,11 @@ def _layout_problem(plan: _KernelPlan, v: Any, state_leaves: list[Any], i: int,
                 f"(pytorch/pytorch#191763)")
     if not _dense(local):
         return f"its layout (strides {local.stride()}) is not dense"
-    ops = [op for op in (plan.adam, plan.trace) if op is not None]
-    for op in ops:
-        for slot, k in op.slots.items():
-            s = state_leaves[k]
-            if not isinstance(s, torch.Tensor):
-                return f"its {op.kind} state.{slot} is {_core._describe(s)}"
-            ls = local_tensor(s)
-            if ls.device != local.device:
-                return (f"its {op.kind} state.{slot} is on {ls.device}, the param on "
-                        f"{local.device}")
-            if ls.dtype != local.dtype or ls.shape != local.shape:
-                return (f"its {op.kind} state.{slot} is {_core._describe(ls)} for a "
-                        f"{_core._describe(local)} (the kernels need one dtype per leaf)")
-            if ls.stride() != local.stride() and local.numel() > 1:
-                return (f"its {op.kind} state.{slot} has strides {ls.stride()}, the param "
-                        f"{local.stride()}")
+    problem = _compiled.entries_problem(
+        [op for op in (plan.adam, plan.trace) if op is not None], local, state_leaves,
+        same_dtype=True)
+    if problem is not None:
+        return problem
     if plan.trace is not None and _python(plan.trace.args["decay"]) == 0:
         return ("trace(decay=0) keeps a trace equal to the gradient, which "
                 "torch._fused_sgd_ does not write without momentum")
