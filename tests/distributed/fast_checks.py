@@ -152,6 +152,42 @@ def composed_chain_on_sharded_params_one_collective(rank: int, world: int) -> No
         assert int(state.total_notfinite) == 1  # the skipped step, on every rank
 
 
+@check
+def compiled_tier_on_sharded_params_one_collective(rank: int, world: int) -> None:
+    """make_step(apply_if_finite(chain(clip, lion)), compile=True) on Shard(0) params (the
+    compiled tier over each rank's local shards, state from step.init): one all-reduce per
+    step, DTensors placed like the params, equal to the full tensors' pure path, an inf in
+    one rank's shard skipping every rank's step."""
+    del rank
+    warnings.filterwarnings("ignore", message=r".*torch\.jit\.script_method.*")
+    mesh = _mesh(world)
+    for donate in (False, True):
+        tx = functopt.apply_if_finite(functopt.chain(
+            functopt.clip_by_global_norm(0.5), functopt.lion(1e-2, weight_decay=0.1)), 3)
+        full = _full_params(4, torch.float64)
+        params = _shard(full, mesh)
+        step = make_step(tx, donate=donate, compile=True)
+        state, ref_state = step.init(params), tx.init(full)
+        assert functopt.fast.explain(tx, params, state, compile=True).fast
+        for i in range(3):
+            gen = torch.Generator().manual_seed(40 + i)
+            gfull = {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) * 2
+                     for k, v in full.items()}
+            if i == 1:
+                gfull["m"][-1, 0] = float("inf")  # the last rows: the last rank's shard
+            grads = _shard(gfull, mesh)
+            with CommDebugMode() as comm, torch.no_grad():
+                params, state = step(grads, state, params)
+            assert comm.get_total_counts() == 1, ("one collective", comm.get_comm_counts())
+            updates, ref_state = tx.update(gfull, ref_state, full)
+            full = functopt.apply_updates(full, updates)
+            for k, p in params.items():
+                assert isinstance(p, DTensor) and p.placements == (Shard(0),), (donate, k)
+            _assert_close(params, full, f"compiled donate={donate} step {i} params")
+            _assert_close(state, ref_state, f"compiled donate={donate} step {i} state")
+        assert int(state.total_notfinite) == 1  # the skipped step, on every rank
+
+
 def _clip_adamw() -> functopt.GradientTransformation:
     return functopt.chain(functopt.clip_by_global_norm(0.05),
                           functopt.adamw(1e-2, weight_decay=0.1))
