@@ -213,10 +213,12 @@ def test_what_the_tier_does_not_lower_is_said() -> None:
     lambda: functopt.adamw(1e-2, nesterov=True),
     lambda: functopt.chain(functopt.dampened_trace(0.9, 0.1),
                            functopt.scale_by_learning_rate(1e-2)),
+    lambda: functopt.rmsprop(1e-2, momentum=0.9), lambda: functopt.rmsprop(1e-2, centered=True),
+    lambda: functopt.adagrad(1e-2),
     lambda: functopt.contrib.adopt(1e-2), lambda: functopt.contrib.simplified_ademamix(1e-2),
     lambda: functopt.contrib.madgrad(1e-2),
-], ids=["radam", "adamax", "adadelta", "rprop", "nadamw", "dampened_sgd", "adopt",
-        "simplified_ademamix", "madgrad"])
+], ids=["radam", "adamax", "adadelta", "rprop", "nadamw", "dampened_sgd", "rmsprop_momentum",
+        "rmsprop_centered", "adagrad", "adopt", "simplified_ademamix", "madgrad"])
 def test_every_compiled_rule_obeys_the_law(factory: Any) -> None:
     params = _tree(torch.float64)
     assert fast.explain(factory(), params, compile=True).fast

@@ -97,6 +97,9 @@ COMPILED_SLOTS: dict[str, tuple[str, ...]] = {
     "scale_by_adadelta": ("e_g", "e_x"),
     "scale_by_rprop": ("step_sizes", "prev_updates"),
     "dampened_trace": ("trace",),
+    "scale_by_rms": ("nu",),
+    "scale_by_stddev": ("mu", "nu"),
+    "scale_by_rss": ("sum_of_squares",),
     # functopt.contrib
     "scale_by_adopt": ("mu", "nu"),
     "scale_by_ademamix": ("m1", "m2", "nu"),

@@ -141,7 +141,9 @@ def scale_by_rms(
         new_state = ScaleByRmsState(count=count, nu=_common.unflatten(treespec, new_nus))
         return _common.unflatten(treespec, new_updates), new_state
 
-    return GradientTransformation(init_fn, update_fn)
+    return specified(GradientTransformation(init_fn, update_fn), Leafwise(
+        "scale_by_rms", {"decay": decay, "eps": eps, "initial_scale": initial_scale,
+        "eps_in_sqrt": eps_in_sqrt, "bias_correction": bias_correction}))
 
 
 class ScaleByRStdDevState(NamedTuple):
@@ -247,7 +249,9 @@ def scale_by_stddev(
         )
         return _common.unflatten(treespec, new_updates), new_state
 
-    return GradientTransformation(init_fn, update_fn)
+    return specified(GradientTransformation(init_fn, update_fn), Leafwise(
+        "scale_by_stddev", {"decay": decay, "eps": eps, "initial_scale": initial_scale,
+        "eps_in_sqrt": eps_in_sqrt, "bias_correction": bias_correction}))
 
 
 class ScaleByRssState(NamedTuple):
@@ -339,7 +343,9 @@ def scale_by_rss(
         new_state = ScaleByRssState(sum_of_squares=_common.unflatten(treespec, new_sums))
         return _common.unflatten(treespec, new_updates), new_state
 
-    return GradientTransformation(init_fn, update_fn)
+    return specified(GradientTransformation(init_fn, update_fn), Leafwise(
+        "scale_by_rss", {"initial_accumulator_value": initial_accumulator_value, "eps": eps,
+        "eps_in_sqrt": eps_in_sqrt}))
 
 
 class ScaleByAdaDeltaState(NamedTuple):
