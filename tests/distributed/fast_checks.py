@@ -118,59 +118,22 @@ def make_step_on_sharded_params_equals_full(rank: int, world: int) -> None:
             _assert_close(state, ref_state, f"donate={donate} step {i} state")
 
 
-@check
-def composed_chain_on_sharded_params_one_collective(rank: int, world: int) -> None:
-    """apply_if_finite(chain(clip_by_global_norm, adamw with a no-decay mask)) on Shard(0)
-    params: one all-reduce per step (the clip's sum of squares and the guard's non-finite
-    count, packed), results equal to the full tensors' pure path, an inf in one rank's
-    shard skipping every rank's step."""
-    del rank
+def _guarded_chain_run(world: int, rule: Any, *, compile: bool, seed: int) -> None:
+    """apply_if_finite(chain(clip_by_global_norm, rule)) stepped 3 times on Shard(0)
+    params, donated and not: one all-reduce per step, DTensors placed like the params,
+    equal to the full tensors' pure path, an inf in the last rank's shard skipping every
+    rank's step. ``compile``: the compiled tier, its state from ``step.init``."""
     mesh = _mesh(world)
     for donate in (False, True):
-        tx = functopt.apply_if_finite(functopt.chain(
-            functopt.clip_by_global_norm(0.5), functopt.adamw(
-                1e-2, weight_decay=0.1, mask={"w": True, "b": False, "m": True})), 3)
-        full = _full_params(2, torch.float64)
+        tx = functopt.apply_if_finite(functopt.chain(functopt.clip_by_global_norm(0.5),
+                                                     rule()), 3)
+        full = _full_params(seed, torch.float64)
         params = _shard(full, mesh)
-        state, ref_state = tx.init(params), tx.init(full)
-        assert functopt.fast.explain(tx, params, state).fast
-        step = make_step(tx, donate=donate)
-        for i in range(3):
-            gen = torch.Generator().manual_seed(30 + i)
-            gfull = {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) * 2
-                     for k, v in full.items()}
-            if i == 1:
-                gfull["m"][-1, 0] = float("inf")  # the last rows: the last rank's shard
-            grads = _shard(gfull, mesh)
-            with CommDebugMode() as comm, torch.no_grad():
-                params, state = step(grads, state, params)
-            assert comm.get_total_counts() == 1, ("one collective", comm.get_comm_counts())
-            updates, ref_state = tx.update(gfull, ref_state, full)
-            full = functopt.apply_updates(full, updates)
-            _assert_close(params, full, f"donate={donate} step {i} params")
-            _assert_close(state, ref_state, f"donate={donate} step {i} state")
-        assert int(state.total_notfinite) == 1  # the skipped step, on every rank
-
-
-@check
-def compiled_tier_on_sharded_params_one_collective(rank: int, world: int) -> None:
-    """make_step(apply_if_finite(chain(clip, lion)), compile=True) on Shard(0) params (the
-    compiled tier over each rank's local shards, state from step.init): one all-reduce per
-    step, DTensors placed like the params, equal to the full tensors' pure path, an inf in
-    one rank's shard skipping every rank's step."""
-    del rank
-    warnings.filterwarnings("ignore", message=r".*torch\.jit\.script_method.*")
-    mesh = _mesh(world)
-    for donate in (False, True):
-        tx = functopt.apply_if_finite(functopt.chain(
-            functopt.clip_by_global_norm(0.5), functopt.lion(1e-2, weight_decay=0.1)), 3)
-        full = _full_params(4, torch.float64)
-        params = _shard(full, mesh)
-        step = make_step(tx, donate=donate, compile=True)
+        step = make_step(tx, donate=donate, compile=compile)
         state, ref_state = step.init(params), tx.init(full)
-        assert functopt.fast.explain(tx, params, state, compile=True).fast
+        assert functopt.fast.explain(tx, params, state, compile=compile).fast
         for i in range(3):
-            gen = torch.Generator().manual_seed(40 + i)
+            gen = torch.Generator().manual_seed(10 * seed + 10 + i)
             gfull = {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) * 2
                      for k, v in full.items()}
             if i == 1:
@@ -183,9 +146,31 @@ def compiled_tier_on_sharded_params_one_collective(rank: int, world: int) -> Non
             full = functopt.apply_updates(full, updates)
             for k, p in params.items():
                 assert isinstance(p, DTensor) and p.placements == (Shard(0),), (donate, k)
-            _assert_close(params, full, f"compiled donate={donate} step {i} params")
-            _assert_close(state, ref_state, f"compiled donate={donate} step {i} state")
+            what = f"compile={compile} donate={donate} step {i}"
+            _assert_close(params, full, f"{what} params")
+            _assert_close(state, ref_state, f"{what} state")
         assert int(state.total_notfinite) == 1  # the skipped step, on every rank
+
+
+@check
+def composed_chain_on_sharded_params_one_collective(rank: int, world: int) -> None:
+    """The guarded chain of `_guarded_chain_run` with adamw and a no-decay mask, on the
+    kernels (the clip's sum of squares and the guard's non-finite count in one packed
+    all-reduce)."""
+    del rank
+    _guarded_chain_run(world, lambda: functopt.adamw(
+        1e-2, weight_decay=0.1, mask={"w": True, "b": False, "m": True}), compile=False,
+        seed=2)
+
+
+@check
+def compiled_tier_on_sharded_params_one_collective(rank: int, world: int) -> None:
+    """The guarded chain of `_guarded_chain_run` with lion, on the compiled tier over each
+    rank's local shards."""
+    del rank
+    warnings.filterwarnings("ignore", message=r".*torch\.jit\.script_method.*")
+    _guarded_chain_run(world, lambda: functopt.lion(1e-2, weight_decay=0.1), compile=True,
+                       seed=4)
 
 
 def _clip_adamw() -> functopt.GradientTransformation:
