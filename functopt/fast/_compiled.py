@@ -102,15 +102,6 @@ def _scatter(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]
     return out
 
 
-def _pieces(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``flat`` cut into 1-d pieces of the sizes of ``like``."""
-    out, start = [], 0
-    for t in like:
-        out.append(flat[start:start + t.numel()])
-        start += t.numel()
-    return out
-
-
 def _body(ops: tuple[Any, ...]) -> Any:
     """The function compiled for one group: the rules' pure updates over flat tensors,
     written into them in place; returns the new shared state entries of each rule."""
@@ -193,10 +184,10 @@ def run_group(group: Any, values: list[Any], grads: list[Any], state_leaves: lis
     new_shared = fn(g_flat, p_flat, slot_flats, shared, scale, skip)
     if donate:
         if not p_view:
-            torch._foreach_copy_([memory_view(p) for p in ps], _pieces(p_flat, ps))
+            torch._foreach_copy_(ps, _scatter(p_flat, ps))
         for (_, tensors), flat, view in zip(slot_sets, slot_flats, slot_views, strict=True):
             if not view:
-                torch._foreach_copy_([memory_view(t) for t in tensors], _pieces(flat, tensors))
+                torch._foreach_copy_(tensors, _scatter(flat, tensors))
     else:
         for i, out in zip(idx, _scatter(p_flat, ps), strict=True):
             new_values[i] = _rewrap_like(values[i], out)
