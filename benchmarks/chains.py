@@ -52,17 +52,18 @@ class FunctoptChain(C.Contender):
             "functopt fused" if fast else "functopt pure")
         names = C._names(len(params))
         self.params = {k: p.clone() for k, p in zip(names, params, strict=True)}
-        if one_buffer:  # params as views of one buffer (a contiguous parameter buffer)
-            self.name += ", params in one buffer"
-            flat = torch.cat([p.reshape(-1) for p in self.params.values()])
-            pieces = flat.split([p.numel() for p in self.params.values()])
-            self.params = {k: piece.view(p.shape) for (k, p), piece in
-                           zip(self.params.items(), pieces, strict=True)}
         self.grads = {k: g.clone() for k, g in zip(names, grads, strict=True)}
         self.tx, self.fast = tx, fast or compile
         # the grads are handed over too, as clip_grad_norm_ scales torch's in place
         self.step_fn = functopt.fast.make_step(
             tx, donate=True, donate_grads=True, compile=compile) if self.fast else None
+        if one_buffer:  # step.lay_out: params and their grads in one buffer per group
+            assert self.step_fn is not None and compile
+            self.name += ", lay_out"
+            for p, g in zip(self.params.values(), self.grads.values(), strict=True):
+                p.grad = g
+            self.params = self.step_fn.lay_out(self.params)
+            self.grads = {k: p.grad for k, p in self.params.items()}
         # the compiled tier's state laid out flat by step.init (values as tx.init's)
         self.state = self.step_fn.init(self.params) if compile else tx.init(self.params)
         self.start = list(self.params.values())
@@ -144,13 +145,13 @@ class FunctoptMixedChain(C.FunctoptMixed):
     """``mixed_precision(chain(clip_by_global_norm(1), adamw), donate=True)``."""
 
     def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor], *,
-                 fused: bool) -> None:
-        super().__init__(params, grads, fused=fused)
+                 fused: bool, compile: bool = False) -> None:
+        super().__init__(params, grads, fused=fused, compile=compile)
         inner = functopt.chain(functopt.clip_by_global_norm(MAX_NORM), _adamw())
         self.mp = functopt.precision.mixed_precision(
-            inner, loss_scale=_loss_scale(), fused=fused, donate=fused, count_zeros=False)
-        self.state = self.mp.init(self.params)
-        self.start = [*self.params.values(), *self.state.master.values()]
+            inner, loss_scale=_loss_scale(), fused=fused, donate=fused, count_zeros=False,
+            compile=compile)
+        self.setup(compile)
 
 
 class FacadeMixed(C.Contender):
@@ -208,9 +209,11 @@ def mixed_contenders(case: str, shapes: list[tuple[int, ...]], seed: int = 0,
     ref = C.FunctoptMixed(params, grads, fused=False)
     idiom = C.TorchMixedIdiom(params, grads)
     if case == "max_grad_norm":
-        return [ref, C.FunctoptMixed(params, grads, fused=True), idiom], []
+        return [ref, C.FunctoptMixed(params, grads, fused=True),
+                C.FunctoptMixed(params, grads, fused=True, compile=True), idiom], []
     if case == "chain_clip":
-        return [ref, FunctoptMixedChain(params, grads, fused=True), idiom], []
+        return [ref, FunctoptMixedChain(params, grads, fused=True),
+                FunctoptMixedChain(params, grads, fused=True, compile=True), idiom], []
     if case == "facade_1_group":
         return [ref, FacadeMixed(params, grads, groups=False), idiom], []
     # decay / no-decay groups: the idiom decays the vectors too, so it is the yardstick

@@ -30,7 +30,7 @@ CASES = {"adamw", "mixed", "chains", "mixed_chains", "small", "leaves", "size", 
          "compile", "bandwidth"}
 ADAMW_NAMES = {"functopt pure", "functopt fused", "torch foreach", "torch fused"}
 MIXED_NAMES = {"functopt pure", "functopt fused", "torch idiom"}
-COMPILE_NAMES = {"functopt compiled", "functopt compiled, params in one buffer",
+COMPILE_NAMES = {"functopt compiled", "functopt compiled, lay_out",
                  "functopt pure", "torch fused"}
 # the adamw case also times the torch.optim.Optimizer adapter
 ADAMW_CASE_NAMES = ADAMW_NAMES | {"functopt.Optimizer"}
@@ -97,6 +97,11 @@ def test_quick_run_reports_the_composed_chains(quick_report):
     assert cases["chains"]["subcases"]["clip_adamw"]["ratio_of"] == \
         "functopt fused/torch fused"
     assert "torch fused AdamW" in cases["chains"]["subcases"]["lion"]["timings"]
+    for name in ("max_grad_norm", "chain_clip"):  # the compiled mixed step beside the fused
+        ratios = cases["mixed_chains"]["subcases"][name]["ratios"]
+        assert set(ratios) == {"functopt fused/torch idiom",
+                               "functopt compiled, lay_out/torch idiom"}, name
+        assert all(map(_positive_finite, ratios.values())), name
 
 
 def test_quick_run_reports_every_case_with_positive_finite_timings(quick_report):
@@ -214,7 +219,7 @@ def test_quick_run_compile_case(quick_report):
     assert len(res["first_calls_s"]) == 3 and all(map(_positive_finite, res["first_calls_s"]))
     assert res["check"]["passed"] is True and res["check"]["reference"] == "functopt pure"
     assert set(res["ratios"]) == {"functopt compiled/torch fused",
-                                  "functopt compiled, params in one buffer/torch fused",
+                                  "functopt compiled, lay_out/torch fused",
                                   "functopt pure/torch fused"}
     assert "compile time (wall time of the first call)" in stdout
 

@@ -157,6 +157,72 @@ def test_params_in_one_buffer_are_stepped_in_place() -> None:
     assert torch.equal(flat[12:], expected["b"])
 
 
+def test_lay_out_puts_params_and_grads_in_one_buffer_per_group() -> None:
+    """step.lay_out on a module: each compiled group's params and their .grad become views
+    of one buffer (params keep identity and values), backward accumulates into the grad
+    buffer, the step reads it without gathering a copy and writes the params in place,
+    and the trained module equals the pure path's (float32, a few ulps) over three
+    steps of two groups (masked decay)."""
+    torch.manual_seed(3)
+
+    def model() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(),
+                                   torch.nn.Linear(5, 2))
+
+    ours, ref = model(), model()
+    ref.load_state_dict(ours.state_dict())
+    tx = _masked_schedule()
+    step = fast.make_step(tx, compile=True, donate=True)
+    before = {k: p.detach().clone() for k, p in ours.named_parameters()}
+    objects = dict(ours.named_parameters())
+    params = step.lay_out(dict(ours.named_parameters()))
+    assert all(params[k] is objects[k] for k in objects)  # the module's own parameters
+    assert all(torch.equal(params[k], before[k]) for k in before)
+    for group in (("0.weight", "2.weight"), ("0.bias", "2.bias")):  # decayed, not decayed
+        for tensors in ([params[k] for k in group], [params[k].grad for k in group]):
+            assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    state = step.init(params)
+    ref_params = {k: p.detach() for k, p in ref.named_parameters()}
+    ref_state = tx.init(ref_params)
+    x = torch.randn(16, 6)
+    buffers = [p.grad.untyped_storage().data_ptr() for p in params.values()]
+    for _ in range(3):
+        ours.zero_grad(set_to_none=False)
+        ours(x).square().mean().backward()
+        grads = {k: p.grad for k, p in params.items()}
+        assert [g.untyped_storage().data_ptr() for g in grads.values()] == buffers
+        with torch.no_grad():
+            new, state = step(grads, state, params)
+        assert all(new[k] is params[k] for k in params)
+        ref.zero_grad()
+        ref(x).square().mean().backward()
+        with torch.no_grad():
+            updates, ref_state = tx.update({k: p.grad for k, p in ref.named_parameters()},
+                                           ref_state, ref_params)
+            ref_params = functopt.apply_updates(ref_params, updates)
+            for k, p in ref.named_parameters():
+                p.copy_(ref_params[k])
+    assert not any(key[-1] == "grads" for key in step._scratch())  # read in place
+    for k, p in ours.named_parameters():
+        torch.testing.assert_close(p.detach(), ref_params[k], rtol=1e-6, atol=1e-7)
+
+
+def test_lay_out_refuses_what_one_buffer_cannot_hold() -> None:
+    """Tied weights in one group and non-leaf params are refused by name; without
+    compile=True nothing moves."""
+    step = fast.make_step(_lion(), compile=True)
+    w = torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(ValueError, match="tied weights"):
+        step.lay_out({"a": w, "b": w})
+    leaf = torch.ones(3, requires_grad=True)
+    with pytest.raises(ValueError, match="param 'v' is not a leaf"):
+        step.lay_out({"u": torch.ones(2), "v": leaf * 2})
+    plain = fast.make_step(_lion())
+    p = {"a": torch.ones(2), "b": torch.ones(2)}
+    ptrs = [t.data_ptr() for t in p.values()]
+    assert plain.lay_out(p) is p and [t.data_ptr() for t in p.values()] == ptrs
+
+
 def test_two_threads_step_their_own_states() -> None:
     """One donating step function, two threads, two models: the gathered copies are per
     thread, so each result equals stepping alone."""
@@ -225,18 +291,26 @@ def test_every_compiled_rule_obeys_the_law(factory: Any) -> None:
     conformance.check_fast_path(factory, params, _grads(params, 1), steps=3, compile=True)
 
 
+def _mixed_adamw() -> functopt.GradientTransformation:
+    # a rule with a PyTorch kernel: compiled too in a compiled mixed step (the call reads
+    # the bf16 gradients and writes the bf16 params), after an inner clip
+    return functopt.chain(functopt.clip_by_global_norm(0.3), functopt.adamw(1e-2))
+
+
 @pytest.mark.parametrize("donate", [False, True])
-def test_mixed_precision_rides_the_compiled_tier(donate: bool) -> None:
-    """mixed_precision(lion, compile=True): bf16 params with float32 masters laid end to end
+@pytest.mark.parametrize("make_inner", [_lion, _mixed_adamw], ids=["lion", "clip_adamw"])
+def test_mixed_precision_rides_the_compiled_tier(donate: bool, make_inner: Any) -> None:
+    """mixed_precision(inner, compile=True): bf16 params with float32 masters laid end to end
     by init, a clip, a dynamic loss scale and an overflow step: equal to the pure mixed
     step (float32 masters to a few ulps; here the same arithmetic), params their masters
-    rounded, no lost-fast-path warning."""
+    rounded, no lost-fast-path warning. The call reads the bf16 gradients as given (no
+    float32 casts kept) and writes the bf16 params; with donation in place."""
     gen = torch.Generator().manual_seed(8)
     params = {"w": torch.randn(8, 4, generator=gen).bfloat16(),
               "conv": torch.randn(2, 3, 2, 2, generator=gen).bfloat16().to(
                   memory_format=torch.channels_last),
               "b": torch.randn(4, generator=gen).bfloat16()}
-    inner = functopt.lion(1e-2, weight_decay=0.1)
+    inner = make_inner()
     fast_tx = functopt.precision.mixed_precision(
         inner, max_grad_norm=0.5, compile=True, donate=donate,
         loss_scale=functopt.precision.dynamic_loss_scale())
@@ -253,14 +327,17 @@ def test_mixed_precision_rides_the_compiled_tier(donate: bool) -> None:
                  for k, v in params.items()}
         if i == 2:
             grads["b"][0] = float("inf")  # an overflow: the step is skipped
+        before = dict(p_fast)
         with torch.no_grad():
             p_fast, s_fast = fast_tx.step(grads, s_fast, p_fast)
+        assert all((p_fast[k] is before[k]) == donate for k in params)
         p_pure, s_pure = pure_tx.step(grads, s_pure, p_pure)
         for k in params:
             torch.testing.assert_close(s_fast.master[k], s_pure.master[k], rtol=4e-7,
                                        atol=0.0)
             assert torch.equal(p_fast[k], s_fast.master[k].to(torch.bfloat16))
     assert int(s_fast.metrics.skipped_steps) == int(s_pure.metrics.skipped_steps) == 1
+    assert fast_tx.buffers() == []  # no float32 gradient casts
 
 
 def test_each_group_compiles_its_own_code() -> None:

@@ -33,7 +33,7 @@ from functopt.fast._layout import dense, end_to_end, memory_view, shaped_like
 from functopt.transforms import _common
 from functopt.tree import _core
 
-__all__ = ["entries_problem", "flat_layout", "layout_problem", "run_group"]
+__all__ = ["entries_problem", "flat_layout", "lay_out_params", "layout_problem", "run_group"]
 
 _GROUPS = itertools.count()  # names the compiled function of each group
 
@@ -84,13 +84,22 @@ def _gather(tensors: list[torch.Tensor], writable: bool, workspace: dict[Any, An
     views = [memory_view(t) for t in tensors]
     if workspace is None:
         return torch.cat(views), False
-    total = sum(t.numel() for t in tensors)
-    buffer = workspace.get(key)
-    if buffer is None or buffer.numel() != total or buffer.dtype != tensors[0].dtype or (
-            buffer.device != tensors[0].device):
-        buffer = workspace[key] = torch.empty(total, dtype=tensors[0].dtype,
-                                              device=tensors[0].device)
+    buffer = _buffer(workspace, key, sum(t.numel() for t in tensors), tensors[0].dtype,
+                     tensors[0].device)
     return torch.cat(views, out=buffer), False
+
+
+def _buffer(workspace: dict[Any, Any] | None, key: Any, total: int, dtype: torch.dtype,
+            device: torch.device) -> torch.Tensor:
+    """A 1-d scratch tensor of ``total`` elements: ``workspace[key]`` when it fits (kept
+    for the next step), else a new one."""
+    buffer = None if workspace is None else workspace.get(key)
+    if buffer is None or buffer.numel() != total or buffer.dtype != dtype or (
+            buffer.device != device):
+        buffer = torch.empty(total, dtype=dtype, device=device)
+        if workspace is not None:
+            workspace[key] = buffer
+    return buffer
 
 
 def _scatter(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -107,8 +116,10 @@ def _body(ops: tuple[Any, ...]) -> Any:
     written into them in place; returns the new shared state entries of each rule."""
     def step(g: torch.Tensor, p: torch.Tensor, slots: list[torch.Tensor],
              shared: list[dict[str, Any]], scale: torch.Tensor | None,
-             skip: torch.Tensor | None) -> list[dict[str, Any]]:
-        u = g if scale is None else _common.scaled(g, scale)
+             skip: torch.Tensor | None, low: torch.Tensor | None) -> list[dict[str, Any]]:
+        # (a mixed step's low-precision gradients, widened here as the pure path casts them)
+        u = g if g.dtype == p.dtype else g.to(p.dtype)
+        u = u if scale is None else _common.scaled(u, scale)
         new_slots: list[torch.Tensor] = []
         new_shared: list[dict[str, Any]] = []
         k = 0
@@ -129,6 +140,8 @@ def _body(ops: tuple[Any, ...]) -> Any:
                                               new[f]) for f in own}
                           for own, new in zip(shared, new_shared, strict=True)]
         p.copy_(new_p)
+        if low is not None:  # a mixed step's params: their masters rounded to nearest
+            low.copy_(new_p)
         for old, new in zip(slots, new_slots, strict=True):
             old.copy_(new)
         return new_shared
@@ -143,11 +156,15 @@ def _body(ops: tuple[Any, ...]) -> Any:
 def run_group(group: Any, values: list[Any], grads: list[Any], state_leaves: list[Any],
               new_values: list[Any], new_leaves: list[Any], *, donate: bool,
               scale: torch.Tensor | None, found_inf: torch.Tensor | None,
-              compiled: dict[Any, Any], workspace: dict[Any, Any] | None = None) -> None:
+              compiled: dict[Any, Any], workspace: dict[Any, Any] | None = None,
+              low: list[Any] | None = None, new_low: list[Any] | None = None) -> None:
     """One compiled call for ``group`` (see the module docstring); ``compiled`` holds the
     compiled functions by group (the structure's, so that a plan compiles once);
     ``workspace`` the caller's scratch buffers for the gathered copies (a donating step's,
-    kept per thread), or None to allocate them."""
+    kept per thread), or None to allocate them. ``low`` (per leaf, a mixed step's
+    low-precision param or None): when every leaf of the group has one, of one dtype, the
+    call also writes them, their new values rounded, into ``new_low`` (in place when
+    donated)."""
     plan = group.plan
     keep = [j for j, i in enumerate(group.leaves) if local_tensor(values[i]).numel()]
     if not keep:
@@ -177,11 +194,25 @@ def run_group(group: Any, values: list[Any], grads: list[Any], state_leaves: lis
             slot_views.append(view)
         shared.append({f: optree.tree_map(lambda k: state_leaves[k], getattr(op.state_at, f))
                        for f in op.state_at._fields if f not in op.slots})
+    lows = _lows(low, idx, ps)
+    low_flat, low_view = None, False
+    if lows is not None:
+        low_flat = end_to_end(lows) if donate else None
+        low_view = low_flat is not None
+        if low_flat is None:  # written whole by the call: no gather needed
+            total = sum(t.numel() for t in lows)
+            low_flat = _buffer(workspace if donate else None, (key, "low"), total,
+                               lows[0].dtype, lows[0].device)
     fn = compiled.get(key)
     if fn is None:
         fn = compiled[key] = torch.compile(_body(plan.ops), dynamic=False)
     skip = None if found_inf is None else found_inf.to(device=p_flat.device, dtype=torch.bool)
-    new_shared = fn(g_flat, p_flat, slot_flats, shared, scale, skip)
+    new_shared = fn(g_flat, p_flat, slot_flats, shared, scale, skip, low_flat)
+    if low is not None and lows is not None and low_flat is not None and new_low is not None:
+        if donate and not low_view:
+            torch._foreach_copy_(lows, _scatter(low_flat, lows))
+        for i, out in zip(idx, _scatter(low_flat, lows), strict=True):
+            new_low[i] = low[i] if donate else _rewrap_like(low[i], out)
     if donate:
         if not p_view:
             torch._foreach_copy_(ps, _scatter(p_flat, ps))
@@ -202,6 +233,20 @@ def run_group(group: Any, values: list[Any], grads: list[Any], state_leaves: lis
                             strict=True):
                 if k not in counters:  # the planner advances the counts, once per step
                     new_leaves[k] = v
+
+
+def _lows(low: list[Any] | None, idx: list[int], values: list[torch.Tensor],
+          ) -> list[torch.Tensor] | None:
+    """The local low-precision params of a group's leaves when the call can write them all
+    (every leaf has one, of one dtype, laid out as its value), else None: the caller then
+    rounds them itself."""
+    if low is None or any(low[i] is None for i in idx):
+        return None
+    lows = [local_tensor(low[i]) for i in idx]
+    if len({t.dtype for t in lows}) != 1 or any(
+            t.stride() != v.stride() and v.numel() > 1 for t, v in zip(lows, values, strict=True)):
+        return None
+    return lows
 
 
 def flat_layout(values: list[Any], movable: list[bool], state_leaves: list[Any],
@@ -233,3 +278,57 @@ def _lay_end_to_end(indices: list[int], tensors: list[Any], out: list[Any]) -> N
     flat = torch.cat([memory_view(t) for t in local])
     for k, view in zip(indices, _scatter(flat, local), strict=True):
         out[k] = _rewrap_like(tensors[k], view)
+
+
+def lay_out_params(values: list[Any], groups: list[Any], name: Any) -> int:
+    """Move each compiled group's params, and their ``.grad``, into one buffer each: every
+    param keeps its identity, shape, strides and values (``param.data`` becomes a view of
+    the group's buffer), and its ``.grad`` a view of the group's gradient buffer (zeros
+    where it had none), which autograd then accumulates into in place. Returns the
+    number of groups laid out."""
+    laid = 0
+    for group in groups:
+        if group.plan.kernel != "compiled":
+            continue
+        idx = [i for i in group.leaves if values[i].numel()]
+        if not idx:
+            continue
+        tensors = [values[i] for i in idx]
+        for i, t in zip(idx, tensors, strict=True):
+            if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+                raise TypeError(
+                    f"lay_out: param {name(i)!r} is a {type(t).__name__}; the layout moves "
+                    f"plain tensors and nn.Parameters (a DTensor's local shard belongs to "
+                    f"its sharding). Fix: call lay_out on unsharded params only.")
+            if not t.is_leaf:
+                raise ValueError(
+                    f"lay_out: param {name(i)!r} is not a leaf tensor (it was computed from "
+                    f"others), so its storage cannot be moved. Fix: pass the model's "
+                    f"parameters (dict(model.named_parameters())).")
+        if len({id(t) for t in tensors}) != len(tensors) or any(
+                _shares(a, b) for a, b in itertools.combinations(tensors, 2)):
+            raise ValueError(
+                "lay_out: two params of one group share memory (tied weights): one buffer "
+                "cannot hold both. Fix: list a tied weight once in the params tree.")
+        if end_to_end(tensors) is None:
+            flat = torch.cat([memory_view(t.detach()) for t in tensors])
+            for t, view in zip(tensors, _scatter(flat, tensors), strict=True):
+                t.data = view
+        grads = [t.grad for t in tensors]
+        laid += 1
+        if all(g is not None and g.stride() == t.stride()
+               for g, t in zip(grads, tensors, strict=True)) and end_to_end(grads) is not None:
+            continue  # laid out already
+        flat_grad = torch.zeros(sum(t.numel() for t in tensors), dtype=tensors[0].dtype,
+                                device=tensors[0].device)
+        for t, g, view in zip(tensors, grads, _scatter(flat_grad, tensors), strict=True):
+            if g is not None:
+                view.copy_(g)
+            t.grad = view
+    return laid
+
+
+def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and (
+        a.storage_offset() < b.storage_offset() + b.numel()
+        and b.storage_offset() < a.storage_offset() + a.numel()))

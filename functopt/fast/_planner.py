@@ -277,6 +277,7 @@ class Structure:
     nodes: int = 0
     matched: list[Any] | None = None  # per leaf: match(program), computed once
     matched_compiled: list[Any] | None = None  # the same with the compiled tier
+    matched_everywhere: list[Any] | None = None  # the compiled tier first, kernels second
     compiled: dict[Any, Any] = field(default_factory=dict)  # the compiled tier's functions
     # the rules (nodes) that keep state beside their count that only their update moves
     shared: set[int] = field(default_factory=set)
@@ -521,9 +522,16 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def match(program: list[Any], compiled: bool = False) -> _KernelPlan | str:
+def match(program: list[Any], compiled: bool = False, *, everywhere: bool = False,
+          ) -> _KernelPlan | str:
     """The kernel for one leaf's program, or the reason there is none. ``compiled``: a
-    program no kernel covers takes the compiled tier when it can."""
+    program no kernel covers takes the compiled tier when it can; ``everywhere``: every
+    program the compiled tier can take takes it, kernels or not (a mixed step's compiled
+    body, which reads the low-precision gradients and writes the params itself)."""
+    if everywhere:
+        first = _match_compiled(program)
+        if isinstance(first, _KernelPlan):
+            return first
     plan = _match_kernel(program)
     if isinstance(plan, str) and compiled:
         alternative = _match_compiled(program)
@@ -655,19 +663,22 @@ class Lowered:
 
 def lower(structure: Structure, state_spec: _core.TreeSpec, values: list[Any],
           grads: list[Any], state_leaves: list[Any], name: Callable[[int], str], *,
-          compiled: bool = False) -> Lowered:
+          compiled: bool = False, everywhere: bool = False) -> Lowered:
     """Group the leaves with a gradient by kernel, or say why this step stays pure.
-    ``compiled``: programs without a kernel take the compiled tier where they can."""
+    ``compiled``: programs without a kernel take the compiled tier where they can;
+    ``everywhere`` (with ``compiled``): every program the compiled tier can take (see
+    `match`)."""
     if structure.opaque:
         return Lowered(structure, state_spec, [], structure.opaque[0])
     groups: dict[tuple[Any, ...], Group] = {}
-    matched = structure.matched_compiled if compiled else structure.matched
+    everywhere = everywhere and compiled
+    field = ("matched_everywhere" if everywhere else
+             "matched_compiled" if compiled else "matched")
+    matched = getattr(structure, field)
     if matched is None:
-        matched = [match(program, compiled) for program in structure.programs]
-        if compiled:
-            structure.matched_compiled = matched
-        else:
-            structure.matched = matched
+        matched = [match(program, compiled, everywhere=everywhere)
+                   for program in structure.programs]
+        setattr(structure, field, matched)
     for i, (v, g) in enumerate(zip(values, grads, strict=True)):
         if v is None or g is None:
             continue
@@ -730,6 +741,8 @@ def _python(binding: Any) -> Any:
 class Result:
     values: list[Any]
     state: Any
+    # per leaf, the low-precision param the compiled tier wrote (``run``'s ``low``), or None
+    low: list[Any] | None = None
 
 
 def counted_leaves(grads: list[Any], name: Callable[[int], str]) -> list[bool]:
@@ -835,7 +848,8 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
         found_inf: torch.Tensor | None = None, sums: list[torch.Tensor] | None = None,
         finite: list[torch.Tensor] | None = None,
         reads: dict[int, Any] | None = None,
-        workspace: dict[Any, Any] | None = None) -> Result | str:
+        workspace: dict[Any, Any] | None = None,
+        low: list[Any] | None = None) -> Result | str:
     """One step on the kernels. ``multiplier`` (a 0-d float64 tensor) multiplies the
     gradients before the chain (a mixed step's unscale and clip); ``sums`` are the
     clips' global sums of squares of the multiplied gradients; ``finite`` the guards'
@@ -844,7 +858,10 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
     skipped mixed step restores the inner state whole).
 
     ``workspace``: scratch buffers the compiled tier may reuse for its gathered copies
-    (kept by a donating caller per thread), or None.
+    (kept by a donating caller per thread), or None. ``low``: per leaf, the low-precision
+    param of a mixed step (or None): a compiled group whose leaves all have one writes
+    each its new value rounded (in place when donated), returned in ``Result.low`` (None
+    where the caller must still write it).
 
     Returns the reason instead when a hyperparameter read at run time has no fused form
     (an injected ``eps_root`` that is not 0, say), before any tensor was written: the
@@ -857,6 +874,7 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
         env.hyper.append(inj.values_at(state_leaves[inj.count], constants))
     new_values = list(values)
     new_leaves = list(state_leaves)
+    new_low: list[Any] | None = None if low is None else [None] * len(low)
     if structure.clips and (sums is None or len(sums) != len(structure.clips)):
         raise ValueError("the planner's run needs one sum of squares per clip")
     if structure.guards and (finite is None or len(finite) != len(structure.guards)):
@@ -893,7 +911,8 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
             flag = _or(flag, ~applied[plan.guard.index])
         _run_group(group, hp, values, grads, state_leaves, new_values, new_leaves,
                    donate=donate, donate_grads=donate_grads, scale=scale, found_inf=flag,
-                   advanced=advanced, compiled=structure.compiled, workspace=workspace)
+                   advanced=advanced, compiled=structure.compiled, workspace=workspace,
+                   low=low, new_low=new_low)
     for c, new in advanced.items():
         # a skipped step (found_inf, or a guard that skipped) leaves its counters as they were
         keep = _keep(skipped, applied, structure.counter_guard.get(c))
@@ -905,7 +924,7 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
             old, value = state_leaves[i], hyper[k]
             new_leaves[i] = value if keep is None or value is old else torch.where(
                 keep.to(old.device), old, value.to(old.dtype))
-    return Result(new_values, _core.unflatten(lowered.state_spec, new_leaves))
+    return Result(new_values, _core.unflatten(lowered.state_spec, new_leaves), new_low)
 
 
 def _or(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
@@ -994,12 +1013,14 @@ def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[
                state_leaves: list[Any], new_values: list[Any], new_leaves: list[Any], *,
                donate: bool, donate_grads: bool, scale: torch.Tensor | None,
                found_inf: torch.Tensor | None, advanced: dict[int, torch.Tensor],
-               compiled: dict[Any, Any], workspace: dict[Any, Any] | None) -> None:
+               compiled: dict[Any, Any], workspace: dict[Any, Any] | None,
+               low: list[Any] | None = None, new_low: list[Any] | None = None) -> None:
     """One kernel call for the leaves of ``group``."""
     if group.plan.kernel == "compiled":
         _compiled.run_group(group, values, grads, state_leaves, new_values, new_leaves,
                             donate=donate, scale=scale, found_inf=found_inf,
-                            compiled=compiled, workspace=workspace)
+                            compiled=compiled, workspace=workspace, low=low,
+                            new_low=new_low)
         return
     plan, idx, device, dtype = group.plan, group.leaves, group.device, group.dtype
     p = _owned([values[i] for i in idx], donate)
@@ -1081,14 +1102,16 @@ class Planner:
 
     def lower(self, structure: Structure, state_spec: _core.TreeSpec, values: list[Any],
               grads: list[Any], state_leaves: list[Any], name: Callable[[int], str], *,
-              donated: list[Any] | None = None, compiled: bool = False) -> Lowered:
+              donated: list[Any] | None = None, compiled: bool = False,
+              everywhere: bool = False) -> Lowered:
         """`lower`, remembered for the same tensors; ``donated``: leaves written in place,
         checked with `check_donation` the first time."""
         # (counters are new tensors at every step; the per-leaf entries are what is checked)
         slots = [state_leaves[k] for k in structure.slot_indices]
         # (the data pointers catch a param whose .data was replaced in place, as
         # module.to() or .half() do: same object, new memory, maybe a new dtype)
-        key = (id(structure), compiled, tuple(map(id, values)), tuple(g is None for g in grads),
+        key = (id(structure), compiled, everywhere, tuple(map(id, values)),
+               tuple(g is None for g in grads),
                tuple(map(id, slots)), donated is not None,
                tuple(0 if v is None else local_tensor(v).data_ptr() for v in values))
         hit = self._lowered.get(key)
@@ -1099,7 +1122,7 @@ class Planner:
         if donated is not None:
             check_donation(donated, name)
         lowered = lower(structure, state_spec, values, grads, state_leaves, name,
-                        compiled=compiled)
+                        compiled=compiled, everywhere=everywhere)
         refs = [weakref.ref(x) if isinstance(x, torch.Tensor) else x
                 for x in itertools.chain(values, slots)]
         if len(self._lowered) >= self._SIZE:

@@ -140,6 +140,38 @@ def _widened(grads: list[Any], views: list[Any], workspace: list[Any] | None) ->
     return out
 
 
+def _read_as_given(groups: list[Any], grads: list[Any]) -> list[bool]:
+    """Per leaf, whether its gradient goes to the step as given: the leaves of compiled
+    groups whose gradients share one dtype (the call widens them as it reads them)."""
+    raw = [False] * len(grads)
+    for group in groups:
+        if group.plan.kernel == "compiled" and len(
+                {local_tensor(grads[i]).dtype for i in group.leaves}) == 1:
+            for i in group.leaves:
+                raw[i] = True
+    return raw
+
+
+def lay_out_params(planner: _planner.Planner, treespec: Any, params: list[Any],
+                   master_weights: Any, inner: Any, name: Callable[[int], str]) -> None:
+    """A compiled mixed step's ``lay_out``: the params of each compiled group (all of one
+    dtype; a group mixing float32 params with bfloat16 ones is left as it is, as its
+    gradients are then cast anyway) and their gradients moved into one buffer per group."""
+    stores = [None if p is None else master_weights.init(p) for p in params]
+    views = [None if p is None else master_weights.view(p, s)
+             for p, s in zip(params, stores, strict=True)]
+    inner_leaves, inner_spec = _core.flatten(inner.init(_core.unflatten(treespec, views)))
+    structure = planner.structure(_core.unflatten(treespec, views), treespec, views,
+                                  inner_leaves, inner_spec)
+    lowered = _planner.lower(structure, inner_spec, views, views, inner_leaves, name,
+                             compiled=True, everywhere=True)
+    if lowered.fast:
+        groups = [g for g in lowered.groups
+                  if len({params[i].dtype for i in g.leaves}) == 1]
+        with torch.no_grad():
+            _compiled.lay_out_params(params, groups, name)
+
+
 def flat_init(planner: _planner.Planner, treespec: Any, stores: list[Any], views: list[Any],
               inner_state: Any, name: Callable[[int], str]) -> tuple[list[Any], Any]:
     """The masters and inner state of a new mixed step laid out for the compiled tier:
@@ -149,7 +181,7 @@ def flat_init(planner: _planner.Planner, treespec: Any, stores: list[Any], views
     structure = planner.structure(_core.unflatten(treespec, views), treespec, views,
                                   inner_leaves, inner_spec)
     lowered = _planner.lower(structure, inner_spec, views, views, inner_leaves, name,
-                             compiled=True)
+                             compiled=True, everywhere=True)
     if not lowered.fast:
         return stores, inner_state
     laid_views, laid = _compiled.flat_layout(
@@ -187,11 +219,16 @@ def fused_mixed_step(
     lowered = planner.lower(structure, inner_spec, views, proxies, inner_leaves, name,
                             donated=[*params, *(v for v, s in zip(views, stores, strict=True)
                                                 if s is not None)] if donate else None,
-                            compiled=compiled)
+                            compiled=compiled, everywhere=compiled)
     if lowered.reason is not None:
         return lowered.reason
-    # the gradients in the precision of the values they update (a cast is a new tensor)
-    wide = _widened(grads, views, workspace)
+    # The compiled groups read the gradients as given (the call widens them as it reads);
+    # the kernels need them in the precision of the values they update (a cast is a new
+    # tensor).
+    raw = _read_as_given(lowered.groups, grads)
+    wide = _widened([None if raw[i] else g for i, g in enumerate(grads)], views, workspace)
+    wide = [local_tensor(g) if raw[i] else w for i, (g, w) in enumerate(zip(grads, wide,
+                                                                           strict=True))]
     device = loss_scale.scale.device
     inv_scale = _inverse(loss_scale)
     packed = all_reduce_stats(
@@ -212,18 +249,21 @@ def fused_mixed_step(
 
     # The kernels unscale in place: a gradient that needed no cast is the caller's, never
     # written, so it is copied when it will be scaled.
-    cast = [w if w is None or w is not local_tensor(g) or (
+    cast = [w if w is None or raw[i] or w is not local_tensor(g) or (
         multiplier is None and not structure.clips) else w.clone()
-            for g, w in zip(grads, wide, strict=True)]
+            for i, (g, w) in enumerate(zip(grads, wide, strict=True))]
     # an apply_if_finite in the inner chain sees finite gradients whenever the step is not
     # skipped (a non-finite gradient makes the norm non-finite, which skips the step)
     finite = [~stats.found_inf] * len(structure.guards)
     result = _planner.run(lowered, views, cast, inner_leaves, donate=donate,
                           donate_grads=True, multiplier=multiplier,
                           found_inf=stats.found_inf, sums=sums, finite=finite,
-                          reads=planner.reads, workspace=scratch)
+                          reads=planner.reads, workspace=scratch,
+                          low=[p if s is not None else None
+                               for p, s in zip(params, stores, strict=True)])
     if isinstance(result, str):
         return result
+    written = result.low or [None] * len(params)
 
     new_params = list(params)
     new_stores = list(stores)
@@ -236,6 +276,9 @@ def fused_mixed_step(
             new_params[i] = value
             continue
         new_stores[i] = value
+        if written[i] is not None:  # the compiled call rounded it into the param
+            new_params[i] = written[i]
+            continue
         if donate:
             dst, src = copies.setdefault((p.device, p.dtype), ([], []))
             dst.append(local_tensor(p))

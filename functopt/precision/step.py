@@ -65,7 +65,7 @@ from functopt._collective.dtensor import _leaf_names
 from functopt._collective.reduce import _local_stats, all_reduce_stats
 from functopt.fast import _planner
 from functopt.fast._step import differentiated
-from functopt.precision._fused import flat_init, fused_mixed_step
+from functopt.precision._fused import flat_init, fused_mixed_step, lay_out_params
 from functopt.precision.loss_scale import (
     LossScale,
     LossScaleState,
@@ -110,16 +110,24 @@ def _no_buffers() -> list[torch.Tensor]:
     return []
 
 
+def _as_they_are(params: Params) -> Params:
+    return params
+
+
 class MixedPrecisionTransformation(NamedTuple):
     """``init(params) -> state`` and ``step(grads, state, params) -> (params, state)``.
 
     ``buffers()`` lists the scratch tensors the step keeps between calls (the gradient casts
     of a donating fused step), for memory accounting; they hold no state.
+    ``lay_out(params)`` (with ``compile=True``) moves the params of each compiled group,
+    and their gradients, into one buffer per group, as
+    [`Step.lay_out`][functopt.fast.Step.lay_out] does; returns ``params``.
     """
 
     init: Callable[[Params], MixedPrecisionState]
     step: Callable[..., tuple[Params, MixedPrecisionState]]
     buffers: Callable[[], list[torch.Tensor]] = _no_buffers
+    lay_out: Callable[[Params], Params] = _as_they_are
 
 
 def scale_loss(loss: torch.Tensor, state: MixedPrecisionState | LossScaleState) -> torch.Tensor:
@@ -480,7 +488,14 @@ def mixed_precision(
     def buffers() -> list[torch.Tensor]:
         return [t for t in buffers_here() if t is not None]
 
-    return MixedPrecisionTransformation(init_fn, step_fn, buffers)
+    def lay_out_fn(params: Params) -> Params:
+        if compile and fast:
+            leaves, treespec = _core.flatten(params)
+            _core.check_tensors(leaves, treespec, name="params", floating=True)
+            lay_out_params(planner, treespec, leaves, mw, inner, _leaf_names(treespec))
+        return params
+
+    return MixedPrecisionTransformation(init_fn, step_fn, buffers, lay_out_fn)
 
 
 def _metrics(stats: GradStats, old: StepMetrics, count_zeros: bool) -> StepMetrics:
