@@ -113,22 +113,28 @@ def _scatter(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]
 
 def _body(ops: tuple[Any, ...]) -> Any:
     """The function compiled for one group: the rules' pure updates over flat tensors,
-    written into them in place; returns the new shared state entries of each rule."""
+    written into them in place; returns the new shared state entries of each rule.
+
+    The updates come in as an argument (each rule's own, or for a rule inside
+    ``inject_hyperparams`` the one built from this step's values): Dynamo guards a closure
+    by its code and the shapes of the tensors it holds, so a rebuilt update with new
+    hyperparameter values runs the same graph."""
     def step(g: torch.Tensor, p: torch.Tensor, slots: list[torch.Tensor],
              shared: list[dict[str, Any]], scale: torch.Tensor | None,
-             skip: torch.Tensor | None, low: torch.Tensor | None) -> list[dict[str, Any]]:
+             skip: torch.Tensor | None, low: torch.Tensor | None,
+             updates: list[Any]) -> list[dict[str, Any]]:
         # (a mixed step's low-precision gradients, widened here as the pure path casts them)
         u = g if g.dtype == p.dtype else g.to(p.dtype)
         u = u if scale is None else _common.scaled(u, scale)
         new_slots: list[torch.Tensor] = []
         new_shared: list[dict[str, Any]] = []
         k = 0
-        for op, own in zip(ops, shared, strict=True):
+        for op, own, update in zip(ops, shared, updates, strict=True):
             fields = dict(own)
             for name in op.slots:
                 fields[name] = slots[k]
                 k += 1
-            u, new = op.fn(u, type(op.state_at)(**fields), p)
+            u, new = update(u, type(op.state_at)(**fields), p)
             new_slots.extend(getattr(new, name) for name in op.slots)
             new_shared.append({f: getattr(new, f) for f in own})
         new_p = p + u
@@ -154,12 +160,14 @@ def _body(ops: tuple[Any, ...]) -> Any:
 
 
 def run_group(group: Any, values: list[Any], grads: list[Any], state_leaves: list[Any],
-              new_values: list[Any], new_leaves: list[Any], *, donate: bool,
+              new_values: list[Any], new_leaves: list[Any], updates: list[Any], *,
+              donate: bool,
               scale: torch.Tensor | None, found_inf: torch.Tensor | None,
               compiled: dict[Any, Any], workspace: dict[Any, Any] | None = None,
               low: list[Any] | None = None, new_low: list[Any] | None = None) -> None:
     """One compiled call for ``group`` (see the module docstring); ``compiled`` holds the
-    compiled functions by group (the structure's, so that a plan compiles once);
+    compiled functions by group (the structure's, so that a plan compiles once); ``updates``
+    the update of each rule of the group's plan (see `_body`);
     ``workspace`` the caller's scratch buffers for the gathered copies (a donating step's,
     kept per thread), or None to allocate them. ``low`` (per leaf, a mixed step's
     low-precision param or None): when every leaf of the group has one, of one dtype, the
@@ -207,7 +215,7 @@ def run_group(group: Any, values: list[Any], grads: list[Any], state_leaves: lis
     if fn is None:
         fn = compiled[key] = torch.compile(_body(plan.ops), dynamic=False)
     skip = None if found_inf is None else found_inf.to(device=p_flat.device, dtype=torch.bool)
-    new_shared = fn(g_flat, p_flat, slot_flats, shared, scale, skip, low_flat)
+    new_shared = fn(g_flat, p_flat, slot_flats, shared, scale, skip, low_flat, updates)
     if low is not None and lows is not None and low_flat is not None and new_low is not None:
         if donate and not low_view:
             torch._foreach_copy_(lows, _scatter(low_flat, lows))

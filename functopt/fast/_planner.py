@@ -173,6 +173,20 @@ class _Env:
     hyper: list[dict[str, Any]]  # per injected node: this step's hyperparameters
     # the planner's memo of host reads: id(tensor) -> (weakref, version, value)
     reads: dict[int, tuple[Any, int, float]] = field(default_factory=dict)
+    # per injected node: its inner transform's Leafwise specs, built from this step's values
+    # (for the compiled tier, which runs the rules' own updates), made when first asked
+    builds: list[Any] = field(default_factory=list)
+    built: dict[int, list[Any]] = field(default_factory=dict)
+
+    def update_of(self, rebuild: tuple[int, int]) -> Any:
+        """The update of the rule at ``rebuild`` (see ``_Op.rebuild``) in the injected
+        transform built from this step's hyperparameters."""
+        node, position = rebuild
+        specs = self.built.get(node)
+        if specs is None:
+            specs = self.built[node] = leafwise_specs(describe(self.builds[node](
+                self.hyper[node])))
+        return specs[position].update
 
     def number(self, value: Any) -> float:
         """A hyperparameter as the Python float the kernels take. A tensor is read on the
@@ -208,6 +222,10 @@ class _Op:
     fn: Any = None
     state_at: Any = None
     injected: bool = False
+    # inside inject_hyperparams: (the injection's index, the position of this rule's spec
+    # among the Leafwise specs of the inner transform), to find its update again in the
+    # inner transform built from this step's values; None when nested injections
+    rebuild: tuple[int, int] | None = None
 
     def __repr__(self) -> str:
         return self.kind
@@ -260,6 +278,7 @@ class _Injection:
     constants: tuple[str, ...]
     values_at: Callable[[Any, dict[str, Any]], dict[str, Any]]
     guard: int | None = None  # the apply_if_finite it sits in
+    build: Callable[[dict[str, Any]], Any] | None = None  # the inner transform from values
 
 
 @dataclass
@@ -299,6 +318,8 @@ class _Walk:
         self.out = Structure(programs=[[] for _ in param_leaves])
         self.placeholders: dict[int, Any] = {}  # id(placeholder tensor) -> _Hyper
         self.guard: int | None = None  # the apply_if_finite the walk is inside
+        # the injection the walk is inside and its inner Leafwise specs ("nested" inside two)
+        self.injecting: tuple[int, list[Leafwise]] | str | None = None
 
     def counter(self, index: int) -> None:
         self.out.counters.append(index)
@@ -387,9 +408,12 @@ class _Walk:
         self.out.injections.append(_Injection(
             count=idx.count, hyper=hyper_idx,
             constants=tuple(k for k in spec.names if k not in spec.schedules),
-            values_at=spec.values_at, guard=self.guard))
+            values_at=spec.values_at, guard=self.guard, build=spec.build))
         self.counter(idx.count)
+        outer = self.injecting
+        self.injecting = (node, leafwise_specs(describe(inner))) if outer is None else "nested"
         self.walk(describe(inner), idx.inner_state, sel, f"{where}.inject_hyperparams")
+        self.injecting = outer
         del placeholders  # ids of freed placeholders must not match later tensors
         self.placeholders = {k: v for k, v in self.placeholders.items() if v.node != node}
 
@@ -449,11 +473,29 @@ class _Walk:
             return
         if count is not None:
             self.counter(count)
+        rebuild = None
+        if isinstance(self.injecting, tuple):
+            at = [j for j, other in enumerate(self.injecting[1]) if other is spec]
+            rebuild = (self.injecting[0], at[0]) if at else None
         for i in sel:
             self.out.programs[i].append(
                 _Op(kind, args, {k: v[i] for k, v in slots.items()}, node, count,
                     fn=spec.update, state_at=idx if hasattr(idx, "_fields") else None,
-                    injected=bool(self.placeholders)))
+                    injected=bool(self.placeholders), rebuild=rebuild))
+
+
+def leafwise_specs(spec: Spec | None) -> list[Leafwise]:
+    """The Leafwise specs of a transform's spec tree, depth first (the order in which an
+    injected transform built again from new values is searched for the same rule)."""
+    if isinstance(spec, Leafwise):
+        return [spec]
+    if isinstance(spec, Sequence):
+        return [x for child in spec.children for x in leafwise_specs(child)]
+    if isinstance(spec, Select):
+        return [x for child in spec.children.values() for x in leafwise_specs(child)]
+    if isinstance(spec, FiniteGuard):
+        return leafwise_specs(spec.inner)
+    return []  # an injection inside: its rules are not searched (see _Op.rebuild)
 
 
 class _Mismatch(Exception):
@@ -553,9 +595,9 @@ def _match_compiled(program: list[Any]) -> _KernelPlan | str:
             return "the compiled tier has no set_to_zero after other rules"
         if op.fn is None or op.state_at is None:
             return f"the compiled tier has no lowering of {op.kind}"
-        if op.injected:
-            return (f"the compiled tier does not lower injected hyperparameters yet "
-                    f"({op.kind} inside inject_hyperparams)")
+        if op.injected and op.rebuild is None:
+            return (f"the compiled tier does not lower an inject_hyperparams inside "
+                    f"another ({op.kind})")
     if not ops:
         return "no update rule"
     return _KernelPlan("compiled", clip, guard=guard, ops=tuple(ops))
@@ -872,6 +914,7 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
     for inj in structure.injections:
         constants = {k: state_leaves[inj.hyper[k]] for k in inj.constants}
         env.hyper.append(inj.values_at(state_leaves[inj.count], constants))
+        env.builds.append(inj.build)
     new_values = list(values)
     new_leaves = list(state_leaves)
     new_low: list[Any] | None = None if low is None else [None] * len(low)
@@ -989,7 +1032,10 @@ def _hyperparameters(plan: _KernelPlan, env: _Env) -> dict[str, Any] | str:
     """The kernel's arguments at this step (Python floats, the lr possibly a 0-d tensor), or
     the reason a value read now has no fused form."""
     if plan.kernel == "compiled":
-        return {}  # the rules' own updates read their hyperparameters
+        # the rules' own updates, which read their hyperparameters; an injected rule's from
+        # the inner transform built with this step's values, as inject_hyperparams does
+        return {"updates": [op.fn if op.rebuild is None else env.update_of(op.rebuild)
+                            for op in plan.ops]}
     hp: dict[str, Any] = {"lr": plan.lr(env), "weight_decay": 0.0 if plan.decay is None
                           else env.number(plan.decay.args["weight_decay"](env))}
     if plan.kernel in ("adamw", "adam"):
@@ -1018,7 +1064,7 @@ def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[
     """One kernel call for the leaves of ``group``."""
     if group.plan.kernel == "compiled":
         _compiled.run_group(group, values, grads, state_leaves, new_values, new_leaves,
-                            donate=donate, scale=scale, found_inf=found_inf,
+                            hp["updates"], donate=donate, scale=scale, found_inf=found_inf,
                             compiled=compiled, workspace=workspace, low=low,
                             new_low=new_low)
         return
