@@ -291,7 +291,7 @@ class Layout:
     or none (a shared leaf), and its state path (its dotted path without that key)."""
 
     def __init__(self, owner: str, tree: Any, names: list[str]) -> None:
-        leaves, self.treespec = _core.flatten(tree)
+        leaves, self.treespec, _ = _tensor_leaves(owner, tree)
         accessors = optree.treespec_accessors(self.treespec)
         known = set(names)
         self.names = list(names)
@@ -317,17 +317,18 @@ class Layout:
         shared = {f: leaf for o, f, leaf in zip(self.owners, self.fields, leaves, strict=True)
                   if o is None}
         for o, f, leaf in zip(self.owners, self.fields, leaves, strict=True):
-            if o is not None:
-                if f in shared or (f in self.expected[o] and leaf is not None):
+            if o is not None and leaf is not None:
+                if f in shared or f in self.expected[o]:
                     raise ValueError(
                         f"{owner}: two leaves of the state share the key {f!r} of param "
                         f"{o!r} in the state dict. Fix: keep per-param state under dicts "
                         f"keyed by the param names.")
-                if leaf is not None or f not in self.expected[o]:
-                    self.expected[o][f] = leaf
+                self.expected[o][f] = leaf
+        shared = {f: leaf for f, leaf in shared.items() if leaf is not None}
         for entry in self.expected.values():
             entry.update(shared)
         self._shared = shared
+        self._none = [leaf is None for leaf in leaves]
 
     def entries(self, tree: Any) -> dict[str, dict[str, Any]]:
         """Each param's entry of ``tree`` (a state of this layout): the tensors themselves."""
@@ -368,9 +369,8 @@ class Layout:
                         f"params {first!r} and {name!r} differ. Fix: load a state dict as "
                         f"state_dict() wrote it.")
         out = []
-        for o, f in zip(self.owners, self.fields, strict=True):
-            entry = loaded[first] if o is None else loaded[o]
-            out.append(entry.get(f))
+        for o, f, none in zip(self.owners, self.fields, self._none, strict=True):
+            out.append(None if none else (loaded[first] if o is None else loaded[o])[f])
         return _core.unflatten(self.treespec, out)
 
 
@@ -406,12 +406,14 @@ def saved_groups(owner: str, state_dict: Mapping[str, Any],
         ValueError: the dict has no ``state``/``param_groups``, another number of groups or
             of params in a group, or params named otherwise.
     """
-    if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
-        got = sorted(map(str, state_dict)) if isinstance(state_dict, Mapping) else \
-            type(state_dict).__name__
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"{owner}: expected a state dict (a dict with keys 'state' and 'param_groups', as "
+            f"optimizer.state_dict() returns), got {type(state_dict).__name__}.")
+    if not {"state", "param_groups"} <= set(state_dict):
         raise ValueError(
             f"{owner}: expected a dict with keys 'state' and 'param_groups' (from "
-            f"optimizer.state_dict()), got {got}.")
+            f"optimizer.state_dict()), got keys {sorted(map(str, state_dict))}.")
     saved_list = state_dict["param_groups"]
     if len(saved_list) != len(groups):
         raise ValueError(
