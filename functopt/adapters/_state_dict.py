@@ -363,7 +363,7 @@ class Layout:
         for f in self._shared:
             for name in self.names[1:]:
                 a, b = loaded[first].get(f), loaded[name].get(f)
-                if a is not None and b is not None and not torch.equal(a, b):
+                if a is not None and b is not None and not _same_value(a, b):
                     raise ValueError(
                         f"{owner}: {f!r} is one value for all params, but the entries of "
                         f"params {first!r} and {name!r} differ. Fix: load a state dict as "
@@ -372,6 +372,15 @@ class Layout:
         for o, f, none in zip(self.owners, self.fields, self._none, strict=True):
             out.append(None if none else (loaded[first] if o is None else loaded[o])[f])
         return _core.unflatten(self.treespec, out)
+
+
+def _same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN equal to NaN (a skipped step's norm)."""
+    if a.is_floating_point() and b.is_floating_point():
+        nan = a.isnan()
+        return torch.equal(nan, b.isnan()) and torch.equal(a.masked_fill(nan, 0),
+                                                           b.masked_fill(nan, 0))
+    return torch.equal(a, b)
 
 
 def saved_order(owner: str, index: int, count: int, names: Any, saved: Any) -> list[int]:
