@@ -38,11 +38,9 @@ each loaded tensor must have.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import optree
 import torch
@@ -298,18 +296,18 @@ class Layout:
         node_keys: dict[Key, set[Any]] = {}
         parts = [_core.path_parts(a) for a in accessors]
         for accessor, path in zip(accessors, parts, strict=True):
-            for i, entry in enumerate(accessor):
-                if isinstance(entry, optree.MappingEntry):
-                    node_keys.setdefault(path[:i], set()).add(entry.entry)
+            for i, step in enumerate(accessor):
+                if isinstance(step, optree.MappingEntry):
+                    node_keys.setdefault(path[:i], set()).add(step.entry)
         self.owners: list[str | None] = []
         self.fields: list[str] = []
         for accessor, path in zip(accessors, parts, strict=True):
             owner_name: str | None = None
             field = path
-            for i, entry in enumerate(accessor):
-                if isinstance(entry, optree.MappingEntry) and isinstance(entry.entry, str) \
-                        and entry.entry in known and node_keys[path[:i]] <= known:
-                    owner_name, field = entry.entry, path[:i] + path[i + 1:]
+            for i, step in enumerate(accessor):
+                if isinstance(step, optree.MappingEntry) and isinstance(step.entry, str) \
+                        and step.entry in known and node_keys[path[:i]] <= known:
+                    owner_name, field = step.entry, path[:i] + path[i + 1:]
                     break
             self.owners.append(owner_name)
             self.fields.append(_dotted(field) or "<root>")
@@ -325,8 +323,8 @@ class Layout:
                         f"keyed by the param names.")
                 self.expected[o][f] = leaf
         shared = {f: leaf for f, leaf in shared.items() if leaf is not None}
-        for entry in self.expected.values():
-            entry.update(shared)
+        for expected in self.expected.values():
+            expected.update(shared)
         self._shared = shared
         self._none = [leaf is None for leaf in leaves]
 

@@ -228,17 +228,23 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     the averaged iterate into the params and ``train()`` restores the training params
     bitwise, as the schedulefree package's optimizers do.
 
-    **Checkpoints.** ``state_dict()`` returns the step's state as nested dicts of tensors
-    (loss scale and its counters, master weights, the transform's state, the last step's
-    metrics, the step key), keyed by field names and parameter names, loadable with
-    ``torch.load(weights_only=True)`` and by ``torch.distributed.checkpoint``. It records
-    the loss-scale rule (``"loss_scale_rule"``, a float64 tensor of the rule's arguments),
-    and ``load_state_dict`` refuses a checkpoint saved under another rule. The rest of
-    the configuration (transform, clipping norm) is not in it: build the optimizer the
-    same way (and call ``clip_grad_norm`` again), then ``load_state_dict``;
-    it continues bitwise as the original would have. Loading also sets each param that
-    has a master copy to ``master.to(param.dtype)`` (as LightRFT does), so loading the
-    optimizer alone restores the low-precision weights as well.
+    **Checkpoints.** ``state_dict()`` returns the step's state in torch's layout,
+    through the codec ``functopt.Optimizer`` uses too: each param's entry maps state
+    paths to its tensors (``'master'``, ``'inner_state.0.mu'``) and holds the leaves all
+    params share (loss scale and its counters, the last step's metrics, the step key);
+    each group holds its values and, under ``"functopt"``, the configuration the state
+    needs (recipe, loss-scale rule, master dtype). ``named_state_dict()`` keys it by
+    param names. It loads with ``torch.load(weights_only=True)``, into DCP as a
+    ``Stateful``, and through ``torch.distributed.checkpoint.state_dict``'s
+    ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` (``optimizer.state`` is
+    a view of the state, so they take no initialising step). ``load_state_dict`` matches
+    entries by param name and refuses a checkpoint saved under another loss-scale rule,
+    recipe or master dtype, naming it; a checkpoint in the nested format of before still
+    loads. The clipping norm is not in it: build the optimizer the same way (and call
+    ``clip_grad_norm`` again), then ``load_state_dict``; it continues bitwise as the
+    original would have. Loading also sets each param that has a master copy to
+    ``master.to(param.dtype)`` (as LightRFT does), so loading the optimizer alone
+    restores the low-precision weights as well.
 
     **Host syncs.** ``step()`` reads its skip decision (one bool), and on a skipped step
     with a dynamic scale the scale too, to warn with a
@@ -292,10 +298,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         >>> opt.zero_grad()
         >>> opt.loss_scale
         65536.0
-        >>> master = opt.state_dict()["master"]
-        >>> sorted(master)
+        >>> state = opt.named_state_dict()["state"]  # each param's entry, by name
+        >>> sorted(state)
         ['bias', 'weight']
-        >>> torch.equal(model.weight, master["weight"].to(torch.bfloat16))
+        >>> torch.equal(model.weight, state["weight"]["master"].to(torch.bfloat16))
         True
 
         Per-group multipliers and a frozen group (one global norm and one skip decision
@@ -315,9 +321,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         True
         >>> torch.equal(net[0].weight, before)
         True
-        >>> inner = opt.state_dict()["inner_state"]["inner_states"]  # no state for group 0
-        >>> sorted(inner), sorted(inner["1"]["0"]["mu"]), sorted(inner["2"]["0"]["mu"])
-        (['1', '2'], ['1.weight'], ['1.bias'])
+        >>> state = opt.named_state_dict()["state"]
+        >>> state["0.weight"], [k for k in state["1.bias"] if k.endswith("mu")]  # none: frozen
+        ({}, ['inner_state.inner_states.2.0.mu'])
 
         From a torch optimizer (LightRFT's form), driven by a torch scheduler:
 
@@ -1039,7 +1045,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     # The facade's state is its step's state; ``optimizer.state`` is a view of it, keyed by
     # param as torch.optim's is (torch.distributed.checkpoint's helpers read it to tell
     # whether the state exists, and would otherwise take a zero-gradient step).
-    @property  # type: ignore[override]
+    @property
     def state(self) -> defaultdict[torch.Tensor, dict[str, Any]]:
         """Each param's entry of the state (see *Checkpoints*): a view, rebuilt at each read;
         the tensors are the live state. Frozen params have empty entries."""

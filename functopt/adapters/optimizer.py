@@ -252,9 +252,11 @@ class Optimizer(torch.optim.Optimizer):
     field to that param's tensor (``'inner_state.0.mu'``), and holds the group-level leaves
     (``'count'``, ``'inner_state.0.count'``) too, the same tensor in every param of the
     group, as torch.optim keeps ``step`` per param. Injected hyperparameters live in
-    ``param_groups`` only. ``state_dict()`` is torch's; ``load_state_dict`` checks every
-    entry against the transform's state (names, shapes) and moves it to the dtype and device
-    the transform holds it in. When both the saved group and this one name their params
+    ``param_groups`` only. ``state_dict()`` is torch's, with each group's recipe recorded
+    under ``"functopt"`` (the state format ``MixedPrecisionOptimizer`` shares;
+    ``named_state_dict()`` keys it by names); ``load_state_dict`` refuses another recipe,
+    checks every entry against the transform's state (names, shapes) and moves it to the
+    dtype and device the transform holds it in. When both the saved group and this one name their params
     (``model.named_parameters()``), each param gets the entry saved under its name, whatever
     the order; names that differ raise, naming them.
 
