@@ -311,21 +311,19 @@ class Layout:
                     break
             self.owners.append(owner_name)
             self.fields.append(_dotted(field) or "<root>")
-        self.expected: dict[str, dict[str, Any]] = {name: {} for name in names}
-        shared = {f: leaf for o, f, leaf in zip(self.owners, self.fields, leaves, strict=True)
-                  if o is None}
+        # (no tensors kept: a layout is cached, and would hold on to an old state)
+        shared = {f for o, f, leaf in zip(self.owners, self.fields, leaves, strict=True)
+                  if o is None and leaf is not None}
+        seen: set[tuple[str, str]] = set()
         for o, f, leaf in zip(self.owners, self.fields, leaves, strict=True):
             if o is not None and leaf is not None:
-                if f in shared or f in self.expected[o]:
+                if f in shared or (o, f) in seen:
                     raise ValueError(
                         f"{owner}: two leaves of the state share the key {f!r} of param "
                         f"{o!r} in the state dict. Fix: keep per-param state under dicts "
                         f"keyed by the param names.")
-                self.expected[o][f] = leaf
-        shared = {f: leaf for f, leaf in shared.items() if leaf is not None}
-        for expected in self.expected.values():
-            expected.update(shared)
-        self._shared = shared
+                seen.add((o, f))
+        self._shared = sorted(shared)
         self._none = [leaf is None for leaf in leaves]
 
     def entries(self, tree: Any) -> dict[str, dict[str, Any]]:
@@ -344,17 +342,18 @@ class Layout:
             entry.update(shared)
         return out
 
-    def tree(self, owner: str, entries: Mapping[str, Any]) -> Any:
-        """The state of this layout from each param's entry (checked by ``check_entry``
-        against the layout's template, copies on its devices); a shared leaf must be
-        bitwise the same in every entry."""
+    def tree(self, owner: str, template: Any, entries: Mapping[str, Any]) -> Any:
+        """The state of this layout from each param's entry, checked by ``check_entry``
+        against ``template`` (a state of this layout: the optimizer's own), copies on its
+        devices; a shared leaf must be bitwise the same in every entry."""
         missing = [name for name in self.names if name not in entries]
         if missing:
             raise ValueError(
                 f"{owner}: the state dict has no entry for the params "
                 f"{_listing([(m,) for m in missing])}. Fix: load a state dict saved by an "
                 f"optimizer over the same params.")
-        loaded = {name: check_entry(owner, f"param {name!r}", self.expected[name],
+        expected = self.entries(template)
+        loaded = {name: check_entry(owner, f"param {name!r}", expected[name],
                                     entries[name], cast=False, copy=True)
                   for name in self.names}
         first = self.names[0]

@@ -1186,7 +1186,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 entries.update(zip(group["param_names"], group_entries, strict=True))
             saved_groups.append(saved)
         groups = self._check_groups(saved_groups)
-        state = self._layout().tree(owner, entries)
+        state = self._layout().tree(owner, self._state, entries)
         self._install(state, groups)
 
     def _load_nested(self, state_dict: Mapping[str, Any]) -> None:
