@@ -231,3 +231,37 @@ def test_the_torch_view_round_trips_through_torch_load_weights_only(tmp_path) ->
         loaded = torch.load(path, weights_only=True)
         assert loaded["param_groups"][0]["functopt"]["format"] == _state_dict.FORMAT
         opt.load_state_dict(loaded)
+
+
+def test_dcp_helpers_on_functopt_optimizer_with_a_frozen_group(tmp_path) -> None:
+    """DCP's strict load wants an entry for every param that requires grad: a frozen
+    group's params have empty ones."""
+    def build(seed):  # type: ignore[no-untyped-def]
+        torch.manual_seed(seed)
+        net = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+        opt = functopt.Optimizer([{"params": list(net[0].named_parameters(prefix="0")),
+                                   "frozen": True},
+                                  {"params": list(net[1].named_parameters(prefix="1"))}],
+                                 functopt.adamw(1e-2, weight_decay=0.1))
+        return net, opt
+
+    def train(net, opt, steps):  # type: ignore[no-untyped-def]
+        for t in steps:
+            net(torch.full((2, 2), float(t + 1))).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    net, opt = build(0)
+    train(net, opt, range(2))
+    osd = get_optimizer_state_dict(net, opt)
+    assert osd["state"]["0.weight"] == {} and "inner_state.0.mu" in osd["state"]["1.weight"]
+    dcp.save({"model": net.state_dict(), "optim": osd}, checkpoint_id=tmp_path)
+    other, other_opt = build(1)
+    held = {"model": other.state_dict(), "optim": get_optimizer_state_dict(other, other_opt)}
+    dcp.load(held, checkpoint_id=tmp_path)
+    other.load_state_dict(held["model"])
+    set_optimizer_state_dict(other, other_opt, held["optim"])
+    train(net, opt, range(2, 4))
+    train(other, other_opt, range(2, 4))
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), other.parameters(),
+                                                 strict=True))

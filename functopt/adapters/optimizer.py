@@ -317,8 +317,8 @@ class Optimizer(torch.optim.Optimizer):
         >>> scheduler.step()
         >>> [group["lr"] for group in opt.param_groups]  # the step uses 0.05 * 10 for [1]
         [0.05, 0.05, 0.05]
-        >>> len(opt.state_dict()["state"])  # net[1]'s two params; none for the frozen group
-        2
+        >>> [len(entry) for entry in opt.state_dict()["state"].values()]  # frozen: empty
+        [0, 0, 4, 4]
     """
 
     # the training params kept by eval() (schedule-free), restored by train(); None in
@@ -737,9 +737,13 @@ class Optimizer(torch.optim.Optimizer):
         # Which recipe each group runs (None: not a recipe), checked by load_state_dict.
         for i, group in enumerate(saved["param_groups"]):
             plan = self._plans[i] if i < len(self._plans) else None
+            if plan is None:  # a frozen group: empty entries, as DCP's strict load wants
+                for pid in group["params"]:
+                    saved["state"].setdefault(pid, {})
             group[_state_dict.CONFIG_KEY] = {
                 "format": _state_dict.FORMAT,
                 "transform": None if plan is None else plan.signature}
+        saved["state"] = dict(sorted(saved["state"].items()))
         return saved
 
     def named_state_dict(self) -> dict[str, Any]:
