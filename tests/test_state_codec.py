@@ -265,3 +265,25 @@ def test_dcp_helpers_on_functopt_optimizer_with_a_frozen_group(tmp_path) -> None
     train(other, other_opt, range(2, 4))
     assert all(torch.equal(a, b) for a, b in zip(net.parameters(), other.parameters(),
                                                  strict=True))
+
+
+def test_dcp_helpers_with_a_flattened_state_dict(tmp_path) -> None:
+    """``StateDictOptions(flatten_optimizer_state_dict=True)``: one key per tensor and per
+    group value (``state.0.weight.master``), rebuilt from ``optimizer.state``'s keys."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    net = _net(0)
+    opt = _facade(net)
+    _train(net, opt, range(4))
+    osd = get_optimizer_state_dict(net, opt, options=flat)
+    assert osd["state.0.weight.master"] is opt._state.master["0.weight"]
+    dcp.save({"optim": osd}, checkpoint_id=tmp_path)
+    other = _net(0)
+    other_opt = _facade(other)
+    held = {"optim": get_optimizer_state_dict(other, other_opt, options=flat)}
+    dcp.load(held, checkpoint_id=tmp_path)
+    set_optimizer_state_dict(other, other_opt, held["optim"], options=flat)
+    assert _same_state(opt, other_opt)
+    assert _train(net, opt, range(4, 6)) == _train(other, other_opt, range(4, 6))
+    assert all(torch.equal(a, b) for a, b in zip(_bits(net), _bits(other), strict=True))
