@@ -194,8 +194,8 @@ class FacadeMixed(C.Contender):
         self.steps += 1
 
     def result(self) -> list[torch.Tensor]:
-        master = self.opt.state_dict()["master"]
-        return [*(master[n] for n in C._names(len(self.params))),
+        state = self.opt.named_state_dict()["state"]
+        return [*(state[n]["master"] for n in C._names(len(self.params))),
                 torch.tensor([self.opt.loss_scale], device=C.DEVICE)]
 
     def tensors(self) -> dict[str, list[torch.Tensor]]:

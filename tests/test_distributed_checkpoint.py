@@ -2,7 +2,8 @@
 
 The single-process tests check the flat dict (keys, round trip bitwise, errors). The
 distributed tests run ``tests/distributed/checkpoint_checks.py``: one 2-rank launch
-trains and saves (and checks offloading of DTensor state), then one launch per world size
+trains and saves (the facade also through DCP's get/set_optimizer_state_dict; and checks
+offloading of DTensor state), then one launch per world size
 (1, 4) loads, trains on and compares with an uninterrupted single-process run, bitwise.
 """
 
@@ -114,7 +115,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict[str,
 @pytest.fixture(scope="module", params=[1, 4], ids=lambda w: f"load_on_{w}ranks")
 def loaded(request: pytest.FixtureRequest, saved) -> list[dict[str, str | None]]:
     path, save_results = saved
-    if any(r["functional"] or r["facade"] for r in save_results):
+    if any(r["functional"] or r["facade"] or r["facade_dsd"] for r in save_results):
         pytest.skip("the 2-rank save failed (see test_save)")
     assert os.path.isdir(os.path.join(path, "functional"))
     return harness.run_ranks(
@@ -126,14 +127,15 @@ def _failures(results: list[dict[str, str | None]], name: str) -> str:
     return "\n".join(f"rank {rank}:\n{r[name]}" for rank, r in enumerate(results) if r[name])
 
 
-@pytest.mark.parametrize("name", ["functional", "facade", "state_from_dict_sharding_errors",
-                                  "offload_dtensor_state", "facade_offload_fsdp"])
+@pytest.mark.parametrize("name", ["functional", "facade", "facade_dsd",
+                                  "state_from_dict_sharding_errors", "offload_dtensor_state",
+                                  "facade_offload_fsdp"])
 def test_save_on_2_ranks(saved, name: str) -> None:
     failures = _failures(saved[1], name)
     assert not failures, failures
 
 
-@pytest.mark.parametrize("name", ["functional", "facade"])
+@pytest.mark.parametrize("name", ["functional", "facade", "facade_dsd"])
 def test_load_and_train_on(loaded, name: str) -> None:
     failures = _failures(loaded, name)
     assert not failures, failures

@@ -172,7 +172,7 @@ def test_hf_trainer_trains_a_tiny_gpt2_with_the_facade_and_resumes_bitwise(tmp_p
 
     model, opt, trainer = run(tmp_path / "a")
     assert trainer.state.global_step == 6 and opt.param_groups[0]["lr"] == 1e-3 * (1.0 / 7)
-    master = opt.state_dict()["master"]
+    master = opt._state.master
     assert all(torch.equal(p, master[str(i)].to(torch.bfloat16))
                for i, p in enumerate(model.parameters()))
     resumed, _, _ = run(tmp_path / "b", resume=str(tmp_path / "a" / "checkpoint-3"))

@@ -51,11 +51,10 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
 
 
-def _state_only(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """The state dict less its record of the loss-scale rule (tested in test_reliability)
-    and of the group values (tested in test_mixed_precision_optimizer_groups)."""
-    assert state_dict["loss_scale_rule"].shape == (8,)
-    return {k: v for k, v in state_dict.items() if k not in ("loss_scale_rule", "param_groups")}
+def _nested(opt: MixedPrecisionOptimizer) -> dict[str, Any]:
+    """The facade's step state as nested dicts keyed by field and param names (the state
+    dict's format is tested in test_state_codec)."""
+    return _state_dict.to_nested("test", opt._state)
 
 
 def _same_nested(a: Any, b: Any) -> bool:
@@ -168,8 +167,8 @@ def test_param_groups_match_torch_adamw_groups() -> None:
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     # Unnamed params are numbered over all groups, as torch.optim numbers them.
-    assert set(opt.state_dict()["inner_state"]["inner_states"]) == {"0", "1"}
-    assert set(opt.state_dict()["inner_state"]["inner_states"]["1"]["0"]["mu"]) == {"2", "3"}
+    assert set(_nested(opt)["inner_state"]["inner_states"]) == {"0", "1"}
+    assert set(_nested(opt)["inner_state"]["inner_states"]["1"]["0"]["mu"]) == {"2", "3"}
 
 
 def test_param_groups_equal_partition_by_hand_bitwise() -> None:
@@ -195,7 +194,7 @@ def test_param_groups_equal_partition_by_hand_bitwise() -> None:
         opt.zero_grad()
         for n, p in named.items():
             assert _same_bits(p, params[n]), n
-    assert _same_nested(_state_only(opt.state_dict()), _state_dict.to_nested("test", state))
+    assert _same_nested(_nested(opt), _state_dict.to_nested("test", state))
 
 
 # -- low precision: exact master weights ------------------------------------------------
@@ -214,7 +213,7 @@ def test_low_precision_model_trains_and_params_are_the_rounded_master(dtype) -> 
         opt.backward(loss)
         assert opt.step()
         opt.zero_grad()
-        master = opt.state_dict()["master"]
+        master = _nested(opt)["master"]
         assert set(master) == {n for n, _ in model.named_parameters()}
         for n, p in model.named_parameters():
             assert master[n].dtype == torch.float32
@@ -227,15 +226,15 @@ def test_float32_params_have_no_master_copy_and_mixed_models_work() -> None:
     model[2].to(torch.bfloat16)
     model[0].weight.data = model[0].weight.data.half()
     opt = MixedPrecisionOptimizer(model.named_parameters(), functopt.sgd(0.1), loss_scale=None)
-    assert set(opt.state_dict()["master"]) == {"0.weight", "2.weight", "2.bias"}
+    assert set(_nested(opt)["master"]) == {"0.weight", "2.weight", "2.bias"}
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     assert opt.step()
     for n, p in model.named_parameters():
         assert not torch.equal(p, before[n]), n
-        if n in opt.state_dict()["master"]:
-            assert _same_bits(p, opt.state_dict()["master"][n].to(p.dtype))
+        if n in _nested(opt)["master"]:
+            assert _same_bits(p, _nested(opt)["master"][n].to(p.dtype))
 
 
 # -- bitwise equal to the functional step -------------------------------------------------
@@ -276,7 +275,7 @@ def test_facade_equals_functional_step_bitwise(case, clip) -> None:
         assert took == (not bool(state.metrics.found_inf))
         for n, p in params.items():
             assert _same_bits(p, ref_params[n]), n
-        assert _same_nested(_state_only(opt.state_dict()), _state_dict.to_nested("test", state))
+        assert _same_nested(_nested(opt), _state_dict.to_nested("test", state))
         assert _same_bits(opt.get_grad_norm(), state.metrics.grad_norm)
         assert _same_bits(opt.count_zeros(), state.metrics.num_zeros)
 
@@ -329,26 +328,24 @@ def test_restored_optimizer_continues_bitwise() -> None:
     assert opt.loss_scale == restored.loss_scale
 
 
-def test_state_dict_is_nested_dicts_of_tensors_keyed_by_names() -> None:
+def test_state_dict_is_torchs_layout_with_entries_keyed_by_state_paths() -> None:
     model = _mlp(torch.bfloat16)
     opt = MixedPrecisionOptimizer(model.named_parameters(), functopt.adamw(1e-3))
     sd = opt.state_dict()
-    assert set(sd) == {"loss_scale", "master", "inner_state", "metrics", "key", "loss_scale_rule"}
-    names = {n for n, _ in model.named_parameters()}
-    assert set(sd["master"]) == names
-    assert set(sd["inner_state"]["0"]["mu"]) == set(sd["inner_state"]["0"]["nu"]) == names
-    assert set(sd["loss_scale"]) == {"scale", "growth_tracker", "hysteresis_tracker"}
-
-    def check(node: Any) -> None:
-        assert type(node) is dict and all(type(k) is str for k in node)
-        for v in node.values():
-            if isinstance(v, dict):
-                check(v)
-            else:
-                assert type(v) is torch.Tensor
-
-    check(sd)
-    assert _same_nested(_roundtrip(sd), sd)
+    assert set(sd) == {"state", "param_groups"}
+    names = [n for n, _ in model.named_parameters()]
+    (group,) = sd["param_groups"]
+    assert group["params"] == list(range(len(names))) and group["param_names"] == names
+    assert set(sd["state"]) == set(range(len(names)))
+    for pid, name in enumerate(names):
+        entry = sd["state"][pid]
+        assert {"master", "inner_state.0.mu", "inner_state.0.nu", "inner_state.0.count",
+                "loss_scale.scale", "loss_scale.growth_tracker", "key"} <= set(entry)
+        assert entry["master"] is opt._state.master[name]
+        assert entry["inner_state.0.mu"] is opt._state.inner_state[0].mu[name]
+        assert entry["loss_scale.scale"] is opt._state.loss_scale.scale  # shared by all
+    roundtrip = _roundtrip(sd)  # torch.load(weights_only=True) reads it
+    assert _same_nested(roundtrip["state"], sd["state"])
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -393,8 +390,8 @@ def test_state_dicts_share_nothing_with_later_states() -> None:
     _train(model, opt, x, y, range(3), {})  # steps make new tensors; sd stays as it was
     assert _same_nested(sd, before)
     opt.load_state_dict(sd)
-    sd["inner_state"]["0"]["mu"]["0.weight"].fill_(7.0)
-    sd["loss_scale"]["scale"].fill_(2.0)
+    sd["state"][0]["inner_state.0.mu"].fill_(7.0)
+    sd["state"][0]["loss_scale.scale"].fill_(2.0)
     assert _same_nested(opt.state_dict(), before)
 
 
@@ -403,12 +400,12 @@ def test_reload_model_params_copies_the_params_into_the_master() -> None:
     opt = MixedPrecisionOptimizer(model.named_parameters(), functopt.adamw(1e-2))
     x, y = _data(torch.bfloat16)
     _train(model, opt, x, y, range(3), {})
-    inner_before = copy.deepcopy(opt.state_dict()["inner_state"])
+    inner_before = copy.deepcopy(_nested(opt)["inner_state"])
     model.load_state_dict(_mlp(torch.bfloat16, seed=5).state_dict())
-    stale = opt.state_dict()["master"]["0.weight"]
+    stale = _nested(opt)["master"]["0.weight"]
     assert not torch.equal(stale.to(torch.bfloat16), model[0].weight)
     opt.reload_model_params()
-    sd = opt.state_dict()
+    sd = _nested(opt)
     for n, p in model.named_parameters():
         assert _same_bits(sd["master"][n], p.detach().float())
     assert _same_nested(sd["inner_state"], inner_before)
@@ -432,7 +429,7 @@ def test_state_kept_by_a_transform_does_not_alias_the_params() -> None:
     with pytest.warns(functopt.fast.FastPathWarning, match="a transform without a spec"):
         opt.step()  # a hand-written transform: the pure path, and the step says so
     assert torch.equal(w, torch.zeros(3))
-    assert torch.equal(opt.state_dict()["inner_state"]["0"]["anchor"]["w"], torch.ones(3))
+    assert torch.equal(_nested(opt)["inner_state"]["0"]["anchor"]["w"], torch.ones(3))
 
 
 # -- the training-loop calls ------------------------------------------------------------------
@@ -479,11 +476,11 @@ def test_params_without_grad_are_left_unchanged() -> None:
     opt = MixedPrecisionOptimizer(model.named_parameters(), functopt.adamw(1e-2))
     x, y = _data(torch.bfloat16)
     frozen = model[2].bias.detach().clone()
-    before = copy.deepcopy(opt.state_dict())
+    before = copy.deepcopy(_nested(opt))
     opt.backward(_loss(model, x, y))
     model[2].bias.grad = None
     assert opt.step()
-    after = opt.state_dict()
+    after = _nested(opt)
     assert _same_bits(model[2].bias, frozen)
     assert _same_bits(after["master"]["2.bias"], before["master"]["2.bias"])
     for moment in ("mu", "nu"):
@@ -543,7 +540,7 @@ def test_params_forms_and_names(form: str) -> None:
     }[form]
     opt = MixedPrecisionOptimizer(params, functopt.adam(0.1))
     expected = {"0", "1"} if form in ("list", "groups", "group_tensors") else {"a", "b"}
-    assert set(opt.state_dict()["inner_state"]["0"]["mu"]) == expected
+    assert set(_nested(opt)["inner_state"]["0"]["mu"]) == expected
     a.grad, b.grad = torch.ones(2), torch.ones(3)
     assert opt.step()
     assert torch.all(a < 1) and torch.all(b < 1)
@@ -652,28 +649,29 @@ def _opt_for(**shapes: tuple[int, ...]) -> MixedPrecisionOptimizer:
 
 def test_load_state_dict_rejects_other_names() -> None:
     sd = _opt_for(a=(2,), b=(3,)).state_dict()
-    with pytest.raises(ValueError, match=r"missing keys \['inner_state.0.mu.c', .*'master.c'\]; "
-                                         r"unexpected keys \['inner_state.0.mu.b', "):
+    with pytest.raises(ValueError, match=r"names its params \['a', 'c'\], the state dict's "
+                                         r"group \['a', 'b'\]: this group's \['c'\] have no "
+                                         r"saved state and the saved \['b'\] no param here"):
         _opt_for(a=(2,), c=(3,)).load_state_dict(sd)
 
 
 def test_load_state_dict_rejects_other_shapes() -> None:
     sd = _opt_for(a=(2,), b=(3,)).state_dict()
-    with pytest.raises(ValueError, match=r"entry 'master.b' has shape \(3,\), but "
-                                         r"this optimizer's has shape \(4,\)"):
+    with pytest.raises(ValueError, match=r"'master' of param 'b' has shape \(3,\), this "
+                                         r"optimizer's state has \(4,\)"):
         _opt_for(a=(2,), b=(4,)).load_state_dict(sd)
 
 
 def test_load_state_dict_rejects_a_float16_loss_scale() -> None:
     opt = _opt_for(a=(2,))
     sd = opt.state_dict()
-    sd["loss_scale"]["scale"] = sd["loss_scale"]["scale"].half()
-    with pytest.raises(TypeError, match=r"entry 'loss_scale.scale' is float16, but this "
-                                        r"optimizer keeps it in float32"):
+    sd["state"][0]["loss_scale.scale"] = sd["state"][0]["loss_scale.scale"].half()
+    with pytest.raises(TypeError, match=r"'loss_scale.scale' of param 'a' is float16, but "
+                                        r"this optimizer keeps it in float32"):
         opt.load_state_dict(sd)
-    sd["loss_scale"]["scale"] = 65536.0
-    with pytest.raises(TypeError, match=r"entry 'loss_scale.scale' is a float, expected a "
-                                        r"tensor"):
+    sd["state"][0]["loss_scale.scale"] = 65536.0
+    with pytest.raises(TypeError, match=r"the state of param 'a' has 'loss_scale.scale' = "
+                                        r"float; expected a tensor"):
         opt.load_state_dict(sd)
     with pytest.raises(TypeError, match=r"expected a state dict .* got list"):
         opt.load_state_dict([])  # type: ignore[arg-type]
@@ -700,6 +698,6 @@ def test_count_zeros_can_be_switched_off(fused: bool) -> None:
                                       fused=fused, count_zeros=count)
         w.grad = torch.tensor([0.0, 0.5, 0.0, 0.0], dtype=torch.bfloat16)
         assert opt.step()
-        results[count] = (int(opt.count_zeros()), opt.state_dict()["master"]["w"].clone())
+        results[count] = (int(opt.count_zeros()), _nested(opt)["master"]["w"].clone())
     assert results[True][0] == 3 and results[False][0] == -1
     assert torch.equal(results[True][1], results[False][1])

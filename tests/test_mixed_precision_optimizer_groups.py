@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import functopt
 from functopt import contrib
-from functopt.adapters import MixedPrecisionOptimizer
+from functopt.adapters import MixedPrecisionOptimizer, _state_dict
 
 F64 = torch.float64
 
@@ -312,7 +312,7 @@ def test_get_grad_norm_is_the_norm_of_the_current_gradients() -> None:
     assert before.dtype == torch.float32
     assert before.item() == pytest.approx(expected, rel=1e-6)
     assert opt.step()
-    assert opt.get_grad_norm() is opt.state_dict()["metrics"]["grad_norm"]  # no second pass
+    assert opt.get_grad_norm() is opt._state.metrics.grad_norm  # no second pass
     model[0].weight.grad.mul_(2.0)  # changed since the step: computed again
     assert opt.get_grad_norm().item() > expected
 
@@ -326,12 +326,12 @@ def test_grad_norm_skip_threshold_skips_like_an_overflow_without_a_trace() -> No
     opt.zero_grad()
     norm = _unscaled_norm(model, 1)
     opt.grad_norm_skip_threshold = norm / 2
-    before = copy.deepcopy(opt.state_dict())
+    before = copy.deepcopy(_state_dict.to_nested("test", opt._state))
     params = [p.detach().clone() for p in model.parameters()]
     opt.backward(_loss(model, 1))
     ok, grad_norm, zeros = opt.step()
     assert ok is False and grad_norm == pytest.approx(norm, rel=1e-2) and zeros == 0
-    after = opt.state_dict()
+    after = _state_dict.to_nested("test", opt._state)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params, strict=True))
     for part in ("master", "inner_state"):
         assert str(after[part]) == str(before[part])
@@ -353,7 +353,8 @@ def test_a_state_dict_taken_before_a_threshold_skip_keeps_its_values() -> None:
     assert not opt.step()  # skipped for the threshold
     opt.grad_norm_skip_threshold = math.inf
     assert opt.step()  # must not update the held tensors in place
-    assert all(torch.equal(held["master"][k], values["master"][k]) for k in values["master"])
+    assert all(torch.equal(held["state"][k]["master"], values["state"][k]["master"])
+               for k in values["state"])
 
 
 def test_step_result_triple_on_overflow_and_without_zero_counting() -> None:
@@ -387,7 +388,7 @@ def test_reload_model_params_from_a_float32_state_dict() -> None:
     opt = MixedPrecisionOptimizer(model.named_parameters(), functopt.adamw(1e-2))
     full = {n: torch.randn(p.shape, dtype=torch.float32) for n, p in model.named_parameters()}
     opt.reload_model_params({**full, "buffer": torch.zeros(1)})
-    master = opt.state_dict()["master"]
+    master = opt._state.master
     for name, p in model.named_parameters():
         assert torch.equal(master[name], full[name])  # no rounding through bfloat16
         assert torch.equal(p, full[name].to(torch.bfloat16))
@@ -459,7 +460,7 @@ def test_schedule_free_eval_of_a_bfloat16_model_uses_the_masters() -> None:
         _loss(model, t).backward()
         opt.step()
         opt.zero_grad()
-    state = opt.state_dict()
+    state = _state_dict.to_nested("test", opt._state)
     train_params = [p.detach().clone() for p in model.parameters()]
     opt.eval()
     b1 = state["inner_state"]["b1"].double()

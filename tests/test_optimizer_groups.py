@@ -284,14 +284,23 @@ def test_load_names_a_recipe_that_does_not_match():
     opt = Optimizer(model.parameters(), functopt.adamw(1e-2))
     _train(model, opt, steps=1)
     saved = opt.state_dict()
-    assert saved["functopt"]["transforms"][0].startswith("adamw(")
+    assert saved["param_groups"][0]["functopt"]["transform"].startswith("adamw(")
     # adam and adamw(nesterov=True) keep the same state fields as adamw: only the record
     # tells them apart.
-    with pytest.raises(ValueError, match=r"saved by adamw\(.*this optimizer runs adam\("):
+    with pytest.raises(ValueError, match=r"saved with transform 'adamw\(.*this optimizer has "
+                                         r"'adam\("):
         Optimizer(model.parameters(), functopt.adam(1e-2)).load_state_dict(saved)
-    with pytest.raises(ValueError, match=r"runs adamw\(.*nesterov=True"):
+    with pytest.raises(ValueError, match=r"has 'adamw\(.*nesterov=True"):
         Optimizer(model.parameters(), functopt.adamw(1e-2, nesterov=True)).load_state_dict(saved)
     Optimizer(model.parameters(), functopt.adamw(1e-3)).load_state_dict(saved)  # lr may differ
+    # A checkpoint of the format before 2 kept the records at the top level: still read.
+    legacy = {"state": saved["state"], "functopt": {"transforms": ["adamw(x=1)"]},
+              "param_groups": [{k: v for k, v in g.items() if k != "functopt"}
+                               for g in saved["param_groups"]]}
+    with pytest.raises(ValueError, match=r"saved with transform 'adamw\(x=1\)'"):
+        Optimizer(model.parameters(), functopt.adamw(1e-2)).load_state_dict(legacy)
+    legacy["functopt"]["transforms"] = [saved["param_groups"][0]["functopt"]["transform"]]
+    Optimizer(model.parameters(), functopt.adamw(1e-2)).load_state_dict(legacy)
 
 
 def test_the_named_state_dict_is_dcps_layout_and_loads_by_name():

@@ -7,6 +7,7 @@ float64 arithmetic in Python for norms.
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from typing import Any
@@ -393,8 +394,11 @@ def test_facade_checkpoint_loads_under_the_same_rule_and_a_deliberate_switch_wor
     # Switching rules on purpose (the fix the message gives): this optimizer's own entries.
     bf16 = _facade(None)
     own = bf16.state_dict()
-    switched = dict(state_dict, loss_scale=own["loss_scale"],
-                    loss_scale_rule=own["loss_scale_rule"])
+    switched = copy.deepcopy(state_dict)
+    for pid, entry in switched["state"].items():
+        entry.update({k: v for k, v in own["state"][pid].items() if k.startswith("loss_scale.")})
+    for group, ours in zip(switched["param_groups"], own["param_groups"], strict=True):
+        group["functopt"]["loss_scale_rule"] = ours["functopt"]["loss_scale_rule"]
     bf16.load_state_dict(switched)
     assert bf16.loss_scale == 1.0
     for p in bf16._params:
@@ -404,8 +408,10 @@ def test_facade_checkpoint_loads_under_the_same_rule_and_a_deliberate_switch_wor
     for p, b in zip(bf16._params, before, strict=True):
         # An SGD step of lr * grad = 0.1, not 0.1 * 65536.
         torch.testing.assert_close(p.float(), b - 0.1, rtol=0, atol=2e-2)
-    legacy = {k: v for k, v in state_dict.items() if k != "loss_scale_rule"}
-    _facade(dynamic_loss_scale()).load_state_dict(legacy)  # older checkpoints: unchecked
+    unrecorded = copy.deepcopy(state_dict)
+    for group in unrecorded["param_groups"]:
+        del group["functopt"]["loss_scale_rule"]
+    _facade(dynamic_loss_scale()).load_state_dict(unrecorded)  # no record: unchecked
 
 
 # --- functopt.Optimizer given torch.optim's things; sparse gradients ---------------------

@@ -21,14 +21,10 @@ __all__: list[str] = []
 
 _OWNER = "MixedPrecisionOptimizer"
 
-# Keys a param group may hold that no transform reads: torch.optim.lr_scheduler's records
-# (every scheduler's base value, OneCycleLR's and CyclicLR's bounds) and Megatron-LM's
-# param-group fields (its OptimizerParamScheduler reads max_lr and min_lr). Any other key
-# the transform does not read is an error, never ignored.
-BOOKKEEPING_KEYS = frozenset({
-    "initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum",
-    "is_expert_parallel", "is_decoupled_lr", "default_config",
-})
+# Keys a param group may hold that no transform reads (schedulers' and Megatron-LM's
+# records): the one set functopt.Optimizer allows too. Any other key the transform does not
+# read is an error, never ignored.
+BOOKKEEPING_KEYS = _param_groups.SCHEDULER_GROUP_KEYS
 _OWN_KEYS = ("params", "param_names", *_param_groups.FLAG_KEYS)
 _UNSET = object()
 

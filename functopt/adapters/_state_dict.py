@@ -1,4 +1,28 @@
-"""Optimizer state as nested dicts of tensors with readable keys, and back.
+"""The one state codec of the adapters: optimizer state as dicts of tensors keyed by
+parameter names and state paths, and back.
+
+**The format** (``FORMAT`` 2), shared by ``functopt.Optimizer`` and
+``MixedPrecisionOptimizer``, is the layout of
+``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``::
+
+    {"state": {param_name: {state_path: tensor, ...}, ...},
+     "param_groups": [{"params": [param_name, ...], <the group's keys>,
+                       "functopt": {"format": 2, <the configuration the state needs>}}]}
+
+``state_path`` is the dotted path of a state leaf with the param's own entry left out
+(``'inner_state.0.mu'``, ``'master'``); a leaf that belongs to no one param (a step count,
+the loss scale) is in the entry of every param of its group, the same tensor, as
+``torch.optim`` keeps ``step`` per param. ``named_state_dict()`` returns this;
+``state_dict()`` is the view ``torch.optim`` code expects, the same dict with int ids in
+place of the names in ``state`` and in each group's ``params``, and the names in each
+group's ``param_names`` (``torch_to_named`` and ``named_to_torch`` go between them). DCP
+only carries ``state`` and ``param_groups``: that is why the shared leaves and the
+configuration live inside them.
+
+The older nested layout below (``to_nested``/``from_nested``, the facade's format before
+``FORMAT`` 2) is kept to read old checkpoints.
+
+**The nested layout.**
 
 functopt states are pytrees of NamedTuples, tuples and dicts. A checkpoint needs plain
 nested dicts of tensors: ``torch.load(weights_only=True)`` refuses unknown classes, and
@@ -14,7 +38,8 @@ each loaded tensor must have.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import optree
@@ -202,3 +227,272 @@ def named_to_torch(owner: str, named: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"{owner}: the state names params {unknown} that no group lists.")
     extra = {k: v for k, v in named.items() if k not in ("state", "param_groups")}
     return {**extra, "state": state, "param_groups": groups}
+
+
+# -- the named format (FORMAT 2) --------------------------------------------------------
+
+FORMAT = 2
+CONFIG_KEY = "functopt"  # each saved group's record of the configuration its state needs
+
+
+def check_entry(owner: str, where: str, expected: Mapping[str, Any], entry: Any, *,
+                cast: bool, copy: bool) -> dict[str, torch.Tensor]:
+    """One param's saved entry checked against ``expected`` (state path -> the tensor the
+    optimizer holds there, or None for a leaf it holds none of): the same keys, tensors of
+    the same shapes, placed on the held tensor's device. ``cast`` moves a tensor to the held
+    dtype (torch.optim's rule for its state); without it another dtype raises.
+
+    Raises:
+        ValueError: naming the unexpected and missing keys, or a key of another shape.
+        TypeError: naming a key that holds no tensor, or one of another dtype.
+    """
+    if not isinstance(entry, Mapping):
+        raise TypeError(f"{owner}: the state of {where} is a {type(entry).__name__}, "
+                        f"expected a dict of tensors.")
+    unknown = sorted(map(str, set(entry) - set(expected)))
+    missing = sorted(k for k, t in expected.items() if t is not None and k not in entry)
+    if unknown or missing:
+        raise ValueError(
+            f"{owner}: the state of {where} has unexpected keys {unknown} and lacks "
+            f"{missing}; this optimizer keeps {sorted(expected)}. Fix: load a state dict "
+            f"saved by an optimizer built the same way (the same transform and groups; a "
+            f"torch.optim optimizer's state does not carry over)."
+        )
+    loaded: dict[str, torch.Tensor] = {}
+    for name, value in entry.items():
+        held = expected[name]
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{owner}: the state of {where} has {name!r} = "
+                            f"{type(value).__name__}; expected a tensor.")
+        if held is not None:
+            if value.shape != held.shape:
+                raise ValueError(
+                    f"{owner}: {name!r} of {where} has shape {tuple(value.shape)}, this "
+                    f"optimizer's state has {tuple(held.shape)}. Fix: load the state dict "
+                    f"into an optimizer over the same model."
+                )
+            if not cast and value.dtype != held.dtype:
+                raise TypeError(
+                    f"{owner}: {name!r} of {where} is {_core._dtype_name(value.dtype)}, but "
+                    f"this optimizer keeps it in {_core._dtype_name(held.dtype)}. The state is "
+                    f"not cast on load (a float16 loss scale, say, would overflow at 65504). "
+                    f"Fix: load the state dict as state_dict() returned it, without casting."
+                )
+            value = value.to(dtype=held.dtype, device=held.device, copy=copy)
+        loaded[name] = value
+    return loaded
+
+
+class Layout:
+    """Where each leaf of a state tree goes in the named format: the param it belongs to
+    (the first dict key on its path that names a param, at a dict keyed by param names only)
+    or none (a shared leaf), and its state path (its dotted path without that key)."""
+
+    def __init__(self, owner: str, tree: Any, names: list[str]) -> None:
+        leaves, self.treespec, _ = _tensor_leaves(owner, tree)
+        accessors = optree.treespec_accessors(self.treespec)
+        known = set(names)
+        self.names = list(names)
+        node_keys: dict[Key, set[Any]] = {}
+        parts = [_core.path_parts(a) for a in accessors]
+        for accessor, path in zip(accessors, parts, strict=True):
+            for i, step in enumerate(accessor):
+                if isinstance(step, optree.MappingEntry):
+                    node_keys.setdefault(path[:i], set()).add(step.entry)
+        self.owners: list[str | None] = []
+        self.fields: list[str] = []
+        for accessor, path in zip(accessors, parts, strict=True):
+            owner_name: str | None = None
+            field = path
+            for i, step in enumerate(accessor):
+                if isinstance(step, optree.MappingEntry) and isinstance(step.entry, str) \
+                        and step.entry in known and node_keys[path[:i]] <= known:
+                    owner_name, field = step.entry, path[:i] + path[i + 1:]
+                    break
+            self.owners.append(owner_name)
+            self.fields.append(_dotted(field) or "<root>")
+        # (no tensors kept: a layout is cached, and would hold on to an old state)
+        shared = {f for o, f, leaf in zip(self.owners, self.fields, leaves, strict=True)
+                  if o is None and leaf is not None}
+        seen: set[tuple[str, str]] = set()
+        for o, f, leaf in zip(self.owners, self.fields, leaves, strict=True):
+            if o is not None and leaf is not None:
+                if f in shared or (o, f) in seen:
+                    raise ValueError(
+                        f"{owner}: two leaves of the state share the key {f!r} of param "
+                        f"{o!r} in the state dict. Fix: keep per-param state under dicts "
+                        f"keyed by the param names.")
+                seen.add((o, f))
+        self._shared = sorted(shared)
+        self._none = [leaf is None for leaf in leaves]
+
+    def entries(self, tree: Any) -> dict[str, dict[str, Any]]:
+        """Each param's entry of ``tree`` (a state of this layout): the tensors themselves."""
+        leaves = _core.flatten(tree)[0]
+        out: dict[str, dict[str, Any]] = {name: {} for name in self.names}
+        shared: dict[str, Any] = {}
+        for o, f, leaf in zip(self.owners, self.fields, leaves, strict=True):
+            if leaf is None:
+                continue
+            if o is None:
+                shared[f] = leaf
+            else:
+                out[o][f] = leaf
+        for entry in out.values():
+            entry.update(shared)
+        return out
+
+    def tree(self, owner: str, template: Any, entries: Mapping[str, Any]) -> Any:
+        """The state of this layout from each param's entry, checked by ``check_entry``
+        against ``template`` (a state of this layout: the optimizer's own), copies on its
+        devices; a shared leaf must be bitwise the same in every entry."""
+        missing = [name for name in self.names if name not in entries]
+        if missing:
+            raise ValueError(
+                f"{owner}: the state dict has no entry for the params "
+                f"{_listing([(m,) for m in missing])}. Fix: load a state dict saved by an "
+                f"optimizer over the same params.")
+        expected = self.entries(template)
+        loaded = {name: check_entry(owner, f"param {name!r}", expected[name],
+                                    entries[name], cast=False, copy=True)
+                  for name in self.names}
+        first = self.names[0]
+        for f in self._shared:
+            for name in self.names[1:]:
+                a, b = loaded[first].get(f), loaded[name].get(f)
+                if a is not None and b is not None and not _same_value(a, b):
+                    raise ValueError(
+                        f"{owner}: {f!r} is one value for all params, but the entries of "
+                        f"params {first!r} and {name!r} differ. Fix: load a state dict as "
+                        f"state_dict() wrote it.")
+        out = []
+        for o, f, none in zip(self.owners, self.fields, self._none, strict=True):
+            out.append(None if none else (loaded[first] if o is None else loaded[o])[f])
+        return _core.unflatten(self.treespec, out)
+
+
+def _same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN equal to NaN (a skipped step's norm)."""
+    if a.is_floating_point() and b.is_floating_point():
+        nan = a.isnan()
+        return torch.equal(nan, b.isnan()) and torch.equal(a.masked_fill(nan, 0),
+                                                           b.masked_fill(nan, 0))
+    return torch.equal(a, b)
+
+
+def saved_order(owner: str, index: int, count: int, names: Any, saved: Any) -> list[int]:
+    """For each param of a group, the position of its entry in the saved group: by name when
+    both groups name their params (a model whose parameters were registered in another order
+    loads each param's own state), by position otherwise. Names that do not match raise."""
+    if names is None or saved is None:
+        return list(range(count))
+    names, saved = list(names), list(saved)
+    if names == saved:
+        return list(range(len(names)))
+    missing, extra = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
+    if missing or extra or len(set(saved)) != len(saved):
+        raise ValueError(
+            f"{owner}: param_groups[{index}] names its params {names}, the state dict's group "
+            f"{saved}: this group's {missing} have no saved state and the saved {extra} no "
+            f"param here. Fix: load the state dict into an optimizer over the same model "
+            f"(the same parameter names in each group)."
+        )
+    position = {name: k for k, name in enumerate(saved)}
+    return [position[name] for name in names]
+
+
+def saved_groups(owner: str, state_dict: Mapping[str, Any],
+                 groups: list[dict[str, Any]]) -> list[tuple[dict[str, Any], list[Any]]]:
+    """Pair each of ``groups`` (an optimizer's param_groups) with its saved group and the
+    saved entries of its params, in the group's order: from torch's view (int ids), from
+    the named format, or from what ``set_optimizer_state_dict`` passes (names as ids). The
+    saved group is a copy without ``params`` and ``param_names``.
+
+    Raises:
+        ValueError: the dict has no ``state``/``param_groups``, another number of groups or
+            of params in a group, or params named otherwise.
+    """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"{owner}: expected a state dict (a dict with keys 'state' and 'param_groups', as "
+            f"optimizer.state_dict() returns), got {type(state_dict).__name__}.")
+    if not {"state", "param_groups"} <= set(state_dict):
+        raise ValueError(
+            f"{owner}: expected a dict with keys 'state' and 'param_groups' (from "
+            f"optimizer.state_dict()), got keys {sorted(map(str, state_dict))}.")
+    saved_list = state_dict["param_groups"]
+    if len(saved_list) != len(groups):
+        raise ValueError(
+            f"{owner}: the state dict has {len(saved_list)} param groups, this optimizer "
+            f"{len(groups)}. Fix: build the optimizer with the param groups of the one that "
+            f"saved it (and add_param_group the same groups) before loading."
+        )
+    out = []
+    state = state_dict["state"]
+    for i, (group, saved) in enumerate(zip(groups, saved_list, strict=True)):
+        ids = list(saved["params"])
+        if len(ids) != len(group["params"]):
+            raise ValueError(
+                f"{owner}: param_groups[{i}] has {len(group['params'])} params, the state "
+                f"dict's has {len(ids)}. Fix: build the groups from the same model as the "
+                f"one that saved it.")
+        saved_names = saved.get("param_names")
+        if saved_names is None and ids and all(isinstance(k, str) for k in ids):
+            saved_names = ids  # DCP passes the names as the ids
+        order = saved_order(owner, i, len(ids), group.get("param_names"), saved_names)
+        entries = [state.get(ids[k]) or {} for k in order]
+        rest = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
+        out.append((rest, entries))
+    return out
+
+
+def check_config(owner: str, index: int, saved: Any, current: Mapping[str, Any],
+                 describe: Mapping[str, Callable[[Any], str]] | None = None) -> None:
+    """Compare a saved group's configuration record (``CONFIG_KEY``) with this optimizer's:
+    each key both have must hold the same value (``describe`` shows a value in the
+    message). A record of a later format raises; a missing record (a checkpoint older than
+    the record) or key is not checked."""
+    if saved is None:
+        return
+    if not isinstance(saved, Mapping):
+        raise TypeError(f"{owner}: param_groups[{index}][{CONFIG_KEY!r}] is a "
+                        f"{type(saved).__name__}; expected the dict state_dict() writes.")
+    version = saved.get("format")
+    if isinstance(version, int) and version > FORMAT:
+        raise ValueError(
+            f"{owner}: the state dict is in functopt's state format {version}, this version "
+            f"reads up to {FORMAT}. Fix: load it with the functopt version that saved it.")
+    show = describe or {}
+    for key, ours in current.items():
+        if key == "format" or key not in saved or saved[key] == ours:
+            continue
+        if isinstance(ours, float) and isinstance(saved[key], float) and \
+                math.isnan(ours) and math.isnan(saved[key]):
+            continue
+        fmt = show.get(key, repr)
+        raise ValueError(
+            f"{owner}: param_groups[{index}] was saved with {key} {fmt(saved[key])}, this "
+            f"optimizer has {fmt(ours)}. The saved state only means something under its own "
+            f"{key}. Fix: build the optimizer the way the saved one was built (the same "
+            f"{key}) before loading."
+        )
+
+
+def recipe_signature(tx: Any, hyper: Mapping[str, torch.Tensor]) -> str | None:
+    """What recipe a transform is, with its fixed non-numeric arguments
+    (``"adamw(mu_dtype=None, nesterov=False)"``), or None if it is none: a plain recipe, or
+    one ``inject_hyperparams`` builds from ``hyper`` (its injected values)."""
+    from functopt._spec import Injected, describe
+    from functopt.optimizers import recipe_of
+
+    spec = describe(tx)
+    try:
+        record = recipe_of(spec.build(dict(hyper)) if isinstance(spec, Injected) else tx)
+    except Exception:  # a factory of the user's that takes no such values: no recipe row
+        return None
+    if record is None:
+        return None
+    fixed = ", ".join(f"{k}={v!r}" for k, v in record.arguments.items()
+                      if k not in hyper and (v is None or isinstance(v, (bool, int, str,
+                                                                          torch.dtype))))
+    return f"{record.name}({fixed})"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import typing
 import weakref
+from collections import defaultdict
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
@@ -73,8 +74,9 @@ LOSS_SCALE_RULE_MISMATCH = (
     "dynamic scale of 65536 loaded into loss_scale=None would scale every loss by 65536 "
     "and never unscale it). Fix: build the optimizer with the checkpoint's rule (the same "
     "loss_scale=...) to resume; to switch rules on purpose (float16 to bfloat16), replace "
-    "the checkpoint's 'loss_scale' and 'loss_scale_rule' entries by this optimizer's own "
-    "(from opt.state_dict()) before loading, which restarts the scale under the new rule."
+    "the checkpoint's loss-scale entries (the 'loss_scale.*' keys of every param's entry and "
+    "each group's ['functopt']['loss_scale_rule']) by this optimizer's own (from "
+    "opt.state_dict()) before loading, which restarts the scale under the new rule."
 )
 
 TransformOrFactory = GradientTransformation | Callable[..., GradientTransformation]
@@ -226,17 +228,23 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     the averaged iterate into the params and ``train()`` restores the training params
     bitwise, as the schedulefree package's optimizers do.
 
-    **Checkpoints.** ``state_dict()`` returns the step's state as nested dicts of tensors
-    (loss scale and its counters, master weights, the transform's state, the last step's
-    metrics, the step key), keyed by field names and parameter names, loadable with
-    ``torch.load(weights_only=True)`` and by ``torch.distributed.checkpoint``. It records
-    the loss-scale rule (``"loss_scale_rule"``, a float64 tensor of the rule's arguments),
-    and ``load_state_dict`` refuses a checkpoint saved under another rule. The rest of
-    the configuration (transform, clipping norm) is not in it: build the optimizer the
-    same way (and call ``clip_grad_norm`` again), then ``load_state_dict``;
-    it continues bitwise as the original would have. Loading also sets each param that
-    has a master copy to ``master.to(param.dtype)`` (as LightRFT does), so loading the
-    optimizer alone restores the low-precision weights as well.
+    **Checkpoints.** ``state_dict()`` returns the step's state in torch's layout,
+    through the codec ``functopt.Optimizer`` uses too: each param's entry maps state
+    paths to its tensors (``'master'``, ``'inner_state.0.mu'``) and holds the leaves all
+    params share (loss scale and its counters, the last step's metrics, the step key);
+    each group holds its values and, under ``"functopt"``, the configuration the state
+    needs (recipe, loss-scale rule, master dtype). ``named_state_dict()`` keys it by
+    param names. It loads with ``torch.load(weights_only=True)``, into DCP as a
+    ``Stateful``, and through ``torch.distributed.checkpoint.state_dict``'s
+    ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` (``optimizer.state`` is
+    a view of the state, so they take no initialising step). ``load_state_dict`` matches
+    entries by param name and refuses a checkpoint saved under another loss-scale rule,
+    recipe or master dtype, naming it; a checkpoint in the nested format of before still
+    loads. The clipping norm is not in it: build the optimizer the same way (and call
+    ``clip_grad_norm`` again), then ``load_state_dict``; it continues bitwise as the
+    original would have. Loading also sets each param that has a master copy to
+    ``master.to(param.dtype)`` (as LightRFT does), so loading the optimizer alone
+    restores the low-precision weights as well.
 
     **Host syncs.** ``step()`` reads its skip decision (one bool), and on a skipped step
     with a dynamic scale the scale too, to warn with a
@@ -290,10 +298,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         >>> opt.zero_grad()
         >>> opt.loss_scale
         65536.0
-        >>> master = opt.state_dict()["master"]
-        >>> sorted(master)
+        >>> state = opt.named_state_dict()["state"]  # each param's entry, by name
+        >>> sorted(state)
         ['bias', 'weight']
-        >>> torch.equal(model.weight, master["weight"].to(torch.bfloat16))
+        >>> torch.equal(model.weight, state["weight"]["master"].to(torch.bfloat16))
         True
 
         Per-group multipliers and a frozen group (one global norm and one skip decision
@@ -313,9 +321,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         True
         >>> torch.equal(net[0].weight, before)
         True
-        >>> inner = opt.state_dict()["inner_state"]["inner_states"]  # no state for group 0
-        >>> sorted(inner), sorted(inner["1"]["0"]["mu"]), sorted(inner["2"]["0"]["mu"])
-        (['1', '2'], ['1.weight'], ['1.bias'])
+        >>> state = opt.named_state_dict()["state"]
+        >>> state["0.weight"], [k for k in state["1.bias"] if k.endswith("mu")]  # none: frozen
+        ({}, ['inner_state.inner_states.2.0.mu'])
 
         From a torch optimizer (LightRFT's form), driven by a torch scheduler:
 
@@ -1034,46 +1042,157 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
     # -- checkpoints ------------------------------------------------------------------
 
+    # The facade's state is its step's state; ``optimizer.state`` is a view of it, keyed by
+    # param as torch.optim's is (torch.distributed.checkpoint's helpers read it to tell
+    # whether the state exists, and would otherwise take a zero-gradient step).
+    @property
+    def state(self) -> defaultdict[torch.Tensor, dict[str, Any]]:
+        """Each param's entry of the state (see *Checkpoints*): a view, rebuilt at each read;
+        the tensors are the live state. Frozen params have empty entries."""
+        if "_state" not in self.__dict__:  # during torch's __init__
+            return defaultdict(dict)
+        entries = self._layout().entries(self._state)
+        view: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+        view.update({p: {} for p in self._frozen})
+        view.update({p: entries[name] for p, name in zip(self._params, self._names,
+                                                           strict=True)})
+        return view
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        if value:
+            raise TypeError(
+                f"{_OWNER}: optimizer.state is a view of the step's state and cannot be "
+                f"replaced. Fix: load a state with load_state_dict(...).")
+
+    def _layout(self) -> _state_dict.Layout:
+        layout = self.__dict__.get("_layout_cache")
+        spec = _core.structure(self._state)
+        if layout is None or layout.treespec != spec:
+            layout = self.__dict__["_layout_cache"] = _state_dict.Layout(
+                _OWNER, self._state, self._names)
+        return typing.cast(_state_dict.Layout, layout)
+
+    def _config(self, plan: _Plan) -> dict[str, Any]:
+        """The configuration a group's saved state needs (``_state_dict.CONFIG_KEY``)."""
+        rule = [None if math.isnan(v) else v for v in _rule_vector(self._loss_scale_rule).tolist()]
+        return {"format": _state_dict.FORMAT,
+                "transform": None if plan.frozen or plan.transform is None else
+                _state_dict.recipe_signature(plan.transform, plan.injected),
+                _RULE_KEY: rule,
+                "master_dtype": str(self._master_weights.dtype).removeprefix("torch.")}
+
     def state_dict(self) -> dict[str, Any]:
-        """The optimizer state as nested dicts of tensors, keyed by field and param names.
+        """torch's layout of the state: ``{"state": {id: entry}, "param_groups": [...]}``.
+
+        Each param's entry maps state paths to its tensors (``'master'``,
+        ``'inner_state.0.mu'``) and holds the leaves shared by all params too
+        (``'loss_scale.scale'``, ``'metrics.grad_norm'``, ``'key'``), the same tensor in
+        every entry; each group lists its params' ids and ``param_names``, its keys and
+        values, and under ``"functopt"`` the configuration the state needs (format, recipe,
+        loss-scale rule, master dtype), which ``load_state_dict`` checks.
+        [`named_state_dict`][functopt.MixedPrecisionOptimizer.named_state_dict] is the
+        same keyed by names. Loadable with ``torch.load(weights_only=True)``, and by
+        ``torch.distributed.checkpoint`` (directly, or through
+        ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``, which reshard it).
 
         The tensors are the live state, not copies; the next step then writes new tensors
         instead of updating these in place, so a dict taken before a step keeps its
-        values (later steps update the optimizer's own tensors in place again). For
-        ``torch.distributed.checkpoint``, take the state dict of the optimizer to restore as
-        the template, ``load`` into it in place, then pass it to ``load_state_dict``.
-        When the groups hold hyperparameters, ``"param_groups"`` lists each group's keys
-        and values but the params (as ``torch.optim``'s state dict does), so that a
-        scheduler's last values are restored.
+        values (later steps update the optimizer's own tensors in place again).
         """
         self._state_shared = True
         if self._offloaded is not None:  # the dict holds the host buffers: never reuse them
             self._offload_buffers = None
-        out = _state_dict.to_nested(f"{_OWNER}.state_dict", self._state)
-        out[_RULE_KEY] = _rule_vector(self._loss_scale_rule)
-        if any(plan.keys for plan in self._plans):
-            out[_GROUPS_KEY] = [{k: v for k, v in group.items()
-                                 if k not in ("params", "param_names")}
-                                for group in self.param_groups]
-        return out
+        entries = self._layout().entries(self._state)
+        state: dict[int, dict[str, Any]] = {}
+        groups = []
+        start = 0
+        for plan, group in zip(self._plans, self.param_groups, strict=True):
+            names = list(group["param_names"])
+            ids = list(range(start, start + len(names)))
+            start += len(names)
+            for pid, name in zip(ids, names, strict=True):
+                state[pid] = dict(entries.get(name, {}))
+            groups.append({**{k: v for k, v in group.items()
+                              if k not in ("params", "param_names")},
+                           "params": ids, "param_names": names,
+                           _state_dict.CONFIG_KEY: self._config(plan)})
+        return {"state": state, "param_groups": groups}
+
+    def named_state_dict(self) -> dict[str, Any]:
+        """The state dict keyed by param names: functopt's state format, the layout
+        ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` gives.
+
+        Examples:
+            >>> import torch, functopt
+            >>> model = torch.nn.Linear(2, 1).to(torch.bfloat16)
+            >>> opt = functopt.MixedPrecisionOptimizer(model.named_parameters(),
+            ...                                        functopt.adamw(1e-2))
+            >>> sd = opt.named_state_dict()
+            >>> sorted(sd["state"]["bias"])[:4]
+            ['inner_state.0.count', 'inner_state.0.mu', 'inner_state.0.nu', 'key']
+            >>> opt.load_named_state_dict(sd)
+        """
+        return _state_dict.torch_to_named(f"{_OWNER}.named_state_dict", self.state_dict())
+
+    def load_named_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict keyed by param names (``named_state_dict()``)."""
+        self.load_state_dict(_state_dict.named_to_torch(f"{_OWNER}.load_named_state_dict",
+                                                        state_dict))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state saved by ``state_dict()``; params with a master copy are set from it.
 
-        The optimizer keeps copies of the given tensors (moved to the params' devices), so
-        the dict can be reused or changed afterwards without touching the optimizer. The
-        saved group values (``"param_groups"``) replace the groups' own.
+        Entries are matched to params by name (``param_names``; DCP's layout keys them by
+        name), so the groups may list their params in another order; names that differ
+        raise. The optimizer keeps copies of the given tensors (moved to the params'
+        devices), so the dict can be reused or changed afterwards without touching the
+        optimizer. The saved group values replace the groups' own. A state dict of the
+        format before 2 (nested dicts keyed by field names: ``"loss_scale"``,
+        ``"master"``, ``"inner_state"``, ...) still loads.
 
         Raises:
             ValueError: naming missing or unexpected keys (other param names, another
-                transform), or a key whose tensor has another shape.
+                transform), a key whose tensor has another shape, or a configuration that
+                does not match (loss-scale rule, recipe, master dtype, frozen groups).
             TypeError: naming a key whose tensor has another dtype (a float16 loss scale).
         """
         self._check_not_offloaded("load_state_dict")
         self._check_train_mode("load_state_dict")
+        owner = f"{_OWNER}.load_state_dict"
+        if isinstance(state_dict, Mapping) and "state" not in state_dict:
+            self._load_nested(state_dict)
+            return
+        pairs = _state_dict.saved_groups(owner, state_dict, self.param_groups)
+        saved_groups = []
+        entries: dict[str, Any] = {}
+        for plan, group, (saved, group_entries) in zip(self._plans, self.param_groups, pairs,
+                                                       strict=True):
+            config = saved.pop(_state_dict.CONFIG_KEY, None)
+            if isinstance(config, Mapping) and config.get(_RULE_KEY) is not None:
+                self._check_rule(torch.tensor([math.nan if v is None else v
+                                               for v in config[_RULE_KEY]],
+                                              dtype=torch.float64))
+            ours = self._config(plan)
+            _state_dict.check_config(owner, plan.index, config,
+                                     {k: v for k, v in ours.items() if k != _RULE_KEY})
+            if plan.frozen:
+                if any(group_entries):
+                    raise ValueError(
+                        f"{owner}: param_groups[{plan.index}] is frozen, but the state dict "
+                        f"holds optimizer state for its params; a frozen group has none. "
+                        f"Fix: load a state dict saved with the same groups frozen.")
+            else:
+                entries.update(zip(group["param_names"], group_entries, strict=True))
+            saved_groups.append(saved)
+        groups = self._check_groups(saved_groups)
+        state = self._layout().tree(owner, self._state, entries)
+        self._install(state, groups)
+
+    def _load_nested(self, state_dict: Mapping[str, Any]) -> None:
+        """Load the nested layout of the format before 2 (``_state_dict.from_nested``)."""
         groups = None
-        if isinstance(state_dict, dict) and (_RULE_KEY in state_dict
-                                             or _GROUPS_KEY in state_dict):
+        if _RULE_KEY in state_dict or _GROUPS_KEY in state_dict:
             # (A checkpoint from before the rule was recorded has no entry: not checked.)
             state_dict = dict(state_dict)
             if _RULE_KEY in state_dict:
@@ -1082,6 +1201,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         state: MixedPrecisionState = _state_dict.from_nested(
             f"{_OWNER}.load_state_dict", self._state, state_dict
         )
+        self._install(state, groups)
+
+    def _install(self, state: MixedPrecisionState, groups: list[dict[str, Any]] | None) -> None:
         mw = self._master_weights
         with torch.no_grad():
             for p, name in zip(self._params, self._names, strict=True):

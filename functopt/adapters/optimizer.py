@@ -73,19 +73,9 @@ def _lift(tx: GradientTransformation) -> GradientTransformation:
 def _recipe_of_injected(tx: GradientTransformation, hyper: dict[str, torch.Tensor]) -> str | None:
     """What recipe an ``inject_hyperparams`` transform builds, with its fixed arguments
     (``"adamw(mu_dtype=None, nesterov=False)"``), or None if it builds none."""
-    spec = describe(tx)
-    if not isinstance(spec, Injected):
+    if not isinstance(describe(tx), Injected):
         return None
-    try:
-        record = recipe_of(spec.build(dict(hyper)))
-    except Exception:  # a factory of the user's that takes no such values: no recipe row
-        return None
-    if record is None:
-        return None
-    fixed = ", ".join(f"{k}={v!r}" for k, v in record.arguments.items()
-                      if k not in hyper and (v is None or isinstance(v, (bool, int, str,
-                                                                          torch.dtype))))
-    return f"{record.name}({fixed})"
+    return _state_dict.recipe_signature(tx, hyper)
 
 
 def _is_number(value: Any) -> bool:
@@ -262,9 +252,11 @@ class Optimizer(torch.optim.Optimizer):
     field to that param's tensor (``'inner_state.0.mu'``), and holds the group-level leaves
     (``'count'``, ``'inner_state.0.count'``) too, the same tensor in every param of the
     group, as torch.optim keeps ``step`` per param. Injected hyperparameters live in
-    ``param_groups`` only. ``state_dict()`` is torch's; ``load_state_dict`` checks every
-    entry against the transform's state (names, shapes) and moves it to the dtype and device
-    the transform holds it in. When both the saved group and this one name their params
+    ``param_groups`` only. ``state_dict()`` is torch's, with each group's recipe recorded
+    under ``"functopt"`` (the state format ``MixedPrecisionOptimizer`` shares;
+    ``named_state_dict()`` keys it by names); ``load_state_dict`` refuses another recipe,
+    checks every entry against the transform's state (names, shapes) and moves it to the
+    dtype and device the transform holds it in. When both the saved group and this one name their params
     (``model.named_parameters()``), each param gets the entry saved under its name, whatever
     the order; names that differ raise, naming them.
 
@@ -325,8 +317,8 @@ class Optimizer(torch.optim.Optimizer):
         >>> scheduler.step()
         >>> [group["lr"] for group in opt.param_groups]  # the step uses 0.05 * 10 for [1]
         [0.05, 0.05, 0.05]
-        >>> len(opt.state_dict()["state"])  # net[1]'s two params; none for the frozen group
-        2
+        >>> [len(entry) for entry in opt.state_dict()["state"].values()]  # frozen: empty
+        [0, 0, 4, 4]
     """
 
     # the training params kept by eval() (schedule-free), restored by train(); None in
@@ -743,10 +735,15 @@ class Optimizer(torch.optim.Optimizer):
         self._state_shared = True
         saved = super().state_dict()
         # Which recipe each group runs (None: not a recipe), checked by load_state_dict.
-        saved["functopt"] = {"transforms": [
-            None if plan is None else plan.signature
-            for plan in (self._plans[i] if i < len(self._plans) else None
-                         for i in range(len(self.param_groups)))]}
+        for i, group in enumerate(saved["param_groups"]):
+            plan = self._plans[i] if i < len(self._plans) else None
+            if plan is None:  # a frozen group: empty entries, as DCP's strict load wants
+                for pid in group["params"]:
+                    saved["state"].setdefault(pid, {})
+            group[_state_dict.CONFIG_KEY] = {
+                "format": _state_dict.FORMAT,
+                "transform": None if plan is None else plan.signature}
+        saved["state"] = dict(sorted(saved["state"].items()))
         return saved
 
     def named_state_dict(self) -> dict[str, Any]:
@@ -824,54 +821,35 @@ class Optimizer(torch.optim.Optimizer):
         Load hooks run as in ``torch.optim``.
         """
         owner = "functopt.Optimizer.load_state_dict"
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"{owner}: expected the dict optimizer.state_dict() returns, got "
+                            f"{type(state_dict).__name__}.")
         state_dict = dict(state_dict)
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        if not {"state", "param_groups"} <= set(state_dict):
-            raise ValueError(
-                f"{owner}: expected a dict with keys 'state' and 'param_groups' (from "
-                f"optimizer.state_dict()), got keys {sorted(map(str, state_dict))}."
-            )
-        saved_groups = copy.deepcopy(state_dict["param_groups"])
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"{owner}: the state dict has {len(saved_groups)} param groups, this optimizer "
-                f"{len(self.param_groups)}. Fix: build the optimizer with the param groups of "
-                f"the one that saved it (and add_param_group the same groups) before loading."
-            )
-        saved_transforms = (state_dict.get("functopt") or {}).get("transforms")
-        for i, (group, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
-            if saved_transforms is not None and i < len(saved_transforms):
-                plan_i = self._plans[i] if i < len(self._plans) else None
-                ours = None if plan_i is None else plan_i.signature
-                if saved_transforms[i] is not None and ours is not None \
-                        and saved_transforms[i] != ours:
-                    raise ValueError(
-                        f"{owner}: param_groups[{i}] of the state dict was saved by "
-                        f"{saved_transforms[i]}, this optimizer runs {ours}. Fix: build the "
-                        f"optimizer with the recipe (and fixed arguments) that saved it."
-                    )
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError(
-                    f"{owner}: param_groups[{i}] has {len(group['params'])} params, the "
-                    f"state dict's has {len(saved['params'])}. Fix: build the groups from the "
-                    f"same model as the one that saved it."
-                )
+        pairs = _state_dict.saved_groups(owner, state_dict, self.param_groups)
+        # (checkpoints before the format's version 2 kept the recipes at the top level)
+        legacy = (state_dict.get("functopt") or {}).get("transforms") or []
         new_groups: list[dict[str, Any]] = []
         new_state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
-        for i, (group, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
+        for i, (group, (saved, entries)) in enumerate(zip(self.param_groups, pairs,
+                                                          strict=True)):
+            saved = copy.deepcopy(saved)
+            config = saved.pop(_state_dict.CONFIG_KEY, None)
+            if config is None and i < len(legacy):
+                config = {"transform": legacy[i]}
+            plan_i = self._plans[i] if i < len(self._plans) else None
+            ours = None if plan_i is None else plan_i.signature
+            if config is not None and config.get("transform") is not None and ours is not None:
+                _state_dict.check_config(owner, i, config, {"transform": ours})
             new_group = dict(saved)
+            # The group's params and names stay this optimizer's (they shape the
+            # transform's tree); the saved entries were matched to them by name.
             new_group["params"] = group["params"]
-            # The group's names stay this optimizer's (they shape the transform's tree); the
-            # saved entries are matched to them by name when both sides have names.
-            new_group.pop("param_names", None)
             if "param_names" in group:
                 new_group["param_names"] = group["param_names"]
-            order = _saved_order(owner, i, len(group["params"]), group.get("param_names"),
-                                 saved.get("param_names"))
-            entries = [state_dict["state"].get(saved["params"][k]) or {} for k in order]
             flags = _param_groups.group_flags(owner, f"param_groups[{i}]", new_group)
             if flags.frozen:
                 if any(entries):
@@ -887,8 +865,9 @@ class Optimizer(torch.optim.Optimizer):
             self._check_multipliers(i, new_group, plan, flags)
             self._hyperparams(i, new_group, plan)
             for j, (p, entry) in enumerate(zip(group["params"], entries, strict=True)):
-                new_state[p] = (self._load_entry(f"param {j} of param_groups[{i}]", plan, j,
-                                                 entry) if any(entries) else {})
+                new_state[p] = (_state_dict.check_entry(
+                    owner, f"param {j} of param_groups[{i}]", plan.fields[j], entry,
+                    cast=True, copy=False) if any(entries) else {})
             new_groups.append(new_group)
         self.state = new_state
         self.param_groups = new_groups
@@ -896,39 +875,6 @@ class Optimizer(torch.optim.Optimizer):
         self._state_shared = True  # the loaded tensors may be the caller's own
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
-
-    @staticmethod
-    def _load_entry(where: str, plan: _Plan, j: int, entry: Any) -> dict[str, Any]:
-        owner = "functopt.Optimizer.load_state_dict"
-        allowed = plan.fields[j]
-        if not isinstance(entry, dict):
-            raise TypeError(f"{owner}: the state of {where} is a {type(entry).__name__}, "
-                            f"expected a dict of tensors.")
-        unknown = sorted(map(str, set(entry) - set(allowed)))
-        missing = sorted(k for k, t in allowed.items() if t is not None and k not in entry)
-        if unknown or missing:
-            raise ValueError(
-                f"{owner}: the state of {where} has unexpected keys {unknown} and lacks "
-                f"{missing}; this transform keeps {sorted(allowed)}. Fix: load a state dict "
-                f"saved by a functopt.Optimizer with the same transform (a torch.optim "
-                f"optimizer's state does not carry over)."
-            )
-        loaded = {}
-        for name, value in entry.items():
-            held = allowed[name]
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"{owner}: the state of {where} has {name!r} = "
-                                f"{type(value).__name__}; expected a tensor.")
-            if held is not None:
-                if value.shape != held.shape:
-                    raise ValueError(
-                        f"{owner}: {name!r} of {where} has shape {tuple(value.shape)}, the "
-                        f"transform's state has {tuple(held.shape)}. Fix: load the state dict "
-                        f"into an optimizer over the same model."
-                    )
-                value = value.to(dtype=held.dtype, device=held.device)
-            loaded[name] = value
-        return loaded
 
     def __getstate__(self) -> dict[str, Any]:
         # Plans are rebuilt on the next step; the transform's closures travel as they are.
@@ -975,27 +921,6 @@ class _HeldTransform:
 
 def _placement(params: list[torch.Tensor]) -> tuple[tuple[torch.dtype, torch.device], ...]:
     return tuple((p.dtype, p.device) for p in params)
-
-
-def _saved_order(owner: str, index: int, count: int, names: Any, saved: Any) -> list[int]:
-    """For each param of a group, the position of its entry in the saved group: by name when
-    both groups name their params (a model whose parameters were registered in another order
-    loads each param's own state), by position otherwise. Names that do not match raise."""
-    if names is None or saved is None:
-        return list(range(count))
-    names, saved = list(names), list(saved)
-    if names == saved:
-        return list(range(len(names)))
-    missing, extra = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
-    if missing or extra or len(set(saved)) != len(saved):
-        raise ValueError(
-            f"{owner}: param_groups[{index}] names its params {names}, the state dict's group "
-            f"{saved}: this group's {missing} have no saved state and the saved {extra} no "
-            f"param here. Fix: load the state dict into an optimizer over the same model "
-            f"(the same parameter names in each group)."
-        )
-    position = {name: k for k, name in enumerate(saved)}
-    return [position[name] for name in names]
 
 
 def _find_states(tree: Any, cls: type) -> list[Any]:

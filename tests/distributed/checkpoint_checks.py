@@ -10,7 +10,9 @@ the rank itself on whole tensors. Two runs are checkpointed:
   bfloat16 params distributed ``Shard(0)`` (float32 master DTensors), saved through
   ``state_to_dict`` / ``state_from_dict``;
 - facade: ``MixedPrecisionOptimizer`` on an FSDP2 model, saved as a DCP ``Stateful``
-  next to the model's state dict.
+  next to the model's state dict;
+- facade_dsd: the same through ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``
+  (and the model's), the layout DCP's helpers key by parameter names.
 
 Gradients are synthetic (a function of the step and the param name, the same on every
 world size) and set as DTensors with the params' placements, so no backward pass is run:
@@ -33,6 +35,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import functopt
@@ -177,20 +185,29 @@ def save_all(rank: int, world: int, path: str) -> dict[str, str | None]:
         model = _shard(_mlp(torch.bfloat16), mesh)
         opt = _facade(model)
         _facade_steps(model, opt, range(1))
-        before = {k: v for k, v in opt.state_dict().items()}
+        before = opt.state_dict()["state"]
         opt.offload_to_cpu()
         first = opt._offload_buffers
         opt.restore_from_cpu()
         opt.offload_to_cpu()
         assert all(a is b for a, b in zip(first, opt._offload_buffers, strict=True))
         opt.restore_from_cpu()
-        _assert_tree(opt.state_dict(), before)
+        _assert_tree(opt.state_dict()["state"], before)
         _facade_steps(model, opt, range(1, 3))
         ref_model = _shard(_mlp(torch.bfloat16), mesh)
         ref_opt = _facade(ref_model)
         _facade_steps(ref_model, ref_opt, range(3))
-        _assert_tree(opt.state_dict(), ref_opt.state_dict())
+        _assert_tree(opt.state_dict()["state"], ref_opt.state_dict()["state"])
         _assert_tree(dict(model.named_parameters()), dict(ref_model.named_parameters()))
+
+    def facade_dsd() -> None:  # through DCP's state-dict helpers, which reshard it
+        model = _shard(_mlp(torch.bfloat16), mesh)
+        opt = _facade(model)
+        _facade_steps(model, opt, range(SAVE_STEPS))
+        osd = get_optimizer_state_dict(model, opt)
+        assert all(isinstance(entry["master"], DTensor) for entry in osd["state"].values())
+        dcp.save({"model": get_model_state_dict(model), "optim": osd},
+                 checkpoint_id=os.path.join(path, "facade_dsd"))
 
     def state_from_dict_sharding_errors() -> None:
         template = {"m": distribute_tensor(torch.zeros(4), mesh, [Shard(0)])}
@@ -201,7 +218,7 @@ def save_all(rank: int, world: int, path: str) -> dict[str, str | None]:
                                             r"DTensor"):
             fdist.state_from_dict({"m": torch.zeros(4)}, template)
 
-    return _run({"functional": functional, "facade": facade,
+    return _run({"functional": functional, "facade": facade, "facade_dsd": facade_dsd,
                  "state_from_dict_sharding_errors": state_from_dict_sharding_errors,
                  "offload_dtensor_state": offload_dtensor_state,
                  "facade_offload_fsdp": facade_offload_fsdp})
@@ -236,7 +253,32 @@ def load_all(rank: int, world: int, path: str) -> dict[str, str | None]:
         dcp.load({"model": model.state_dict(), "optim": opt},
                  checkpoint_id=os.path.join(path, "facade"))
         _facade_steps(model, opt, range(SAVE_STEPS, total))
-        _assert_state(opt.state_dict(), ref_opt.state_dict())
+        _assert_state(opt._state, ref_opt._state)
         _assert_tree(dict(model.named_parameters()), dict(ref_model.named_parameters()))
 
-    return _run({"functional": functional, "facade": facade})
+    def facade_dsd() -> None:
+        model = _shard(_mlp(torch.bfloat16), mesh)
+        for p in model.parameters():  # the checkpoint, not the init, must set them
+            with torch.no_grad():
+                p.zero_()
+        opt = _facade(model)
+        loaded = {"model": get_model_state_dict(model),
+                  "optim": get_optimizer_state_dict(model, opt)}
+        dcp.load(loaded, checkpoint_id=os.path.join(path, "facade_dsd"))
+        set_model_state_dict(model, loaded["model"])
+        set_optimizer_state_dict(model, opt, loaded["optim"])
+        assert opt.loss_scale == ref_loss_scale_after_save
+        _facade_steps(model, opt, range(SAVE_STEPS, total))
+        _assert_state(opt._state, ref_opt._state)  # masters, moments, loss scale, counters
+        _assert_tree(dict(model.named_parameters()), dict(ref_model.named_parameters()))
+
+    ref_loss_scale_after_save = _after_save_loss_scale()
+    return _run({"functional": functional, "facade": facade, "facade_dsd": facade_dsd})
+
+
+def _after_save_loss_scale() -> float:
+    """The loss scale of the uninterrupted facade run after ``SAVE_STEPS`` steps."""
+    model = _mlp(torch.bfloat16)
+    opt = _facade(model)
+    _facade_steps(model, opt, range(SAVE_STEPS))
+    return opt.loss_scale
