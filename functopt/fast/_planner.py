@@ -62,12 +62,13 @@ from functopt._spec import (
     GlobalNormClip,
     Injected,
     Leafwise,
+    PerLeaf,
     Select,
     Sequence,
     Spec,
     describe,
 )
-from functopt.fast import _compiled
+from functopt.fast import _compiled, _perleaf
 from functopt.fast._layout import dense as _dense
 from functopt.fast._layout import overlapping
 from functopt.transforms import _common
@@ -208,6 +209,9 @@ class _Op:
     fn: Any = None
     state_at: Any = None
     injected: bool = False
+    # a PerLeaf rule (not elementwise): the per-leaf tier runs ``grouped`` (or ``fn``)
+    perleaf: bool = False
+    grouped: Any = None
 
     def __repr__(self) -> str:
         return self.kind
@@ -280,6 +284,8 @@ class Structure:
     compiled: dict[Any, Any] = field(default_factory=dict)  # the compiled tier's functions
     # the rules (nodes) that keep state beside their count that only their update moves
     shared: set[int] = field(default_factory=set)
+    treespec: Any = None  # the params' structure (the per-leaf tier rebuilds trees)
+    perleaf: bool = False  # some rule is a PerLeaf one: the per-leaf tier is on
 
     @functools.cached_property
     def slot_indices(self) -> list[int]:
@@ -432,6 +438,15 @@ class _Walk:
         elif kind == "trace":
             args = {"decay": self.bind(hyper["decay"]), "nesterov": _Const(hyper["nesterov"])}
             slots = {"trace": self.per_leaf(idx.trace, "trace")}
+        elif isinstance(spec, PerLeaf):
+            # a rule that reduces within a leaf: the per-leaf tier runs its own (grouped)
+            # update on a group's leaves; the spec names its per-leaf state entries
+            slots = {f: self.per_leaf(getattr(idx, f), f) for f in spec.slots}
+            fields = getattr(idx, "_fields", ())
+            count = idx.count if "count" in fields else None
+            if set(fields) - set(slots) - {"count"}:
+                self.out.shared.add(node)
+            self.out.perleaf = True
         elif kind in COMPILED_SLOTS:
             # an elementwise rule without a PyTorch kernel: the compiled tier runs its own
             # update on the group's leaves laid end to end; its per-leaf state entries are
@@ -452,7 +467,8 @@ class _Walk:
             self.out.programs[i].append(
                 _Op(kind, args, {k: v[i] for k, v in slots.items()}, node, count,
                     fn=spec.update, state_at=idx if hasattr(idx, "_fields") else None,
-                    injected=bool(self.placeholders)))
+                    injected=bool(self.placeholders), perleaf=isinstance(spec, PerLeaf),
+                    grouped=spec.grouped if isinstance(spec, PerLeaf) else None))
 
 
 class _Mismatch(Exception):
@@ -466,6 +482,7 @@ def walk(tx: GradientTransformation, params: Any, treespec: _core.TreeSpec,
     """The programs of ``tx`` on these params and this (flattened) state."""
     index_tree = _core.unflatten(state_spec, list(range(len(state_leaves))))
     w = _Walk(params, treespec, param_leaves, state_leaves)
+    w.out.treespec = treespec
     try:
         w.walk(describe(tx), index_tree, list(range(len(param_leaves))), "")
     except (_Mismatch, AttributeError, KeyError, TypeError, IndexError) as error:
@@ -479,7 +496,8 @@ def walk(tx: GradientTransformation, params: Any, treespec: _core.TreeSpec,
 class _KernelPlan:
     """The kernel one leaf's program lowers to, with the bindings of its arguments."""
 
-    kernel: str  # "adamw" (decoupled decay), "adam" (L2 decay), "sgd", "zero"
+    kernel: str  # "adamw" (decoupled decay), "adam" (L2 decay), "sgd", "zero", "compiled",
+    # "perleaf" (the per-leaf tier, functopt/fast/_perleaf.py)
     clip: _Clip | None
     adam: _Op | None = None
     decay: _Op | None = None
@@ -490,7 +508,7 @@ class _KernelPlan:
     ops: tuple[_Op, ...] = ()  # "compiled": the rules, in order, after the clip
 
     def key(self) -> tuple[Any, ...]:
-        if self.kernel == "compiled":
+        if self.kernel in ("compiled", "perleaf"):
             return (self.kernel, None if self.guard is None else self.guard.index,
                     None if self.clip is None else self.clip.index,
                     tuple(op.node for op in self.ops))
@@ -521,13 +539,22 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def match(program: list[Any], compiled: bool = False) -> _KernelPlan | str:
+def match(program: list[Any], compiled: bool = False,
+          perleaf: bool = False) -> _KernelPlan | str:
     """The kernel for one leaf's program, or the reason there is none. ``compiled``: a
-    program no kernel covers takes the compiled tier when it can."""
+    program no kernel covers takes the compiled tier when it can. ``perleaf`` (the
+    transform has a rule that reduces within a leaf): a program neither covers takes the
+    per-leaf tier when it can."""
+    if any(getattr(op, "perleaf", False) for op in program):
+        return _perleaf.match(program, _KernelPlan)
     plan = _match_kernel(program)
     if isinstance(plan, str) and compiled:
         alternative = _match_compiled(program)
-        return alternative if isinstance(alternative, _KernelPlan) else (
+        plan = alternative if isinstance(alternative, _KernelPlan) else (
+            f"{plan}, and {alternative}")
+    if isinstance(plan, str) and perleaf:
+        alternative = _perleaf.match(program, _KernelPlan)
+        plan = alternative if isinstance(alternative, _KernelPlan) else (
             f"{plan}, and {alternative}")
     return plan
 
@@ -543,6 +570,8 @@ def _match_compiled(program: list[Any]) -> _KernelPlan | str:
             return f"the compiled tier takes {op.kind} only before the rules, not after them"
         if op.kind == "set_to_zero":
             return "the compiled tier has no set_to_zero after other rules"
+        if op.perleaf:
+            return f"{op.kind} is not elementwise (the per-leaf tier takes it)"
         if op.fn is None or op.state_at is None:
             return f"the compiled tier has no lowering of {op.kind}"
         if op.injected:
@@ -663,7 +692,8 @@ def lower(structure: Structure, state_spec: _core.TreeSpec, values: list[Any],
     groups: dict[tuple[Any, ...], Group] = {}
     matched = structure.matched_compiled if compiled else structure.matched
     if matched is None:
-        matched = [match(program, compiled) for program in structure.programs]
+        matched = [match(program, compiled, structure.perleaf)
+                   for program in structure.programs]
         if compiled:
             structure.matched_compiled = matched
         else:
@@ -687,9 +717,9 @@ def lower(structure: Structure, state_spec: _core.TreeSpec, values: list[Any],
     if structure.shared:
         # such a rule's shared state (NAdam's mu_product) moves in its groups' calls, which
         # run only on leaves with elements
-        moved = {op.node for g in groups.values() if g.plan.kernel == "compiled"
-                 and any(local_tensor(values[i]).numel() for i in g.leaves)
-                 for op in g.plan.ops}
+        moved = {op.node for g in groups.values() if (g.plan.kernel == "compiled"
+                 and any(local_tensor(values[i]).numel() for i in g.leaves))
+                 or g.plan.kernel == "perleaf" for op in g.plan.ops}
         if structure.shared - moved:
             return Lowered(structure, state_spec, [],
                            "a rule with shared state has no leaf with a gradient and elements")
@@ -700,6 +730,8 @@ def _layout_problem(plan: _KernelPlan, v: Any, state_leaves: list[Any], i: int,
                     structure: Structure) -> str | None:
     if plan.kernel == "zero":
         return None
+    if plan.kernel == "perleaf":
+        return _perleaf.layout_problem(plan, v, state_leaves)
     local = local_tensor(v)
     if plan.kernel == "compiled":
         return _compiled.layout_problem(plan, local, state_leaves)
@@ -893,7 +925,8 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
             flag = _or(flag, ~applied[plan.guard.index])
         _run_group(group, hp, values, grads, state_leaves, new_values, new_leaves,
                    donate=donate, donate_grads=donate_grads, scale=scale, found_inf=flag,
-                   advanced=advanced, compiled=structure.compiled, workspace=workspace)
+                   advanced=advanced, compiled=structure.compiled, workspace=workspace,
+                   treespec=structure.treespec)
     for c, new in advanced.items():
         # a skipped step (found_inf, or a guard that skipped) leaves its counters as they were
         keep = _keep(skipped, applied, structure.counter_guard.get(c))
@@ -969,7 +1002,7 @@ def _kernel_grads(grads: list[Any], values: list[torch.Tensor], owned: bool,
 def _hyperparameters(plan: _KernelPlan, env: _Env) -> dict[str, Any] | str:
     """The kernel's arguments at this step (Python floats, the lr possibly a 0-d tensor), or
     the reason a value read now has no fused form."""
-    if plan.kernel == "compiled":
+    if plan.kernel in ("compiled", "perleaf"):
         return {}  # the rules' own updates read their hyperparameters
     hp: dict[str, Any] = {"lr": plan.lr(env), "weight_decay": 0.0 if plan.decay is None
                           else env.number(plan.decay.args["weight_decay"](env))}
@@ -994,12 +1027,19 @@ def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[
                state_leaves: list[Any], new_values: list[Any], new_leaves: list[Any], *,
                donate: bool, donate_grads: bool, scale: torch.Tensor | None,
                found_inf: torch.Tensor | None, advanced: dict[int, torch.Tensor],
-               compiled: dict[Any, Any], workspace: dict[Any, Any] | None) -> None:
-    """One kernel call for the leaves of ``group``."""
+               compiled: dict[Any, Any], workspace: dict[Any, Any] | None,
+               treespec: Any = None) -> None:
+    """One kernel call for the leaves of ``group`` (``treespec``: the params' structure,
+    which the per-leaf tier rebuilds trees with)."""
     if group.plan.kernel == "compiled":
         _compiled.run_group(group, values, grads, state_leaves, new_values, new_leaves,
                             donate=donate, scale=scale, found_inf=found_inf,
                             compiled=compiled, workspace=workspace)
+        return
+    if group.plan.kernel == "perleaf":
+        _perleaf.run_group(group, values, grads, state_leaves, new_values, new_leaves,
+                           treespec=treespec, donate=donate, scale=scale,
+                           found_inf=found_inf)
         return
     plan, idx, device, dtype = group.plan, group.leaves, group.device, group.dtype
     p = _owned([values[i] for i in idx], donate)
