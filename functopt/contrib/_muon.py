@@ -437,7 +437,7 @@ def _updates_batched(mu_hats: list[torch.Tensor], dims: list[Any], dtypes: list[
         else:
             batch = torch.cat(stack)
         result = _orthogonalize(batch, coeffs, ns_steps, preconditioning, eps)
-        for j, part in zip(idx, result.split([x.shape[0] for x in stack]), strict=True):
+        for j, part in zip(idx, torch.split(result, [x.shape[0] for x in stack]), strict=True):
             orthos[j] = part
     out = []
     for (order, shape, _), ortho, mu_hat, dtype in zip(views, orthos, mu_hats, dtypes,

@@ -135,7 +135,7 @@ def run_group(group: Any, values: list[Any], grads: list[Any], state_leaves: lis
         out, new = update(_tree(treespec, dict(zip(idx, us, strict=True))), state, params)
         flat = treespec.flatten_up_to(out)
         us = [flat[i] for i in idx]
-        written = []
+        written: list[tuple[int, Any]] = []
         for name in op.slots:
             entries = treespec.flatten_up_to(getattr(new, name))
             written.extend((leaf_plan.ops[j].slots[name], entries[i])
@@ -154,7 +154,7 @@ def run_group(group: Any, values: list[Any], grads: list[Any], state_leaves: lis
     if donate and skip is None:
         torch._foreach_add_(ps, us)  # the pure path's grouped apply, in place
         return
-    stepped = torch._foreach_add(ps, us)
+    stepped = list(torch._foreach_add(ps, us))
     if skip is not None:
         stepped = [torch.where(skip, p, s) for p, s in zip(ps, stepped, strict=True)]
     if donate:

@@ -546,7 +546,8 @@ def match(program: list[Any], compiled: bool = False,
     transform has a rule that reduces within a leaf): a program neither covers takes the
     per-leaf tier when it can."""
     if any(getattr(op, "perleaf", False) for op in program):
-        return _perleaf.match(program, _KernelPlan)
+        found: _KernelPlan | str = _perleaf.match(program, _KernelPlan)
+        return found
     plan = _match_kernel(program)
     if isinstance(plan, str) and compiled:
         alternative = _match_compiled(program)
