@@ -231,7 +231,14 @@ def scale_by_muon(
     sharded as the params are, and each matrix is orthogonalised whole on one rank: the
     shards travel to their owners in one all-to-all and the updates back in another, for
     all matrices together; the result is the single-process one ("Muon on sharded params"
-    in the contrib guide gives the communication per step).
+    in the contrib guide gives the communication per step). A gradient must be present on
+    every rank or on none: a rank cannot tell locally whether another rank has a
+    gradient it lacks, and ranks with different sets wait in different exchanges until
+    the process group's timeout.
+
+    ``functopt.fast.make_step`` and the mixed-precision step run it on the planner's
+    per-leaf tier: the momentum as ``foreach`` ops over a group of leaves and one
+    Newton-Schulz iteration per set of same-shape matrices, stacked into a batch.
 
     Args:
         ns_coeffs: Newton-Schulz coefficients: a triple, or a tuple of triples.
