@@ -1,7 +1,9 @@
-"""The planner's per-leaf tier (functopt/fast/_perleaf.py), with Muon as its client.
+"""The planner's per-leaf tier (functopt/fast/_perleaf.py): Muon, and the trust ratio of
+LAMB and LARS.
 
 The references are the pure transforms (``update`` then ``apply_updates``); Muon's pure
-path is itself held to optax.contrib in tests/test_contrib.py. The tier must equal it:
+path is itself held to optax.contrib in tests/test_contrib.py, LAMB's and LARS's to their
+references in tests/test_optimizers.py. The tier must equal it:
 bitwise where it runs the same arithmetic (the foreach momentum, the rules' own updates,
 the grouped apply), and where it batches Newton-Schulz over same-shape matrices, to the
 conformance law's tolerance (float64 1e-12 relative, float32 a few ulps).
@@ -255,6 +257,42 @@ def test_transforms_without_a_per_leaf_rule_do_not_get_the_tier() -> None:
     # says it lost the fast path
     got = functopt.fast.explain(functopt.lion(1e-4), {"w": torch.zeros(3)})
     assert not got.fast and "per-leaf" not in str(got.reason)
+
+
+# --- the trust ratio (LAMB, LARS) ----------------------------------------------------------
+
+def test_lamb_and_lars_take_the_tier() -> None:
+    params = _model(torch.float32)
+    lamb = functopt.fast.explain(functopt.lamb(1e-3, weight_decay=0.01), params)
+    assert lamb.fast and [g.kernel for g in lamb.groups] == ["per-leaf"]
+    assert lamb.groups[0].rules == ("scale_by_adam", "add_decayed_weights",
+                                    "scale_by_trust_ratio", "scale_by_learning_rate")
+    assert functopt.fast.explain(functopt.lars(0.1), params).fast
+
+
+@pytest.mark.parametrize("build", [
+    lambda: functopt.lamb(1e-2, weight_decay=0.01),
+    lambda: functopt.lars(0.1, weight_decay=1e-3, trust_ratio_mask=lambda p: {
+        k: v is not None and v.dim() > 1 for k, v in p.items()}),
+    lambda: functopt.chain(functopt.scale_by_adam(), functopt.scale_by_trust_ratio(
+        min_norm=0.5, trust_coefficient=0.3, eps=1e-3), functopt.scale(-0.1)),
+], ids=["lamb", "lars[mask]", "trust_ratio[min_norm,eps]"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_trust_ratio_fast_equals_pure_bitwise(build: Any, dtype: torch.dtype) -> None:
+    # the grouped ratio (two foreach norms per group, the ratios as one vector) runs the
+    # pure path's elementwise operations; torch._foreach_norm was bitwise vector_norm here
+    tx = build()
+    params = _model(dtype)
+    params["zero"] = torch.zeros(3, 2, dtype=dtype)  # a param at zero: ratio 1
+    step = functopt.fast.make_step(tx)
+    pure_p, pure_s = params, tx.init(params)
+    fast_p, fast_s = params, tx.init(params)
+    for i in range(3):
+        grads = _grads_like(params, 30 + i)
+        pure_p, pure_s = _pure(tx, grads, pure_s, pure_p)
+        fast_p, fast_s = _fast(step, grads, fast_s, fast_p)
+    assert_bitwise_equal(fast_p, pure_p)
+    assert_bitwise_equal(fast_s, pure_s)
 
 
 @pytest.mark.slow
