@@ -85,7 +85,8 @@ class PerLeaf(Leafwise):
     (a matrix function, a norm of the leaf, its shape), never on another leaf's values.
 
     ``slots`` are the fields of its state that hold one tensor per leaf (the others, a
-    count or constants, are shared by the leaves). ``grouped``, if given, has the contract
+    count or constants, are shared by the leaves; besides the count, they may change only
+    on a step where some leaf has a gradient). ``grouped``, if given, has the contract
     of ``update`` (same trees, same results up to rounding) and may process the leaves
     with a gradient together: the planner's per-leaf tier calls it on the leaves of one
     group (``None`` at the others), where the pure path calls ``update``.

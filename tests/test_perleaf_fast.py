@@ -200,6 +200,26 @@ def test_batched_newton_schulz_is_within_the_law_of_per_matrix(dtype: torch.dtyp
         assert float((s - b).abs().max()) <= rel * float(s.abs().max())
 
 
+@pytest.mark.parametrize("frozen", [("a",), ("a", "b", "c", "t", "wide", "empty")],
+                         ids=["one matrix", "every matrix"])
+def test_leaves_without_a_gradient(frozen: tuple[str, ...]) -> None:
+    # a None gradient leaves its param and momentum as they were; with no matrix to
+    # update, Muon's count still advances as on the pure path
+    tx = contrib.muon(0.02)
+    params = _model(torch.float64)
+    state = tx.init(params)
+    step = functopt.fast.make_step(tx)
+    for i in range(2):
+        grads: dict[str, Any] = dict(_grads_like(params, 40 + i))
+        grads.update({k: None for k in frozen})
+        fast_p, fast_s = _fast(step, grads, state, params)
+        pure_p, pure_s = _pure(tx, grads, state, params)
+        assert_bitwise_equal(fast_p, pure_p)
+        assert_bitwise_equal(fast_s, pure_s)
+        params, state = pure_p, pure_s
+    assert all(torch.equal(params[k], _model(torch.float64)[k]) for k in frozen)
+
+
 def test_a_skipped_step_keeps_params_and_state() -> None:
     tx = functopt.apply_if_finite(contrib.muon(0.02), max_consecutive_errors=3)
     params = _model(torch.float64)
@@ -304,3 +324,14 @@ def test_many_large_matrices_fast_equals_pure(dtype: torch.dtype) -> None:
     params.update({f"b{i}": torch.randn(48, generator=g, dtype=dtype) for i in range(12)})
     conformance.check_fast_path(contrib.muon(0.02, weight_decay=0.01), params,
                                 _grads_like(params, 12), steps=4)
+
+
+@pytest.mark.slow
+# (importing Inductor on the CPU defines torch.utils.mkldnn's ScriptModules, which warn)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_with_compile_the_adam_leaves_compile_and_the_matrices_stay_per_leaf() -> None:
+    tx = contrib.muon(0.02)
+    params = _model(torch.float32)
+    explained = functopt.fast.explain(tx, params, compile=True)
+    assert {g.kernel for g in explained.groups} == {"per-leaf", "compiled"}
+    conformance.check_fast_path(tx, params, _grads_like(params, 50), steps=2, compile=True)

@@ -441,11 +441,11 @@ class _Walk:
         elif isinstance(spec, PerLeaf):
             # a rule that reduces within a leaf: the per-leaf tier runs its own (grouped)
             # update on a group's leaves; the spec names its per-leaf state entries
+            # (its shared state moves only with leaves that have a gradient, PerLeaf's
+            # contract: a step where none has one leaves it as it was)
             slots = {f: self.per_leaf(getattr(idx, f), f) for f in spec.slots}
             fields = getattr(idx, "_fields", ())
             count = idx.count if "count" in fields else None
-            if set(fields) - set(slots) - {"count"}:
-                self.out.shared.add(node)
             self.out.perleaf = True
         elif kind in COMPILED_SLOTS:
             # an elementwise rule without a PyTorch kernel: the compiled tier runs its own
