@@ -378,6 +378,35 @@ def make_step_runs_sharded_muon_on_the_per_leaf_tier(rank: int, world: int) -> N
 
 
 @check
+def per_leaf_tier_with_a_decay_mask_makes_two_exchanges_per_group(rank: int,
+                                                                  world: int) -> None:
+    """A weight-decay mask splits Muon's matrices into two per-leaf groups (decayed or
+    not): make_step then makes two all-to-alls per group, four per step, and still equals
+    update plus apply_updates bitwise, the state placed as the params."""
+    mesh = _mesh(world)
+    full = _tree(torch.float32)
+    tx = contrib.muon(0.02, weight_decay=0.1, muon_weight_dimension_numbers=_DIMS,
+                      weight_decay_mask=lambda p: {k: k in ("wide", "square") for k in p})
+    step = functopt.fast.make_step(tx)
+    params, ref_params = _shard_tree(full, mesh), _shard_tree(full, mesh)
+    state, ref_state = tx.init(params), tx.init(ref_params)
+    explained = functopt.fast.explain(tx, params)
+    muon_groups = [g for g in explained.groups if g.rules[0] == "scale_by_muon"]
+    assert len(muon_groups) == 2, explained
+    for i in range(2):
+        grads = _shard_tree(_grads(i, full), mesh)
+        ref_updates, ref_state = tx.update(grads, ref_state, ref_params)
+        ref_params = functopt.apply_updates(ref_params, ref_updates)
+        with CommDebugMode() as comm, warnings.catch_warnings():
+            warnings.simplefilter("error", FastPathWarning)
+            params, state = step(grads, state, params)
+        assert comm.get_total_counts() == 4, comm.get_comm_counts()
+    _assert_tree(params, ref_params)
+    _assert_tree(state, ref_state)
+    assert _placed_like(state, ref_params) == 5 + 2
+
+
+@check
 def fsdp2_over_tensor_parallel_2d_mesh(rank: int, world: int) -> None:
     """fully_shard over ColwiseParallel / RowwiseParallel on a (dp 2, tp 2) mesh (4 ranks):
     the column-parallel weight becomes (_StridedShard(0, sf=2), Shard(0)), the row-parallel
