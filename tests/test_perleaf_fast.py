@@ -220,16 +220,19 @@ def test_leaves_without_a_gradient(frozen: tuple[str, ...]) -> None:
     assert all(torch.equal(params[k], _model(torch.float64)[k]) for k in frozen)
 
 
-def test_a_skipped_step_keeps_params_and_state() -> None:
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_skipped_step_keeps_params_and_state(donate: bool) -> None:
     tx = functopt.apply_if_finite(contrib.muon(0.02), max_consecutive_errors=3)
     params = _model(torch.float64)
     state = tx.init(params)
     grads = _grads_like(params, 7)
     grads["a"] = grads["a"].clone()
     grads["a"][0, 0] = float("inf")
-    fast_p, fast_s = _fast(functopt.fast.make_step(tx), grads, state, params)
     pure_p, pure_s = _pure(tx, grads, state, params)
-    assert_bitwise_equal(fast_p, params)
+    before = {k: v.clone() for k, v in params.items()}
+    fast_p, fast_s = _fast(functopt.fast.make_step(tx, donate=donate), grads,
+                           functopt.tree.map(torch.clone, state), params)
+    assert_bitwise_equal(fast_p, before)
     assert_bitwise_equal(fast_p, pure_p)
     assert_bitwise_equal(fast_s, pure_s)
     assert int(fast_s.notfinite_count) == 1
@@ -241,13 +244,19 @@ def test_mixed_precision_muon_takes_the_tier_and_equals_its_pure_path() -> None:
     pure = mixed_precision(contrib.muon(0.02), max_grad_norm=1.0, fused=False)
     fp, fs = full, fast.init(full)
     pp, ps = full, pure.init(full)
-    for i in range(3):
+    for i in range(4):
         grads = {k: v.to(torch.bfloat16) for k, v in _grads_like(
             {k: v.float() for k, v in full.items()}, 20 + i).items()}
+        if i == 2:  # an overflow: the step is skipped on both paths
+            grads["a"] = grads["a"].clone()
+            grads["a"][1, 1] = float("inf")
+        masters = {k: v.clone() for k, v in fs.master.items()}
         with warnings.catch_warnings():
             warnings.simplefilter("error", FastPathWarning)
             fp, fs = fast.step(grads, fs, fp)
         pp, ps = pure.step(grads, ps, pp)
+        if i == 2:
+            assert_bitwise_equal(fs.master, masters)
     torch.testing.assert_close(fs.master, ps.master, rtol=0, atol=2e-7)
     for k, p in fp.items():
         assert p.dtype == torch.bfloat16
