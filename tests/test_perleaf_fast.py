@@ -98,8 +98,11 @@ def test_muon_fast_equals_pure_over_steps(dtype: torch.dtype, donate: bool) -> N
     assert fast_p["t"].stride() == params["t"].stride()
 
 
+@pytest.mark.parametrize("mask", [None, {"a": True, "b": False, "c": True, "t": False,
+                                         "wide": True, "empty": False}],
+                         ids=["one group", "a decay mask: two groups"])
 def test_newton_schulz_runs_once_per_shape_not_once_per_matrix(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, mask: Any) -> None:
     seen: list[tuple[int, ...]] = []
     real = _muon._orthogonalize
 
@@ -109,10 +112,14 @@ def test_newton_schulz_runs_once_per_shape_not_once_per_matrix(
 
     monkeypatch.setattr(_muon, "_orthogonalize", counting)
     params = _model(torch.float32)
-    tx = contrib.muon(0.02)
+    tx = contrib.muon(0.02, weight_decay=0.1, weight_decay_mask=None if mask is None else (
+        lambda p: {k: mask.get(k, False) for k in p}))
     grads = _grads_like(params, seed=1)
+    groups = functopt.fast.explain(tx, params).groups
+    assert len(groups) == (2 if mask is None else 3)
     _fast(functopt.fast.make_step(tx), grads, tx.init(params), params)
-    # a, b, c stacked; t apart (its columns are contiguous); wide and empty alone
+    # a, b, c stacked (across the groups a mask makes: the rules run rule-major); t apart
+    # (its columns are contiguous); wide and empty alone
     assert sorted(seen) == sorted([(3, 6, 4), (1, 6, 4), (1, 3, 7), (1, 0, 5)])
     seen.clear()
     tx.update(grads, tx.init(params), params)

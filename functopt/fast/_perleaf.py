@@ -1,11 +1,14 @@
-r"""The planner's per-leaf tier: rules that reduce within a leaf, a group at a time.
+r"""The planner's per-leaf tier: rules that reduce within a leaf, groups at a time.
 
 Some rules are not elementwise: Muon orthogonalises each matrix by Newton-Schulz
 iterations, a trust ratio divides a leaf by its own norm, a shape factor depends on the
 leaf's dimensions. Their spec is a [`PerLeaf`][functopt._spec.PerLeaf]: neither PyTorch's
-kernels nor the compiled tier (which lays leaves end to end) can take them. Here a group
-of leaves (one device, one dtype, one program after an optional leading clip or
-``apply_if_finite``) runs the program's rules in order, each rule once for the whole group:
+kernels nor the compiled tier (which lays leaves end to end) can take them. Here the
+groups of leaves (one device, one dtype, one program after an optional leading clip or
+``apply_if_finite``) run their programs' rules in order, rule-major: at each position, the
+groups whose rule is the same transform call it once, on all their leaves together (a
+decay mask that splits Muon's matrices into two groups still batches them, and on shards
+still makes one pair of all-to-alls):
 
 - a ``PerLeaf`` rule runs its ``grouped`` update when it has one (Muon's: the momentum
   with ``torch._foreach_*`` ops over the group, then one Newton-Schulz iteration per set
@@ -15,9 +18,9 @@ of leaves (one device, one dtype, one program after an optional leading clip or
   ``update``, on the group's leaves together;
 - the updates are added to the values with one ``foreach`` add (in place when donated).
 
-Each rule is called on the params' tree with ``None`` at the leaves outside the group, so
+Each rule is called on the params' tree with ``None`` at the leaves outside its groups, so
 it sees the paths, masks and dimension numbers the pure path gives it; its per-leaf state
-entries for the group's leaves and its shared state (not its count: the planner advances
+entries for those leaves and its shared state (not its count: the planner advances
 every count once per step) are taken from its new state. A transform that has a
 ``PerLeaf`` rule also hosts here the programs of its other leaves that no kernel (or,
 with ``compile=True``, no compiled group) covers, such as Muon's Adam leaves with
@@ -29,14 +32,15 @@ float32 tolerance is a few ulps; float64 to 1e-12); the measured differences are
 docs/performance.md.
 
 DTensor shards are taken: the rules run on them as on the pure path (sharded Muon's
-grouped update sends each matrix to its owner rank and back, two all-to-alls per group
-that holds sharded matrices), and the apply adds the local shards. Not taken (the reason
+grouped update sends each matrix to its owner rank and back, two all-to-alls per call),
+and the apply adds the local shards. Not taken (the reason
 goes to ``explain`` and the ``FastPathWarning``): injected hyperparameters, a clip or guard
 after the rules, a per-leaf state entry that is not a tensor on its leaf's device.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,7 +49,7 @@ from functopt._collective.dtensor import _rewrap_like, is_dtensor, local_tensor
 from functopt.transforms import _common
 from functopt.tree import _core
 
-__all__ = ["layout_problem", "match", "run_group"]
+__all__ = ["layout_problem", "match", "run_groups"]
 
 _LEADING = ("apply_if_finite", "clip_by_global_norm")
 
@@ -109,56 +113,103 @@ def _tree(treespec: _core.TreeSpec, leaves: dict[int, Any]) -> Any:
     return _core.unflatten(treespec, [leaves.get(i) for i in range(treespec.num_leaves)])
 
 
-def run_group(group: Any, values: list[Any], grads: list[Any], state_leaves: list[Any],
-              new_values: list[Any], new_leaves: list[Any], *, treespec: _core.TreeSpec,
-              donate: bool, scale: torch.Tensor | None,
-              found_inf: torch.Tensor | None) -> None:
-    """One step of ``group`` (see the module docstring): writes the group's new values
-    into ``new_values`` (into the values themselves when donated) and its rules' new state
-    entries into ``new_leaves``."""
-    plan, idx = group.plan, group.leaves
-    # (a mixed step hands over its masters' and gradients' local shards, with the state
-    # sharded: the rules see them placed like their state, as on the pure path)
-    likes = [_placed(leaf_plan, values[i], state_leaves)
-             for leaf_plan, i in zip(group.plans, idx, strict=True)]
-    us = [_rewrap_like(like, local_tensor(grads[i])) for like, i in zip(likes, idx,
-                                                                        strict=True)]
-    if scale is not None:  # a folded clip or a mixed step's unscale, as the pure clip scales
-        us = [_rewrap_like(u, _common.scaled(local_tensor(u), scale)) for u in us]
-    params = _tree(treespec, {i: _rewrap_like(like, local_tensor(values[i]))
-                              for like, i in zip(likes, idx, strict=True)})
-    skip = None if found_inf is None else found_inf.to(device=group.device, dtype=torch.bool)
-    for j, op in enumerate(plan.ops):
-        index_leaves, index_spec = _core.flatten(op.state_at)
-        state = _core.unflatten(index_spec, [state_leaves[k] for k in index_leaves])
-        update = op.grouped if op.grouped is not None else op.fn
-        out, new = update(_tree(treespec, dict(zip(idx, us, strict=True))), state, params)
-        flat = treespec.flatten_up_to(out)
-        us = [flat[i] for i in idx]
-        written: list[tuple[int, Any]] = []
+@dataclass
+class _Run:
+    """One group in flight: its leaves' current updates and its skip flag."""
+
+    group: Any
+    updates: list[Any]
+    skip: torch.Tensor | None
+
+
+def run_groups(batch: list[tuple[Any, torch.Tensor | None, torch.Tensor | None]],
+               values: list[Any], grads: list[Any], state_leaves: list[Any],
+               new_values: list[Any], new_leaves: list[Any], *, treespec: _core.TreeSpec,
+               donate: bool) -> None:
+    """One step of the per-leaf groups in ``batch`` (each with its gradient multiplier and
+    skip flag, see the module docstring): writes the new values into ``new_values`` (into
+    the values themselves when donated) and the rules' new state entries into
+    ``new_leaves``.
+
+    The rules run rule-major: at each position of the programs, the groups whose rule
+    there is the same transform (and under the same ``apply_if_finite``) call it once
+    together, so that a decay mask that splits Muon's matrices into two groups still
+    batches them in one iteration and, on shards, one pair of all-to-alls."""
+    runs: list[_Run] = []
+    placed: dict[int, Any] = {}  # leaf -> its value, placed like its state
+    for group, scale, found_inf in batch:
+        # (a mixed step hands over its masters' and gradients' local shards, with the
+        # state sharded: the rules see them placed like their state, as on the pure path)
+        likes = [_placed(leaf_plan, values[i], state_leaves)
+                 for leaf_plan, i in zip(group.plans, group.leaves, strict=True)]
+        us = [_rewrap_like(like, local_tensor(grads[i]))
+              for like, i in zip(likes, group.leaves, strict=True)]
+        if scale is not None:  # a folded clip or a mixed step's unscale, as a clip scales
+            us = [_rewrap_like(u, _common.scaled(local_tensor(u), scale)) for u in us]
+        for like, i in zip(likes, group.leaves, strict=True):
+            placed[i] = _rewrap_like(like, local_tensor(values[i]))
+        skip = None if found_inf is None else found_inf.to(device=group.device,
+                                                           dtype=torch.bool)
+        runs.append(_Run(group, us, skip))
+    for j in range(max(len(r.group.plan.ops) for r in runs)):
+        together: dict[Any, list[_Run]] = {}
+        for r in runs:
+            if j < len(r.group.plan.ops):
+                guard = r.group.plan.guard
+                together.setdefault((r.group.plan.ops[j].node,
+                                     None if guard is None else guard.index), []).append(r)
+        for members in together.values():
+            _call(members, j, placed, state_leaves, new_leaves, treespec)
+    for r in runs:
+        _apply(r, values, new_values, donate)
+
+
+def _call(members: list[_Run], j: int, placed: dict[int, Any], state_leaves: list[Any],
+          new_leaves: list[Any], treespec: _core.TreeSpec) -> None:
+    """The ``j``-th rule of the groups ``members`` (one transform), called once on all
+    their leaves; their updates become its output."""
+    op = members[0].group.plan.ops[j]
+    skip = members[0].skip
+    leaves = {i: u for r in members for i, u in zip(r.group.leaves, r.updates, strict=True)}
+    index_leaves, index_spec = _core.flatten(op.state_at)
+    state = _core.unflatten(index_spec, [state_leaves[k] for k in index_leaves])
+    update = op.grouped if op.grouped is not None else op.fn
+    out, new = update(_tree(treespec, leaves), state,
+                      _tree(treespec, {i: placed[i] for i in leaves}))
+    flat = treespec.flatten_up_to(out)
+    written: list[tuple[int, Any]] = []
+    for r in members:
+        r.updates = [flat[i] for i in r.group.leaves]
         for name in op.slots:
             entries = treespec.flatten_up_to(getattr(new, name))
             written.extend((leaf_plan.ops[j].slots[name], entries[i])
-                           for leaf_plan, i in zip(group.plans, idx, strict=True))
-        for name in type(op.state_at)._fields:
-            if name in op.slots:
-                continue
-            keys = _core.flatten(getattr(op.state_at, name))[0]
-            news = _core.flatten(getattr(new, name))[0]
-            written.extend((k, v) for k, v in zip(keys, news, strict=True) if k != op.count)
-        for k, v in written:
-            new_leaves[k] = v if skip is None or not isinstance(v, torch.Tensor) else (
-                _where(skip, state_leaves[k], v))
+                           for leaf_plan, i in zip(r.group.plans, r.group.leaves,
+                                                   strict=True))
+    for name in type(op.state_at)._fields:
+        if name in op.slots:
+            continue
+        keys = _core.flatten(getattr(op.state_at, name))[0]
+        news = _core.flatten(getattr(new, name))[0]
+        written.extend((k, v) for k, v in zip(keys, news, strict=True) if k != op.count)
+    for k, v in written:
+        new_leaves[k] = v if skip is None or not isinstance(v, torch.Tensor) else (
+            _where(skip, state_leaves[k], v))
+
+
+def _apply(r: _Run, values: list[Any], new_values: list[Any], donate: bool) -> None:
+    """The group's updates added to its values: one ``foreach`` add (in place when
+    donated), the old values kept where the step is skipped."""
+    idx, skip = r.group.leaves, r.skip
     ps = [local_tensor(values[i]) for i in idx]
-    us = [local_tensor(u) for u in us]
+    us = [local_tensor(u) for u in r.updates]
     if donate and skip is None:
         torch._foreach_add_(ps, us)  # the pure path's grouped apply, in place
         return
     stepped = list(torch._foreach_add(ps, us))
     if skip is not None:
-        stepped = [torch.where(skip, p, s) for p, s in zip(ps, stepped, strict=True)]
+        stepped = [torch.where(skip, p, x) for p, x in zip(ps, stepped, strict=True)]
     if donate:
         torch._foreach_copy_(ps, stepped)
         return
-    for i, s in zip(idx, stepped, strict=True):
-        new_values[i] = _rewrap_like(values[i], s)
+    for i, x in zip(idx, stepped, strict=True):
+        new_values[i] = _rewrap_like(values[i], x)

@@ -914,6 +914,7 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
     skipped = None if found_inf is None else found_inf != 0
     applied = _guards(structure, state_leaves, new_leaves, finite or [], skipped)
     advanced = {c: _increment(state_leaves[c]) for c in dict.fromkeys(structure.counters)}
+    perleaf: list[tuple[Group, torch.Tensor | None, torch.Tensor | None]] = []
     for group, hp in resolved:
         plan = group.plan
         scale = multiplier
@@ -924,10 +925,15 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
         flag = skipped
         if plan.guard is not None:
             flag = _or(flag, ~applied[plan.guard.index])
+        if plan.kernel == "perleaf":  # run together below (rule-major)
+            perleaf.append((group, scale, flag))
+            continue
         _run_group(group, hp, values, grads, state_leaves, new_values, new_leaves,
                    donate=donate, donate_grads=donate_grads, scale=scale, found_inf=flag,
-                   advanced=advanced, compiled=structure.compiled, workspace=workspace,
-                   treespec=structure.treespec)
+                   advanced=advanced, compiled=structure.compiled, workspace=workspace)
+    if perleaf:
+        _perleaf.run_groups(perleaf, values, grads, state_leaves, new_values, new_leaves,
+                            treespec=structure.treespec, donate=donate)
     for c, new in advanced.items():
         # a skipped step (found_inf, or a guard that skipped) leaves its counters as they were
         keep = _keep(skipped, applied, structure.counter_guard.get(c))
@@ -1028,19 +1034,12 @@ def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[
                state_leaves: list[Any], new_values: list[Any], new_leaves: list[Any], *,
                donate: bool, donate_grads: bool, scale: torch.Tensor | None,
                found_inf: torch.Tensor | None, advanced: dict[int, torch.Tensor],
-               compiled: dict[Any, Any], workspace: dict[Any, Any] | None,
-               treespec: Any = None) -> None:
-    """One kernel call for the leaves of ``group`` (``treespec``: the params' structure,
-    which the per-leaf tier rebuilds trees with)."""
+               compiled: dict[Any, Any], workspace: dict[Any, Any] | None) -> None:
+    """One kernel call for the leaves of ``group``."""
     if group.plan.kernel == "compiled":
         _compiled.run_group(group, values, grads, state_leaves, new_values, new_leaves,
                             donate=donate, scale=scale, found_inf=found_inf,
                             compiled=compiled, workspace=workspace)
-        return
-    if group.plan.kernel == "perleaf":
-        _perleaf.run_group(group, values, grads, state_leaves, new_values, new_leaves,
-                           treespec=treespec, donate=donate, scale=scale,
-                           found_inf=found_inf)
         return
     plan, idx, device, dtype = group.plan, group.leaves, group.device, group.dtype
     p = _owned([values[i] for i in idx], donate)
