@@ -17,6 +17,10 @@ The nodes:
 
 - [`Leafwise`][functopt._spec.Leafwise]: a per-leaf elementwise rule, named by the factory
   that made it (``"scale_by_adam"``, ``"trace"``, ...), with its hyperparameters;
+- [`PerLeaf`][functopt._spec.PerLeaf]: a per-leaf rule that is not elementwise (it reduces
+  within a leaf or depends on its shape: Muon's Newton-Schulz iteration, a trust ratio),
+  with the state fields it keeps per leaf and, optionally, an update that processes a
+  group of leaves together (same-shape matrices batched);
 - [`GlobalNormClip`][functopt._spec.GlobalNormClip]: ``clip_by_global_norm``, the one global
   reduction of a chain;
 - [`Sequence`][functopt._spec.Sequence]: ``chain`` / ``named_chain``;
@@ -41,6 +45,7 @@ __all__ = [
     "GlobalNormClip",
     "Injected",
     "Leafwise",
+    "PerLeaf",
     "Select",
     "Sequence",
     "Spec",
@@ -72,6 +77,23 @@ class Leafwise(Spec):
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.hyper.items())
         return f"{self.kind}({args})"
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class PerLeaf(Leafwise):
+    """A per-leaf rule that is not elementwise: each leaf's update depends on the whole leaf
+    (a matrix function, a norm of the leaf, its shape), never on another leaf's values.
+
+    ``slots`` are the fields of its state that hold one tensor per leaf (the others, a
+    count or constants, are shared by the leaves; besides the count, they may change only
+    on a step where some leaf has a gradient). ``grouped``, if given, has the contract
+    of ``update`` (same trees, same results up to rounding) and may process the leaves
+    with a gradient together: the planner's per-leaf tier calls it on the leaves of one
+    group (``None`` at the others), where the pure path calls ``update``.
+    """
+
+    slots: tuple[str, ...] = ()
+    grouped: Callable[..., Any] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, eq=False)

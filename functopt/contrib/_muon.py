@@ -21,6 +21,7 @@ from functopt._base import (
 )
 from functopt._collective.dtensor import _infer_group, _leaf_names, is_dtensor
 from functopt._collective.owners import assign_owners, gather_to_owners, scatter_from_owners
+from functopt._spec import PerLeaf, specified
 from functopt.contrib import _shared
 from functopt.optimizers import adamw
 from functopt.transforms import _common
@@ -230,7 +231,14 @@ def scale_by_muon(
     sharded as the params are, and each matrix is orthogonalised whole on one rank: the
     shards travel to their owners in one all-to-all and the updates back in another, for
     all matrices together; the result is the single-process one ("Muon on sharded params"
-    in the contrib guide gives the communication per step).
+    in the contrib guide gives the communication per step). A gradient must be present on
+    every rank or on none: a rank cannot tell locally whether another rank has a
+    gradient it lacks, and ranks with different sets wait in different exchanges until
+    the process group's timeout.
+
+    ``functopt.fast.make_step`` and the mixed-precision step run it on the planner's
+    per-leaf tier: the momentum as ``foreach`` ops over a group of leaves and one
+    Newton-Schulz iteration per set of same-shape matrices, stacked into a batch.
 
     Args:
         ns_coeffs: Newton-Schulz coefficients: a triple, or a tuple of triples.
@@ -283,11 +291,8 @@ def scale_by_muon(
         return MuonState(count=_common.zero_count(leaves), mu=_common.unflatten(treespec, mu),
                          ns_coeffs=coeffs.to(_common.first_device(leaves)))
 
-    def update_fn(
-        updates: Updates, state: MuonState, params: Params | None = None, **extra_args: Any
-    ) -> tuple[Updates, MuonState]:
+    def step(updates: Updates, state: MuonState, grouped: bool) -> tuple[Updates, MuonState]:
         _common.check_state("scale_by_muon", state, MuonState)
-        del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
         mus = _common.state_like(treespec, state.mu, name="state.mu", like=grads)
         _common.check_state_present(owner, treespec, grads, mu=mus)
@@ -295,49 +300,167 @@ def scale_by_muon(
         count = _common.safe_increment(state.count)
         bc = _common.bias_correction(beta, count)
         bc_next = _common.bias_correction(beta, _common.safe_increment(count))
-        out: list[Any] = []
-        new_mus: list[Any] = []
-        sharded: list[int] = []  # leaves whose whole matrix lives on no single rank
         names = _leaf_names(treespec)
+        present = [i for i, g in enumerate(grads) if g is not None]
+        for i in present:  # checked here, before any collective
+            if dims[i] is None:
+                raise ValueError(
+                    f"{owner}: {names(i)!r} has a gradient but no dimension "
+                    f"numbers (None). Fix: give it a MuonDimensionNumbers, or use muon(), "
+                    f"which updates such leaves with Adam.")
+            _layout(grads[i].shape, dims[i], names(i))
+        momentum = _momentum_grouped if grouped else _momentum
+        mu_hats, new_mu = momentum([grads[i] for i in present], [mus[i] for i in present],
+                                   beta, bc, bc_next, nesterov)
+        out: list[Any] = [None] * len(grads)
+        new_mus = list(mus)
+        for i, m in zip(present, new_mu, strict=True):
+            new_mus[i] = m
+        sharded: list[int] = []  # leaves whose whole matrix lives on no single rank
+        plain: list[int] = []
+        for i, mu_hat in zip(present, mu_hats, strict=True):
+            out[i] = mu_hat  # the sharded ones are replaced below, once all are known
+            (sharded if is_dtensor(mu_hat) else plain).append(i)
 
         def orthogonalize(mu_hat: torch.Tensor, d: MuonDimensionNumbers,
                           dtype: torch.dtype) -> torch.Tensor:
             return _update_of(mu_hat, d, dtype, state.ns_coeffs, ns_steps, preconditioning,
                               eps, adaptive)
 
-        for i, (g, mu, d) in enumerate(zip(grads, mus, dims, strict=True)):
-            if g is None:
-                out.append(None)
-                new_mus.append(mu)
-                continue
-            if d is None:
-                raise ValueError(
-                    f"{owner}: {names(i)!r} has a gradient but no dimension "
-                    f"numbers (None). Fix: give it a MuonDimensionNumbers, or use muon(), "
-                    f"which updates such leaves with Adam.")
-            _layout(g.shape, d, names(i))  # checked here, before any collective
-            wide = g.to(_common.compute_dtype(g.dtype, mu.dtype))
-            mu_t = _common.scalar(beta, wide.dtype) * mu.to(wide.dtype) + _common.scalar(
-                1 - beta, wide.dtype) * wide
-            if nesterov:
-                mu_hat = (_common.scalar(beta, wide.dtype) * mu_t
-                          / _common.scalar(bc_next, wide.dtype)
-                          + _common.scalar(1 - beta, wide.dtype) * wide
-                          / _common.scalar(bc, wide.dtype))
-            else:
-                mu_hat = mu_t / _common.scalar(bc, wide.dtype)
-            new_mus.append(mu_t.to(mu.dtype))
-            if is_dtensor(mu_hat):
-                out.append(mu_hat)  # replaced below, once every sharded matrix is known
-                sharded.append(i)
-            else:
-                out.append(orthogonalize(mu_hat, d, g.dtype))
+        if grouped:
+            for i, u in zip(plain, _updates_batched(
+                    [out[i] for i in plain], [dims[i] for i in plain],
+                    [grads[i].dtype for i in plain], state.ns_coeffs, ns_steps,
+                    preconditioning, eps, adaptive), strict=True):
+                out[i] = u
+        else:
+            for i in plain:
+                out[i] = orthogonalize(out[i], dims[i], grads[i].dtype)
         if sharded:
             _orthogonalize_sharded(out, grads, dims, sharded, names, orthogonalize)
         return _common.unflatten(treespec, out), MuonState(
             count=count, mu=_common.unflatten(treespec, new_mus), ns_coeffs=state.ns_coeffs)
 
-    return GradientTransformation(init_fn, update_fn)
+    def update_fn(
+        updates: Updates, state: MuonState, params: Params | None = None, **extra_args: Any
+    ) -> tuple[Updates, MuonState]:
+        del params, extra_args
+        return step(updates, state, grouped=False)
+
+    def grouped_fn(
+        updates: Updates, state: MuonState, params: Params | None = None, **extra_args: Any
+    ) -> tuple[Updates, MuonState]:
+        # the planner's per-leaf tier: the same maths, the momentum with foreach ops and
+        # Newton-Schulz batched over same-shape matrices
+        del params, extra_args
+        return step(updates, state, grouped=True)
+
+    return specified(GradientTransformation(init_fn, update_fn), PerLeaf(
+        "scale_by_muon", {"ns_steps": ns_steps, "beta": beta, "eps": eps, "nesterov": nesterov,
+                          "adaptive": adaptive, "preconditioning": preconditioning},
+        slots=("mu",), grouped=grouped_fn))
+
+
+def _momentum(grads: list[torch.Tensor], mus: list[torch.Tensor], beta: Numeric, bc: Any,
+              bc_next: Any, nesterov: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per leaf: the (Nesterov) bias-corrected momentum in the widened dtype, and the new
+    momentum in its own dtype."""
+    hats, news = [], []
+    for g, mu in zip(grads, mus, strict=True):
+        wide = g.to(_common.compute_dtype(g.dtype, mu.dtype))
+        mu_t = _common.scalar(beta, wide.dtype) * mu.to(wide.dtype) + _common.scalar(
+            1 - beta, wide.dtype) * wide
+        if nesterov:
+            mu_hat = (_common.scalar(beta, wide.dtype) * mu_t
+                      / _common.scalar(bc_next, wide.dtype)
+                      + _common.scalar(1 - beta, wide.dtype) * wide
+                      / _common.scalar(bc, wide.dtype))
+        else:
+            mu_hat = mu_t / _common.scalar(bc, wide.dtype)
+        hats.append(mu_hat)
+        news.append(mu_t.to(mu.dtype))
+    return hats, news
+
+
+def _momentum_grouped(grads: list[Any], mus: list[Any], beta: Numeric, bc: Any, bc_next: Any,
+                      nesterov: bool) -> tuple[list[Any], list[Any]]:
+    """`_momentum` with ``torch._foreach_*`` ops per (device, dtypes) group: the same
+    elementwise operations in the same order, so the same bits."""
+    hats: list[Any] = [None] * len(grads)
+    news: list[Any] = [None] * len(grads)
+    groups: dict[Any, list[int]] = {}
+    for j, (g, mu) in enumerate(zip(grads, mus, strict=True)):
+        if is_dtensor(g) or is_dtensor(mu):  # (sharded: the per-leaf maths, on DTensors)
+            (hats[j],), (news[j],) = _momentum([g], [mu], beta, bc, bc_next, nesterov)
+        else:
+            groups.setdefault((g.device, g.dtype, mu.dtype), []).append(j)
+    for (device, g_dtype, mu_dtype), idx in groups.items():
+        dtype = _common.compute_dtype(g_dtype, mu_dtype)
+
+        def s(value: Any, dtype: torch.dtype = dtype, device: Any = device) -> torch.Tensor:
+            return torch.as_tensor(_common.scalar(value, dtype), dtype=dtype, device=device)
+
+        beta_t = s(beta)
+        fresh = torch._foreach_mul([grads[j].to(dtype) for j in idx], s(1 - beta))
+        mu_t = torch._foreach_add(torch._foreach_mul([mus[j].to(dtype) for j in idx], beta_t),
+                                  fresh)
+        if nesterov:
+            mu_hat = torch._foreach_add(
+                torch._foreach_div(torch._foreach_mul(mu_t, beta_t), s(bc_next)),
+                torch._foreach_div(fresh, s(bc)))
+        else:
+            mu_hat = torch._foreach_div(mu_t, s(bc))
+        for j, hat, new in zip(idx, mu_hat, mu_t, strict=True):
+            hats[j] = hat
+            news[j] = new.to(mu_dtype)
+    return hats, news
+
+
+def _updates_batched(mu_hats: list[torch.Tensor], dims: list[Any], dtypes: list[torch.dtype],
+                     coeffs: torch.Tensor, ns_steps: int, preconditioning: str, eps: Any,
+                     adaptive: bool) -> list[torch.Tensor]:
+    """`_update_of` for many plain matrices: those whose (batch, m, n) views have the same
+    (m, n), dtype and device are stacked along the batch and iterated together (one set
+    of batched matrix products per shape instead of one per matrix)."""
+    views = []
+    shapes: dict[Any, list[int]] = {}
+    for j, (mu_hat, d) in enumerate(zip(mu_hats, dims, strict=True)):
+        order, flat_shape, _, _ = _layout(mu_hat.shape, d, "")
+        permuted = mu_hat.permute(order)
+        view = permuted.reshape(flat_shape)
+        # stacked in the layout the matrices have (rows or columns contiguous), so that the
+        # batched products read them as the single ones do
+        columns = not view.is_contiguous() and view.mT.is_contiguous()
+        views.append((order, permuted.shape, view))
+        shapes.setdefault((flat_shape[1:], columns, mu_hat.dtype, mu_hat.device),
+                          []).append(j)
+    orthos: list[Any] = [None] * len(mu_hats)
+    for (_, columns, _, _), idx in shapes.items():
+        stack = [views[j][2] for j in idx]
+        if len(stack) == 1:
+            batch = stack[0]
+        elif columns:
+            batch = torch.cat([x.mT for x in stack]).mT
+        else:
+            batch = torch.cat(stack)
+        result = _orthogonalize(batch, coeffs, ns_steps, preconditioning, eps)
+        for j, part in zip(idx, torch.split(result, [x.shape[0] for x in stack]), strict=True):
+            orthos[j] = part
+    out = []
+    for (order, shape, _), ortho, mu_hat, dtype in zip(views, orthos, mu_hats, dtypes,
+                                                         strict=True):
+        out.append(_finish(ortho, order, shape, mu_hat, dtype, adaptive))
+    return out
+
+
+def _finish(ortho: torch.Tensor, order: Sequence[int], shape: Sequence[int],
+            mu_hat: torch.Tensor, dtype: torch.dtype, adaptive: bool) -> torch.Tensor:
+    """An orthogonalised (batch, m, n) view back in the leaf's axes, scaled by the dual norm
+    with ``adaptive``, in ``dtype``."""
+    u = ortho.reshape(shape).permute(_inverse(order))
+    if adaptive:
+        u = torch.sum(mu_hat * u) * u
+    return u.to(dtype)
 
 
 def _update_of(mu_hat: torch.Tensor, d: MuonDimensionNumbers, dtype: torch.dtype,
@@ -347,10 +470,7 @@ def _update_of(mu_hat: torch.Tensor, d: MuonDimensionNumbers, dtype: torch.dtype
     order, flat_shape, _, _ = _layout(mu_hat.shape, d, "")
     permuted = mu_hat.permute(order)
     ortho = _orthogonalize(permuted.reshape(flat_shape), coeffs, ns_steps, preconditioning, eps)
-    u = ortho.reshape(permuted.shape).permute(_inverse(order))
-    if adaptive:
-        u = torch.sum(mu_hat * u) * u
-    return u.to(dtype)
+    return _finish(ortho, order, permuted.shape, mu_hat, dtype, adaptive)
 
 
 def _ns_cost(shape: Sequence[int], d: MuonDimensionNumbers) -> float:
@@ -419,7 +539,9 @@ def _scale_by_shape(weight_dimension_numbers: WeightDimNumOrFn | None,
             out.append(_common.scaled(g, factor))
         return _common.unflatten(treespec, out), state
 
-    return GradientTransformation(init_fn, update_fn)
+    # a per-leaf factor of the leaf's shape: not elementwise over leaves laid end to end
+    return specified(GradientTransformation(init_fn, update_fn), PerLeaf(
+        "muon_shape_factor", {"consistent_rms": consistent_rms}))
 
 
 def muon(

@@ -17,14 +17,15 @@ __all__ = ["Explanation", "explain"]
 _KERNELS = {"adamw": "torch._fused_adamw_", "adam": "torch._fused_adam_",
             "sgd": "torch._fused_sgd_",
             "zero": "nothing (the updates are zero)",
-            "compiled": "compiled"}
+            "compiled": "compiled",
+            "perleaf": "per-leaf"}
 
 
 @dataclass(frozen=True)
 class GroupPath:
     """One group of leaves and the kernel call that steps them."""
 
-    kernel: str  # the PyTorch kernel, or "compiled" (the compiled tier)
+    kernel: str  # the PyTorch kernel, "compiled" (the compiled tier) or "per-leaf"
     device: torch.device
     dtype: torch.dtype
     leaves: tuple[str, ...]  # paths of the leaves in the group

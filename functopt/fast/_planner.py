@@ -62,12 +62,13 @@ from functopt._spec import (
     GlobalNormClip,
     Injected,
     Leafwise,
+    PerLeaf,
     Select,
     Sequence,
     Spec,
     describe,
 )
-from functopt.fast import _compiled
+from functopt.fast import _compiled, _perleaf
 from functopt.fast._layout import dense as _dense
 from functopt.fast._layout import overlapping
 from functopt.transforms import _common
@@ -226,6 +227,9 @@ class _Op:
     # among the Leafwise specs of the inner transform), to find its update again in the
     # inner transform built from this step's values; None when nested injections
     rebuild: tuple[int, int] | None = None
+    # a PerLeaf rule (not elementwise): the per-leaf tier runs ``grouped`` (or ``fn``)
+    perleaf: bool = False
+    grouped: Any = None
 
     def __repr__(self) -> str:
         return self.kind
@@ -300,6 +304,8 @@ class Structure:
     compiled: dict[Any, Any] = field(default_factory=dict)  # the compiled tier's functions
     # the rules (nodes) that keep state beside their count that only their update moves
     shared: set[int] = field(default_factory=set)
+    treespec: Any = None  # the params' structure (the per-leaf tier rebuilds trees)
+    perleaf: bool = False  # some rule is a PerLeaf one: the per-leaf tier is on
 
     @functools.cached_property
     def slot_indices(self) -> list[int]:
@@ -457,6 +463,15 @@ class _Walk:
         elif kind == "trace":
             args = {"decay": self.bind(hyper["decay"]), "nesterov": _Const(hyper["nesterov"])}
             slots = {"trace": self.per_leaf(idx.trace, "trace")}
+        elif isinstance(spec, PerLeaf):
+            # a rule that reduces within a leaf: the per-leaf tier runs its own (grouped)
+            # update on a group's leaves; the spec names its per-leaf state entries
+            # (its shared state moves only with leaves that have a gradient, PerLeaf's
+            # contract: a step where none has one leaves it as it was)
+            slots = {f: self.per_leaf(getattr(idx, f), f) for f in spec.slots}
+            fields = getattr(idx, "_fields", ())
+            count = idx.count if "count" in fields else None
+            self.out.perleaf = True
         elif kind in COMPILED_SLOTS:
             # an elementwise rule without a PyTorch kernel: the compiled tier runs its own
             # update on the group's leaves laid end to end; its per-leaf state entries are
@@ -481,7 +496,9 @@ class _Walk:
             self.out.programs[i].append(
                 _Op(kind, args, {k: v[i] for k, v in slots.items()}, node, count,
                     fn=spec.update, state_at=idx if hasattr(idx, "_fields") else None,
-                    injected=bool(self.placeholders), rebuild=rebuild))
+                    injected=bool(self.placeholders), rebuild=rebuild,
+                    perleaf=isinstance(spec, PerLeaf),
+                    grouped=spec.grouped if isinstance(spec, PerLeaf) else None))
 
 
 def leafwise_specs(spec: Spec | None) -> list[Leafwise]:
@@ -509,6 +526,7 @@ def walk(tx: GradientTransformation, params: Any, treespec: _core.TreeSpec,
     """The programs of ``tx`` on these params and this (flattened) state."""
     index_tree = _core.unflatten(state_spec, list(range(len(state_leaves))))
     w = _Walk(params, treespec, param_leaves, state_leaves)
+    w.out.treespec = treespec
     try:
         w.walk(describe(tx), index_tree, list(range(len(param_leaves))), "")
     except (_Mismatch, AttributeError, KeyError, TypeError, IndexError) as error:
@@ -522,7 +540,8 @@ def walk(tx: GradientTransformation, params: Any, treespec: _core.TreeSpec,
 class _KernelPlan:
     """The kernel one leaf's program lowers to, with the bindings of its arguments."""
 
-    kernel: str  # "adamw" (decoupled decay), "adam" (L2 decay), "sgd", "zero"
+    kernel: str  # "adamw" (decoupled decay), "adam" (L2 decay), "sgd", "zero", "compiled",
+    # "perleaf" (the per-leaf tier, functopt/fast/_perleaf.py)
     clip: _Clip | None
     adam: _Op | None = None
     decay: _Op | None = None
@@ -533,7 +552,7 @@ class _KernelPlan:
     ops: tuple[_Op, ...] = ()  # "compiled": the rules, in order, after the clip
 
     def key(self) -> tuple[Any, ...]:
-        if self.kernel == "compiled":
+        if self.kernel in ("compiled", "perleaf"):
             return (self.kernel, None if self.guard is None else self.guard.index,
                     None if self.clip is None else self.clip.index,
                     tuple(op.node for op in self.ops))
@@ -564,12 +583,17 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def match(program: list[Any], compiled: bool = False, *, everywhere: bool = False,
-          ) -> _KernelPlan | str:
+def match(program: list[Any], compiled: bool = False, perleaf: bool = False, *,
+          everywhere: bool = False) -> _KernelPlan | str:
     """The kernel for one leaf's program, or the reason there is none. ``compiled``: a
-    program no kernel covers takes the compiled tier when it can; ``everywhere``: every
-    program the compiled tier can take takes it, kernels or not (a mixed step's compiled
-    body, which reads the low-precision gradients and writes the params itself)."""
+    program no kernel covers takes the compiled tier when it can. ``perleaf`` (the
+    transform has a rule that reduces within a leaf): a program neither covers takes the
+    per-leaf tier when it can. ``everywhere``: every program the compiled tier can take
+    takes it, kernels or not (a mixed step's compiled body, which reads the low-precision
+    gradients and writes the params itself)."""
+    if any(getattr(op, "perleaf", False) for op in program):
+        found: _KernelPlan | str = _perleaf.match(program, _KernelPlan)
+        return found
     if everywhere:
         first = _match_compiled(program)
         if isinstance(first, _KernelPlan):
@@ -577,7 +601,11 @@ def match(program: list[Any], compiled: bool = False, *, everywhere: bool = Fals
     plan = _match_kernel(program)
     if isinstance(plan, str) and compiled:
         alternative = _match_compiled(program)
-        return alternative if isinstance(alternative, _KernelPlan) else (
+        plan = alternative if isinstance(alternative, _KernelPlan) else (
+            f"{plan}, and {alternative}")
+    if isinstance(plan, str) and perleaf:
+        alternative = _perleaf.match(program, _KernelPlan)
+        plan = alternative if isinstance(alternative, _KernelPlan) else (
             f"{plan}, and {alternative}")
     return plan
 
@@ -593,6 +621,8 @@ def _match_compiled(program: list[Any]) -> _KernelPlan | str:
             return f"the compiled tier takes {op.kind} only before the rules, not after them"
         if op.kind == "set_to_zero":
             return "the compiled tier has no set_to_zero after other rules"
+        if op.perleaf:
+            return f"{op.kind} is not elementwise (the per-leaf tier takes it)"
         if op.fn is None or op.state_at is None:
             return f"the compiled tier has no lowering of {op.kind}"
         if op.injected and op.rebuild is None:
@@ -718,7 +748,7 @@ def lower(structure: Structure, state_spec: _core.TreeSpec, values: list[Any],
              "matched_compiled" if compiled else "matched")
     matched = getattr(structure, field)
     if matched is None:
-        matched = [match(program, compiled, everywhere=everywhere)
+        matched = [match(program, compiled, structure.perleaf, everywhere=everywhere)
                    for program in structure.programs]
         setattr(structure, field, matched)
     for i, (v, g) in enumerate(zip(values, grads, strict=True)):
@@ -740,9 +770,9 @@ def lower(structure: Structure, state_spec: _core.TreeSpec, values: list[Any],
     if structure.shared:
         # such a rule's shared state (NAdam's mu_product) moves in its groups' calls, which
         # run only on leaves with elements
-        moved = {op.node for g in groups.values() if g.plan.kernel == "compiled"
-                 and any(local_tensor(values[i]).numel() for i in g.leaves)
-                 for op in g.plan.ops}
+        moved = {op.node for g in groups.values() if (g.plan.kernel == "compiled"
+                 and any(local_tensor(values[i]).numel() for i in g.leaves))
+                 or g.plan.kernel == "perleaf" for op in g.plan.ops}
         if structure.shared - moved:
             return Lowered(structure, state_spec, [],
                            "a rule with shared state has no leaf with a gradient and elements")
@@ -753,6 +783,8 @@ def _layout_problem(plan: _KernelPlan, v: Any, state_leaves: list[Any], i: int,
                     structure: Structure) -> str | None:
     if plan.kernel == "zero":
         return None
+    if plan.kernel == "perleaf":
+        return _perleaf.layout_problem(plan, v, state_leaves)
     local = local_tensor(v)
     if plan.kernel == "compiled":
         return _compiled.layout_problem(plan, local, state_leaves)
@@ -942,6 +974,7 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
     skipped = None if found_inf is None else found_inf != 0
     applied = _guards(structure, state_leaves, new_leaves, finite or [], skipped)
     advanced = {c: _increment(state_leaves[c]) for c in dict.fromkeys(structure.counters)}
+    perleaf: list[tuple[Group, torch.Tensor | None, torch.Tensor | None]] = []
     for group, hp in resolved:
         plan = group.plan
         scale = multiplier
@@ -952,10 +985,16 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
         flag = skipped
         if plan.guard is not None:
             flag = _or(flag, ~applied[plan.guard.index])
+        if plan.kernel == "perleaf":  # run together below (rule-major)
+            perleaf.append((group, scale, flag))
+            continue
         _run_group(group, hp, values, grads, state_leaves, new_values, new_leaves,
                    donate=donate, donate_grads=donate_grads, scale=scale, found_inf=flag,
                    advanced=advanced, compiled=structure.compiled, workspace=workspace,
                    low=low, new_low=new_low)
+    if perleaf:
+        _perleaf.run_groups(perleaf, values, grads, state_leaves, new_values, new_leaves,
+                            treespec=structure.treespec, donate=donate)
     for c, new in advanced.items():
         # a skipped step (found_inf, or a guard that skipped) leaves its counters as they were
         keep = _keep(skipped, applied, structure.counter_guard.get(c))
@@ -1031,6 +1070,8 @@ def _kernel_grads(grads: list[Any], values: list[torch.Tensor], owned: bool,
 def _hyperparameters(plan: _KernelPlan, env: _Env) -> dict[str, Any] | str:
     """The kernel's arguments at this step (Python floats, the lr possibly a 0-d tensor), or
     the reason a value read now has no fused form."""
+    if plan.kernel == "perleaf":
+        return {}  # the rules' own updates read their hyperparameters
     if plan.kernel == "compiled":
         # the rules' own updates, which read their hyperparameters; an injected rule's from
         # the inner transform built with this step's values, as inject_hyperparams does

@@ -8,22 +8,14 @@ import torch
 
 from functopt import _validate
 from functopt._base import EmptyState, GradientTransformation, Numeric, Params, Updates
+from functopt._collective.dtensor import is_dtensor
+from functopt._spec import PerLeaf, specified
 from functopt.transforms import _common
 from functopt.tree import _core
 
 __all__ = [
     "scale_by_trust_ratio",
 ]
-
-
-def _safe_norm(x: torch.Tensor, min_norm: Numeric) -> torch.Tensor:
-    """``max(||x||_2, min_norm)`` as a 0-d tensor, with a finite gradient at ``x = 0``.
-
-    torch's norm backward is already 0 (not NaN) at a zero input, so a single ``where``
-    is enough, unlike jax where optax needs a second masked norm.
-    """
-    norm = torch.linalg.vector_norm(x)
-    return torch.where(norm <= min_norm, min_norm, norm)
 
 
 def scale_by_trust_ratio(
@@ -81,17 +73,29 @@ def scale_by_trust_ratio(
         del params
         return EmptyState()
 
-    def update_fn(
-        updates: Updates, state: EmptyState, params: Params | None = None, **extra_args: Any
-    ) -> tuple[Updates, EmptyState]:
+    def ratio(param_norm: torch.Tensor, update_norm: torch.Tensor,
+              dtype: torch.dtype) -> torch.Tensor:
+        # (0-d norms on the pure path, a vector of them on the grouped one: the same
+        # elementwise operations)
+        floor = _common.scalar(min_norm, dtype)
+        param_norm = torch.where(param_norm <= floor, floor, param_norm)
+        update_norm = torch.where(update_norm <= floor, floor, update_norm)
+        zero_norm = (param_norm == 0) | (update_norm == 0)
+        # Divide by 1 off the selected branch, so that the (zero) backward of the
+        # where does not meet x / 0 and turn into NaN.
+        denominator = torch.where(zero_norm, 1.0, update_norm + _common.scalar(eps, dtype))
+        coefficient = _common.scalar(trust_coefficient, dtype)
+        return torch.where(zero_norm, 1.0, coefficient * param_norm / denominator)
+
+    def step(updates: Updates, state: EmptyState, params: Params | None,
+             grouped: bool) -> tuple[Updates, EmptyState]:
         _common.check_state("scale_by_trust_ratio", state, EmptyState)
-        del extra_args
         leaves, treespec = _common.flatten_updates(updates)
         param_leaves = _common.params_like(treespec, params, leaves, owner=owner)
-        new: list[Any] = []
+        new: list[Any] = [None] * len(leaves)
+        groups: dict[Any, list[int]] = {}
         for i, (u, p) in enumerate(zip(leaves, param_leaves, strict=True)):
             if u is None:
-                new.append(None)
                 continue
             if p is None:
                 raise ValueError(
@@ -100,16 +104,37 @@ def scale_by_trust_ratio(
                     f"or pass None as the update for a param without value."
                 )
             dtype = _common.compute_dtype(u.dtype, p.dtype)
-            floor = _common.scalar(min_norm, dtype)
-            param_norm = _safe_norm(p.to(dtype), floor)
-            update_norm = _safe_norm(u.to(dtype), floor)
-            zero_norm = (param_norm == 0) | (update_norm == 0)
-            # Divide by 1 off the selected branch, so that the (zero) backward of the
-            # where does not meet x / 0 and turn into NaN.
-            denominator = torch.where(zero_norm, 1.0, update_norm + _common.scalar(eps, dtype))
-            coefficient = _common.scalar(trust_coefficient, dtype)
-            ratio = torch.where(zero_norm, 1.0, coefficient * param_norm / denominator)
-            new.append((u.to(dtype) * ratio).to(u.dtype))
+            if grouped and not (is_dtensor(u) or is_dtensor(p)):
+                groups.setdefault((u.device, dtype), []).append(i)
+                continue
+            wide = u.to(dtype)
+            r = ratio(torch.linalg.vector_norm(p.to(dtype)), torch.linalg.vector_norm(wide),
+                      dtype)
+            new[i] = (wide * r).to(u.dtype)
+        for (_, dtype), idx in groups.items():
+            # the planner's per-leaf tier: every norm of the group in two foreach calls and
+            # the ratios as one vector (the same values as leaf by leaf)
+            wide = [leaves[i].to(dtype) for i in idx]
+            ratios = ratio(torch.stack(torch._foreach_norm([param_leaves[i].to(dtype)
+                                                           for i in idx])),
+                           torch.stack(torch._foreach_norm(wide)), dtype)
+            for j, i in enumerate(idx):
+                new[i] = (wide[j] * ratios[j]).to(leaves[i].dtype)
         return _common.unflatten(treespec, new), state
 
-    return GradientTransformation(init_fn, update_fn)
+    def update_fn(
+        updates: Updates, state: EmptyState, params: Params | None = None, **extra_args: Any
+    ) -> tuple[Updates, EmptyState]:
+        del extra_args
+        return step(updates, state, params, grouped=False)
+
+    def grouped_fn(
+        updates: Updates, state: EmptyState, params: Params | None = None, **extra_args: Any
+    ) -> tuple[Updates, EmptyState]:
+        del extra_args
+        return step(updates, state, params, grouped=True)
+
+    # a ratio of the leaf's own norms: the planner's per-leaf tier runs it a group at a time
+    return specified(GradientTransformation(init_fn, update_fn), PerLeaf(
+        "scale_by_trust_ratio", {"min_norm": min_norm, "trust_coefficient": trust_coefficient,
+                                 "eps": eps}, grouped=grouped_fn))

@@ -276,8 +276,9 @@ def work_is_spread_over_the_ranks(rank: int, world: int) -> None:
 @check
 def mixed_precision_bf16_params_fp32_masters(rank: int, world: int) -> None:
     """mixed_precision(muon) on bfloat16 Shard(0) params with float32 masters: the mixed
-    step takes the pure path (FastPathWarning), and after three steps params, masters and
-    Muon's state equal the single-process run bitwise; every param is its master rounded."""
+    step takes the planner's per-leaf tier (no FastPathWarning), and after three steps
+    params, masters and Muon's state equal the single-process run bitwise; every param is
+    its master rounded."""
     mesh = _mesh(world)
     full = {k: v.to(torch.bfloat16) for k, v in _tree(torch.float32).items()}
     params: dict[str, Any] = _shard_tree(full, mesh)
@@ -286,9 +287,9 @@ def mixed_precision_bf16_params_fp32_masters(rank: int, world: int) -> None:
     ref_params: dict[str, Any] = dict(full)
     for step in range(3):
         gfull = {k: (v * 2.0**4).to(torch.bfloat16) for k, v in _grads(step, full).items()}
-        with pytest.warns(FastPathWarning):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FastPathWarning)
             params, state = opt.step(_shard_tree(gfull, mesh), state, params)
-        with pytest.warns(FastPathWarning):
             ref_params, ref_state = opt.step(gfull, ref_state, ref_params)
     _assert_tree(params, ref_params)
     _assert_tree(state.master, ref_state.master)
@@ -351,21 +352,54 @@ def fsdp2_training_equals_single_process_float64(rank: int, world: int) -> None:
 
 
 @check
-def make_step_runs_sharded_muon_on_the_pure_path(rank: int, world: int) -> None:
-    """functopt.fast.make_step(muon), donating, on Shard(0) params: the pure update with a
-    FastPathWarning (no kernel for Muon), bitwise the update plus apply_updates, params and
-    state still DTensors placed as before, and still two collectives per step."""
+def make_step_runs_sharded_muon_on_the_per_leaf_tier(rank: int, world: int) -> None:
+    """functopt.fast.make_step(muon), donating, on Shard(0) params: the planner's per-leaf
+    tier (explain says so, no FastPathWarning), bitwise the update plus apply_updates,
+    params and state still DTensors placed as before, and still two collectives per step."""
     mesh = _mesh(world)
     full = _tree(torch.float32)
     tx = _recipe()
     step = functopt.fast.make_step(tx, donate=True)
     params, ref_params = _shard_tree(full, mesh), _shard_tree(full, mesh)
     state, ref_state = tx.init(params), tx.init(ref_params)
+    explained = functopt.fast.explain(tx, params)
+    assert explained.fast and {g.kernel for g in explained.groups} == {"per-leaf"}, explained
     for i in range(2):
         grads = _shard_tree(_grads(i, full), mesh)
         ref_updates, ref_state = tx.update(grads, ref_state, ref_params)
         ref_params = functopt.apply_updates(ref_params, ref_updates)
-        with CommDebugMode() as comm, pytest.warns(FastPathWarning, match="muon"):
+        with CommDebugMode() as comm, warnings.catch_warnings():
+            warnings.simplefilter("error", FastPathWarning)
+            params, state = step(grads, state, params)
+        assert comm.get_total_counts() == 2, comm.get_comm_counts()
+    _assert_tree(params, ref_params)
+    _assert_tree(state, ref_state)
+    assert _placed_like(state, ref_params) == 5 + 2
+
+
+@check
+def per_leaf_tier_with_a_decay_mask_still_makes_two_exchanges(rank: int,
+                                                              world: int) -> None:
+    """A weight-decay mask splits Muon's matrices into two per-leaf groups (decayed or
+    not); the tier runs the rules rule-major, so Muon is called once for both groups:
+    still two all-to-alls per step, bitwise update plus apply_updates, the state placed as
+    the params."""
+    mesh = _mesh(world)
+    full = _tree(torch.float32)
+    tx = contrib.muon(0.02, weight_decay=0.1, muon_weight_dimension_numbers=_DIMS,
+                      weight_decay_mask=lambda p: {k: k in ("wide", "square") for k in p})
+    step = functopt.fast.make_step(tx)
+    params, ref_params = _shard_tree(full, mesh), _shard_tree(full, mesh)
+    state, ref_state = tx.init(params), tx.init(ref_params)
+    explained = functopt.fast.explain(tx, params)
+    muon_groups = [g for g in explained.groups if g.rules[0] == "scale_by_muon"]
+    assert len(muon_groups) == 2, explained
+    for i in range(2):
+        grads = _shard_tree(_grads(i, full), mesh)
+        ref_updates, ref_state = tx.update(grads, ref_state, ref_params)
+        ref_params = functopt.apply_updates(ref_params, ref_updates)
+        with CommDebugMode() as comm, warnings.catch_warnings():
+            warnings.simplefilter("error", FastPathWarning)
             params, state = step(grads, state, params)
         assert comm.get_total_counts() == 2, comm.get_comm_counts()
     _assert_tree(params, ref_params)
