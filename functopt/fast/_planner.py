@@ -71,6 +71,7 @@ from functopt.fast import _compiled
 from functopt.fast._layout import dense as _dense
 from functopt.fast._layout import overlapping
 from functopt.transforms import _common
+from functopt.transforms.multi_steps import Accumulated
 from functopt.tree import _core
 from functopt.tree._ops import _safe_norm
 
@@ -370,6 +371,10 @@ class _Walk:
             self.guard = None
         elif isinstance(spec, Leafwise):
             self.leafwise(spec, idx, sel, where)
+        elif isinstance(spec, Accumulated):
+            self.out.opaque.append(
+                f"{where or '<root>'}: MultiSteps is lowered only as the whole transform of "
+                f"make_step (not inside a chain, nor in the mixed-precision step)")
         else:  # a Spec subclass of a later layer that this planner does not know
             self.out.opaque.append(f"{where}: {type(spec).__name__} has no lowering")
 
@@ -744,11 +749,21 @@ def clip_sums(structure: Structure, grads: list[Any], counted: list[bool],
     ``foreach`` norm per (device, dtype) group of leaves."""
     if not structure.clips:
         return []
-    sq = leaf_squares([None if g is None else local_tensor(g) for g in grads], counted, None,
-                      rescue=True)
+    tensors = [None if g is None else local_tensor(g) for g in grads]
+    sq = leaf_squares(tensors, counted, None, rescue=True)
+    # a clip that measures a float64 leaf accumulates every leaf in float64, as global_norm
+    # does (a float32 accumulation of its float32 leaves would round its factor to float32)
+    wide = [any(t is not None and t.dtype == torch.float64 for t in (tensors[i] for i in leaves))
+            for leaves in structure.clips]
+    sq64 = sq
+    if any(wide):
+        members = {i for leaves, w in zip(structure.clips, wide, strict=True) if w
+                   for i in leaves}
+        sq64 = leaf_squares(tensors, [c and i in members for i, c in enumerate(counted)],
+                            None, accumulate=torch.float64)
     out = []
-    for leaves in structure.clips:
-        parts = [sq[i] for i in leaves if sq[i] is not None]
+    for leaves, w in zip(structure.clips, wide, strict=True):
+        parts = [(sq64 if w else sq)[i] for i in leaves if (sq64 if w else sq)[i] is not None]
         out.append(torch.stack(parts).sum().to(device) if parts else torch.zeros(
             (), dtype=torch.float64, device=device))
     return out
@@ -783,7 +798,8 @@ def nonfinite_counts(structure: Structure, grads: list[Any], counted: list[bool]
 
 
 def leaf_squares(tensors: list[Any], counted: list[bool],
-                 multiplier: torch.Tensor | None, *, rescue: bool = False) -> list[Any]:
+                 multiplier: torch.Tensor | None, *, rescue: bool = False,
+                 accumulate: torch.dtype | None = None) -> list[Any]:
     """Each counted tensor's squared L2 norm (times ``multiplier``, applied to the norm in
     its accumulation precision) as a 0-d float64 tensor, None elsewhere; accumulated like
     ``tree._ops._sum_of_squares`` (float32, float64 for float64 tensors).
@@ -791,14 +807,15 @@ def leaf_squares(tensors: list[Any], counted: list[bool],
     ``rescue``: where a float32 norm overflowed although the leaf is finite, measure it
     again in float64, as ``clip_by_global_norm``'s pure path does (on the CPU, where the
     check is a free host read; elsewhere the overflow stays inf: the step then clips to
-    nan, as the mixed step counts such a norm as an overflow)."""
+    nan, as the mixed step counts such a norm as an overflow). ``accumulate``: the
+    accumulation dtype of every leaf instead."""
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, (t, c) in enumerate(zip(tensors, counted, strict=True)):
         if c and t is not None:
             groups.setdefault((t.device, t.dtype), []).append(i)
     out: list[Any] = [None] * len(tensors)
     for (where, dtype), idx in groups.items():
-        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        acc = accumulate or (torch.float64 if dtype == torch.float64 else torch.float32)
         norms = torch.stack(torch._foreach_norm([tensors[i] for i in idx], 2,
                                                 dtype=None if dtype == acc else acc))
         if multiplier is not None:
