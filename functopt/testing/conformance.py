@@ -123,6 +123,8 @@ def _build(tx: Any, owner: str) -> GradientTransformation:
             )
     if isinstance(tx, GradientTransformation):
         return tx
+    if isinstance(tx, functopt.MultiSteps):  # (its spec comes with gradient_transformation)
+        return tx.gradient_transformation()
     return GradientTransformation(tx.init, tx.update)
 
 

@@ -94,7 +94,8 @@ def _adam_denominator(nu: torch.Tensor, bc2: torch.Tensor, eps_root: Any, eps: A
     the root, the same value, and exactly ``nu`` when it is 0.
     """
     root = torch.sqrt(nu + c(eps_root) * c(bc2)) if _nonzero(eps_root) else torch.sqrt(nu)
-    return root / c(torch.sqrt(bc2)) + c(eps)
+    denominator: torch.Tensor = root / c(torch.sqrt(bc2)) + c(eps)
+    return denominator
 
 
 def _nonzero(value: Any) -> bool:
