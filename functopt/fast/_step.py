@@ -262,17 +262,17 @@ class Step:
         """``MultiSteps``' step: its window decided as its ``update`` decides it, the
         gradients accumulated with ``foreach`` ops (in place in ``state.acc_grads`` when
         donated), and on the mini-step that closes a window the inner transform's fast step
-        on the accumulated gradients. A mini-step that does not close a window returns the
-        params as they are (the pure path adds zero updates: the same values, except that
-        -0.0 becomes 0.0)."""
+        on the accumulated gradients. A mini-step that does not close a window adds 0.0 to
+        the params, as the pure path adds its zero updates (bitwise: -0.0 becomes 0.0)."""
         window = ms.window(grads, state, params)
         if window.skip:
-            return params, state._replace(skip_state=window.skip_state)
+            return self._plus_zero(params, window.leaves), state._replace(skip_state=window.skip_state)
         treespec, accs = window.treespec, window.accs
         present = [i for i, g in enumerate(window.leaves) if g is not None]
         if not window.closes:
             new_accs = _accumulate(ms, window, present, in_place=self.donate)
-            return params, window.next_state(state, _core.unflatten(treespec, new_accs))
+            return self._plus_zero(params, window.leaves), window.next_state(
+                state, _core.unflatten(treespec, new_accs))
         if window.mini_step == 0:
             inner_grads = grads  # a window of one: the gradient itself, as on the pure path
         else:  # (out of place: the inner step may keep the accumulated gradients)
@@ -291,6 +291,26 @@ class Step:
             zeroed = _core.map_leaves(torch.zeros_like, accs)
         return new_params, window.next_state(state, _core.unflatten(treespec, zeroed),
                                              inner_state)
+
+
+    def _plus_zero(self, params: Params, grads: list[Any]) -> Params:
+        """``apply_updates(params, zeros)`` (zeros where a gradient is): ``p + 0.0``, in
+        place when donated."""
+        leaves, treespec = _core.flatten(params)
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, (p, g) in enumerate(zip(leaves, grads, strict=True)):
+            if p is not None and g is not None:
+                groups.setdefault((p.device, p.dtype), []).append(i)
+        out = list(leaves)
+        with torch.no_grad():
+            for idx in groups.values():
+                ps = [local_tensor(leaves[i]) for i in idx]
+                if self.donate:
+                    torch._foreach_add_(ps, 0.0)
+                else:
+                    for i, t in zip(idx, torch._foreach_add(ps, 0.0), strict=True):
+                        out[i] = _rewrap_like(leaves[i], t)
+        return _core.unflatten(treespec, out)
 
 
 def _accumulate(ms: MultiSteps, window: Window, present: list[int], *,
