@@ -434,9 +434,12 @@ class _Walk:
                         "bias_correction_mu", True) is not False and hyper.get(
                         "bias_correction_nu", True) is not False)
                 slots["nu_max"] = self.per_leaf(idx.nu_max, "nu_max")
-        elif kind == "trace":
+        elif kind in ("trace", "dampened_trace"):
             args = {"decay": self.bind(hyper["decay"]), "nesterov": _Const(hyper["nesterov"])}
             slots = {"trace": self.per_leaf(idx.trace, "trace")}
+            if kind == "dampened_trace":  # torch.optim.SGD's momentum: torch._fused_sgd_'s
+                args["dampening"] = self.bind(hyper["dampening"])
+                count = idx.count  # (its first step keeps the gradient: is_first_step)
         elif kind in COMPILED_SLOTS:
             # an elementwise rule without a PyTorch kernel: the compiled tier runs its own
             # update on the group's leaves laid end to end; its per-leaf state entries are
@@ -610,9 +613,10 @@ def _match_kernel(program: list[Any]) -> _KernelPlan | str:
         decay = body_ops[0] if l2 else (body_ops[1] if len(body_ops) == 2 else None)
         return _KernelPlan("adam" if l2 else "adamw", clip, adam=adam, decay=decay, lr=lr,
                            guard=guard, maximize=maximize)
-    if body in ((), ("trace",), ("add_decayed_weights",), ("add_decayed_weights", "trace")):
+    if body in ((), ("trace",), ("add_decayed_weights",), ("add_decayed_weights", "trace"),
+                ("dampened_trace",), ("add_decayed_weights", "dampened_trace")):
         decay = body_ops[0] if body and body[0] == "add_decayed_weights" else None
-        trace = body_ops[-1] if body and body[-1] == "trace" else None
+        trace = body_ops[-1] if body and body[-1] in ("trace", "dampened_trace") else None
         return _KernelPlan("sgd", clip, decay=decay, trace=trace, lr=lr, guard=guard,
                            maximize=maximize)
     unknown = next((k for k in kinds if k in COMPILED_SLOTS), None)
@@ -1001,6 +1005,14 @@ def _hyperparameters(plan: _KernelPlan, env: _Env) -> dict[str, Any] | str:
         trace = plan.trace
         hp["momentum"] = 0.0 if trace is None else env.number(trace.args["decay"](env))
         hp["nesterov"] = False if trace is None else bool(trace.args["nesterov"].value)
+        hp["dampening"], hp["is_first_step"] = 0.0, False
+        if trace is not None and trace.kind == "dampened_trace":
+            # a dampened trace starts as the gradient itself (torch.optim.SGD's first step):
+            # the kernel's is_first_step, a Python bool, so the count is read on the host
+            # (free for a CPU count; one synchronisation per step elsewhere)
+            assert trace.count is not None
+            hp["dampening"] = env.number(trace.args["dampening"](env))
+            hp["is_first_step"] = int(env.leaves[trace.count]) == 0
         if trace is not None and hp["momentum"] == 0.0:
             return ("trace(decay=0) (here an injected momentum of 0) keeps a trace equal to "
                     "the gradient, which torch._fused_sgd_ does not write without momentum")
@@ -1065,10 +1077,12 @@ def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[
             [state_leaves[k] for k in group.slots("trace", "trace")], donate)
         momentum, nesterov = hp["momentum"], hp["nesterov"]
         # A zero momentum buffer makes the first step's ``momentum * 0 + g`` exactly the
-        # ``buf = g`` of is_first_step, so the chain's zero-initialised trace fits.
+        # ``buf = g`` of is_first_step, so trace's zero-initialised buffer fits; a
+        # dampened_trace says its first step (its count) instead.
         torch._fused_sgd_(p, g, bufs, weight_decay=wd, momentum=momentum, lr=lr,
-                          dampening=0.0, nesterov=nesterov, maximize=plan.maximize,
-                          is_first_step=False, grad_scale=grad_scale, found_inf=flag)
+                          dampening=hp["dampening"], nesterov=nesterov,
+                          maximize=plan.maximize, is_first_step=hp["is_first_step"],
+                          grad_scale=grad_scale, found_inf=flag)
         if trace is not None:
             written = [(group.slots("trace", "trace"), bufs)]
     if not donate:  # donated leaves were written in place: the lists hold them
