@@ -17,8 +17,9 @@ program (after an optional leading clip)       kernel
 =============================================  ===========================================
 ``scale_by_adam``, [``add_decayed_weights``],  ``torch._fused_adamw_`` (weight decay 0 where
 learning rate                                  the decay is masked off)
-[``add_decayed_weights``], [``trace``],        ``torch._fused_sgd_`` (the decay before the
-learning rate                                  momentum: torch.optim.SGD's weight_decay)
+[``add_decayed_weights``], [``trace`` or       ``torch._fused_sgd_`` (the decay before the
+``dampened_trace``], learning rate             momentum: torch.optim.SGD's weight_decay;
+                                               dampening and is_first_step for the latter)
 ``set_to_zero``                                nothing to do (a frozen group)
 =============================================  ===========================================
 

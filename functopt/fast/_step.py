@@ -17,9 +17,13 @@ params and state over to be overwritten (donation). ``make_step(tx)`` is that st
    donated); a [`FastPathWarning`][functopt.fast.FastPathWarning] says why, once;
 3. ``compile=True`` adds the planner's compiled tier (``functopt/fast/_compiled.py``):
    a group of leaves whose rules are elementwise but have no PyTorch kernel (Lion, NAdam,
-   RAdam, Adamax, Adadelta, Rprop, dampened SGD, ...) runs as one ``torch.compile``\ d
+   RAdam, Adamax, Adadelta, Rprop, ...) runs as one ``torch.compile``\ d
    call over the group's tensors laid end to end, the rules' own pure ``update`` fused
    into one loop; ``step.init(params)`` lays the state out that way.
+
+``MultiSteps`` (the whole transform) is stepped here: its mini-steps accumulate with
+``foreach`` ops in the state, and the mini-step that closes a window runs the inner
+transform's own fast step.
 
 Every path returns ``(new_params, new_state)`` with the state in the transform's own
 layout, so the paths are interchangeable at any step.

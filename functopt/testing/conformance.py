@@ -32,7 +32,10 @@ The laws:
   where the planner keeps the pure path, to rounding where it lowers the step to fused
   kernels (a relative $10^{-12}$ in float64, a few units in the last place of each leaf's
   magnitude in the narrow dtypes, non-finite exactly where the pure path is); without
-  donation it writes into nothing.
+  donation it writes into nothing; donated, it refuses tied params (one tensor at two
+  places of the tree) with a ValueError naming them. `cases` draws the layouts fast paths
+  get wrong (channels_last, transposed, sliced, grads laid out unlike their params, 0-d
+  and empty leaves, tied params).
 
 About ``weights_only=True``: PyTorch's safe unpickler rejects classes it does not know,
 and a NamedTuple state is such a class. Loading works once the state's NamedTuple classes
