@@ -493,6 +493,24 @@ def test_adam_matches_torch_optim(seed: int, lr: float, b1: float, b2: float, ep
     _assert_trajectories_close(got, want)
 
 
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_adam_orders_the_arithmetic_as_torch_at_the_top_of_the_range(amsgrad: bool) -> None:
+    """A gradient at float64's maximum: nu overflows to inf at once, mu stays finite. torch
+    divides mu by the denominator before the bias correction (0, not inf / inf = NaN), and
+    takes sqrt(nu) / sqrt(1 - b2**t) (finite where nu / (1 - b2**t) overflows)."""
+    top = torch.finfo(torch.float64).max
+    grads = [torch.tensor([top, 0.0, 1e154], dtype=torch.float64)] * 3
+    p0 = torch.zeros(3, dtype=torch.float64)
+    want = _torch_run(torch.optim.Adam, dict(lr=1e-3, amsgrad=amsgrad, foreach=False), p0,
+                      grads)
+    rule = (functopt.scale_by_amsgrad(correct_after_max=True) if amsgrad
+            else functopt.scale_by_adam())
+    got = _functopt_run(functopt.chain(rule, functopt.scale(-1e-3)), p0, grads)
+    for x, y in zip(got, want, strict=True):
+        assert bool(torch.isfinite(y).all())  # the reference is finite: 0, 0, and a step
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=0)
+
+
 @settings(max_examples=10)
 @given(seed=st.integers(0, 2**16), lr=st.floats(1e-4, 1.0), b1=st.floats(0.0, 0.99),
        b2=st.floats(0.5, 0.999))

@@ -197,9 +197,7 @@ def test_torch_options_with_a_kernel_stay_fused(name: str, kwargs: dict[str, Any
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize(("name", "kwargs"), [
-    ("SGD", {"momentum": 0.9, "dampening": 0.5}), ("RMSprop", {}), ("Rprop", {}),
-])
+@pytest.mark.parametrize(("name", "kwargs"), [("RMSprop", {}), ("Rprop", {})])
 def test_pure_path_without_a_warning(name: str, kwargs: dict[str, Any]) -> None:
     ps = _mlp_params()
     opt = getattr(optim, name)(ps, **kwargs)
@@ -212,11 +210,14 @@ def test_pure_path_without_a_warning(name: str, kwargs: dict[str, Any]) -> None:
 
 
 def test_fused_true_without_a_kernel_warns() -> None:
-    ps = _mlp_params()
+    ps = [torch.nn.Parameter(p.detach().bfloat16()) for p in _mlp_params()]
     opt = optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.5, fused=True)
+    # dampening has torch._fused_sgd_'s; bfloat16 on the CPU does not (a torch bug)
+    assert functopt.fast.explain(optim.SGD(_mlp_params(), lr=0.1, momentum=0.9,
+                                           dampening=0.5).transform, list(_mlp_params())).fast
     for p in ps:
         p.grad = torch.ones_like(p)
-    with pytest.warns(functopt.fast.FastPathWarning, match="dampened_trace"):
+    with pytest.warns(functopt.fast.FastPathWarning, match="191763"):
         opt.step()
 
 

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import functopt
 from functopt.fast import FastPathWarning, explain, make_step
+from functopt.testing import conformance
 from functopt.tree import _core
 
 REL = 1e-12
@@ -379,3 +380,43 @@ def test_a_schedule_returning_a_vector_is_refused_on_the_fast_path_too() -> None
     state = tx.init(params)
     with torch.no_grad(), pytest.raises(TypeError, match="schedule"):
         make_step(tx)({"w": torch.ones(3)}, state, params)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("dampening", "nesterov"), [(0.3, False), (0.0, True), (0.5, True)])
+def test_dampened_trace_takes_fused_sgd_and_equals_torch_sgd(
+        dtype: torch.dtype, dampening: float, nesterov: bool) -> None:
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(7, 3, generator=gen, dtype=dtype)
+    grads = [torch.randn(7, 3, generator=gen, dtype=dtype) for _ in range(4)]
+    tx = functopt.chain(functopt.add_decayed_weights(0.01),
+                        functopt.dampened_trace(0.9, dampening=dampening, nesterov=nesterov),
+                        functopt.scale_by_learning_rate(0.1))
+    got = functopt.fast.explain(tx, w)
+    assert got.fast and got.groups[0].kernel == "torch._fused_sgd_"
+    q = w.clone().requires_grad_()
+    # (torch.optim.SGD refuses nesterov with dampening; its kernel computes it)
+    ref = torch.optim.SGD([q], lr=0.1, momentum=0.9, dampening=dampening, weight_decay=0.01,
+                          nesterov=nesterov, foreach=False) if not (
+                              nesterov and dampening) else None
+    step, state, x = functopt.fast.make_step(tx, donate=True), tx.init(w), w.clone()
+    for g in grads:
+        with torch.no_grad():
+            x, state = step(g, state, x)
+        if ref is not None:
+            q.grad = g.clone()
+            ref.step()
+            if nesterov or dtype != torch.float64:  # (the CPU kernel rounds its vectorised
+                # body apart from the single-tensor path in float32, and g + m * buf)
+                torch.testing.assert_close(x, q.detach(), rtol=1e-6, atol=1e-7)
+            else:  # bitwise torch.optim.SGD's single-tensor path
+                assert torch.equal(x, q.detach())
+    conformance.check_fast_path(lambda: tx, w, grads[0], steps=3)
+    # a skipped first step (apply_if_finite) keeps the next one first: the count says so
+    guarded = functopt.apply_if_finite(tx, max_consecutive_errors=2)
+    bad = torch.full_like(w, float("inf"))
+    state = guarded.init(w)
+    with torch.no_grad():
+        x, state = functopt.fast.make_step(guarded)(bad, state, w)
+    assert torch.equal(x, w)
+    conformance.check_fast_path(lambda: guarded, w, grads[0], steps=2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -9,7 +10,9 @@ import torch
 
 from functopt._base import GradientTransformation
 from functopt._collective.dtensor import _leaf_names
+from functopt._spec import describe
 from functopt.fast import _planner
+from functopt.transforms.multi_steps import Accumulated, MultiSteps, MultiStepsState
 from functopt.tree import _core
 
 __all__ = ["Explanation", "explain"]
@@ -74,7 +77,7 @@ class Explanation:
         return "\n".join(lines)
 
 
-def explain(tx: GradientTransformation, params: Any, state: Any = None,
+def explain(tx: GradientTransformation | MultiSteps, params: Any, state: Any = None,
             grads: Any = None, *, compile: bool = False) -> Explanation:
     """Say which path a fast step of ``tx`` takes on these params, per group of leaves.
 
@@ -105,10 +108,20 @@ def explain(tx: GradientTransformation, params: Any, state: Any = None,
         fused path: 1 kernel call(s) per step, 0 global norm(s) in one pass
           compiled (scale_by_lion -> add_decayed_weights -> scale_by_learning_rate) on 2 float32 leaves (cpu): b, w
     """
+    if isinstance(tx, MultiSteps):
+        tx = tx.gradient_transformation()
     if not isinstance(tx, GradientTransformation):
         raise TypeError(
             f"explain: tx must be a functopt.GradientTransformation, got "
             f"{type(tx).__name__}. Fix: explain(functopt.adamw(1e-3), params).")
+    spec = describe(tx)
+    if isinstance(spec, Accumulated):  # MultiSteps: foreach accumulation, then the inner step
+        state = tx.init(params) if state is None else state
+        if isinstance(state, MultiStepsState):
+            inner = explain(spec.multi_steps.inner_opt, params, state.inner_opt_state, grads,
+                            compile=compile)
+            return inner if inner.fast else dataclasses.replace(
+                inner, reason=f"MultiSteps' inner transform: {inner.reason}")
     leaves, treespec = _core.flatten(params)
     if state is None:
         state = tx.init(params)

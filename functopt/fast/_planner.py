@@ -17,8 +17,9 @@ program (after an optional leading clip)       kernel
 =============================================  ===========================================
 ``scale_by_adam``, [``add_decayed_weights``],  ``torch._fused_adamw_`` (weight decay 0 where
 learning rate                                  the decay is masked off)
-[``add_decayed_weights``], [``trace``],        ``torch._fused_sgd_`` (the decay before the
-learning rate                                  momentum: torch.optim.SGD's weight_decay)
+[``add_decayed_weights``], [``trace`` or       ``torch._fused_sgd_`` (the decay before the
+``dampened_trace``], learning rate             momentum: torch.optim.SGD's weight_decay;
+                                               dampening and is_first_step for the latter)
 ``set_to_zero``                                nothing to do (a frozen group)
 =============================================  ===========================================
 
@@ -72,6 +73,7 @@ from functopt.fast import _compiled, _perleaf
 from functopt.fast._layout import dense as _dense
 from functopt.fast._layout import overlapping
 from functopt.transforms import _common
+from functopt.transforms.multi_steps import Accumulated
 from functopt.tree import _core
 from functopt.tree._ops import _safe_norm
 
@@ -398,6 +400,10 @@ class _Walk:
             self.guard = None
         elif isinstance(spec, Leafwise):
             self.leafwise(spec, idx, sel, where)
+        elif isinstance(spec, Accumulated):
+            self.out.opaque.append(
+                f"{where or '<root>'}: MultiSteps is lowered only as the whole transform of "
+                f"make_step (not inside a chain, nor in the mixed-precision step)")
         else:  # a Spec subclass of a later layer that this planner does not know
             self.out.opaque.append(f"{where}: {type(spec).__name__} has no lowering")
 
@@ -460,9 +466,12 @@ class _Walk:
                         "bias_correction_mu", True) is not False and hyper.get(
                         "bias_correction_nu", True) is not False)
                 slots["nu_max"] = self.per_leaf(idx.nu_max, "nu_max")
-        elif kind == "trace":
+        elif kind in ("trace", "dampened_trace"):
             args = {"decay": self.bind(hyper["decay"]), "nesterov": _Const(hyper["nesterov"])}
             slots = {"trace": self.per_leaf(idx.trace, "trace")}
+            if kind == "dampened_trace":  # torch.optim.SGD's momentum: torch._fused_sgd_'s
+                args["dampening"] = self.bind(hyper["dampening"])
+                count = idx.count  # (its first step keeps the gradient: is_first_step)
         elif isinstance(spec, PerLeaf):
             # a rule that reduces within a leaf: the per-leaf tier runs its own (grouped)
             # update on a group's leaves; the spec names its per-leaf state entries
@@ -685,9 +694,10 @@ def _match_kernel(program: list[Any]) -> _KernelPlan | str:
         decay = body_ops[0] if l2 else (body_ops[1] if len(body_ops) == 2 else None)
         return _KernelPlan("adam" if l2 else "adamw", clip, adam=adam, decay=decay, lr=lr,
                            guard=guard, maximize=maximize)
-    if body in ((), ("trace",), ("add_decayed_weights",), ("add_decayed_weights", "trace")):
+    if body in ((), ("trace",), ("add_decayed_weights",), ("add_decayed_weights", "trace"),
+                ("dampened_trace",), ("add_decayed_weights", "dampened_trace")):
         decay = body_ops[0] if body and body[0] == "add_decayed_weights" else None
-        trace = body_ops[-1] if body and body[-1] == "trace" else None
+        trace = body_ops[-1] if body and body[-1] in ("trace", "dampened_trace") else None
         return _KernelPlan("sgd", clip, decay=decay, trace=trace, lr=lr, guard=guard,
                            maximize=maximize)
     unknown = next((k for k in kinds if k in COMPILED_SLOTS), None)
@@ -831,11 +841,21 @@ def clip_sums(structure: Structure, grads: list[Any], counted: list[bool],
     ``foreach`` norm per (device, dtype) group of leaves."""
     if not structure.clips:
         return []
-    sq = leaf_squares([None if g is None else local_tensor(g) for g in grads], counted, None,
-                      rescue=True)
+    tensors = [None if g is None else local_tensor(g) for g in grads]
+    sq = leaf_squares(tensors, counted, None, rescue=True)
+    # a clip that measures a float64 leaf accumulates every leaf in float64, as global_norm
+    # does (a float32 accumulation of its float32 leaves would round its factor to float32)
+    wide = [any(t is not None and t.dtype == torch.float64 for t in (tensors[i] for i in leaves))
+            for leaves in structure.clips]
+    sq64 = sq
+    if any(wide):
+        members = {i for leaves, w in zip(structure.clips, wide, strict=True) if w
+                   for i in leaves}
+        sq64 = leaf_squares(tensors, [c and i in members for i, c in enumerate(counted)],
+                            None, accumulate=torch.float64)
     out = []
-    for leaves in structure.clips:
-        parts = [sq[i] for i in leaves if sq[i] is not None]
+    for leaves, w in zip(structure.clips, wide, strict=True):
+        parts = [(sq64 if w else sq)[i] for i in leaves if (sq64 if w else sq)[i] is not None]
         out.append(torch.stack(parts).sum().to(device) if parts else torch.zeros(
             (), dtype=torch.float64, device=device))
     return out
@@ -870,7 +890,8 @@ def nonfinite_counts(structure: Structure, grads: list[Any], counted: list[bool]
 
 
 def leaf_squares(tensors: list[Any], counted: list[bool],
-                 multiplier: torch.Tensor | None, *, rescue: bool = False) -> list[Any]:
+                 multiplier: torch.Tensor | None, *, rescue: bool = False,
+                 accumulate: torch.dtype | None = None) -> list[Any]:
     """Each counted tensor's squared L2 norm (times ``multiplier``, applied to the norm in
     its accumulation precision) as a 0-d float64 tensor, None elsewhere; accumulated like
     ``tree._ops._sum_of_squares`` (float32, float64 for float64 tensors).
@@ -878,14 +899,15 @@ def leaf_squares(tensors: list[Any], counted: list[bool],
     ``rescue``: where a float32 norm overflowed although the leaf is finite, measure it
     again in float64, as ``clip_by_global_norm``'s pure path does (on the CPU, where the
     check is a free host read; elsewhere the overflow stays inf: the step then clips to
-    nan, as the mixed step counts such a norm as an overflow)."""
+    nan, as the mixed step counts such a norm as an overflow). ``accumulate``: the
+    accumulation dtype of every leaf instead."""
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, (t, c) in enumerate(zip(tensors, counted, strict=True)):
         if c and t is not None:
             groups.setdefault((t.device, t.dtype), []).append(i)
     out: list[Any] = [None] * len(tensors)
     for (where, dtype), idx in groups.items():
-        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        acc = accumulate or (torch.float64 if dtype == torch.float64 else torch.float32)
         norms = torch.stack(torch._foreach_norm([tensors[i] for i in idx], 2,
                                                 dtype=None if dtype == acc else acc))
         if multiplier is not None:
@@ -1090,6 +1112,14 @@ def _hyperparameters(plan: _KernelPlan, env: _Env) -> dict[str, Any] | str:
         trace = plan.trace
         hp["momentum"] = 0.0 if trace is None else env.number(trace.args["decay"](env))
         hp["nesterov"] = False if trace is None else bool(trace.args["nesterov"].value)
+        hp["dampening"], hp["is_first_step"] = 0.0, False
+        if trace is not None and trace.kind == "dampened_trace":
+            # a dampened trace starts as the gradient itself (torch.optim.SGD's first step):
+            # the kernel's is_first_step, a Python bool, so the count is read on the host
+            # (free for a CPU count; one synchronisation per step elsewhere)
+            assert trace.count is not None
+            hp["dampening"] = env.number(trace.args["dampening"](env))
+            hp["is_first_step"] = int(env.leaves[trace.count]) == 0
         if trace is not None and hp["momentum"] == 0.0:
             return ("trace(decay=0) (here an injected momentum of 0) keeps a trace equal to "
                     "the gradient, which torch._fused_sgd_ does not write without momentum")
@@ -1156,10 +1186,12 @@ def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[
             [state_leaves[k] for k in group.slots("trace", "trace")], donate)
         momentum, nesterov = hp["momentum"], hp["nesterov"]
         # A zero momentum buffer makes the first step's ``momentum * 0 + g`` exactly the
-        # ``buf = g`` of is_first_step, so the chain's zero-initialised trace fits.
+        # ``buf = g`` of is_first_step, so trace's zero-initialised buffer fits; a
+        # dampened_trace says its first step (its count) instead.
         torch._fused_sgd_(p, g, bufs, weight_decay=wd, momentum=momentum, lr=lr,
-                          dampening=0.0, nesterov=nesterov, maximize=plan.maximize,
-                          is_first_step=False, grad_scale=grad_scale, found_inf=flag)
+                          dampening=hp["dampening"], nesterov=nesterov,
+                          maximize=plan.maximize, is_first_step=hp["is_first_step"],
+                          grad_scale=grad_scale, found_inf=flag)
         if trace is not None:
             written = [(group.slots("trace", "trace"), bufs)]
     if not donate:  # donated leaves were written in place: the lists hold them

@@ -17,9 +17,13 @@ params and state over to be overwritten (donation). ``make_step(tx)`` is that st
    donated); a [`FastPathWarning`][functopt.fast.FastPathWarning] says why, once;
 3. ``compile=True`` adds the planner's compiled tier (``functopt/fast/_compiled.py``):
    a group of leaves whose rules are elementwise but have no PyTorch kernel (Lion, NAdam,
-   RAdam, Adamax, Adadelta, Rprop, dampened SGD, ...) runs as one ``torch.compile``\ d
+   RAdam, Adamax, Adadelta, Rprop, ...) runs as one ``torch.compile``\ d
    call over the group's tensors laid end to end, the rules' own pure ``update`` fused
    into one loop; ``step.init(params)`` lays the state out that way.
+
+``MultiSteps`` (the whole transform) is stepped here: its mini-steps accumulate with
+``foreach`` ops in the state, and the mini-step that closes a window runs the inner
+transform's own fast step.
 
 Every path returns ``(new_params, new_state)`` with the state in the transform's own
 layout, so the paths are interchangeable at any step.
@@ -38,7 +42,9 @@ from functopt._apply import apply_updates
 from functopt._base import GradientTransformation, Params, State, Updates
 from functopt._collective.dtensor import _infer_group, _leaf_names, _rewrap_like, local_tensor
 from functopt._collective.reduce import all_reduce_stats
+from functopt._spec import describe
 from functopt.fast import _compiled, _planner
+from functopt.transforms.multi_steps import Accumulated, MultiSteps, Window
 from functopt.tree import _core
 
 __all__ = ["Step", "differentiated", "make_step"]
@@ -63,7 +69,7 @@ def differentiated(*trees: Any) -> bool:
 
 
 def make_step(
-    tx: GradientTransformation, *, donate: bool = False, compile: bool = False,
+    tx: GradientTransformation | MultiSteps, *, donate: bool = False, compile: bool = False,
     fused: bool = True, donate_grads: bool = False,
 ) -> Step:
     r"""``step(grads, state, params, **extra_args) -> (new_params, new_state)`` for ``tx``.
@@ -125,6 +131,8 @@ def make_step(
         >>> new["w"], new["w"] is params["w"]  # Adam's first step is lr * sign(g); in place
         (tensor([ 0.9000, -0.9000]), True)
     """
+    if isinstance(tx, MultiSteps):
+        tx = tx.gradient_transformation()
     if not isinstance(tx, GradientTransformation):
         raise TypeError(
             f"make_step: tx must be a functopt.GradientTransformation, got "
@@ -159,6 +167,13 @@ class Step:
         self.fused = fused
         self.donate_grads = donate_grads
         self.planner = _planner.Planner(tx)
+        # MultiSteps: mini-steps accumulate here, a closing step runs the inner
+        # transform's own fast step
+        spec = describe(tx)
+        self._accumulated = spec.multi_steps if isinstance(spec, Accumulated) else None
+        self._inner = None if self._accumulated is None else Step(
+            self._accumulated.inner_opt, donate=donate, compile=compile, fused=fused,
+            donate_grads=donate_grads)
         # The compiled tier's gather buffers of a donating step, per thread (two threads
         # stepping their own states with one step must not share them). Scratch: every
         # step overwrites them before reading, so they carry nothing between steps.
@@ -267,6 +282,10 @@ class Step:
                 _planner.check_donation(param_leaves, name)
             updates, new_state = tx.update(grads, state, params, **extra_args)
             return _grouped_apply(param_leaves, treespec, updates, donate), new_state
+        if self._accumulated is not None:
+            if donate:
+                _planner.check_donation(param_leaves, name)
+            return self._multi_step(self._accumulated, grads, state, params, extra_args)
         state_leaves, state_spec = _core.flatten(state)
         planner = self.planner
         structure = planner.structure(params, treespec, param_leaves, state_leaves, state_spec)
@@ -287,6 +306,92 @@ class Step:
         _planner.warn_lost("make_step", reason, stacklevel=2)
         updates, new_state = tx.update(grads, state, params, **extra_args)
         return _grouped_apply(param_leaves, treespec, updates, donate), new_state
+
+
+    def _multi_step(self, ms: MultiSteps, grads: Updates, state: Any, params: Params,
+                    extra_args: dict[str, Any]) -> tuple[Params, State]:
+        """``MultiSteps``' step: its window decided as its ``update`` decides it, the
+        gradients accumulated with ``foreach`` ops (in place in ``state.acc_grads`` when
+        donated), and on the mini-step that closes a window the inner transform's fast step
+        on the accumulated gradients. A mini-step that does not close a window adds 0.0 to
+        the params, as the pure path adds its zero updates (bitwise: -0.0 becomes 0.0)."""
+        window = ms.window(grads, state, params)
+        if window.skip:
+            return self._plus_zero(params, window.leaves), state._replace(skip_state=window.skip_state)
+        treespec, accs = window.treespec, window.accs
+        present = [i for i, g in enumerate(window.leaves) if g is not None]
+        if not window.closes:
+            new_accs = _accumulate(ms, window, present, in_place=self.donate)
+            return self._plus_zero(params, window.leaves), window.next_state(
+                state, _core.unflatten(treespec, new_accs))
+        if window.mini_step == 0:
+            inner_grads = grads  # a window of one: the gradient itself, as on the pure path
+        else:  # (out of place: the inner step may keep the accumulated gradients)
+            summed = _accumulate(ms, window, present, in_place=False)
+            inner_grads = _core.unflatten(treespec, [
+                None if g is None else a.to(g.dtype)
+                for g, a in zip(window.leaves, summed, strict=True)])
+        assert self._inner is not None
+        new_params, inner_state = self._inner(inner_grads, state.inner_opt_state, params,
+                                              **extra_args)
+        if self.donate:
+            with torch.no_grad():
+                torch._foreach_zero_([a for a in accs if a is not None])
+            zeroed = accs
+        else:
+            zeroed = _core.map_leaves(torch.zeros_like, accs)
+        return new_params, window.next_state(state, _core.unflatten(treespec, zeroed),
+                                             inner_state)
+
+
+    def _plus_zero(self, params: Params, grads: list[Any]) -> Params:
+        """``apply_updates(params, zeros)`` (zeros where a gradient is): ``p + 0.0``, in
+        place when donated."""
+        leaves, treespec = _core.flatten(params)
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, (p, g) in enumerate(zip(leaves, grads, strict=True)):
+            if p is not None and g is not None:
+                groups.setdefault((p.device, p.dtype), []).append(i)
+        out = list(leaves)
+        with torch.no_grad():
+            for idx in groups.values():
+                ps = [local_tensor(leaves[i]) for i in idx]
+                if self.donate:
+                    torch._foreach_add_(ps, 0.0)
+                else:
+                    for i, t in zip(idx, torch._foreach_add(ps, 0.0), strict=True):
+                        out[i] = _rewrap_like(leaves[i], t)
+        return _core.unflatten(treespec, out)
+
+
+def _accumulate(ms: MultiSteps, window: Window, present: list[int], *,
+                in_place: bool) -> list[Any]:
+    """The accumulators after this mini-step's gradients: ``acc + (g - acc) / n`` (the
+    running mean) or ``acc + g``, as ``MultiSteps`` computes them per leaf (the same
+    operations, so bitwise its values), one ``foreach`` call per (device, dtype) group."""
+    accs, leaves = window.accs, window.leaves
+    out = list(accs)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i in present:
+        groups.setdefault((accs[i].device, accs[i].dtype), []).append(i)
+    with torch.no_grad():
+        for (_, dtype), idx in groups.items():
+            a = [accs[i] for i in idx]
+            g = [leaves[i].to(dtype) for i in idx]
+            delta: list[torch.Tensor] | tuple[torch.Tensor, ...]
+            if ms.use_grad_mean:
+                delta = torch._foreach_sub(g, a)
+                torch._foreach_div_(delta, window.mini_step + 1)
+            else:
+                delta = g
+            if in_place:
+                torch._foreach_add_(a, delta)
+                new = a
+            else:
+                new = list(torch._foreach_add(a, delta))
+            for i, t in zip(idx, new, strict=True):
+                out[i] = t
+    return out
 
 
 def _reductions(structure: _planner.Structure, params: list[Any], grads: list[Any],

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from functopt.fast._layout import overlapping
 from functopt.tree import _core
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -141,7 +142,9 @@ class Snapshot:
 
 
 def clone_tree(tree: Any) -> Any:
-    """A copy of ``tree`` whose tensor leaves are clones (to compare against later).
+    """A copy of ``tree`` whose tensor leaves are clones (to compare against later), with
+    their strides (a sliced leaf stays a strided view of a larger buffer) and their ties
+    (a tensor at two places of the tree is cloned once, the clone placed at both).
 
     Examples:
         >>> import torch
@@ -152,9 +155,27 @@ def clone_tree(tree: Any) -> Any:
         (False, True)
     """
     leaves, spec = _core.flatten(tree)
-    return _core.unflatten(
-        spec, [x.clone() if isinstance(x, torch.Tensor) else x for x in leaves]
-    )
+    clones: dict[int, torch.Tensor] = {}
+    out = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            if id(x) not in clones:
+                clones[id(x)] = _clone_strided(x)
+            x = clones[id(x)]
+        out.append(x)
+    return _core.unflatten(spec, out)
+
+
+def _clone_strided(x: torch.Tensor) -> torch.Tensor:
+    """``x.clone()``, keeping the strides of a leaf that is not dense (clone makes it
+    contiguous); an overlapping (expanded) one is cloned as clone does."""
+    copy = x.clone()
+    if copy.stride() == x.stride() or x.numel() <= 1 or overlapping(x):
+        return copy
+    out = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+    with torch.no_grad():
+        out.copy_(x)
+    return out.requires_grad_(x.requires_grad)
 
 
 def bitwise_equal(actual: Any, expected: Any) -> bool:

@@ -32,7 +32,10 @@ The laws:
   where the planner keeps the pure path, to rounding where it lowers the step to fused
   kernels (a relative $10^{-12}$ in float64, a few units in the last place of each leaf's
   magnitude in the narrow dtypes, non-finite exactly where the pure path is); without
-  donation it writes into nothing.
+  donation it writes into nothing; donated, it refuses tied params (one tensor at two
+  places of the tree) with a ValueError naming them. `cases` draws the layouts fast paths
+  get wrong (channels_last, transposed, sliced, grads laid out unlike their params, 0-d
+  and empty leaves, tied params).
 
 About ``weights_only=True``: PyTorch's safe unpickler rejects classes it does not know,
 and a NamedTuple state is such a class. Loading works once the state's NamedTuple classes
@@ -123,6 +126,8 @@ def _build(tx: Any, owner: str) -> GradientTransformation:
             )
     if isinstance(tx, GradientTransformation):
         return tx
+    if isinstance(tx, functopt.MultiSteps):  # (its spec comes with gradient_transformation)
+        return tx.gradient_transformation()
     return GradientTransformation(tx.init, tx.update)
 
 
@@ -607,6 +612,7 @@ def check_fast_path(
     built = _build(tx, check)
     state = built.init(params)
     for step in range(1, steps + 1):
+        tied = _tied(params)  # (the pure step returns new tensors: the ties end there)
         updates, pure_state = built.update(grads, state, params, **(extra_args or {}))
         pure_params = functopt.apply_updates(params, updates)
         exact = not explain(built, params, state, grads, compile=compile).fast
@@ -624,10 +630,14 @@ def check_fast_path(
                 inputs = _compare.clone_tree(inputs)
             else:
                 g, s, p = _compare.clone_tree(inputs)
+            what = f"step {step}, donate={donate}" + (", flat state" if flat else "")
             with torch.no_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore", FastPathWarning)
+                if donate and tied:
+                    _check_tied_refused(step_fn, (g, s, p), extra_args, tied, check=check,
+                                        what=what)
+                    continue
                 new_params, new_state = step_fn(g, s, p, **(extra_args or {}))
-            what = f"step {step}, donate={donate}" + (", flat state" if flat else "")
             _assert_fast_close(new_params, pure_params, params, check=check,
                                what=f"{what}, params", exact=exact)
             _assert_fast_close(new_state, pure_state, state, check=check,
@@ -645,6 +655,41 @@ def check_fast_path(
                                 f"{check}: {what}: the step wrote into leaf "
                                 f"{_core.paths(spec)[i]!r} of its {label}: {found}.")
         params, state = pure_params, pure_state
+
+
+def _tied(params: Any) -> list[str]:
+    """The paths of the param leaves that are a non-empty tensor seen earlier in the tree
+    (tied weights): a donated step must refuse them, since it would write them twice."""
+    leaves, spec = _core.flatten(params)
+    seen: set[int] = set()
+    tied = []
+    for path, x in zip(_core.paths(spec), leaves, strict=True):
+        if isinstance(x, torch.Tensor) and x.numel():
+            if id(x) in seen:
+                tied.append(path)
+            seen.add(id(x))
+    return tied
+
+
+def _check_tied_refused(step_fn: Callable[..., Any], inputs: tuple[Any, Any, Any],
+                        extra_args: Mapping[str, Any] | None, tied: list[str], *,
+                        check: str, what: str) -> None:
+    """A donated step on tied params raises a ValueError naming a tied leaf, and writes
+    nothing before it does."""
+    before = _compare.clone_tree(inputs)
+    try:
+        step_fn(*inputs, **(extra_args or {}))
+    except ValueError as error:
+        if "share memory" not in str(error) or not any(repr(p) in str(error) for p in tied):
+            raise AssertionError(f"{check}: {what}: a donated step on tied params {tied} "
+                                 f"raised a ValueError that does not name them as sharing "
+                                 f"memory: {error}") from error
+    else:
+        raise AssertionError(f"{check}: {what}: a donated step accepted the tied params "
+                             f"{tied} (one tensor at two places of the tree), which it "
+                             f"would update once per place; it must raise a ValueError.")
+    _compare.assert_trees_equal(inputs, before, check=check,
+                                what=f"{what}: the inputs of the refused step vs before it")
 
 
 # --- all together --------------------------------------------------------------------------
@@ -712,11 +757,14 @@ def check_transform(
 def cases(
     draw: st.DrawFn, *, dtypes: tuple[torch.dtype, ...] = fst.FLOAT_DTYPES,
     param_kind: fst.ValueKind = "typical", grad_kind: fst.ValueKind = "any",
-    allow_none: bool = True, max_leaves: int = 6,
+    allow_none: bool = True, max_leaves: int = 6, layout: fst.LayoutChoice = "any",
+    tied: bool = True,
 ) -> tuple[Any, Any, Any]:
     """``(params, grads, mask)`` for the checks: a mask of Python bools drawn over the params.
 
-    The other arguments are those of [`functopt.testing.strategies.params_and_gradients`][functopt.testing.strategies.params_and_gradients].
+    The other arguments are those of [`functopt.testing.strategies.params_and_gradients`][functopt.testing.strategies.params_and_gradients];
+    by default every layout is drawn (channels_last, transposed and sliced leaves, grads
+    laid out unlike their params) and some params are tied (one tensor at two places).
 
     Examples:
         >>> import functopt
@@ -731,7 +779,7 @@ def cases(
     """
     params, grads = draw(fst.params_and_gradients(
         dtypes=dtypes, param_kind=param_kind, grad_kind=grad_kind, max_leaves=max_leaves,
-        allow_none=allow_none))
+        allow_none=allow_none, layout=layout, tied=tied))
     leaves, spec = _core.flatten(params)
     mask = _core.unflatten(spec, draw(st.lists(st.booleans(), min_size=len(leaves),
                                                max_size=len(leaves))))
@@ -745,6 +793,8 @@ def conformance_test(
     param_kind: fst.ValueKind = "typical",
     allow_none: bool = True,
     max_leaves: int = 6,
+    layout: fst.LayoutChoice = "any",
+    tied: bool = True,
     max_examples: int | None = None,
     hypothesis_settings: settings | None = None,
     steps: int = 2,
@@ -765,6 +815,9 @@ def conformance_test(
         param_kind: the kind of param values.
         allow_none: let some gradient leaves be ``None``.
         max_leaves: the largest number of leaves in a drawn tree.
+        layout: the leaves' memory layouts (``"any"``: drawn per leaf, grads apart from
+            their params; see [`functopt.testing.strategies.laid_out`][functopt.testing.strategies.laid_out]).
+        tied: let some trees hold one param tensor at two places.
         max_examples: the number of examples (default: that of ``hypothesis_settings``).
         hypothesis_settings: the settings to run under (default: the active profile's,
             without a deadline and without the too_slow and data_too_large health checks).
@@ -783,7 +836,7 @@ def conformance_test(
         >>> test_adam()  # what pytest runs: hypothesis draws 3 cases, every check passes
     """
     strategy = cases(dtypes=tuple(dtypes), param_kind=param_kind, grad_kind=grad_kind,
-                      allow_none=allow_none, max_leaves=max_leaves)
+                      allow_none=allow_none, max_leaves=max_leaves, layout=layout, tied=tied)
 
     def test(case: tuple[Any, Any, Any]) -> None:
         params, grads, mask = case

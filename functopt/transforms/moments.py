@@ -14,6 +14,7 @@ left exactly as they were; only the shared step counter moves.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -72,6 +73,34 @@ def moment_inputs(owner: str, updates: Updates, state: Any, expected: type,
     nus = _common.state_like(treespec, state.nu, name="state.nu", like=grads)
     _common.check_state_present(owner, treespec, grads, mu=mus, nu=nus)
     return grads, treespec, mus, nus, _common.safe_increment(state.count)
+
+
+def _adam_denominator(nu: torch.Tensor, bc2: torch.Tensor, eps_root: Any, eps: Any,
+                      c: Callable[[Any], Any]) -> torch.Tensor:
+    r"""$\sqrt{\nu / (1-\beta_2^t) + \epsilon_{root}} + \epsilon$, computed as torch.optim
+    computes Adam's denominator: ``sqrt(nu) / sqrt(1 - b2**t) + eps``.
+
+    The order matters at the ends of the range, where the fused kernels and the pure path
+    must agree on what overflows. ``torch/optim/adam.py`` (``_single_tensor_adam``, torch
+    2.13) takes ``exp_avg_sq.sqrt() / bias_correction2_sqrt + eps`` and then
+    ``param.addcdiv_(exp_avg, denom, value=-step_size)`` with ``step_size = lr /
+    bias_correction1``: the moment is divided by the denominator *before* the bias
+    correction of the first moment scales it; ``torch._fused_adam(w)_`` (CPU:
+    ``aten/src/ATen/native/cpu/FusedAdamKernel.cpp``) does the same per element. Dividing
+    ``nu`` by the correction first overflows for ``nu`` near the dtype's maximum, and
+    ``mu / bc1`` first turns a huge finite ``mu`` over an infinite ``nu`` into inf / inf =
+    NaN where torch gets 0. So callers compute ``mu / denominator / bc1``. ``eps_root``
+    (optax's, for meta-gradients; torch has none) enters as ``nu + eps_root * bc2`` under
+    the root, the same value, and exactly ``nu`` when it is 0.
+    """
+    root = torch.sqrt(nu + c(eps_root) * c(bc2)) if _nonzero(eps_root) else torch.sqrt(nu)
+    denominator: torch.Tensor = root / c(torch.sqrt(bc2)) + c(eps)
+    return denominator
+
+
+def _nonzero(value: Any) -> bool:
+    """Whether a hyperparameter may be nonzero (a tensor is not read: it may be)."""
+    return isinstance(value, torch.Tensor) or value != 0
 
 
 def scale_by_adam(
@@ -155,11 +184,12 @@ def scale_by_adam(
             c = functools.partial(_common.scalar, dtype=wide.dtype)
             mu_t = c(b1) * mu.to(wide.dtype) + c(1 - b1) * wide
             nu_t = c(b2) * nu.to(wide.dtype) + c(1 - b2) * (wide * wide)
+            denom = _adam_denominator(nu_t, bc2, eps_root, eps, c)
             if nesterov:
                 mu_hat = c(b1) * mu_t / c(bc1_next) + c(1 - b1) * wide / c(bc1)
+                u = mu_hat / denom
             else:
-                mu_hat = mu_t / c(bc1)
-            u = mu_hat / (torch.sqrt(nu_t / c(bc2) + c(eps_root)) + c(eps))
+                u = mu_t / denom / c(bc1)  # torch's order (see _adam_denominator)
             return u.to(g.dtype), mu_t.to(mu.dtype), nu_t.to(nu.dtype)
 
         new_updates, new_mus, new_nus = _common.map_with_state(leaf, grads, mus, nus)
@@ -299,14 +329,15 @@ def scale_by_amsgrad(
             c = functools.partial(_common.scalar, dtype=wide.dtype)
             mu_t = c(b1) * mu.to(wide.dtype) + c(1 - b1) * wide
             nu_t = c(b2) * nu.to(wide.dtype) + c(1 - b2) * (wide * wide)
-            mu_hat = mu_t / c(bc1) if bias_correction_mu else mu_t
             if correct_after_max:
                 max_t = torch.maximum(nu_max.to(wide.dtype), nu_t)
-                u = mu_hat / (torch.sqrt(max_t / c(bc2) + c(eps_root)) + c(eps))
+                u = mu_t / _adam_denominator(max_t, bc2, eps_root, eps, c)
             else:
                 nu_hat = nu_t / c(bc2) if bias_correction_nu else nu_t
                 max_t = torch.maximum(nu_max.to(wide.dtype), nu_hat)
-                u = mu_hat / (torch.sqrt(max_t + c(eps_root)) + c(eps))
+                u = mu_t / (torch.sqrt(max_t + c(eps_root)) + c(eps))
+            if bias_correction_mu:
+                u = u / c(bc1)  # torch's order (see _adam_denominator)
             return u.to(g.dtype), mu_t.to(mu.dtype), nu_t.to(nu.dtype), max_t.to(nu_max.dtype)
 
         new_updates, new_mus, new_nus, new_maxes = _common.map_with_state(

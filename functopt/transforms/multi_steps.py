@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from functopt import _validate
 from functopt._base import GradientTransformation, Params, State, Updates
+from functopt._spec import Spec, specified
 from functopt.transforms import _common
 from functopt.transforms.combining import _check_transform
 from functopt.tree import _core
@@ -269,6 +271,38 @@ class MultiSteps:
         **extra_args: Any,
     ) -> tuple[Updates, MultiStepsState]:
         """Accumulate ``updates``; return zeros, or the inner update when the window closes."""
+        window = self.window(updates, state, params)
+        leaves, treespec, accs, mini_step = window.leaves, window.treespec, window.accs, (
+            window.mini_step)
+        if window.skip or not window.closes:
+            zeros = _core.unflatten(treespec, _core.map_leaves(torch.zeros_like, leaves))
+            if window.skip:
+                return zeros, state._replace(skip_state=window.skip_state)
+            new_accs = [
+                acc if g is None else self._accumulate(g, acc, mini_step)
+                for g, acc in zip(leaves, accs, strict=True)
+            ]
+            return zeros, window.next_state(state, _core.unflatten(treespec, new_accs))
+
+        if mini_step == 0:
+            grads = updates  # a window of one: its mean and its sum are the gradient itself
+        else:
+            grads = _core.unflatten(treespec, [
+                None if g is None else self._accumulate(g, acc, mini_step).to(g.dtype)
+                for g, acc in zip(leaves, accs, strict=True)
+            ])
+        new_updates, new_inner_state = self._opt.update(
+            grads, state.inner_opt_state, params, **extra_args
+        )
+        return new_updates, window.next_state(
+            state, _core.unflatten(treespec, _core.map_leaves(torch.zeros_like, accs)),
+            new_inner_state)
+
+    def window(self, updates: Updates, state: MultiStepsState, params: Params | None,
+               ) -> Window:
+        """Where this mini-step stands (the checks, the skip decision, whether the window
+        closes): the part of `update` that the fast step (``functopt.fast.make_step``)
+        shares, so that both decide alike."""
         _common.check_state("MultiSteps", state, MultiStepsState)
         leaves, treespec = _common.flatten_updates(updates)
         accs = _common.state_like(treespec, state.acc_grads, name="state.acc_grads", like=leaves)
@@ -291,41 +325,9 @@ class MultiSteps:
                 updates, state.gradient_step, params
             )
             if _read_skip(should_skip):
-                zeros = _core.map_leaves(torch.zeros_like, leaves)
-                return _core.unflatten(treespec, zeros), state._replace(skip_state=skip_state)
-
-        k = self._k_steps(state.gradient_step)
-        if mini_step + 1 < k:
-            new_accs = [
-                acc if g is None else self._accumulate(g, acc, mini_step)
-                for g, acc in zip(leaves, accs, strict=True)
-            ]
-            zeros = _core.map_leaves(torch.zeros_like, leaves)
-            return _core.unflatten(treespec, zeros), MultiStepsState(
-                mini_step=torch.tensor(mini_step + 1, dtype=torch.int32),
-                gradient_step=state.gradient_step,
-                inner_opt_state=state.inner_opt_state,
-                acc_grads=_core.unflatten(treespec, new_accs),
-                skip_state=skip_state,
-            )
-
-        if mini_step == 0:
-            grads = updates  # a window of one: its mean and its sum are the gradient itself
-        else:
-            grads = _core.unflatten(treespec, [
-                None if g is None else self._accumulate(g, acc, mini_step).to(g.dtype)
-                for g, acc in zip(leaves, accs, strict=True)
-            ])
-        new_updates, new_inner_state = self._opt.update(
-            grads, state.inner_opt_state, params, **extra_args
-        )
-        return new_updates, MultiStepsState(
-            mini_step=torch.zeros((), dtype=torch.int32),
-            gradient_step=_common.safe_increment(state.gradient_step.cpu()),
-            inner_opt_state=new_inner_state,
-            acc_grads=_core.unflatten(treespec, _core.map_leaves(torch.zeros_like, accs)),
-            skip_state=skip_state,
-        )
+                return Window(leaves, treespec, accs, mini_step, True, False, skip_state)
+        closes = mini_step + 1 >= self._k_steps(state.gradient_step)
+        return Window(leaves, treespec, accs, mini_step, False, closes, skip_state)
 
     def _accumulate(self, g: torch.Tensor, acc: torch.Tensor, mini_step: int) -> torch.Tensor:
         g = g.to(acc.dtype)
@@ -333,10 +335,54 @@ class MultiSteps:
             return acc + (g - acc) / (mini_step + 1)
         return acc + g
 
+    @property
+    def use_grad_mean(self) -> bool:
+        """Whether the window's gradients are averaged (else summed)."""
+        return self._use_grad_mean
+
     def has_updated(self, state: MultiStepsState) -> torch.Tensor:
         """Whether the last ``update`` closed a window (a 0-d bool CPU tensor)."""
         return torch.logical_and(state.mini_step == 0, state.gradient_step > 0)
 
     def gradient_transformation(self) -> GradientTransformation:
-        """This wrapper as a [`GradientTransformation`][functopt.GradientTransformation]."""
-        return GradientTransformation(self.init, self.update)
+        """This wrapper as a [`GradientTransformation`][functopt.GradientTransformation]
+        (with a spec: ``functopt.fast.make_step`` accumulates with ``foreach`` ops and steps
+        the inner transform on its own fast path when a window closes)."""
+        return specified(GradientTransformation(self.init, self.update), Accumulated(self))
+
+
+@dataclass(frozen=True)
+class Window:
+    """One mini-step of [`MultiSteps`][functopt.MultiSteps], decided (see `MultiSteps.window`)."""
+
+    leaves: list[Any]  # the updates, flattened
+    treespec: _core.TreeSpec
+    accs: list[Any]  # state.acc_grads lined up with them
+    mini_step: int  # state.mini_step, read on the host
+    skip: bool  # should_skip_update_fn rejected the mini-step
+    closes: bool  # this mini-step closes the window: the inner transform updates
+    skip_state: Any  # the new skip_state
+
+    def next_state(self, state: MultiStepsState, acc_grads: Updates,
+                   inner_opt_state: State | None = None) -> MultiStepsState:
+        """The state after this (not skipped) mini-step, with these accumulators and, when
+        the window closes, the inner transform's new state."""
+        if not self.closes:
+            return MultiStepsState(
+                mini_step=torch.tensor(self.mini_step + 1, dtype=torch.int32),
+                gradient_step=state.gradient_step, inner_opt_state=state.inner_opt_state,
+                acc_grads=acc_grads, skip_state=self.skip_state)
+        return MultiStepsState(
+            mini_step=torch.zeros((), dtype=torch.int32),
+            gradient_step=_common.safe_increment(state.gradient_step.cpu()),
+            inner_opt_state=inner_opt_state, acc_grads=acc_grads, skip_state=self.skip_state)
+
+
+@dataclass(frozen=True, eq=False)
+class Accumulated(Spec):
+    """The spec of ``MultiSteps(...).gradient_transformation()``: the wrapper itself (its
+    window decisions, ``use_grad_mean``, ``inner_opt``). Only a step function that owns the
+    whole step lowers it (the planner's per-leaf programs do not: inside a chain it is
+    opaque)."""
+
+    multi_steps: MultiSteps
