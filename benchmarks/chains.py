@@ -160,9 +160,11 @@ class FacadeMixed(C.Contender):
     (``count_zeros=False``, Megatron's default; the idiom counts none either)."""
 
     def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor], *,
-                 groups: bool) -> None:
+                 groups: bool, compile: bool = False) -> None:
         super().__init__()
         self.name = "facade, 2 groups" if groups else "facade, 1 group"
+        if compile:  # compile=True: the compiled mixed step, params and grads laid out
+            self.name += ", compiled"
         bf_params, bf_grads = C._bf16_setup(params, grads)
         names = C._names(len(params))
         self.params = [torch.nn.Parameter(p) for p in bf_params]
@@ -181,11 +183,11 @@ class FacadeMixed(C.Contender):
                           "wd_mult": 0.0}]
             self.opt = functopt.MixedPrecisionOptimizer(spec, factory,
                                                         loss_scale=_loss_scale(),
-                                                        count_zeros=False)
+                                                        count_zeros=False, compile=compile)
         else:
             self.opt = functopt.MixedPrecisionOptimizer(named, _adamw(),
                                                         loss_scale=_loss_scale(),
-                                                        count_zeros=False)
+                                                        count_zeros=False, compile=compile)
         self.opt.clip_grad_norm(None, MAX_NORM)
         self.start = list(self.params)
 
@@ -215,9 +217,11 @@ def mixed_contenders(case: str, shapes: list[tuple[int, ...]], seed: int = 0,
         return [ref, FunctoptMixedChain(params, grads, fused=True),
                 FunctoptMixedChain(params, grads, fused=True, compile=True), idiom], []
     if case == "facade_1_group":
-        return [ref, FacadeMixed(params, grads, groups=False), idiom], []
+        return [ref, FacadeMixed(params, grads, groups=False),
+                FacadeMixed(params, grads, groups=False, compile=True), idiom], []
     # decay / no-decay groups: the idiom decays the vectors too, so it is the yardstick
-    return [FacadeMixed(params, grads, groups=True)], [idiom]
+    return [FacadeMixed(params, grads, groups=True),
+            FacadeMixed(params, grads, groups=True, compile=True)], [idiom]
 
 
 # -- a small model: the fixed per-step cost -------------------------------------------------

@@ -204,7 +204,7 @@ def _subcases(title: str, make: Any, names: Sequence[str], shapes: list[tuple[in
         base = (yardsticks or checked)[-1].name
         # the compiled tier where the chain has it (Lion: no PyTorch kernel)
         mine = COMPILED if COMPILED in t else (
-            ours if ours in t else checked[-1 if yardsticks else 1].name)
+            ours if ours in t else checked[0 if yardsticks else 1].name)
         res["ratio"] = t[mine]["median_s"] / t[base]["median_s"]
         res["ratio_of"] = f"{mine}/{base}"
         pure = t.get(PURE)

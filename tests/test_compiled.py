@@ -399,3 +399,49 @@ def test_ten_transforms_in_one_process_all_compile() -> None:
         for k in params:  # the conformance law's float64 bound
             torch.testing.assert_close(new[k], expected[k], rtol=1e-12, atol=1e-300)
     assert counters["stats"]["unique_graphs"] - before >= 10
+
+
+def test_the_facade_compiles_its_groups_and_lays_the_params_out() -> None:
+    """MixedPrecisionOptimizer(compile=True) with decay / no-decay groups (wd_mult) and a
+    dynamic loss scale: the module's bf16 params and grads become views of one buffer per
+    group, backward accumulates into them across zero_grad(), and the training run (with
+    an overflow step) equals the same facade on the pure path (masters to a few float32
+    ulps, params their masters rounded, the same skip)."""
+    torch.manual_seed(5)
+
+    def model() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(),
+                                   torch.nn.Linear(5, 2)).to(torch.bfloat16)
+
+    def factory(learning_rate: float = 1e-2, weight_decay: float = 0.1,
+                ) -> functopt.GradientTransformation:
+        return functopt.adamw(learning_rate, weight_decay=weight_decay)
+
+    def groups(m: torch.nn.Module) -> list[dict[str, Any]]:
+        named = list(m.named_parameters())
+        return [{"params": [(n, p) for n, p in named if p.dim() > 1]},
+                {"params": [(n, p) for n, p in named if p.dim() <= 1], "wd_mult": 0.0}]
+
+    ours, ref = model(), model()
+    ref.load_state_dict(ours.state_dict())
+    opts = [functopt.MixedPrecisionOptimizer(groups(m), factory, compile=c, fused=c)
+            for m, c in ((ours, True), (ref, False))]
+    weights = [ours[0].weight, ours[2].weight]
+    assert len({w.untyped_storage().data_ptr() for w in weights}) == 1
+    x = torch.randn(8, 6, dtype=torch.bfloat16)
+    buffers = None
+    for i in range(4):
+        for m, opt in zip((ours, ref), opts, strict=True):
+            opt.zero_grad()
+            loss = m(x).float().square().mean() * (float("inf") if i == 2 else 1.0)
+            opt.backward(loss)
+        grads = [p.grad.untyped_storage().data_ptr() for p in ours.parameters()]
+        assert buffers is None or grads == buffers  # accumulated into the same buffers
+        buffers = grads
+        took = [opt.step() for opt in opts]
+        assert took[0] == took[1] == (i != 2)
+    saved = [opt.named_state_dict()["state"] for opt in opts]
+    for name, p in ours.named_parameters():
+        master = saved[0][name]["master"]
+        torch.testing.assert_close(master, saved[1][name]["master"], rtol=4e-7, atol=0.0)
+        assert torch.equal(p.detach(), master.to(torch.bfloat16))

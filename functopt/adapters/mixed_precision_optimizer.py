@@ -278,6 +278,16 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             option; ``inf``, the default, never skips).
         return_grad_stats: ``step()`` returns ``(ok, grad_norm, num_zeros)`` as
             Megatron-LM's does, instead of ``ok``.
+        compile: the compiled mixed step (``mixed_precision(..., compile=True)``): every
+            elementwise rule, Adam and AdamW included, runs as one ``torch.compile``\ d
+            call per group of params that reads the low-precision gradients as they are
+            and writes the params. The params and their gradients are moved at
+            construction into one buffer per group (``param.data`` and ``param.grad``
+            become views, as Megatron-LM's contiguous buffers; the module keeps working),
+            and ``zero_grad()`` then zeroes the gradients in place by default, so that
+            backward keeps accumulating into the buffer (``zero_grad(set_to_none=True)``
+            still sets them to None; the step then gathers the new ones, correct and
+            slower). The first step compiles (seconds).
 
     Raises:
         TypeError: for a malformed ``params`` or ``transform``, or naming a param of a
@@ -358,6 +368,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         count_zeros: bool = True,
         grad_norm_skip_threshold: float = math.inf,
         return_grad_stats: bool = False,
+        compile: bool = False,
     ) -> None:
         if not isinstance(master_dtype, torch.dtype) or not master_dtype.is_floating_point:
             raise TypeError(
@@ -396,7 +407,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 f"got {type(transform).__name__}."
             )
         _validate.check_flags(_OWNER, fused=fused, count_zeros=count_zeros,
-                              return_grad_stats=return_grad_stats)
+                              return_grad_stats=return_grad_stats, compile=compile)
+        self._compile = compile
         self.grad_norm_skip_threshold = grad_norm_skip_threshold
         self._return_grad_stats = return_grad_stats
         groups = _param_groups.collect(_OWNER, params)
@@ -444,6 +456,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._count_zeros = count_zeros
         self._max_grad_norm: float | None = None
         self._tx = self._build()
+        if compile:  # each compiled group's params and gradients in one buffer
+            self._tx.lay_out(self._tree(list(self._params)))
         with torch.no_grad():
             state = self._tx.init(self._tree([p.detach() for p in self._params]))
         self._state = _unaliased(state, self._params)
@@ -660,6 +674,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             # This object owns its state and writes the params in place anyway: the fused
             # path may update both where they are (unless a state dict shares them).
             donate=donate,
+            compile=self._compile,
         )
 
     def _tree(self, leaves: list[Any]) -> Params:
@@ -802,13 +817,18 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         # (_state_shared stays: the masters and the transform's state are still the
         # tensors a state dict may hold, which the next step must not update in place.)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
         """Clear the params' gradients (set them to None, or zero them in place).
 
+        ``set_to_none`` defaults to True, as ``torch.optim``'s, except with
+        ``compile=True``, where the gradients are views of one buffer per group that
+        backward accumulates into: they are zeroed in place unless ``set_to_none=True``.
         Frozen params included, as ``torch.optim`` clears every param of its groups. A
         ``.main_grad`` (Megatron-LM's accumulation buffer, usually a view into one flat
         buffer) is zeroed in place, never set to None.
         """
+        if set_to_none is None:
+            set_to_none = not self._compile
         for p in self._params + self._frozen:
             main = getattr(p, "main_grad", None)
             if isinstance(main, torch.Tensor):
