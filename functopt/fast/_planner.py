@@ -105,6 +105,9 @@ COMPILED_SLOTS: dict[str, tuple[str, ...]] = {
     "scale_by_ademamix": ("m1", "m2", "nu"),
     "scale_by_simplified_ademamix": ("m", "n"),
     "scale_by_madgrad": ("grad_sum_sq", "s", "x0"),
+    # schedule-free's averaging, after its base optimizer's rules (its spec is a Select
+    # whose two children see every leaf: the base, then this rule on the base's updates)
+    "schedule_free": ("z",),
 }
 _KERNEL_SLOTS: dict[str, tuple[str, ...]] = {
     "scale_by_adam": ("mu", "nu"), "scale_by_amsgrad": ("mu", "nu", "nu_max"),
