@@ -9,6 +9,7 @@ import torch
 
 from functopt import _validate
 from functopt._base import GradientTransformation, Numeric, Params, ScalarOrSchedule, Updates
+from functopt._spec import Leafwise, specified
 from functopt.contrib import _shared
 from functopt.transforms import _common
 
@@ -194,7 +195,12 @@ def prodigy(
             count=count,
         )
 
-    return GradientTransformation(init_fn, update_fn)
+    # elementwise but for the two tree sums: the compiled tier lowers it when the sums run
+    # over one call (one group of whole tensors; the planner's TREE_WIDE)
+    return specified(GradientTransformation(init_fn, update_fn), Leafwise("prodigy", {
+        "learning_rate": learning_rate, "betas": betas, "beta3": beta3, "eps": eps,
+        "estim_lr0": estim_lr0, "estim_lr_coef": estim_lr_coef, "weight_decay": weight_decay,
+        "safeguard_warmup": safeguard_warmup}))
 
 
 class DAdaptAdamWState(NamedTuple):
@@ -337,4 +343,6 @@ def dadapt_adamw(
             count=count,
         )
 
-    return GradientTransformation(init_fn, update_fn)
+    return specified(GradientTransformation(init_fn, update_fn), Leafwise("dadapt_adamw", {
+        "learning_rate": learning_rate, "betas": betas, "eps": eps, "estim_lr0": estim_lr0,
+        "weight_decay": weight_decay}))

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from functopt._base import GradientTransformation
-from functopt._collective.dtensor import _counted_here, _rewrap_like, local_tensor
+from functopt._collective.dtensor import _counted_here, _rewrap_like, is_dtensor, local_tensor
 from functopt._spec import (
     FiniteGuard,
     GlobalNormClip,
@@ -108,6 +108,18 @@ COMPILED_SLOTS: dict[str, tuple[str, ...]] = {
     # schedule-free's averaging, after its base optimizer's rules (its spec is a Select
     # whose two children see every leaf: the base, then this rule on the base's updates)
     "schedule_free": ("z",),
+    # elementwise but for tree-wide sums inside their update (see TREE_WIDE)
+    "prodigy": ("exp_avg", "exp_avg_sq", "grad_sum", "params0"),
+    "dadapt_adamw": ("exp_avg", "exp_avg_sq", "grad_sum"),
+}
+# Rules of COMPILED_SLOTS whose update also sums over every leaf it is given (Prodigy's
+# <g, x0 - x> and ||s||_1, D-Adaptation's), feeding scalars into its elementwise step: the
+# compiled tier's one call over a group's leaves laid end to end computes those sums over
+# the group, which are the rule's sums only when the group holds all its leaves on one
+# process. ``lower`` refuses the others (two groups, DTensor shards), naming the rule.
+TREE_WIDE: dict[str, str] = {
+    "prodigy": "<g, x0 - x> and ||s||_1",
+    "dadapt_adamw": "<g, s / (sqrt(v) + eps)> and ||s||_1",
 }
 _KERNEL_SLOTS: dict[str, tuple[str, ...]] = {
     "scale_by_adam": ("mu", "nu"), "scale_by_amsgrad": ("mu", "nu", "nu_max"),
@@ -283,6 +295,7 @@ class Structure:
     compiled: dict[Any, Any] = field(default_factory=dict)  # the compiled tier's functions
     # the rules (nodes) that keep state beside their count that only their update moves
     shared: set[int] = field(default_factory=set)
+    tree_wide: dict[int, str] = field(default_factory=dict)  # node -> kind (TREE_WIDE)
 
     @functools.cached_property
     def slot_indices(self) -> list[int]:
@@ -444,6 +457,8 @@ class _Walk:
             count = idx.count if "count" in fields else None
             if set(fields) - set(slots) - {"count"}:
                 self.out.shared.add(node)  # (NAdam's mu_product) moved by a group's call
+            if kind in TREE_WIDE:
+                self.out.tree_wide[node] = kind
         else:
             # a rule without a known layout: only its own update can compute it
             self.out.opaque.append(
@@ -696,7 +711,36 @@ def lower(structure: Structure, state_spec: _core.TreeSpec, values: list[Any],
         if structure.shared - moved:
             return Lowered(structure, state_spec, [],
                            "a rule with shared state has no leaf with a gradient and elements")
+    if structure.tree_wide:
+        problem = _tree_wide_problem(structure, list(groups.values()), values)
+        if problem is not None:
+            return Lowered(structure, state_spec, [], problem)
     return Lowered(structure, state_spec, list(groups.values()), None)
+
+
+def _tree_wide_problem(structure: Structure, groups: list[Group], values: list[Any],
+                       ) -> str | None:
+    """Why a rule of TREE_WIDE cannot take the compiled tier here, or None: its sums run
+    over its leaves (with a gradient), so they must all be in one compiled call, as whole
+    tensors of this process."""
+    for node, kind in structure.tree_wide.items():
+        mine = [g for g in groups if g.plan.kernel == "compiled"
+                and any(op.node == node for op in g.plan.ops)]
+        if len(mine) > 1:
+            where = ", ".join(f"{len(g.leaves)} {str(g.dtype).removeprefix('torch.')} "
+                              f"on {g.device}" for g in mine)
+            return (f"{kind} sums {TREE_WIDE[kind]} over all its leaves inside its update, "
+                    f"and its leaves fall into {len(mine)} groups ({where}), while the "
+                    f"compiled tier runs one call per (device, dtype) group: give its leaves "
+                    f"one dtype and device for the compiled tier, or keep the pure path")
+        sharded = next((i for g in mine for i in g.leaves if is_dtensor(values[i])), None)
+        if sharded is not None:
+            return (f"{kind} sums {TREE_WIDE[kind]} over all its leaves inside its update, "
+                    f"and its params are DTensors: a compiled call over this rank's local "
+                    f"shards would sum over this rank's share only (the partial sums need an "
+                    f"all-reduce the compiled tier does not make yet), so it keeps the pure "
+                    f"path")
+    return None
 
 
 def _layout_problem(plan: _KernelPlan, v: Any, state_leaves: list[Any], i: int,
