@@ -197,3 +197,31 @@ def test_guarded_and_clipped_recipes(inner: str) -> None:
     assert_bitwise_equal(new, kept)
     assert_bitwise_equal(new_state.inner_state, kept_state.inner_state)
     assert int(new_state.notfinite_count) == 1
+
+
+@pytest.mark.slow
+def test_mixed_precision_prodigy_is_one_group_of_masters() -> None:
+    """bf16 and float32 params have float32 masters: one group, so Prodigy compiles inside
+    mixed_precision(..., compile=True) and its masters follow the pure mixed step to
+    float32 rounding, the params their masters rounded."""
+    gen = torch.Generator().manual_seed(8)
+    params = {"w": torch.randn(8, 4, generator=gen).bfloat16(),
+              "conv": torch.randn(2, 3, 2, 2, generator=gen).bfloat16().to(
+                  memory_format=torch.channels_last),
+              "b": torch.randn(4, generator=gen)}
+    inner = contrib.prodigy(weight_decay=0.1)
+    fast_tx = functopt.precision.mixed_precision(inner, max_grad_norm=1.0, compile=True)
+    pure_tx = functopt.precision.mixed_precision(inner, max_grad_norm=1.0, fused=False)
+    p_fast, p_pure = _clone(params), _clone(params)
+    s_fast, s_pure = fast_tx.init(p_fast), pure_tx.init(p_pure)
+    grads = {k: torch.randn(v.shape, generator=gen).to(v.dtype) for k, v in params.items()}
+    for _ in range(4):
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error", fast.FastPathWarning)
+            p_fast, s_fast = fast_tx.step(grads, s_fast, p_fast)
+        p_pure, s_pure = pure_tx.step(grads, s_pure, p_pure)
+        for k in params:
+            torch.testing.assert_close(s_fast.master[k], s_pure.master[k], rtol=1e-6,
+                                       atol=0.0)
+            assert torch.equal(p_fast[k], s_fast.master[k].to(params[k].dtype))
+    assert float(s_fast.inner_state.numerator_weighted) > 0
