@@ -201,7 +201,7 @@ def test_guarded_and_clipped_recipes(inner: str) -> None:
 
 @pytest.mark.slow
 def test_mixed_precision_prodigy_is_one_group_of_masters() -> None:
-    """bf16 and float32 params have float32 masters: one group, so Prodigy compiles inside
+    """bf16 params with float32 masters and a float32 param: one group, so Prodigy compiles inside
     mixed_precision(..., compile=True) and its masters follow the pure mixed step to
     float32 rounding, the params their masters rounded."""
     gen = torch.Generator().manual_seed(8)
@@ -220,8 +220,28 @@ def test_mixed_precision_prodigy_is_one_group_of_masters() -> None:
             warnings.simplefilter("error", fast.FastPathWarning)
             p_fast, s_fast = fast_tx.step(grads, s_fast, p_fast)
         p_pure, s_pure = pure_tx.step(grads, s_pure, p_pure)
-        for k in params:
+        for k in ("w", "conv"):
             torch.testing.assert_close(s_fast.master[k], s_pure.master[k], rtol=1e-6,
                                        atol=0.0)
-            assert torch.equal(p_fast[k], s_fast.master[k].to(params[k].dtype))
+            assert torch.equal(p_fast[k], s_fast.master[k].to(torch.bfloat16))
+        assert s_fast.master["b"] is None  # a float32 param is its own master
+        torch.testing.assert_close(p_fast["b"], p_pure["b"], rtol=1e-6, atol=0.0)
     assert float(s_fast.inner_state.numerator_weighted) > 0
+
+
+# --- DTensor params (2 gloo ranks, slow: each rank compiles) -----------------------------
+
+@pytest.fixture(scope="module")
+def sharded_results() -> list[dict[str, str | None]]:
+    from distributed import contrib_fast_checks, harness
+
+    return harness.run_ranks(contrib_fast_checks.run_all, 2, timeout_s=300.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["schedule_free_compiles_on_shards_without_collectives",
+                                  "prodigy_on_shards_keeps_the_pure_path_and_says_why"])
+def test_on_dtensor_shards(sharded_results: list[dict[str, str | None]], name: str) -> None:
+    failures = [f"rank {rank}:\n{r[name]}" for rank, r in enumerate(sharded_results)
+                if r[name]]
+    assert not failures, "\n".join(failures)
