@@ -91,14 +91,23 @@ def prodigy_on_shards_keeps_the_pure_path_and_says_why(rank: int, world: int) ->
     del rank
     mesh = _mesh(world)
     tx = contrib.prodigy()
-    params = _shard(_full_params(1), mesh)
+    full = _full_params(1)
+    params = _shard(full, mesh)
     explained = explain(tx, params, compile=True)
     assert not explained.fast and "prodigy sums" in str(explained.reason)
     assert "DTensors" in str(explained.reason), explained.reason
-    grads = {k: v * 0.5 for k, v in params.items()}
-    state = tx.init(params)
-    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        make_step(tx, compile=True)(grads, state, params)
-    lost = [w for w in caught if issubclass(w.category, FastPathWarning)]
-    assert lost and "prodigy sums" in str(lost[0].message)
+    gfull = {k: v * 0.5 for k, v in full.items()}
+    grads = _shard(gfull, mesh)
+    state, ref_state = tx.init(params), tx.init(full)
+    step = make_step(tx, compile=True)
+    for i in range(2):
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            params, state = step(grads, state, params)
+        lost = [w for w in caught if issubclass(w.category, FastPathWarning)]
+        assert lost and "prodigy sums" in str(lost[0].message)
+        # the pure path it keeps sums over the whole tensors
+        updates, ref_state = tx.update(gfull, ref_state, full)
+        full = functopt.apply_updates(full, updates)
+        _assert_close(params, full, f"step {i} params")
+        _assert_close(state, ref_state, f"step {i} state")
