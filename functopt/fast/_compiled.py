@@ -33,7 +33,7 @@ from functopt.fast._layout import dense, end_to_end, memory_view, shaped_like
 from functopt.transforms import _common
 from functopt.tree import _core
 
-__all__ = ["entries_problem", "flat_layout", "layout_problem", "run_group"]
+__all__ = ["entries_problem", "flat_layout", "group_sums", "layout_problem", "run_group"]
 
 _GROUPS = itertools.count()  # names the compiled function of each group
 
@@ -107,17 +107,19 @@ def _body(ops: tuple[Any, ...]) -> Any:
     written into them in place; returns the new shared state entries of each rule."""
     def step(g: torch.Tensor, p: torch.Tensor, slots: list[torch.Tensor],
              shared: list[dict[str, Any]], scale: torch.Tensor | None,
-             skip: torch.Tensor | None) -> list[dict[str, Any]]:
+             skip: torch.Tensor | None, totals: list[Any]) -> list[dict[str, Any]]:
         u = g if scale is None else _common.scaled(g, scale)
         new_slots: list[torch.Tensor] = []
         new_shared: list[dict[str, Any]] = []
         k = 0
-        for op, own in zip(ops, shared, strict=True):
+        for op, own, total in zip(ops, shared, totals, strict=True):
             fields = dict(own)
             for name in op.slots:
                 fields[name] = slots[k]
                 k += 1
-            u, new = op.fn(u, type(op.state_at)(**fields), p)
+            state = type(op.state_at)(**fields)
+            # a rule with tree sums: its second half, given the sums over every leaf
+            u, new = op.fn(u, state, p) if op.finish is None else op.finish(u, state, p, total)
             new_slots.extend(getattr(new, name) for name in op.slots)
             new_shared.append({f: getattr(new, f) for f in own})
         new_p = p + u
@@ -132,22 +134,48 @@ def _body(ops: tuple[Any, ...]) -> Any:
         for old, new in zip(slots, new_slots, strict=True):
             old.copy_(new)
         return new_shared
+    return _own_code(step)
+
+
+def _sums_body(ops: tuple[Any, ...]) -> Any:
+    """The function compiled for one group's tree sums: the rules up to the first with tree
+    sums (see ``Leafwise.sums``), then that rule's first half; writes nothing."""
+    def sums(g: torch.Tensor, p: torch.Tensor, slots: list[torch.Tensor],
+             shared: list[dict[str, Any]], scale: torch.Tensor | None) -> Any:
+        u = g if scale is None else _common.scaled(g, scale)
+        k = 0
+        for op, own in zip(ops, shared, strict=True):
+            fields = dict(own)
+            for name in op.slots:
+                fields[name] = slots[k]
+                k += 1
+            state = type(op.state_at)(**fields)
+            if op.sums is not None:
+                return op.sums(u, state, p)
+            u, _ = op.fn(u, state, p)
+        raise AssertionError("a group without a rule with tree sums")
+    return _own_code(sums)
+
+
+def _own_code(fn: Any) -> Any:
     # A code object of its own per group: Dynamo keeps its compiled graphs per code object,
     # with a limit of recompiles (8 by default) past which it runs the function uncompiled;
     # one code object shared by every group of every transform would reach it.
-    code = step.__code__.replace(co_name=f"compiled_group_{next(_GROUPS)}")
-    return types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__,
-                              step.__closure__)
+    code = fn.__code__.replace(co_name=f"compiled_group_{next(_GROUPS)}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__,
+                              fn.__closure__)
 
 
 def run_group(group: Any, values: list[Any], grads: list[Any], state_leaves: list[Any],
               new_values: list[Any], new_leaves: list[Any], *, donate: bool,
               scale: torch.Tensor | None, found_inf: torch.Tensor | None,
-              compiled: dict[Any, Any], workspace: dict[Any, Any] | None = None) -> None:
+              compiled: dict[Any, Any], workspace: dict[Any, Any] | None = None,
+              totals: dict[int, Any] | None = None) -> None:
     """One compiled call for ``group`` (see the module docstring); ``compiled`` holds the
     compiled functions by group (the structure's, so that a plan compiles once);
     ``workspace`` the caller's scratch buffers for the gathered copies (a donating step's,
-    kept per thread), or None to allocate them."""
+    kept per thread), or None to allocate them; ``totals`` the tree sums (over every group
+    and rank, from `group_sums`) of the group's rules that have them, by rule."""
     plan = group.plan
     keep = [j for j, i in enumerate(group.leaves) if local_tensor(values[i]).numel()]
     if not keep:
@@ -155,11 +183,7 @@ def run_group(group: Any, values: list[Any], grads: list[Any], state_leaves: lis
     idx = [group.leaves[j] for j in keep]
     plans = [group.plans[j] for j in keep]
     ps = [local_tensor(values[i]) for i in idx]
-    gs = []
-    for i, p in zip(idx, ps, strict=True):
-        g = local_tensor(grads[i])
-        gs.append(torch.empty_like(p, dtype=g.dtype).copy_(g) if (
-            g.stride() != p.stride() and p.numel() > 1) else g)
+    gs = [_in_layout(local_tensor(grads[i]), p) for i, p in zip(idx, ps, strict=True)]
     key = plan.key()
     g_flat, _ = _gather(gs, True, workspace, (key, "grads"))
     p_flat, p_view = _gather(ps, donate, workspace, (key, "values"))
@@ -181,7 +205,8 @@ def run_group(group: Any, values: list[Any], grads: list[Any], state_leaves: lis
     if fn is None:
         fn = compiled[key] = torch.compile(_body(plan.ops), dynamic=False)
     skip = None if found_inf is None else found_inf.to(device=p_flat.device, dtype=torch.bool)
-    new_shared = fn(g_flat, p_flat, slot_flats, shared, scale, skip)
+    new_shared = fn(g_flat, p_flat, slot_flats, shared, scale, skip,
+                    [None if op.finish is None else (totals or {})[op.node] for op in plan.ops])
     if donate:
         if not p_view:
             torch._foreach_copy_(ps, _scatter(p_flat, ps))
@@ -202,6 +227,50 @@ def run_group(group: Any, values: list[Any], grads: list[Any], state_leaves: lis
                             strict=True):
                 if k not in counters:  # the planner advances the counts, once per step
                     new_leaves[k] = v
+
+
+def group_sums(group: Any, values: list[Any], grads: list[Any], state_leaves: list[Any],
+               counted: list[bool], *, scale: torch.Tensor | None,
+               compiled: dict[Any, Any]) -> Any:
+    """This process's tree sums of the group's rule with tree sums (a tuple of 0-d
+    tensors), over the leaves of the group with elements that this rank counts (a
+    replicated shard counts on one rank): one compiled call over them laid end to end,
+    which writes nothing of the caller's."""
+    plan = group.plan
+    keep = [j for j, i in enumerate(group.leaves)
+            if counted[i] and local_tensor(values[i]).numel()]
+    # (nothing to sum here: the rule's own first half over no elements gives its zeros,
+    # which a sum over ranks still needs; run uncompiled, no graph for that)
+    some = keep or [0]
+    idx = [group.leaves[j] for j in some]
+    plans = [group.plans[j] for j in some]
+
+    def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return _gather(tensors, True, None, None)[0] if keep else (
+            tensors[0].reshape(-1)[:0])
+
+    ps = [local_tensor(values[i]) for i in idx]
+    g_flat = flat([_in_layout(local_tensor(grads[i]), p) for i, p in zip(idx, ps, strict=True)])
+    p_flat = flat(ps)
+    slot_flats = [flat([local_tensor(state_leaves[leaf_plan.ops[j].slots[name]])
+                        for leaf_plan in plans])
+                  for j, op in enumerate(plan.ops) for name in op.slots]
+    shared = [{f: optree.tree_map(lambda k: state_leaves[k], getattr(op.state_at, f))
+               for f in op.state_at._fields if f not in op.slots} for op in plan.ops]
+    if not keep:
+        return _sums_body(plan.ops)(g_flat, p_flat, slot_flats, shared, scale)
+    key = (plan.key(), "sums")
+    fn = compiled.get(key)
+    if fn is None:
+        fn = compiled[key] = torch.compile(_sums_body(plan.ops), dynamic=False)
+    return fn(g_flat, p_flat, slot_flats, shared, scale)
+
+
+def _in_layout(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``g`` in the layout of its param ``p`` (a copy where their strides differ)."""
+    if g.stride() != p.stride() and p.numel() > 1:
+        return torch.empty_like(p, dtype=g.dtype).copy_(g)
+    return g
 
 
 def flat_layout(values: list[Any], movable: list[bool], state_leaves: list[Any],

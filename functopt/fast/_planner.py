@@ -56,7 +56,8 @@ from typing import Any
 import torch
 
 from functopt._base import GradientTransformation
-from functopt._collective.dtensor import _counted_here, _rewrap_like, is_dtensor, local_tensor
+from functopt._collective.dtensor import _counted_here, _infer_group, _rewrap_like, local_tensor
+from functopt._collective.reduce import all_reduce_stats
 from functopt._spec import (
     FiniteGuard,
     GlobalNormClip,
@@ -108,18 +109,12 @@ COMPILED_SLOTS: dict[str, tuple[str, ...]] = {
     # schedule-free's averaging, after its base optimizer's rules (its spec is a Select
     # whose two children see every leaf: the base, then this rule on the base's updates)
     "schedule_free": ("z",),
-    # elementwise but for tree-wide sums inside their update (see TREE_WIDE)
+    # elementwise but for sums over all their leaves inside their update (<g, x0 - x> and
+    # ||s||_1, ...), feeding the step size: their spec gives the update as two halves
+    # (Leafwise.sums, .finish), and the compiled tier adds the groups' and ranks' sums
+    # between a sums pass and the step
     "prodigy": ("exp_avg", "exp_avg_sq", "grad_sum", "params0"),
     "dadapt_adamw": ("exp_avg", "exp_avg_sq", "grad_sum"),
-}
-# Rules of COMPILED_SLOTS whose update also sums over every leaf it is given (Prodigy's
-# <g, x0 - x> and ||s||_1, D-Adaptation's), feeding scalars into its elementwise step: the
-# compiled tier's one call over a group's leaves laid end to end computes those sums over
-# the group, which are the rule's sums only when the group holds all its leaves on one
-# process. ``lower`` refuses the others (two groups, DTensor shards), naming the rule.
-TREE_WIDE: dict[str, str] = {
-    "prodigy": "<g, x0 - x> and ||s||_1",
-    "dadapt_adamw": "<g, s / (sqrt(v) + eps)> and ||s||_1",
 }
 _KERNEL_SLOTS: dict[str, tuple[str, ...]] = {
     "scale_by_adam": ("mu", "nu"), "scale_by_amsgrad": ("mu", "nu", "nu_max"),
@@ -223,6 +218,9 @@ class _Op:
     fn: Any = None
     state_at: Any = None
     injected: bool = False
+    # a rule with tree sums (Leafwise.sums / .finish): its update's two halves
+    sums: Any = None
+    finish: Any = None
 
     def __repr__(self) -> str:
         return self.kind
@@ -295,7 +293,7 @@ class Structure:
     compiled: dict[Any, Any] = field(default_factory=dict)  # the compiled tier's functions
     # the rules (nodes) that keep state beside their count that only their update moves
     shared: set[int] = field(default_factory=set)
-    tree_wide: dict[int, str] = field(default_factory=dict)  # node -> kind (TREE_WIDE)
+    tree_wide: list[int] = field(default_factory=list)  # the rules with tree sums
 
     @functools.cached_property
     def slot_indices(self) -> list[int]:
@@ -457,8 +455,10 @@ class _Walk:
             count = idx.count if "count" in fields else None
             if set(fields) - set(slots) - {"count"}:
                 self.out.shared.add(node)  # (NAdam's mu_product) moved by a group's call
-            if kind in TREE_WIDE:
-                self.out.tree_wide[node] = kind
+            if (spec.sums is None) != (spec.finish is None):
+                raise _Mismatch(f"{where}: {kind} gives only one half of its update")
+            if spec.sums is not None:
+                self.out.tree_wide.append(node)
         else:
             # a rule without a known layout: only its own update can compute it
             self.out.opaque.append(
@@ -470,7 +470,7 @@ class _Walk:
             self.out.programs[i].append(
                 _Op(kind, args, {k: v[i] for k, v in slots.items()}, node, count,
                     fn=spec.update, state_at=idx if hasattr(idx, "_fields") else None,
-                    injected=bool(self.placeholders)))
+                    injected=bool(self.placeholders), sums=spec.sums, finish=spec.finish))
 
 
 class _Mismatch(Exception):
@@ -568,6 +568,10 @@ def _match_compiled(program: list[Any]) -> _KernelPlan | str:
                     f"({op.kind} inside inject_hyperparams)")
     if not ops:
         return "no update rule"
+    summing = [op.kind for op in ops if op.sums is not None]
+    if len(summing) > 1:
+        return (f"the compiled tier takes one rule with tree sums per program, not "
+                f"{' and '.join(summing)}")
     return _KernelPlan("compiled", clip, guard=guard, ops=tuple(ops))
 
 
@@ -711,36 +715,7 @@ def lower(structure: Structure, state_spec: _core.TreeSpec, values: list[Any],
         if structure.shared - moved:
             return Lowered(structure, state_spec, [],
                            "a rule with shared state has no leaf with a gradient and elements")
-    if structure.tree_wide:
-        problem = _tree_wide_problem(structure, list(groups.values()), values)
-        if problem is not None:
-            return Lowered(structure, state_spec, [], problem)
     return Lowered(structure, state_spec, list(groups.values()), None)
-
-
-def _tree_wide_problem(structure: Structure, groups: list[Group], values: list[Any],
-                       ) -> str | None:
-    """Why a rule of TREE_WIDE cannot take the compiled tier here, or None: its sums run
-    over its leaves (with a gradient), so they must all be in one compiled call, as whole
-    tensors of this process."""
-    for node, kind in structure.tree_wide.items():
-        mine = [g for g in groups if g.plan.kernel == "compiled"
-                and any(op.node == node for op in g.plan.ops)]
-        if len(mine) > 1:
-            where = ", ".join(f"{len(g.leaves)} {str(g.dtype).removeprefix('torch.')} "
-                              f"on {g.device}" for g in mine)
-            return (f"{kind} sums {TREE_WIDE[kind]} over all its leaves inside its update, "
-                    f"and its leaves fall into {len(mine)} groups ({where}), while the "
-                    f"compiled tier runs one call per (device, dtype) group: give its leaves "
-                    f"one dtype and device for the compiled tier, or keep the pure path")
-        sharded = next((i for g in mine for i in g.leaves if is_dtensor(values[i])), None)
-        if sharded is not None:
-            return (f"{kind} sums {TREE_WIDE[kind]} over all its leaves inside its update, "
-                    f"and its params are DTensors: a compiled call over this rank's local "
-                    f"shards would sum over this rank's share only (the partial sums need an "
-                    f"all-reduce the compiled tier does not make yet), so it keeps the pure "
-                    f"path")
-    return None
 
 
 def _layout_problem(plan: _KernelPlan, v: Any, state_leaves: list[Any], i: int,
@@ -928,6 +903,7 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
     skipped = None if found_inf is None else found_inf != 0
     applied = _guards(structure, state_leaves, new_leaves, finite or [], skipped)
     advanced = {c: _increment(state_leaves[c]) for c in dict.fromkeys(structure.counters)}
+    prepared = []
     for group, hp in resolved:
         plan = group.plan
         scale = multiplier
@@ -938,9 +914,14 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
         flag = skipped
         if plan.guard is not None:
             flag = _or(flag, ~applied[plan.guard.index])
+        prepared.append((group, hp, scale, flag))
+    totals = _tree_totals(structure, prepared, values, grads, state_leaves) if (
+        structure.tree_wide) else None
+    for group, hp, scale, flag in prepared:
         _run_group(group, hp, values, grads, state_leaves, new_values, new_leaves,
                    donate=donate, donate_grads=donate_grads, scale=scale, found_inf=flag,
-                   advanced=advanced, compiled=structure.compiled, workspace=workspace)
+                   advanced=advanced, compiled=structure.compiled, workspace=workspace,
+                   totals=totals)
     for c, new in advanced.items():
         # a skipped step (found_inf, or a guard that skipped) leaves its counters as they were
         keep = _keep(skipped, applied, structure.counter_guard.get(c))
@@ -953,6 +934,35 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
             new_leaves[i] = value if keep is None or value is old else torch.where(
                 keep.to(old.device), old, value.to(old.dtype))
     return Result(new_values, _core.unflatten(lowered.state_spec, new_leaves))
+
+
+def _tree_totals(structure: Structure, prepared: list[Any], values: list[Any],
+                 grads: list[Any], state_leaves: list[Any]) -> dict[int, Any]:
+    """The tree sums of every rule that has them (Prodigy's, ...), over all its leaves: one
+    compiled sums pass per group (each with its clip's scale), added over the groups, and
+    on DTensor params over the ranks with one all-reduce of them all, packed (a replicated
+    shard counts on one rank)."""
+    def name(i: int) -> str:
+        return f"leaf {i}"  # (words only the errors of inconsistent meshes)
+
+    counted = counted_leaves(grads, name)
+    parts: dict[int, list[Any]] = {node: [] for node in structure.tree_wide}
+    for group, _, scale, _ in prepared:
+        op = next((op for op in group.plan.ops if op.sums is not None), None)
+        if group.plan.kernel == "compiled" and op is not None:
+            parts[op.node].append(_compiled.group_sums(
+                group, values, grads, state_leaves, counted, scale=scale,
+                compiled=structure.compiled))
+    totals = {node: tuple(functools.reduce(torch.add, column) for column in zip(*found, strict=True))
+              for node, found in parts.items() if found}
+    group = _infer_group(values, name)
+    if group is not None and totals:
+        flat = [t for node in totals for t in totals[node]]
+        summed = all_reduce_stats(torch.stack([t.to(torch.float64) for t in flat]),
+                                  group).unbind()
+        it = iter(t.to(like.dtype) for t, like in zip(summed, flat, strict=True))
+        totals = {node: tuple(next(it) for _ in found) for node, found in totals.items()}
+    return totals
 
 
 def _or(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
@@ -1041,12 +1051,13 @@ def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[
                state_leaves: list[Any], new_values: list[Any], new_leaves: list[Any], *,
                donate: bool, donate_grads: bool, scale: torch.Tensor | None,
                found_inf: torch.Tensor | None, advanced: dict[int, torch.Tensor],
-               compiled: dict[Any, Any], workspace: dict[Any, Any] | None) -> None:
+               compiled: dict[Any, Any], workspace: dict[Any, Any] | None,
+               totals: dict[int, Any] | None = None) -> None:
     """One kernel call for the leaves of ``group``."""
     if group.plan.kernel == "compiled":
         _compiled.run_group(group, values, grads, state_leaves, new_values, new_leaves,
                             donate=donate, scale=scale, found_inf=found_inf,
-                            compiled=compiled, workspace=workspace)
+                            compiled=compiled, workspace=workspace, totals=totals)
         return
     plan, idx, device, dtype = group.plan, group.leaves, group.device, group.dtype
     p = _owned([values[i] for i in idx], donate)
