@@ -111,7 +111,9 @@ class Sequence(Spec):
 
 @dataclass(frozen=True, eq=False)
 class Select(Spec):
-    """``masked`` or ``partition``: each child sees the leaves ``select`` gives it.
+    """``masked`` or ``partition``: each child sees the leaves ``select`` gives it (and
+    ``contrib.schedule_free``: its base optimizer, then its averaging, both on every leaf,
+    in the children's order).
 
     ``select(params_tree, treespec, leaves)`` returns, per key of ``children``, the indices
     of the leaves that child transforms (the same function the transform's ``update``

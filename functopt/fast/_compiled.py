@@ -17,6 +17,11 @@ flat is gathered with one ``torch.cat`` before the call and written back with on
 One compiled function per group, built at the group's first step (seconds; Inductor's cache
 makes later processes faster) and recompiled only when the group's sizes change. It holds
 no tensor between calls: every buffer it writes belongs to the caller's params or state.
+
+A rule whose update also sums over all its leaves (Prodigy, D-Adaptation: a spec with
+``sums`` and ``finish``) takes two compiled calls per group: `group_sums` (the rules up to
+it, then its first half, writing nothing), whose results the planner adds over the groups
+and ranks, and the group's step, where the rule runs its second half with those sums.
 """
 
 from __future__ import annotations

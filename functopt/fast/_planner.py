@@ -26,7 +26,8 @@ A leading ``clip_by_global_norm`` (over all leaves or a masked subset) and the u
 a mixed-precision step are folded into the kernel's ``grad_scale``; a skipped step into
 its ``found_inf``. The norms every clip needs come from one local ``foreach`` pass and, on
 sharded params, one all-reduce of a packed vector: one collective per step whatever the
-chain. Anything else (a rule without a kernel, a clip after the moments, an opaque
+chain (a rule with tree sums of its own, Prodigy's, adds one for them: see
+``_tree_totals``). Anything else (a rule without a kernel, a clip after the moments, an opaque
 transform) keeps the pure path for the whole step, and the reason is reported by
 [`explain`][functopt.fast.explain] and by a one-time
 [`FastPathWarning`][functopt.fast.FastPathWarning].
