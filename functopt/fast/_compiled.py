@@ -184,7 +184,17 @@ def run_group(group: Any, values: list[Any], grads: list[Any], state_leaves: lis
     plan = group.plan
     keep = [j for j, i in enumerate(group.leaves) if local_tensor(values[i]).numel()]
     if not keep:
-        return  # empty leaves: nothing to compute, their state is empty
+        # empty leaves: nothing to compute, their state is empty. But the rules' shared
+        # state (a count of their own, Prodigy's estimate) moves on every rank, also on one
+        # whose shards of this group are all empty: the body over no elements moves it
+        # (uncompiled: no graph for that)
+        shared = _shared_of(plan, state_leaves)
+        if any(shared):
+            empty = _empties(group, values, grads, state_leaves)
+            skip = None if found_inf is None else found_inf.to(dtype=torch.bool)
+            _write_shared(plan, _body(plan.ops)(*empty, shared, scale, skip,
+                                                _totals_of(plan, totals)), new_leaves)
+        return
     idx = [group.leaves[j] for j in keep]
     plans = [group.plans[j] for j in keep]
     ps = [local_tensor(values[i]) for i in idx]
@@ -195,7 +205,6 @@ def run_group(group: Any, values: list[Any], grads: list[Any], state_leaves: lis
     slot_sets: list[tuple[list[int], list[torch.Tensor]]] = []
     slot_flats: list[torch.Tensor] = []
     slot_views: list[bool] = []
-    shared: list[dict[str, Any]] = []
     for j, op in enumerate(plan.ops):
         for name in op.slots:
             ks = [leaf_plan.ops[j].slots[name] for leaf_plan in plans]
@@ -204,14 +213,12 @@ def run_group(group: Any, values: list[Any], grads: list[Any], state_leaves: lis
             slot_sets.append((ks, tensors))
             slot_flats.append(flat)
             slot_views.append(view)
-        shared.append({f: optree.tree_map(lambda k: state_leaves[k], getattr(op.state_at, f))
-                       for f in op.state_at._fields if f not in op.slots})
+    shared = _shared_of(plan, state_leaves)
     fn = compiled.get(key)
     if fn is None:
         fn = compiled[key] = torch.compile(_body(plan.ops), dynamic=False)
     skip = None if found_inf is None else found_inf.to(device=p_flat.device, dtype=torch.bool)
-    new_shared = fn(g_flat, p_flat, slot_flats, shared, scale, skip,
-                    [None if op.finish is None else (totals or {})[op.node] for op in plan.ops])
+    new_shared = fn(g_flat, p_flat, slot_flats, shared, scale, skip, _totals_of(plan, totals))
     if donate:
         if not p_view:
             torch._foreach_copy_(ps, _scatter(p_flat, ps))
@@ -224,6 +231,16 @@ def run_group(group: Any, values: list[Any], grads: list[Any], state_leaves: lis
         for (ks, tensors), flat in zip(slot_sets, slot_flats, strict=True):
             for k, out in zip(ks, _scatter(flat, tensors), strict=True):
                 new_leaves[k] = _rewrap_like(state_leaves[k], out)
+    _write_shared(plan, new_shared, new_leaves)
+
+
+def _shared_of(plan: Any, state_leaves: list[Any]) -> list[dict[str, Any]]:
+    """Per rule, its state fields that are not per leaf (counts, scalars), as values."""
+    return [{f: optree.tree_map(lambda k: state_leaves[k], getattr(op.state_at, f))
+             for f in op.state_at._fields if f not in op.slots} for op in plan.ops]
+
+
+def _write_shared(plan: Any, new_shared: list[dict[str, Any]], new_leaves: list[Any]) -> None:
     counters = {op.count for op in plan.ops if op.count is not None}
     for op, own in zip(plan.ops, new_shared, strict=True):
         for f, value in own.items():
@@ -232,6 +249,23 @@ def run_group(group: Any, values: list[Any], grads: list[Any], state_leaves: lis
                             strict=True):
                 if k not in counters:  # the planner advances the counts, once per step
                     new_leaves[k] = v
+
+
+def _totals_of(plan: Any, totals: dict[int, Any] | None) -> list[Any]:
+    return [None if op.finish is None else (totals or {})[op.node] for op in plan.ops]
+
+
+def _empties(group: Any, values: list[Any], grads: list[Any],
+             state_leaves: list[Any]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Gradient, value and per-leaf state entries of no elements, in the dtypes of the
+    group's first leaf: a body's input when this rank holds nothing of the group."""
+    i, leaf_plan = group.leaves[0], group.plans[0]
+
+    def empty(x: Any) -> torch.Tensor:
+        return local_tensor(x).reshape(-1)[:0]
+
+    return empty(grads[i]), empty(values[i]), [
+        empty(state_leaves[op.slots[name]]) for op in leaf_plan.ops for name in op.slots]
 
 
 def group_sums(group: Any, values: list[Any], grads: list[Any], state_leaves: list[Any],
@@ -244,15 +278,17 @@ def group_sums(group: Any, values: list[Any], grads: list[Any], state_leaves: li
     plan = group.plan
     keep = [j for j, i in enumerate(group.leaves)
             if counted[i] and local_tensor(values[i]).numel()]
-    # (nothing to sum here: the rule's own first half over no elements gives its zeros,
-    # which a sum over ranks still needs; run uncompiled, no graph for that)
-    some = keep or [0]
-    idx = [group.leaves[j] for j in some]
-    plans = [group.plans[j] for j in some]
+    shared = _shared_of(plan, state_leaves)
+    if not keep:
+        # nothing to sum here: the rule's own first half over no elements gives its zeros,
+        # which a sum over ranks still needs (uncompiled: no graph for that)
+        g_empty, p_empty, slots_empty = _empties(group, values, grads, state_leaves)
+        return _sums_body(plan.ops)(g_empty, p_empty, slots_empty, shared, scale)
+    idx = [group.leaves[j] for j in keep]
+    plans = [group.plans[j] for j in keep]
 
     def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-        return _gather(tensors, True, None, None)[0] if keep else (
-            tensors[0].reshape(-1)[:0])
+        return _gather(tensors, True, None, None)[0]
 
     ps = [local_tensor(values[i]) for i in idx]
     g_flat = flat([_in_layout(local_tensor(grads[i]), p) for i, p in zip(idx, ps, strict=True)])
@@ -260,10 +296,6 @@ def group_sums(group: Any, values: list[Any], grads: list[Any], state_leaves: li
     slot_flats = [flat([local_tensor(state_leaves[leaf_plan.ops[j].slots[name]])
                         for leaf_plan in plans])
                   for j, op in enumerate(plan.ops) for name in op.slots]
-    shared = [{f: optree.tree_map(lambda k: state_leaves[k], getattr(op.state_at, f))
-               for f in op.state_at._fields if f not in op.slots} for op in plan.ops]
-    if not keep:
-        return _sums_body(plan.ops)(g_flat, p_flat, slot_flats, shared, scale)
     key = (plan.key(), "sums")
     fn = compiled.get(key)
     if fn is None:

@@ -709,9 +709,11 @@ def lower(structure: Structure, state_spec: _core.TreeSpec, values: list[Any],
         groups[key].plans.append(plan)
     if structure.shared:
         # such a rule's shared state (NAdam's mu_product) moves in its groups' calls, which
-        # run only on leaves with elements
+        # need a leaf with elements (by the DTensors' global sizes: a rank whose shards of
+        # a group are all empty moves it in a call over no elements, and every rank
+        # decides alike)
         moved = {op.node for g in groups.values() if g.plan.kernel == "compiled"
-                 and any(local_tensor(values[i]).numel() for i in g.leaves)
+                 and any(values[i].numel() for i in g.leaves)
                  for op in g.plan.ops}
         if structure.shared - moved:
             return Lowered(structure, state_spec, [],
