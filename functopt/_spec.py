@@ -73,6 +73,13 @@ class Leafwise(Spec):
     # the update function of the transform this spec describes, set by ``specified``: the
     # planner's compiled tier runs it on a group's leaves laid end to end
     update: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
+    # a rule whose update also sums over all its leaves (Prodigy, D-Adaptation): its update
+    # as two halves, ``sums(updates, state, params)`` (a tuple of 0-d tensors, this
+    # process's sums over the leaves given) and ``finish(updates, state, params, totals)``
+    # (the update, given those sums over every leaf and rank), so the compiled tier can
+    # add the groups' and ranks' sums in between
+    sums: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
+    finish: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.hyper.items())
@@ -126,7 +133,9 @@ class Sequence(Spec):
 
 @dataclass(frozen=True, eq=False)
 class Select(Spec):
-    """``masked`` or ``partition``: each child sees the leaves ``select`` gives it.
+    """``masked`` or ``partition``: each child sees the leaves ``select`` gives it (and
+    ``contrib.schedule_free``: its base optimizer, then its averaging, both on every leaf,
+    in the children's order).
 
     ``select(params_tree, treespec, leaves)`` returns, per key of ``children``, the indices
     of the leaves that child transforms (the same function the transform's ``update``

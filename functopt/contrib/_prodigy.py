@@ -9,6 +9,7 @@ import torch
 
 from functopt import _validate
 from functopt._base import GradientTransformation, Numeric, Params, ScalarOrSchedule, Updates
+from functopt._spec import Leafwise, specified
 from functopt.contrib import _shared
 from functopt.transforms import _common
 
@@ -131,11 +132,8 @@ def prodigy(
             count=_common.zero_count(leaves),
         )
 
-    def update_fn(
-        updates: Updates, state: ProdigyState, params: Params | None = None, **extra_args: Any
-    ) -> tuple[Updates, ProdigyState]:
+    def leaves(updates: Updates, state: ProdigyState, params: Params | None) -> Any:
         _common.check_state("prodigy", state, ProdigyState)
-        del extra_args
         grads, treespec = _common.flatten_updates(updates)
         ps = _common.params_like(treespec, params, grads, owner=owner)
         eas = _common.state_like(treespec, state.exp_avg, name="state.exp_avg", like=grads)
@@ -144,36 +142,63 @@ def prodigy(
         p0s = _common.state_like(treespec, state.params0, name="state.params0", like=grads)
         _common.check_state_present(owner, treespec, grads, exp_avg=eas, exp_avg_sq=sqs,
                                     grad_sum=sums, params0=p0s)
-        dtype, device = state.estim_lr.dtype, state.estim_lr.device
+        return grads, treespec, ps, eas, sqs, sums, p0s
+
+    def scalars(state: ProdigyState) -> tuple[Any, ...]:
+        dtype = state.estim_lr.dtype
         count = _common.safe_increment(state.count)
         sched = _shared.value_at(learning_rate, state.count)
         bc = torch.sqrt(_common.bias_correction(beta2, count)) / _common.bias_correction(beta1, count)
         d = state.estim_lr
         dlr = (d * _common.scalar(sched, dtype) * bc.to(dtype)).to(dtype)
         s_scale = d / estim_lr0 if safeguard_warmup else dlr / estim_lr0
+        return count, d, dlr, s_scale
 
-        # Pass 1, per leaf: the moments and s, and the leaf's share of the two tree sums.
+    def grad_sum(wide: torch.Tensor, s: torch.Tensor, d: Any, s_scale: Any) -> torch.Tensor:
+        c = functools.partial(_common.scalar, dtype=wide.dtype)
+        s_t: torch.Tensor = c(beta3) * s.to(wide.dtype) + c(s_scale) * (c(d) * wide)
+        return s_t
+
+    def tree_sums(updates: Updates, state: ProdigyState, params: Params | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first half of the update: <g, x0 - x> and ||s_t||_1 over the leaves given."""
+        grads, _, ps, eas, _, sums, p0s = leaves(updates, state, params)
+        _, d, _, s_scale = scalars(state)
+        dtype, device = state.estim_lr.dtype, state.estim_lr.device
+        inners, l1s = [], []
+        for g, p, ea, s, p0 in zip(grads, ps, eas, sums, p0s, strict=True):
+            if g is None:
+                continue
+            wide = g.to(_common.compute_dtype(g.dtype, p.dtype, ea.dtype, dtype))
+            inners.append(torch.sum(wide * (p0.to(wide.dtype) - p.to(wide.dtype))))
+            l1s.append(grad_sum(wide, s, d, s_scale).abs().sum())
+        return _tree_sum(inners, dtype, device), _tree_sum(l1s, dtype, device)
+
+    def finish(updates: Updates, state: ProdigyState, params: Params | None,
+               totals: tuple[torch.Tensor, torch.Tensor]) -> tuple[Updates, ProdigyState]:
+        """The second half: the moments, the estimate from ``totals`` (the sums over every
+        leaf), the step."""
+        grads, treespec, ps, eas, sqs, sums, _ = leaves(updates, state, params)
+        count, d, dlr, s_scale = scalars(state)
+        dtype = state.estim_lr.dtype
+
         def moments(g: torch.Tensor, p: torch.Tensor, ea: torch.Tensor, sq: torch.Tensor,
-                    s: torch.Tensor, p0: torch.Tensor) -> tuple[Any, ...]:
+                    s: torch.Tensor) -> tuple[Any, ...]:
             wide = g.to(_common.compute_dtype(g.dtype, p.dtype, ea.dtype, dtype))
             c = functools.partial(_common.scalar, dtype=wide.dtype)
             dg = c(d) * wide
             ea_t = c(beta1) * ea.to(wide.dtype) + c(1 - beta1) * dg
             sq_t = c(beta2) * sq.to(wide.dtype) + c(1 - beta2) * dg * dg
-            s_t = c(beta3) * s.to(wide.dtype) + c(s_scale) * dg
-            inner = torch.sum(wide * (p0.to(wide.dtype) - p.to(wide.dtype)))
-            return ((inner, s_t.abs().sum()), ea_t.to(ea.dtype), sq_t.to(sq.dtype),
-                    s_t.to(s.dtype), p0)
+            s_t = grad_sum(wide, s, d, s_scale)
+            return None, ea_t.to(ea.dtype), sq_t.to(sq.dtype), s_t.to(s.dtype)
 
-        parts, _, new_eas, new_sqs, new_sums, _ = _shared.map_with_params(
-            moments, grads, ps, eas, sqs, sums, p0s)
-        present = [x for x in parts if x is not None]
-        inner = _tree_sum([x[0] for x in present], dtype, device)
-        l1 = _tree_sum([x[1] for x in present], dtype, device)
+        _, _, new_eas, new_sqs, new_sums = _shared.map_with_params(
+            moments, grads, ps, eas, sqs, sums)
+        inner, l1 = totals
         numerator = beta3 * state.numerator_weighted + (d / estim_lr0) * dlr * inner
         new_d = torch.maximum(d, estim_lr_coef * numerator / l1)
 
-        # Pass 2: the step, with the new estimate in the denominator's eps.
+        # the step, with the new estimate in the denominator's eps
         def step(g: torch.Tensor, p: torch.Tensor, ea: torch.Tensor,
                  sq: torch.Tensor) -> tuple[Any, ...]:
             wide_dtype = _common.compute_dtype(g.dtype, p.dtype, ea.dtype, dtype)
@@ -194,7 +219,18 @@ def prodigy(
             count=count,
         )
 
-    return GradientTransformation(init_fn, update_fn)
+    def update_fn(
+        updates: Updates, state: ProdigyState, params: Params | None = None, **extra_args: Any
+    ) -> tuple[Updates, ProdigyState]:
+        del extra_args
+        return finish(updates, state, params, tree_sums(updates, state, params))
+
+    # elementwise but for the two tree sums: the compiled tier lowers it when the sums run
+    # over one call (one group of whole tensors; the planner's TREE_WIDE)
+    return specified(GradientTransformation(init_fn, update_fn), Leafwise("prodigy", {
+        "learning_rate": learning_rate, "betas": betas, "beta3": beta3, "eps": eps,
+        "estim_lr0": estim_lr0, "estim_lr_coef": estim_lr_coef, "weight_decay": weight_decay,
+        "safeguard_warmup": safeguard_warmup}, sums=tree_sums, finish=finish))
 
 
 class DAdaptAdamWState(NamedTuple):
@@ -286,12 +322,8 @@ def dadapt_adamw(
             count=_common.zero_count(leaves),
         )
 
-    def update_fn(
-        updates: Updates, state: DAdaptAdamWState, params: Params | None = None,
-        **extra_args: Any,
-    ) -> tuple[Updates, DAdaptAdamWState]:
+    def leaves(updates: Updates, state: DAdaptAdamWState, params: Params | None) -> Any:
         _common.check_state("dadapt_adamw", state, DAdaptAdamWState)
-        del extra_args
         grads, treespec = _common.flatten_updates(updates)
         ps = _common.params_like(treespec, params, grads, owner=owner)
         eas = _common.state_like(treespec, state.exp_avg, name="state.exp_avg", like=grads)
@@ -299,35 +331,63 @@ def dadapt_adamw(
         sums = _common.state_like(treespec, state.grad_sum, name="state.grad_sum", like=grads)
         _common.check_state_present(owner, treespec, grads, exp_avg=eas, exp_avg_sq=sqs,
                                     grad_sum=sums)
-        dtype, device = state.estim_lr.dtype, state.estim_lr.device
+        return grads, treespec, ps, eas, sqs, sums
+
+    def step_size(state: DAdaptAdamWState) -> tuple[torch.Tensor, torch.Tensor]:
+        dtype = state.estim_lr.dtype
         count = _common.safe_increment(state.count)
         sched = _shared.value_at(learning_rate, state.count)
         bc = torch.sqrt(_common.bias_correction(beta2, count)) / _common.bias_correction(beta1, count)
-        dlr = (state.estim_lr * _common.scalar(sched, dtype) * bc.to(dtype)).to(dtype)
+        return count, (state.estim_lr * _common.scalar(sched, dtype) * bc.to(dtype)).to(dtype)
+
+    def grad_sum(wide: torch.Tensor, s_prev: torch.Tensor, dlr: Any) -> torch.Tensor:
+        c = functools.partial(_common.scalar, dtype=wide.dtype)
+        s_t: torch.Tensor = c(sb2) * s_prev + c(1 - sb2) * c(dlr) * wide
+        return s_t
+
+    def tree_sums(updates: Updates, state: DAdaptAdamWState, params: Params | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first half of the update: <g, s / (sqrt(v) + eps)> and ||s_t||_1 over the
+        leaves given."""
+        grads, _, ps, eas, sqs, sums = leaves(updates, state, params)
+        _, dlr = step_size(state)
+        dtype, device = state.estim_lr.dtype, state.estim_lr.device
+        inners, l1s = [], []
+        for g, p, ea, sq, s in zip(grads, ps, eas, sqs, sums, strict=True):
+            if g is None:
+                continue
+            wide = g.to(_common.compute_dtype(g.dtype, p.dtype, ea.dtype, dtype))
+            c = functools.partial(_common.scalar, dtype=wide.dtype)
+            s_prev = s.to(wide.dtype)
+            inners.append(torch.sum(wide * (s_prev / (torch.sqrt(sq.to(wide.dtype)) + c(eps)))))
+            l1s.append(grad_sum(wide, s_prev, dlr).abs().sum())
+        return _tree_sum(inners, dtype, device), _tree_sum(l1s, dtype, device)
+
+    def finish(updates: Updates, state: DAdaptAdamWState, params: Params | None,
+               totals: tuple[torch.Tensor, torch.Tensor],
+               ) -> tuple[Updates, DAdaptAdamWState]:
+        """The second half: the moments and the step, and the estimate from ``totals`` (the
+        sums over every leaf)."""
+        grads, treespec, ps, eas, sqs, sums = leaves(updates, state, params)
+        count, dlr = step_size(state)
+        dtype = state.estim_lr.dtype
 
         def moments(g: torch.Tensor, p: torch.Tensor, ea: torch.Tensor, sq: torch.Tensor,
                     s: torch.Tensor) -> tuple[Any, ...]:
             wide = g.to(_common.compute_dtype(g.dtype, p.dtype, ea.dtype, dtype))
             c = functools.partial(_common.scalar, dtype=wide.dtype)
-            sq_prev = sq.to(wide.dtype)
-            s_prev = s.to(wide.dtype)
-            inner = torch.sum(wide * (s_prev / (torch.sqrt(sq_prev) + c(eps))))
             ea_t = c(beta1) * ea.to(wide.dtype) + c(1 - beta1) * c(dlr) * wide
-            sq_t = c(beta2) * sq_prev + c(1 - beta2) * wide * wide
-            s_t = c(sb2) * s_prev + c(1 - sb2) * c(dlr) * wide
+            sq_t = c(beta2) * sq.to(wide.dtype) + c(1 - beta2) * wide * wide
+            s_t = grad_sum(wide, s.to(wide.dtype), dlr)
             x = p.to(wide.dtype)
             u = -c(weight_decay) * c(dlr) * x - ea_t / (torch.sqrt(sq_t) + c(eps))
-            return ((u.to(g.dtype), inner, s_t.abs().sum()), ea_t.to(ea.dtype), sq_t.to(sq.dtype),
-                    s_t.to(s.dtype))
+            return u.to(g.dtype), ea_t.to(ea.dtype), sq_t.to(sq.dtype), s_t.to(s.dtype)
 
-        parts, _, new_eas, new_sqs, new_sums = _shared.map_with_params(
+        new_u, _, new_eas, new_sqs, new_sums = _shared.map_with_params(
             moments, grads, ps, eas, sqs, sums)
-        present = [x for x in parts if x is not None]
-        inner = _tree_sum([x[1] for x in present], dtype, device)
-        l1 = _tree_sum([x[2] for x in present], dtype, device)
+        inner, l1 = totals
         numerator = sb2 * state.numerator_weighted + (1 - sb2) * dlr * inner
         new_d = torch.maximum(state.estim_lr, numerator / ((1 - sb2) * l1))
-        new_u = [None if x is None else x[0] for x in parts]
         return _common.unflatten(treespec, new_u), DAdaptAdamWState(
             exp_avg=_common.unflatten(treespec, new_eas),
             exp_avg_sq=_common.unflatten(treespec, new_sqs),
@@ -337,4 +397,13 @@ def dadapt_adamw(
             count=count,
         )
 
-    return GradientTransformation(init_fn, update_fn)
+    def update_fn(
+        updates: Updates, state: DAdaptAdamWState, params: Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[Updates, DAdaptAdamWState]:
+        del extra_args
+        return finish(updates, state, params, tree_sums(updates, state, params))
+
+    return specified(GradientTransformation(init_fn, update_fn), Leafwise("dadapt_adamw", {
+        "learning_rate": learning_rate, "betas": betas, "eps": eps, "estim_lr0": estim_lr0,
+        "weight_decay": weight_decay}, sums=tree_sums, finish=finish))

@@ -16,6 +16,7 @@ from functopt._base import (
     State,
     Updates,
 )
+from functopt._spec import Leafwise, Select, describe, specified
 from functopt.contrib import _shared
 from functopt.optimizers import sgd
 from functopt.schedules import warmup_constant_schedule
@@ -128,15 +129,86 @@ def schedule_free(
             z=_common.unflatten(treespec, z),
         )
 
+    average = _averaging(learning_rate, b1, weight_lr_power)
+
     def update_fn(
         updates: Updates, state: ScheduleFreeState, params: Params | None = None,
         **extra_args: Any,
     ) -> tuple[Updates, ScheduleFreeState]:
         _common.check_state("schedule_free", state, ScheduleFreeState)
         grads, treespec = _common.flatten_updates(updates)
-        ps = _common.params_like(treespec, params, grads, owner=owner)
+        # the averaging's own checks first: a bad z or params fails before the base steps
+        _common.params_like(treespec, params, grads, owner=owner)
         zs = _common.state_like(treespec, state.z, name="state.z", like=grads)
         _common.check_state_present(owner, treespec, grads, z=zs)
+        base_updates, base_state = base.update(updates, state.base_optimizer_state, params,
+                                               **extra_args)
+        deltas = _core.flatten_like(treespec, base_updates, name="base_optimizer's updates",
+                                    reference="updates")
+        for g, delta in zip(grads, deltas, strict=True):
+            if g is not None and delta is None:
+                raise ValueError(
+                    f"{owner}: the base optimizer returned None for a leaf with a gradient. "
+                    f"Fix: use a base optimizer that updates every leaf it is given.")
+        # (a leaf without a gradient keeps its z whatever the base returned for it)
+        deltas = [None if g is None else d for g, d in zip(grads, deltas, strict=True)]
+        new_updates, averaged = average(_common.unflatten(treespec, deltas), _AveragingState(
+            state.b1, state.weight_sum, state.step_count, state.max_lr, state.z), params)
+        return new_updates, ScheduleFreeState(
+            b1=averaged.b1,
+            weight_sum=averaged.weight_sum,
+            step_count=averaged.step_count,
+            max_lr=averaged.max_lr,
+            base_optimizer_state=base_state,
+            z=averaged.z,
+        )
+
+    def select(params: Params, treespec: _core.TreeSpec, leaves: list[Any],
+               ) -> dict[Any, list[int]]:
+        every = list(range(len(leaves)))
+        return {"base_optimizer": every, "averaging": every}
+
+    def state_of(state: Any, key: Any) -> Any:
+        if key == "base_optimizer":
+            return state.base_optimizer_state
+        return _AveragingState(state.b1, state.weight_sum, state.step_count, state.max_lr,
+                               state.z)
+
+    # The spec: the base optimizer's rules, then the averaging as one elementwise rule that
+    # reads their output (both see every leaf, in this order), so the planner lowers the
+    # whole transform when it lowers the base (the compiled tier for the recipes below).
+    averaging = Leafwise("schedule_free", {"learning_rate": learning_rate, "b1": b1,
+                                           "weight_lr_power": weight_lr_power}, update=average)
+    return specified(GradientTransformation(init_fn, update_fn), Select(
+        {"base_optimizer": describe(base), "averaging": averaging}, select, state_of,
+        "schedule_free"))
+
+
+class _AveragingState(NamedTuple):
+    """The averaging's share of [`ScheduleFreeState`][functopt.contrib.ScheduleFreeState]
+    (its fields without the base optimizer's state): what the planner hands the averaging
+    rule (private)."""
+
+    b1: torch.Tensor
+    weight_sum: torch.Tensor
+    step_count: torch.Tensor
+    max_lr: torch.Tensor
+    z: Params
+
+
+def _averaging(learning_rate: Any, b1: Any, weight_lr_power: Any) -> Any:
+    """The update of schedule-free's averaging: the base optimizer's updates (the deltas of
+    z) in, the move of y out. Elementwise per leaf, with scalar state: it is both the pure
+    path's second half and the rule the compiled tier runs on a group's leaves laid end to
+    end."""
+    owner = "schedule_free"
+
+    def average(deltas: Updates, state: _AveragingState, params: Params | None = None,
+                **extra_args: Any) -> tuple[Updates, _AveragingState]:
+        del extra_args
+        leaves, treespec = _common.flatten_updates(deltas)
+        ps = _common.params_like(treespec, params, leaves, owner=owner)
+        zs = _common.state_like(treespec, state.z, name="state.z", like=leaves)
         dtype = state.max_lr.dtype
         lr = _common.scalar(_shared.f64(_shared.value_at(learning_rate, state.step_count),
                                         state.max_lr.device), dtype)
@@ -145,18 +217,9 @@ def schedule_free(
         total = state.weight_sum + weight
         ratio = torch.nan_to_num(weight / total, nan=0.0, posinf=float("inf"))
         ck = torch.where(torch.isnan(weight) | torch.isnan(total), float("nan"), ratio)
-        base_updates, base_state = base.update(updates, state.base_optimizer_state, params,
-                                               **extra_args)
-        deltas = _core.flatten_like(treespec, base_updates, name="base_optimizer's updates",
-                                    reference="updates")
 
-        def leaf(g: torch.Tensor, y: torch.Tensor, z: torch.Tensor,
-                 delta: Any) -> tuple[Any, ...]:
-            if delta is None:
-                raise ValueError(
-                    f"{owner}: the base optimizer returned None for a leaf with a gradient. "
-                    f"Fix: use a base optimizer that updates every leaf it is given.")
-            wide = _common.compute_dtype(g.dtype, y.dtype, z.dtype, delta.dtype, dtype)
+        def leaf(delta: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> tuple[Any, ...]:
+            wide = _common.compute_dtype(y.dtype, z.dtype, delta.dtype, dtype)
             c = functools.partial(_common.scalar, dtype=wide)
             z_old = z.to(wide)
             z_new = (z_old + delta.to(wide)).to(z.dtype).to(wide)
@@ -164,19 +227,14 @@ def schedule_free(
             x_old = (y_old - c(1.0 - b1) * z_old) / c(b1)
             x_new = c(1.0 - ck) * x_old + c(ck) * z_new
             y_new = c(b1) * x_new + c(1.0 - b1) * z_new
-            return (y_new - y_old).to(g.dtype), z_new.to(z.dtype), delta
+            return (y_new - y_old).to(delta.dtype), z_new.to(z.dtype)
 
-        new_u, _, new_zs, _ = _shared.map_with_params(leaf, grads, ps, zs, deltas)
-        return _common.unflatten(treespec, new_u), ScheduleFreeState(
-            b1=state.b1,
-            weight_sum=total,
-            step_count=_common.safe_increment(state.step_count),
-            max_lr=max_lr,
-            base_optimizer_state=base_state,
-            z=_common.unflatten(treespec, new_zs),
-        )
+        new_u, _, new_zs = _shared.map_with_params(leaf, leaves, ps, zs)
+        return _common.unflatten(treespec, new_u), _AveragingState(
+            b1=state.b1, weight_sum=total, step_count=_common.safe_increment(state.step_count),
+            max_lr=max_lr, z=_common.unflatten(treespec, new_zs))
 
-    return GradientTransformation(init_fn, update_fn)
+    return average
 
 
 def schedule_free_eval_params(state: ScheduleFreeState, params: Params) -> Params:

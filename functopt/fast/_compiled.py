@@ -17,6 +17,11 @@ flat is gathered with one ``torch.cat`` before the call and written back with on
 One compiled function per group, built at the group's first step (seconds; Inductor's cache
 makes later processes faster) and recompiled only when the group's sizes change. It holds
 no tensor between calls: every buffer it writes belongs to the caller's params or state.
+
+A rule whose update also sums over all its leaves (Prodigy, D-Adaptation: a spec with
+``sums`` and ``finish``) takes two compiled calls per group: `group_sums` (the rules up to
+it, then its first half, writing nothing), whose results the planner adds over the groups
+and ranks, and the group's step, where the rule runs its second half with those sums.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ from functopt.fast._layout import dense, end_to_end, memory_view, shaped_like
 from functopt.transforms import _common
 from functopt.tree import _core
 
-__all__ = ["entries_problem", "flat_layout", "lay_out_params", "layout_problem", "run_group"]
+__all__ = ["entries_problem", "flat_layout", "group_sums", "lay_out_params", "layout_problem",
+           "run_group"]
 
 _GROUPS = itertools.count()  # names the compiled function of each group
 
@@ -122,19 +128,22 @@ def _body(ops: tuple[Any, ...]) -> Any:
     def step(g: torch.Tensor, p: torch.Tensor, slots: list[torch.Tensor],
              shared: list[dict[str, Any]], scale: torch.Tensor | None,
              skip: torch.Tensor | None, low: torch.Tensor | None,
-             updates: list[Any]) -> list[dict[str, Any]]:
+             updates: list[Any], totals: list[Any]) -> list[dict[str, Any]]:
         # (a mixed step's low-precision gradients, widened here as the pure path casts them)
         u = g if g.dtype == p.dtype else g.to(p.dtype)
         u = u if scale is None else _common.scaled(u, scale)
         new_slots: list[torch.Tensor] = []
         new_shared: list[dict[str, Any]] = []
         k = 0
-        for op, own, update in zip(ops, shared, updates, strict=True):
+        for op, own, update, total in zip(ops, shared, updates, totals, strict=True):
             fields = dict(own)
             for name in op.slots:
                 fields[name] = slots[k]
                 k += 1
-            u, new = update(u, type(op.state_at)(**fields), p)
+            state = type(op.state_at)(**fields)
+            # a rule with tree sums: its second half, given the sums over every leaf
+            u, new = update(u, state, p) if op.finish is None else op.finish(u, state, p,
+                                                                            total)
             new_slots.extend(getattr(new, name) for name in op.slots)
             new_shared.append({f: getattr(new, f) for f in own})
         new_p = p + u
@@ -151,12 +160,37 @@ def _body(ops: tuple[Any, ...]) -> Any:
         for old, new in zip(slots, new_slots, strict=True):
             old.copy_(new)
         return new_shared
+    return _own_code(step)
+
+
+def _sums_body(ops: tuple[Any, ...]) -> Any:
+    """The function compiled for one group's tree sums: the rules up to the first with tree
+    sums (see ``Leafwise.sums``), then that rule's first half; writes nothing."""
+    def sums(g: torch.Tensor, p: torch.Tensor, slots: list[torch.Tensor],
+             shared: list[dict[str, Any]], scale: torch.Tensor | None) -> Any:
+        u = g if g.dtype == p.dtype else g.to(p.dtype)  # (a mixed step's bf16 gradients)
+        u = u if scale is None else _common.scaled(u, scale)
+        k = 0
+        for op, own in zip(ops, shared, strict=True):
+            fields = dict(own)
+            for name in op.slots:
+                fields[name] = slots[k]
+                k += 1
+            state = type(op.state_at)(**fields)
+            if op.sums is not None:
+                return op.sums(u, state, p)
+            u, _ = op.fn(u, state, p)
+        raise AssertionError("a group without a rule with tree sums")
+    return _own_code(sums)
+
+
+def _own_code(fn: Any) -> Any:
     # A code object of its own per group: Dynamo keeps its compiled graphs per code object,
     # with a limit of recompiles (8 by default) past which it runs the function uncompiled;
     # one code object shared by every group of every transform would reach it.
-    code = step.__code__.replace(co_name=f"compiled_group_{next(_GROUPS)}")
-    return types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__,
-                              step.__closure__)
+    code = fn.__code__.replace(co_name=f"compiled_group_{next(_GROUPS)}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__,
+                              fn.__closure__)
 
 
 def run_group(group: Any, values: list[Any], grads: list[Any], state_leaves: list[Any],
@@ -164,34 +198,41 @@ def run_group(group: Any, values: list[Any], grads: list[Any], state_leaves: lis
               donate: bool,
               scale: torch.Tensor | None, found_inf: torch.Tensor | None,
               compiled: dict[Any, Any], workspace: dict[Any, Any] | None = None,
+              totals: dict[int, Any] | None = None,
               low: list[Any] | None = None, new_low: list[Any] | None = None) -> None:
     """One compiled call for ``group`` (see the module docstring); ``compiled`` holds the
     compiled functions by group (the structure's, so that a plan compiles once); ``updates``
     the update of each rule of the group's plan (see `_body`);
     ``workspace`` the caller's scratch buffers for the gathered copies (a donating step's,
-    kept per thread), or None to allocate them. ``low`` (per leaf, a mixed step's
-    low-precision param or None): when every leaf of the group has one, of one dtype, the
-    call also writes them, their new values rounded, into ``new_low`` (in place when
-    donated)."""
+    kept per thread), or None to allocate them; ``totals`` the tree sums (over every group
+    and rank, from `group_sums`) of the group's rules that have them, by rule. ``low`` (per
+    leaf, a mixed step's low-precision param or None): when every leaf of the group has
+    one, of one dtype, the call also writes them, their new values rounded, into
+    ``new_low`` (in place when donated)."""
     plan = group.plan
     keep = [j for j, i in enumerate(group.leaves) if local_tensor(values[i]).numel()]
     if not keep:
-        return  # empty leaves: nothing to compute, their state is empty
+        # empty leaves: nothing to compute, their state is empty. But the rules' shared
+        # state (a count of their own, Prodigy's estimate) moves on every rank, also on one
+        # whose shards of this group are all empty: the body over no elements moves it
+        # (uncompiled: no graph for that)
+        shared = _shared_of(plan, state_leaves)
+        if any(shared):
+            empty = _empties(group, values, grads, state_leaves)
+            skip = None if found_inf is None else found_inf.to(dtype=torch.bool)
+            _write_shared(plan, _body(plan.ops)(*empty, shared, scale, skip, None, updates,
+                                                _totals_of(plan, totals)), new_leaves)
+        return
     idx = [group.leaves[j] for j in keep]
     plans = [group.plans[j] for j in keep]
     ps = [local_tensor(values[i]) for i in idx]
-    gs = []
-    for i, p in zip(idx, ps, strict=True):
-        g = local_tensor(grads[i])
-        gs.append(torch.empty_like(p, dtype=g.dtype).copy_(g) if (
-            g.stride() != p.stride() and p.numel() > 1) else g)
+    gs = [_in_layout(local_tensor(grads[i]), p) for i, p in zip(idx, ps, strict=True)]
     key = plan.key()
     g_flat, _ = _gather(gs, True, workspace, (key, "grads"))
     p_flat, p_view = _gather(ps, donate, workspace, (key, "values"))
     slot_sets: list[tuple[list[int], list[torch.Tensor]]] = []
     slot_flats: list[torch.Tensor] = []
     slot_views: list[bool] = []
-    shared: list[dict[str, Any]] = []
     for j, op in enumerate(plan.ops):
         for name in op.slots:
             ks = [leaf_plan.ops[j].slots[name] for leaf_plan in plans]
@@ -200,8 +241,7 @@ def run_group(group: Any, values: list[Any], grads: list[Any], state_leaves: lis
             slot_sets.append((ks, tensors))
             slot_flats.append(flat)
             slot_views.append(view)
-        shared.append({f: optree.tree_map(lambda k: state_leaves[k], getattr(op.state_at, f))
-                       for f in op.state_at._fields if f not in op.slots})
+    shared = _shared_of(plan, state_leaves)
     lows = _lows(low, idx, ps)
     low_flat, low_view = None, False
     if lows is not None:
@@ -215,7 +255,8 @@ def run_group(group: Any, values: list[Any], grads: list[Any], state_leaves: lis
     if fn is None:
         fn = compiled[key] = torch.compile(_body(plan.ops), dynamic=False)
     skip = None if found_inf is None else found_inf.to(device=p_flat.device, dtype=torch.bool)
-    new_shared = fn(g_flat, p_flat, slot_flats, shared, scale, skip, low_flat, updates)
+    new_shared = fn(g_flat, p_flat, slot_flats, shared, scale, skip, low_flat, updates,
+                    _totals_of(plan, totals))
     if low is not None and lows is not None and low_flat is not None and new_low is not None:
         if donate and not low_view:
             torch._foreach_copy_(lows, _scatter(low_flat, lows))
@@ -233,6 +274,16 @@ def run_group(group: Any, values: list[Any], grads: list[Any], state_leaves: lis
         for (ks, tensors), flat in zip(slot_sets, slot_flats, strict=True):
             for k, out in zip(ks, _scatter(flat, tensors), strict=True):
                 new_leaves[k] = _rewrap_like(state_leaves[k], out)
+    _write_shared(plan, new_shared, new_leaves)
+
+
+def _shared_of(plan: Any, state_leaves: list[Any]) -> list[dict[str, Any]]:
+    """Per rule, its state fields that are not per leaf (counts, scalars), as values."""
+    return [{f: optree.tree_map(lambda k: state_leaves[k], getattr(op.state_at, f))
+             for f in op.state_at._fields if f not in op.slots} for op in plan.ops]
+
+
+def _write_shared(plan: Any, new_shared: list[dict[str, Any]], new_leaves: list[Any]) -> None:
     counters = {op.count for op in plan.ops if op.count is not None}
     for op, own in zip(plan.ops, new_shared, strict=True):
         for f, value in own.items():
@@ -255,6 +306,65 @@ def _lows(low: list[Any] | None, idx: list[int], values: list[torch.Tensor],
             t.stride() != v.stride() and v.numel() > 1 for t, v in zip(lows, values, strict=True)):
         return None
     return lows
+
+
+def _totals_of(plan: Any, totals: dict[int, Any] | None) -> list[Any]:
+    return [None if op.finish is None else (totals or {})[op.node] for op in plan.ops]
+
+
+def _empties(group: Any, values: list[Any], grads: list[Any],
+             state_leaves: list[Any]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Gradient, value and per-leaf state entries of no elements, in the dtypes of the
+    group's first leaf: a body's input when this rank holds nothing of the group."""
+    i, leaf_plan = group.leaves[0], group.plans[0]
+
+    def empty(x: Any) -> torch.Tensor:
+        return local_tensor(x).reshape(-1)[:0]
+
+    return empty(grads[i]), empty(values[i]), [
+        empty(state_leaves[op.slots[name]]) for op in leaf_plan.ops for name in op.slots]
+
+
+def group_sums(group: Any, values: list[Any], grads: list[Any], state_leaves: list[Any],
+               counted: list[bool], *, scale: torch.Tensor | None,
+               compiled: dict[Any, Any]) -> Any:
+    """This process's tree sums of the group's rule with tree sums (a tuple of 0-d
+    tensors), over the leaves of the group with elements that this rank counts (a
+    replicated shard counts on one rank): one compiled call over them laid end to end,
+    which writes nothing of the caller's."""
+    plan = group.plan
+    keep = [j for j, i in enumerate(group.leaves)
+            if counted[i] and local_tensor(values[i]).numel()]
+    shared = _shared_of(plan, state_leaves)
+    if not keep:
+        # nothing to sum here: the rule's own first half over no elements gives its zeros,
+        # which a sum over ranks still needs (uncompiled: no graph for that)
+        g_empty, p_empty, slots_empty = _empties(group, values, grads, state_leaves)
+        return _sums_body(plan.ops)(g_empty, p_empty, slots_empty, shared, scale)
+    idx = [group.leaves[j] for j in keep]
+    plans = [group.plans[j] for j in keep]
+
+    def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return _gather(tensors, True, None, None)[0]
+
+    ps = [local_tensor(values[i]) for i in idx]
+    g_flat = flat([_in_layout(local_tensor(grads[i]), p) for i, p in zip(idx, ps, strict=True)])
+    p_flat = flat(ps)
+    slot_flats = [flat([local_tensor(state_leaves[leaf_plan.ops[j].slots[name]])
+                        for leaf_plan in plans])
+                  for j, op in enumerate(plan.ops) for name in op.slots]
+    key = (plan.key(), "sums")
+    fn = compiled.get(key)
+    if fn is None:
+        fn = compiled[key] = torch.compile(_sums_body(plan.ops), dynamic=False)
+    return fn(g_flat, p_flat, slot_flats, shared, scale)
+
+
+def _in_layout(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``g`` in the layout of its param ``p`` (a copy where their strides differ)."""
+    if g.stride() != p.stride() and p.numel() > 1:
+        return torch.empty_like(p, dtype=g.dtype).copy_(g)
+    return g
 
 
 def flat_layout(values: list[Any], movable: list[bool], state_leaves: list[Any],

@@ -27,7 +27,8 @@ A leading ``clip_by_global_norm`` (over all leaves or a masked subset) and the u
 a mixed-precision step are folded into the kernel's ``grad_scale``; a skipped step into
 its ``found_inf``. The norms every clip needs come from one local ``foreach`` pass and, on
 sharded params, one all-reduce of a packed vector: one collective per step whatever the
-chain. Anything else (a rule without a kernel, a clip after the moments, an opaque
+chain (a rule with tree sums of its own, Prodigy's, adds one for them: see
+``_tree_totals``). Anything else (a rule without a kernel, a clip after the moments, an opaque
 transform) keeps the pure path for the whole step, and the reason is reported by
 [`explain`][functopt.fast.explain] and by a one-time
 [`FastPathWarning`][functopt.fast.FastPathWarning].
@@ -57,7 +58,8 @@ from typing import Any
 import torch
 
 from functopt._base import GradientTransformation
-from functopt._collective.dtensor import _counted_here, _rewrap_like, local_tensor
+from functopt._collective.dtensor import _counted_here, _infer_group, _rewrap_like, local_tensor
+from functopt._collective.reduce import all_reduce_stats
 from functopt._spec import (
     FiniteGuard,
     GlobalNormClip,
@@ -108,6 +110,15 @@ COMPILED_SLOTS: dict[str, tuple[str, ...]] = {
     "scale_by_ademamix": ("m1", "m2", "nu"),
     "scale_by_simplified_ademamix": ("m", "n"),
     "scale_by_madgrad": ("grad_sum_sq", "s", "x0"),
+    # schedule-free's averaging, after its base optimizer's rules (its spec is a Select
+    # whose two children see every leaf: the base, then this rule on the base's updates)
+    "schedule_free": ("z",),
+    # elementwise but for sums over all their leaves inside their update (<g, x0 - x> and
+    # ||s||_1, ...), feeding the step size: their spec gives the update as two halves
+    # (Leafwise.sums, .finish), and the compiled tier adds the groups' and ranks' sums
+    # between a sums pass and the step
+    "prodigy": ("exp_avg", "exp_avg_sq", "grad_sum", "params0"),
+    "dadapt_adamw": ("exp_avg", "exp_avg_sq", "grad_sum"),
 }
 _KERNEL_SLOTS: dict[str, tuple[str, ...]] = {
     "scale_by_adam": ("mu", "nu"), "scale_by_amsgrad": ("mu", "nu", "nu_max"),
@@ -232,6 +243,9 @@ class _Op:
     # a PerLeaf rule (not elementwise): the per-leaf tier runs ``grouped`` (or ``fn``)
     perleaf: bool = False
     grouped: Any = None
+    # a rule with tree sums (Leafwise.sums / .finish): its update's two halves
+    sums: Any = None
+    finish: Any = None
 
     def __repr__(self) -> str:
         return self.kind
@@ -308,6 +322,7 @@ class Structure:
     shared: set[int] = field(default_factory=set)
     treespec: Any = None  # the params' structure (the per-leaf tier rebuilds trees)
     perleaf: bool = False  # some rule is a PerLeaf one: the per-leaf tier is on
+    tree_wide: list[int] = field(default_factory=list)  # the rules with tree sums
 
     @functools.cached_property
     def slot_indices(self) -> list[int]:
@@ -490,6 +505,10 @@ class _Walk:
             count = idx.count if "count" in fields else None
             if set(fields) - set(slots) - {"count"}:
                 self.out.shared.add(node)  # (NAdam's mu_product) moved by a group's call
+            if (spec.sums is None) != (spec.finish is None):
+                raise _Mismatch(f"{where}: {kind} gives only one half of its update")
+            if spec.sums is not None:
+                self.out.tree_wide.append(node)
         else:
             # a rule without a known layout: only its own update can compute it
             self.out.opaque.append(
@@ -506,7 +525,8 @@ class _Walk:
                 _Op(kind, args, {k: v[i] for k, v in slots.items()}, node, count,
                     fn=spec.update, state_at=idx if hasattr(idx, "_fields") else None,
                     injected=bool(self.placeholders), rebuild=rebuild,
-                    perleaf=isinstance(spec, PerLeaf),
+                    perleaf=isinstance(spec, PerLeaf), sums=spec.sums,
+                    finish=spec.finish,
                     grouped=spec.grouped if isinstance(spec, PerLeaf) else None))
 
 
@@ -639,6 +659,13 @@ def _match_compiled(program: list[Any]) -> _KernelPlan | str:
                     f"another ({op.kind})")
     if not ops:
         return "no update rule"
+    summing = [op.kind for op in ops if op.sums is not None]
+    if len(summing) > 1:
+        return (f"the compiled tier takes one rule with tree sums per program, not "
+                f"{' and '.join(summing)}")
+    if summing and any(op.injected for op in ops):
+        return (f"the compiled tier does not lower {summing[0]} with inject_hyperparams "
+                f"(the tree sums' pass reads the rules built at planning)")
     return _KernelPlan("compiled", clip, guard=guard, ops=tuple(ops))
 
 
@@ -779,9 +806,11 @@ def lower(structure: Structure, state_spec: _core.TreeSpec, values: list[Any],
         groups[key].plans.append(plan)
     if structure.shared:
         # such a rule's shared state (NAdam's mu_product) moves in its groups' calls, which
-        # run only on leaves with elements
+        # need a leaf with elements (by the DTensors' global sizes: a rank whose shards of
+        # a group are all empty moves it in a call over no elements, and every rank
+        # decides alike)
         moved = {op.node for g in groups.values() if (g.plan.kernel == "compiled"
-                 and any(local_tensor(values[i]).numel() for i in g.leaves))
+                 and any(values[i].numel() for i in g.leaves))
                  or g.plan.kernel == "perleaf" for op in g.plan.ops}
         if structure.shared - moved:
             return Lowered(structure, state_spec, [],
@@ -997,6 +1026,7 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
     applied = _guards(structure, state_leaves, new_leaves, finite or [], skipped)
     advanced = {c: _increment(state_leaves[c]) for c in dict.fromkeys(structure.counters)}
     perleaf: list[tuple[Group, torch.Tensor | None, torch.Tensor | None]] = []
+    prepared = []
     for group, hp in resolved:
         plan = group.plan
         scale = multiplier
@@ -1010,10 +1040,14 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
         if plan.kernel == "perleaf":  # run together below (rule-major)
             perleaf.append((group, scale, flag))
             continue
+        prepared.append((group, hp, scale, flag))
+    totals = _tree_totals(structure, prepared, values, grads, state_leaves) if (
+        structure.tree_wide) else None
+    for group, hp, scale, flag in prepared:
         _run_group(group, hp, values, grads, state_leaves, new_values, new_leaves,
                    donate=donate, donate_grads=donate_grads, scale=scale, found_inf=flag,
                    advanced=advanced, compiled=structure.compiled, workspace=workspace,
-                   low=low, new_low=new_low)
+                   totals=totals, low=low, new_low=new_low)
     if perleaf:
         _perleaf.run_groups(perleaf, values, grads, state_leaves, new_values, new_leaves,
                             treespec=structure.treespec, donate=donate)
@@ -1029,6 +1063,35 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
             new_leaves[i] = value if keep is None or value is old else torch.where(
                 keep.to(old.device), old, value.to(old.dtype))
     return Result(new_values, _core.unflatten(lowered.state_spec, new_leaves), new_low)
+
+
+def _tree_totals(structure: Structure, prepared: list[Any], values: list[Any],
+                 grads: list[Any], state_leaves: list[Any]) -> dict[int, Any]:
+    """The tree sums of every rule that has them (Prodigy's, ...), over all its leaves: one
+    compiled sums pass per group (each with its clip's scale), added over the groups, and
+    on DTensor params over the ranks with one all-reduce of them all, packed (a replicated
+    shard counts on one rank)."""
+    def name(i: int) -> str:
+        return f"leaf {i}"  # (words only the errors of inconsistent meshes)
+
+    counted = counted_leaves(grads, name)
+    parts: dict[int, list[Any]] = {node: [] for node in structure.tree_wide}
+    for group, _, scale, _ in prepared:
+        op = next((op for op in group.plan.ops if op.sums is not None), None)
+        if group.plan.kernel == "compiled" and op is not None:
+            parts[op.node].append(_compiled.group_sums(
+                group, values, grads, state_leaves, counted, scale=scale,
+                compiled=structure.compiled))
+    totals = {node: tuple(functools.reduce(torch.add, column) for column in zip(*found, strict=True))
+              for node, found in parts.items() if found}
+    group = _infer_group(values, name)
+    if group is not None and totals:
+        flat = [t for node in totals for t in totals[node]]
+        summed = all_reduce_stats(torch.stack([t.to(torch.float64) for t in flat]),
+                                  group).unbind()
+        it = iter(t.to(like.dtype) for t, like in zip(summed, flat, strict=True))
+        totals = {node: tuple(next(it) for _ in found) for node, found in totals.items()}
+    return totals
 
 
 def _or(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
@@ -1131,12 +1194,13 @@ def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[
                donate: bool, donate_grads: bool, scale: torch.Tensor | None,
                found_inf: torch.Tensor | None, advanced: dict[int, torch.Tensor],
                compiled: dict[Any, Any], workspace: dict[Any, Any] | None,
+               totals: dict[int, Any] | None = None,
                low: list[Any] | None = None, new_low: list[Any] | None = None) -> None:
     """One kernel call for the leaves of ``group``."""
     if group.plan.kernel == "compiled":
         _compiled.run_group(group, values, grads, state_leaves, new_values, new_leaves,
                             hp["updates"], donate=donate, scale=scale, found_inf=found_inf,
-                            compiled=compiled, workspace=workspace, low=low,
+                            compiled=compiled, workspace=workspace, totals=totals, low=low,
                             new_low=new_low)
         return
     plan, idx, device, dtype = group.plan, group.leaves, group.device, group.dtype

@@ -1,0 +1,142 @@
+"""Rank-side checks of functopt.contrib on the compiled tier with DTensor params, run by
+``run_all`` in each rank (``tests/test_contrib_fast.py`` turns each into a test).
+
+Schedule-free is elementwise with scalar state: each rank's compiled call steps its local
+shards and the result equals the pure path on the full tensors in one process. Prodigy
+sums over every leaf inside its update: each rank sums over its shards, one all-reduce
+makes the sums global, then each rank steps its shards.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
+
+import functopt
+from distributed.checks import _full, _mesh
+from distributed.harness import check_registry, run_checks
+from functopt import contrib
+from functopt.fast import FastPathWarning, explain, make_step
+
+CHECKS, check = check_registry()
+
+REL_FLOAT64 = 1e-12
+
+
+def run_all(rank: int, world: int) -> dict[str, str | None]:
+    """Run every check in this rank; a barrier after each keeps the ranks in step."""
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+    warnings.filterwarnings("ignore", message="`torch.jit.script_method` is deprecated")
+    return run_checks(CHECKS, rank, world)
+
+
+def _full_params(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    # 5 rows over 2 ranks are 3 + 2; 1 row lives on rank 0 only (an empty shard on rank 1)
+    return {"w": torch.randn(5, 3, generator=gen, dtype=torch.float64),
+            "b": torch.randn(1, generator=gen, dtype=torch.float64),
+            "v": torch.randn(4, generator=gen, dtype=torch.float64)}
+
+
+def _shard(tree: dict[str, Any], mesh: Any) -> dict[str, Any]:
+    return {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in tree.items()}
+
+
+def _assert_close(actual: Any, expected: Any, what: str) -> None:
+    a_leaves, spec = functopt.tree._core.flatten(actual)
+    e_leaves = functopt.tree._core.flatten_like(spec, expected, name="expected",
+                                                reference="actual")
+    for path, a, e in zip(functopt.tree._core.paths(spec), a_leaves, e_leaves, strict=True):
+        a = _full(a)
+        assert a.dtype == e.dtype and a.shape == e.shape, (what, path)
+        if not e.is_floating_point():
+            assert torch.equal(a, e), (what, path)
+            continue
+        rtol = REL_FLOAT64 if e.dtype == torch.float64 else 4 * torch.finfo(e.dtype).eps
+        torch.testing.assert_close(a, e, rtol=rtol, atol=1e-300, msg=f"{what} {path}")
+
+
+@check
+def schedule_free_compiles_on_shards_without_collectives(rank: int, world: int) -> None:
+    del rank
+    mesh = _mesh(world)
+    tx = contrib.schedule_free_adamw(0.1, warmup_steps=2, weight_decay=0.01)
+    full = _full_params(0)
+    params = _shard(full, mesh)
+    assert explain(tx, params, compile=True).fast
+    step = make_step(tx, compile=True)
+    state, ref_state = tx.init(params), tx.init(full)
+    for i in range(3):
+        gen = torch.Generator().manual_seed(10 + i)
+        gfull = {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in full.items()}
+        grads = _shard(gfull, mesh)
+        with torch.no_grad(), CommDebugMode() as comm, warnings.catch_warnings():
+            warnings.simplefilter("error", FastPathWarning)
+            params, state = step(grads, state, params)
+        assert comm.get_total_counts() == 0, comm.get_comm_counts()
+        updates, ref_state = tx.update(gfull, ref_state, full)
+        full = functopt.apply_updates(full, updates)
+        assert all(isinstance(p, DTensor) and p.placements == (Shard(0),)
+                   for p in params.values())
+        _assert_close(params, full, f"step {i} params")
+        _assert_close(state, ref_state, f"step {i} state")
+
+
+@check
+def prodigy_on_shards_one_all_reduce_per_step(rank: int, world: int) -> None:
+    """Each rank sums over its local shards (a compiled pass per group), one all-reduce
+    of the packed sums makes them global, then each rank steps its shards: equal to the
+    pure path on the full tensors. Two groups (float64, float32); rank 1 holds nothing of
+    the float32 one (one row), whose call over no elements still moves Prodigy's scalar
+    state there."""
+    del rank
+    mesh = _mesh(world)
+    tx = contrib.prodigy(weight_decay=0.1)
+    full = dict(_full_params(1), c=torch.randn(1, 2, generator=torch.Generator().manual_seed(2)))
+    params = _shard(full, mesh)
+    assert len(explain(tx, params, compile=True).groups) == 2
+    step = make_step(tx, compile=True)
+    state, ref_state = tx.init(params), tx.init(full)
+    gfull = {k: v * 0.5 for k, v in full.items()}  # one gradient: the estimate's sums grow
+    grads = _shard(gfull, mesh)
+    for i in range(3):
+        with torch.no_grad(), CommDebugMode() as comm, warnings.catch_warnings():
+            warnings.simplefilter("error", FastPathWarning)
+            params, state = step(grads, state, params)
+        assert comm.get_total_counts() == 1, comm.get_comm_counts()
+        updates, ref_state = tx.update(gfull, ref_state, full)
+        full = functopt.apply_updates(full, updates)
+        _assert_close(params, full, f"step {i} params")
+        _assert_close(state, ref_state, f"step {i} state")
+    assert float(state.numerator_weighted) > 0
+
+
+@check
+def prodigy_on_a_rank_holding_nothing(rank: int, world: int) -> None:
+    """Every leaf one row: rank 1 holds no element at all, yet decides like rank 0 (the
+    fast path), joins the all-reduce with zero sums and moves Prodigy's scalar state in
+    calls over no elements; both equal the full tensors' pure path."""
+    del rank
+    mesh = _mesh(world)
+    tx = contrib.prodigy()
+    gen = torch.Generator().manual_seed(3)
+    full = {"b": torch.randn(1, generator=gen, dtype=torch.float64),
+            "c": torch.randn(1, 3, generator=gen, dtype=torch.float64)}
+    params = _shard(full, mesh)
+    gfull = {k: v * 0.5 for k, v in full.items()}
+    grads = _shard(gfull, mesh)
+    state, ref_state = tx.init(params), tx.init(full)
+    step = make_step(tx, compile=True)
+    for i in range(3):
+        with torch.no_grad(), CommDebugMode() as comm, warnings.catch_warnings():
+            warnings.simplefilter("error", FastPathWarning)
+            params, state = step(grads, state, params)
+        assert comm.get_total_counts() == 1, comm.get_comm_counts()
+        updates, ref_state = tx.update(gfull, ref_state, full)
+        full = functopt.apply_updates(full, updates)
+        _assert_close(params, full, f"step {i} params")
+        _assert_close(state, ref_state, f"step {i} state")
