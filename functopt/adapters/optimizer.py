@@ -847,7 +847,7 @@ class Optimizer(torch.optim.Optimizer):
         steppers = self.__dict__.setdefault("_steppers", {})
         if donate not in steppers:  # one step function each: they cache their plans
             steppers[donate] = make_step(self._transform, donate=donate, fused=self._fused)
-        new, state, treespec = steppers[donate].step_leaves(self._tree(group, grads), state,
+        new, state, treespec = steppers[donate]._step_leaves(self._tree(group, grads), state,
                                                             plan.treespec, ptree)
         if not donate:
             leaves, spec = _core.flatten(ptree)

@@ -249,7 +249,7 @@ class Step:
                                 finite=finite, reads=planner.reads,
                                 workspace=self._scratch() if donate else None)
 
-    def step_leaves(self, grads: Updates, state_leaves: list[Any], state_spec: _core.TreeSpec,
+    def _step_leaves(self, grads: Updates, state_leaves: list[Any], state_spec: _core.TreeSpec,
                     params: Params) -> tuple[Params, list[Any], _core.TreeSpec]:
         """``self(grads, state, params)`` with the state given and returned as its leaves and
         treespec: for a caller that keeps the state flat (``functopt.Optimizer`` keeps it in
