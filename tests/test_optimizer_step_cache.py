@@ -211,3 +211,30 @@ def test_load_state_dict_then_step_as_in_torch(name: str) -> None:
         return [p.detach() for p in params]
 
     _close(run(OURS[name]), run(_torch))
+
+
+@pytest.mark.parametrize("name", sorted(OURS))
+def test_unchanged_group_values_are_not_read_on_the_host_again(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # With multipliers, the step's learning rate and weight decay are products the adapter
+    # makes; kept from step to step, the planner's memo of host reads holds them (on an
+    # accelerator each .item() is a synchronisation).
+    params = _params()
+    opt = OURS[name]([{"params": params, "lr_mult": 2.0, "wd_mult": 0.5}])
+    reads = []
+    item = torch.Tensor.item
+
+    def counted(self: torch.Tensor) -> Any:
+        reads.append(self)
+        return item(self)
+
+    for step in range(2 * STEPS):
+        if step == STEPS:
+            monkeypatch.setattr(torch.Tensor, "item", counted)
+        for p, g in zip(params, _grads(step), strict=True):
+            p.grad = g
+        opt.step()
+    assert reads == []
+    opt.param_groups[0]["lr"] = 3e-2  # a new value: read (once) at the next step
+    opt.step()
+    assert len(reads) == 1
