@@ -150,8 +150,8 @@ def test_optimizer_tensor_lr_keeps_its_graph_through_the_multiplier():
     opt = Optimizer([{"params": [p], "lr": lr, "lr_mult": 2.0}], tx)
     p.grad = torch.ones(2, dtype=F64)
     plan = opt._plan(0, opt.param_groups[0])
-    state = opt._gather(0, opt.param_groups[0], plan,
-                        functopt.adapters._param_groups.GroupFlags(2.0, 1.0, False))
+    state = functopt.tree.unflatten(plan.treespec, opt._gather(
+        0, opt.param_groups[0], plan, functopt.adapters._param_groups.GroupFlags(2.0, 1.0, False)))
     used = state.hyperparams["learning_rate"]
     assert used.requires_grad and torch.equal(used.detach(), torch.tensor(0.2, dtype=F64))
 

@@ -82,6 +82,11 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _immutable(value: Any) -> bool:
+    """A group value that cannot change without being replaced: a number, or a tuple of them."""
+    return _is_number(value) or (isinstance(value, tuple) and all(map(_is_number, value)))
+
+
 def _python_value(t: torch.Tensor) -> Any:
     # Schedulers do Python arithmetic on group values; a tensor that carries a graph keeps it.
     return t if t.requires_grad else t.item()
@@ -164,6 +169,19 @@ class _Plan:
                                   *_param_groups.SCHEDULER_GROUP_KEYS, *self.exposed, *kept})
         self.cache: dict[str, tuple[Any, torch.Tensor]] = {}
         self.checked: dict[str, Any] = {}  # injected name -> the group value last validated
+        # The last step's hyperparameters: (the group values they came from, the
+        # multipliers, the tensors the step read). A step whose group holds the very same
+        # immutable values takes them as they are (nothing converted, checked or multiplied
+        # again); any other value (a new number, a tensor, a list) goes the whole way.
+        self.last_hyper: tuple[list[Any], tuple[float, float], dict[str, Any]] | None = None
+        # Per param, the (leaf index, entry name) pairs of its optimizer.state entry, in
+        # the order of the state's leaves: the group-level leaves and its own fields.
+        self.entry_slots: list[list[tuple[int, str]]] = [
+            [(i, name) for i, (kind, j, name) in enumerate(self.leaves)
+             if kind == _GROUP or (kind == _FIELD and j == k)] for k in range(len(order))]
+        # Leaves that may be None in a state (None in the template): a None read from
+        # optimizer.state anywhere else is a missing entry.
+        self.nullable = [leaf is None for leaf in self.template]
         # Whether the state holds tensors a step updates (in place, with donation): then a
         # restart needs a fresh init, not the template the first step already took.
         self.stateful = any(kind != _HYPER and leaf is not None
@@ -572,76 +590,94 @@ class Optimizer(torch.optim.Optimizer):
                 f"{name!r}) must be a number or a 0-d tensor, got {type(value).__name__} "
                 f"{value!r}."
             )
-        tensor = torch.tensor(value, dtype=held.dtype, device=held.device)
+        tensor = torch.scalar_tensor(value, dtype=held.dtype, device=held.device)
         plan.cache[name] = (value, tensor)
         return tensor
 
-    def _gather(
-        self, index: int, group: dict[str, Any], plan: _Plan, flags: _param_groups.GroupFlags
-    ) -> State:
-        entries = [self.state.get(p) for p in group["params"]]
+    def _step_hyperparams(self, index: int, group: dict[str, Any], plan: _Plan,
+                          flags: _param_groups.GroupFlags) -> dict[str, Any]:
+        """The injected hyperparameters a step reads: the group's values as tensors, the
+        learning rate and weight decay times the group's multipliers (the group keeps the
+        scheduler's value). A group that holds the very values of the last step (the same
+        Python numbers and tuples, and multipliers) gets the tensors that step read: they
+        were converted and checked then."""
+        raw = [group[key] for key in plan.exposed]
+        mults = (flags.lr_mult, flags.wd_mult)
+        last = plan.last_hyper
+        if last is not None and last[1] == mults and len(last[0]) == len(raw) and all(
+                a is b for a, b in zip(last[0], raw, strict=True)):
+            return dict(last[2])
         hyper = self._hyperparams(index, group, plan)
-        # The group keeps the scheduler's value; the step uses it times the multiplier.
-        for name, mult in (("learning_rate", flags.lr_mult), ("weight_decay", flags.wd_mult)):
+        for name, mult in zip(("learning_rate", "weight_decay"), mults, strict=True):
             if mult != 1.0:
                 if name not in hyper:  # the group was edited after add_param_group
                     self._check_multipliers(index, group, plan, flags)
                 hyper[name] = hyper[name] * mult
-        leaves: list[Any] = []
+        # (a tensor value may be changed in place, a list item by item: read them anew)
+        plan.last_hyper = (raw, mults, dict(hyper)) if all(map(_immutable, raw)) else None
+        return hyper
+
+    def _gather(
+        self, index: int, group: dict[str, Any], plan: _Plan, flags: _param_groups.GroupFlags
+    ) -> list[Any]:
+        """The leaves of the group's transform state (of ``plan.treespec``): its entries in
+        ``optimizer.state``, the hyperparameters from the group."""
+        params = group["params"]
+        get = self.state.get
+        entries = [get(p) for p in params]
+        hyper = self._step_hyperparams(index, group, plan, flags)
         # No state (cleared, or a stateless transform), or the state add_param_group made
         # for params that have moved since: start from init, on the params as they are now.
-        fresh = not any(entries) or self._unstepped.get(index, plan) is not plan
-        template = plan.fresh(self._transform, self._tree(group, group["params"])) if fresh \
-            else plan.template
+        if not any(entries) or self._unstepped.get(index, plan) is not plan:
+            template = plan.fresh(self._transform, self._tree(group, params))
+            return [hyper[name] if kind == _HYPER else leaf
+                    for (kind, _, name), leaf in zip(plan.leaves, template, strict=True)]
+        first = entries[0]
+        nullable = plan.nullable
+        leaves: list[Any] = []
         for i, (kind, j, name) in enumerate(plan.leaves):
             if kind == _HYPER:
                 leaves.append(hyper[name])
                 continue
-            if fresh:
-                leaves.append(template[i])
-                continue
-            entry = entries[j if kind == _FIELD else 0] or {}
-            value = entry.get(name)
-            if value is None and plan.template[i] is not None:
+            entry = entries[j] if kind == _FIELD else first
+            value = entry.get(name) if entry else None
+            if value is None and not nullable[i]:
                 where = self._describe(group, j if kind == _FIELD else 0)
                 raise ValueError(
                     f"functopt.Optimizer: optimizer.state for {where} has no {name!r} (it has "
-                    f"{sorted(entry)}). Fix: load a state_dict saved by a functopt.Optimizer "
-                    f"with the same transform, or clear the state of the whole group to "
-                    f"restart it from transform.init."
+                    f"{sorted(entry or {})}). Fix: load a state_dict saved by a "
+                    f"functopt.Optimizer with the same transform, or clear the state of the "
+                    f"whole group to restart it from transform.init."
                 )
             leaves.append(value)
-        return _core.unflatten(plan.treespec, leaves)
+        return leaves
 
-    def _scatter(self, group: dict[str, Any], plan: _Plan, state: Any) -> None:
-        params = group["params"]
-        if isinstance(state, list):  # the template's leaves
+    def _scatter(self, group: dict[str, Any], plan: _Plan, state: Any,
+                 treespec: _core.TreeSpec | None = None) -> None:
+        """Write the group's transform state into ``optimizer.state``: a state tree, or its
+        leaves of ``treespec`` (a step's), or, without ``treespec``, the template's leaves."""
+        if isinstance(state, list):
             leaves = state
         else:
             leaves, treespec = _core.flatten(state)
-            # (not under torch.compile, which cannot compare optree specs)
-            if not torch.compiler.is_compiling() and treespec != plan.treespec:
-                raise ValueError(
-                    f"functopt.Optimizer: the transform's update returned a state of structure "
-                    f"{treespec}, but its init gave {plan.treespec}. Fix: a transform's state "
-                    f"must keep the structure init gives it."
-                )
-        entries: list[dict[str, Any]] = [{} for _ in params]
-        for (kind, j, name), value in zip(plan.leaves, leaves, strict=True):
-            if value is None or kind == _HYPER:
-                continue
-            if kind == _FIELD:
-                entries[j][name] = value
-            else:
-                for entry in entries:
-                    entry[name] = value
+        # (the fused step hands back the very treespec it was given; not compared under
+        # torch.compile, which cannot compare optree specs)
+        if treespec is not None and treespec is not plan.treespec and (
+                not torch.compiler.is_compiling() and treespec != plan.treespec):
+            raise ValueError(
+                f"functopt.Optimizer: the transform's update returned a state of structure "
+                f"{treespec}, but its init gave {plan.treespec}. Fix: a transform's state must "
+                f"keep the structure init gives it."
+            )
         # New dicts each step: a state_dict taken earlier keeps its values. Every param has
         # an entry, empty for a stateless transform, as torch.optim's SGD keeps
         # {'momentum_buffer': None}: torch.distributed.checkpoint's state-dict helpers take a
         # zero-gradient step to create the state of an optimizer whose state is empty, which
-        # a transform that does not scale with lr (a weight decay) would apply.
-        for p, entry in zip(params, entries, strict=True):
-            self.state[p] = entry
+        # a transform that does not scale with lr (a weight decay) would apply. An entry
+        # holds the group-level leaves and the param's own fields, in the state's order.
+        store = self.state
+        for p, slots in zip(group["params"], plan.entry_slots, strict=True):
+            store[p] = {name: leaves[i] for i, name in slots if leaves[i] is not None}
 
     # -- step -----------------------------------------------------------------------------
 
@@ -693,7 +729,9 @@ class Optimizer(torch.optim.Optimizer):
             if flags.frozen:
                 continue
             plan = self._plan(index, group)
-            found = _find_states(self._gather(index, group, plan, flags), ScheduleFreeState)
+            found = _find_states(_core.unflatten(plan.treespec,
+                                                 self._gather(index, group, plan, flags)),
+                                 ScheduleFreeState)
             if len(found) != 1:
                 raise TypeError(
                     f"functopt.Optimizer.eval: param_groups[{index}]'s transform has "
@@ -775,15 +813,21 @@ class Optimizer(torch.optim.Optimizer):
         flags = _param_groups.group_flags("functopt.Optimizer", f"param_groups[{index}]", group)
         params = group["params"]
         grads = [p.grad for p in params]
-        if flags.frozen or all(g is None for g in grads):
+        if flags.frozen:
             return
+        stepped = False
         for j, g in enumerate(grads):
-            if g is not None and g.layout != torch.strided:
-                raise TypeError(
-                    f"functopt.Optimizer: {self._describe(group, j)} has a {g.layout} "
-                    f"gradient; functopt transforms take dense gradients. Fix: use a dense "
-                    f"embedding (sparse=False), or call grad.to_dense() before the step."
-                )
+            if g is not None:
+                if g.layout != torch.strided:
+                    raise TypeError(
+                        f"functopt.Optimizer: {self._describe(group, j)} has a {g.layout} "
+                        f"gradient; functopt transforms take dense gradients. Fix: use a "
+                        f"dense embedding (sparse=False), or call grad.to_dense() before the "
+                        f"step."
+                    )
+                stepped = True
+        if not stepped:  # as in torch.optim: a group without gradients is not stepped
+            return
         plan = self._plan(index, group)
         # A fresh state (none yet: not stepped, cleared, stateless) follows the params.
         if index in self._unstepped or not self.state.get(params[0]):
@@ -800,14 +844,15 @@ class Optimizer(torch.optim.Optimizer):
         steppers = self.__dict__.setdefault("_steppers", {})
         if donate not in steppers:  # one step function each: they cache their plans
             steppers[donate] = make_step(self._transform, donate=donate, fused=self._fused)
-        new, state = steppers[donate](self._tree(group, grads), state, ptree)
+        new, state, treespec = steppers[donate]._step_leaves(self._tree(group, grads), state,
+                                                            plan.treespec, ptree)
         if not donate:
             leaves, spec = _core.flatten(ptree)
             news = _core.flatten_like(spec, new, name="new params", reference="params")
             for p, n in zip(leaves, news, strict=True):
                 if n is not p:
                     p.copy_(n)
-        self._scatter(group, plan, state)
+        self._scatter(group, plan, state, treespec)
         self._unstepped.pop(index, None)
 
     # -- checkpoints ----------------------------------------------------------------------

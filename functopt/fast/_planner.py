@@ -853,9 +853,14 @@ def _python(binding: Any) -> Any:
 @dataclass
 class Result:
     values: list[Any]
-    state: Any
+    leaves: list[Any]  # the new state's leaves, of the treespec ``spec``
+    spec: _core.TreeSpec
     # per leaf, the low-precision param the compiled tier wrote (``run``'s ``low``), or None
     low: list[Any] | None = None
+
+    @property
+    def state(self) -> Any:
+        return _core.unflatten(self.spec, self.leaves)
 
 
 def counted_leaves(grads: list[Any], name: Callable[[int], str]) -> list[bool]:
@@ -1062,7 +1067,7 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
             old, value = state_leaves[i], hyper[k]
             new_leaves[i] = value if keep is None or value is old else torch.where(
                 keep.to(old.device), old, value.to(old.dtype))
-    return Result(new_values, _core.unflatten(lowered.state_spec, new_leaves), new_low)
+    return Result(new_values, new_leaves, lowered.state_spec, new_low)
 
 
 def _tree_totals(structure: Structure, prepared: list[Any], values: list[Any],
@@ -1129,7 +1134,7 @@ def _increment(count: torch.Tensor) -> torch.Tensor:
     small model's step pays for every one; this path never runs under torch.func)."""
     if count.device.type == "cpu" and type(count) is torch.Tensor and count.dim() == 0:
         n = int(count)
-        return torch.tensor(n + 1 if n < _common.INT32_MAX else n, dtype=count.dtype)
+        return torch.scalar_tensor(n + 1 if n < _common.INT32_MAX else n, dtype=count.dtype)
     return _common.safe_increment(count)
 
 

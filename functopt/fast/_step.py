@@ -287,25 +287,50 @@ class Step:
                 _planner.check_donation(param_leaves, name)
             return self._multi_step(self._accumulated, grads, state, params, extra_args)
         state_leaves, state_spec = _core.flatten(state)
-        planner = self.planner
+        result = self._fused(params, param_leaves, treespec, grad_leaves, state_leaves,
+                             state_spec, name)
+        if not isinstance(result, str):
+            return _core.unflatten(treespec, result.values), result.state
+        _planner.warn_lost("make_step", result, stacklevel=2)
+        updates, new_state = tx.update(grads, state, params, **extra_args)
+        return _grouped_apply(param_leaves, treespec, updates, donate), new_state
+
+
+    def _fused(self, params: Params, param_leaves: list[Any], treespec: _core.TreeSpec,
+               grad_leaves: list[Any], state_leaves: list[Any], state_spec: _core.TreeSpec,
+               name: Callable[[int], str]) -> _planner.Result | str:
+        """The planner's step on checked leaves, or the reason it has no fast path (before
+        anything was written)."""
+        donate, planner = self.donate, self.planner
         structure = planner.structure(params, treespec, param_leaves, state_leaves, state_spec)
         lowered = planner.lower(structure, state_spec, param_leaves, grad_leaves, state_leaves,
                                 name, donated=param_leaves if donate else None,
                                 compiled=self.compile)
-        reason = lowered.reason
-        if reason is None:
-            with torch.no_grad():  # donated params may be leaves that require grad
-                sums, finite = _reductions(structure, param_leaves, grad_leaves, name)
-                result = _planner.run(lowered, param_leaves, grad_leaves, state_leaves,
-                                      donate=donate, donate_grads=self.donate_grads,
-                                      sums=sums, finite=finite, reads=planner.reads,
-                                      workspace=self._scratch() if donate else None)
-            if not isinstance(result, str):
-                return _core.unflatten(treespec, result.values), result.state
-            reason = result
-        _planner.warn_lost("make_step", reason, stacklevel=2)
-        updates, new_state = tx.update(grads, state, params, **extra_args)
-        return _grouped_apply(param_leaves, treespec, updates, donate), new_state
+        if lowered.reason is not None:
+            return lowered.reason
+        with torch.no_grad():  # donated params may be leaves that require grad
+            sums, finite = _reductions(structure, param_leaves, grad_leaves, name)
+            return _planner.run(lowered, param_leaves, grad_leaves, state_leaves,
+                                donate=donate, donate_grads=self.donate_grads, sums=sums,
+                                finite=finite, reads=planner.reads,
+                                workspace=self._scratch() if donate else None)
+
+    def _step_leaves(self, grads: Updates, state_leaves: list[Any], state_spec: _core.TreeSpec,
+                    params: Params) -> tuple[Params, list[Any], _core.TreeSpec]:
+        """``self(grads, state, params)`` with the state given and returned as its leaves and
+        treespec: for a caller that keeps the state flat (``functopt.Optimizer`` keeps it in
+        torch's per-param layout), the fused path then neither rebuilds nor flattens it.
+        Any other path takes ``__call__`` (and its warning) on the rebuilt tree."""
+        if self.fused:
+            param_leaves, treespec, grad_leaves = _check(grads, params)
+            if not differentiated(params, grads, state_leaves):
+                result = self._fused(params, param_leaves, treespec, grad_leaves, state_leaves,
+                                     state_spec, _leaf_names(treespec))
+                if not isinstance(result, str):
+                    return _core.unflatten(treespec, result.values), result.leaves, result.spec
+        new, state = self(grads, _core.unflatten(state_spec, state_leaves), params)
+        leaves, spec = _core.flatten(state)
+        return new, leaves, spec
 
 
     def _multi_step(self, ms: MultiSteps, grads: Updates, state: Any, params: Params,

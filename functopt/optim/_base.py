@@ -110,6 +110,17 @@ _RANGES: dict[str, tuple[float, float, bool]] = {  # key: (low, high, high open)
 }
 
 
+# The group keys check_group reads.
+_CHECKED_KEYS = (*_RANGES, "betas")
+
+
+def _immutable(value: Any) -> bool:
+    """None, a number, or a tuple of numbers: a group value that is replaced to be changed."""
+    if isinstance(value, tuple):
+        return all(isinstance(v, (int, float)) for v in value)
+    return value is None or isinstance(value, (int, float))
+
+
 def check_group(owner: str, where: str, group: dict[str, Any]) -> None:
     """Raise naming the group and key whose value is out of the range torch's constructor
     enforces (Python numbers and 0-d tensors; betas each in [0, 1))."""
@@ -221,15 +232,27 @@ class TorchOptimizer(Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """``torch.optim.Optimizer.step``: update every param group (after ``closure``)."""
         fixed = self._fixed
+        options = [(k, v) for k, v in fixed.items() if k not in HINTS]
+        # Per group, the values check_group last passed: a group that holds the very same
+        # numbers and tuples again is not checked again (a tensor value always is).
+        checked: dict[int, list[Any]] = self.__dict__.setdefault("_checked", {})
         for i, group in enumerate(self.param_groups):
             # The groups hold the very objects stored at construction: identity is the fast
             # check, equality the exact one.
-            if any(group.get(k, v) is not v for k, v in fixed.items() if k not in HINTS):
-                self._check_fixed(f"functopt.optim.{type(self).__name__}.step",
-                                  f"param_groups[{i}]",
-                                  {k: group[k] for k in fixed if k in group})
-            check_group(f"functopt.optim.{type(self).__name__}.step", f"param_groups[{i}]",
-                        group)
+            for k, v in options:
+                if group.get(k, v) is not v:
+                    self._check_fixed(f"functopt.optim.{type(self).__name__}.step",
+                                      f"param_groups[{i}]",
+                                      {k: group[k] for k in fixed if k in group})
+                    break
+            values = [group.get(key) for key in _CHECKED_KEYS]
+            last = checked.get(i)
+            if last is None or any(a is not b for a, b in zip(last, values, strict=True)):
+                checked.pop(i, None)
+                check_group(f"functopt.optim.{type(self).__name__}.step",
+                            f"param_groups[{i}]", group)
+                if all(map(_immutable, values)):
+                    checked[i] = values
         return super().step(closure)
 
     def __getstate__(self) -> dict[str, Any]:
