@@ -145,13 +145,13 @@ class FunctoptMixedChain(C.FunctoptMixed):
     """``mixed_precision(chain(clip_by_global_norm(1), adamw), donate=True)``."""
 
     def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor], *,
-                 fused: bool, compile: bool = False) -> None:
-        super().__init__(params, grads, fused=fused, compile=compile)
+                 fused: bool) -> None:
+        super().__init__(params, grads, fused=fused)
         inner = functopt.chain(functopt.clip_by_global_norm(MAX_NORM), _adamw())
         self.mp = functopt.precision.mixed_precision(
-            inner, loss_scale=_loss_scale(), fused=fused, donate=fused, count_zeros=False,
-            compile=compile)
-        self.setup(compile)
+            inner, loss_scale=_loss_scale(), fused=fused, donate=fused, count_zeros=False)
+        self.state = self.mp.init(self.params)
+        self.start = [*self.params.values(), *self.state.master.values()]
 
 
 class FacadeMixed(C.Contender):
@@ -160,11 +160,9 @@ class FacadeMixed(C.Contender):
     (``count_zeros=False``, Megatron's default; the idiom counts none either)."""
 
     def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor], *,
-                 groups: bool, compile: bool = False) -> None:
+                 groups: bool) -> None:
         super().__init__()
         self.name = "facade, 2 groups" if groups else "facade, 1 group"
-        if compile:  # compile=True: the compiled mixed step, params and grads laid out
-            self.name += ", compiled"
         bf_params, bf_grads = C._bf16_setup(params, grads)
         names = C._names(len(params))
         self.params = [torch.nn.Parameter(p) for p in bf_params]
@@ -183,11 +181,11 @@ class FacadeMixed(C.Contender):
                           "wd_mult": 0.0}]
             self.opt = functopt.MixedPrecisionOptimizer(spec, factory,
                                                         loss_scale=_loss_scale(),
-                                                        count_zeros=False, compile=compile)
+                                                        count_zeros=False)
         else:
             self.opt = functopt.MixedPrecisionOptimizer(named, _adamw(),
                                                         loss_scale=_loss_scale(),
-                                                        count_zeros=False, compile=compile)
+                                                        count_zeros=False)
         self.opt.clip_grad_norm(None, MAX_NORM)
         self.start = list(self.params)
 
@@ -211,17 +209,13 @@ def mixed_contenders(case: str, shapes: list[tuple[int, ...]], seed: int = 0,
     ref = C.FunctoptMixed(params, grads, fused=False)
     idiom = C.TorchMixedIdiom(params, grads)
     if case == "max_grad_norm":
-        return [ref, C.FunctoptMixed(params, grads, fused=True),
-                C.FunctoptMixed(params, grads, fused=True, compile=True), idiom], []
+        return [ref, C.FunctoptMixed(params, grads, fused=True), idiom], []
     if case == "chain_clip":
-        return [ref, FunctoptMixedChain(params, grads, fused=True),
-                FunctoptMixedChain(params, grads, fused=True, compile=True), idiom], []
+        return [ref, FunctoptMixedChain(params, grads, fused=True), idiom], []
     if case == "facade_1_group":
-        return [ref, FacadeMixed(params, grads, groups=False),
-                FacadeMixed(params, grads, groups=False, compile=True), idiom], []
+        return [ref, FacadeMixed(params, grads, groups=False), idiom], []
     # decay / no-decay groups: the idiom decays the vectors too, so it is the yardstick
-    return [FacadeMixed(params, grads, groups=True),
-            FacadeMixed(params, grads, groups=True, compile=True)], [idiom]
+    return [FacadeMixed(params, grads, groups=True)], [idiom]
 
 
 # -- a small model: the fixed per-step cost -------------------------------------------------

@@ -243,11 +243,9 @@ class FunctoptMixed(Contender):
     """
 
     def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor], *,
-                 fused: bool, compile: bool = False) -> None:
+                 fused: bool) -> None:
         super().__init__()
         self.name = "functopt fused" if fused else "functopt pure"
-        if compile:
-            self.name = "functopt compiled, lay_out"
         self.fused = fused
         names = _names(len(params))
         bf_params, bf_grads = _bf16_setup(params, grads)
@@ -261,20 +259,10 @@ class FunctoptMixed(Contender):
         if fused:
             self.mp = functopt.precision.mixed_precision(
                 inner, loss_scale=loss_scale, max_grad_norm=MAX_GRAD_NORM, fused=True,
-                donate=True, count_zeros=False, compile=compile)
+                donate=True, count_zeros=False)
         else:
             self.mp = functopt.precision.mixed_precision(
                 inner, loss_scale=loss_scale, max_grad_norm=MAX_GRAD_NORM, fused=False)
-        self.setup(compile)
-
-    def setup(self, compile: bool) -> None:
-        """The state; with ``compile``, first ``mp.lay_out``: the bf16 params and their
-        grads in one buffer per group (as a model's would be before its first backward)."""
-        if compile:
-            for p, g in zip(self.params.values(), self.grads.values(), strict=True):
-                p.grad = g
-            self.params = self.mp.lay_out(self.params)
-            self.grads = {k: p.grad for k, p in self.params.items()}
         self.state = self.mp.init(self.params)
         self.start = [*self.params.values(), *self.state.master.values()]
 

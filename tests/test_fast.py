@@ -595,3 +595,24 @@ def test_injected_hyperparameters_are_read_every_step() -> None:
     new, _ = step(grads, state, params)
     (d_lr,) = torch.autograd.grad(new["w"].sum(), lr)  # the pure path kept the graph
     assert torch.isfinite(d_lr) and d_lr != 0
+
+
+def test_a_clip_of_finite_huge_gradients_is_finite_without_a_host_read(monkeypatch) -> None:
+    """The planner's clip on gradients whose float32 sum of squares overflows (1e30) but
+    which are finite: on an accelerator (here the CPU with the host-read branch turned
+    off, as on a GPU) every leaf is measured again in float64 and selected on the device,
+    so the step is finite and equal to the pure path's, as on the CPU."""
+    from functopt.tree import _ops
+
+    monkeypatch.setattr(_ops, "_host_branch_ok", lambda x: False)
+    tx = functopt.chain(functopt.clip_by_global_norm(1.0), functopt.adamw(0.1))
+    params = {"big": torch.ones(4), "fine": torch.ones(2, 3)}
+    grads = {"big": torch.full((4,), 1e30), "fine": torch.full((2, 3), 0.5)}
+    step = make_step(tx)
+    new, _ = step(grads, tx.init(params), params)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    pure = functopt.apply_updates(params, updates)
+    for k in params:
+        assert torch.isfinite(new[k]).all(), k
+        torch.testing.assert_close(new[k], pure[k], rtol=1e-6, atol=1e-7)
+    assert not torch.equal(new["big"], params["big"])  # a real step, not a skip

@@ -278,10 +278,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             option; ``inf``, the default, never skips).
         return_grad_stats: ``step()`` returns ``(ok, grad_norm, num_zeros)`` as
             Megatron-LM's does, instead of ``ok``.
-        compile: the compiled mixed step (``mixed_precision(..., compile=True)``): every
-            elementwise rule, Adam and AdamW included, runs as one ``torch.compile``\ d
-            call per group of params that reads the low-precision gradients as they are
-            and writes the params. The params and their gradients are moved at
+        compile: the compiled mixed step (``mixed_precision(..., compile=True)``): the
+            elementwise rules without a PyTorch kernel (Lion, NAdam, ...) run as one
+            ``torch.compile``\ d call per group of params, which also writes the
+            params (rules with a kernel keep it). Those groups' params and gradients are
+            moved at
             construction into one buffer per group (``param.data`` and ``param.grad``
             become views, as Megatron-LM's contiguous buffers; the module keeps working),
             and ``zero_grad()`` then zeroes the gradients in place by default, so that

@@ -129,9 +129,7 @@ def _body(ops: tuple[Any, ...]) -> Any:
              shared: list[dict[str, Any]], scale: torch.Tensor | None,
              skip: torch.Tensor | None, low: torch.Tensor | None,
              updates: list[Any], totals: list[Any]) -> list[dict[str, Any]]:
-        # (a mixed step's low-precision gradients, widened here as the pure path casts them)
-        u = g if g.dtype == p.dtype else g.to(p.dtype)
-        u = u if scale is None else _common.scaled(u, scale)
+        u = g if scale is None else _common.scaled(g, scale)
         new_slots: list[torch.Tensor] = []
         new_shared: list[dict[str, Any]] = []
         k = 0
@@ -168,8 +166,7 @@ def _sums_body(ops: tuple[Any, ...]) -> Any:
     sums (see ``Leafwise.sums``), then that rule's first half; writes nothing."""
     def sums(g: torch.Tensor, p: torch.Tensor, slots: list[torch.Tensor],
              shared: list[dict[str, Any]], scale: torch.Tensor | None) -> Any:
-        u = g if g.dtype == p.dtype else g.to(p.dtype)  # (a mixed step's bf16 gradients)
-        u = u if scale is None else _common.scaled(u, scale)
+        u = g if scale is None else _common.scaled(g, scale)
         k = 0
         for op, own in zip(ops, shared, strict=True):
             fields = dict(own)

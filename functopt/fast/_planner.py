@@ -76,7 +76,7 @@ from functopt.fast._layout import dense as _dense
 from functopt.fast._layout import overlapping
 from functopt.transforms import _common
 from functopt.transforms.multi_steps import Accumulated
-from functopt.tree import _core
+from functopt.tree import _core, _ops
 from functopt.tree._ops import _safe_norm
 
 __all__ = ["Lowered", "Structure", "lower", "match", "run", "walk"]
@@ -316,7 +316,6 @@ class Structure:
     nodes: int = 0
     matched: list[Any] | None = None  # per leaf: match(program), computed once
     matched_compiled: list[Any] | None = None  # the same with the compiled tier
-    matched_everywhere: list[Any] | None = None  # the compiled tier first, kernels second
     compiled: dict[Any, Any] = field(default_factory=dict)  # the compiled tier's functions
     # the rules (nodes) that keep state beside their count that only their update moves
     shared: set[int] = field(default_factory=set)
@@ -612,21 +611,15 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def match(program: list[Any], compiled: bool = False, perleaf: bool = False, *,
-          everywhere: bool = False) -> _KernelPlan | str:
+def match(program: list[Any], compiled: bool = False, perleaf: bool = False,
+          ) -> _KernelPlan | str:
     """The kernel for one leaf's program, or the reason there is none. ``compiled``: a
     program no kernel covers takes the compiled tier when it can. ``perleaf`` (the
     transform has a rule that reduces within a leaf): a program neither covers takes the
-    per-leaf tier when it can. ``everywhere``: every program the compiled tier can take
-    takes it, kernels or not (a mixed step's compiled body, which reads the low-precision
-    gradients and writes the params itself)."""
+    per-leaf tier when it can."""
     if any(getattr(op, "perleaf", False) for op in program):
         found: _KernelPlan | str = _perleaf.match(program, _KernelPlan)
         return found
-    if everywhere:
-        first = _match_compiled(program)
-        if isinstance(first, _KernelPlan):
-            return first
     plan = _match_kernel(program)
     if isinstance(plan, str) and compiled:
         alternative = _match_compiled(program)
@@ -772,20 +765,16 @@ class Lowered:
 
 def lower(structure: Structure, state_spec: _core.TreeSpec, values: list[Any],
           grads: list[Any], state_leaves: list[Any], name: Callable[[int], str], *,
-          compiled: bool = False, everywhere: bool = False) -> Lowered:
+          compiled: bool = False) -> Lowered:
     """Group the leaves with a gradient by kernel, or say why this step stays pure.
-    ``compiled``: programs without a kernel take the compiled tier where they can;
-    ``everywhere`` (with ``compiled``): every program the compiled tier can take (see
-    `match`)."""
+    ``compiled``: programs without a kernel take the compiled tier where they can."""
     if structure.opaque:
         return Lowered(structure, state_spec, [], structure.opaque[0])
     groups: dict[tuple[Any, ...], Group] = {}
-    everywhere = everywhere and compiled
-    field = ("matched_everywhere" if everywhere else
-             "matched_compiled" if compiled else "matched")
+    field = "matched_compiled" if compiled else "matched"
     matched = getattr(structure, field)
     if matched is None:
-        matched = [match(program, compiled, structure.perleaf, everywhere=everywhere)
+        matched = [match(program, compiled, structure.perleaf)
                    for program in structure.programs]
         setattr(structure, field, matched)
     for i, (v, g) in enumerate(zip(values, grads, strict=True)):
@@ -930,11 +919,12 @@ def leaf_squares(tensors: list[Any], counted: list[bool],
     its accumulation precision) as a 0-d float64 tensor, None elsewhere; accumulated like
     ``tree._ops._sum_of_squares`` (float32, float64 for float64 tensors).
 
-    ``rescue``: where a float32 norm overflowed although the leaf is finite, measure it
-    again in float64, as ``clip_by_global_norm``'s pure path does (on the CPU, where the
-    check is a free host read; elsewhere the overflow stays inf: the step then clips to
-    nan, as the mixed step counts such a norm as an overflow). ``accumulate``: the
-    accumulation dtype of every leaf instead."""
+    ``rescue`` (no ``multiplier``): where a float32 norm overflowed although the leaf is
+    finite, measure it again in float64, as ``clip_by_global_norm``'s pure path does: on
+    the CPU only for the leaves that overflowed (the check is a free host read), on an
+    accelerator for every leaf, selected on the device (no synchronisation; one more read
+    of the gradients). The mixed step does not rescue: it counts such a norm as an
+    overflow. ``accumulate``: the accumulation dtype of every leaf instead."""
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, (t, c) in enumerate(zip(tensors, counted, strict=True)):
         if c and t is not None:
@@ -947,12 +937,20 @@ def leaf_squares(tensors: list[Any], counted: list[bool],
         if multiplier is not None:
             norms = norms * multiplier.to(device=where, dtype=acc)
         squares = norms.to(torch.float64) ** 2
-        if rescue and where.type == "cpu" and bool(torch.isinf(norms).any()):
-            for j, i in enumerate(idx):
-                if bool(torch.isinf(norms[j])):
-                    wide = _safe_norm(tensors[i])
-                    if bool(torch.isfinite(wide)):
-                        squares[j] = wide ** 2
+        if rescue and _ops._host_branch_ok(norms):
+            if bool(torch.isinf(norms).any()):
+                for j, i in enumerate(idx):
+                    if bool(torch.isinf(norms[j])):
+                        wide = _safe_norm(tensors[i])
+                        if bool(torch.isfinite(wide)):
+                            squares[j] = wide ** 2
+        elif rescue:
+            # no host read on an accelerator: every leaf measured again in float64 and
+            # selected where the float32 norm overflowed although the leaf is finite, as
+            # clip_by_global_norm's pure path does there (one more read of the gradients)
+            wide = torch.stack([_safe_norm(tensors[i]).to(where) for i in idx])
+            squares = torch.where(torch.isinf(norms) & torch.isfinite(wide), wide ** 2,
+                                  squares)
         for j, i in enumerate(idx):
             out[i] = squares[j]
     return out
@@ -1290,15 +1288,14 @@ class Planner:
 
     def lower(self, structure: Structure, state_spec: _core.TreeSpec, values: list[Any],
               grads: list[Any], state_leaves: list[Any], name: Callable[[int], str], *,
-              donated: list[Any] | None = None, compiled: bool = False,
-              everywhere: bool = False) -> Lowered:
+              donated: list[Any] | None = None, compiled: bool = False) -> Lowered:
         """`lower`, remembered for the same tensors; ``donated``: leaves written in place,
         checked with `check_donation` the first time."""
         # (counters are new tensors at every step; the per-leaf entries are what is checked)
         slots = [state_leaves[k] for k in structure.slot_indices]
         # (the data pointers catch a param whose .data was replaced in place, as
         # module.to() or .half() do: same object, new memory, maybe a new dtype)
-        key = (id(structure), compiled, everywhere, tuple(map(id, values)),
+        key = (id(structure), compiled, tuple(map(id, values)),
                tuple(g is None for g in grads),
                tuple(map(id, slots)), donated is not None,
                tuple(0 if v is None else local_tensor(v).data_ptr() for v in values))
@@ -1310,7 +1307,7 @@ class Planner:
         if donated is not None:
             check_donation(donated, name)
         lowered = lower(structure, state_spec, values, grads, state_leaves, name,
-                        compiled=compiled, everywhere=everywhere)
+                        compiled=compiled)
         refs = [weakref.ref(x) if isinstance(x, torch.Tensor) else x
                 for x in itertools.chain(values, slots)]
         if len(self._lowered) >= self._SIZE:

@@ -51,6 +51,7 @@ import torch.distributed as dist
 from functopt._collective.dtensor import _rewrap_like, local_tensor
 from functopt._collective.reduce import all_reduce_stats
 from functopt.fast import _compiled, _planner
+from functopt.fast._layout import end_to_end
 from functopt.precision.loss_scale import LossScale, LossScaleState, _inverse
 from functopt.precision.stats import (
     _SUMSQ,
@@ -140,16 +141,31 @@ def _widened(grads: list[Any], views: list[Any], workspace: list[Any] | None) ->
     return out
 
 
-def _read_as_given(groups: list[Any], grads: list[Any]) -> list[bool]:
-    """Per leaf, whether its gradient goes to the step as given: the leaves of compiled
-    groups whose gradients share one dtype (the call widens them as it reads them)."""
-    raw = [False] * len(grads)
+def _flat_casts(groups: list[Any], grads: list[Any], views: list[Any],
+                workspace: list[Any]) -> None:
+    """Lay the gradient casts of each compiled group (whose gradients all need one) in
+    ``workspace`` as views of one buffer, in the group's order and its values' layout, so
+    that `_widened` casts into them and the group's call reads them without gathering.
+    Buffers laid out so at an earlier step are kept."""
+    if len(workspace) != len(grads):
+        workspace[:] = [None] * len(grads)
     for group in groups:
-        if group.plan.kernel == "compiled" and len(
-                {local_tensor(grads[i]).dtype for i in group.leaves}) == 1:
-            for i in group.leaves:
-                raw[i] = True
-    return raw
+        if group.plan.kernel != "compiled":
+            continue
+        idx = [i for i in group.leaves if local_tensor(views[i]).numel()]
+        values = [local_tensor(views[i]) for i in idx]
+        if not idx or any(local_tensor(grads[i]).dtype == v.dtype
+                          for i, v in zip(idx, values, strict=True)):
+            continue
+        have = [workspace[i] for i in idx]
+        if all(isinstance(w, torch.Tensor) and w.shape == v.shape and w.dtype == v.dtype
+               and w.stride() == v.stride() for w, v in zip(have, values, strict=True)) and (
+                end_to_end(have) is not None):
+            continue
+        flat = torch.empty(sum(v.numel() for v in values), dtype=values[0].dtype,
+                           device=values[0].device)
+        for i, view in zip(idx, _compiled._scatter(flat, values), strict=True):
+            workspace[i] = view
 
 
 def lay_out_params(planner: _planner.Planner, treespec: Any, params: list[Any],
@@ -164,7 +180,7 @@ def lay_out_params(planner: _planner.Planner, treespec: Any, params: list[Any],
     structure = planner.structure(_core.unflatten(treespec, views), treespec, views,
                                   inner_leaves, inner_spec)
     lowered = _planner.lower(structure, inner_spec, views, views, inner_leaves, name,
-                             compiled=True, everywhere=True)
+                             compiled=True)
     if lowered.fast:
         groups = [g for g in lowered.groups
                   if len({params[i].dtype for i in g.leaves}) == 1]
@@ -181,7 +197,7 @@ def flat_init(planner: _planner.Planner, treespec: Any, stores: list[Any], views
     structure = planner.structure(_core.unflatten(treespec, views), treespec, views,
                                   inner_leaves, inner_spec)
     lowered = _planner.lower(structure, inner_spec, views, views, inner_leaves, name,
-                             compiled=True, everywhere=True)
+                             compiled=True)
     if not lowered.fast:
         return stores, inner_state
     laid_views, laid = _compiled.flat_layout(
@@ -219,16 +235,14 @@ def fused_mixed_step(
     lowered = planner.lower(structure, inner_spec, views, proxies, inner_leaves, name,
                             donated=[*params, *(v for v, s in zip(views, stores, strict=True)
                                                 if s is not None)] if donate else None,
-                            compiled=compiled, everywhere=compiled)
+                            compiled=compiled)
     if lowered.reason is not None:
         return lowered.reason
-    # The compiled groups read the gradients as given (the call widens them as it reads);
-    # the kernels need them in the precision of the values they update (a cast is a new
-    # tensor).
-    raw = _read_as_given(lowered.groups, grads)
-    wide = _widened([None if raw[i] else g for i, g in enumerate(grads)], views, workspace)
-    wide = [local_tensor(g) if raw[i] else w for i, (g, w) in enumerate(zip(grads, wide,
-                                                                           strict=True))]
+    # the gradients in the precision of the values they update (a cast is a new tensor);
+    # a compiled group's casts go into one buffer, which its call then reads in place
+    if workspace is not None and compiled:
+        _flat_casts(lowered.groups, grads, views, workspace)
+    wide = _widened(grads, views, workspace)
     device = loss_scale.scale.device
     inv_scale = _inverse(loss_scale)
     packed = all_reduce_stats(
@@ -249,9 +263,9 @@ def fused_mixed_step(
 
     # The kernels unscale in place: a gradient that needed no cast is the caller's, never
     # written, so it is copied when it will be scaled.
-    cast = [w if w is None or raw[i] or w is not local_tensor(g) or (
+    cast = [w if w is None or w is not local_tensor(g) or (
         multiplier is None and not structure.clips) else w.clone()
-            for i, (g, w) in enumerate(zip(grads, wide, strict=True))]
+            for g, w in zip(grads, wide, strict=True)]
     # an apply_if_finite in the inner chain sees finite gradients whenever the step is not
     # skipped (a non-finite gradient makes the norm non-finite, which skips the step)
     finite = [~stats.found_inf] * len(structure.guards)

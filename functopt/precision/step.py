@@ -272,8 +272,10 @@ def mixed_precision(
             (Lion, NAdam, RAdam, ...; see [`make_step`][functopt.fast.make_step]): each
             group is one ``torch.compile``\ d call over the masters, the gradient casts and
             the state laid end to end; ``init`` then allocates each group's masters and
-            per-leaf state as views of one buffer, which the call writes in place. The
-            first step of a group compiles (seconds). Groups with a kernel keep it.
+            per-leaf state as views of one buffer, which the call writes in place, and
+            the call also writes the low-precision params (``lay_out(params)`` puts them,
+            with their gradients, in one buffer per group, written in place). The first
+            step of a group compiles (seconds). Groups with a kernel keep it.
 
     Returns:
         A [`MixedPrecisionTransformation`][functopt.precision.MixedPrecisionTransformation].
