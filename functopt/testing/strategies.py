@@ -92,7 +92,7 @@ def laid_out(t: torch.Tensor, layout: Layout) -> torch.Tensor:
         >>> from functopt.testing.strategies import laid_out
         >>> x = laid_out(torch.arange(6.0).reshape(2, 3), "sliced")
         >>> x.stride(), x.storage_offset(), x.tolist()
-        ((6, 2), 1, [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]])
+        ((7, 2), 1, [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]])
         >>> laid_out(torch.zeros(2, 3), "transposed").stride()
         (1, 2)
     """
