@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-deep lint docs clean
+.PHONY: demo test unit test-deep lint docs clean
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,9 +18,13 @@ $(STAMP): requirements-dev.txt pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
+# The suite, the linters and the docs build run side by side (the linters take about
+# half a minute, beside pytest's eight); the output of each is printed when it is done.
 test: $(STAMP)
+	$(MAKE) --no-print-directory -j3 --output-sync=target unit lint docs
+
+unit: $(STAMP)
 	$(PY) -m pytest
-	$(MAKE) --no-print-directory lint docs
 
 test-deep: $(STAMP)
 	HYPOTHESIS_PROFILE=deep $(PY) -m pytest

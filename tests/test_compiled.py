@@ -69,12 +69,24 @@ def _ademamix() -> functopt.GradientTransformation:
     return functopt.contrib.ademamix(1e-2, weight_decay=0.1)
 
 
-@pytest.mark.parametrize("factory", [_lion, _clip_nadam, _masked_schedule, _ademamix],
-                         ids=["lion", "guard_clip_nadam", "masked_schedule", "ademamix"])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(("factory", "dtype"), [
+    pytest.param(_lion, torch.float64, id="float64-lion"),
+    pytest.param(_lion, torch.float32, id="float32-lion"),
+    pytest.param(_clip_nadam, torch.float32, id="float32-guard_clip_nadam"),
+    pytest.param(_masked_schedule, torch.float64, id="float64-masked_schedule"),
+    pytest.param(_ademamix, torch.float64, id="float64-ademamix"),
+    # the other dtype of each (one more compile each: seconds; run with -m slow)
+    pytest.param(_clip_nadam, torch.float64, id="float64-guard_clip_nadam", marks=_SLOW),
+    pytest.param(_masked_schedule, torch.float32, id="float32-masked_schedule", marks=_SLOW),
+    pytest.param(_ademamix, torch.float32, id="float32-ademamix", marks=_SLOW),
+])
 def test_compiled_tier_obeys_the_fast_path_law(factory: Any, dtype: torch.dtype) -> None:
     """The conformance law (float64 to 1e-12, float32 to a few ulps per step), donated or
-    not, with the state as tx.init lays it out and as step.init does, on every layout."""
+    not, with the state as tx.init lays it out and as step.init does, on every layout.
+    The default run takes each chain once and each dtype; ``-m slow`` the other dtypes."""
     params = _tree(dtype)
     tx = factory()
     assert fast.explain(tx, params, compile=True).fast
