@@ -323,3 +323,26 @@ def test_callables_that_are_not_schedules_need_static_args():
         functopt.inject_hyperparams(factory)(0.1, mask=failing)
     tx = functopt.inject_hyperparams(factory, static_args=("mask",))(0.1, mask=failing)
     assert sorted(tx.init({"w": torch.zeros(1)}).hyperparams) == ["learning_rate"]
+
+
+@pytest.mark.parametrize("make, kwargs", [
+    (functopt.adamw, {"learning_rate": 1e-3, "weight_decay": 0.01}),
+    (functopt.sgd, {"learning_rate": 0.1, "momentum": 0.9}),
+    (functopt.add_decayed_weights, {"weight_decay": 0.01}),
+])
+def test_injected_recipe_is_bitwise_the_plain_one(make, kwargs) -> None:
+    """inject_hyperparams(f)(**kw) computes what f(**kw) does, bit for bit (float32, five
+    steps): a decay rate injected as a 0-d CPU tensor is read as the number, so the decay
+    is the same single-rounding torch.add(g, p, alpha=rate) (it was one ulp off)."""
+    gen = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(1000, generator=gen)}
+    grads = {"w": torch.randn(1000, generator=gen)}
+    plain, injected = make(**kwargs), functopt.inject_hyperparams(make)(**kwargs)
+    s_plain, s_inj = plain.init(params), injected.init(params)
+    p_plain, p_inj = dict(params), dict(params)
+    for _ in range(5):
+        u, s_plain = plain.update(grads, s_plain, p_plain)
+        p_plain = functopt.apply_updates(p_plain, u)
+        u, s_inj = injected.update(grads, s_inj, p_inj)
+        p_inj = functopt.apply_updates(p_inj, u)
+    assert torch.equal(p_plain["w"], p_inj["w"])

@@ -28,6 +28,17 @@ class AddDecayedWeightsState(NamedTuple):
     count: torch.Tensor  # type: ignore[assignment]  # int32, shape (): updates done so far
 
 
+def _readable(rate: torch.Tensor) -> bool:
+    """Whether a 0-d tensor rate may be read as a Python number: on the CPU (no device
+    synchronisation), without a gradient to carry, outside ``torch.func`` and
+    ``torch.compile`` (which would graph-break on the read). Then the decay is
+    ``torch.add(g, p, alpha=rate)``, bitwise what the number gives (one rounding; the
+    tensor form, kept for the rest, rounds the product first)."""
+    return (rate.device.type == "cpu" and rate.dim() == 0 and not rate.requires_grad
+            and torch._C._functorch.maybe_current_level() is None
+            and not torch.compiler.is_compiling())
+
+
 def add_decayed_weights(
     weight_decay: ScalarOrSchedule = 0.0,
     mask: Mask | Callable[[Params], Mask] | None = None,
@@ -73,6 +84,8 @@ def add_decayed_weights(
         return AddDecayedWeightsState(count=_common.zero_count(leaves))
 
     def decay(g: torch.Tensor, p: torch.Tensor, rate: Any) -> torch.Tensor:
+        if isinstance(rate, torch.Tensor) and _readable(rate):
+            rate = float(rate)  # an injected value: the same bits as the number
         if isinstance(rate, (int, float)):
             # torch.optim.SGD's own grad.add(param, alpha=weight_decay), bit for bit.
             return torch.add(g, p, alpha=rate)
