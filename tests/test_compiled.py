@@ -220,12 +220,17 @@ def test_lay_out_puts_params_and_grads_in_one_buffer_per_group() -> None:
 
 
 def test_lay_out_refuses_what_one_buffer_cannot_hold() -> None:
-    """Tied weights in one group and non-leaf params are refused by name; without
-    compile=True nothing moves."""
+    """Tied weights and overlapping views (in one group or two) and non-leaf params are
+    refused by name; without compile=True nothing moves."""
     step = fast.make_step(_lion(), compile=True)
     w = torch.nn.Parameter(torch.ones(3))
     with pytest.raises(ValueError, match="tied weights"):
         step.lay_out({"a": w, "b": w})
+    # a row of a matrix in another group (masked decay): two buffers would untie them
+    grouped = fast.make_step(_masked_schedule(), compile=True)
+    m = torch.nn.Parameter(torch.ones(2, 3))
+    with pytest.raises(ValueError, match="share memory"):
+        grouped.lay_out({"m": m, "v": m[0]})
     leaf = torch.ones(3, requires_grad=True)
     with pytest.raises(ValueError, match="param 'v' is not a leaf"):
         step.lay_out({"u": torch.ones(2), "v": leaf * 2})

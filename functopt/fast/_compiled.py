@@ -420,11 +420,6 @@ def lay_out_params(values: list[Any], groups: list[Any], name: Any) -> int:
                     f"lay_out: param {name(i)!r} is not a leaf tensor (it was computed from "
                     f"others), so its storage cannot be moved. Fix: pass the model's "
                     f"parameters (dict(model.named_parameters())).")
-        if len({id(t) for t in tensors}) != len(tensors) or any(
-                _shares(a, b) for a, b in itertools.combinations(tensors, 2)):
-            raise ValueError(
-                "lay_out: two params of one group share memory (tied weights): one buffer "
-                "cannot hold both. Fix: list a tied weight once in the params tree.")
         if end_to_end(tensors) is None:
             flat = torch.cat([memory_view(t.detach()) for t in tensors])
             for t, view in zip(tensors, _scatter(flat, tensors), strict=True):
@@ -442,8 +437,3 @@ def lay_out_params(values: list[Any], groups: list[Any], name: Any) -> int:
             t.grad = view
     return laid
 
-
-def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and (
-        a.storage_offset() < b.storage_offset() + b.numel()
-        and b.storage_offset() < a.storage_offset() + a.numel()))

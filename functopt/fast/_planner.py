@@ -58,7 +58,13 @@ from typing import Any
 import torch
 
 from functopt._base import GradientTransformation
-from functopt._collective.dtensor import _counted_here, _infer_group, _rewrap_like, local_tensor
+from functopt._collective.dtensor import (
+    _counted_here,
+    _infer_group,
+    _leaf_names,
+    _rewrap_like,
+    local_tensor,
+)
 from functopt._collective.reduce import all_reduce_stats
 from functopt._spec import (
     FiniteGuard,
@@ -1314,6 +1320,18 @@ class Planner:
             self._lowered.pop(next(iter(self._lowered)))
         self._lowered[key] = (refs, lowered)
         return lowered
+
+    def compiled_groups(self, treespec: _core.TreeSpec, param_leaves: list[Any],
+                        state_leaves: list[Any], state_spec: _core.TreeSpec,
+                        ) -> list[Group] | None:
+        """The groups of a step with the compiled tier on these params (values standing in
+        for their gradients) and state, or None when it would not be fast: what
+        ``init`` and ``lay_out`` lay out before the first step."""
+        params = _core.unflatten(treespec, param_leaves)
+        structure = self.structure(params, treespec, param_leaves, state_leaves, state_spec)
+        lowered = lower(structure, state_spec, param_leaves, param_leaves, state_leaves,
+                        _leaf_names(treespec), compiled=True)
+        return lowered.groups if lowered.fast else None
 
     def structure(self, params: Any, treespec: _core.TreeSpec, param_leaves: list[Any],
                   state_leaves: list[Any], state_spec: _core.TreeSpec) -> Structure:

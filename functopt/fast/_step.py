@@ -204,14 +204,11 @@ class Step:
             return state
         param_leaves, treespec = _core.flatten(params)
         state_leaves, state_spec = _core.flatten(state)
-        structure = self.planner.structure(params, treespec, param_leaves, state_leaves,
-                                           state_spec)
-        lowered = _planner.lower(structure, state_spec, param_leaves, param_leaves,
-                                 state_leaves, _leaf_names(treespec), compiled=True)
-        if not lowered.fast:
+        groups = self.planner.compiled_groups(treespec, param_leaves, state_leaves, state_spec)
+        if groups is None:
             return state
         _, laid = _compiled.flat_layout(param_leaves, [False] * len(param_leaves),
-                                        state_leaves, lowered.groups)
+                                        state_leaves, groups)
         return _core.unflatten(state_spec, laid)
 
     def lay_out(self, params: Params) -> Params:
@@ -233,8 +230,8 @@ class Step:
         Raises:
             TypeError: a param of a compiled group is not a plain tensor or
                 ``nn.Parameter`` (a DTensor, say), naming it.
-            ValueError: a param that is not a leaf tensor, or two params of one group that
-                share memory (tied weights).
+            ValueError: a param that is not a leaf tensor, or params that share memory
+                (tied weights, overlapping views), as a donated step refuses them.
 
         Examples:
             >>> import torch, functopt
@@ -251,14 +248,13 @@ class Step:
             return params
         param_leaves, treespec = _core.flatten(params)
         _core.check_tensors(param_leaves, treespec, name="params", floating=True)
+        # one buffer cannot hold two params that share memory (in one group or two)
+        _planner.check_donation(param_leaves, _leaf_names(treespec))
         state_leaves, state_spec = _core.flatten(self.tx.init(params))
-        structure = self.planner.structure(params, treespec, param_leaves, state_leaves,
-                                           state_spec)
-        lowered = _planner.lower(structure, state_spec, param_leaves, param_leaves,
-                                 state_leaves, _leaf_names(treespec), compiled=True)
-        if lowered.fast:
+        groups = self.planner.compiled_groups(treespec, param_leaves, state_leaves, state_spec)
+        if groups is not None:
             with torch.no_grad():
-                _compiled.lay_out_params(param_leaves, lowered.groups, _leaf_names(treespec))
+                _compiled.lay_out_params(param_leaves, groups, _leaf_names(treespec))
         return params
 
     def _scratch(self) -> dict[Any, Any]:

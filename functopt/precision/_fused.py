@@ -176,33 +176,28 @@ def lay_out_params(planner: _planner.Planner, treespec: Any, params: list[Any],
     stores = [None if p is None else master_weights.init(p) for p in params]
     views = [None if p is None else master_weights.view(p, s)
              for p, s in zip(params, stores, strict=True)]
+    _planner.check_donation(params, name)  # one buffer cannot hold params sharing memory
     inner_leaves, inner_spec = _core.flatten(inner.init(_core.unflatten(treespec, views)))
-    structure = planner.structure(_core.unflatten(treespec, views), treespec, views,
-                                  inner_leaves, inner_spec)
-    lowered = _planner.lower(structure, inner_spec, views, views, inner_leaves, name,
-                             compiled=True)
-    if lowered.fast:
-        groups = [g for g in lowered.groups
-                  if len({params[i].dtype for i in g.leaves}) == 1]
+    groups = planner.compiled_groups(treespec, views, inner_leaves, inner_spec)
+    if groups is not None:
         with torch.no_grad():
-            _compiled.lay_out_params(params, groups, name)
+            _compiled.lay_out_params(
+                params, [g for g in groups if len({params[i].dtype for i in g.leaves}) == 1],
+                name)
 
 
 def flat_init(planner: _planner.Planner, treespec: Any, stores: list[Any], views: list[Any],
-              inner_state: Any, name: Callable[[int], str]) -> tuple[list[Any], Any]:
+              inner_state: Any) -> tuple[list[Any], Any]:
     """The masters and inner state of a new mixed step laid out for the compiled tier:
     each compiled group's masters and per-leaf state entries as views of one buffer (equal
     values). Returns ``(stores, inner_state)``."""
     inner_leaves, inner_spec = _core.flatten(inner_state)
-    structure = planner.structure(_core.unflatten(treespec, views), treespec, views,
-                                  inner_leaves, inner_spec)
-    lowered = _planner.lower(structure, inner_spec, views, views, inner_leaves, name,
-                             compiled=True)
-    if not lowered.fast:
+    groups = planner.compiled_groups(treespec, views, inner_leaves, inner_spec)
+    if groups is None:
         return stores, inner_state
     laid_views, laid = _compiled.flat_layout(
         views, [s is not None and s is v for s, v in zip(stores, views, strict=True)],
-        inner_leaves, lowered.groups)
+        inner_leaves, groups)
     new_stores = [laid_views[i] if s is not None and s is views[i] else s
                   for i, s in enumerate(stores)]
     return new_stores, _core.unflatten(inner_spec, laid)

@@ -369,8 +369,7 @@ def mixed_precision(
         inner_state = inner.init(_core.unflatten(treespec, view))
         if compile and fast:
             # the compiled groups' masters and per-leaf state laid end to end
-            store, inner_state = flat_init(
-                planner, treespec, store, view, inner_state, _leaf_names(treespec))
+            store, inner_state = flat_init(planner, treespec, store, view, inner_state)
         return MixedPrecisionState(
             loss_scale=scale_rule.init(device),
             master=_core.unflatten(treespec, store),
