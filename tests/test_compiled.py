@@ -13,34 +13,16 @@ from typing import Any
 
 import pytest
 import torch
+from compiled_cases import every_layout, grads_for
 
 import functopt
 from functopt import fast
-from functopt.testing import conformance
+from functopt.testing import clone_tree, conformance
 from functopt.tree import _core
 
 # Importing Inductor on the CPU defines torch.utils.mkldnn's ScriptModules, which warn.
 pytestmark = pytest.mark.filterwarnings(
     "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
-
-
-def _tree(dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Leaves of every layout the tier must handle: contiguous, channels_last, transposed,
-    0-d, empty."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=gen, dtype=dtype)
-
-    return {"w": randn(4, 3), "b": randn(3),
-            "conv": randn(2, 3, 2, 2).to(memory_format=torch.channels_last),
-            "t": randn(3, 5).t(), "s": randn(), "e": torch.zeros(0, dtype=dtype)}
-
-
-def _grads(params: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    # laid out unlike the params (contiguous), which the tier must copy into their layout
-    return {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in params.items()}
 
 
 def _no_vectors(params: Any) -> Any:
@@ -87,23 +69,23 @@ def test_compiled_tier_obeys_the_fast_path_law(factory: Any, dtype: torch.dtype)
     """The conformance law (float64 to 1e-12, float32 to a few ulps per step), donated or
     not, with the state as tx.init lays it out and as step.init does, on every layout.
     The default run takes each chain once and each dtype; ``-m slow`` the other dtypes."""
-    params = _tree(dtype)
+    params = every_layout(dtype)
     tx = factory()
     assert fast.explain(tx, params, compile=True).fast
     assert all(g.kernel == "compiled" for g in fast.explain(tx, params, compile=True).groups)
-    conformance.check_fast_path(factory, params, _grads(params, 1), steps=3, compile=True)
+    conformance.check_fast_path(factory, params, grads_for(params, 1), steps=3, compile=True)
 
 
 def test_a_skipped_step_keeps_params_and_state() -> None:
     """apply_if_finite folded into the compiled call: a non-finite gradient leaves params
     and moments bitwise as they were, and only the guard's counters move."""
-    params = _tree(torch.float64)
+    params = every_layout(torch.float64)
     tx = _clip_nadam()
     step = fast.make_step(tx, compile=True, donate=True)
     state = step.init(params)
-    before = _core.flatten(_clone(state))[0]
+    before = _core.flatten(clone_tree(state))[0]
     kept = {k: v.clone() for k, v in params.items()}
-    grads = _grads(params, 2)
+    grads = grads_for(params, 2)
     grads["b"][1] = float("nan")
     with torch.no_grad():
         new, state = step(grads, state, params)
@@ -115,17 +97,11 @@ def test_a_skipped_step_keeps_params_and_state() -> None:
     assert int(state.notfinite_count) == 1
 
 
-def _clone(tree: Any) -> Any:
-    leaves, spec = _core.flatten(tree)
-    return _core.unflatten(spec, [x.clone() if isinstance(x, torch.Tensor) else x
-                                  for x in leaves])
-
-
 def test_init_lays_each_state_entry_end_to_end() -> None:
     """step.init: values equal tx.init's, every compiled group's moments are views of one
     buffer with their params' shapes and strides, and a donated step writes into them (the
     returned state holds the same tensors)."""
-    params = _tree(torch.float32)
+    params = every_layout(torch.float32)
     tx = _lion()
     step = fast.make_step(tx, compile=True, donate=True)
     state, reference = step.init(params), tx.init(params)
@@ -138,14 +114,14 @@ def test_init_lays_each_state_entry_end_to_end() -> None:
     pointers = {k: mu[k].data_ptr() for k in params}
     params2 = {k: v.clone() for k, v in params.items()}
     with torch.no_grad():
-        _, new_state = step(_grads(params, 3), state, params)
+        _, new_state = step(grads_for(params, 3), state, params)
     assert {k: new_state[0].mu[k].data_ptr() for k in params} == pointers
     assert not torch.equal(new_state[0].mu["w"], reference[0].mu["w"])
     # a state that is not laid out flat (here the reference) still steps, equally
     other = fast.make_step(tx, compile=True, donate=True)
     state2 = tx.init(params2)
     with torch.no_grad():
-        other(_grads(params, 3), state2, params2)
+        other(grads_for(params, 3), state2, params2)
     assert all(torch.equal(params2[k], params[k]) for k in params)
 
 
@@ -159,7 +135,7 @@ def test_params_in_one_buffer_are_stepped_in_place() -> None:
     state = step.init(params)
     reference_params = {k: v.clone() for k, v in params.items()}
     reference_state = tx.init(reference_params)
-    grads = _grads(params, 4)
+    grads = grads_for(params, 4)
     with torch.no_grad():
         new, _ = step(grads, state, params)
     updates, _ = tx.update(grads, reference_state, reference_params)
@@ -245,9 +221,9 @@ def test_two_threads_step_their_own_states() -> None:
     thread, so each result equals stepping alone."""
     tx = _lion()
     step = fast.make_step(tx, compile=True, donate=True)
-    models = [_tree(torch.float32, seed) for seed in (5, 6)]
+    models = [every_layout(torch.float32, seed) for seed in (5, 6)]
     alone = [{k: v.clone() for k, v in m.items()} for m in models]
-    grads = [_grads(m, 7 + i) for i, m in enumerate(models)]
+    grads = [grads_for(m, 7 + i) for i, m in enumerate(models)]
     solo = fast.make_step(tx, compile=True, donate=True)
     for m, g in zip(alone, grads, strict=True):
         s = tx.init(m)
@@ -281,20 +257,20 @@ def test_injected_hyperparameters_are_read_at_every_step() -> None:
     edited in the state between steps (as a torch scheduler or a user would): the compiled
     tier runs the rule built from each step's values, equal to the pure path (float64 to
     1e-12) on every layout, and one graph serves every value (no recompile)."""
-    params = _tree(torch.float64)
+    params = every_layout(torch.float64)
     tx = functopt.inject_hyperparams(functopt.lion)(
         learning_rate=functopt.schedules.linear_schedule(1e-2, 1e-3, 4), b1=0.9,
         weight_decay=0.1)
     assert fast.explain(tx, params, compile=True).fast
     step = fast.make_step(tx, compile=True)
     state_fast, state_pure = step.init(params), tx.init(params)
-    p_fast, p_pure = _clone(params), _clone(params)
+    p_fast, p_pure = clone_tree(params), clone_tree(params)
     for i in range(4):
         if i == 2:  # new values between steps, in both states
             for state in (state_fast, state_pure):
                 state.hyperparams["weight_decay"].fill_(0.3)
                 state.hyperparams["b1"].fill_(0.5)
-        grads = _grads(params, 10 + i)
+        grads = grads_for(params, 10 + i)
         with torch.no_grad():
             p_fast, state_fast = step(grads, state_fast, p_fast)
         updates, state_pure = tx.update(grads, state_pure, p_pure)
@@ -332,9 +308,9 @@ def test_what_the_tier_does_not_lower_is_said() -> None:
 ], ids=["radam", "adamax", "adadelta", "rprop", "nadamw", "dampened_sgd", "rmsprop_momentum",
         "rmsprop_centered", "adagrad", "adopt", "simplified_ademamix", "madgrad"])
 def test_every_compiled_rule_obeys_the_law(factory: Any) -> None:
-    params = _tree(torch.float64)
+    params = every_layout(torch.float64)
     assert fast.explain(factory(), params, compile=True).fast
-    conformance.check_fast_path(factory, params, _grads(params, 1), steps=3, compile=True)
+    conformance.check_fast_path(factory, params, grads_for(params, 1), steps=3, compile=True)
 
 
 def _mixed_clip_nadam() -> functopt.GradientTransformation:
@@ -403,8 +379,8 @@ def test_ten_transforms_in_one_process_all_compile() -> None:
     each), none runs uncompiled past Dynamo's recompile limit, each equals its pure step."""
     from torch._dynamo.utils import counters
 
-    params = _tree(torch.float64)
-    grads = _grads(params, 9)
+    params = every_layout(torch.float64)
+    grads = grads_for(params, 9)
     before = counters["stats"]["unique_graphs"]
     for i in range(10):
         tx = functopt.lion(1e-2 * (i + 1), weight_decay=0.1)

@@ -16,40 +16,16 @@ from typing import Any
 
 import pytest
 import torch
+from compiled_cases import every_layout, grads_for
 
 import functopt
 from functopt import contrib, fast
-from functopt.testing import assert_bitwise_equal, conformance
+from functopt.testing import assert_bitwise_equal, clone_tree, conformance
 from functopt.tree import _core
 
 # Importing Inductor on the CPU defines torch.utils.mkldnn's ScriptModules, which warn.
 pytestmark = pytest.mark.filterwarnings(
     "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
-
-
-def _tree(dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Leaves of every layout the tier must handle: contiguous, channels_last, transposed,
-    0-d, empty."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=gen, dtype=dtype)
-
-    return {"w": randn(4, 3), "b": randn(3),
-            "conv": randn(2, 3, 2, 2).to(memory_format=torch.channels_last),
-            "t": randn(3, 5).t(), "s": randn(), "e": torch.zeros(0, dtype=dtype)}
-
-
-def _grads(params: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    # contiguous, unlike some params: the tier copies them into their params' layout
-    return {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in params.items()}
-
-
-def _clone(tree: Any) -> Any:
-    leaves, spec = _core.flatten(tree)
-    return _core.unflatten(spec, [x.clone() if isinstance(x, torch.Tensor) else x
-                                  for x in leaves])
 
 
 def _compiled_run_equals_pure(tx: functopt.GradientTransformation, steps: int,
@@ -64,8 +40,8 @@ def _compiled_run_equals_pure(tx: functopt.GradientTransformation, steps: int,
     assert explained.fast and {g.kernel for g in explained.groups} == {"compiled"}
     step = fast.make_step(tx, compile=True, donate=True)
     state = step.init(params)
-    pure_params, pure_state = _clone(params), tx.init(params)
-    grads = _grads(params, 0)
+    pure_params, pure_state = clone_tree(params), tx.init(params)
+    grads = grads_for(params, 0)
     for k in range(steps):
         with torch.no_grad():
             params, state = step(grads, state, params)
@@ -88,10 +64,10 @@ def test_schedule_free_adamw_compiles_and_equals_the_pure_path() -> None:
     compiled call per group: params, z, the base moments and the scalar state (weight sum,
     largest lr, step count) equal the pure path's over four steps, every layout."""
     tx = contrib.schedule_free_adamw(0.1, warmup_steps=2, weight_decay=0.01)
-    explained = fast.explain(tx, _tree(torch.float64), compile=True)
+    explained = fast.explain(tx, every_layout(torch.float64), compile=True)
     assert explained.groups[0].rules == (
         "scale_by_rms", "add_decayed_weights", "scale_by_learning_rate", "schedule_free")
-    state = _compiled_run_equals_pure(tx, 4, _tree(torch.float64))
+    state = _compiled_run_equals_pure(tx, 4, every_layout(torch.float64))
     assert int(state.step_count) == 5  # moved by the compiled call itself, once per step
     assert float(state.weight_sum) > 0
 
@@ -100,7 +76,7 @@ def test_prodigy_sums_over_two_dtype_groups() -> None:
     """Leaves of two dtypes are two compiled groups: a sums pass per group, the sums added,
     then each group's step with them. Every moment, the distance estimate and the params
     follow the pure path (whose sums run over every leaf) over three steps."""
-    params = dict(_tree(torch.float64), h=torch.randn(2, 3), h0=torch.randn(()))
+    params = dict(every_layout(torch.float64), h=torch.randn(2, 3), h0=torch.randn(()))
     tx = contrib.prodigy(weight_decay=0.1)
     assert len(fast.explain(tx, params, compile=True).groups) == 2
     state = _compiled_run_equals_pure(tx, 3, params)
@@ -117,7 +93,7 @@ def test_one_rule_with_tree_sums_per_program() -> None:
 
 
 def test_without_compile_the_hint_names_the_compiled_tier() -> None:
-    params = _tree(torch.float32)
+    params = every_layout(torch.float32)
     for tx in (contrib.schedule_free_sgd(0.1), contrib.dadapt_adamw()):
         explained = fast.explain(tx, params)
         assert not explained.fast
@@ -155,9 +131,9 @@ _RECIPES = {
 def test_compiled_recipes_obey_the_fast_path_law(name: str, dtype: torch.dtype) -> None:
     """float64 to 1e-12, float32 to a few ulps per step; donated or not, with the state
     as tx.init and as step.init lay it out."""
-    params = _tree(dtype)
+    params = every_layout(dtype)
     assert fast.explain(_RECIPES[name](), params, compile=True).fast
-    conformance.check_fast_path(_RECIPES[name], params, _grads(params, 1), steps=3,
+    conformance.check_fast_path(_RECIPES[name], params, grads_for(params, 1), steps=3,
                                 compile=True)
 
 
@@ -166,9 +142,9 @@ def test_compiled_recipes_obey_the_fast_path_law(name: str, dtype: torch.dtype) 
 def test_two_dtype_groups(name: str) -> None:
     """Two groups each move the shared scalar state from the same old values (and, for
     the rules with tree sums, with the sums over both groups): the pure path's result."""
-    params = dict(_tree(torch.float64), h=torch.randn(2, 3), h0=torch.randn(()))
+    params = dict(every_layout(torch.float64), h=torch.randn(2, 3), h0=torch.randn(()))
     assert len(fast.explain(_RECIPES[name](), params, compile=True).groups) == 2
-    conformance.check_fast_path(_RECIPES[name], params, _grads(params, 2), steps=3,
+    conformance.check_fast_path(_RECIPES[name], params, grads_for(params, 2), steps=3,
                                 compile=True)
 
 
@@ -181,15 +157,15 @@ def test_guarded_and_clipped_recipes(inner: str) -> None:
         return functopt.apply_if_finite(functopt.chain(
             functopt.clip_by_global_norm(0.5), _RECIPES[inner]()), max_consecutive_errors=2)
 
-    params = _tree(torch.float64)
-    grads = _grads(params, 3)
+    params = every_layout(torch.float64)
+    grads = grads_for(params, 3)
     conformance.check_fast_path(factory, params, grads, steps=2, compile=True)
-    bad = _clone(grads)
+    bad = clone_tree(grads)
     bad["b"][1] = float("nan")
     tx = factory()
     step = fast.make_step(tx, compile=True, donate=True)
     state = step.init(params)
-    kept, kept_state = _clone(params), _clone(state)
+    kept, kept_state = clone_tree(params), clone_tree(state)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error")
         new, new_state = step(bad, state, params)
@@ -211,7 +187,7 @@ def test_mixed_precision_prodigy_is_one_group_of_masters() -> None:
     inner = contrib.prodigy(weight_decay=0.1)
     fast_tx = functopt.precision.mixed_precision(inner, max_grad_norm=1.0, compile=True)
     pure_tx = functopt.precision.mixed_precision(inner, max_grad_norm=1.0, fused=False)
-    p_fast, p_pure = _clone(params), _clone(params)
+    p_fast, p_pure = clone_tree(params), clone_tree(params)
     s_fast, s_pure = fast_tx.init(p_fast), pure_tx.init(p_pure)
     grads = {k: torch.randn(v.shape, generator=gen).to(v.dtype) for k, v in params.items()}
     for _ in range(4):
