@@ -84,8 +84,6 @@ def add_decayed_weights(
         return AddDecayedWeightsState(count=_common.zero_count(leaves))
 
     def decay(g: torch.Tensor, p: torch.Tensor, rate: Any) -> torch.Tensor:
-        if isinstance(rate, torch.Tensor) and _readable(rate):
-            rate = float(rate)  # an injected value: the same bits as the number
         if isinstance(rate, (int, float)):
             # torch.optim.SGD's own grad.add(param, alpha=weight_decay), bit for bit.
             return torch.add(g, p, alpha=rate)
@@ -107,6 +105,8 @@ def add_decayed_weights(
             return updates, new_state
         rate = _common.schedule_value(owner, "weight_decay", weight_decay, state.count) if (
             callable(weight_decay)) else weight_decay
+        if isinstance(rate, torch.Tensor) and _readable(rate):
+            rate = float(rate)  # an injected value: the same bits as the number, read once
         new: list[torch.Tensor | None] = []
         for i, (g, p) in enumerate(zip(leaves, param_leaves, strict=True)):
             if g is None:
