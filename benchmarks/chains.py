@@ -142,16 +142,14 @@ def _loss_scale() -> functopt.LossScale:
 
 
 class FunctoptMixedChain(C.FunctoptMixed):
-    """``mixed_precision(chain(clip_by_global_norm(1), adamw), donate=True)``."""
+    """``mixed_precision(chain(clip_by_global_norm(1), adamw), donate=True)``; with
+    ``compile``, ``compile=True`` and the params laid out by ``mp.lay_out``."""
 
     def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor], *,
-                 fused: bool) -> None:
-        super().__init__(params, grads, fused=fused)
-        inner = functopt.chain(functopt.clip_by_global_norm(MAX_NORM), _adamw())
-        self.mp = functopt.precision.mixed_precision(
-            inner, loss_scale=_loss_scale(), fused=fused, donate=fused, count_zeros=False)
-        self.state = self.mp.init(self.params)
-        self.start = [*self.params.values(), *self.state.master.values()]
+                 fused: bool, compile: bool = False) -> None:
+        super().__init__(params, grads, fused=fused, compile=compile, max_grad_norm=None,
+                         inner=functopt.chain(functopt.clip_by_global_norm(MAX_NORM),
+                                              _adamw()))
 
 
 class FacadeMixed(C.Contender):
@@ -160,9 +158,10 @@ class FacadeMixed(C.Contender):
     (``count_zeros=False``, Megatron's default; the idiom counts none either)."""
 
     def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor], *,
-                 groups: bool) -> None:
+                 groups: bool, compile: bool = False) -> None:
         super().__init__()
-        self.name = "facade, 2 groups" if groups else "facade, 1 group"
+        self.name = ("facade, 2 groups" if groups else "facade, 1 group") + (
+            ", compile" if compile else "")
         bf_params, bf_grads = C._bf16_setup(params, grads)
         names = C._names(len(params))
         self.params = [torch.nn.Parameter(p) for p in bf_params]
@@ -181,11 +180,11 @@ class FacadeMixed(C.Contender):
                           "wd_mult": 0.0}]
             self.opt = functopt.MixedPrecisionOptimizer(spec, factory,
                                                         loss_scale=_loss_scale(),
-                                                        count_zeros=False)
+                                                        count_zeros=False, compile=compile)
         else:
             self.opt = functopt.MixedPrecisionOptimizer(named, _adamw(),
                                                         loss_scale=_loss_scale(),
-                                                        count_zeros=False)
+                                                        count_zeros=False, compile=compile)
         self.opt.clip_grad_norm(None, MAX_NORM)
         self.start = list(self.params)
 
@@ -202,20 +201,31 @@ class FacadeMixed(C.Contender):
         return {"params": list(self.params)}
 
 
-def mixed_contenders(case: str, shapes: list[tuple[int, ...]], seed: int = 0,
-                     ) -> tuple[list[C.Contender], list[C.Contender]]:
-    """(the contenders checked against each other, the timed-only yardsticks)."""
+def mixed_contenders(case: str, shapes: list[tuple[int, ...]], seed: int = 0, *,
+                     compiled: bool = True) -> tuple[list[C.Contender], list[C.Contender]]:
+    """(the contenders checked against each other, the timed-only yardsticks). Each way
+    as a user writes it, then (``compiled``) with ``compile=True``: the compiled tier's one
+    loop writes masters, moments and the bf16 params, laid out in one buffer."""
     params, grads = C.make_values(shapes, seed)
     ref = C.FunctoptMixed(params, grads, fused=False)
     idiom = C.TorchMixedIdiom(params, grads)
     if case == "max_grad_norm":
-        return [ref, C.FunctoptMixed(params, grads, fused=True), idiom], []
+        ours: list[C.Contender] = [C.FunctoptMixed(params, grads, fused=True)]
+        if compiled:
+            ours.append(C.FunctoptMixed(params, grads, fused=True, compile=True))
+        return [ref, *ours, idiom], []
     if case == "chain_clip":
-        return [ref, FunctoptMixedChain(params, grads, fused=True), idiom], []
+        ours = [FunctoptMixedChain(params, grads, fused=True)]
+        if compiled:
+            ours.append(FunctoptMixedChain(params, grads, fused=True, compile=True))
+        return [ref, *ours, idiom], []
+    facades: list[C.Contender] = [
+        FacadeMixed(params, grads, groups=case == "facade_2_groups", compile=c)
+        for c in ((False, True) if compiled else (False,))]
     if case == "facade_1_group":
-        return [ref, FacadeMixed(params, grads, groups=False), idiom], []
+        return [ref, *facades, idiom], []
     # decay / no-decay groups: the idiom decays the vectors too, so it is the yardstick
-    return [FacadeMixed(params, grads, groups=True)], [idiom]
+    return facades, [idiom]
 
 
 # -- a small model: the fixed per-step cost -------------------------------------------------

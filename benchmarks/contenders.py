@@ -243,26 +243,37 @@ class FunctoptMixed(Contender):
     """
 
     def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor], *,
-                 fused: bool) -> None:
+                 fused: bool, compile: bool = False,
+                 inner: functopt.GradientTransformation | None = None,
+                 max_grad_norm: float | None = MAX_GRAD_NORM) -> None:
         super().__init__()
-        self.name = "functopt fused" if fused else "functopt pure"
-        self.fused = fused
+        self.name = ("functopt compiled, lay_out" if compile else
+                     "functopt fused" if fused else "functopt pure")
+        self.fused = fused or compile
         names = _names(len(params))
         bf_params, bf_grads = _bf16_setup(params, grads)
         self.params = dict(zip(names, bf_params, strict=True))
         self.grads = dict(zip(names, bf_grads, strict=True))
-        inner = functopt.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS,
-                               weight_decay=WEIGHT_DECAY)
+        if inner is None:
+            inner = functopt.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS,
+                                   weight_decay=WEIGHT_DECAY)
         loss_scale = functopt.dynamic_loss_scale(
             init_scale=INIT_SCALE, growth_factor=GROWTH_FACTOR,
             backoff_factor=BACKOFF_FACTOR, growth_interval=GROWTH_INTERVAL)
-        if fused:
+        if self.fused:
             self.mp = functopt.precision.mixed_precision(
-                inner, loss_scale=loss_scale, max_grad_norm=MAX_GRAD_NORM, fused=True,
-                donate=True, count_zeros=False)
+                inner, loss_scale=loss_scale, max_grad_norm=max_grad_norm, fused=True,
+                donate=True, count_zeros=False, compile=compile)
         else:
             self.mp = functopt.precision.mixed_precision(
-                inner, loss_scale=loss_scale, max_grad_norm=MAX_GRAD_NORM, fused=False)
+                inner, loss_scale=loss_scale, max_grad_norm=max_grad_norm, fused=False)
+        if compile:
+            # mp.lay_out: each compiled group's params and grads become views of one buffer
+            # (as a training loop would call it once on the model's params)
+            for p, g in zip(self.params.values(), self.grads.values(), strict=True):
+                p.grad = g
+            self.params = self.mp.lay_out(self.params)
+            self.grads = {k: p.grad for k, p in self.params.items()}
         self.state = self.mp.init(self.params)
         self.start = [*self.params.values(), *self.state.master.values()]
 

@@ -238,8 +238,11 @@ def case_chains(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
 
 
 def case_mixed_chains(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    # the compile=True contenders compile a graph each (seconds with a cold Inductor cache):
+    # left out of --quick, which CI runs
+    make = functools.partial(K.mixed_contenders, compiled=not args.quick)
     res = _subcases("mixed_chains: the bf16 mixed-precision step every way it is written",
-                    K.mixed_contenders, list(K.MIXED),
+                    make, list(K.MIXED),
                     C.make_shapes(cfg["total"], cfg["leaves"]), cfg, args, FUSED)
     print("  target: <= 0.75x the idiom for every row (aim 0.6x, floor about 0.5x)")
     return res

@@ -51,6 +51,12 @@ def _ademamix() -> functopt.GradientTransformation:
     return functopt.contrib.ademamix(1e-2, weight_decay=0.1)
 
 
+def _clip_adamw() -> functopt.GradientTransformation:
+    # a rule with a PyTorch kernel: with compile=True the compiled tier takes it first
+    return functopt.chain(functopt.clip_by_global_norm(0.5),
+                          functopt.adamw(1e-2, weight_decay=0.1))
+
+
 _SLOW = pytest.mark.slow
 
 
@@ -60,10 +66,12 @@ _SLOW = pytest.mark.slow
     pytest.param(_clip_nadam, torch.float32, id="float32-guard_clip_nadam"),
     pytest.param(_masked_schedule, torch.float64, id="float64-masked_schedule"),
     pytest.param(_ademamix, torch.float64, id="float64-ademamix"),
+    pytest.param(_clip_adamw, torch.float32, id="float32-clip_adamw"),
     # the other dtype of each (one more compile each: seconds; run with -m slow)
     pytest.param(_clip_nadam, torch.float64, id="float64-guard_clip_nadam", marks=_SLOW),
     pytest.param(_masked_schedule, torch.float32, id="float32-masked_schedule", marks=_SLOW),
     pytest.param(_ademamix, torch.float32, id="float32-ademamix", marks=_SLOW),
+    pytest.param(_clip_adamw, torch.float64, id="float64-clip_adamw", marks=_SLOW),
 ])
 def test_compiled_tier_obeys_the_fast_path_law(factory: Any, dtype: torch.dtype) -> None:
     """The conformance law (float64 to 1e-12, float32 to a few ulps per step), donated or
@@ -305,8 +313,15 @@ def test_what_the_tier_does_not_lower_is_said() -> None:
     lambda: functopt.adagrad(1e-2),
     lambda: functopt.contrib.adopt(1e-2), lambda: functopt.contrib.simplified_ademamix(1e-2),
     lambda: functopt.contrib.madgrad(1e-2),
+    # rules the kernels have, which compile=True compiles
+    lambda: functopt.chain(functopt.add_decayed_weights(0.1), functopt.adam(1e-2)),
+    lambda: functopt.amsgrad(1e-2),
+    lambda: functopt.chain(functopt.add_decayed_weights(0.1),
+                           functopt.sgd(1e-2, momentum=0.9, nesterov=True)),
+    lambda: functopt.adamw(1e-2, mu_dtype=torch.float32),
 ], ids=["radam", "adamax", "adadelta", "rprop", "nadamw", "dampened_sgd", "rmsprop_momentum",
-        "rmsprop_centered", "adagrad", "adopt", "simplified_ademamix", "madgrad"])
+        "rmsprop_centered", "adagrad", "adopt", "simplified_ademamix", "madgrad", "adam_l2",
+        "amsgrad", "sgd_nesterov_decay", "adamw_mu_float32"])
 def test_every_compiled_rule_obeys_the_law(factory: Any) -> None:
     params = every_layout(torch.float64)
     assert fast.explain(factory(), params, compile=True).fast
@@ -317,8 +332,13 @@ def _mixed_clip_nadam() -> functopt.GradientTransformation:
     return functopt.chain(functopt.clip_by_global_norm(0.3), functopt.nadam(1e-2))
 
 
+def _mixed_adamw() -> functopt.GradientTransformation:
+    return functopt.adamw(1e-2, weight_decay=0.1)
+
+
 @pytest.mark.parametrize("donate", [False, True])
-@pytest.mark.parametrize("make_inner", [_lion, _mixed_clip_nadam], ids=["lion", "clip_nadam"])
+@pytest.mark.parametrize("make_inner", [_lion, _mixed_clip_nadam, _mixed_adamw],
+                         ids=["lion", "clip_nadam", "adamw"])
 def test_mixed_precision_rides_the_compiled_tier(donate: bool, make_inner: Any) -> None:
     """mixed_precision(inner, compile=True): bf16 params with float32 masters laid end to end
     by init, a clip, a dynamic loss scale and an overflow step: equal to the pure mixed
@@ -437,3 +457,66 @@ def test_the_facade_compiles_its_groups_and_lays_the_params_out() -> None:
         master = saved[0][name]["master"]
         torch.testing.assert_close(master, saved[1][name]["master"], rtol=4e-7, atol=0.0)
         assert torch.equal(p.detach(), master.to(torch.bfloat16))
+
+
+def test_kernel_rules_take_the_compiled_tier_when_compiling() -> None:
+    """compile=True puts Adam and SGD on the compiled tier too (the kernels stay the
+    default), and so runs what the kernels refuse: moments in another dtype than the param
+    (a bfloat16 first moment of float32 params), equal to the pure path."""
+    params = {"w": torch.randn(6, 5, generator=torch.Generator().manual_seed(3))}
+    for tx in (functopt.adamw(1e-2), functopt.sgd(1e-2, momentum=0.9)):
+        assert {g.kernel for g in fast.explain(tx, params).groups} != {"compiled"}
+        assert {g.kernel for g in fast.explain(tx, params, compile=True).groups} == {
+            "compiled"}
+    low_mu = functopt.adamw(1e-2, mu_dtype=torch.bfloat16)
+    assert not fast.explain(low_mu, params).fast  # the kernels need one dtype per leaf
+    assert fast.explain(low_mu, params, compile=True).fast
+    step = fast.make_step(low_mu, compile=True)
+    p_fast, p_pure = clone_tree(params), clone_tree(params)
+    s_fast, s_pure = step.init(p_fast), low_mu.init(p_pure)
+    for i in range(3):
+        grads = grads_for(params, i)
+        p_fast, s_fast = step(grads, s_fast, p_fast)
+        updates, s_pure = low_mu.update(grads, s_pure, p_pure)
+        p_pure = functopt.apply_updates(p_pure, updates)
+    assert s_fast[0].mu["w"].dtype == torch.bfloat16
+    torch.testing.assert_close(p_fast["w"], p_pure["w"], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(s_fast[0].mu["w"], s_pure[0].mu["w"], rtol=0, atol=0)
+
+
+def test_scalars_are_computed_once_before_the_loops() -> None:
+    """The tier's backend routes each computed 0-d value that a tensor with elements reads
+    (Adam's bias correction here) through functopt::hoisted, which Inductor stores once
+    instead of computing it for every element; a 0-d value read only by 0-d values, an
+    input and an in-place write are left alone; the marked graph computes the same."""
+    from functopt.fast import _compiled
+
+    graphs: list[Any] = []
+
+    def capture(gm: Any, example_inputs: Any) -> Any:
+        graphs.append((gm, list(example_inputs)))
+        return gm.forward
+
+    def adam_like(x: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        correction = (1 - 0.9 ** (count + 1).to(torch.float64)).to(torch.float32)
+        count.add_(1)
+        return x / correction
+
+    x, count = torch.randn(5), torch.tensor(2, dtype=torch.int32)
+    torch._dynamo.reset()
+    torch.compile(adam_like, backend=capture, fullgraph=True)(x, count.clone())
+    gm, inputs = graphs[0]
+    expected = gm(*clone_tree(inputs))
+    assert _compiled._hoist_scalars(gm.graph) == 1
+    marked = [n for n in gm.graph.nodes if n.target is torch.ops.functopt.hoisted.default]
+    assert len(marked) == 1
+    (reader,) = marked[0].users
+    assert reader.meta["example_value"].shape == (5,)  # the division reads the stored value
+    gm.recompile()
+    got = gm(*clone_tree(inputs))
+    assert len(got) == len(expected) and all(map(torch.equal, got, expected))
+    # and what the function computes eagerly from those inputs (the count they hold now)
+    (x_in,) = [t for t in inputs if t.dim() == 1]
+    (count_in,) = [t for t in inputs if t.dim() == 0]
+    assert torch.equal(expected[0], adam_like(x_in.clone(), count_in.clone()))
+    assert _compiled._lowering()  # Inductor lowers the mark in this torch: no warning

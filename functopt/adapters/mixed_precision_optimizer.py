@@ -279,9 +279,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         return_grad_stats: ``step()`` returns ``(ok, grad_norm, num_zeros)`` as
             Megatron-LM's does, instead of ``ok``.
         compile: the compiled mixed step (``mixed_precision(..., compile=True)``): the
-            elementwise rules without a PyTorch kernel (Lion, NAdam, ...) run as one
-            ``torch.compile``\ d call per group of params, which also writes the
-            params (rules with a kernel keep it). Those groups' params and gradients are
+            elementwise rules (Lion, NAdam, ..., and Adam, AdamW and SGD instead of their
+            kernels) run as one ``torch.compile``\ d call per group of params, which
+            also writes the params. Those groups' params and gradients are
             moved at
             construction into one buffer per group (``param.data`` and ``param.grad``
             become views, as Megatron-LM's contiguous buffers; the module keeps working),

@@ -14,6 +14,15 @@ user sees stays per leaf), params that are views of one contiguous buffer. What 
 flat is gathered with one ``torch.cat`` before the call and written back with one
 ``foreach`` copy after: correct for any layout, and the reason to allocate the state flat.
 
+**Scalars are computed once per call.** Inductor fuses a 0-d intermediate (Adam's bias
+corrections ``1 - b1 ** count`` in float64, a schedule's value, a clip's factor) into
+the loop that reads it, where it is computed again for every vector of elements: a
+float64 ``pow`` per 8 elements made compiled Adam several times slower than the kernel.
+The tier compiles through `_backend`, which marks each computed 0-d value that a
+tensor with elements reads (`_hoist_scalars`): Inductor then computes those values in one
+small kernel before the loops, which only load them. The values are the same operations
+on the same inputs, so the results do not change.
+
 One compiled function per group, built at the group's first step (seconds; Inductor's cache
 makes later processes faster) and recompiled only when the group's sizes change. It holds
 no tensor between calls: every buffer it writes belongs to the caller's params or state.
@@ -42,6 +51,99 @@ __all__ = ["entries_problem", "flat_layout", "group_sums", "lay_out_params", "la
            "run_group"]
 
 _GROUPS = itertools.count()  # names the compiled function of each group
+
+
+@torch.library.custom_op("functopt::hoisted", mutates_args=())
+def _hoisted(x: torch.Tensor) -> torch.Tensor:
+    """``x`` unchanged: a 0-d value the compiled step computes once, before its loops (see
+    `_hoist_scalars`). Inductor lowers it to a stored buffer (`_lowering`); elsewhere it is
+    a copy."""
+    return x.clone()
+
+
+@_hoisted.register_fake
+def _hoisted_fake(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+_LOWERED: list[bool] = []  # whether Inductor lowers functopt::hoisted (decided once)
+
+
+def _lowering() -> bool:
+    """Register Inductor's lowering of ``functopt::hoisted`` (once): store the value, then
+    read it back, which costs a load in the loops and no call at run time. Inductor's
+    lowering registry is not public API; if it moved, the tier does not hoist, with a
+    warning, and its results are the same."""
+    if not _LOWERED:
+        try:
+            from torch._inductor import lowering
+
+            def hoisted(x: Any) -> Any:
+                x.realize()
+                return lowering.clone(x)
+
+            lowering.register_lowering(torch.ops.functopt.hoisted)(hoisted)
+            _LOWERED.append(True)
+        except (ImportError, AttributeError, TypeError) as error:
+            import warnings
+
+            from functopt.fast._planner import FastPathWarning
+            warnings.warn(
+                f"the compiled tier cannot register its Inductor lowering ({error!r}) in "
+                f"torch {torch.__version__}: scalars such as Adam's bias corrections are "
+                f"computed for every element again (slower, same results)",
+                FastPathWarning, stacklevel=3)
+            _LOWERED.append(False)
+    return _LOWERED[0]
+
+
+def _scalar(node: Any) -> bool:
+    value = node.meta.get("example_value")
+    return isinstance(value, torch.Tensor) and value.dim() == 0
+
+
+def _computed(node: Any) -> bool:
+    """A node that computes a new value (not an input, not an in-place write)."""
+    if node.op == "call_method":
+        return not str(node.target).endswith("_")
+    if node.op == "call_function":
+        return not getattr(node.target, "__name__", "").endswith("_")
+    return False
+
+
+def _hoist_scalars(graph: Any) -> int:
+    """Route every computed 0-d value of ``graph`` (a Dynamo FX graph) that a tensor with
+    elements reads through ``functopt::hoisted``; the number of values so marked. A 0-d
+    value read only by other 0-d values is left alone: it is part of a marked one's
+    computation, or of no loop."""
+    marked = 0
+    for node in list(graph.nodes):
+        if not (_computed(node) and _scalar(node)):
+            continue
+        readers = [u for u in node.users if isinstance(u.meta.get("example_value"),
+                                                       torch.Tensor) and not _scalar(u)]
+        if not readers:
+            continue
+        with graph.inserting_after(node):
+            stored = graph.call_function(torch.ops.functopt.hoisted.default, (node,))
+        stored.meta["example_value"] = node.meta["example_value"]
+        for reader in readers:
+            reader.replace_input_with(node, stored)
+        marked += 1
+    return marked
+
+
+def _backend(gm: Any, example_inputs: Any) -> Any:
+    """Inductor, after `_hoist_scalars` (when Inductor lowers the mark)."""
+    from torch._inductor.compile_fx import compile_fx
+    if _lowering() and _hoist_scalars(gm.graph):
+        gm.graph.lint()
+        gm.recompile()
+    return compile_fx(gm, example_inputs)
+
+
+def _compile(fn: Any) -> Any:
+    return torch.compile(fn, backend=_backend, dynamic=False)
 
 
 def layout_problem(plan: Any, local: torch.Tensor, state_leaves: list[Any]) -> str | None:
@@ -250,7 +352,7 @@ def run_group(group: Any, values: list[Any], grads: list[Any], state_leaves: lis
                                lows[0].dtype, lows[0].device)
     fn = compiled.get(key)
     if fn is None:
-        fn = compiled[key] = torch.compile(_body(plan.ops), dynamic=False)
+        fn = compiled[key] = _compile(_body(plan.ops))
     skip = None if found_inf is None else found_inf.to(device=p_flat.device, dtype=torch.bool)
     new_shared = fn(g_flat, p_flat, slot_flats, shared, scale, skip, low_flat, updates,
                     _totals_of(plan, totals))
@@ -353,7 +455,7 @@ def group_sums(group: Any, values: list[Any], grads: list[Any], state_leaves: li
     key = (plan.key(), "sums")
     fn = compiled.get(key)
     if fn is None:
-        fn = compiled[key] = torch.compile(_sums_body(plan.ops), dynamic=False)
+        fn = compiled[key] = _compile(_sums_body(plan.ops))
     return fn(g_flat, p_flat, slot_flats, shared, scale)
 
 

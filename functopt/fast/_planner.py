@@ -627,10 +627,15 @@ def match(program: list[Any], compiled: bool = False, perleaf: bool = False,
         found: _KernelPlan | str = _perleaf.match(program, _KernelPlan)
         return found
     plan = _match_kernel(program)
-    if isinstance(plan, str) and compiled:
+    if compiled:
+        # compiled first, the kernels for what it does not take: Adam and SGD compiled run
+        # as fast as their kernels, and in a mixed step the same loop writes the
+        # low-precision params (docs/architecture.md, "The compiled mixed step")
         alternative = _match_compiled(program)
-        plan = alternative if isinstance(alternative, _KernelPlan) else (
-            f"{plan}, and {alternative}")
+        if isinstance(alternative, _KernelPlan):
+            return alternative
+        if isinstance(plan, str):
+            plan = f"{plan}, and {alternative}"
     if isinstance(plan, str) and perleaf:
         alternative = _perleaf.match(program, _KernelPlan)
         plan = alternative if isinstance(alternative, _KernelPlan) else (

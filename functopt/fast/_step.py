@@ -16,10 +16,10 @@ params and state over to be overwritten (donation). ``make_step(tx)`` is that st
    added with one ``torch._foreach_add`` per (device, dtype) group (in place when
    donated); a [`FastPathWarning`][functopt.fast.FastPathWarning] says why, once;
 3. ``compile=True`` adds the planner's compiled tier (``functopt/fast/_compiled.py``):
-   a group of leaves whose rules are elementwise but have no PyTorch kernel (Lion, NAdam,
-   RAdam, Adamax, Adadelta, Rprop, ...) runs as one ``torch.compile``\ d
-   call over the group's tensors laid end to end, the rules' own pure ``update`` fused
-   into one loop; ``step.init(params)`` lays the state out that way.
+   a group of leaves whose rules are elementwise (Lion, NAdam, RAdam, Adamax, Adadelta,
+   Rprop, ..., and Adam, AdamW and SGD, which then leave their kernels) runs as one
+   ``torch.compile``\ d call over the group's tensors laid end to end, the rules' own
+   pure ``update`` fused into one loop; ``step.init(params)`` lays the state out that way.
 
 ``MultiSteps`` (the whole transform) is stepped here: its mini-steps accumulate with
 ``foreach`` ops in the state, and the mini-step that closes a window runs the inner
@@ -101,10 +101,12 @@ def make_step(
             every gradient on steps with a clip. Without it gradients are never written.
         fused: False keeps every step on the pure ``update`` (with the grouped ``foreach``
             apply, and donation), without a warning: the reference path, for comparison.
-        compile: the compiled tier for the groups no PyTorch kernel covers: each such
-            group of leaves (one program of elementwise rules, one device and dtype) is one
-            ``torch.compile``\ d call over its gradients, values and state laid end to end,
-            running the rules' own ``update`` (groups with a kernel keep it). The first step
+        compile: the compiled tier: each group of leaves whose program of elementwise
+            rules it lowers (one program, one device and dtype; Adam, AdamW and SGD too,
+            instead of their kernels, and what the kernels refuse, such as moments in
+            another dtype than the param) is one ``torch.compile``\ d call over its
+            gradients, values and state laid end to end, running the rules' own
+            ``update``; the kernels keep the programs it does not lower. The first step
             of each group compiles (seconds; Inductor's on-disk cache makes later processes
             faster; a change of sizes recompiles). Initialise the state with
             ``step.init(params)`` so that it is read and written in place; params that are

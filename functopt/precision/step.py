@@ -268,14 +268,17 @@ def mixed_precision(
             [`FastPathWarning`][functopt.fast.FastPathWarning] says why. False forces the
             pure path (no warning), and so does a step that must stay differentiable
             (grad mode on and an input that requires grad, or ``torch.func`` inputs).
-        compile: the planner's compiled tier for inner rules without a PyTorch kernel
-            (Lion, NAdam, RAdam, ...; see [`make_step`][functopt.fast.make_step]): each
+        compile: the planner's compiled tier for the inner elementwise rules (Lion,
+            NAdam, RAdam, ..., and Adam, AdamW and SGD instead of their kernels; see
+            [`make_step`][functopt.fast.make_step]): each
             group is one ``torch.compile``\ d call over the masters, the gradient casts and
             the state laid end to end; ``init`` then allocates each group's masters and
             per-leaf state as views of one buffer, which the call writes in place, and
             the call also writes the low-precision params (``lay_out(params)`` puts them,
             with their gradients, in one buffer per group, written in place). The first
-            step of a group compiles (seconds). Groups with a kernel keep it.
+            step of a group compiles (seconds). One pass then reads the gradient casts
+            and writes masters, moments and params, where the kernels need a copy into the
+            params after them.
 
     Returns:
         A [`MixedPrecisionTransformation`][functopt.precision.MixedPrecisionTransformation].
