@@ -105,9 +105,15 @@ class PerLeaf(Leafwise):
 
 @dataclass(frozen=True, eq=False)
 class GlobalNormClip(Spec):
-    """``clip_by_global_norm(max_norm)``: scale every update by ``min(1, max_norm / norm)``."""
+    """``clip_by_global_norm(max_norm)``: scale every update by ``min(1, max_norm / norm)``.
+
+    ``sums`` and ``finish``: its update as two halves, with the contract of
+    `Leafwise.sums` / `Leafwise.finish` (the compiled tier's lowering of a clip that comes
+    after other rules, whose norm is of their updates)."""
 
     max_norm: Any
+    sums: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
+    finish: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
 
     def __repr__(self) -> str:
         return f"clip_by_global_norm({self.max_norm!r})"

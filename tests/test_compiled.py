@@ -57,6 +57,13 @@ def _clip_adamw() -> functopt.GradientTransformation:
                           functopt.adamw(1e-2, weight_decay=0.1))
 
 
+def _late_clip() -> functopt.GradientTransformation:
+    # a clip of Adam's updates (not of the gradients): a compiled sums pass measures them
+    return functopt.chain(functopt.scale_by_adam(), functopt.clip_by_global_norm(0.05),
+                          functopt.add_decayed_weights(0.1),
+                          functopt.scale_by_learning_rate(1e-2))
+
+
 _SLOW = pytest.mark.slow
 
 
@@ -67,11 +74,13 @@ _SLOW = pytest.mark.slow
     pytest.param(_masked_schedule, torch.float64, id="float64-masked_schedule"),
     pytest.param(_ademamix, torch.float64, id="float64-ademamix"),
     pytest.param(_clip_adamw, torch.float32, id="float32-clip_adamw"),
+    pytest.param(_late_clip, torch.float64, id="float64-late_clip"),
     # the other dtype of each (one more compile each: seconds; run with -m slow)
     pytest.param(_clip_nadam, torch.float64, id="float64-guard_clip_nadam", marks=_SLOW),
     pytest.param(_masked_schedule, torch.float32, id="float32-masked_schedule", marks=_SLOW),
     pytest.param(_ademamix, torch.float32, id="float32-ademamix", marks=_SLOW),
     pytest.param(_clip_adamw, torch.float64, id="float64-clip_adamw", marks=_SLOW),
+    pytest.param(_late_clip, torch.float32, id="float32-late_clip", marks=_SLOW),
 ])
 def test_compiled_tier_obeys_the_fast_path_law(factory: Any, dtype: torch.dtype) -> None:
     """The conformance law (float64 to 1e-12, float32 to a few ulps per step), donated or
@@ -296,9 +305,9 @@ def test_what_the_tier_does_not_lower_is_said() -> None:
     params = {"w": torch.zeros(3)}
     plain = fast.explain(functopt.lion(1e-3), params)
     assert not plain.fast and "make_step(tx, compile=True) compiles it" in str(plain.reason)
-    late_clip = functopt.chain(functopt.scale_by_lion(), functopt.clip_by_global_norm(1.0),
-                               functopt.scale_by_learning_rate(1e-3))
-    got = fast.explain(late_clip, params, compile=True)
+    late_guard = functopt.chain(functopt.scale_by_lion(), functopt.apply_if_finite(
+        functopt.scale_by_learning_rate(1e-3), max_consecutive_errors=2))
+    got = fast.explain(late_guard, params, compile=True)
     assert not got.fast and "only before the rules" in str(got.reason)
 
 
@@ -337,8 +346,9 @@ def _mixed_adamw() -> functopt.GradientTransformation:
 
 
 @pytest.mark.parametrize("donate", [False, True])
-@pytest.mark.parametrize("make_inner", [_lion, _mixed_clip_nadam, _mixed_adamw],
-                         ids=["lion", "clip_nadam", "adamw"])
+@pytest.mark.parametrize("make_inner", [
+    _lion, _mixed_clip_nadam, _mixed_adamw,
+    pytest.param(_late_clip, marks=_SLOW)], ids=["lion", "clip_nadam", "adamw", "late_clip"])
 def test_mixed_precision_rides_the_compiled_tier(donate: bool, make_inner: Any) -> None:
     """mixed_precision(inner, compile=True): bf16 params with float32 masters laid end to end
     by init, a clip, a dynamic loss scale and an overflow step: equal to the pure mixed
@@ -520,3 +530,24 @@ def test_scalars_are_computed_once_before_the_loops() -> None:
     (count_in,) = [t for t in inputs if t.dim() == 0]
     assert torch.equal(expected[0], adam_like(x_in.clone(), count_in.clone()))
     assert _compiled._lowering()  # Inductor lowers the mark in this torch: no warning
+
+
+def test_a_clip_after_the_moments_is_a_sums_pass() -> None:
+    """A clip after Adam measures Adam's updates: no kernel folds that (explain says why
+    and that compile=True compiles it); the compiled tier runs it as a rule with tree
+    sums, and the clip is active (the updates' norm is max_norm times the rate)."""
+    params = {"w": torch.randn(7, 3, generator=torch.Generator().manual_seed(5),
+                               dtype=torch.float64)}
+    plain = fast.explain(_late_clip(), params)
+    assert not plain.fast
+    assert "clip_by_global_norm after scale_by_adam has no fused form" in str(plain.reason)
+    assert "make_step(tx, compile=True) compiles it" in str(plain.reason)
+    got = fast.explain(_late_clip(), params, compile=True)
+    assert got.fast and got.clips == 0 and got.tree_sums == 1
+    assert got.groups[0].rules[:2] == ("scale_by_adam", "clip_by_global_norm")
+    tx = functopt.chain(functopt.scale_by_adam(), functopt.clip_by_global_norm(0.05),
+                        functopt.scale_by_learning_rate(1e-2))
+    step = fast.make_step(tx, compile=True)
+    new, _ = step(grads_for(params, 0), step.init(params), params)
+    moved = functopt.tree.global_norm({"w": new["w"] - params["w"]})
+    assert float(moved) == pytest.approx(0.05 * 1e-2, rel=1e-12)

@@ -58,12 +58,17 @@ class Explanation:
     groups: tuple[GroupPath, ...]
     clips: int  # global-norm clips, all measured in one pass (and one all-reduce)
     guards: int = 0  # apply_if_finite checks, in the same reduction
+    # rules that sum over every leaf in a compiled sums pass before the step (Prodigy's
+    # and D-Adaptation's sums, a clip after other rules), added over groups and ranks
+    tree_sums: int = 0
 
     def __str__(self) -> str:
         if not self.fast:
             return f"pure path: {self.reason}"
         lines = [f"fused path: {len(self.groups)} kernel call(s) per step, "
-                 f"{self.clips} global norm(s) in one pass"]
+                 f"{self.clips} global norm(s) in one pass" + (
+                     f", {self.tree_sums} tree sum(s) in a sums pass" if self.tree_sums
+                     else "")]
         for g in self.groups:
             extras = [x for x, on in (("apply_if_finite", g.skip_if_nonfinite),
                                       ("clip", g.clip), ("weight decay", g.weight_decay))
@@ -141,4 +146,5 @@ def explain(tx: GradientTransformation | MultiSteps, params: Any, state: Any = N
                   rules=tuple(op.kind for op in g.plan.ops))
         for g in lowered.groups)
     return Explanation(fast=lowered.fast, reason=lowered.reason, groups=groups,
-                       clips=len(structure.clips), guards=len(structure.guards))
+                       clips=len(structure.clips), guards=len(structure.guards),
+                       tree_sums=len(structure.tree_wide))

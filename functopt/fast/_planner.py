@@ -397,6 +397,26 @@ class _Walk:
                 mine = set(groups.get(key, ()))
                 self.walk(child, spec.state_of(idx, key), [i for i in sel if i in mine],
                           f"{where}.{spec.name}[{key!r}]")
+        elif isinstance(spec, GlobalNormClip) and spec.finish is not None and any(
+                not isinstance(op, _Guard) and op.kind != "identity"
+                for i in sel for op in self.out.programs[i]):
+            # a clip after other rules: the norm of their updates, which no gradient pass
+            # measures; the compiled tier lowers it as a rule with tree sums (the sums pass
+            # runs the rules before it), the kernels do not
+            node = self.node()
+            max_norm = self.bind(spec.max_norm)
+            if not isinstance(max_norm, _Const):
+                self.out.opaque.append(f"{where}: clip_by_global_norm after other rules "
+                                       f"with an injected max_norm has no fast form")
+                return
+            self.out.tree_wide.append(node)
+            sums, finish = spec.sums, spec.finish
+            assert sums is not None
+            late = _Op("clip_by_global_norm", {"max_norm": max_norm}, {}, node,
+                       fn=lambda u, state, p: finish(u, state, p, sums(u, state, p)),
+                       state_at=idx, sums=sums, finish=finish)
+            for i in sel:
+                self.out.programs[i].append(late)
         elif isinstance(spec, GlobalNormClip):
             clip = _Clip(len(self.out.clips), self.bind(spec.max_norm))
             self.out.clips.append(list(sel))
@@ -699,6 +719,10 @@ def _match_kernel(program: list[Any]) -> _KernelPlan | str:
     kinds = tuple(op.kind for op in ops)
     if not kinds:
         return "no update rule (the updates would be the gradients themselves)"
+    if "clip_by_global_norm" in kinds:
+        before = kinds[kinds.index("clip_by_global_norm") - 1]
+        return (f"clip_by_global_norm after {before} has no fused form (only a leading clip "
+                f"folds into the kernel)")
     if "set_to_zero" in kinds:
         if kinds[-1] == "set_to_zero":
             return _KernelPlan("zero", None, guard=guard)

@@ -194,25 +194,50 @@ def clip_by_global_norm(max_norm: Numeric) -> GradientTransformation:
         leaves, treespec = _common.flatten_updates(updates)
         wide = _sharded_norm(leaves, treespec) if any(map(is_dtensor, leaves)) else (
             _plain_norm(leaves))
-        norm = wide.to(_ops._accumulation_dtype([x for x in leaves if x is not None]))
-        keep = norm < max_norm
-        # A tensor numerator: torch computes `number / tensor` as `number * (1 / tensor)`,
-        # and 1 / a subnormal norm overflows to inf.
-        bound = torch.as_tensor(max_norm, dtype=norm.dtype, device=norm.device)
-        scale = bound / torch.clamp(norm, min=bound)
-        if norm.dtype != torch.float64:
-            # A finite norm beyond float32's range (rescued in float64): scale in float64.
-            bound64 = torch.as_tensor(max_norm, dtype=torch.float64, device=wide.device)
-            far = (bound64 / torch.clamp(wide, min=bound64)).to(norm.dtype)
-            scale = torch.where(torch.isfinite(norm), scale, far)
-        scale = _nan_unless_finite(wide, scale)
-        # `scaled`: a float64 norm (from a float64 leaf elsewhere in the tree) must not
-        # promote a 0-d float32 leaf.
-        new = [None if g is None else torch.where(keep, g, _common.scaled(g, scale))
-               for g in leaves]
-        return _common.unflatten(treespec, new), state
+        return _scaled_by_norm(updates, wide, max_norm), state
 
-    return specified(GradientTransformation(_init_empty, update_fn), GlobalNormClip(max_norm))
+    def sums(updates: Updates, state: EmptyState, params: Params | None = None,
+             ) -> tuple[torch.Tensor]:
+        # the planner's compiled tier, for a clip after other rules: this process's sum of
+        # squares of the updates it is given, in float64 (no float32 overflow to rescue)
+        del state, params
+        tensors = [x for x in _core.flatten(updates)[0] if x is not None]
+        total = torch.zeros((), dtype=torch.float64, device=tensors[0].device if tensors
+                            else None)
+        for x in tensors:
+            total = total + torch.square(x.to(torch.float64)).sum()
+        return (total,)
+
+    def finish(updates: Updates, state: EmptyState, params: Params | None,
+               totals: tuple[torch.Tensor],
+               ) -> tuple[Updates, EmptyState]:
+        # ... and the updates clipped by the norm of those sums over every leaf and rank
+        return _scaled_by_norm(updates, torch.sqrt(totals[0]), max_norm), state
+
+    return specified(GradientTransformation(_init_empty, update_fn),
+                     GlobalNormClip(max_norm, sums=sums, finish=finish))
+
+
+def _scaled_by_norm(updates: Updates, wide: torch.Tensor, max_norm: Numeric) -> Updates:
+    """``updates`` clipped to ``max_norm`` given their global norm ``wide`` (0-d float64)."""
+    leaves, treespec = _common.flatten_updates(updates)
+    norm = wide.to(_ops._accumulation_dtype([x for x in leaves if x is not None]))
+    keep = norm < max_norm
+    # A tensor numerator: torch computes `number / tensor` as `number * (1 / tensor)`,
+    # and 1 / a subnormal norm overflows to inf.
+    bound = torch.as_tensor(max_norm, dtype=norm.dtype, device=norm.device)
+    scale = bound / torch.clamp(norm, min=bound)
+    if norm.dtype != torch.float64:
+        # A finite norm beyond float32's range (rescued in float64): scale in float64.
+        bound64 = torch.as_tensor(max_norm, dtype=torch.float64, device=wide.device)
+        far = (bound64 / torch.clamp(wide, min=bound64)).to(norm.dtype)
+        scale = torch.where(torch.isfinite(norm), scale, far)
+    scale = _nan_unless_finite(wide, scale)
+    # `scaled`: a float64 norm (from a float64 leaf elsewhere in the tree) must not
+    # promote a 0-d float32 leaf.
+    new = [None if g is None else torch.where(keep, g, _common.scaled(g, scale))
+           for g in leaves]
+    return _common.unflatten(treespec, new)
 
 
 def _plain_norm(leaves: list[Any]) -> torch.Tensor:

@@ -4,7 +4,8 @@
 Schedule-free is elementwise with scalar state: each rank's compiled call steps its local
 shards and the result equals the pure path on the full tensors in one process. Prodigy
 sums over every leaf inside its update: each rank sums over its shards, one all-reduce
-makes the sums global, then each rank steps its shards.
+makes the sums global, then each rank steps its shards; so does a global-norm clip after
+Adam's moments (the same lowering: a rule with tree sums).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import pytest
 import torch
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
@@ -68,22 +70,34 @@ def schedule_free_compiles_on_shards_without_collectives(rank: int, world: int) 
     full = _full_params(0)
     params = _shard(full, mesh)
     assert explain(tx, params, compile=True).fast
+    stepped = _steps_equal_the_full_tensors(tx, full, params, mesh, seed=10, collectives=0)
+    assert all(isinstance(p, DTensor) and p.placements == (Shard(0),)
+               for p in stepped.values())
+
+
+def _steps_equal_the_full_tensors(tx: Any, full: dict[str, torch.Tensor],
+                                  params: dict[str, Any], mesh: Any, *, seed: int,
+                                  collectives: int, each: Any = None) -> dict[str, Any]:
+    """Three compiled steps on the shards, each with ``collectives`` collectives, equal to
+    the pure path on the full tensors (``each(before, after)`` checks those); returns the
+    stepped params."""
     step = make_step(tx, compile=True)
     state, ref_state = tx.init(params), tx.init(full)
     for i in range(3):
-        gen = torch.Generator().manual_seed(10 + i)
+        gen = torch.Generator().manual_seed(seed + i)
         gfull = {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in full.items()}
         grads = _shard(gfull, mesh)
         with torch.no_grad(), CommDebugMode() as comm, warnings.catch_warnings():
             warnings.simplefilter("error", FastPathWarning)
             params, state = step(grads, state, params)
-        assert comm.get_total_counts() == 0, comm.get_comm_counts()
+        assert comm.get_total_counts() == collectives, comm.get_comm_counts()
         updates, ref_state = tx.update(gfull, ref_state, full)
-        full = functopt.apply_updates(full, updates)
-        assert all(isinstance(p, DTensor) and p.placements == (Shard(0),)
-                   for p in params.values())
+        before, full = full, functopt.apply_updates(full, updates)
+        if each is not None:
+            each(before, full)
         _assert_close(params, full, f"step {i} params")
         _assert_close(state, ref_state, f"step {i} state")
+    return params
 
 
 @check
@@ -113,6 +127,28 @@ def prodigy_on_shards_one_all_reduce_per_step(rank: int, world: int) -> None:
         _assert_close(params, full, f"step {i} params")
         _assert_close(state, ref_state, f"step {i} state")
     assert float(state.numerator_weighted) > 0
+
+
+@check
+def late_clip_on_shards_one_all_reduce_per_step(rank: int, world: int) -> None:
+    """chain(scale_by_adam, clip_by_global_norm, lr) compiled on shards: the clip measures
+    Adam's updates (a compiled sums pass), one all-reduce makes the norm global; equal to
+    the pure path on the full tensors, with the clip active."""
+    del rank
+    mesh = _mesh(world)
+    tx = functopt.chain(functopt.scale_by_adam(), functopt.clip_by_global_norm(0.5),
+                        functopt.scale_by_learning_rate(0.1))
+    full = _full_params(3)
+    params = _shard(full, mesh)
+    got = explain(tx, params, compile=True)
+    assert got.fast and got.tree_sums == 1 and got.clips == 0, str(got)
+
+    def clipped(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> None:
+        moved = functopt.tree.global_norm({k: after[k] - before[k] for k in after})
+        assert float(moved) == pytest.approx(0.05, rel=1e-9)  # lr * max_norm
+
+    _steps_equal_the_full_tensors(tx, full, params, mesh, seed=20, collectives=1,
+                                  each=clipped)
 
 
 @check
