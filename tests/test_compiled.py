@@ -73,8 +73,9 @@ _SLOW = pytest.mark.slow
     pytest.param(_clip_nadam, torch.float32, id="float32-guard_clip_nadam"),
     pytest.param(_masked_schedule, torch.float64, id="float64-masked_schedule"),
     pytest.param(_ademamix, torch.float64, id="float64-ademamix"),
-    pytest.param(_clip_adamw, torch.float32, id="float32-clip_adamw"),
-    pytest.param(_late_clip, torch.float64, id="float64-late_clip"),
+    # (seconds each with a cold cache: the default run tests these paths in the tests below)
+    pytest.param(_clip_adamw, torch.float32, id="float32-clip_adamw", marks=_SLOW),
+    pytest.param(_late_clip, torch.float64, id="float64-late_clip", marks=_SLOW),
     # the other dtype of each (one more compile each: seconds; run with -m slow)
     pytest.param(_clip_nadam, torch.float64, id="float64-guard_clip_nadam", marks=_SLOW),
     pytest.param(_masked_schedule, torch.float32, id="float32-masked_schedule", marks=_SLOW),
@@ -535,7 +536,8 @@ def test_scalars_are_computed_once_before_the_loops() -> None:
 def test_a_clip_after_the_moments_is_a_sums_pass() -> None:
     """A clip after Adam measures Adam's updates: no kernel folds that (explain says why
     and that compile=True compiles it); the compiled tier runs it as a rule with tree
-    sums, and the clip is active (the updates' norm is max_norm times the rate)."""
+    sums, equal to the pure path, and the clip is active (the updates' norm is max_norm
+    times the rate). (-m slow: the conformance law over every layout.)"""
     params = {"w": torch.randn(7, 3, generator=torch.Generator().manual_seed(5),
                                dtype=torch.float64)}
     plain = fast.explain(_late_clip(), params)
@@ -548,6 +550,15 @@ def test_a_clip_after_the_moments_is_a_sums_pass() -> None:
     tx = functopt.chain(functopt.scale_by_adam(), functopt.clip_by_global_norm(0.05),
                         functopt.scale_by_learning_rate(1e-2))
     step = fast.make_step(tx, compile=True)
-    new, _ = step(grads_for(params, 0), step.init(params), params)
-    moved = functopt.tree.global_norm({"w": new["w"] - params["w"]})
-    assert float(moved) == pytest.approx(0.05 * 1e-2, rel=1e-12)
+    state, pure_state = step.init(params), tx.init(params)
+    now, pure = params, params
+    for i in range(2):
+        grads = grads_for(params, i)
+        new, state = step(grads, state, now)
+        moved = functopt.tree.global_norm({"w": new["w"] - now["w"]})
+        assert float(moved) == pytest.approx(0.05 * 1e-2, rel=1e-12)
+        updates, pure_state = tx.update(grads, pure_state, pure)
+        now, pure = new, functopt.apply_updates(pure, updates)
+        torch.testing.assert_close(now["w"], pure["w"], rtol=1e-12, atol=0.0)
+        torch.testing.assert_close(state[0].nu["w"], pure_state[0].nu["w"], rtol=1e-12,
+                                   atol=0.0)
