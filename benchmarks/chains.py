@@ -117,13 +117,18 @@ class TorchAdamWFor(C.TorchAdamW):
         self.steps += 1
 
 
-def chain_contenders(case: str, shapes: list[tuple[int, ...]], seed: int = 0,
-                     ) -> tuple[list[C.Contender], list[C.Contender]]:
-    """(the contenders checked against each other, the timed-only yardsticks)."""
+def chain_contenders(case: str, shapes: list[tuple[int, ...]], seed: int = 0, *,
+                     compiled: bool = True) -> tuple[list[C.Contender], list[C.Contender]]:
+    """(the contenders checked against each other, the timed-only yardsticks). With
+    ``compiled``, the chains the kernels take also with ``compile=True`` and
+    ``step.lay_out`` (the compiled tier instead of the kernels)."""
     params, grads = C.make_values(shapes, seed, grad_scale=10.0)  # norms above MAX_NORM
     make = CHAINS[case]
     ours = [FunctoptChain(params, grads, make(), fast=False),
             FunctoptChain(params, grads, make(), fast=True)]
+    if compiled and case != "lion":
+        ours.append(FunctoptChain(params, grads, make(), fast=True, compile=True,
+                                  one_buffer=True))
     if case == "lion":
         # no PyTorch kernel: the compiled tier (make_step(compile=True))
         ours.append(FunctoptChain(params, grads, make(), fast=True, compile=True))

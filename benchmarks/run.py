@@ -228,8 +228,10 @@ def _subcases(title: str, make: Any, names: Sequence[str], shapes: list[tuple[in
 
 
 def case_chains(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    # (compile=True contenders beside the kernels' chains: left out of --quick, see below)
     res = _subcases("chains: composed chains, make_step(donate=True) vs PyTorch",
-                    K.chain_contenders, list(K.CHAINS), C.make_shapes(cfg["total"],
+                    functools.partial(K.chain_contenders, compiled=not args.quick),
+                    list(K.CHAINS), C.make_shapes(cfg["total"],
                                                                       cfg["leaves"]),
                     cfg, args, FUSED)
     print("  targets: clip_adamw, masked_decay <= 1.05x; adam_decay_schedule <= 1.1x; "
