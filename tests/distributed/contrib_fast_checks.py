@@ -152,6 +152,21 @@ def late_clip_on_shards_one_all_reduce_per_step(rank: int, world: int) -> None:
 
 
 @check
+def clip_adamw_compiled_on_shards_one_all_reduce_per_step(rank: int, world: int) -> None:
+    """compile=True takes AdamW onto the compiled tier on shards too: the leading clip's
+    norm in one all-reduce, each rank's call over its shards; equal to the full tensors."""
+    del rank
+    mesh = _mesh(world)
+    tx = functopt.chain(functopt.clip_by_global_norm(0.5),
+                        functopt.adamw(0.1, weight_decay=0.1))
+    full = _full_params(4)
+    params = _shard(full, mesh)
+    got = explain(tx, params, compile=True)
+    assert got.fast and {g.kernel for g in got.groups} == {"compiled"}, str(got)
+    _steps_equal_the_full_tensors(tx, full, params, mesh, seed=30, collectives=1)
+
+
+@check
 def prodigy_on_a_rank_holding_nothing(rank: int, world: int) -> None:
     """Every leaf one row: rank 1 holds no element at all, yet decides like rank 0 (the
     fast path), joins the all-reduce with zero sums and moves Prodigy's scalar state in
