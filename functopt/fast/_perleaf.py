@@ -2,7 +2,8 @@ r"""The planner's per-leaf tier: rules that reduce within a leaf, groups at a ti
 
 Some rules are not elementwise: Muon orthogonalises each matrix by Newton-Schulz
 iterations, a trust ratio divides a leaf by its own norm, a shape factor depends on the
-leaf's dimensions. Their spec is a [`PerLeaf`][functopt._spec.PerLeaf]: neither PyTorch's
+leaf's dimensions, Adafactor keeps row and column means of each matrix's squared
+gradients, block RMS clipping divides a leaf by its own rms. Their spec is a [`PerLeaf`][functopt._spec.PerLeaf]: neither PyTorch's
 kernels nor the compiled tier (which lays leaves end to end) can take them. Here the
 groups of leaves (one device, one dtype, one program after an optional leading clip or
 ``apply_if_finite``) run their programs' rules in order, rule-major: at each position, the
@@ -12,8 +13,10 @@ still makes one pair of all-to-alls):
 
 - a ``PerLeaf`` rule runs its ``grouped`` update when it has one (Muon's: the momentum
   with ``torch._foreach_*`` ops over the group, then one Newton-Schulz iteration per set
-  of same-shape matrices, stacked into one batch of matrix products), else its own
-  ``update``;
+  of same-shape matrices, stacked into one batch of matrix products; Adafactor's: foreach
+  ops over the unfactored leaves, the factored ones stacked by shape and layout; the trust
+  ratio's and block RMS clipping's: their norms in ``torch._foreach_norm`` calls), else
+  its own ``update``;
 - an elementwise rule after it (the shape factor, decay, the learning rate) runs its own
   ``update``, on the group's leaves together;
 - the updates are added to the values with one ``foreach`` add (in place when donated).
