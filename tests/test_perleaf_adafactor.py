@@ -319,3 +319,19 @@ def test_what_the_tier_refuses_is_explained_and_warned(build: Any, reason: str) 
     with torch.no_grad(), pytest.warns(FastPathWarning, match=reason):
         new, _ = functopt.fast.make_step(tx)(grads, state, params)
     assert_bitwise_equal(new, _pure(tx, grads, state, params)[0])
+
+
+@pytest.mark.slow
+# (importing Inductor on the CPU defines torch.utils.mkldnn's ScriptModules, which warn)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_ema_is_elementwise_and_compiles() -> None:
+    # ema's spec names its per-leaf average: with compile=True it takes the compiled tier
+    params = {"w": torch.randn(4, 3, dtype=torch.float64), "b": torch.randn(3, dtype=torch.float64)}
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+
+    def build() -> functopt.GradientTransformation:
+        return functopt.chain(functopt.ema(0.9), functopt.scale(-0.1))
+
+    explained = functopt.fast.explain(build(), params, compile=True)
+    assert explained.fast and [g.kernel for g in explained.groups] == ["compiled"]
+    conformance.check_fast_path(build, params, grads, steps=2, compile=True)
