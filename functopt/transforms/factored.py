@@ -173,13 +173,13 @@ def _factored_batch(
                                device=g0.device)
     torch._foreach_copy_(list(wide.unbind(0)), gs)
     beta, rest = _common.scalar(decay, dtype), _common.scalar(1 - decay, dtype)
-    grad_sqr = wide * wide + _common.scalar(epsilon, dtype)
+    grad_sqr = (wide * wide).add_(_common.scalar(epsilon, dtype))  # (in place: a buffer less)
     d1, d0 = dims[0] + 1, dims[1] + 1  # past the batch dim
     row_t = beta * torch.stack(rows).to(dtype) + rest * grad_sqr.mean(dim=d0).contiguous()
     col_t = beta * torch.stack(cols).to(dtype) + rest * grad_sqr.mean(dim=d1).contiguous()
     d1_in_row = d1 - 1 if d1 > d0 else d1
     row_factor = torch.rsqrt(row_t / row_t.mean(dim=d1_in_row, keepdim=True))
-    u = wide * row_factor.unsqueeze(d0) * torch.rsqrt(col_t).unsqueeze(d1)
+    u = wide.mul_(row_factor.unsqueeze(d0)).mul_(torch.rsqrt(col_t).unsqueeze(d1))
     return (list(u.to(g0.dtype).unbind(0)), list(row_t.to(rows[0].dtype).unbind(0)),
             list(col_t.to(cols[0].dtype).unbind(0)), fulls)
 
