@@ -120,7 +120,14 @@ def test_explain_puts_adafactor_and_block_rms_clipping_on_the_tier() -> None:
                                weight_decay_rate=0.1, clipping_threshold=0.3),
     lambda: functopt.adafactor(0.05, factored=False, clipping_threshold=None,
                                multiply_by_parameter_scale=False),
-], ids=["factored", "momentum,decay,threshold", "unfactored"])
+    lambda: functopt.chain(functopt.scale_by_factored_rms(
+        decay_rate=torch.tensor(0.5), epsilon=torch.tensor(1e-3), step_offset=-2,
+        min_dim_size_to_factor=2), functopt.clip_by_block_rms(torch.tensor(0.7)),
+        functopt.scale(-0.1)),
+    lambda: functopt.chain(functopt.scale_by_factored_rms(
+        min_dim_size_to_factor=0, decay_rate_fn=lambda step, rate: 0.9), functopt.scale(-0.1)),
+], ids=["factored", "momentum,decay,threshold", "unfactored", "tensor hyperparameters",
+        "a number decay, every leaf factored"])
 def test_adafactor_fast_equals_pure_bitwise_over_layouts(build: Any, dtype: torch.dtype) -> None:
     # stacked batches (a, b, c; t, t2; cl, cl2; d3, d3b), leaves alone (strided, wide,
     # empty), foreach over the unfactored ones; min_dim_size_to_factor=4 leaves the 3-row

@@ -149,10 +149,13 @@ def _unfactored_foreach(
     """``_leaf`` on unfactored leaves of one device and dtypes, with foreach ops."""
     del dims
     dtype = _common.compute_dtype(gs[0].dtype, rows[0].dtype, cols[0].dtype, fulls[0].dtype)
-    beta, rest = _common.scalar(decay, dtype), _common.scalar(1 - decay, dtype)
+    # (a foreach op takes its 0-d tensor scalar on the lists' device)
+    beta, rest, eps = (x.to(gs[0].device) if isinstance(x, torch.Tensor) else x
+                       for x in (_common.scalar(decay, dtype), _common.scalar(1 - decay, dtype),
+                                 _common.scalar(epsilon, dtype)))
     wide = [g.to(dtype) for g in gs]
     grad_sqr = torch._foreach_mul(wide, wide)
-    torch._foreach_add_(grad_sqr, _common.scalar(epsilon, dtype))
+    torch._foreach_add_(grad_sqr, eps)
     full_t = torch._foreach_mul([f.to(dtype) for f in fulls], beta)
     torch._foreach_add_(full_t, torch._foreach_mul(grad_sqr, rest))
     u = torch._foreach_mul(wide, torch._foreach_rsqrt(full_t))
