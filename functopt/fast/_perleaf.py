@@ -95,7 +95,15 @@ def layout_problem(plan: Any, value: Any, state_leaves: list[Any]) -> str | None
 
 
 def _where(skip: torch.Tensor, old: Any, new: Any) -> Any:
-    """``old`` where the step is skipped, else ``new`` (on local shards for DTensors)."""
+    """``old`` where the step is skipped, else ``new`` (on local shards for DTensors).
+
+    A rule may return a state entry placed otherwise than it came (Adafactor's row means of
+    a ``Shard(0)`` matrix start ``Replicate`` and come back ``Shard(0)``, on the pure path
+    too): the old entry is then redistributed to the new placement first (the same values;
+    a skipped step keeps them placed as a taken step would)."""
+    if (is_dtensor(old) and is_dtensor(new) and (
+            old.placements != new.placements or old.device_mesh != new.device_mesh)):
+        old = old.redistribute(new.device_mesh, new.placements)
     local = local_tensor(new)
     return _rewrap_like(new, torch.where(skip.to(local.device), local_tensor(old), local))
 

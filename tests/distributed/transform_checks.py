@@ -327,3 +327,46 @@ def adafactor_make_step_on_shards_takes_the_per_leaf_tier(rank: int, world: int)
         factored = state[0]
         assert all(isinstance(x, DTensor) for x in (factored.v_row["w"], factored.v_col["w"],
                                                      params["w"]))
+
+
+@check
+def mixed_precision_adafactor_on_bf16_shards_takes_the_per_leaf_tier(rank: int,
+                                                                     world: int) -> None:
+    """mixed_precision(adafactor) on bfloat16 Shard(0) params with float32 masters: the
+    fused mixed step takes the per-leaf tier (no FastPathWarning) and equals the pure
+    mixed step on the same shards bitwise, masters and statistics still DTensors. The
+    second step overflows in the last row (one rank's shard) and is skipped: the per-leaf
+    tier keeps the statistics, whose placement the first step changed (Adafactor's row
+    means start Replicate and come back Shard(0))."""
+    del rank
+    mesh = _mesh(world)
+    torch.manual_seed(6)
+    full = {"w": torch.randn(5, 6), "w2": torch.randn(5, 6), "b": torch.randn(5)}
+    full = {k: v.to(torch.bfloat16) for k, v in full.items()}
+
+    def build() -> functopt.GradientTransformation:
+        return functopt.adafactor(1e-2, min_dim_size_to_factor=2, momentum=0.9)
+
+    fast, pure = mixed_precision(build(), max_grad_norm=1.0), mixed_precision(
+        build(), max_grad_norm=1.0, fused=False)
+    params = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
+    ref_params = dict(params)
+    state, ref_state = fast.init(params), pure.init(ref_params)
+    for i in range(3):
+        torch.manual_seed(20 + i)
+        plain = {k: torch.randn(v.shape).to(torch.bfloat16) for k, v in full.items()}
+        if i == 1:
+            plain["w"][4, 0] = float("inf")
+        grads = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in plain.items()}
+        masters = {k: _full(v) for k, v in state.master.items()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", functopt.fast.FastPathWarning)
+            params, state = fast.step(grads, state, params)
+        ref_params, ref_state = pure.step(grads, ref_state, ref_params)
+        if i == 1:
+            _assert_tree({k: _full(v) for k, v in state.master.items()}, masters)
+    _assert_tree(params, ref_params)
+    _assert_tree(state.master, ref_state.master)
+    _assert_tree(state.inner_state, ref_state.inner_state)
+    factored = state.inner_state[0]
+    assert all(isinstance(x, DTensor) for x in (factored.v_row["w"], state.master["w"]))
