@@ -187,7 +187,7 @@ def test_same_shape_factored_leaves_run_as_cache_sized_batches(
         return real(gs, *args)
 
     monkeypatch.setattr(factored_module, "_factored_batch", counting)
-    monkeypatch.setattr(factored_module, "_BATCH_ELEMENTS", 3 * 24)  # three 6 x 4 matrices
+    monkeypatch.setitem(factored_module._BATCH_ELEMENTS, "cpu", 3 * 24)  # three 6 x 4 matrices
     params = {f"m{i}": torch.randn(6, 4, dtype=torch.float64) for i in range(7)}
     params["t"] = torch.randn(4, 6, dtype=torch.float64).T  # another layout: alone
     tx = functopt.adafactor(0.05, min_dim_size_to_factor=2)
@@ -199,6 +199,16 @@ def test_same_shape_factored_leaves_run_as_cache_sized_batches(
     seen.clear()
     tx.update(grads, tx.init(params), params)
     assert not seen  # the pure path: leaf by leaf
+
+
+def test_batches_are_cache_sized_on_the_cpu_and_larger_elsewhere() -> None:
+    # fifty 256 x 256 matrices: batches of 4 (2^18 elements) on the CPU; on another
+    # device type the batches are larger (fewer launches): all 50 in one
+    meta = [torch.empty(256, 256, device="meta")] * 50
+    key = ((0, 1), meta[0].device, (torch.float32,) * 4, (256, 256), (256, 1))
+    assert [len(i) for _, i in factored_module._chunked({key: list(range(50))}, meta)] == [50]
+    cpu = [torch.empty(256, 256)] * 50
+    assert [len(i) for _, i in factored_module._chunked({key: list(range(50))}, cpu)] == [4] * 12 + [2]
 
 
 @settings(max_examples=6, deadline=None)

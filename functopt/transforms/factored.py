@@ -124,10 +124,14 @@ def _batch_key(g: torch.Tensor, row: torch.Tensor, col: torch.Tensor, full: torc
     return (dims, g.device, dtypes, tuple(g.shape), g.stride())
 
 
-# The most elements a stacked batch of factored leaves holds. On the CPU a batch that does
-# not fit in cache runs slower than leaf by leaf (each of its dozen passes goes to memory,
-# and a fresh large buffer costs page faults); the batch's gain is fewer, larger kernels.
-_BATCH_ELEMENTS = 1 << 18
+# The most elements a stacked batch of factored leaves holds, by device type. On the CPU a
+# batch that does not fit in cache runs slower than leaf by leaf (each of its dozen passes
+# goes to memory, and a fresh large buffer costs page faults; measured 2x slower for fifty
+# 256 x 256 matrices in one batch, docs/performance.md), so batches stay near the cache's
+# size. On an accelerator each pass costs its memory traffic either way and the batch
+# saves kernel launches, so batches are larger there (not measured: no GPU was lent).
+_BATCH_ELEMENTS = {"cpu": 1 << 18}
+_BATCH_ELEMENTS_ELSEWHERE = 1 << 24
 
 
 def _chunked(batches: dict[Any, list[int]], grads: list[Any]) -> list[tuple[Any, list[int]]]:
@@ -138,9 +142,12 @@ def _chunked(batches: dict[Any, list[int]], grads: list[Any]) -> list[tuple[Any,
         if key[0] is None:
             out.append((key, idx))
             continue
-        size = max(1, _BATCH_ELEMENTS // max(grads[idx[0]].numel(), 1))
+        g = grads[idx[0]]
+        cap = _BATCH_ELEMENTS.get(g.device.type, _BATCH_ELEMENTS_ELSEWHERE)
+        size = max(1, cap // max(g.numel(), 1))
         out.extend((key, idx[k:k + size]) for k in range(0, len(idx), size))
     return out
+
 
 def _unfactored_foreach(
     gs: list[torch.Tensor], rows: list[torch.Tensor], cols: list[torch.Tensor],
