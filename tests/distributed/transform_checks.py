@@ -298,7 +298,7 @@ def adafactor_make_step_on_shards_takes_the_per_leaf_tier(rank: int, world: int)
     torch.manual_seed(5)
     full = {"w": torch.randn(5, 6, dtype=torch.float64), "w2": torch.randn(5, 6, dtype=torch.float64),
             "tall": torch.randn(7, 3, dtype=torch.float64), "b": torch.randn(5, dtype=torch.float64)}
-    for kw in ({}, {"momentum": 0.9, "weight_decay_rate": 0.1}):
+    for kw in ({"momentum": 0.9, "weight_decay_rate": 0.1},):  # (one recipe: ranks are slow)
         tx = functopt.adafactor(1e-2, min_dim_size_to_factor=2, **kw)
         params = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
         ref_params = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
@@ -337,8 +337,12 @@ def mixed_precision_adafactor_on_bf16_shards_takes_the_per_leaf_tier(rank: int,
     mixed step on the same shards bitwise, masters and statistics still DTensors. The
     second step overflows in the last row (one rank's shard) and is skipped: the per-leaf
     tier keeps the statistics, whose placement the first step changed (Adafactor's row
-    means start Replicate and come back Shard(0))."""
+    means start Replicate and come back Shard(0)). At 2 ranks only (the step's DTensor ops
+    cost seconds at 4 on two cores; the 4-rank shards, one of them empty, are the check
+    above's)."""
     del rank
+    if world != 2:
+        return
     mesh = _mesh(world)
     torch.manual_seed(6)
     full = {"w": torch.randn(5, 6), "w2": torch.randn(5, 6), "b": torch.randn(5)}
