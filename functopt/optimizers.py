@@ -472,6 +472,10 @@ def adafactor(
     ema(momentum, debias=False), add_decayed_weights(weight_decay_rate), scale(-1))``, each
     optional stage present only when its argument asks for it.
 
+    [`functopt.fast.make_step`][functopt.fast.make_step] and the mixed-precision step run
+    it on the planner's per-leaf tier (its factored moments and block rms reduce within a
+    leaf; equal to the pure step), DTensor shards included.
+
     Examples:
         >>> import torch, functopt
         >>> opt = functopt.adafactor(learning_rate=0.1, multiply_by_parameter_scale=False)

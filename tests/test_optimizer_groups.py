@@ -167,7 +167,7 @@ def test_adafactor_groups_honour_its_keys_and_refuse_torchs_d_and_beta2_decay():
             _train(model, opt, steps=1)
         del opt.param_groups[0][key]
     # Its own keys are read: a group edited to clipping_threshold=0.5 equals the recipe
-    # built with 0.5 (pure path: adafactor has no fused kernel).
+    # built with 0.5 (the pure path, compared exactly).
     edited, built = _model(), _model()
     a = Optimizer(edited.parameters(), functopt.adafactor(1e-2), fused=False)
     a.param_groups[0]["clipping_threshold"] = 0.5

@@ -2,7 +2,8 @@ r"""The planner's per-leaf tier: rules that reduce within a leaf, groups at a ti
 
 Some rules are not elementwise: Muon orthogonalises each matrix by Newton-Schulz
 iterations, a trust ratio divides a leaf by its own norm, a shape factor depends on the
-leaf's dimensions. Their spec is a [`PerLeaf`][functopt._spec.PerLeaf]: neither PyTorch's
+leaf's dimensions, Adafactor keeps row and column means of each matrix's squared
+gradients, block RMS clipping divides a leaf by its own rms. Their spec is a [`PerLeaf`][functopt._spec.PerLeaf]: neither PyTorch's
 kernels nor the compiled tier (which lays leaves end to end) can take them. Here the
 groups of leaves (one device, one dtype, one program after an optional leading clip or
 ``apply_if_finite``) run their programs' rules in order, rule-major: at each position, the
@@ -12,8 +13,10 @@ still makes one pair of all-to-alls):
 
 - a ``PerLeaf`` rule runs its ``grouped`` update when it has one (Muon's: the momentum
   with ``torch._foreach_*`` ops over the group, then one Newton-Schulz iteration per set
-  of same-shape matrices, stacked into one batch of matrix products), else its own
-  ``update``;
+  of same-shape matrices, stacked into one batch of matrix products; Adafactor's: foreach
+  ops over the unfactored leaves, the factored ones stacked by shape and layout; the trust
+  ratio's and block RMS clipping's: their norms in ``torch._foreach_norm`` calls), else
+  its own ``update``;
 - an elementwise rule after it (the shape factor, decay, the learning rate) runs its own
   ``update``, on the group's leaves together;
 - the updates are added to the values with one ``foreach`` add (in place when donated).
@@ -92,7 +95,15 @@ def layout_problem(plan: Any, value: Any, state_leaves: list[Any]) -> str | None
 
 
 def _where(skip: torch.Tensor, old: Any, new: Any) -> Any:
-    """``old`` where the step is skipped, else ``new`` (on local shards for DTensors)."""
+    """``old`` where the step is skipped, else ``new`` (on local shards for DTensors).
+
+    A rule may return a state entry placed otherwise than it came (Adafactor's row means of
+    a ``Shard(0)`` matrix start ``Replicate`` and come back ``Shard(0)``, on the pure path
+    too): the old entry is then redistributed to the new placement first (the same values;
+    a skipped step keeps them placed as a taken step would)."""
+    if (is_dtensor(old) and is_dtensor(new) and (
+            old.placements != new.placements or old.device_mesh != new.device_mesh)):
+        old = old.redistribute(new.device_mesh, new.placements)
     local = local_tensor(new)
     return _rewrap_like(new, torch.where(skip.to(local.device), local_tensor(old), local))
 

@@ -111,6 +111,7 @@ COMPILED_SLOTS: dict[str, tuple[str, ...]] = {
     "scale_by_rms": ("nu",),
     "scale_by_stddev": ("mu", "nu"),
     "scale_by_rss": ("sum_of_squares",),
+    "ema": ("ema",),
     # functopt.contrib
     "scale_by_adopt": ("mu", "nu"),
     "scale_by_ademamix": ("m1", "m2", "nu"),

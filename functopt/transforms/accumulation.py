@@ -278,4 +278,7 @@ def ema(
             count=count, ema=_common.unflatten(treespec, new_averages)
         )
 
-    return GradientTransformation(init_fn, update_fn)
+    # elementwise: the compiled tier runs it, and the per-leaf tier beside a per-leaf rule
+    # (Adafactor's momentum)
+    return specified(GradientTransformation(init_fn, update_fn), Leafwise("ema", {
+        "decay": decay, "debias": debias, "accumulator_dtype": accumulator_dtype}))

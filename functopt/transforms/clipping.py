@@ -35,7 +35,7 @@ from functopt._collective.dtensor import (
     local_tensor,
 )
 from functopt._collective.reduce import _local_stats, all_reduce_stats
-from functopt._spec import GlobalNormClip, specified
+from functopt._spec import GlobalNormClip, PerLeaf, specified
 from functopt.transforms import _common
 from functopt.tree import _core, _ops
 
@@ -129,12 +129,16 @@ def clip_by_block_rms(threshold: Numeric) -> GradientTransformation:
     _validate.check_range("clip_by_block_rms", "threshold", threshold, low=0.0, low_open=True,
                           hint="Fix: pass a positive rms bound, such as 1.0.")
 
+    def denominators(norms: torch.Tensor, roots: torch.Tensor) -> torch.Tensor:
+        # (0-d on the pure path, a vector of them on the grouped one: the same elementwise
+        # operations)
+        rms = norms / roots
+        ratio = rms / _common.scalar(threshold, rms.dtype)
+        return _nan_unless_finite(rms, torch.clamp(ratio, min=1.0))
+
     def clip_leaf(u: torch.Tensor) -> torch.Tensor:
         norm = torch.linalg.vector_norm(u, dtype=_accumulation_dtype(u.dtype))
-        rms = norm / max(u.numel(), 1) ** 0.5
-        ratio = rms / _common.scalar(threshold, rms.dtype)
-        denom = _nan_unless_finite(rms, torch.clamp(ratio, min=1.0))
-        return (u / denom).to(u.dtype)
+        return (u / denominators(norm, max(u.numel(), 1) ** 0.5)).to(u.dtype)
 
     def update_fn(
         updates: Updates, state: EmptyState, params: Params | None = None, **extra_args: Any
@@ -144,7 +148,37 @@ def clip_by_block_rms(threshold: Numeric) -> GradientTransformation:
         leaves, treespec = _common.flatten_updates(updates)
         return _common.unflatten(treespec, _core.map_leaves(clip_leaf, leaves)), state
 
-    return GradientTransformation(_init_empty, update_fn)
+    def grouped_fn(
+        updates: Updates, state: EmptyState, params: Params | None = None, **extra_args: Any
+    ) -> tuple[Updates, EmptyState]:
+        # the planner's per-leaf tier: every norm of a (device, dtype) group in one
+        # torch._foreach_norm call and the scales as one vector; DTensor shards leaf by leaf
+        _common.check_state("clip_by_block_rms", state, EmptyState)
+        del params, extra_args
+        leaves, treespec = _common.flatten_updates(updates)
+        new: list[Any] = list(leaves)
+        groups: dict[Any, list[int]] = {}
+        for i, u in enumerate(leaves):
+            if u is None:
+                continue
+            if is_dtensor(u):
+                new[i] = clip_leaf(u)
+            else:
+                groups.setdefault((u.device, u.dtype), []).append(i)
+        for (device, dtype), idx in groups.items():
+            wide = _accumulation_dtype(dtype)
+            norms = torch.stack(torch._foreach_norm([leaves[i] for i in idx], 2, dtype=wide))
+            roots = torch.tensor([max(leaves[i].numel(), 1) ** 0.5 for i in idx], dtype=wide,
+                                 device=device)
+            scaled = torch._foreach_div([leaves[i] for i in idx],
+                                        list(denominators(norms, roots).unbind(0)))
+            for i, x in zip(idx, scaled, strict=True):
+                new[i] = x.to(dtype)
+        return _common.unflatten(treespec, new), state
+
+    # a leaf's own rms: the planner's per-leaf tier runs it a group at a time
+    return specified(GradientTransformation(_init_empty, update_fn), PerLeaf(
+        "clip_by_block_rms", {"threshold": threshold}, grouped=grouped_fn))
 
 
 def clip_by_global_norm(max_norm: Numeric) -> GradientTransformation:

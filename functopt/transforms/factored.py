@@ -9,6 +9,8 @@ import torch
 
 from functopt import _validate
 from functopt._base import GradientTransformation, Numeric, Params, Updates
+from functopt._collective.dtensor import is_dtensor
+from functopt._spec import PerLeaf, specified
 from functopt.transforms import _common
 from functopt.tree import _core
 
@@ -73,6 +75,123 @@ class FactoredState(NamedTuple):
     v_row: Updates  # like params, param's dtype; param shape without d0: mean over d0 of the EMA
     v_col: Updates  # like params, param's dtype; param shape without d1: mean over d1 of the EMA
     v: Updates  # like params, param's dtype and shape (unfactored leaves): EMA of g**2 + epsilon
+
+
+def _leaf(g: torch.Tensor, row: torch.Tensor, col: torch.Tensor, full: torch.Tensor,
+          dims: tuple[int, int] | None, decay: Any, epsilon: Numeric,
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One leaf's ``(update, v_row, v_col, v)`` (see ``scale_by_factored_rms``)."""
+    wide = g.to(_common.compute_dtype(g.dtype, row.dtype, col.dtype, full.dtype))
+    beta, rest = _common.scalar(decay, wide.dtype), _common.scalar(1 - decay, wide.dtype)
+    grad_sqr = wide * wide + _common.scalar(epsilon, wide.dtype)
+    if dims is None:
+        full_t = beta * full.to(wide.dtype) + rest * grad_sqr
+        return (wide * torch.rsqrt(full_t)).to(g.dtype), row, col, full_t.to(full.dtype)
+    d1, d0 = dims
+    row_t = beta * row.to(wide.dtype) + rest * grad_sqr.mean(dim=d0)
+    col_t = beta * col.to(wide.dtype) + rest * grad_sqr.mean(dim=d1)
+    # In row_t (d0 removed) the d1 axis moves down by one if it came after d0.
+    d1_in_row = d1 - 1 if d1 > d0 else d1
+    row_factor = torch.rsqrt(row_t / row_t.mean(dim=d1_in_row, keepdim=True))
+    col_factor = torch.rsqrt(col_t)
+    u = wide * row_factor.unsqueeze(d0) * col_factor.unsqueeze(d1)
+    return u.to(g.dtype), row_t.to(row.dtype), col_t.to(col.dtype), full
+
+
+def _dense(x: torch.Tensor) -> bool:
+    """Whether ``x`` covers its memory without gaps or overlaps (some order of its dims is
+    contiguous: row-major, transposed, channels_last, ...)."""
+    expected = 1
+    for d in sorted(range(x.dim()), key=lambda d: x.stride(d)):
+        if x.shape[d] != 1 and x.stride(d) != expected:
+            return False
+        expected *= x.shape[d]
+    return True
+
+
+def _batch_key(g: torch.Tensor, row: torch.Tensor, col: torch.Tensor, full: torch.Tensor,
+               dims: tuple[int, int] | None) -> tuple[Any, ...] | None:
+    """The batch a leaf joins on the grouped path, or None (run alone): unfactored leaves
+    batch by device and dtypes, factored ones also by shape and layout. DTensor shards and
+    factored leaves that are empty or not dense run alone, as on the pure path."""
+    if any(is_dtensor(x) for x in (g, row, col, full)):
+        return None
+    dtypes = (g.dtype, row.dtype, col.dtype, full.dtype)
+    if dims is None:
+        return (None, g.device, dtypes)
+    if g.numel() == 0 or not _dense(g):
+        return None
+    return (dims, g.device, dtypes, tuple(g.shape), g.stride())
+
+
+# The most elements a stacked batch of factored leaves holds, by device type. On the CPU a
+# batch that does not fit in cache runs slower than leaf by leaf (each of its dozen passes
+# goes to memory, and a fresh large buffer costs page faults; measured 2x slower for fifty
+# 256 x 256 matrices in one batch, docs/performance.md), so batches stay near the cache's
+# size. On an accelerator each pass costs its memory traffic either way and the batch
+# saves kernel launches, so batches are larger there (not measured: no GPU was lent).
+_BATCH_ELEMENTS = {"cpu": 1 << 18}
+_BATCH_ELEMENTS_ELSEWHERE = 1 << 24
+
+
+def _chunked(batches: dict[Any, list[int]], grads: list[Any]) -> list[tuple[Any, list[int]]]:
+    """The batches split so that each stacked (factored) one holds at most
+    ``_BATCH_ELEMENTS`` elements; an unfactored batch is one foreach call, as it is."""
+    out: list[tuple[Any, list[int]]] = []
+    for key, idx in batches.items():
+        if key[0] is None:
+            out.append((key, idx))
+            continue
+        g = grads[idx[0]]
+        cap = _BATCH_ELEMENTS.get(g.device.type, _BATCH_ELEMENTS_ELSEWHERE)
+        size = max(1, cap // max(g.numel(), 1))
+        out.extend((key, idx[k:k + size]) for k in range(0, len(idx), size))
+    return out
+
+
+def _unfactored_foreach(
+    gs: list[torch.Tensor], rows: list[torch.Tensor], cols: list[torch.Tensor],
+    fulls: list[torch.Tensor], dims: None, decay: Any, epsilon: Numeric,
+) -> tuple[list[Any], ...]:
+    """``_leaf`` on unfactored leaves of one device and dtypes, with foreach ops."""
+    del dims
+    dtype = _common.compute_dtype(gs[0].dtype, rows[0].dtype, cols[0].dtype, fulls[0].dtype)
+    # (a foreach op takes its 0-d tensor scalar on the lists' device)
+    beta, rest, eps = (x.to(gs[0].device) if isinstance(x, torch.Tensor) else x
+                       for x in (_common.scalar(decay, dtype), _common.scalar(1 - decay, dtype),
+                                 _common.scalar(epsilon, dtype)))
+    wide = [g.to(dtype) for g in gs]
+    grad_sqr = torch._foreach_mul(wide, wide)
+    torch._foreach_add_(grad_sqr, eps)
+    full_t = torch._foreach_mul([f.to(dtype) for f in fulls], beta)
+    torch._foreach_add_(full_t, torch._foreach_mul(grad_sqr, rest))
+    u = torch._foreach_mul(wide, torch._foreach_rsqrt(full_t))
+    return ([x.to(g.dtype) for x, g in zip(u, gs, strict=True)], rows, cols,
+            [x.to(f.dtype) for x, f in zip(full_t, fulls, strict=True)])
+
+
+def _factored_batch(
+    gs: list[torch.Tensor], rows: list[torch.Tensor], cols: list[torch.Tensor],
+    fulls: list[torch.Tensor], dims: tuple[int, int], decay: Any, epsilon: Numeric,
+) -> tuple[list[Any], ...]:
+    """``_leaf`` on factored leaves of one shape, layout and dtypes, stacked: the batch
+    keeps the leaves' layout (so each reduction runs in the leaf's order) and the batch
+    dim is the outermost."""
+    g0 = gs[0]
+    dtype = _common.compute_dtype(g0.dtype, rows[0].dtype, cols[0].dtype, fulls[0].dtype)
+    wide = torch.empty_strided((len(gs), *g0.shape), (g0.numel(), *g0.stride()), dtype=dtype,
+                               device=g0.device)
+    torch._foreach_copy_(list(wide.unbind(0)), gs)
+    beta, rest = _common.scalar(decay, dtype), _common.scalar(1 - decay, dtype)
+    grad_sqr = (wide * wide).add_(_common.scalar(epsilon, dtype))  # (in place: a buffer less)
+    d1, d0 = dims[0] + 1, dims[1] + 1  # past the batch dim
+    row_t = beta * torch.stack(rows).to(dtype) + rest * grad_sqr.mean(dim=d0).contiguous()
+    col_t = beta * torch.stack(cols).to(dtype) + rest * grad_sqr.mean(dim=d1).contiguous()
+    d1_in_row = d1 - 1 if d1 > d0 else d1
+    row_factor = torch.rsqrt(row_t / row_t.mean(dim=d1_in_row, keepdim=True))
+    u = wide.mul_(row_factor.unsqueeze(d0)).mul_(torch.rsqrt(col_t).unsqueeze(d1))
+    return (list(u.to(g0.dtype).unbind(0)), list(row_t.to(rows[0].dtype).unbind(0)),
+            list(col_t.to(cols[0].dtype).unbind(0)), fulls)
 
 
 def scale_by_factored_rms(
@@ -183,12 +302,9 @@ def scale_by_factored_rms(
             v=_common.unflatten(treespec, v),
         )
 
-    def update_fn(
-        updates: Updates, state: FactoredState, params: Params | None = None,
-        **extra_args: Any,
-    ) -> tuple[Updates, FactoredState]:
+    def step(updates: Updates, state: FactoredState, params: Params | None,
+             grouped: bool) -> tuple[Updates, FactoredState]:
         _common.check_state("scale_by_factored_rms", state, FactoredState)
-        del extra_args
         grads, treespec = _common.flatten_updates(updates)
         if params is not None:  # only checked: a gradient has its param's shape
             _common.params_like(treespec, params, grads, owner=owner)
@@ -199,16 +315,11 @@ def scale_by_factored_rms(
                              v=fulls)
         decay = decay_rate_fn(state.count - step_offset, decay_rate)
 
-        new_updates: list[Any] = []
-        new_rows: list[Any] = []
-        new_cols: list[Any] = []
-        new_fulls: list[Any] = []
+        new_updates: list[Any] = list(grads)
+        new_rows, new_cols, new_fulls = list(rows), list(cols), list(fulls)
+        batches: dict[Any, list[int]] = {}
         for i, (g, row, col, full) in enumerate(zip(grads, rows, cols, fulls, strict=True)):
             if g is None:
-                new_updates.append(None)
-                new_rows.append(row)
-                new_cols.append(col)
-                new_fulls.append(full)
                 continue
             dims = _factored_dims(g.shape, factored, min_dim_size_to_factor)
             expected = _state_shapes(g.shape, dims)
@@ -220,28 +331,27 @@ def scale_by_factored_rms(
                     f"Fix: build the state with init(params) on the params these gradients "
                     f"belong to."
                 )
-            wide = g.to(_common.compute_dtype(g.dtype, row.dtype, col.dtype, full.dtype))
-            beta, rest = _common.scalar(decay, wide.dtype), _common.scalar(1 - decay, wide.dtype)
-            grad_sqr = wide * wide + _common.scalar(epsilon, wide.dtype)
-            if dims is None:
-                full_t = beta * full.to(wide.dtype) + rest * grad_sqr
-                u = wide * torch.rsqrt(full_t)
-                new_rows.append(row)
-                new_cols.append(col)
-                new_fulls.append(full_t.to(full.dtype))
-            else:
-                d1, d0 = dims
-                row_t = beta * row.to(wide.dtype) + rest * grad_sqr.mean(dim=d0)
-                col_t = beta * col.to(wide.dtype) + rest * grad_sqr.mean(dim=d1)
-                # In row_t (d0 removed) the d1 axis moves down by one if it came after d0.
-                d1_in_row = d1 - 1 if d1 > d0 else d1
-                row_factor = torch.rsqrt(row_t / row_t.mean(dim=d1_in_row, keepdim=True))
-                col_factor = torch.rsqrt(col_t)
-                u = wide * row_factor.unsqueeze(d0) * col_factor.unsqueeze(d1)
-                new_rows.append(row_t.to(row.dtype))
-                new_cols.append(col_t.to(col.dtype))
-                new_fulls.append(full)
-            new_updates.append(u.to(g.dtype))
+            key = _batch_key(g, row, col, full, dims) if grouped else None
+            if key is not None:
+                batches.setdefault(key, []).append(i)
+                continue
+            new_updates[i], new_rows[i], new_cols[i], new_fulls[i] = _leaf(
+                g, row, col, full, dims, decay, epsilon)
+        for key, idx in _chunked(batches, grads):
+            # the planner's per-leaf tier: the unfactored leaves of a device and dtype with
+            # foreach ops, the factored ones of a shape and layout as one stacked batch
+            # (the same elementwise operations and reductions as leaf by leaf)
+            if key[0] is not None and len(idx) == 1:
+                i = idx[0]
+                new_updates[i], new_rows[i], new_cols[i], new_fulls[i] = _leaf(
+                    grads[i], rows[i], cols[i], fulls[i], key[0], decay, epsilon)
+                continue
+            run = _unfactored_foreach if key[0] is None else _factored_batch
+            outs = run([grads[i] for i in idx], [rows[i] for i in idx], [cols[i] for i in idx],
+                       [fulls[i] for i in idx], key[0], decay, epsilon)
+            for j, i in enumerate(idx):
+                new_updates[i], new_rows[i], new_cols[i], new_fulls[i] = (
+                    outs[0][j], outs[1][j], outs[2][j], outs[3][j])
         new_state = FactoredState(
             count=_common.safe_increment(state.count),
             v_row=_common.unflatten(treespec, new_rows),
@@ -250,4 +360,25 @@ def scale_by_factored_rms(
         )
         return _common.unflatten(treespec, new_updates), new_state
 
-    return GradientTransformation(init_fn, update_fn)
+    def update_fn(
+        updates: Updates, state: FactoredState, params: Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[Updates, FactoredState]:
+        del extra_args
+        return step(updates, state, params, grouped=False)
+
+    def grouped_fn(
+        updates: Updates, state: FactoredState, params: Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[Updates, FactoredState]:
+        del extra_args
+        return step(updates, state, params, grouped=True)
+
+    # factored moments reduce within a leaf: the planner's per-leaf tier runs them a group
+    # at a time (functopt/fast/_perleaf.py)
+    return specified(GradientTransformation(init_fn, update_fn), PerLeaf(
+        "scale_by_factored_rms", {
+            "factored": factored, "decay_rate": decay_rate, "step_offset": step_offset,
+            "min_dim_size_to_factor": min_dim_size_to_factor, "epsilon": epsilon,
+            "decay_rate_fn": decay_rate_fn},
+        slots=("v_row", "v_col", "v"), grouped=grouped_fn))

@@ -17,7 +17,7 @@ from functopt._base import (
     Schedule,
     Updates,
 )
-from functopt._spec import Leafwise, specified
+from functopt._spec import Leafwise, PerLeaf, specified
 from functopt.transforms import _common
 
 __all__ = [
@@ -179,7 +179,9 @@ def _param_block_scale(owner: str, min_scale: Numeric, reduce: str) -> GradientT
         new = [None if g is None else leaf(g, p) for g, p in zip(leaves, param_leaves, strict=True)]
         return _common.unflatten(treespec, new), state
 
-    return GradientTransformation(init_fn, update_fn)
+    # a factor from the param's own norm: the planner's per-leaf tier runs its update
+    return specified(GradientTransformation(init_fn, update_fn),
+                     PerLeaf(owner, {"min_scale": min_scale}))
 
 
 def scale_by_param_block_rms(min_scale: Numeric = 1e-3) -> GradientTransformation:

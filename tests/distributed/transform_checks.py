@@ -282,3 +282,95 @@ def stochastic_rounding_on_sharded_bf16_params(rank: int, world: int) -> None:
         mw.write(params["w"], None, torch.ones(3), gen)
     # the sharded result is a proper DTensor: gathering it works
     assert _full(new["w"]).shape == (rows, 32)
+
+
+# ------------------------------------------------------- adafactor on the per-leaf tier
+
+@check
+def adafactor_make_step_on_shards_takes_the_per_leaf_tier(rank: int, world: int) -> None:
+    """functopt.fast.make_step(adafactor), donating, on uneven Shard(0) params: the
+    planner's per-leaf tier (explain says so, no FastPathWarning), bitwise the sharded
+    pure step with the same collectives (the factored means and block norms of a sharded
+    matrix are DTensor reductions across the shards, as on the pure path), equal to one
+    process's step on the whole tensors, the statistics still DTensors."""
+    del rank
+    mesh = _mesh(world)
+    torch.manual_seed(5)
+    full = {"w": torch.randn(5, 6, dtype=torch.float64), "w2": torch.randn(5, 6, dtype=torch.float64),
+            "tall": torch.randn(7, 3, dtype=torch.float64), "b": torch.randn(5, dtype=torch.float64)}
+    for kw in ({"momentum": 0.9, "weight_decay_rate": 0.1},):  # (one recipe: ranks are slow)
+        tx = functopt.adafactor(1e-2, min_dim_size_to_factor=2, **kw)
+        params = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
+        ref_params = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
+        state, ref_state = tx.init(params), tx.init(ref_params)
+        single, single_state = full, tx.init(full)
+        explained = functopt.fast.explain(tx, params)
+        assert explained.fast and {g.kernel for g in explained.groups} == {"per-leaf"}, explained
+        step = functopt.fast.make_step(tx, donate=True)
+        for i in range(2):
+            torch.manual_seed(10 + i)
+            grads = {k: torch.randn_like(v) for k, v in full.items()}
+            sharded = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in grads.items()}
+            with CommDebugMode() as pure_comm:
+                updates, ref_state = tx.update(sharded, ref_state, ref_params)
+            ref_params = functopt.apply_updates(ref_params, updates)
+            with CommDebugMode() as comm, warnings.catch_warnings(), torch.no_grad():
+                warnings.simplefilter("error", functopt.fast.FastPathWarning)
+                params, state = step(sharded, state, params)
+            assert comm.get_total_counts() == pure_comm.get_total_counts(), (
+                comm.get_comm_counts(), pure_comm.get_comm_counts())
+            updates, single_state = tx.update(grads, single_state, single)
+            single = functopt.apply_updates(single, updates)
+        _assert_tree(params, ref_params)
+        _assert_tree(state, ref_state)
+        _assert_tree(params, single, bitwise=False, rtol=1e-12, atol=1e-15)
+        factored = state[0]
+        assert all(isinstance(x, DTensor) for x in (factored.v_row["w"], factored.v_col["w"],
+                                                     params["w"]))
+
+
+@check
+def mixed_precision_adafactor_on_bf16_shards_takes_the_per_leaf_tier(rank: int,
+                                                                     world: int) -> None:
+    """mixed_precision(adafactor) on bfloat16 Shard(0) params with float32 masters: the
+    fused mixed step takes the per-leaf tier (no FastPathWarning) and equals the pure
+    mixed step on the same shards bitwise, masters and statistics still DTensors. The
+    second step overflows in the last row (one rank's shard) and is skipped: the per-leaf
+    tier keeps the statistics, whose placement the first step changed (Adafactor's row
+    means start Replicate and come back Shard(0)). At 2 ranks only (the step's DTensor ops
+    cost seconds at 4 on two cores; the 4-rank shards, one of them empty, are the check
+    above's)."""
+    del rank
+    if world != 2:
+        return
+    mesh = _mesh(world)
+    torch.manual_seed(6)
+    full = {"w": torch.randn(5, 6), "w2": torch.randn(5, 6), "b": torch.randn(5)}
+    full = {k: v.to(torch.bfloat16) for k, v in full.items()}
+
+    def build() -> functopt.GradientTransformation:
+        return functopt.adafactor(1e-2, min_dim_size_to_factor=2, momentum=0.9)
+
+    fast, pure = mixed_precision(build(), max_grad_norm=1.0), mixed_precision(
+        build(), max_grad_norm=1.0, fused=False)
+    params = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
+    ref_params = dict(params)
+    state, ref_state = fast.init(params), pure.init(ref_params)
+    for i in range(3):
+        torch.manual_seed(20 + i)
+        plain = {k: torch.randn(v.shape).to(torch.bfloat16) for k, v in full.items()}
+        if i == 1:
+            plain["w"][4, 0] = float("inf")
+        grads = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in plain.items()}
+        masters = {k: _full(v) for k, v in state.master.items()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", functopt.fast.FastPathWarning)
+            params, state = fast.step(grads, state, params)
+        ref_params, ref_state = pure.step(grads, ref_state, ref_params)
+        if i == 1:
+            _assert_tree({k: _full(v) for k, v in state.master.items()}, masters)
+    _assert_tree(params, ref_params)
+    _assert_tree(state.master, ref_state.master)
+    _assert_tree(state.inner_state, ref_state.inner_state)
+    factored = state.inner_state[0]
+    assert all(isinstance(x, DTensor) for x in (factored.v_row["w"], state.master["w"]))
