@@ -210,7 +210,7 @@ def test_group_keys_no_transform_reads_are_refused() -> None:
     with pytest.raises(ValueError, match=r"sets \['foo'\], which the translation"):
         MixedPrecisionOptimizer(torch.optim.SGD([{"params": model.parameters(), "foo": 1}],
                                                 lr=0.1))
-    with pytest.raises(ValueError, match=r"sets \['learning_rate'\], which its transform "
+    with pytest.raises(ValueError, match=r"sets \['lr'\], which its transform "
                                          r"does not read"):
         MixedPrecisionOptimizer([{"params": model.parameters(), "lr": 0.1}],
                                 functopt.inject_hyperparams(functopt.scale_by_adam)())

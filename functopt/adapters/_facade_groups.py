@@ -138,6 +138,9 @@ class _Plan:
         self.injected: dict[str, torch.Tensor] = {}  # injected name -> its state tensor
         self.written: dict[str, Any] = {}  # injected name -> value last written (times mult)
         self.keys: dict[str, tuple[str, ...]] = {}  # group key -> argument names
+        # the options a group of a fixed transform set (torch's names), read once the
+        # keys are known
+        self.pending: dict[str, Any] = {}
         self.transform: GradientTransformation | None = None
 
     def build(self) -> GradientTransformation:
@@ -146,12 +149,15 @@ class _Plan:
                                        *self.mults)
         return self.transform
 
-    def expose(self, hyperparams: dict[str, torch.Tensor] | None) -> None:
-        """Name the group keys, once the state (and so the injected tensors) exists."""
+    def expose(self, hyperparams: dict[str, torch.Tensor] | None,
+               recipe: str | None = None) -> None:
+        """Name the group keys, once the state (and so the injected tensors) exists:
+        ``recipe`` (the recipe a fixed transform injects into, if one) picks its row of
+        torch's names, as in functopt.Optimizer."""
         self.injected = dict(hyperparams or {})
         names = list(dict.fromkeys([*self.built, *self.injected]))
-        # the one group-key rule functopt.Optimizer uses for a factory it was given
-        self.keys = _param_groups.recipe_group_keys(_OWNER, None, names)
+        # the one group-key rule functopt.Optimizer uses
+        self.keys = _param_groups.recipe_group_keys(_OWNER, recipe, names)
 
     def readable(self) -> set[str]:
         """The group keys this group's transform reads (plus the factory's other arguments)."""

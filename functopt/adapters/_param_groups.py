@@ -322,3 +322,32 @@ def recipe_group_keys(
             )
         exposed[name] = (name,)
     return exposed
+
+
+def group_arguments(owner: str, where: str, keys: Mapping[str, tuple[str, ...]],
+                    values: Mapping[str, Any]) -> dict[str, Any]:
+    """Group values under the transform's argument names: a key of ``keys`` (group key ->
+    arguments, as `recipe_group_keys` gives them) is its argument, or its arguments when it
+    holds several (a tuple or list split over them, as torch's ``betas`` over ``b1, b2``);
+    any other key stays as it is. ``where`` names the group in the message.
+
+    Examples:
+        >>> group_arguments("opt", "param_groups[0]", {"betas": ("b1", "b2")},
+        ...                 {"betas": (0.9, 0.99), "nesterov": True})
+        {'b1': 0.9, 'b2': 0.99, 'nesterov': True}
+    """
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        names = keys.get(key)
+        if names is None:
+            out[key] = value
+        elif len(names) == 1:
+            out[names[0]] = value
+        elif isinstance(value, (tuple, list)) and len(value) == len(names):
+            out.update(zip(names, value, strict=True))
+        else:
+            raise ValueError(
+                f"{owner}: {where}[{key!r}] must be a {len(names)}-tuple ({', '.join(names)}), "
+                f"got {value!r}. Fix: set it to a tuple of {len(names)} numbers, in that order."
+            )
+    return out
