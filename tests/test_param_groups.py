@@ -452,9 +452,9 @@ def test_mpo_multiplier_needs_a_base_value():
 
 
 @pytest.mark.parametrize(("key", "value", "error", "match"), [
-    ("lr_mult", -0.5, ValueError, r"param group 1 sets lr_mult=-0.5; expected a finite"),
-    ("wd_mult", None, TypeError, r"param group 1 sets wd_mult=None \(NoneType\)"),
-    ("frozen", "yes", TypeError, r"param group 1 sets frozen='yes' \(str\)"),
+    ("lr_mult", -0.5, ValueError, r"param_groups\[1\] sets lr_mult=-0.5; expected a finite"),
+    ("wd_mult", None, TypeError, r"param_groups\[1\] sets wd_mult=None \(NoneType\)"),
+    ("frozen", "yes", TypeError, r"param_groups\[1\] sets frozen='yes' \(str\)"),
 ])
 def test_mpo_bad_group_flags_name_the_group(key, value, error, match):
     ps = _params()

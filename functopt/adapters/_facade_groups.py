@@ -92,8 +92,7 @@ def _call_factory(factory: Any, index: int, options: dict[str, Any], given: list
                   lr_mult: float, wd_mult: float) -> GradientTransformation:
     """``factory(**options)`` with the multipliers applied, checked."""
     options = dict(options)
-    for option, key, mult in (("learning_rate", "lr_mult", lr_mult),
-                              ("weight_decay", "wd_mult", wd_mult)):
+    for (key, option), mult in zip(_param_groups.MULTIPLIED, (lr_mult, wd_mult), strict=True):
         if mult != 1.0:  # 1.0 leaves the factory's call as it was
             options[option] = _scaled(factory, index, options, option, key, mult)
     try:
@@ -176,20 +175,9 @@ def _hyper_tensor(where: str, name: str, value: Any, held: torch.Tensor) -> torc
     return torch.tensor(value, dtype=held.dtype, device=held.device)
 
 
-def _as_argument(factory: Any, options: dict[str, Any]) -> dict[str, Any]:
-    """Group options under the factory's argument names (torch's ``lr`` and ``betas`` are
-    accepted for ``learning_rate`` and ``b1, b2``)."""
-    names = _signature(factory) if factory is not None else {}
-    out: dict[str, Any] = {}
-    for key, value in options.items():
-        if key == "lr" and "lr" not in names and (factory is None or "learning_rate" in names):
-            out["learning_rate"] = value
-        elif key == "betas" and "betas" not in names and (
-                factory is None or {"b1", "b2"} <= set(names)):
-            if not isinstance(value, (tuple, list)) or len(value) != 2:
-                raise ValueError(f"{_OWNER}: a param group sets betas={value!r}; expected a "
-                                 f"pair (b1, b2).")
-            out["b1"], out["b2"] = value
-        else:
-            out[key] = value
-    return out
+def _as_argument(factory: Any, index: int, options: dict[str, Any]) -> dict[str, Any]:
+    """Group options under the factory's argument names: the keys its arguments have in the
+    groups (``recipe_group_keys``, the rule of both adapters: ``lr`` for ``learning_rate``,
+    ``betas`` for ``b1, b2``, ...) are mapped to them; any other key is passed as it is."""
+    keys = _param_groups.recipe_group_keys(_OWNER, None, list(_signature(factory)))
+    return _param_groups.group_arguments(_OWNER, f"param_groups[{index}]", keys, options)

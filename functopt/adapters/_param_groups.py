@@ -9,7 +9,7 @@ parameter names. Everything is checked here, once, with the parameter's name in 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -68,7 +68,8 @@ def group_flags(owner: str, where: str, group: Mapping[str, Any]) -> GroupFlags:
     if not isinstance(frozen, bool):
         raise TypeError(
             f"{owner}: {where} sets frozen={frozen!r} ({type(frozen).__name__}); expected "
-            f"True or False."
+            f"True or False. Fix: pass a bool, frozen=True to leave the group's params out of "
+            f"the step."
         )
     return GroupFlags(mults[0], mults[1], frozen)
 
@@ -206,7 +207,7 @@ def collect(owner: str, params: Any) -> list[ParamGroup]:
             named = [(_check_name(owner, n), p) for n, (_, p) in zip(names_given, named,
                                                                      strict=True)]
         count += len(named)
-        flags = group_flags(owner, f"param group {i}", spec)
+        flags = group_flags(owner, f"param_groups[{i}]", spec)
         for key in FLAG_KEYS:
             spec.pop(key, None)
         for name, p in named:
@@ -324,12 +325,32 @@ def recipe_group_keys(
     return exposed
 
 
+def split_value(owner: str, where: str, key: str, names: tuple[str, ...],
+                value: Any) -> tuple[Any, ...]:
+    """The values of the arguments ``names`` that the group key ``key`` holds: the value
+    itself for one argument, the items of a tuple or list of as many for several (torch's
+    ``betas`` for ``b1, b2``). ``where`` names the group (``'param_groups[0]'``).
+
+    Examples:
+        >>> split_value("opt", "param_groups[0]", "betas", ("b1", "b2"), [0.9, 0.99])
+        (0.9, 0.99)
+    """
+    if len(names) == 1:
+        return (value,)
+    if isinstance(value, (tuple, list)) and len(value) == len(names):
+        return tuple(value)
+    raise ValueError(
+        f"{owner}: {where}[{key!r}] must be a {len(names)}-tuple ({', '.join(names)}), got "
+        f"{value!r}. Fix: set it to a tuple of {len(names)} numbers, in that order."
+    )
+
+
 def group_arguments(owner: str, where: str, keys: Mapping[str, tuple[str, ...]],
                     values: Mapping[str, Any]) -> dict[str, Any]:
     """Group values under the transform's argument names: a key of ``keys`` (group key ->
     arguments, as `recipe_group_keys` gives them) is its argument, or its arguments when it
-    holds several (a tuple or list split over them, as torch's ``betas`` over ``b1, b2``);
-    any other key stays as it is. ``where`` names the group in the message.
+    holds several (`split_value`); any other key stays as it is. ``where`` names the group
+    in the message.
 
     Examples:
         >>> group_arguments("opt", "param_groups[0]", {"betas": ("b1", "b2")},
@@ -341,13 +362,31 @@ def group_arguments(owner: str, where: str, keys: Mapping[str, tuple[str, ...]],
         names = keys.get(key)
         if names is None:
             out[key] = value
-        elif len(names) == 1:
-            out[names[0]] = value
-        elif isinstance(value, (tuple, list)) and len(value) == len(names):
-            out.update(zip(names, value, strict=True))
         else:
-            raise ValueError(
-                f"{owner}: {where}[{key!r}] must be a {len(names)}-tuple ({', '.join(names)}), "
-                f"got {value!r}. Fix: set it to a tuple of {len(names)} numbers, in that order."
-            )
+            out.update(zip(names, split_value(owner, where, key, names, value), strict=True))
     return out
+
+
+MULTIPLIED = (("lr_mult", "learning_rate"), ("wd_mult", "weight_decay"))
+"""Each multiplier's group key and the injected hyperparameter it multiplies."""
+
+
+def check_multipliers(owner: str, where: str, flags: GroupFlags,
+                      injected: Collection[str]) -> None:
+    """Raise if a multiplier other than 1 would multiply a hyperparameter the transform does
+    not inject (``injected``: the names it does), which would leave it ignored.
+
+    Examples:
+        >>> check_multipliers("opt", "param_groups[0]", GroupFlags(2.0, 1.0, False),
+        ...                   ["learning_rate"])
+    """
+    for (key, name), mult in zip(MULTIPLIED, (flags.lr_mult, flags.wd_mult), strict=True):
+        if mult != 1.0 and name not in injected:
+            raise ValueError(
+                f"{owner}: {where} sets {key}={mult!r}, which multiplies the injected "
+                f"{name!r}, but the transform does not inject it (it injects "
+                f"{sorted(injected) or 'none'}), so the multiplier would be ignored. Fix: "
+                f"remove {key!r}, or inject {name!r}: give the recipe a number for it (a "
+                f"schedule is not injected), or build the transform with "
+                f"functopt.inject_hyperparams(factory)(...)."
+            )

@@ -460,7 +460,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 self._plans.append(_Plan(i, group, None, {}))
                 self._plans[-1].pending = options
             else:
-                self._plans.append(_Plan(i, group, factory, _as_argument(factory, options)))
+                self._plans.append(_Plan(i, group, factory, _as_argument(factory, i, options)))
         # Frozen params stay out of the step: no state, no master copy, no statistics.
         trainable = [group for group in groups if not group.frozen]
         self._names = [name for group in trainable for name in group.names]
@@ -504,6 +504,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                         owner=_OWNER, index=plan.index, keys=unread,
                         read=sorted(plan.keys) or "no group keys",
                         them="them" if len(unread) > 1 else "it"))
+                if plan.factory is None:
+                    _param_groups.check_multipliers(
+                        _OWNER, f"param_groups[{plan.index}]", _param_groups.GroupFlags(
+                            group.lr_mult, group.wd_mult, group.frozen), plan.injected)
             flags = {k: v for k, v in (("lr_mult", group.lr_mult), ("wd_mult", group.wd_mult),
                                        ("frozen", group.frozen))
                      if v != (k != "frozen" and 1.0)}
@@ -624,13 +628,14 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             values = _param_groups.group_arguments(
                 _OWNER, where, plan.keys, {k: group[k] for k in group if k in readable})
             mults = (flags.lr_mult, flags.wd_mult)
+            multiplier = {name: (key, mult) for (key, name), mult in
+                          zip(_param_groups.MULTIPLIED, mults, strict=True)}
             found = None
             for name, value in values.items():
                 if name in plan.injected:
-                    mult = {"learning_rate": mults[0], "weight_decay": mults[1]}.get(name, 1.0)
+                    key, mult = multiplier.get(name, ("", 1.0))
                     target = value if mult == 1.0 else _scaled(
-                        plan.factory, plan.index, {name: value}, name,
-                        "lr_mult" if name == "learning_rate" else "wd_mult", mult)
+                        plan.factory, plan.index, {name: value}, name, key, mult)
                     if not _same(plan.written.get(name, _UNSET), target):
                         found = self._group_state(state, plan.index) if found is None else found
                         found = found._replace(hyperparams={
@@ -641,14 +646,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 elif not _same(plan.built.get(name, _UNSET), value):
                     plan.built[name] = value
                     rebuild = True
+            if plan.factory is None:  # (a factory's multiplied arguments: _scaled)
+                _param_groups.check_multipliers(_OWNER, where, flags, plan.injected)
             if mults != plan.mults:
-                for name, mult in zip(("learning_rate", "weight_decay"), mults, strict=True):
-                    if mult != 1.0 and name not in plan.injected and plan.factory is None:
-                        raise ValueError(
-                            f"{_OWNER}: {where} sets {('lr_mult', 'wd_mult')[mults.index(mult)]}"
-                            f"={mult!r}, which multiplies the injected {name!r}, but the "
-                            f"transform does not inject it. Fix: remove the multiplier, or "
-                            f"inject {name!r}.")
                 plan.mults = mults
                 rebuild = rebuild or plan.factory is not None
             if found is not None:
@@ -1174,8 +1174,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             >>> opt = functopt.MixedPrecisionOptimizer(model.named_parameters(),
             ...                                        functopt.adamw(1e-2))
             >>> sd = opt.named_state_dict()
-            >>> sorted(sd["state"]["bias"])[:4]
-            ['inner_state.0.count', 'inner_state.0.mu', 'inner_state.0.nu', 'key']
+            >>> sorted(k for k in sd["state"]["bias"] if k.endswith(("mu", "learning_rate")))
+            ['inner_state.hyperparams.learning_rate', 'inner_state.inner_state.0.mu']
             >>> opt.load_named_state_dict(sd)
         """
         return _state_dict.torch_to_named(f"{_OWNER}.named_state_dict", self.state_dict())

@@ -433,15 +433,8 @@ class Optimizer(torch.optim.Optimizer):
     def _check_multipliers(
         index: int, group: dict[str, Any], plan: _Plan, flags: _param_groups.GroupFlags
     ) -> None:
-        for key, mult, name in (("lr_mult", flags.lr_mult, "learning_rate"),
-                                ("wd_mult", flags.wd_mult, "weight_decay")):
-            if mult != 1.0 and name not in plan.hyper:
-                raise ValueError(
-                    f"functopt.Optimizer: param_groups[{index}] sets {key}={mult!r}, which "
-                    f"multiplies the injected {name!r}, but the transform does not inject it "
-                    f"(it injects {sorted(plan.hyper) or 'none'}), so the multiplier would be "
-                    f"ignored. Fix: remove {key!r}, or inject {name!r}: {_HOW_TO_INJECT}"
-                )
+        _param_groups.check_multipliers("functopt.Optimizer", f"param_groups[{index}]", flags,
+                                        plan.hyper)
 
     def _check_options(self, index: int, group: dict[str, Any], plan: _Plan) -> None:
         renamed = {name: key for key, names in plan.exposed.items() for name in names
@@ -523,17 +516,10 @@ class Optimizer(torch.optim.Optimizer):
     def _hyperparams(self, index: int, group: dict[str, Any], plan: _Plan) -> dict[str, Any]:
         values: dict[str, Any] = {}
         raws: dict[str, Any] = {}
+        where = f"param_groups[{index}]"
         for key, names in plan.exposed.items():
             raw = group[key]
-            if len(names) == 1:
-                parts: Any = (raw,)
-            else:
-                if not isinstance(raw, (tuple, list)) or len(raw) != len(names):
-                    raise ValueError(
-                        f"functopt.Optimizer: param_groups[{index}][{key!r}] must be a "
-                        f"{len(names)}-tuple ({', '.join(names)}), got {raw!r}."
-                    )
-                parts = raw
+            parts = _param_groups.split_value("functopt.Optimizer", where, key, names, raw)
             for name, value in zip(names, parts, strict=True):
                 values[name] = self._as_tensor(index, key, name, value, plan)
                 raws[name] = value
