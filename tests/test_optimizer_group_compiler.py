@@ -3,7 +3,8 @@
 ``functopt.Optimizer`` and ``MixedPrecisionOptimizer`` read their groups through the same
 functions: the group keys of a recipe (torch's names, ``RECIPE_GROUP_KEYS``), their split
 into the recipe's arguments (``betas`` into ``b1, b2``), the flags (``lr_mult``,
-``wd_mult``, ``frozen``) and the multiplier check. So the same group gives the same keys
+``wd_mult``, ``frozen``), the multiplier check and the refusal of a key no step reads
+(``check_group_keys``). So the same group gives the same keys
 in both, and the same bad group raises the same exception with the same message (the
 owner's name aside) from both, at the same call.
 """
@@ -68,6 +69,13 @@ _CASES: list[tuple[str, Any, Callable[[list[Any]], Any], dict[str, Any] | None]]
     ("etas of three, set later", functopt.rprop(0.1), lambda ps: ps,
      {"etas": (0.5, 1.2, 2.0)}),
     ("wd_mult set later on adam", functopt.adam(0.1), lambda ps: ps, {"wd_mult": 0.5}),
+    ("a torch key the recipe has not", functopt.adamw(0.1),
+     lambda ps: [{"params": ps, "momentum": 0.9}], None),
+    ("the recipe's own name for lr", functopt.adamw(0.1),
+     lambda ps: [{"params": ps, "learning_rate": 0.1}], None),
+    ("torch.optim.Adafactor's d", functopt.adafactor(0.1),
+     lambda ps: [{"params": ps, "d": 1.0}], None),
+    ("a note set later", functopt.sgd(0.1), lambda ps: ps, {"foo": 1}),
 ]
 
 

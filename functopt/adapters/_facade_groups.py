@@ -28,13 +28,6 @@ BOOKKEEPING_KEYS = _param_groups.SCHEDULER_GROUP_KEYS
 _OWN_KEYS = ("params", "param_names", *_param_groups.FLAG_KEYS)
 _UNSET = object()
 
-UNREAD_GROUP_KEY = (
-    "{owner}: param_groups[{index}] sets {keys}, which its transform does not read (it reads "
-    "{read}), so the value would be ignored. Fix: remove {them}, or build the optimizer with "
-    "a transform that reads {them}: a factory with such an argument, or "
-    "functopt.inject_hyperparams(...) for the hyperparameters to appear in param_groups."
-)
-
 def _numeric(value: Any) -> bool:
     return (isinstance(value, (int, float)) and not isinstance(value, bool)) or (
         isinstance(value, torch.Tensor) and value.dim() == 0)
@@ -137,6 +130,8 @@ class _Plan:
         self.injected: dict[str, torch.Tensor] = {}  # injected name -> its state tensor
         self.written: dict[str, Any] = {}  # injected name -> value last written (times mult)
         self.keys: dict[str, tuple[str, ...]] = {}  # group key -> argument names
+        self.recipe: str | None = None  # the recipe a fixed transform injects into, if one
+        self.allowed: frozenset[str] = frozenset()  # every key a group may hold
         # the options a group of a fixed transform set (torch's names), read once the
         # keys are known
         self.pending: dict[str, Any] = {}
@@ -154,13 +149,20 @@ class _Plan:
         ``recipe`` (the recipe a fixed transform injects into, if one) picks its row of
         torch's names, as in functopt.Optimizer."""
         self.injected = dict(hyperparams or {})
+        self.recipe = recipe
         names = list(dict.fromkeys([*self.built, *self.injected]))
         # the one group-key rule functopt.Optimizer uses
         self.keys = _param_groups.recipe_group_keys(_OWNER, recipe, names)
+        self.allowed = frozenset({*_OWN_KEYS, *BOOKKEEPING_KEYS, *self.readable()})
 
     def readable(self) -> set[str]:
         """The group keys this group's transform reads (plus the factory's other arguments)."""
         return set(self.keys) | self.arguments
+
+    def check_keys(self, owner: str, where: str, group: dict[str, Any]) -> None:
+        """Raise on a key of ``group`` that no step reads (the rule of both adapters)."""
+        _param_groups.check_group_keys(owner, where, group, self.allowed, self.keys,
+                                       self.recipe, self.arguments - set(self.keys))
 
 
 def _hyper_tensor(where: str, name: str, value: Any, held: torch.Tensor) -> torch.Tensor:

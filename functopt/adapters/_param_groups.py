@@ -390,3 +390,59 @@ def check_multipliers(owner: str, where: str, flags: GroupFlags,
                 f"schedule is not injected), or build the transform with "
                 f"functopt.inject_hyperparams(factory)(...)."
             )
+
+
+# Option names of torch.optim's optimizers. A group that sets one the transform does not
+# read would be silently ignored; that is an error instead, with the way to inject it.
+TORCH_OPTIONS = frozenset({
+    "lr", "betas", "momentum", "weight_decay", "eps", "dampening", "nesterov", "amsgrad",
+    "maximize", "foreach", "fused", "capturable", "differentiable", "alpha", "centered",
+    "lr_decay", "initial_accumulator_value", "rho", "lambd", "t0", "etas", "step_sizes",
+    "momentum_decay", "decoupled_weight_decay",
+})
+HOW_TO_INJECT = (
+    "Fix: pass a recipe, whose hyperparameters the groups hold under torch's names "
+    "(functopt.adamw(1e-3)'s groups have lr, betas, eps, eps_root, weight_decay), or inject "
+    "them into a transform of your own with functopt.inject_hyperparams(factory)(...): only "
+    "the hyperparameters a step reads appear in param_groups."
+)
+
+
+def check_group_keys(owner: str, where: str, group: Mapping[str, Any],
+                     allowed: Collection[str], exposed: Mapping[str, tuple[str, ...]],
+                     recipe: str | None, arguments: Collection[str] = ()) -> None:
+    """Raise on the first key of ``group`` outside ``allowed`` (the keys a step reads, the
+    flags and the schedulers' records), which would be ignored: naming torch's name for a
+    hyperparameter set under the recipe's (``learning_rate`` for ``lr``), what a foreign
+    torch key is in the recipe (``FOREIGN_GROUP_KEYS``), how to inject a torch option, and
+    what the groups do hold. ``exposed`` maps the group keys of the transform's
+    hyperparameters to them; ``arguments`` are the other keys a factory reads.
+
+    Examples:
+        >>> check_group_keys("opt", "param_groups[0]", {"params": [], "lr": 0.1},
+        ...                  {"params", "lr"}, {"lr": ("learning_rate",)}, "sgd")
+    """
+    for key in group:
+        if key in allowed:
+            continue
+        renamed = {name: k for k, names in exposed.items() for name in names if name != k}
+        foreign = FOREIGN_GROUP_KEYS.get(recipe or "", {})
+        others = f", the factory's arguments {sorted(arguments)}" if arguments else ""
+        reads = (f"its groups hold the transform's hyperparameters {sorted(exposed)}{others}, "
+                 f"besides params, param_names, {list(FLAG_KEYS)} and the schedulers' own "
+                 f"{sorted(SCHEDULER_GROUP_KEYS)}")
+        start = f"{owner}: {where} sets {key!r}"
+        if key in renamed:
+            raise ValueError(f"{start}, which its groups call {renamed[key]!r} (torch's name). "
+                             f"Fix: set {renamed[key]!r} instead.")
+        if key in foreign:
+            raise ValueError(f"{start}, which {recipe} does not read: {foreign[key]}. Fix: "
+                             f"remove it, and set the recipe's own key ({reads}).")
+        if key in TORCH_OPTIONS:
+            raise ValueError(
+                f"{start}, but the transform has no hyperparameter for it that a step reads "
+                f"from the groups ({reads}), so the value would be ignored. Remove it, or "
+                f"build the transform with it. {HOW_TO_INJECT}")
+        raise ValueError(f"{start}, which the transform does not read ({reads}), so the value "
+                         f"would be ignored. Fix: remove it (keep notes outside the param "
+                         f"groups).")

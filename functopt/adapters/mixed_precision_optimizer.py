@@ -28,10 +28,8 @@ from functopt._collective.reduce import global_grad_stats
 from functopt._spec import Injected, describe
 from functopt.adapters import _from_torch, _param_groups, _state_dict
 from functopt.adapters._facade_groups import (
-    _OWN_KEYS,
     _UNSET,
     BOOKKEEPING_KEYS,
-    UNREAD_GROUP_KEY,
     _as_argument,
     _hyper_tensor,
     _Plan,
@@ -495,16 +493,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 signature = None if plan.factory is not None or hyper is None else \
                     _state_dict.recipe_signature(plan.transform, hyper)
                 plan.expose(hyper, None if signature is None else signature.split("(", 1)[0])
-                unread = sorted(k for k in plan.pending if k not in plan.keys)
-                plan.built.update(_param_groups.group_arguments(
-                    _OWNER, f"param group {plan.index}", plan.keys,
-                    {k: v for k, v in plan.pending.items() if k in plan.keys}))
-                if unread:
-                    raise ValueError(UNREAD_GROUP_KEY.format(
-                        owner=_OWNER, index=plan.index, keys=unread,
-                        read=sorted(plan.keys) or "no group keys",
-                        them="them" if len(unread) > 1 else "it"))
-                if plan.factory is None:
+                if plan.factory is None:  # its groups' options: the keys it exposes
+                    where = f"param_groups[{plan.index}]"
+                    _param_groups.check_group_keys(_OWNER, where, plan.pending, plan.keys,
+                                                   plan.keys, plan.recipe)
+                    plan.built.update(_param_groups.group_arguments(_OWNER, where, plan.keys,
+                                                                    plan.pending))
                     _param_groups.check_multipliers(
                         _OWNER, f"param_groups[{plan.index}]", _param_groups.GroupFlags(
                             group.lr_mult, group.wd_mult, group.frozen), plan.injected)
@@ -618,13 +612,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             if plan.frozen:
                 continue
             readable = plan.readable()
-            unread = sorted(str(k) for k in group if k not in _OWN_KEYS
-                            and k not in BOOKKEEPING_KEYS and k not in readable)
-            if unread:
-                raise ValueError(UNREAD_GROUP_KEY.format(
-                    owner=_OWNER, index=plan.index, keys=unread,
-                    read=sorted(plan.keys) or "no group keys",
-                    them="them" if len(unread) > 1 else "it"))
+            if not plan.allowed.issuperset(group):
+                plan.check_keys(_OWNER, where, group)
             values = _param_groups.group_arguments(
                 _OWNER, where, plan.keys, {k: group[k] for k in group if k in readable})
             mults = (flags.lr_mult, flags.wd_mult)
@@ -1331,14 +1320,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                     f"frozen here but was {'not ' if plan.frozen else ''}frozen when saved. "
                     f"Fix: build the optimizer with the groups of the one that saved it."
                 )
-            unread = sorted(str(k) for k in group if k not in _OWN_KEYS
-                            and k not in BOOKKEEPING_KEYS and k not in plan.readable()
-                            and not plan.frozen)
-            if unread:
-                raise ValueError(UNREAD_GROUP_KEY.format(
-                    owner=where, index=plan.index, keys=unread,
-                    read=sorted(plan.keys) or "no group keys",
-                    them="them" if len(unread) > 1 else "it"))
+            if not plan.frozen:
+                plan.check_keys(where, f"param_groups[{plan.index}]", group)
         return saved
 
     def __getstate__(self) -> dict[str, Any]:
