@@ -146,7 +146,11 @@ def test_accelerate_prepare_save_state_load_state_continue_bitwise(tmp_path) -> 
                                                  strict=True))
 
 
-def test_hf_trainer_trains_a_tiny_gpt2_with_the_facade_and_resumes_bitwise(tmp_path) -> None:
+@pytest.mark.parametrize("kind", ["torch.optim.AdamW", "recipe"])
+def test_hf_trainer_trains_a_tiny_gpt2_with_the_facade_and_resumes_bitwise(tmp_path,
+                                                                           kind) -> None:
+    """The facade from a torch optimizer, and over a plain recipe (whose lr is in the
+    groups, where HF Trainer's scheduler writes it)."""
     pytest.importorskip("transformers")
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
@@ -159,8 +163,12 @@ def test_hf_trainer_trains_a_tiny_gpt2_with_the_facade_and_resumes_bitwise(tmp_p
         model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16,
                                            n_layer=1, n_head=2, bos_token_id=0,
                                            eos_token_id=0)).to(torch.bfloat16)
-        opt = functopt.MixedPrecisionOptimizer(
-            torch.optim.AdamW(model.parameters(), lr=1e-3), loss_scale=None)
+        if kind == "recipe":
+            opt = functopt.MixedPrecisionOptimizer(
+                model.parameters(), functopt.adamw(1e-3, weight_decay=0.01), loss_scale=None)
+        else:
+            opt = functopt.MixedPrecisionOptimizer(
+                torch.optim.AdamW(model.parameters(), lr=1e-3), loss_scale=None)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))
         args = TrainingArguments(
             output_dir=str(out), max_steps=6, per_device_train_batch_size=4, save_steps=3,

@@ -1,9 +1,10 @@
 """Lightning's ``LearningRateMonitor`` on functopt's optimizers.
 
 The monitor reads ``param_groups[i]["lr"]`` (and ``betas[0]``, ``weight_decay``) at every
-step. ``functopt.Optimizer`` with a plain recipe and ``MixedPrecisionOptimizer`` must log
-what ``torch.optim.AdamW`` logs under the same scheduler: the reference is torch's own
-optimizer in the same trainer, and StepLR's rule ``lr * gamma ** (step // step_size)``.
+step. ``functopt.Optimizer`` with a plain recipe and ``MixedPrecisionOptimizer`` (from a
+torch optimizer, and with a plain recipe) must log what ``torch.optim.AdamW`` logs under the
+same scheduler: the reference is torch's own optimizer in the same trainer, and StepLR's
+rule ``lr * gamma ** (step // step_size)``.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ class _Net(pl.LightningModule):
                 [p for _, p in params], lr=_LR, weight_decay=0.1)
         elif self.kind == "functopt":
             opt = functopt.Optimizer(params, functopt.adamw(_LR, weight_decay=0.1))
+        elif self.kind == "facade-recipe":  # a plain recipe: its values in the groups too
+            opt = functopt.MixedPrecisionOptimizer(
+                params, functopt.adamw(_LR, weight_decay=0.1), loss_scale=None)
         else:
             opt = functopt.MixedPrecisionOptimizer(
                 torch.optim.AdamW([p for _, p in params], lr=_LR, weight_decay=0.1),
@@ -93,7 +97,7 @@ def _logged(kind: str, tmp_path) -> dict[str, list[float]]:  # type: ignore[no-u
     return series
 
 
-@pytest.mark.parametrize("kind", ["functopt", "facade"])
+@pytest.mark.parametrize("kind", ["functopt", "facade", "facade-recipe"])
 def test_learning_rate_monitor_logs_the_schedulers_values(kind: str, tmp_path) -> None:
     ours, reference = _logged(kind, tmp_path / kind), _logged("torch", tmp_path / "torch")
     expected = [_LR * _GAMMA ** (t // _EVERY) for t in range(_STEPS)]

@@ -57,6 +57,18 @@ def _nested(opt: MixedPrecisionOptimizer) -> dict[str, Any]:
     return _state_dict.to_nested("test", opt._state)
 
 
+def _plain_view(nested: dict[str, Any]) -> tuple[dict[str, Any], Any, dict[str, Any]]:
+    """A plain recipe's facade state (the facade runs it as ``inject_hyperparams`` of
+    itself) split into the state of the plain functional step (the recipe's own state at
+    ``inner_state``), the injected count, and the injected hyperparameters."""
+    lifted = nested["inner_state"]
+    assert set(lifted) <= {"count", "hyperparams", "inner_state"}
+    plain = {k: v for k, v in nested.items() if k != "inner_state"}
+    if "inner_state" in lifted:  # (a stateless recipe has none: to_nested leaves it out)
+        plain["inner_state"] = lifted["inner_state"]
+    return plain, lifted["count"], lifted["hyperparams"]
+
+
 def _same_nested(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(
@@ -265,6 +277,7 @@ def test_facade_equals_functional_step_bitwise(case, clip) -> None:
                          max_grad_norm=clip)
     ref_params = {n: p.clone() for n, p in named.items()}
     state = tx.init(ref_params)
+    taken = 0
     for grads in steps:
         if all(g is None for g in grads.values()):
             continue
@@ -273,9 +286,18 @@ def test_facade_equals_functional_step_bitwise(case, clip) -> None:
         ref_params, state = tx.step(grads, state, ref_params)
         took = opt.step()
         assert took == (not bool(state.metrics.found_inf))
+        taken += took
         for n, p in params.items():
             assert _same_bits(p, ref_params[n]), n
-        assert _same_nested(_nested(opt), _state_dict.to_nested("test", state))
+        # the plain recipe runs as inject_hyperparams of itself: the same state inside, the
+        # recipe's values injected (float64, as inject_hyperparams keeps Python numbers)
+        plain, count, hyper = _plain_view(_nested(opt))
+        assert _same_nested(plain, _state_dict.to_nested("test", state))
+        assert count.item() == taken
+        assert {k: v.item() for k, v in hyper.items()} == {
+            "learning_rate": 1e-2, "b1": 0.9, "b2": 0.999, "eps": 1e-8, "eps_root": 0.0,
+            "weight_decay": 1e-4}  # functopt.adamw's defaults (optax's)
+        assert all(v.dtype == torch.float64 for v in hyper.values())
         assert _same_bits(opt.get_grad_norm(), state.metrics.grad_norm)
         assert _same_bits(opt.count_zeros(), state.metrics.num_zeros)
 
@@ -339,10 +361,18 @@ def test_state_dict_is_torchs_layout_with_entries_keyed_by_state_paths() -> None
     assert set(sd["state"]) == set(range(len(names)))
     for pid, name in enumerate(names):
         entry = sd["state"][pid]
-        assert {"master", "inner_state.0.mu", "inner_state.0.nu", "inner_state.0.count",
+        # the recipe's state under its injected state (a plain recipe runs as
+        # inject_hyperparams of itself): the injected count and values are shared leaves
+        assert {"master", "inner_state.inner_state.0.mu", "inner_state.inner_state.0.nu",
+                "inner_state.inner_state.0.count", "inner_state.count",
+                "inner_state.hyperparams.learning_rate", "inner_state.hyperparams.b1",
                 "loss_scale.scale", "loss_scale.growth_tracker", "key"} <= set(entry)
         assert entry["master"] is opt._state.master[name]
-        assert entry["inner_state.0.mu"] is opt._state.inner_state[0].mu[name]
+        inner = opt._state.inner_state
+        assert entry["inner_state.inner_state.0.mu"] is inner.inner_state[0].mu[name]
+        assert entry["inner_state.hyperparams.learning_rate"] is \
+            inner.hyperparams["learning_rate"]  # shared by all
+        assert entry["inner_state.count"] is inner.count
         assert entry["loss_scale.scale"] is opt._state.loss_scale.scale  # shared by all
     roundtrip = _roundtrip(sd)  # torch.load(weights_only=True) reads it
     assert _same_nested(roundtrip["state"], sd["state"])
@@ -390,7 +420,8 @@ def test_state_dicts_share_nothing_with_later_states() -> None:
     _train(model, opt, x, y, range(3), {})  # steps make new tensors; sd stays as it was
     assert _same_nested(sd, before)
     opt.load_state_dict(sd)
-    sd["state"][0]["inner_state.0.mu"].fill_(7.0)
+    sd["state"][0]["inner_state.inner_state.0.mu"].fill_(7.0)
+    sd["state"][0]["inner_state.hyperparams.learning_rate"].fill_(7.0)
     sd["state"][0]["loss_scale.scale"].fill_(2.0)
     assert _same_nested(opt.state_dict(), before)
 
@@ -484,10 +515,9 @@ def test_params_without_grad_are_left_unchanged() -> None:
     assert _same_bits(model[2].bias, frozen)
     assert _same_bits(after["master"]["2.bias"], before["master"]["2.bias"])
     for moment in ("mu", "nu"):
-        assert _same_bits(after["inner_state"]["0"][moment]["2.bias"],
-                          before["inner_state"]["0"][moment]["2.bias"])
-        assert not _same_bits(after["inner_state"]["0"][moment]["0.weight"],
-                              before["inner_state"]["0"][moment]["0.weight"])
+        now, then = after["inner_state"]["inner_state"], before["inner_state"]["inner_state"]
+        assert _same_bits(now["0"][moment]["2.bias"], then["0"][moment]["2.bias"])
+        assert not _same_bits(now["0"][moment]["0.weight"], then["0"][moment]["0.weight"])
     assert not _same_bits(model[0].weight, before["master"]["0.weight"].to(torch.bfloat16))
 
 
@@ -540,7 +570,12 @@ def test_params_forms_and_names(form: str) -> None:
     }[form]
     opt = MixedPrecisionOptimizer(params, functopt.adam(0.1))
     expected = {"0", "1"} if form in ("list", "groups", "group_tensors") else {"a", "b"}
-    assert set(_nested(opt)["inner_state"]["0"]["mu"]) == expected
+    inner = _nested(opt)["inner_state"]
+    if form in ("groups", "group_tensors"):  # one injected state per group (its own lr)
+        assert [set(inner["inner_states"][g]["inner_state"]["0"]["mu"]) for g in ("0", "1")] \
+            == [{"0"}, {"1"}]
+    else:
+        assert set(inner["inner_state"]["0"]["mu"]) == expected
     a.grad, b.grad = torch.ones(2), torch.ones(3)
     assert opt.step()
     assert torch.all(a < 1) and torch.all(b < 1)
@@ -610,9 +645,17 @@ def test_rejects_malformed_params(params, error, match) -> None:
 
 def test_rejects_malformed_transform_and_options() -> None:
     w = torch.nn.Parameter(torch.ones(2))
+    # a chain of the user's has no hyperparameters in the groups
     with pytest.raises(TypeError, match=r"param group 0 sets \['lr'\], but transform is a "
                                         r"GradientTransformation"):
-        MixedPrecisionOptimizer([{"params": [w], "lr": 0.1}], functopt.sgd(0.1))
+        MixedPrecisionOptimizer([{"params": [w], "lr": 0.1}],
+                                functopt.chain(functopt.scale_by_adam(), functopt.scale(-0.1)))
+    # a recipe reads its hyperparameters from the groups, and nothing else
+    with pytest.raises(ValueError, match=r"param_groups\[0\] sets 'momentum', but the "
+                                         r"transform has no hyperparameter for it .* \(its groups "
+                                         r"hold the transform's hyperparameters \['betas', 'eps', "
+                                         r"'eps_root', 'lr'\],"):
+        MixedPrecisionOptimizer([{"params": [w], "momentum": 0.9}], functopt.adam(0.1))
     with pytest.raises(TypeError, match=r"factory failed on the options of param group 0 "
                                         r"\(\['momentum'\]\)"):
         MixedPrecisionOptimizer([{"params": [w], "momentum": 0.9}], lambda lr=0.1:

@@ -426,7 +426,12 @@ def test_mpo_multiplier_with_a_fixed_transform_is_an_error():
     with pytest.raises(TypeError, match=r"param group 1 sets \['lr_mult'\], but transform is a "
                                         r"GradientTransformation"):
         MixedPrecisionOptimizer([{"params": ps[:2]}, {"params": ps[2:], "lr_mult": 2.0}],
-                                functopt.adamw(LR), loss_scale=None)
+                                functopt.chain(functopt.scale_by_adam(), functopt.scale(-LR)),
+                                loss_scale=None)
+    # (a plain recipe injects its learning rate, which the multiplier scales: see
+    # tests/test_mixed_precision_optimizer_lifted.py)
+    MixedPrecisionOptimizer([{"params": ps[:2]}, {"params": ps[2:], "lr_mult": 2.0}],
+                            functopt.adamw(LR), loss_scale=None)
     # frozen and multipliers of 1 need no factory
     MixedPrecisionOptimizer([{"params": ps[:2], "lr_mult": 1.0}, {"params": ps[2:],
                                                                   "frozen": True}],
@@ -447,9 +452,9 @@ def test_mpo_multiplier_needs_a_base_value():
 
 
 @pytest.mark.parametrize(("key", "value", "error", "match"), [
-    ("lr_mult", -0.5, ValueError, r"param group 1 sets lr_mult=-0.5; expected a finite"),
-    ("wd_mult", None, TypeError, r"param group 1 sets wd_mult=None \(NoneType\)"),
-    ("frozen", "yes", TypeError, r"param group 1 sets frozen='yes' \(str\)"),
+    ("lr_mult", -0.5, ValueError, r"param_groups\[1\] sets lr_mult=-0.5; expected a finite"),
+    ("wd_mult", None, TypeError, r"param_groups\[1\] sets wd_mult=None \(NoneType\)"),
+    ("frozen", "yes", TypeError, r"param_groups\[1\] sets frozen='yes' \(str\)"),
 ])
 def test_mpo_bad_group_flags_name_the_group(key, value, error, match):
     ps = _params()

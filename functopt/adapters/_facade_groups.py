@@ -28,13 +28,6 @@ BOOKKEEPING_KEYS = _param_groups.SCHEDULER_GROUP_KEYS
 _OWN_KEYS = ("params", "param_names", *_param_groups.FLAG_KEYS)
 _UNSET = object()
 
-UNREAD_GROUP_KEY = (
-    "{owner}: param_groups[{index}] sets {keys}, which its transform does not read (it reads "
-    "{read}), so the value would be ignored. Fix: remove {them}, or build the optimizer with "
-    "a transform that reads {them}: a factory with such an argument, or "
-    "functopt.inject_hyperparams(...) for the hyperparameters to appear in param_groups."
-)
-
 def _numeric(value: Any) -> bool:
     return (isinstance(value, (int, float)) and not isinstance(value, bool)) or (
         isinstance(value, torch.Tensor) and value.dim() == 0)
@@ -92,8 +85,7 @@ def _call_factory(factory: Any, index: int, options: dict[str, Any], given: list
                   lr_mult: float, wd_mult: float) -> GradientTransformation:
     """``factory(**options)`` with the multipliers applied, checked."""
     options = dict(options)
-    for option, key, mult in (("learning_rate", "lr_mult", lr_mult),
-                              ("weight_decay", "wd_mult", wd_mult)):
+    for (key, option), mult in zip(_param_groups.MULTIPLIED, (lr_mult, wd_mult), strict=True):
         if mult != 1.0:  # 1.0 leaves the factory's call as it was
             options[option] = _scaled(factory, index, options, option, key, mult)
     try:
@@ -138,6 +130,11 @@ class _Plan:
         self.injected: dict[str, torch.Tensor] = {}  # injected name -> its state tensor
         self.written: dict[str, Any] = {}  # injected name -> value last written (times mult)
         self.keys: dict[str, tuple[str, ...]] = {}  # group key -> argument names
+        self.recipe: str | None = None  # the recipe a fixed transform injects into, if one
+        self.allowed: frozenset[str] = frozenset()  # every key a group may hold
+        # the options a group of a fixed transform set (torch's names), read once the
+        # keys are known
+        self.pending: dict[str, Any] = {}
         self.transform: GradientTransformation | None = None
 
     def build(self) -> GradientTransformation:
@@ -146,16 +143,26 @@ class _Plan:
                                        *self.mults)
         return self.transform
 
-    def expose(self, hyperparams: dict[str, torch.Tensor] | None) -> None:
-        """Name the group keys, once the state (and so the injected tensors) exists."""
+    def expose(self, hyperparams: dict[str, torch.Tensor] | None,
+               recipe: str | None = None) -> None:
+        """Name the group keys, once the state (and so the injected tensors) exists:
+        ``recipe`` (the recipe a fixed transform injects into, if one) picks its row of
+        torch's names, as in functopt.Optimizer."""
         self.injected = dict(hyperparams or {})
+        self.recipe = recipe
         names = list(dict.fromkeys([*self.built, *self.injected]))
-        # the one group-key rule functopt.Optimizer uses for a factory it was given
-        self.keys = _param_groups.recipe_group_keys(_OWNER, None, names)
+        # the one group-key rule functopt.Optimizer uses
+        self.keys = _param_groups.recipe_group_keys(_OWNER, recipe, names)
+        self.allowed = frozenset({*_OWN_KEYS, *BOOKKEEPING_KEYS, *self.readable()})
 
     def readable(self) -> set[str]:
         """The group keys this group's transform reads (plus the factory's other arguments)."""
         return set(self.keys) | self.arguments
+
+    def check_keys(self, owner: str, where: str, group: dict[str, Any]) -> None:
+        """Raise on a key of ``group`` that no step reads (the rule of both adapters)."""
+        _param_groups.check_group_keys(owner, where, group, self.allowed, self.keys,
+                                       self.recipe, self.arguments - set(self.keys))
 
 
 def _hyper_tensor(where: str, name: str, value: Any, held: torch.Tensor) -> torch.Tensor:
@@ -170,20 +177,9 @@ def _hyper_tensor(where: str, name: str, value: Any, held: torch.Tensor) -> torc
     return torch.tensor(value, dtype=held.dtype, device=held.device)
 
 
-def _as_argument(factory: Any, options: dict[str, Any]) -> dict[str, Any]:
-    """Group options under the factory's argument names (torch's ``lr`` and ``betas`` are
-    accepted for ``learning_rate`` and ``b1, b2``)."""
-    names = _signature(factory) if factory is not None else {}
-    out: dict[str, Any] = {}
-    for key, value in options.items():
-        if key == "lr" and "lr" not in names and (factory is None or "learning_rate" in names):
-            out["learning_rate"] = value
-        elif key == "betas" and "betas" not in names and (
-                factory is None or {"b1", "b2"} <= set(names)):
-            if not isinstance(value, (tuple, list)) or len(value) != 2:
-                raise ValueError(f"{_OWNER}: a param group sets betas={value!r}; expected a "
-                                 f"pair (b1, b2).")
-            out["b1"], out["b2"] = value
-        else:
-            out[key] = value
-    return out
+def _as_argument(factory: Any, index: int, options: dict[str, Any]) -> dict[str, Any]:
+    """Group options under the factory's argument names: the keys its arguments have in the
+    groups (``recipe_group_keys``, the rule of both adapters: ``lr`` for ``learning_rate``,
+    ``betas`` for ``b1, b2``, ...) are mapped to them; any other key is passed as it is."""
+    keys = _param_groups.recipe_group_keys(_OWNER, None, list(_signature(factory)))
+    return _param_groups.group_arguments(_OWNER, f"param_groups[{index}]", keys, options)

@@ -9,7 +9,7 @@ parameter names. Everything is checked here, once, with the parameter's name in 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -68,7 +68,8 @@ def group_flags(owner: str, where: str, group: Mapping[str, Any]) -> GroupFlags:
     if not isinstance(frozen, bool):
         raise TypeError(
             f"{owner}: {where} sets frozen={frozen!r} ({type(frozen).__name__}); expected "
-            f"True or False."
+            f"True or False. Fix: pass a bool, frozen=True to leave the group's params out of "
+            f"the step."
         )
     return GroupFlags(mults[0], mults[1], frozen)
 
@@ -206,7 +207,7 @@ def collect(owner: str, params: Any) -> list[ParamGroup]:
             named = [(_check_name(owner, n), p) for n, (_, p) in zip(names_given, named,
                                                                      strict=True)]
         count += len(named)
-        flags = group_flags(owner, f"param group {i}", spec)
+        flags = group_flags(owner, f"param_groups[{i}]", spec)
         for key in FLAG_KEYS:
             spec.pop(key, None)
         for name, p in named:
@@ -322,3 +323,126 @@ def recipe_group_keys(
             )
         exposed[name] = (name,)
     return exposed
+
+
+def split_value(owner: str, where: str, key: str, names: tuple[str, ...],
+                value: Any) -> tuple[Any, ...]:
+    """The values of the arguments ``names`` that the group key ``key`` holds: the value
+    itself for one argument, the items of a tuple or list of as many for several (torch's
+    ``betas`` for ``b1, b2``). ``where`` names the group (``'param_groups[0]'``).
+
+    Examples:
+        >>> split_value("opt", "param_groups[0]", "betas", ("b1", "b2"), [0.9, 0.99])
+        (0.9, 0.99)
+    """
+    if len(names) == 1:
+        return (value,)
+    if isinstance(value, (tuple, list)) and len(value) == len(names):
+        return tuple(value)
+    raise ValueError(
+        f"{owner}: {where}[{key!r}] must be a {len(names)}-tuple ({', '.join(names)}), got "
+        f"{value!r}. Fix: set it to a tuple of {len(names)} numbers, in that order."
+    )
+
+
+def group_arguments(owner: str, where: str, keys: Mapping[str, tuple[str, ...]],
+                    values: Mapping[str, Any]) -> dict[str, Any]:
+    """Group values under the transform's argument names: a key of ``keys`` (group key ->
+    arguments, as `recipe_group_keys` gives them) is its argument, or its arguments when it
+    holds several (`split_value`); any other key stays as it is. ``where`` names the group
+    in the message.
+
+    Examples:
+        >>> group_arguments("opt", "param_groups[0]", {"betas": ("b1", "b2")},
+        ...                 {"betas": (0.9, 0.99), "nesterov": True})
+        {'b1': 0.9, 'b2': 0.99, 'nesterov': True}
+    """
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        names = keys.get(key)
+        if names is None:
+            out[key] = value
+        else:
+            out.update(zip(names, split_value(owner, where, key, names, value), strict=True))
+    return out
+
+
+MULTIPLIED = (("lr_mult", "learning_rate"), ("wd_mult", "weight_decay"))
+"""Each multiplier's group key and the injected hyperparameter it multiplies."""
+
+
+def check_multipliers(owner: str, where: str, flags: GroupFlags,
+                      injected: Collection[str]) -> None:
+    """Raise if a multiplier other than 1 would multiply a hyperparameter the transform does
+    not inject (``injected``: the names it does), which would leave it ignored.
+
+    Examples:
+        >>> check_multipliers("opt", "param_groups[0]", GroupFlags(2.0, 1.0, False),
+        ...                   ["learning_rate"])
+    """
+    for (key, name), mult in zip(MULTIPLIED, (flags.lr_mult, flags.wd_mult), strict=True):
+        if mult != 1.0 and name not in injected:
+            raise ValueError(
+                f"{owner}: {where} sets {key}={mult!r}, which multiplies the injected "
+                f"{name!r}, but the transform does not inject it (it injects "
+                f"{sorted(injected) or 'none'}), so the multiplier would be ignored. Fix: "
+                f"remove {key!r}, or inject {name!r}: give the recipe a number for it (a "
+                f"schedule is not injected), or build the transform with "
+                f"functopt.inject_hyperparams(factory)(...)."
+            )
+
+
+# Option names of torch.optim's optimizers. A group that sets one the transform does not
+# read would be silently ignored; that is an error instead, with the way to inject it.
+TORCH_OPTIONS = frozenset({
+    "lr", "betas", "momentum", "weight_decay", "eps", "dampening", "nesterov", "amsgrad",
+    "maximize", "foreach", "fused", "capturable", "differentiable", "alpha", "centered",
+    "lr_decay", "initial_accumulator_value", "rho", "lambd", "t0", "etas", "step_sizes",
+    "momentum_decay", "decoupled_weight_decay",
+})
+HOW_TO_INJECT = (
+    "Fix: pass a recipe, whose hyperparameters the groups hold under torch's names "
+    "(functopt.adamw(1e-3)'s groups have lr, betas, eps, eps_root, weight_decay), or inject "
+    "them into a transform of your own with functopt.inject_hyperparams(factory)(...): only "
+    "the hyperparameters a step reads appear in param_groups."
+)
+
+
+def check_group_keys(owner: str, where: str, group: Mapping[str, Any],
+                     allowed: Collection[str], exposed: Mapping[str, tuple[str, ...]],
+                     recipe: str | None, arguments: Collection[str] = ()) -> None:
+    """Raise on the first key of ``group`` outside ``allowed`` (the keys a step reads, the
+    flags and the schedulers' records), which would be ignored: naming torch's name for a
+    hyperparameter set under the recipe's (``learning_rate`` for ``lr``), what a foreign
+    torch key is in the recipe (``FOREIGN_GROUP_KEYS``), how to inject a torch option, and
+    what the groups do hold. ``exposed`` maps the group keys of the transform's
+    hyperparameters to them; ``arguments`` are the other keys a factory reads.
+
+    Examples:
+        >>> check_group_keys("opt", "param_groups[0]", {"params": [], "lr": 0.1},
+        ...                  {"params", "lr"}, {"lr": ("learning_rate",)}, "sgd")
+    """
+    for key in group:
+        if key in allowed:
+            continue
+        renamed = {name: k for k, names in exposed.items() for name in names if name != k}
+        foreign = FOREIGN_GROUP_KEYS.get(recipe or "", {})
+        others = f", the factory's arguments {sorted(arguments)}" if arguments else ""
+        reads = (f"its groups hold the transform's hyperparameters {sorted(exposed)}{others}, "
+                 f"besides params, param_names, {list(FLAG_KEYS)} and the schedulers' own "
+                 f"{sorted(SCHEDULER_GROUP_KEYS)}")
+        start = f"{owner}: {where} sets {key!r}"
+        if key in renamed:
+            raise ValueError(f"{start}, which its groups call {renamed[key]!r} (torch's name). "
+                             f"Fix: set {renamed[key]!r} instead.")
+        if key in foreign:
+            raise ValueError(f"{start}, which {recipe} does not read: {foreign[key]}. Fix: "
+                             f"remove it, and set the recipe's own key ({reads}).")
+        if key in TORCH_OPTIONS:
+            raise ValueError(
+                f"{start}, but the transform has no hyperparameter for it that a step reads "
+                f"from the groups ({reads}), so the value would be ignored. Remove it, or "
+                f"build the transform with it. {HOW_TO_INJECT}")
+        raise ValueError(f"{start}, which the transform does not read ({reads}), so the value "
+                         f"would be ignored. Fix: remove it (keep notes outside the param "
+                         f"groups).")

@@ -39,7 +39,7 @@ each loaded tensor must have.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import optree
@@ -369,6 +369,48 @@ class Layout:
         for o, f, none in zip(self.owners, self.fields, self._none, strict=True):
             out.append(None if none else (loaded[first] if o is None else loaded[o])[f])
         return _core.unflatten(self.treespec, out)
+
+
+def relocated(entries: Mapping[str, Mapping[str, Any]], old: str, new: Sequence[str],
+              expected: Mapping[str, Collection[str]],
+              added: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Entries of a layout whose subtree at the state path ``old`` has moved to the places
+    ``new`` (one per param group, say), in the new layout: in each param's entry a key
+    ``old.<rest>`` becomes ``<place>.<rest>`` for each place whose key the param's entry of
+    the new layout has (``expected[name]``), so a leaf of one param moves to the place of
+    that param's group and a leaf all params shared (a step count) to every place; the
+    leaves the new layout has besides (``added``: state path -> tensor, shared by all) are
+    added. A key with no place stays as it is. Nothing else is checked here: the result
+    loads through ``Layout.tree``, which checks every key, shape and dtype against the
+    optimizer's own state (a key left over is refused as unexpected).
+
+    The facade's checkpoints of a plain recipe from before it ran such a recipe as
+    ``inject_hyperparams`` of itself keep the recipe's state at ``'inner_state'``; this
+    moves it under the injected state (``'inner_state.inner_state'``, or
+    ``'inner_state.inner_states.<group>.inner_state'`` with several groups).
+
+    Examples:
+        >>> relocated({"w": {"inner_state.0.mu": 1, "key": 2}}, "inner_state",
+        ...           ["inner_state.inner_state"],
+        ...           {"w": {"inner_state.inner_state.0.mu", "key", "inner_state.count"}},
+        ...           {"inner_state.count": 3})
+        {'w': {'inner_state.inner_state.0.mu': 1, 'key': 2, 'inner_state.count': 3}}
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for name, entry in entries.items():
+        moved: dict[str, Any] = {}
+        keys = expected.get(name, ())
+        for key, value in entry.items():
+            if key.startswith(old + "."):
+                places = [place + key[len(old):] for place in new
+                          if place + key[len(old):] in keys]
+                if places:
+                    moved.update(dict.fromkeys(places, value))
+                    continue
+            moved[key] = value
+        moved.update(added)
+        out[name] = moved
+    return out
 
 
 def _same_value(a: torch.Tensor, b: torch.Tensor) -> bool:

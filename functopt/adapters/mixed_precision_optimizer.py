@@ -28,17 +28,15 @@ from functopt._collective.reduce import global_grad_stats
 from functopt._spec import Injected, describe
 from functopt.adapters import _from_torch, _param_groups, _state_dict
 from functopt.adapters._facade_groups import (
-    _OWN_KEYS,
     _UNSET,
     BOOKKEEPING_KEYS,
-    UNREAD_GROUP_KEY,
     _as_argument,
     _hyper_tensor,
     _Plan,
     _same,
     _scaled,
 )
-from functopt.adapters.optimizer import _find_states
+from functopt.adapters.optimizer import _find_states, _lift
 from functopt.distributed.offloading import OffloadedState, offload, reload
 from functopt.precision.loss_scale import (
     LossScale,
@@ -156,17 +154,24 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     (torch's schedulers, Lightning's ``configure_optimizers``, accelerate's ``prepare``).
     ``param_groups`` are plain dicts holding each group's params and its transform's
     arguments under torch's names (``lr`` for ``learning_rate``, ``betas`` for ``b1, b2``,
-    the others as they are), and a value written there is used by the next ``step()``:
-    an argument that ``inject_hyperparams`` put in the state (a transform built by
+    a recipe's others by ``functopt.Optimizer``'s table, ``alpha`` for RMSprop's
+    ``decay``, ...), and a value written there is used by the next ``step()``:
+    an argument that ``inject_hyperparams`` put in the state (a plain recipe, which runs
+    as ``inject_hyperparams`` of itself as in ``functopt.Optimizer``, so that
+    ``functopt.adamw(1e-3)``'s groups hold ``lr``, ``betas``, ``eps``, ``eps_root`` and
+    ``weight_decay``; a transform built by
     [`inject_hyperparams`][functopt.inject_hyperparams], a factory that returns one, or a
     translated torch optimizer) is written into the state, a 0-d tensor, so nothing is
     rebuilt; any other argument of a factory rebuilds that group's transform (the state
     is kept; an edit that changes the state's layout, such as ``amsgrad`` or a momentum
     from 0, raises, checked on meta tensors). A rebuild re-plans the fused step (measured: 5-8 ms more per step for 20
     leaves), so for a value a scheduler writes at every step pass
-    ``functopt.inject_hyperparams(factory)`` as the factory. With a fixed ``transform`` that does not inject, the groups hold no
-    hyperparameters. A key that no transform reads raises at ``step()`` (``momentum`` on
-    an AdamW), except the records of torch's schedulers (``initial_lr``, ...) and of
+    ``functopt.inject_hyperparams(factory)`` as the factory. A fixed ``transform`` of
+    your own that does not inject (a ``chain``) has no hyperparameters in the groups, and
+    a group that sets any raises. With several groups, a fixed transform that injects
+    (a plain recipe too) gets one state per group, through ``partition``, so each group's
+    values are its own. A key that no transform reads raises at construction and at
+    ``step()`` (``momentum`` on an AdamW), except the records of torch's schedulers (``initial_lr``, ...) and of
     Megatron's groups (``max_lr``, ``min_lr``, ...): ``BOOKKEEPING_KEYS``.
     ``add_param_group`` after construction raises: master copies and state are made
     then. Megatron's ``OptimizerParamScheduler`` writes ``lr * lr_mult`` into
@@ -240,7 +245,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     a view of the state, so they take no initialising step). ``load_state_dict`` matches
     entries by param name and refuses a checkpoint saved under another loss-scale rule,
     recipe or master dtype, naming it; a checkpoint in the nested format of before still
-    loads. The clipping norm is not in it: build the optimizer the same way (and call
+    loads, and so does one of a plain recipe from before it was run as
+    ``inject_hyperparams`` of itself (its state moves under the injected state; see
+    ``_state_dict.relocated``). The clipping norm is not in it: build the optimizer the same way (and call
     ``clip_grad_norm`` again), then ``load_state_dict``; it continues bitwise as the
     original would have. Loading also sets each param that has a master copy to
     ``master.to(param.dtype)`` (as LightRFT does), so loading the optimizer alone
@@ -418,8 +425,14 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 f"{_OWNER}: every param group is frozen, so there is nothing to optimize. "
                 f"Fix: leave at least one group unfrozen (frozen=False, the default)."
             )
-        fixed = transform if isinstance(transform, GradientTransformation) else None
+        # A plain recipe runs as inject_hyperparams of itself (as in functopt.Optimizer), so
+        # that its hyperparameters are in param_groups, where schedulers write them.
+        fixed = _lift(transform) if isinstance(transform, GradientTransformation) else None
         self._fixed = fixed
+        self._lifted = fixed is not None and fixed is not transform
+        # the recipe as given (checkpoints from before the lift hold its state)
+        self._plain = transform if self._lifted and isinstance(
+            transform, GradientTransformation) else None
         self._fixed_injected = fixed is not None and isinstance(describe(fixed), Injected)
         self._plans: list[_Plan] = []
         kept: list[dict[str, Any]] = []  # each group's bookkeeping keys
@@ -441,7 +454,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                         f"learning_rate, weight_decay=weight_decay), or inject them: "
                         f"functopt.inject_hyperparams(functopt.adamw)(learning_rate=1e-3)."
                     )
-            self._plans.append(_Plan(i, group, factory, _as_argument(factory, options)))
+            if factory is None:  # named once the state shows what the transform injects
+                self._plans.append(_Plan(i, group, None, {}))
+                self._plans[-1].pending = options
+            else:
+                self._plans.append(_Plan(i, group, factory, _as_argument(factory, i, options)))
         # Frozen params stay out of the step: no state, no master copy, no statistics.
         trainable = [group for group in groups if not group.frozen]
         self._names = [name for group in trainable for name in group.names]
@@ -472,15 +489,19 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         for plan, group, book in zip(self._plans, groups, kept, strict=True):
             if not plan.frozen:
                 found = self._group_state(self._state, plan.index)
-                plan.expose(found.hyperparams if isinstance(found, InjectHyperparamsState)
-                            else None)
-                unread = sorted(n for n in plan.built if plan.factory is None
-                                and n not in plan.injected)
-                if unread:
-                    raise ValueError(UNREAD_GROUP_KEY.format(
-                        owner=_OWNER, index=plan.index, keys=unread,
-                        read=sorted(plan.keys) or "no group keys",
-                        them="them" if len(unread) > 1 else "it"))
+                hyper = found.hyperparams if isinstance(found, InjectHyperparamsState) else None
+                signature = None if plan.factory is not None or hyper is None else \
+                    _state_dict.recipe_signature(plan.transform, hyper)
+                plan.expose(hyper, None if signature is None else signature.split("(", 1)[0])
+                if plan.factory is None:  # its groups' options: the keys it exposes
+                    where = f"param_groups[{plan.index}]"
+                    _param_groups.check_group_keys(_OWNER, where, plan.pending, plan.keys,
+                                                   plan.keys, plan.recipe)
+                    plan.built.update(_param_groups.group_arguments(_OWNER, where, plan.keys,
+                                                                    plan.pending))
+                    _param_groups.check_multipliers(
+                        _OWNER, f"param_groups[{plan.index}]", _param_groups.GroupFlags(
+                            group.lr_mult, group.wd_mult, group.frozen), plan.injected)
             flags = {k: v for k, v in (("lr_mult", group.lr_mult), ("wd_mult", group.wd_mult),
                                        ("frozen", group.frozen))
                      if v != (k != "frozen" and 1.0)}
@@ -591,22 +612,19 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             if plan.frozen:
                 continue
             readable = plan.readable()
-            unread = sorted(str(k) for k in group if k not in _OWN_KEYS
-                            and k not in BOOKKEEPING_KEYS and k not in readable)
-            if unread:
-                raise ValueError(UNREAD_GROUP_KEY.format(
-                    owner=_OWNER, index=plan.index, keys=unread,
-                    read=sorted(plan.keys) or "no group keys",
-                    them="them" if len(unread) > 1 else "it"))
-            values = _as_argument(plan.factory, {k: group[k] for k in group if k in readable})
+            if not plan.allowed.issuperset(group):
+                plan.check_keys(_OWNER, where, group)
+            values = _param_groups.group_arguments(
+                _OWNER, where, plan.keys, {k: group[k] for k in group if k in readable})
             mults = (flags.lr_mult, flags.wd_mult)
+            multiplier = {name: (key, mult) for (key, name), mult in
+                          zip(_param_groups.MULTIPLIED, mults, strict=True)}
             found = None
             for name, value in values.items():
                 if name in plan.injected:
-                    mult = {"learning_rate": mults[0], "weight_decay": mults[1]}.get(name, 1.0)
+                    key, mult = multiplier.get(name, ("", 1.0))
                     target = value if mult == 1.0 else _scaled(
-                        plan.factory, plan.index, {name: value}, name,
-                        "lr_mult" if name == "learning_rate" else "wd_mult", mult)
+                        plan.factory, plan.index, {name: value}, name, key, mult)
                     if not _same(plan.written.get(name, _UNSET), target):
                         found = self._group_state(state, plan.index) if found is None else found
                         found = found._replace(hyperparams={
@@ -617,14 +635,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 elif not _same(plan.built.get(name, _UNSET), value):
                     plan.built[name] = value
                     rebuild = True
+            if plan.factory is None:  # (a factory's multiplied arguments: _scaled)
+                _param_groups.check_multipliers(_OWNER, where, flags, plan.injected)
             if mults != plan.mults:
-                for name, mult in zip(("learning_rate", "weight_decay"), mults, strict=True):
-                    if mult != 1.0 and name not in plan.injected and plan.factory is None:
-                        raise ValueError(
-                            f"{_OWNER}: {where} sets {('lr_mult', 'wd_mult')[mults.index(mult)]}"
-                            f"={mult!r}, which multiplies the injected {name!r}, but the "
-                            f"transform does not inject it. Fix: remove the multiplier, or "
-                            f"inject {name!r}.")
                 plan.mults = mults
                 rebuild = rebuild or plan.factory is not None
             if found is not None:
@@ -1150,8 +1163,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             >>> opt = functopt.MixedPrecisionOptimizer(model.named_parameters(),
             ...                                        functopt.adamw(1e-2))
             >>> sd = opt.named_state_dict()
-            >>> sorted(sd["state"]["bias"])[:4]
-            ['inner_state.0.count', 'inner_state.0.mu', 'inner_state.0.nu', 'key']
+            >>> sorted(k for k in sd["state"]["bias"] if k.endswith(("mu", "learning_rate")))
+            ['inner_state.hyperparams.learning_rate', 'inner_state.inner_state.0.mu']
             >>> opt.load_named_state_dict(sd)
         """
         return _state_dict.torch_to_named(f"{_OWNER}.named_state_dict", self.state_dict())
@@ -1207,7 +1220,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 entries.update(zip(group["param_names"], group_entries, strict=True))
             saved_groups.append(saved)
         groups = self._check_groups(saved_groups)
-        state = self._layout().tree(owner, self._state, entries)
+        state = self._layout().tree(owner, self._state, self._lifted_entries(entries))
         self._install(state, groups)
 
     def _load_nested(self, state_dict: Mapping[str, Any]) -> None:
@@ -1219,10 +1232,62 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             if _RULE_KEY in state_dict:
                 self._check_rule(state_dict.pop(_RULE_KEY))
             groups = self._check_groups(state_dict.pop(_GROUPS_KEY, None))
-        state: MixedPrecisionState = _state_dict.from_nested(
-            f"{_OWNER}.load_state_dict", self._state, state_dict
-        )
+        owner = f"{_OWNER}.load_state_dict"
+        lifted = set(_state_dict.to_nested(owner, self._state).get("inner_state", {}))
+        inner = state_dict.get("inner_state", {})
+        if self._lifted and not lifted & set(inner if isinstance(inner, Mapping) else ()):
+            # saved before the lift: read it as the plain recipe's state, then lift it
+            template = self._state._replace(inner_state=self._unlifted_inner())
+            old = _state_dict.from_nested(owner, template, state_dict)
+            entries = _state_dict.Layout(owner, old, self._names).entries(old)
+            state = self._layout().tree(owner, self._state, self._lifted_entries(entries))
+        else:
+            state = _state_dict.from_nested(owner, self._state, state_dict)
         self._install(state, groups)
+
+    # The paths of a lifted plain recipe's state: the injected state of each group.
+    def _injected_paths(self) -> dict[int, str]:
+        return {plan.index: f"inner_state.inner_states.{plan.index}" if self._partitioned
+                else "inner_state" for plan in self._plans if not plan.frozen}
+
+    def _lifted_entries(self, entries: dict[str, Any]) -> dict[str, Any]:
+        """``entries`` as they are, or, when this optimizer lifted a plain recipe and they
+        were saved before the lift (the recipe's own state at ``'inner_state'``, one
+        state for all groups: main's layout until then), in the lifted layout: the recipe's
+        state under each group's injected state, its hyperparameters the ones this
+        optimizer was built with (the plain recipe's fixed values), its count of updates the
+        steps taken less the steps skipped (``key - metrics.skipped_steps``, both in the
+        checkpoint)."""
+        paths = self._injected_paths()
+        if not self._lifted or any(key.startswith(f"{paths[self._labels[name]]}.hyperparams.")
+                                   for name, entry in entries.items() for key in entry):
+            return entries
+        first: Mapping[str, Any] = next((entry for entry in entries.values() if entry), {})
+        steps, skipped = first.get("key"), first.get("metrics.skipped_steps")
+        added: dict[str, torch.Tensor] = {}
+        for index, path in paths.items():
+            found = self._group_state(self._state, index)
+            if isinstance(steps, torch.Tensor) and isinstance(skipped, torch.Tensor):
+                # (a checkpoint without them lacks the 'key' entry too, and is refused so)
+                added[f"{path}.count"] = (steps.to(torch.int64) - skipped.cpu().to(
+                    torch.int64)).to(dtype=found.count.dtype, device=found.count.device)
+            added.update({f"{path}.hyperparams.{name}": value.clone()
+                          for name, value in found.hyperparams.items()})
+        expected = {name: set(entry) for name, entry in
+                    self._layout().entries(self._state).items()}
+        return _state_dict.relocated(entries, "inner_state",
+                                     [f"{path}.inner_state" for path in paths.values()],
+                                     expected, added)
+
+    def _unlifted_inner(self) -> Any:
+        """The state of the plain recipe this optimizer lifted, over all trainable params (a
+        template: what the facade kept before the lift)."""
+        mw = self._master_weights
+        with torch.no_grad():
+            views = [mw.view(p.detach(), self._state.master[name])
+                     for p, name in zip(self._params, self._names, strict=True)]
+            assert self._plain is not None  # (only a lifted optimizer reads old checkpoints)
+            return self._plain.init(self._tree(views))
 
     def _install(self, state: MixedPrecisionState, groups: list[dict[str, Any]] | None) -> None:
         mw = self._master_weights
@@ -1255,14 +1320,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                     f"frozen here but was {'not ' if plan.frozen else ''}frozen when saved. "
                     f"Fix: build the optimizer with the groups of the one that saved it."
                 )
-            unread = sorted(str(k) for k in group if k not in _OWN_KEYS
-                            and k not in BOOKKEEPING_KEYS and k not in plan.readable()
-                            and not plan.frozen)
-            if unread:
-                raise ValueError(UNREAD_GROUP_KEY.format(
-                    owner=where, index=plan.index, keys=unread,
-                    read=sorted(plan.keys) or "no group keys",
-                    them="them" if len(unread) > 1 else "it"))
+            if not plan.frozen:
+                plan.check_keys(where, f"param_groups[{plan.index}]", group)
         return saved
 
     def __getstate__(self) -> dict[str, Any]:

@@ -36,21 +36,6 @@ _GROUP = 1  # a group-level leaf (a counter): stored, the same tensor, in every 
 _HYPER = 2  # an injected hyperparameter: read from the param group on every step
 _UNSET = object()
 
-# Option names of torch.optim's optimizers. A group that sets one the transform does not
-# inject would be silently ignored; that is an error instead.
-_TORCH_OPTIONS = frozenset({
-    "lr", "betas", "momentum", "weight_decay", "eps", "dampening", "nesterov", "amsgrad",
-    "maximize", "foreach", "fused", "capturable", "differentiable", "alpha", "centered",
-    "lr_decay", "initial_accumulator_value", "rho", "lambd", "t0", "etas", "step_sizes",
-    "momentum_decay", "decoupled_weight_decay",
-})
-_HOW_TO_INJECT = (
-    "Fix: pass a recipe, whose hyperparameters the groups hold under torch's names "
-    "(functopt.Optimizer(params, functopt.adamw(1e-3)) has lr, betas, eps, weight_decay), "
-    "or inject them into a transform of your own with functopt.inject_hyperparams(factory)"
-    "(...): only the hyperparameters a step reads appear in param_groups."
-)
-
 
 def _lift(tx: GradientTransformation) -> GradientTransformation:
     """A plain recipe as ``inject_hyperparams`` of itself, its ``RECIPE_GROUP_KEYS``
@@ -433,47 +418,12 @@ class Optimizer(torch.optim.Optimizer):
     def _check_multipliers(
         index: int, group: dict[str, Any], plan: _Plan, flags: _param_groups.GroupFlags
     ) -> None:
-        for key, mult, name in (("lr_mult", flags.lr_mult, "learning_rate"),
-                                ("wd_mult", flags.wd_mult, "weight_decay")):
-            if mult != 1.0 and name not in plan.hyper:
-                raise ValueError(
-                    f"functopt.Optimizer: param_groups[{index}] sets {key}={mult!r}, which "
-                    f"multiplies the injected {name!r}, but the transform does not inject it "
-                    f"(it injects {sorted(plan.hyper) or 'none'}), so the multiplier would be "
-                    f"ignored. Fix: remove {key!r}, or inject {name!r}: {_HOW_TO_INJECT}"
-                )
+        _param_groups.check_multipliers("functopt.Optimizer", f"param_groups[{index}]", flags,
+                                        plan.hyper)
 
     def _check_options(self, index: int, group: dict[str, Any], plan: _Plan) -> None:
-        renamed = {name: key for key, names in plan.exposed.items() for name in names
-                   if name != key}
-        foreign = _param_groups.FOREIGN_GROUP_KEYS.get(plan.recipe or "", {})
-        reads = (f"its groups hold the transform's hyperparameters {sorted(plan.exposed)}, "
-                 f"besides params, param_names, {list(_param_groups.FLAG_KEYS)} and the "
-                 f"schedulers' own {sorted(_param_groups.SCHEDULER_GROUP_KEYS)}")
-        for key in group:
-            if key in plan.allowed:
-                continue
-            where = f"functopt.Optimizer: param_groups[{index}] sets {key!r}"
-            if key in renamed:
-                raise ValueError(
-                    f"{where}, which its groups call {renamed[key]!r} (torch's name). Fix: set "
-                    f"{renamed[key]!r} instead."
-                )
-            if key in foreign:
-                raise ValueError(
-                    f"{where}, which {plan.recipe} does not read: {foreign[key]}. Fix: remove "
-                    f"it, and set the recipe's own key ({reads})."
-                )
-            if key in _TORCH_OPTIONS:
-                raise ValueError(
-                    f"{where}, but the transform has no hyperparameter for it that a step "
-                    f"reads from the groups ({reads}), so the value would be ignored. Remove it, "
-                    f"or build the transform with it. {_HOW_TO_INJECT}"
-                )
-            raise ValueError(
-                f"{where}, which the transform does not read ({reads}), so the value would be "
-                f"ignored. Fix: remove it (keep notes outside the param groups)."
-            )
+        _param_groups.check_group_keys("functopt.Optimizer", f"param_groups[{index}]", group,
+                                       plan.allowed, plan.exposed, plan.recipe)
 
     @staticmethod
     def _tree(group: dict[str, Any], leaves: list[Any]) -> Any:
@@ -523,17 +473,10 @@ class Optimizer(torch.optim.Optimizer):
     def _hyperparams(self, index: int, group: dict[str, Any], plan: _Plan) -> dict[str, Any]:
         values: dict[str, Any] = {}
         raws: dict[str, Any] = {}
+        where = f"param_groups[{index}]"
         for key, names in plan.exposed.items():
             raw = group[key]
-            if len(names) == 1:
-                parts: Any = (raw,)
-            else:
-                if not isinstance(raw, (tuple, list)) or len(raw) != len(names):
-                    raise ValueError(
-                        f"functopt.Optimizer: param_groups[{index}][{key!r}] must be a "
-                        f"{len(names)}-tuple ({', '.join(names)}), got {raw!r}."
-                    )
-                parts = raw
+            parts = _param_groups.split_value("functopt.Optimizer", where, key, names, raw)
             for name, value in zip(names, parts, strict=True):
                 values[name] = self._as_tensor(index, key, name, value, plan)
                 raws[name] = value
