@@ -309,3 +309,22 @@ def test_optimizer_sees_a_param_swapped_in_its_group() -> None:
     opt.step()
     torch.testing.assert_close(q.detach(), torch.full((3,), 3.0))  # 4 - 0.5 * 2
     torch.testing.assert_close(p.detach(), torch.full((3,), 0.5))  # not stepped again
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    lambda ps: functopt.Optimizer(ps, functopt.adamw(1e-2)),
+    lambda ps: functopt.optim.AdamW(ps, lr=1e-2),
+], ids=["torch", "functopt.Optimizer", "functopt.optim"])
+def test_step_hooks_run_once_per_step(make: Callable[[Any], Any]) -> None:
+    # torch wraps the step of every optimizer class it sees built; functopt.optim's classes
+    # subclass functopt.Optimizer, whose step must not be wrapped a second time inside
+    p = torch.nn.Parameter(torch.ones(2))
+    p.grad = torch.ones(2)
+    opt = make([p])
+    seen: list[str] = []
+    opt.register_step_pre_hook(lambda *_: seen.append("pre"))
+    opt.register_step_post_hook(lambda *_: seen.append("post"))
+    opt.step()
+    opt.step()
+    assert seen == ["pre", "post"] * 2

@@ -1171,7 +1171,12 @@ def _hyperparameters(plan: _KernelPlan, env: _Env) -> dict[str, Any] | str:
         # the inner transform built with this step's values, as inject_hyperparams does
         return {"updates": [op.fn if op.rebuild is None else env.update_of(op.rebuild)
                             for op in plan.ops]}
-    hp: dict[str, Any] = {"lr": plan.lr(env), "weight_decay": 0.0 if plan.decay is None
+    lr = plan.lr(env)
+    if isinstance(lr, torch.Tensor) and lr.device.type == "cpu" and lr.dim() == 0:
+        # a host tensor (an injected lr) is read for free, once while unchanged: the
+        # kernels then take the float, which costs less per call than a tensor lr
+        lr = env.number(lr)
+    hp: dict[str, Any] = {"lr": lr, "weight_decay": 0.0 if plan.decay is None
                           else env.number(plan.decay.args["weight_decay"](env))}
     if plan.kernel in ("adamw", "adam"):
         adam = plan.adam
