@@ -149,8 +149,11 @@ class Step:
     """The step function [`make_step`][functopt.fast.make_step] returns:
     ``step(grads, state, params, **extra_args) -> (new_params, new_state)``, plus
     ``step.init(params)``, the transform's initial state laid out for this step's fast
-    path. It keeps the plans it derived (structures, no tensors) and, with
-    ``compile=True``, the compiled functions: nothing that changes a result.
+    path. It keeps the plans it derived (structures, no tensors), what its last fused steps
+    checked (weak references to the params and moments with their dtypes, shapes,
+    strides, devices and addresses: a step on the same unchanged tensors skips the checks
+    and the plan lookup, any change runs them again) and, with ``compile=True``, the
+    compiled functions: nothing that changes a result.
 
     Examples:
         >>> import torch, functopt
