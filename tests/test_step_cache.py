@@ -292,9 +292,10 @@ def test_optimizer_sees_a_param_moved_to_float64_in_place() -> None:
     opt.step()
     assert model.weight.dtype == F64
     assert opt.state[model.weight]["inner_state.0.mu"].dtype == F64
-    # Adam's first step from a fresh state: lr * sign(g) (weight decay 1e-4 * lr * w)
+    # Adam's first step from a fresh state: m_hat = g, v_hat = g^2, so the update is
+    # lr * (g / (|g| + eps) + weight_decay * w), functopt.adamw's defaults eps 1e-8, 1e-4
     g = model.weight.grad
-    expected = before - 1e-2 * (torch.sign(g) * (1 - 1e-8) + 1e-4 * before)
+    expected = before - 1e-2 * (g / (g.abs() + 1e-8) + 1e-4 * before)
     torch.testing.assert_close(model.weight.detach(), expected, rtol=1e-6, atol=1e-9)
 
 
