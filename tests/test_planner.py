@@ -303,7 +303,7 @@ def test_apply_if_finite_folds_into_the_kernels_skip(chain: str, donate: bool) -
 
 
 def test_injected_constants_are_read_on_the_host_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernels take betas, eps and weight decay as Python floats: an injected constant
+    """The kernels take betas, eps, weight decay and a host lr as Python floats: an injected constant
     is read once and remembered while it is the same, unmodified tensor (each read is a
     synchronisation on an accelerator); an edit in place or a new tensor is read again."""
     tx = functopt.inject_hyperparams(functopt.adamw)(learning_rate=1e-2, weight_decay=0.1)
@@ -333,9 +333,9 @@ def test_injected_constants_are_read_on_the_host_once(monkeypatch: pytest.Monkey
         ref_params, ref_state = _pure(tx, grads, ref_state, ref_params)
         _assert_close(params, ref_params, f"step {i}")
         _assert_close(state, ref_state, f"step {i} state")
-    # b1, b2, eps, eps_root, weight_decay at the first step; nothing until the edit; then
-    # the two changed ones
-    assert per_step == [5, 0, 0, 2, 0], per_step
+    # b1, b2, eps, eps_root, weight_decay and (a host tensor) the learning rate at the
+    # first step; nothing until the edit; then the two changed ones
+    assert per_step == [6, 0, 0, 2, 0], per_step
 
 
 def test_a_param_whose_data_is_replaced_is_checked_again() -> None:

@@ -630,6 +630,12 @@ class Optimizer(torch.optim.Optimizer):
         Returns:
             The closure's return value (the loss), or None.
         """
+        return self._step(closure)
+
+    def _step(self, closure: Callable[[], Any] | None) -> Any:
+        """``step``'s body: torch.optim wraps the ``step`` of every class it sees built
+        (profiling, the step hooks), so a subclass whose ``step`` does more calls this, not
+        ``super().step``, to be wrapped once."""
         if self._train_params is not None:
             raise RuntimeError(
                 "functopt.Optimizer.step: the params hold the schedule-free evaluation point "

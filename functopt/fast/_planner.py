@@ -1201,7 +1201,12 @@ def _hyperparameters(plan: _KernelPlan, env: _Env) -> dict[str, Any] | str:
         # the inner transform built with this step's values, as inject_hyperparams does
         return {"updates": [op.fn if op.rebuild is None else env.update_of(op.rebuild)
                             for op in plan.ops]}
-    hp: dict[str, Any] = {"lr": plan.lr(env), "weight_decay": 0.0 if plan.decay is None
+    lr = plan.lr(env)
+    if isinstance(lr, torch.Tensor) and lr.device.type == "cpu" and lr.dim() == 0:
+        # a host tensor (an injected lr) is read for free, once while unchanged: the
+        # kernels then take the float, which costs less per call than a tensor lr
+        lr = env.number(lr)
+    hp: dict[str, Any] = {"lr": lr, "weight_decay": 0.0 if plan.decay is None
                           else env.number(plan.decay.args["weight_decay"](env))}
     if plan.kernel in ("adamw", "adam"):
         adam = plan.adam
@@ -1329,12 +1334,15 @@ class Planner:
         checked with `check_donation` the first time."""
         # (counters are new tensors at every step; the per-leaf entries are what is checked)
         slots = [state_leaves[k] for k in structure.slot_indices]
-        # (the data pointers catch a param whose .data was replaced in place, as
-        # module.to() or .half() do: same object, new memory, maybe a new dtype)
+        # (the data pointers catch a param or a moment whose .data was replaced in place,
+        # as module.to() or .half() do: same object, new memory, maybe a new dtype; the
+        # dtypes and strides one whose .data became another view of its memory, a
+        # square weight's transpose, say)
         key = (id(structure), compiled, tuple(map(id, values)),
                tuple(g is None for g in grads),
                tuple(map(id, slots)), donated is not None,
-               tuple(0 if v is None else local_tensor(v).data_ptr() for v in values))
+               tuple(None if v is None else _address(v) for v in values),
+               tuple(_address(x) if isinstance(x, torch.Tensor) else None for x in slots))
         hit = self._lowered.get(key)
         if hit is not None and all(
                 (r() if isinstance(r, weakref.ref) else r) is x
@@ -1374,6 +1382,12 @@ class Planner:
                 self._cache.pop(next(iter(self._cache)))
             self._cache[key] = found
         return found
+
+
+def _address(x: torch.Tensor) -> tuple[Any, ...]:
+    """Where a tensor's elements are and how they are read (of its local shard)."""
+    local = local_tensor(x)
+    return (local.data_ptr(), local.dtype, local.stride())
 
 
 class FastPathWarning(UserWarning):

@@ -32,7 +32,9 @@ layout, so the paths are interchangeable at any step.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -149,8 +151,11 @@ class Step:
     """The step function [`make_step`][functopt.fast.make_step] returns:
     ``step(grads, state, params, **extra_args) -> (new_params, new_state)``, plus
     ``step.init(params)``, the transform's initial state laid out for this step's fast
-    path. It keeps the plans it derived (structures, no tensors) and, with
-    ``compile=True``, the compiled functions: nothing that changes a result.
+    path. It keeps the plans it derived (structures, no tensors), what its last fused steps
+    checked (weak references to the params and moments with their dtypes, shapes,
+    strides, devices and addresses: a step on the same unchanged tensors skips the checks
+    and the plan lookup, any change runs them again) and, with ``compile=True``, the
+    compiled functions: nothing that changes a result.
 
     Examples:
         >>> import torch, functopt
@@ -180,6 +185,11 @@ class Step:
         # stepping their own states with one step must not share them). Scratch: every
         # step overwrites them before reading, so they carry nothing between steps.
         self._workspace = threading.local()
+        # What the last steps checked and lowered, by the tensors they saw (weakly held):
+        # a training loop steps the same params and state tensors every time, so the
+        # structure, dtype, shape, layout and aliasing checks and the plan lookup run once
+        # and are re-run when a tensor, its metadata or its memory changes (`_Seen.match`).
+        self._seen: list[_Seen] = []
 
     def __repr__(self) -> str:
         return (f"make_step({self.tx!r}, donate={self.donate}, compile={self.compile}, "
@@ -267,6 +277,19 @@ class Step:
 
     def __call__(self, grads: Updates, state: State, params: Params, **extra_args: Any,
                  ) -> tuple[Params, State]:
+        seen = self._recall(grads, params, state, None)
+        if seen is not None and not differentiated(params, grads, state):
+            lowered, param_leaves, treespec, grad_leaves, state_leaves = seen
+            result = self._fused(params, param_leaves, treespec, grad_leaves, state_leaves,
+                                 lowered.state_spec, _leaf_names(treespec), lowered)
+            if not isinstance(result, str):
+                return _core.unflatten(treespec, result.values), result.state
+        return self._call(grads, state, params, extra_args)
+
+    def _call(self, grads: Updates, state: State, params: Params, extra_args: dict[str, Any],
+              ) -> tuple[Params, State]:
+        """A step with every check run: the first for these tensors, or a step whose inputs
+        changed since (or that takes another path than the kernels)."""
         tx, donate = self.tx, self.donate
         param_leaves, treespec, grad_leaves = _check(grads, params)
         if differentiated(params, grads, state):
@@ -289,25 +312,54 @@ class Step:
                              state_spec, name)
         if not isinstance(result, str):
             return _core.unflatten(treespec, result.values), result.state
-        _planner.warn_lost("make_step", result, stacklevel=2)
+        _planner.warn_lost("make_step", result, stacklevel=3)
         updates, new_state = tx.update(grads, state, params, **extra_args)
         return _grouped_apply(param_leaves, treespec, updates, donate), new_state
 
+    def _recall(self, grads: Updates, params: Params, state: State,
+                state_leaves: list[Any] | None,
+                ) -> tuple[_planner.Lowered, list[Any], _core.TreeSpec, list[Any], list[Any]] | None:
+        """The lowering a fused step made for these very inputs, with their leaves, if
+        nothing it checked has changed since (see `_Seen.match`); None otherwise, and
+        the caller runs every check. ``state_leaves``: the state given as leaves (of the
+        remembered state structure), or None to flatten ``state``."""
+        if not self.fused or self._accumulated is not None:
+            return None
+        for seen in self._seen:
+            found = seen.match(grads, params, state, state_leaves)
+            if found is not None:
+                return (seen.lowered, *found)
+        return None
+
+    def _remember(self, param_leaves: list[Any], treespec: _core.TreeSpec,
+                  grad_leaves: list[Any], state_leaves: list[Any],
+                  lowered: _planner.Lowered) -> None:
+        seen = _Seen.of(param_leaves, treespec, grad_leaves, state_leaves, lowered)
+        if seen is None:
+            return
+        kept = [s for s in self._seen if s.treespec != treespec][:_Seen.KEPT - 1]
+        self._seen = [seen, *kept]  # (replaced whole: a thread iterating it keeps its list)
 
     def _fused(self, params: Params, param_leaves: list[Any], treespec: _core.TreeSpec,
                grad_leaves: list[Any], state_leaves: list[Any], state_spec: _core.TreeSpec,
-               name: Callable[[int], str]) -> _planner.Result | str:
+               name: Callable[[int], str], lowered: _planner.Lowered | None = None,
+               ) -> _planner.Result | str:
         """The planner's step on checked leaves, or the reason it has no fast path (before
-        anything was written)."""
+        anything was written). ``lowered``: the lowering `_recall` found for them."""
         donate, planner = self.donate, self.planner
-        structure = planner.structure(params, treespec, param_leaves, state_leaves, state_spec)
-        lowered = planner.lower(structure, state_spec, param_leaves, grad_leaves, state_leaves,
-                                name, donated=param_leaves if donate else None,
-                                compiled=self.compile)
-        if lowered.reason is not None:
-            return lowered.reason
+        if lowered is None:
+            structure = planner.structure(params, treespec, param_leaves, state_leaves,
+                                          state_spec)
+            lowered = planner.lower(structure, state_spec, param_leaves, grad_leaves,
+                                    state_leaves, name,
+                                    donated=param_leaves if donate else None,
+                                    compiled=self.compile)
+            if lowered.reason is not None:
+                return lowered.reason
+            if donate:  # (a step that is not donated returns new tensors: never seen again)
+                self._remember(param_leaves, treespec, grad_leaves, state_leaves, lowered)
         with torch.no_grad():  # donated params may be leaves that require grad
-            sums, finite = _reductions(structure, param_leaves, grad_leaves, name)
+            sums, finite = _reductions(lowered.structure, param_leaves, grad_leaves, name)
             return _planner.run(lowered, param_leaves, grad_leaves, state_leaves,
                                 donate=donate, donate_grads=self.donate_grads, sums=sums,
                                 finite=finite, reads=planner.reads,
@@ -319,14 +371,24 @@ class Step:
         treespec: for a caller that keeps the state flat (``functopt.Optimizer`` keeps it in
         torch's per-param layout), the fused path then neither rebuilds nor flattens it.
         Any other path takes ``__call__`` (and its warning) on the rebuilt tree."""
-        if self.fused:
+        seen = self._recall(grads, params, None, state_leaves)
+        if seen is not None and seen[0].state_spec is not state_spec and (
+                seen[0].state_spec != state_spec):
+            seen = None
+        if seen is not None and not differentiated(params, grads, state_leaves):
+            lowered, param_leaves, treespec, grad_leaves, _ = seen
+            result = self._fused(params, param_leaves, treespec, grad_leaves, state_leaves,
+                                 state_spec, _leaf_names(treespec), lowered)
+            if not isinstance(result, str):
+                return _core.unflatten(treespec, result.values), result.leaves, result.spec
+        elif self.fused:
             param_leaves, treespec, grad_leaves = _check(grads, params)
             if not differentiated(params, grads, state_leaves):
                 result = self._fused(params, param_leaves, treespec, grad_leaves, state_leaves,
                                      state_spec, _leaf_names(treespec))
                 if not isinstance(result, str):
                     return _core.unflatten(treespec, result.values), result.leaves, result.spec
-        new, state = self(grads, _core.unflatten(state_spec, state_leaves), params)
+        new, state = self._call(grads, _core.unflatten(state_spec, state_leaves), params, {})
         leaves, spec = _core.flatten(state)
         return new, leaves, spec
 
@@ -385,6 +447,96 @@ class Step:
                     for i, t in zip(idx, torch._foreach_add(ps, 0.0), strict=True):
                         out[i] = _rewrap_like(leaves[i], t)
         return _core.unflatten(treespec, out)
+
+
+# Tensors whose metadata ``_Seen`` reads directly (a DTensor's, or another subclass's, may
+# not say where its memory is: such steps run every check every time).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _meta(t: torch.Tensor) -> tuple[Any, ...]:
+    """What the checks and the lowering of a fused step read of a param: its dtype, shape,
+    strides, device and memory (the address also tells a param whose ``.data`` was
+    replaced, as ``module.to()`` does: the same object, a new tensor inside)."""
+    return (t.dtype, t.shape, t.stride(), t.device, t.data_ptr())
+
+
+@dataclass(eq=False)
+class _Seen:
+    """The inputs of a fused step whose checks passed and which the planner lowered: the
+    params (weakly held) with their metadata, which gradients were None, the state's
+    structure and its per-leaf entries (weakly held, with their addresses). A later step
+    on inputs that `match` it skips the checks and the lookup; anything else (another
+    tensor in a param's or a moment's place, a param's dtype, shape, strides, device or
+    memory changed in place, a gradient that is not a plain dense tensor of its param's
+    dtype, shape and device, another structure) runs them all again. Holds no tensor."""
+
+    KEPT = 8  # remembered per step function (one per param group of an Optimizer)
+
+    treespec: _core.TreeSpec
+    params: list[Any]  # weakref or None, per leaf
+    meta: list[Any]  # _meta or None, per leaf
+    grads: list[bool]  # per leaf: had a gradient
+    slots: list[int]  # flat state indices of the per-leaf entries
+    slot_refs: list[Any]
+    slot_ptrs: list[int]
+    plain_state: bool  # every state leaf a tensor or None: flatten_up_to is the flatten
+    lowered: _planner.Lowered
+
+    @classmethod
+    def of(cls, param_leaves: list[Any], treespec: _core.TreeSpec, grad_leaves: list[Any],
+           state_leaves: list[Any], lowered: _planner.Lowered) -> _Seen | None:
+        if any(p is not None and type(p) not in _PLAIN for p in param_leaves):
+            return None
+        slots = lowered.structure.slot_indices
+        entries = [state_leaves[k] for k in slots]
+        if any(type(e) not in _PLAIN for e in entries):
+            return None
+        return cls(
+            treespec, [None if p is None else weakref.ref(p) for p in param_leaves],
+            [None if p is None else _meta(p) for p in param_leaves],
+            [g is not None for g in grad_leaves], slots, [weakref.ref(e) for e in entries],
+            [e.data_ptr() for e in entries],
+            all(x is None or isinstance(x, torch.Tensor) for x in state_leaves), lowered)
+
+    def match(self, grads: Any, params: Any, state: Any, state_leaves: list[Any] | None,
+              ) -> tuple[list[Any], _core.TreeSpec, list[Any], list[Any]] | None:
+        """(param leaves, treespec, grad leaves, state leaves) if these inputs are the ones
+        seen, unchanged in everything the checks and the lowering read; else None."""
+        treespec = self.treespec
+        try:
+            param_leaves = treespec.flatten_up_to(params)
+            grad_leaves = treespec.flatten_up_to(grads)
+            if state_leaves is None:
+                if not self.plain_state:
+                    return None
+                state_leaves = self.lowered.state_spec.flatten_up_to(state)
+        except (ValueError, TypeError):
+            return None
+        if state is not None and not all(
+                x is None or isinstance(x, torch.Tensor) for x in state_leaves):
+            return None  # (a subtree where a tensor was: not the structure seen)
+        for p, ref, meta, g, had in zip(param_leaves, self.params, self.meta, grad_leaves,
+                                        self.grads, strict=True):
+            if ref is None:
+                if p is not None or g is not None:
+                    return None
+                continue
+            if p is None or p is not ref() or _meta(p) != meta:
+                return None
+            if g is None:
+                if had:
+                    return None
+                continue
+            # the checks of _check, against the param's dtype, shape and device seen
+            if not had or type(g) not in _PLAIN or g.layout != torch.strided or (
+                    g.dtype != meta[0] or g.shape != meta[1] or g.device != meta[3]):
+                return None
+        for k, ref, ptr in zip(self.slots, self.slot_refs, self.slot_ptrs, strict=True):
+            entry = state_leaves[k]
+            if entry is None or entry is not ref() or entry.data_ptr() != ptr:
+                return None
+        return param_leaves, treespec, grad_leaves, state_leaves
 
 
 def _accumulate(ms: MultiSteps, window: Window, present: list[int], *,

@@ -253,7 +253,7 @@ class TorchOptimizer(Optimizer):
                             f"param_groups[{i}]", group)
                 if all(map(_immutable, values)):
                     checked[i] = values
-        return super().step(closure)
+        return self._step(closure)  # (not super().step: torch hooks that one too)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "_fixed": self._fixed, "_recipe": self._recipe}
