@@ -23,7 +23,8 @@ params and state over to be overwritten (donation). ``make_step(tx)`` is that st
 
 ``MultiSteps`` (the whole transform) is stepped here: its mini-steps accumulate with
 ``foreach`` ops in the state, and the mini-step that closes a window runs the inner
-transform's own fast step.
+transform's own fast step (the mixed-precision step does the same with `_accumulate`:
+``functopt/precision/_fused.py``).
 
 Every path returns ``(new_params, new_state)`` with the state in the transform's own
 layout, so the paths are interchangeable at any step.

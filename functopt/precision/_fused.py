@@ -18,6 +18,11 @@ and the masters' bytes:
    and moments, read once and written once;
 4. one copy of the masters into the low-precision params.
 
+``MultiSteps(inner, k).gradient_transformation()`` as the inner transform takes
+`fused_multi_step`: steps 1 and 2 as the pure path makes them (so its mini-steps are
+bitwise the pure ones), the accumulation on a mini-step, step 3 with ``inner``'s kernels on
+the accumulated gradients when the window closes.
+
 The PyTorch idiom for the same step (float32 main grads, ``GradScaler.unscale_``,
 ``clip_grad_norm_``, fused AdamW, copy back) makes six passes.
 

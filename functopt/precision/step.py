@@ -267,7 +267,9 @@ def mixed_precision(
             state.
         fused: lower ``inner`` to fused kernels when the step planner can (Adam/AdamW/SGD
             rules however composed: chains, masks, partitions, injected
-            hyperparameters, a leading ``clip_by_global_norm``; see
+            hyperparameters, a leading ``clip_by_global_norm``, a ``MultiSteps`` around
+            them as the whole inner transform, whose mini-steps accumulate with
+            ``foreach`` ops after the unscale, check and clip; see
             [`explain`][functopt.fast.explain]) and the masters are plain copies; the
             step then makes four passes over memory instead of about twenty, and agrees
             with the pure path to rounding (``functopt/precision/_fused.py`` lists the
