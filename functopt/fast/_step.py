@@ -397,28 +397,36 @@ def plus_zero(leaves: list[Any], grads: list[Any], *, donate: bool) -> list[Any]
 
 
 def _accumulate(ms: MultiSteps, window: Window, present: list[int], *,
-                in_place: bool) -> list[Any]:
+                in_place: bool, scratch: list[bool] | None = None) -> list[Any]:
     """The accumulators after this mini-step's gradients: ``acc + (g - acc) / n`` (the
     running mean) or ``acc + g``, as ``MultiSteps`` computes them per leaf (the same
-    operations, so bitwise its values), one ``foreach`` call per (device, dtype) group."""
+    operations, so bitwise its values), one ``foreach`` call per (device, dtype) group.
+    ``scratch[i]``: the caller's gradient ``i`` is its own to overwrite (a cast), so the
+    difference, and out of place the result (``g + acc``, bitwise ``acc + g``), is
+    computed in it: no new tensor."""
     accs, leaves = window.accs, window.leaves
     out = list(accs)
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    groups: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
     for i in present:
-        groups.setdefault((accs[i].device, accs[i].dtype), []).append(i)
+        mine = scratch is not None and scratch[i] and leaves[i].dtype == accs[i].dtype
+        groups.setdefault((accs[i].device, accs[i].dtype, mine), []).append(i)
     with torch.no_grad():
-        for (_, dtype), idx in groups.items():
+        for (_, dtype, mine), idx in groups.items():
             a = [accs[i] for i in idx]
             g = [leaves[i].to(dtype) for i in idx]
-            delta: list[torch.Tensor] | tuple[torch.Tensor, ...]
+            delta: list[torch.Tensor] | tuple[torch.Tensor, ...] = g
             if ms.use_grad_mean:
-                delta = torch._foreach_sub(g, a)
+                if mine:
+                    torch._foreach_sub_(g, a)
+                else:
+                    delta = torch._foreach_sub(g, a)
                 torch._foreach_div_(delta, window.mini_step + 1)
-            else:
-                delta = g
             if in_place:
                 torch._foreach_add_(a, delta)
                 new = a
+            elif mine:
+                torch._foreach_add_(list(delta), a)
+                new = list(delta)
             else:
                 new = list(torch._foreach_add(a, delta))
             for i, t in zip(idx, new, strict=True):

@@ -19,8 +19,8 @@ and the masters' bytes:
 4. one copy of the masters into the low-precision params.
 
 ``MultiSteps(inner, k).gradient_transformation()`` as the inner transform takes
-`fused_multi_step`: steps 1 and 2 as the pure path makes them (so its mini-steps are
-bitwise the pure ones), the accumulation on a mini-step, step 3 with ``inner``'s kernels on
+`fused_multi_step`: steps 1 and 2 with the pure path's arithmetic (so its mini-steps are
+bitwise the pure ones on the CPU; see `_unscaled_stats`), the accumulation on a mini-step, step 3 with ``inner``'s kernels on
 the accumulated gradients when the window closes.
 
 The PyTorch idiom for the same step (float32 main grads, ``GradScaler.unscale_``,
@@ -55,7 +55,7 @@ import torch.distributed as dist
 
 from functopt import _validate
 from functopt._collective.dtensor import _rewrap_like, local_tensor
-from functopt._collective.reduce import _local_stats, all_reduce_stats
+from functopt._collective.reduce import all_reduce_stats
 from functopt.fast import _compiled, _planner
 from functopt.fast._layout import end_to_end
 from functopt.fast._step import _accumulate, _reductions, plus_zero
@@ -363,6 +363,28 @@ def _scaled(unscaled: list[Any], grads: list[Any], multiplier: torch.Tensor) -> 
     return out
 
 
+def _unscaled_stats(unscaled: list[Any], name: Callable[[int], str], device: torch.device,
+                    counted: Sequence[bool] | None, count_zeros: bool) -> torch.Tensor:
+    """The pure step's packed statistics of the unscaled gradients (``_local_stats``) with
+    its arithmetic but without its two extra passes: each leaf's float32 (float64) norm
+    squared in float64, from one ``foreach`` norm per group, summed over the leaves as
+    ``_local_stats`` sums them (rows, then a sum over the leaves: the same sums); the
+    zero count of the unscaled gradients when asked (0 otherwise, which the metrics
+    replace by -1); the non-finite count 0: a non-finite gradient makes the norm
+    non-finite, which `unpack_grad_stats` reads as the same overflow."""
+    if counted is None:
+        counted = _planner.counted_leaves(unscaled, name)
+    squares = _planner.leaf_squares(
+        unscaled, [c and u is not None for c, u in zip(counted, unscaled, strict=True)], None)
+    none = torch.zeros((), dtype=torch.float64, device=device)
+    rows = [torch.stack([s.to(device), none, (u.numel() - torch.count_nonzero(u)).to(
+        device=device, dtype=torch.float64) if count_zeros else none])
+            for s, u in zip(squares, unscaled, strict=True) if s is not None]
+    if not rows:
+        return torch.zeros(3, dtype=torch.float64, device=device)
+    return torch.stack(rows).sum(dim=0)
+
+
 def fused_multi_step(
     ms: MultiSteps, planner: _planner.Planner, params: list[Any], stores: list[Any],
     views: list[Any], grads: list[Any], state: Any, loss_scale: LossScaleState, *,
@@ -373,9 +395,10 @@ def fused_multi_step(
     compiled: bool = False, scratch: dict[Any, Any] | None = None,
 ) -> tuple[list[Any], list[Any], Any, GradStats, LossScaleState] | str:
     """The mixed step around ``MultiSteps(inner, k).gradient_transformation()``, with
-    ``planner`` the inner transform's: the pure mixed step's operations up to the inner
-    update (cast, unscale, one statistics pass, loss scale, clip: the same operations, so
-    bitwise its gradients and metrics), then, when the step does not overflow,
+    ``planner`` the inner transform's: the pure mixed step's arithmetic up to the inner
+    update with ``foreach`` ops (cast, unscale, one statistics pass, loss scale, clip: so
+    bitwise its gradients and metrics where ``foreach`` norms are its norms, as on the
+    CPU), then, when the step does not overflow,
     ``MultiSteps.window`` decides the mini-step; a mini-step accumulates with
     ``_accumulate`` (``foreach``, into ``state.acc_grads`` in place when donated) and adds
     0.0 to masters and params, as the pure step adds MultiSteps' zero updates; the
@@ -399,7 +422,8 @@ def fused_multi_step(
     device = loss_scale.scale.device
     if scaled:  # (without a loss scale the pure path multiplies by 1.0: the same values)
         unscaled = _scaled(unscaled, grads, _inverse(loss_scale))
-    packed = all_reduce_stats(_local_stats(unscaled, name, device, counted), group)
+    packed = all_reduce_stats(
+        _unscaled_stats(unscaled, name, device, counted, count_zeros), group)
     stats = unpack_grad_stats(packed)
     new_loss_scale = scale_rule.adjust(loss_scale, stats.found_inf)
     if max_grad_norm is not None:
@@ -409,11 +433,14 @@ def fused_multi_step(
     if bool(stats.found_inf):  # skipped: everything as it was but the loss scale
         return list(params), list(stores), state, stats, new_loss_scale
     present = [i for i, g in enumerate(window.leaves) if g is not None]
+    # the casts (and scaled copies) are the step's own: the accumulation may write them
+    mine = [u is not None and u is not local_tensor(g)
+            for u, g in zip(unscaled, grads, strict=True)]
     if window.skip or not window.closes:
         if window.skip:
             new_state = state._replace(skip_state=window.skip_state)
         else:
-            new_accs = _accumulate(ms, window, present, in_place=donate)
+            new_accs = _accumulate(ms, window, present, in_place=donate, scratch=mine)
             new_state = window.next_state(state, _core.unflatten(treespec, new_accs))
         values = plus_zero(views, unscaled, donate=donate)  # master (or param) + 0.0
         new_params, new_stores = _write_params(params, stores, unscaled, values, None, donate)
@@ -421,7 +448,7 @@ def fused_multi_step(
     if window.mini_step == 0:
         inner_grads = unscaled  # a window of one: the gradient itself, as on the pure path
     else:
-        summed = _accumulate(ms, window, present, in_place=False)
+        summed = _accumulate(ms, window, present, in_place=False, scratch=mine)
         inner_grads = [None if g is None else a.to(g.dtype)
                        for g, a in zip(window.leaves, summed, strict=True)]
     # the kernels scale by the inner clips in place: never a gradient of the caller's
