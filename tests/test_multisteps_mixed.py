@@ -76,7 +76,8 @@ def _check_step(k: int, inner: str, donate: bool, max_grad_norm: float | None,
 
 def _compare(ms: F.MultiSteps, params: Any, grads: list[Any], *, donate: bool,
              max_grad_norm: float | None, scale: float, allow_lost: bool = False,
-             count_zeros: bool = True) -> tuple[list[tuple[bool, bool]], int]:
+             count_zeros: bool = True, compile: bool = False,
+             ) -> tuple[list[tuple[bool, bool]], int]:
     """Step the fast and the pure mixed step from the same inputs at every step (the pure
     results go on); returns, per step, (overflowed, would have closed its window), and the
     number of windows closed. Without ``allow_lost`` the fast step must not warn that it
@@ -84,7 +85,8 @@ def _compare(ms: F.MultiSteps, params: Any, grads: list[Any], *, donate: bool,
     kwargs: dict[str, Any] = dict(
         loss_scale=None if scale == 1 else F.dynamic_loss_scale(init_scale=scale),
         max_grad_norm=max_grad_norm, count_zeros=count_zeros)
-    fast = P.mixed_precision(ms.gradient_transformation(), donate=donate, **kwargs)
+    fast = P.mixed_precision(ms.gradient_transformation(), donate=donate, compile=compile,
+                             **kwargs)
     pure = P.mixed_precision(ms.gradient_transformation(), fused=False, **kwargs)
     state = pure.init(params)
     assert_bitwise_equal(fast.init(params), state)
@@ -93,11 +95,10 @@ def _compare(ms: F.MultiSteps, params: Any, grads: list[Any], *, donate: bool,
         mine_p, mine_s = copy.deepcopy((params, state))  # donation may overwrite them
         given = copy.deepcopy(g)
         with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+            warnings.simplefilter("always", F.fast.FastPathWarning)  # (others: as configured)
             new_p, new_s = fast.step(g, mine_s, mine_p)
         lost = [w for w in caught if issubclass(w.category, F.fast.FastPathWarning)]
-        assert len(lost) == len(caught) and (allow_lost or not lost), [
-            str(w.message) for w in caught]
+        assert allow_lost or not lost, [str(w.message) for w in lost]
         assert_bitwise_equal(g, given)  # gradients are never written
         ref_p, ref_s = pure.step(g, state, params)
         found = bool(ref_s.metrics.found_inf)
@@ -195,6 +196,18 @@ def test_fast_equals_pure_over_drawn_trees(case: tuple[Any, Any, Any], k: int, d
     steps = [grads, times(4.0), grads, times(-1.0)][: k + 1]
     _compare(F.MultiSteps(F.adamw(1e-2, weight_decay=0.1), every_k_schedule=k), params,
              steps, donate=donate, max_grad_norm=max_grad_norm, scale=4.0, allow_lost=True)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("donate", [False, True])
+def test_compiled_inner_rule(donate: bool) -> None:
+    # Lion has no PyTorch kernel: the closing mini-step takes the compiled tier (compiles)
+    params = _params()
+    _, closed = _compare(F.MultiSteps(F.lion(1e-2, weight_decay=0.1), every_k_schedule=2),
+                         params, _scaled_grads(params, 5, 2.0**10, {2}), donate=donate,
+                         max_grad_norm=0.5, scale=2.0**10, compile=True)
+    assert closed == 2
 
 
 def test_explain_says_fast_and_no_warning() -> None:
