@@ -143,7 +143,9 @@ def test_explain_names_the_inner_reason_and_nesting_warns() -> None:
     nested = F.chain(F.MultiSteps(F.adamw(1e-2), 2).gradient_transformation())
     assert "MultiSteps is lowered only as the whole transform" in (
         F.fast.explain(nested, params).reason or "")
-    opt = F.precision.mixed_precision(F.MultiSteps(F.adamw(1e-2), 2).gradient_transformation())
+    # the mixed step lowers a MultiSteps that is its whole inner transform
+    # (tests/test_multisteps_mixed.py), not one inside a chain
+    opt = F.precision.mixed_precision(nested)
     with pytest.warns(F.fast.FastPathWarning, match="MultiSteps"):
         opt.step({"w": torch.ones(3)}, opt.init(params), params)
 

@@ -23,7 +23,8 @@ params and state over to be overwritten (donation). ``make_step(tx)`` is that st
 
 ``MultiSteps`` (the whole transform) is stepped here: its mini-steps accumulate with
 ``foreach`` ops in the state, and the mini-step that closes a window runs the inner
-transform's own fast step.
+transform's own fast step (the mixed-precision step does the same with `_accumulate`:
+``functopt/precision/_fused.py``).
 
 Every path returns ``(new_params, new_state)`` with the state in the transform's own
 layout, so the paths are interchangeable at any step.
@@ -52,6 +53,7 @@ from functopt.tree import _core
 __all__ = ["Step", "differentiated", "make_step"]
 
 StepFn = Callable[..., tuple[Params, State]]
+_INFERRED: Any = object()  # `_reductions`: the group from the params' DTensor meshes
 
 
 def differentiated(*trees: Any) -> bool:
@@ -433,20 +435,27 @@ class Step:
         """``apply_updates(params, zeros)`` (zeros where a gradient is): ``p + 0.0``, in
         place when donated."""
         leaves, treespec = _core.flatten(params)
-        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for i, (p, g) in enumerate(zip(leaves, grads, strict=True)):
-            if p is not None and g is not None:
-                groups.setdefault((p.device, p.dtype), []).append(i)
-        out = list(leaves)
-        with torch.no_grad():
-            for idx in groups.values():
-                ps = [local_tensor(leaves[i]) for i in idx]
-                if self.donate:
-                    torch._foreach_add_(ps, 0.0)
-                else:
-                    for i, t in zip(idx, torch._foreach_add(ps, 0.0), strict=True):
-                        out[i] = _rewrap_like(leaves[i], t)
-        return _core.unflatten(treespec, out)
+        return _core.unflatten(treespec, plus_zero(leaves, grads, donate=self.donate))
+
+
+def plus_zero(leaves: list[Any], grads: list[Any], *, donate: bool) -> list[Any]:
+    """Each leaf that has a gradient plus 0.0 (as a zero update adds: bitwise the leaf but
+    for -0.0, which becomes 0.0), one ``foreach`` add per (device, dtype) group, in place
+    when donated; the other leaves as they are."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, (p, g) in enumerate(zip(leaves, grads, strict=True)):
+        if p is not None and g is not None:
+            groups.setdefault((p.device, p.dtype), []).append(i)
+    out = list(leaves)
+    with torch.no_grad():
+        for idx in groups.values():
+            ps = [local_tensor(leaves[i]) for i in idx]
+            if donate:
+                torch._foreach_add_(ps, 0.0)
+            else:
+                for i, t in zip(idx, torch._foreach_add(ps, 0.0), strict=True):
+                    out[i] = _rewrap_like(leaves[i], t)
+    return out
 
 
 # Tensors whose metadata ``_Seen`` reads directly (a DTensor's, or another subclass's, may
@@ -540,28 +549,36 @@ class _Seen:
 
 
 def _accumulate(ms: MultiSteps, window: Window, present: list[int], *,
-                in_place: bool) -> list[Any]:
+                in_place: bool, scratch: list[bool] | None = None) -> list[Any]:
     """The accumulators after this mini-step's gradients: ``acc + (g - acc) / n`` (the
     running mean) or ``acc + g``, as ``MultiSteps`` computes them per leaf (the same
-    operations, so bitwise its values), one ``foreach`` call per (device, dtype) group."""
+    operations, so bitwise its values), one ``foreach`` call per (device, dtype) group.
+    ``scratch[i]``: the caller's gradient ``i`` is its own to overwrite (a cast), so the
+    difference, and out of place the result (``g + acc``, bitwise ``acc + g``), is
+    computed in it: no new tensor."""
     accs, leaves = window.accs, window.leaves
     out = list(accs)
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    groups: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
     for i in present:
-        groups.setdefault((accs[i].device, accs[i].dtype), []).append(i)
+        mine = scratch is not None and scratch[i] and leaves[i].dtype == accs[i].dtype
+        groups.setdefault((accs[i].device, accs[i].dtype, mine), []).append(i)
     with torch.no_grad():
-        for (_, dtype), idx in groups.items():
+        for (_, dtype, mine), idx in groups.items():
             a = [accs[i] for i in idx]
             g = [leaves[i].to(dtype) for i in idx]
-            delta: list[torch.Tensor] | tuple[torch.Tensor, ...]
+            delta: list[torch.Tensor] | tuple[torch.Tensor, ...] = g
             if ms.use_grad_mean:
-                delta = torch._foreach_sub(g, a)
+                if mine:
+                    torch._foreach_sub_(g, a)
+                else:
+                    delta = torch._foreach_sub(g, a)
                 torch._foreach_div_(delta, window.mini_step + 1)
-            else:
-                delta = g
             if in_place:
                 torch._foreach_add_(a, delta)
                 new = a
+            elif mine:
+                torch._foreach_add_(list(delta), a)
+                new = list(delta)
             else:
                 new = list(torch._foreach_add(a, delta))
             for i, t in zip(idx, new, strict=True):
@@ -570,18 +587,24 @@ def _accumulate(ms: MultiSteps, window: Window, present: list[int], *,
 
 
 def _reductions(structure: _planner.Structure, params: list[Any], grads: list[Any],
-                name: Callable[[int], str]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                name: Callable[[int], str], *, counted: list[bool] | None = None,
+                group: Any = _INFERRED) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The global values the chain's clips (sums of squares) and ``apply_if_finite`` guards
     (is every gradient finite) need: one local pass each, and one all-reduce of them all,
-    packed, when the params are sharded."""
+    packed, when the params are sharded (over ``group`` when given: the mixed step's; and
+    ``counted``, per leaf, whether this rank counts it, when given)."""
     if not (structure.clips or structure.guards):
         return [], []
     device = next((local_tensor(g).device for g in grads if g is not None),
                   torch.device("cpu"))
-    counted = _planner.counted_leaves(grads, name)
+    if counted is None:
+        counted = _planner.counted_leaves(grads, name)
+    else:
+        counted = [c and g is not None for c, g in zip(counted, grads, strict=True)]
     local = [*_planner.clip_sums(structure, grads, counted, device),
              *_planner.nonfinite_counts(structure, grads, counted, device)]
-    group = _infer_group(params, name)
+    if group is _INFERRED:
+        group = _infer_group(params, name)
     if group is not None:
         local = list(all_reduce_stats(torch.stack(local), group).unbind())
     n = len(structure.clips)

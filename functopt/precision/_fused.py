@@ -18,6 +18,11 @@ and the masters' bytes:
    and moments, read once and written once;
 4. one copy of the masters into the low-precision params.
 
+``MultiSteps(inner, k).gradient_transformation()`` as the inner transform takes
+`fused_multi_step`: steps 1 and 2 with the pure path's arithmetic (so its mini-steps are
+bitwise the pure ones on the CPU; see `_unscaled_stats`), the accumulation on a mini-step, step 3 with ``inner``'s kernels on
+the accumulated gradients when the window closes.
+
 The PyTorch idiom for the same step (float32 main grads, ``GradScaler.unscale_``,
 ``clip_grad_norm_``, fused AdamW, copy back) makes six passes.
 
@@ -48,10 +53,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from functopt import _validate
 from functopt._collective.dtensor import _rewrap_like, local_tensor
 from functopt._collective.reduce import all_reduce_stats
 from functopt.fast import _compiled, _planner
 from functopt.fast._layout import end_to_end
+from functopt.fast._step import _accumulate, _reductions, plus_zero
 from functopt.precision.loss_scale import LossScale, LossScaleState, _inverse
 from functopt.precision.stats import (
     _SUMSQ,
@@ -60,6 +67,7 @@ from functopt.precision.stats import (
     _clip_factor,
     unpack_grad_stats,
 )
+from functopt.transforms.multi_steps import MultiSteps, MultiStepsState
 from functopt.tree import _core
 
 # The packed statistics: grad_stats' three entries, then one sum of squares per clip of
@@ -203,6 +211,24 @@ def flat_init(planner: _planner.Planner, treespec: Any, stores: list[Any], views
     return new_stores, _core.unflatten(inner_spec, laid)
 
 
+def _lowered(planner: _planner.Planner, treespec: Any, params: list[Any], stores: list[Any],
+             views: list[Any], grads: list[Any], inner_state: Any, name: Callable[[int], str],
+             donate: bool, compiled: bool,
+             ) -> tuple[_planner.Structure, list[Any], _planner.Lowered]:
+    """The planner's lowering of the inner transform over the master-precision values (its
+    reason in ``Lowered.reason`` when it has none); returns ``(structure, inner state
+    leaves, lowered)``. With donation, params and stores are checked for shared memory."""
+    proxies = [None if g is None else v for g, v in zip(grads, views, strict=True)]
+    inner_leaves, inner_spec = _core.flatten(inner_state)
+    structure = planner.structure(_core.unflatten(treespec, views), treespec, views,
+                                  inner_leaves, inner_spec)
+    lowered = planner.lower(structure, inner_spec, views, proxies, inner_leaves, name,
+                            donated=[*params, *(v for v, s in zip(views, stores, strict=True)
+                                                if s is not None)] if donate else None,
+                            compiled=compiled)
+    return structure, inner_leaves, lowered
+
+
 def fused_mixed_step(
     planner: _planner.Planner, params: list[Any], stores: list[Any], views: list[Any],
     grads: list[Any], inner_state: Any, loss_scale: LossScaleState, *, treespec: Any,
@@ -223,14 +249,8 @@ def fused_mixed_step(
 
     Returns ``(new params, new stores, new inner state, statistics, new loss scale)``.
     """
-    proxies = [None if g is None else v for g, v in zip(grads, views, strict=True)]
-    inner_leaves, inner_spec = _core.flatten(inner_state)
-    structure = planner.structure(_core.unflatten(treespec, views), treespec, views,
-                                  inner_leaves, inner_spec)
-    lowered = planner.lower(structure, inner_spec, views, proxies, inner_leaves, name,
-                            donated=[*params, *(v for v, s in zip(views, stores, strict=True)
-                                                if s is not None)] if donate else None,
-                            compiled=compiled)
+    structure, inner_leaves, lowered = _lowered(planner, treespec, params, stores, views,
+                                                grads, inner_state, name, donate, compiled)
     if lowered.reason is not None:
         return lowered.reason
     # the gradients in the precision of the values they update (a cast is a new tensor);
@@ -264,23 +284,47 @@ def fused_mixed_step(
     # an apply_if_finite in the inner chain sees finite gradients whenever the step is not
     # skipped (a non-finite gradient makes the norm non-finite, which skips the step)
     finite = [~stats.found_inf] * len(structure.guards)
-    result = _planner.run(lowered, views, cast, inner_leaves, donate=donate,
-                          donate_grads=True, multiplier=multiplier,
-                          found_inf=stats.found_inf, sums=sums, finite=finite,
-                          reads=planner.reads, workspace=scratch,
-                          low=[p if s is not None else None
-                               for p, s in zip(params, stores, strict=True)])
+    result = _kernel_step(planner, lowered, params, stores, views, grads, cast, inner_leaves,
+                          donate, scratch, multiplier=multiplier, found_inf=stats.found_inf,
+                          sums=sums, finite=finite)
     if isinstance(result, str):
         return result
-    written = result.low or [None] * len(params)
+    return *result, stats, new_loss_scale
 
+
+def _kernel_step(planner: _planner.Planner, lowered: _planner.Lowered, params: list[Any],
+                 stores: list[Any], views: list[Any], grads: list[Any],
+                 kernel_grads: list[Any], inner_leaves: list[Any], donate: bool,
+                 scratch: dict[Any, Any] | None, **options: Any,
+                 ) -> tuple[list[Any], list[Any], Any] | str:
+    """The planner's kernels on the master-precision values and ``kernel_grads`` (which
+    they may scale in place), then the params written from the new masters; ``options``
+    go to ``_planner.run``. Returns ``(new params, new stores, new inner state)`` or the
+    reason the run refused, before any write."""
+    result = _planner.run(lowered, views, kernel_grads, inner_leaves, donate=donate,
+                          donate_grads=True, reads=planner.reads, workspace=scratch,
+                          low=[p if s is not None else None
+                               for p, s in zip(params, stores, strict=True)], **options)
+    if isinstance(result, str):
+        return result
+    new_params, new_stores = _write_params(params, stores, grads, result.values, result.low,
+                                           donate)
+    return new_params, new_stores, result.state
+
+
+def _write_params(params: list[Any], stores: list[Any], grads: list[Any], values: list[Any],
+                  low: list[Any] | None, donate: bool) -> tuple[list[Any], list[Any]]:
+    """The new params and stores from the new values (masters, or the params that are their
+    own): each param with a master is its new master rounded (one ``foreach`` copy per
+    group, in place, when donated), unless ``low`` holds it already written."""
+    written = low or [None] * len(params)
     new_params = list(params)
     new_stores = list(stores)
     copies: dict[tuple[torch.device, torch.dtype], tuple[list[Any], list[Any]]] = {}
     for i, (p, s, g) in enumerate(zip(params, stores, grads, strict=True)):
         if p is None or g is None:
             continue
-        value = result.values[i]
+        value = values[i]
         if s is None:  # the param is its own master
             new_params[i] = value
             continue
@@ -296,4 +340,132 @@ def fused_mixed_step(
             new_params[i] = _rewrap_like(p, local_tensor(value).to(p.dtype))
     for dst, src in copies.values():
         torch._foreach_copy_(dst, src)  # round to nearest, in place (params are donated)
-    return new_params, new_stores, result.state, stats, new_loss_scale
+    return new_params, new_stores
+
+
+def _scaled(unscaled: list[Any], grads: list[Any], multiplier: torch.Tensor) -> list[Any]:
+    """Each tensor times ``multiplier`` (a 0-d tensor, in the tensor's dtype: as the pure
+    path's ``g * m.to(g.dtype)``), one ``foreach`` multiply per (device, dtype) group: in
+    place on the step's own casts, out of place for a gradient that is the caller's."""
+    out = list(unscaled)
+    groups: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
+    for i, (u, g) in enumerate(zip(unscaled, grads, strict=True)):
+        if u is not None:
+            groups.setdefault((u.device, u.dtype, u is local_tensor(g)), []).append(i)
+    for (device, dtype, given), idx in groups.items():
+        m = multiplier.to(device=device, dtype=dtype)
+        tensors = [unscaled[i] for i in idx]
+        if given:
+            for i, t in zip(idx, torch._foreach_mul(tensors, m), strict=True):
+                out[i] = t
+        else:
+            torch._foreach_mul_(tensors, m)
+    return out
+
+
+def _unscaled_stats(unscaled: list[Any], name: Callable[[int], str], device: torch.device,
+                    counted: Sequence[bool] | None, count_zeros: bool) -> torch.Tensor:
+    """The pure step's packed statistics of the unscaled gradients (``_local_stats``) with
+    its arithmetic but without its two extra passes: each leaf's float32 (float64) norm
+    squared in float64, from one ``foreach`` norm per group, summed over the leaves as
+    ``_local_stats`` sums them (rows, then a sum over the leaves: the same sums); the
+    zero count of the unscaled gradients when asked (0 otherwise, which the metrics
+    replace by -1); the non-finite count 0: a non-finite gradient makes the norm
+    non-finite, which `unpack_grad_stats` reads as the same overflow."""
+    if counted is None:
+        counted = _planner.counted_leaves(unscaled, name)
+    squares = _planner.leaf_squares(
+        unscaled, [c and u is not None for c, u in zip(counted, unscaled, strict=True)], None)
+    none = torch.zeros((), dtype=torch.float64, device=device)
+    rows = [torch.stack([s.to(device), none, (u.numel() - torch.count_nonzero(u)).to(
+        device=device, dtype=torch.float64) if count_zeros else none])
+            for s, u in zip(squares, unscaled, strict=True) if s is not None]
+    if not rows:
+        return torch.zeros(3, dtype=torch.float64, device=device)
+    return torch.stack(rows).sum(dim=0)
+
+
+def fused_multi_step(
+    ms: MultiSteps, planner: _planner.Planner, params: list[Any], stores: list[Any],
+    views: list[Any], grads: list[Any], state: Any, loss_scale: LossScaleState, *,
+    treespec: Any, scale_rule: LossScale, scaled: bool,
+    max_grad_norm: float | torch.Tensor | None, group: dist.ProcessGroup | None,
+    name: Callable[[int], str], count_zeros: bool, donate: bool,
+    workspace: list[Any] | None = None, counted: Sequence[bool] | None = None,
+    compiled: bool = False, scratch: dict[Any, Any] | None = None,
+) -> tuple[list[Any], list[Any], Any, GradStats, LossScaleState] | str:
+    """The mixed step around ``MultiSteps(inner, k).gradient_transformation()``, with
+    ``planner`` the inner transform's: the pure mixed step's arithmetic up to the inner
+    update with ``foreach`` ops (cast, unscale, one statistics pass, loss scale, clip: so
+    bitwise its gradients and metrics where ``foreach`` norms are its norms, as on the
+    CPU), then, when the step does not overflow,
+    ``MultiSteps.window`` decides the mini-step; a mini-step accumulates with
+    ``_accumulate`` (``foreach``, into ``state.acc_grads`` in place when donated) and adds
+    0.0 to masters and params, as the pure step adds MultiSteps' zero updates; the
+    closing mini-step runs the inner transform on the kernels over the accumulated
+    gradients and writes the params from the new masters. An overflow keeps params,
+    masters and the whole MultiSteps state (as the pure step's select does), read on the
+    host: the window of the next call depends on it (the pure step's select of MultiSteps'
+    CPU counters reads it too). Returns what `fused_mixed_step` returns, or the reason it
+    takes the pure path, before anything was written.
+    """
+    if any(p is not None and local_tensor(p) is not p for p in params):
+        return ("MultiSteps inside the mixed-precision step is lowered for plain tensor "
+                "params only (not DTensors)")
+    _validate.check_state("MultiSteps", state, MultiStepsState)
+    structure, inner_leaves, lowered = _lowered(
+        planner, treespec, params, stores, views, grads, state.inner_opt_state, name, donate,
+        compiled)
+    if lowered.reason is not None:
+        return f"MultiSteps' inner transform: {lowered.reason}"
+    unscaled = _widened(grads, views, workspace)
+    device = loss_scale.scale.device
+    if scaled:  # (without a loss scale the pure path multiplies by 1.0: the same values)
+        unscaled = _scaled(unscaled, grads, _inverse(loss_scale))
+    packed = all_reduce_stats(
+        _unscaled_stats(unscaled, name, device, counted, count_zeros), group)
+    stats = unpack_grad_stats(packed)
+    new_loss_scale = scale_rule.adjust(loss_scale, stats.found_inf)
+    if max_grad_norm is not None:
+        unscaled = _scaled(unscaled, grads, _clip_factor(packed, max_grad_norm))
+    window = ms.window(_core.unflatten(treespec, unscaled), state,
+                       _core.unflatten(treespec, views))
+    if bool(stats.found_inf):  # skipped: everything as it was but the loss scale
+        return list(params), list(stores), state, stats, new_loss_scale
+    present = [i for i, g in enumerate(window.leaves) if g is not None]
+    # the casts (and scaled copies) are the step's own: the accumulation may write them
+    mine = [u is not None and u is not local_tensor(g)
+            for u, g in zip(unscaled, grads, strict=True)]
+    if window.skip or not window.closes:
+        if window.skip:
+            new_state = state._replace(skip_state=window.skip_state)
+        else:
+            new_accs = _accumulate(ms, window, present, in_place=donate, scratch=mine)
+            new_state = window.next_state(state, _core.unflatten(treespec, new_accs))
+        values = plus_zero(views, unscaled, donate=donate)  # master (or param) + 0.0
+        new_params, new_stores = _write_params(params, stores, unscaled, values, None, donate)
+        return new_params, new_stores, new_state, stats, new_loss_scale
+    if window.mini_step == 0:
+        inner_grads = unscaled  # a window of one: the gradient itself, as on the pure path
+    else:
+        summed = _accumulate(ms, window, present, in_place=False, scratch=mine)
+        inner_grads = [None if g is None else a.to(g.dtype)
+                       for g, a in zip(window.leaves, summed, strict=True)]
+    # the kernels scale by the inner clips in place: never a gradient of the caller's
+    inner_grads = [u.clone() if structure.clips and u is not None and u is local_tensor(g)
+                   else u for u, g in zip(inner_grads, grads, strict=True)]
+    sums, finite = _reductions(structure, views, inner_grads, name,
+                               counted=None if counted is None else list(counted), group=group)
+    result = _kernel_step(planner, lowered, params, stores, views, grads, inner_grads,
+                          inner_leaves, donate, scratch, sums=sums, finite=finite)
+    if isinstance(result, str):
+        return result
+    new_params, new_stores, new_inner = result
+    accs = window.accs
+    if donate:
+        torch._foreach_zero_([a for a in accs if a is not None])
+        zeroed = accs
+    else:
+        zeroed = _core.map_leaves(torch.zeros_like, accs)
+    new_state = window.next_state(state, _core.unflatten(treespec, zeroed), new_inner)
+    return new_params, new_stores, new_state, stats, new_loss_scale

@@ -63,9 +63,15 @@ from functopt._base import GradientTransformation, Params, State, with_extra_arg
 from functopt._collective.counting import Replicated, _counting, _entries
 from functopt._collective.dtensor import _leaf_names
 from functopt._collective.reduce import _local_stats, all_reduce_stats
+from functopt._spec import describe
 from functopt.fast import _planner
 from functopt.fast._step import differentiated
-from functopt.precision._fused import flat_init, fused_mixed_step, lay_out_params
+from functopt.precision._fused import (
+    flat_init,
+    fused_mixed_step,
+    fused_multi_step,
+    lay_out_params,
+)
 from functopt.precision.loss_scale import (
     LossScale,
     LossScaleState,
@@ -75,6 +81,7 @@ from functopt.precision.loss_scale import (
 from functopt.precision.master import MasterWeights, float32_master
 from functopt.precision.stats import GradStats, _clip_factor, unpack_grad_stats
 from functopt.transforms import _common
+from functopt.transforms.multi_steps import Accumulated
 from functopt.tree import _core
 
 __all__ = [
@@ -260,7 +267,9 @@ def mixed_precision(
             state.
         fused: lower ``inner`` to fused kernels when the step planner can (Adam/AdamW/SGD
             rules however composed: chains, masks, partitions, injected
-            hyperparameters, a leading ``clip_by_global_norm``; see
+            hyperparameters, a leading ``clip_by_global_norm``, a ``MultiSteps`` around
+            them as the whole inner transform, whose mini-steps accumulate with
+            ``foreach`` ops after the unscale, check and clip; see
             [`explain`][functopt.fast.explain]) and the masters are plain copies; the
             step then makes four passes over memory instead of about twenty, and agrees
             with the pure path to rounding (``functopt/precision/_fused.py`` lists the
@@ -309,7 +318,11 @@ def mixed_precision(
             f"{type(inner).__name__}.{hint} Fix: mixed_precision(functopt.adamw(1e-3), ...)."
         )
     inner = with_extra_args_support(inner)
-    planner = _planner.Planner(inner)
+    # MultiSteps as the inner transform: the step lowers it whole (``fused_multi_step``),
+    # with the planner of the transform it wraps
+    spec = describe(inner)
+    accumulated = spec.multi_steps if isinstance(spec, Accumulated) else None
+    planner = _planner.Planner(inner if accumulated is None else accumulated.inner_opt)
     if loss_scale is not None and not isinstance(loss_scale, LossScale):
         hint = (
             f" For a constant scale pass functopt.static_loss_scale({loss_scale!r})."
@@ -333,6 +346,8 @@ def mixed_precision(
                           compile=compile)
     # the kernels write the store in place: only a plain copy allows it
     fast = fused and mw.plain_copy and not mw.needs_generator
+    # init and lay_out lay the compiled groups out for the planner's state (not MultiSteps')
+    laid_out = compile and fast and accumulated is None
     if max_grad_norm is not None:
         _validate.check_range(owner, "max_grad_norm", max_grad_norm, low=0.0, low_open=True,
                               hint="Fix: pass a positive norm bound such as 1.0, or None "
@@ -370,7 +385,7 @@ def mixed_precision(
         view = [None if p is None else mw.view(p, s) for p, s in zip(leaves, store, strict=True)]
         device = _first_device(leaves)
         inner_state = inner.init(_core.unflatten(treespec, view))
-        if compile and fast:
+        if laid_out:
             # the compiled groups' masters and per-leaf state laid end to end
             store, inner_state = flat_init(planner, treespec, store, view, inner_state)
         return MixedPrecisionState(
@@ -407,15 +422,20 @@ def mixed_precision(
 
         if fast and not differentiated(params, grads, state):
             with torch.no_grad():  # donated params may be leaves that require grad
-                lowered = fused_mixed_step(
-                    planner, param_leaves, store, view, grad_leaves, state.inner_state,
-                    state.loss_scale, treespec=treespec, scale_rule=scale_rule,
-                    scaled=loss_scale is not None, max_grad_norm=max_grad_norm, group=group,
-                    name=name, counted=counted, count_zeros=count_zeros,
-                    donate=donate, compiled=compile,
+                options: dict[str, Any] = dict(
+                    treespec=treespec, scale_rule=scale_rule, scaled=loss_scale is not None,
+                    max_grad_norm=max_grad_norm, group=group, name=name, counted=counted,
+                    count_zeros=count_zeros, donate=donate, compiled=compile,
                     workspace=buffers_here() if donate else None,
-                    scratch=scratch_here() if donate else None,
-                )
+                    scratch=scratch_here() if donate else None)
+                if accumulated is None:
+                    lowered = fused_mixed_step(
+                        planner, param_leaves, store, view, grad_leaves, state.inner_state,
+                        state.loss_scale, **options)
+                else:
+                    lowered = fused_multi_step(
+                        accumulated, planner, param_leaves, store, view, grad_leaves,
+                        state.inner_state, state.loss_scale, **options)
             if isinstance(lowered, str):
                 _planner.warn_lost(owner, lowered, stacklevel=2)
             else:
@@ -493,7 +513,7 @@ def mixed_precision(
         return [t for t in buffers_here() if t is not None]
 
     def lay_out_fn(params: Params) -> Params:
-        if compile and fast:
+        if laid_out:
             leaves, treespec = _core.flatten(params)
             _core.check_tensors(leaves, treespec, name="params", floating=True)
             lay_out_params(planner, treespec, leaves, mw, inner, _leaf_names(treespec))
