@@ -444,7 +444,7 @@ class _Walk:
         elif isinstance(spec, Accumulated):
             self.out.opaque.append(
                 f"{where or '<root>'}: MultiSteps is lowered only as the whole transform of "
-                f"make_step (not inside a chain, nor in the mixed-precision step)")
+                f"make_step or the inner transform of mixed_precision (not inside a chain)")
         else:  # a Spec subclass of a later layer that this planner does not know
             self.out.opaque.append(f"{where}: {type(spec).__name__} has no lowering")
 
