@@ -70,22 +70,29 @@ def schedule_free_compiles_on_shards_without_collectives(rank: int, world: int) 
     full = _full_params(0)
     params = _shard(full, mesh)
     assert explain(tx, params, compile=True).fast
-    stepped = _steps_equal_the_full_tensors(tx, full, params, mesh, seed=10, collectives=0)
+    stepped, _ = _steps_equal_the_full_tensors(tx, full, params, mesh, seed=10,
+                                               collectives=0)
     assert all(isinstance(p, DTensor) and p.placements == (Shard(0),)
                for p in stepped.values())
 
 
 def _steps_equal_the_full_tensors(tx: Any, full: dict[str, torch.Tensor],
-                                  params: dict[str, Any], mesh: Any, *, seed: int,
-                                  collectives: int, each: Any = None) -> dict[str, Any]:
+                                  params: dict[str, Any], mesh: Any, *, collectives: int,
+                                  seed: int | None = None, each: Any = None,
+                                  ) -> tuple[dict[str, Any], Any]:
     """Three compiled steps on the shards, each with ``collectives`` collectives, equal to
     the pure path on the full tensors (``each(before, after)`` checks those); returns the
-    stepped params."""
+    stepped params and state. The gradients are drawn from ``seed + step``, or with no
+    seed are half the first params at every step (Prodigy's sums then grow)."""
     step = make_step(tx, compile=True)
     state, ref_state = tx.init(params), tx.init(full)
+    fixed = {k: v * 0.5 for k, v in full.items()}
     for i in range(3):
-        gen = torch.Generator().manual_seed(seed + i)
-        gfull = {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in full.items()}
+        gfull = fixed
+        if seed is not None:
+            gen = torch.Generator().manual_seed(seed + i)
+            gfull = {k: torch.randn(v.shape, generator=gen, dtype=v.dtype)
+                     for k, v in full.items()}
         grads = _shard(gfull, mesh)
         with torch.no_grad(), CommDebugMode() as comm, warnings.catch_warnings():
             warnings.simplefilter("error", FastPathWarning)
@@ -97,7 +104,7 @@ def _steps_equal_the_full_tensors(tx: Any, full: dict[str, torch.Tensor],
             each(before, full)
         _assert_close(params, full, f"step {i} params")
         _assert_close(state, ref_state, f"step {i} state")
-    return params
+    return params, state
 
 
 @check
@@ -113,19 +120,7 @@ def prodigy_on_shards_one_all_reduce_per_step(rank: int, world: int) -> None:
     full = dict(_full_params(1), c=torch.randn(1, 2, generator=torch.Generator().manual_seed(2)))
     params = _shard(full, mesh)
     assert len(explain(tx, params, compile=True).groups) == 2
-    step = make_step(tx, compile=True)
-    state, ref_state = tx.init(params), tx.init(full)
-    gfull = {k: v * 0.5 for k, v in full.items()}  # one gradient: the estimate's sums grow
-    grads = _shard(gfull, mesh)
-    for i in range(3):
-        with torch.no_grad(), CommDebugMode() as comm, warnings.catch_warnings():
-            warnings.simplefilter("error", FastPathWarning)
-            params, state = step(grads, state, params)
-        assert comm.get_total_counts() == 1, comm.get_comm_counts()
-        updates, ref_state = tx.update(gfull, ref_state, full)
-        full = functopt.apply_updates(full, updates)
-        _assert_close(params, full, f"step {i} params")
-        _assert_close(state, ref_state, f"step {i} state")
+    _, state = _steps_equal_the_full_tensors(tx, full, params, mesh, collectives=1)
     assert float(state.numerator_weighted) > 0
 
 
@@ -178,16 +173,4 @@ def prodigy_on_a_rank_holding_nothing(rank: int, world: int) -> None:
     full = {"b": torch.randn(1, generator=gen, dtype=torch.float64),
             "c": torch.randn(1, 3, generator=gen, dtype=torch.float64)}
     params = _shard(full, mesh)
-    gfull = {k: v * 0.5 for k, v in full.items()}
-    grads = _shard(gfull, mesh)
-    state, ref_state = tx.init(params), tx.init(full)
-    step = make_step(tx, compile=True)
-    for i in range(3):
-        with torch.no_grad(), CommDebugMode() as comm, warnings.catch_warnings():
-            warnings.simplefilter("error", FastPathWarning)
-            params, state = step(grads, state, params)
-        assert comm.get_total_counts() == 1, comm.get_comm_counts()
-        updates, ref_state = tx.update(gfull, ref_state, full)
-        full = functopt.apply_updates(full, updates)
-        _assert_close(params, full, f"step {i} params")
-        _assert_close(state, ref_state, f"step {i} state")
+    _steps_equal_the_full_tensors(tx, full, params, mesh, collectives=1)
