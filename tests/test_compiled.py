@@ -547,6 +547,10 @@ def test_a_clip_after_the_moments_is_a_sums_pass() -> None:
     got = fast.explain(_late_clip(), params, compile=True)
     assert got.fast and got.clips == 0 and got.tree_sums == 1
     assert got.groups[0].rules[:2] == ("scale_by_adam", "clip_by_global_norm")
+    # the per-leaf tier runs a rule with tree sums (Prodigy) as its own update: no sums pass
+    perleaf = fast.explain(functopt.chain(functopt.clip_by_block_rms(1.0),
+                                          functopt.contrib.prodigy()), params)
+    assert perleaf.fast and perleaf.tree_sums == 0 and "sums pass" not in str(perleaf)
     tx = functopt.chain(functopt.scale_by_adam(), functopt.clip_by_global_norm(0.05),
                         functopt.scale_by_learning_rate(1e-2))
     step = fast.make_step(tx, compile=True)

@@ -58,8 +58,9 @@ class Explanation:
     groups: tuple[GroupPath, ...]
     clips: int  # global-norm clips, all measured in one pass (and one all-reduce)
     guards: int = 0  # apply_if_finite checks, in the same reduction
-    # rules that sum over every leaf in a compiled sums pass before the step (Prodigy's
-    # and D-Adaptation's sums, a clip after other rules), added over groups and ranks
+    # rules the compiled tier runs with a sums pass over every leaf before the step
+    # (Prodigy's and D-Adaptation's sums, a clip after other rules), added over groups
+    # and ranks (the per-leaf tier runs such a rule's own update on all its leaves)
     tree_sums: int = 0
 
     def __str__(self) -> str:
@@ -147,4 +148,6 @@ def explain(tx: GradientTransformation | MultiSteps, params: Any, state: Any = N
         for g in lowered.groups)
     return Explanation(fast=lowered.fast, reason=lowered.reason, groups=groups,
                        clips=len(structure.clips), guards=len(structure.guards),
-                       tree_sums=len(structure.tree_wide))
+                       tree_sums=len({op.node for g in lowered.groups
+                                      if g.plan.kernel == "compiled"
+                                      for op in g.plan.ops if op.sums is not None}))
