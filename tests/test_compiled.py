@@ -566,3 +566,20 @@ def test_a_clip_after_the_moments_is_a_sums_pass() -> None:
         torch.testing.assert_close(now["w"], pure["w"], rtol=1e-12, atol=0.0)
         torch.testing.assert_close(state[0].nu["w"], pure_state[0].nu["w"], rtol=1e-12,
                                    atol=0.0)
+
+
+def test_a_lost_inductor_lowering_warns_once_and_hoists_nothing(monkeypatch) -> None:
+    """Inductor's lowering registry is private API: if registering the mark fails, the
+    tier says so once (FastPathWarning), and compiles without hoisting."""
+    from torch._inductor import lowering
+
+    from functopt.fast import _compiled
+
+    def moved(*args: Any, **kwargs: Any) -> Any:
+        raise AttributeError("register_lowering moved")
+
+    monkeypatch.setattr(_compiled, "_LOWERED", [])
+    monkeypatch.setattr(lowering, "register_lowering", moved)
+    with pytest.warns(fast.FastPathWarning, match="cannot register its Inductor lowering"):
+        assert not _compiled._lowering()
+    assert not _compiled._lowering()  # decided once: no second warning (warnings are errors)
