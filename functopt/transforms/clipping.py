@@ -228,7 +228,7 @@ def clip_by_global_norm(max_norm: Numeric) -> GradientTransformation:
         leaves, treespec = _common.flatten_updates(updates)
         wide = _sharded_norm(leaves, treespec) if any(map(is_dtensor, leaves)) else (
             _plain_norm(leaves))
-        return _scaled_by_norm(updates, wide, max_norm), state
+        return _scaled_by_norm(leaves, treespec, wide, max_norm), state
 
     def sums(updates: Updates, state: EmptyState, params: Params | None = None,
              ) -> tuple[torch.Tensor]:
@@ -246,15 +246,17 @@ def clip_by_global_norm(max_norm: Numeric) -> GradientTransformation:
                totals: tuple[torch.Tensor],
                ) -> tuple[Updates, EmptyState]:
         # ... and the updates clipped by the norm of those sums over every leaf and rank
-        return _scaled_by_norm(updates, torch.sqrt(totals[0]), max_norm), state
+        leaves, treespec = _common.flatten_updates(updates)
+        return _scaled_by_norm(leaves, treespec, torch.sqrt(totals[0]), max_norm), state
 
     return specified(GradientTransformation(_init_empty, update_fn),
                      GlobalNormClip(max_norm, sums=sums, finish=finish))
 
 
-def _scaled_by_norm(updates: Updates, wide: torch.Tensor, max_norm: Numeric) -> Updates:
-    """``updates`` clipped to ``max_norm`` given their global norm ``wide`` (0-d float64)."""
-    leaves, treespec = _common.flatten_updates(updates)
+def _scaled_by_norm(leaves: list[Any], treespec: _core.TreeSpec, wide: torch.Tensor,
+                    max_norm: Numeric) -> Updates:
+    """The updates (``leaves`` of ``treespec``) clipped to ``max_norm`` given their global
+    norm ``wide`` (0-d float64)."""
     norm = wide.to(_ops._accumulation_dtype([x for x in leaves if x is not None]))
     keep = norm < max_norm
     # A tensor numerator: torch computes `number / tensor` as `number * (1 / tensor)`,
