@@ -22,7 +22,7 @@ Cases (``--only`` takes a comma-separated list of these names):
 * ``mixed_chains``: the full mixed-precision step every way a user writes it (functional
   with ``max_grad_norm``; functional with ``chain(clip_by_global_norm, adamw)``; the
   ``MixedPrecisionOptimizer`` facade with one group and with decay / no-decay groups) vs
-  the PyTorch idiom.
+  the PyTorch idiom; outside ``--quick`` each also with ``compile=True``.
 * ``small``: an MLP of 6 leaves (6,922 params): the fixed per-step cost of
   ``make_step``, ``functopt.Optimizer`` and the facade.
 * ``leaves``: per-step time against the number of leaves (tensors of 100 elements).
