@@ -320,22 +320,7 @@ def test_ema_alone_has_no_kernel_and_says_so() -> None:
     assert "ema" in str(got.reason)
 
 
-@pytest.mark.parametrize(("build", "reason"), [
-    (lambda: functopt.inject_hyperparams(functopt.adafactor)(learning_rate=0.02),
-     "does not lower injected hyperparameters"),
-    (lambda: functopt.chain(functopt.adafactor(0.02), functopt.clip_by_global_norm(1.0)),
-     "takes clip_by_global_norm only before the rules"),
-])
-def test_what_the_tier_refuses_is_explained_and_warned(build: Any, reason: str) -> None:
-    params = _model(torch.float32)
-    tx = build()
-    explained = functopt.fast.explain(tx, params)
-    assert not explained.fast and reason in str(explained.reason), explained.reason
-    state = tx.init(params)
-    grads = _grads_like(params, 2)
-    with torch.no_grad(), pytest.warns(FastPathWarning, match=reason):
-        new, _ = functopt.fast.make_step(tx)(grads, state, params)
-    assert_bitwise_equal(new, _pure(tx, grads, state, params)[0])
+# (what the tier refuses for adafactor: tests/test_perleaf_fast.py, beside Muon's)
 
 
 @pytest.mark.slow

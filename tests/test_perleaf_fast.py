@@ -275,7 +275,11 @@ def test_mixed_precision_muon_takes_the_tier_and_equals_its_pure_path() -> None:
      "does not lower injected hyperparameters"),
     (lambda: functopt.chain(contrib.muon(0.02), functopt.clip_by_global_norm(1.0)),
      "takes clip_by_global_norm only before the rules"),
-])
+    (lambda: functopt.inject_hyperparams(functopt.adafactor)(learning_rate=0.02),
+     "does not lower injected hyperparameters"),
+    (lambda: functopt.chain(functopt.adafactor(0.02), functopt.clip_by_global_norm(1.0)),
+     "takes clip_by_global_norm only before the rules"),
+], ids=["muon_injected", "muon_late_clip", "adafactor_injected", "adafactor_late_clip"])
 def test_what_the_tier_refuses_is_explained_and_warned(build: Any, reason: str) -> None:
     params = _model(torch.float32)
     tx = build()
