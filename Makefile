@@ -18,13 +18,16 @@ $(STAMP): requirements-dev.txt pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
-# The suite, the linters and the docs build run side by side (the linters take about
-# half a minute, beside pytest's eight); the output of each is printed when it is done.
+# The suite and the linters run side by side (the linters take about half a minute); the
+# output of each is printed when it is done. The strict docs build is a test of the suite
+# (tests/test_docs.py), so `make test` builds the site once.
 test: $(STAMP)
-	$(MAKE) --no-print-directory -j3 --output-sync=target unit lint docs
+	$(MAKE) --no-print-directory -j2 --output-sync=target unit lint
 
+# Two worker processes, one per core here; a worker takes a whole test file at a time, so
+# that a file's module-scoped fixtures (a pool of ranks, a built site) are set up once.
 unit: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 test-deep: $(STAMP)
 	HYPOTHESIS_PROFILE=deep $(PY) -m pytest

@@ -24,3 +24,11 @@ settings.register_profile(
     "deep", max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs one worker process per core: one intra-op thread each, or the
+    # workers' OpenMP threads contend for the cores (the examples the suite runs set one
+    # thread in-process anyway).
+    import torch
+
+    torch.set_num_threads(1)

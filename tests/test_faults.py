@@ -437,11 +437,13 @@ def test_an_option_that_is_not_a_bool_names_the_factory_and_the_fix(build, owner
 
 # ------------------------------------------------------------ a rank that dies mid-step
 
-def _dying_rank(rank: int, world: int, port: int, out_dir: str, stuck: bool) -> None:
+def _dying_rank(rank: int, world: int, out_dir: str, stuck: bool) -> None:
+    from distributed import harness
+
     from functopt.distributed import zero1
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=harness.store_in(out_dir), rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=20))
 
     # A group of its own with a short timeout, so that a rank that hangs (alive, never
@@ -472,13 +474,10 @@ def _dying_rank(rank: int, world: int, port: int, out_dir: str, stuck: bool) -> 
 def test_a_rank_that_dies_mid_step_makes_the_other_fail_clearly(stuck, tmp_path) -> None:
     import multiprocessing
 
-    from distributed import harness
-
     # Not harness.run_ranks: it stops every rank as soon as one exits, and the point here
     # is what the surviving rank sees.
     ctx = multiprocessing.get_context("fork")
-    port = harness.free_port()
-    ranks = [ctx.Process(target=_dying_rank, args=(r, 2, port, str(tmp_path), stuck))
+    ranks = [ctx.Process(target=_dying_rank, args=(r, 2, str(tmp_path), stuck))
              for r in range(2)]
     for proc in ranks:
         proc.start()

@@ -17,7 +17,6 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,20 +35,22 @@ import torch.multiprocessing as mp
 COLLECTIVE_TIMEOUT_S = 20.0
 
 
-def free_port() -> int:
-    """A TCP port that was free a moment ago (the OS picks one when binding to port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def store_in(folder: str) -> str:
+    """The ``init_method`` of a launch: a file store in the launch's own temporary folder.
+
+    No TCP port is picked for the rendezvous, so launches that run at the same time (one
+    per test worker) cannot meet at one port, which a port found free and bound a moment
+    later allows."""
+    return "file://" + os.path.join(folder, "store")
 
 
-def _rank_main(rank: int, fn: Callable[[int, int], Any], world_size: int, port: int,
-               out_dir: str) -> None:
+def _rank_main(rank: int, fn: Callable[[int, int], Any], world_size: int, out_dir: str,
+               ) -> None:
     torch.set_num_threads(1)
     result: dict[str, Any]
     try:
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            "gloo", init_method=store_in(out_dir), rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
         )
         try:
@@ -80,7 +81,7 @@ def run_ranks(fn: Callable[[int, int], Any], world_size: int, *, timeout_s: floa
         start_method = "fork" if sys.platform == "linux" else "spawn"
     with tempfile.TemporaryDirectory(prefix="functopt-dist-") as out_dir:
         ctx = mp.start_processes(
-            _rank_main, args=(fn, world_size, free_port(), out_dir), nprocs=world_size,
+            _rank_main, args=(fn, world_size, out_dir), nprocs=world_size,
             join=False, start_method=start_method,
         )
         deadline = time.monotonic() + timeout_s
