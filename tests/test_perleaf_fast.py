@@ -270,16 +270,20 @@ def test_mixed_precision_muon_takes_the_tier_and_equals_its_pure_path() -> None:
         assert torch.equal(fs.master[k].to(torch.bfloat16), p), k
 
 
+def _nested_injection() -> functopt.GradientTransformation:
+    # an inject_hyperparams whose inner transform is itself injected
+    return functopt.inject_hyperparams(
+        lambda weight_decay: functopt.inject_hyperparams(contrib.muon)(
+            learning_rate=0.02, weight_decay=weight_decay))(weight_decay=0.01)
+
+
 @pytest.mark.parametrize(("build", "reason"), [
-    (lambda: functopt.inject_hyperparams(contrib.muon)(learning_rate=0.02),
-     "does not lower injected hyperparameters"),
+    (_nested_injection, "does not lower an inject_hyperparams nested in another"),
     (lambda: functopt.chain(contrib.muon(0.02), functopt.clip_by_global_norm(1.0)),
      "takes clip_by_global_norm only before the rules"),
-    (lambda: functopt.inject_hyperparams(functopt.adafactor)(learning_rate=0.02),
-     "does not lower injected hyperparameters"),
     (lambda: functopt.chain(functopt.adafactor(0.02), functopt.clip_by_global_norm(1.0)),
      "takes clip_by_global_norm only before the rules"),
-], ids=["muon_injected", "muon_late_clip", "adafactor_injected", "adafactor_late_clip"])
+], ids=["muon_nested_injection", "muon_late_clip", "adafactor_late_clip"])
 def test_what_the_tier_refuses_is_explained_and_warned(build: Any, reason: str) -> None:
     params = _model(torch.float32)
     tx = build()
@@ -290,6 +294,71 @@ def test_what_the_tier_refuses_is_explained_and_warned(build: Any, reason: str) 
     with torch.no_grad(), pytest.warns(FastPathWarning, match=reason):
         new, _ = functopt.fast.make_step(tx)(grads, state, params)
     assert_bitwise_equal(new, _pure(tx, grads, state, params)[0])
+
+
+_INJECTED = {
+    "muon": lambda: functopt.inject_hyperparams(contrib.muon)(learning_rate=0.02,
+                                                              weight_decay=0.01),
+    "adafactor": lambda: functopt.inject_hyperparams(functopt.adafactor)(
+        learning_rate=0.02, weight_decay_rate=0.01),
+    "lamb": lambda: functopt.inject_hyperparams(functopt.lamb)(learning_rate=0.02,
+                                                               weight_decay=0.01),
+}
+
+
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("name", sorted(_INJECTED))
+def test_injected_hyperparameters_take_the_tier_and_are_read_at_every_step(
+        name: str, donate: bool) -> None:
+    # a scheduler (or functopt.Optimizer's param_groups) writes new values into
+    # state.hyperparams between steps: the tier runs the inner transform built from them,
+    # bitwise the pure inject_hyperparams
+    tx = _INJECTED[name]()
+    params = _model(torch.float64)
+    explained = functopt.fast.explain(tx, params)
+    assert explained.fast and "per-leaf" in str(explained), explained
+    state = tx.init(params)
+    step = functopt.fast.make_step(tx, donate=donate)
+    for i, (lr, decay) in enumerate([(0.02, 0.01), (0.005, 0.0), (0.05, 0.2)]):
+        hyper = {**state.hyperparams, "learning_rate": torch.tensor(lr, dtype=torch.float64)}
+        key = "weight_decay_rate" if name == "adafactor" else "weight_decay"
+        hyper[key] = torch.tensor(decay, dtype=torch.float64)
+        state = state._replace(hyperparams=hyper)
+        grads = _grads_like(params, 20 + i)
+        pure_p, pure_s = _pure(tx, grads, state, params)
+        fast_p, fast_s = _fast(step, grads, functopt.tree.map(torch.clone, state),
+                               {k: v.clone() for k, v in params.items()})
+        assert_bitwise_equal(fast_p, pure_p)
+        assert_bitwise_equal(fast_s, pure_s)
+        params, state = pure_p, pure_s
+
+
+@pytest.mark.parametrize("name", ["adafactor", "lamb"])
+def test_optimizer_over_a_per_leaf_recipe_stays_fast_under_a_scheduler(name: str) -> None:
+    # functopt.Optimizer lifts a plain recipe into inject_hyperparams: the tier takes it,
+    # and a torch scheduler's lr reaches it at every step as on the pure path
+    recipe = {"adafactor": functopt.adafactor, "lamb": functopt.lamb}[name]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3)).double()
+    twin = {k: v.detach().clone() for k, v in model.named_parameters()}
+    runs = []
+    for fused, scheduled in ((True, True), (False, True), (True, False)):
+        params = [torch.nn.Parameter(twin[k].clone()) for k in sorted(twin)]
+        opt = functopt.Optimizer(params, recipe(0.05), fused=fused)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        for i in range(3):
+            g = torch.Generator().manual_seed(i)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", FastPathWarning)
+                opt.step()
+            if scheduled:
+                sched.step()
+        runs.append([p.detach() for p in params])
+    assert_bitwise_equal(runs[0], runs[1])
+    # the scheduler's lr took effect: without it the same steps end elsewhere
+    assert not torch.equal(runs[0][0], runs[2][0])
 
 
 def test_transforms_without_a_per_leaf_rule_do_not_get_the_tier() -> None:

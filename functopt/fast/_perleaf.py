@@ -36,13 +36,16 @@ docs/performance.md.
 
 DTensor shards are taken: the rules run on them as on the pure path (sharded Muon's
 grouped update sends each matrix to its owner rank and back, two all-to-alls per call),
-and the apply adds the local shards. Not taken (the reason
-goes to ``explain`` and the ``FastPathWarning``): injected hyperparameters, a clip or guard
-after the rules, a per-leaf state entry that is not a tensor on its leaf's device.
+and the apply adds the local shards. A rule inside ``inject_hyperparams`` runs the update
+(and ``grouped`` update) of the inner transform built from the step's hyperparameters, as
+the pure ``inject_hyperparams`` builds it. Not taken (the reason goes to ``explain`` and the
+``FastPathWarning``): an ``inject_hyperparams`` nested in another, a clip or guard after the
+rules, a per-leaf state entry that is not a tensor on its leaf's device.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,9 +73,9 @@ def match(program: list[Any], plan: Any) -> Any:
             return "the per-leaf tier has no set_to_zero after other rules"
         if op.fn is None or op.state_at is None:
             return f"the per-leaf tier has no lowering of {op.kind}"
-        if op.injected:
-            return (f"the per-leaf tier does not lower injected hyperparameters yet "
-                    f"({op.kind} inside inject_hyperparams)")
+        if op.injected and op.rebuild is None:
+            return (f"the per-leaf tier does not lower an inject_hyperparams nested in "
+                    f"another ({op.kind})")
     if not ops:
         return "no update rule"
     return plan("perleaf", clip, guard=guard, ops=tuple(ops))
@@ -136,7 +139,7 @@ class _Run:
 def run_groups(batch: list[tuple[Any, torch.Tensor | None, torch.Tensor | None]],
                values: list[Any], grads: list[Any], state_leaves: list[Any],
                new_values: list[Any], new_leaves: list[Any], *, treespec: _core.TreeSpec,
-               donate: bool) -> None:
+               donate: bool, env: Any) -> None:
     """One step of the per-leaf groups in ``batch`` (each with its gradient multiplier and
     skip flag, see the module docstring): writes the new values into ``new_values`` (into
     the values themselves when donated) and the rules' new state entries into
@@ -170,16 +173,21 @@ def run_groups(batch: list[tuple[Any, torch.Tensor | None, torch.Tensor | None]]
                 together.setdefault((r.group.plan.ops[j].node,
                                      None if guard is None else guard.index), []).append(r)
         for members in together.values():
-            _call(members, j, placed, state_leaves, new_leaves, treespec)
+            _call(members, j, placed, state_leaves, new_leaves, treespec, env)
     for r in runs:
         _apply(r, values, new_values, donate)
 
 
 def _call(members: list[_Run], j: int, placed: dict[int, Any], state_leaves: list[Any],
-          new_leaves: list[Any], treespec: _core.TreeSpec) -> None:
+          new_leaves: list[Any], treespec: _core.TreeSpec, env: Any) -> None:
     """The ``j``-th rule of the groups ``members`` (one transform), called once on all
-    their leaves; their updates become its output."""
+    their leaves; their updates become its output. A rule inside ``inject_hyperparams``
+    is taken from the inner transform built with this step's values (``env.spec_of``), as
+    the pure ``inject_hyperparams`` builds it."""
     op = members[0].group.plan.ops[j]
+    if op.rebuild is not None:
+        spec = env.spec_of(op.rebuild)
+        op = dataclasses.replace(op, fn=spec.update, grouped=getattr(spec, "grouped", None))
     skip = members[0].skip
     leaves = {i: u for r in members for i, u in zip(r.group.leaves, r.updates, strict=True)}
     index_leaves, index_spec = _core.flatten(op.state_at)

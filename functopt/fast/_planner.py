@@ -199,15 +199,20 @@ class _Env:
     builds: list[Any] = field(default_factory=list)
     built: dict[int, list[Any]] = field(default_factory=dict)
 
-    def update_of(self, rebuild: tuple[int, int]) -> Any:
-        """The update of the rule at ``rebuild`` (see ``_Op.rebuild``) in the injected
-        transform built from this step's hyperparameters."""
+    def spec_of(self, rebuild: tuple[int, int]) -> Leafwise:
+        """The spec of the rule at ``rebuild`` (see ``_Op.rebuild``) in the injected
+        transform built from this step's hyperparameters (built once per step)."""
         node, position = rebuild
         specs = self.built.get(node)
         if specs is None:
             specs = self.built[node] = leafwise_specs(describe(self.builds[node](
                 self.hyper[node])))
-        return specs[position].update
+        return specs[position]
+
+    def update_of(self, rebuild: tuple[int, int]) -> Any:
+        """The update of the rule at ``rebuild`` in the injected transform built from this
+        step's hyperparameters."""
+        return self.spec_of(rebuild).update
 
     def number(self, value: Any) -> float:
         """A hyperparameter as the Python float the kernels take. A tensor is read on the
@@ -1089,7 +1094,7 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
                    totals=totals, low=low, new_low=new_low)
     if perleaf:
         _perleaf.run_groups(perleaf, values, grads, state_leaves, new_values, new_leaves,
-                            treespec=structure.treespec, donate=donate)
+                            treespec=structure.treespec, donate=donate, env=env)
     for c, new in advanced.items():
         # a skipped step (found_inf, or a guard that skipped) leaves its counters as they were
         keep = _keep(skipped, applied, structure.counter_guard.get(c))
