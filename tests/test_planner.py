@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import functopt
 from functopt.fast import FastPathWarning, explain, make_step
-from functopt.testing import conformance
+from functopt.testing import assert_bitwise_equal, conformance
 from functopt.tree import _core
 
 REL = 1e-12
@@ -205,11 +205,17 @@ def _composed(draw: Any) -> tuple[Any, dict[str, bool]]:
     else:
         rule = _rule(kind, lr)
     clip = draw(st.sampled_from(["none", "all", "masked"]))
+    # a guard around all of it folds into the kernels' skip, and so does one right after a
+    # clip of every leaf (it checks the clipped gradients: the same verdict)
+    guard = draw(st.sampled_from(["none", "around"] + (["after_clip"] if clip == "all"
+                                                       else [])))
+    if guard == "after_clip":
+        rule = functopt.apply_if_finite(rule, draw(st.integers(0, 2)))
     if clip == "all":
         rule = functopt.chain(functopt.clip_by_global_norm(0.5), rule)
     elif clip == "masked":
         rule = functopt.chain(functopt.masked(functopt.clip_by_global_norm(0.2), mask), rule)
-    if draw(st.booleans()):  # a guard around all of it folds into the kernels' skip
+    if guard == "around":
         rule = functopt.apply_if_finite(rule, draw(st.integers(0, 2)))
     return rule, mask
 
@@ -269,7 +275,21 @@ GUARDED = {
     "injected_sgd": lambda: functopt.apply_if_finite(functopt.inject_hyperparams(
         functopt.sgd)(learning_rate=functopt.schedules.cosine_decay_schedule(0.1, 10),
                       momentum=0.9), 0),
+    # a guard after a clip of every leaf: it checks the clipped gradients, finite exactly
+    # when the gradients are, so it folds into the kernels' skip as a leading guard does
+    "clip_then_guarded_adamw": lambda: functopt.chain(
+        functopt.clip_by_global_norm(0.5),
+        functopt.apply_if_finite(functopt.adamw(0.1, weight_decay=0.1), 2)),
+    "clip_then_guarded_lamb": lambda: functopt.chain(
+        functopt.clip_by_global_norm(0.5), functopt.apply_if_finite(functopt.lamb(0.1), 2)),
 }
+
+
+def _guard_state(state: Any) -> Any:
+    """The ApplyIfFiniteState in ``state`` (at the root or an entry of a chain's tuple)."""
+    if hasattr(state, "total_notfinite"):
+        return state
+    return next(s for s in state if hasattr(s, "total_notfinite"))
 
 
 @pytest.mark.parametrize("donate", [False, True], ids=["copy", "donate"])
@@ -298,8 +318,27 @@ def test_apply_if_finite_folds_into_the_kernels_skip(chain: str, donate: bool) -
             params, state = step(_clone(grads), state, params)
         _nan_mask_and_close(params, ref_params, f"step {i} params")
         _nan_mask_and_close(state, ref_state, f"step {i} state")
-    assert int(state.total_notfinite if hasattr(state, "total_notfinite")
-               else state[0].total_notfinite) == 4
+    assert int(_guard_state(state).total_notfinite) == 4
+
+
+def test_a_guard_after_a_clip_of_more_leaves_than_it_checks_stays_pure() -> None:
+    # the clip measures "b" too: a nan there makes the clip's factor nan, so the guard on
+    # "w" alone would see a non-finite "w" that a check of the gradients does not
+    tx = functopt.chain(functopt.clip_by_global_norm(0.5), functopt.partition(
+        {"g": functopt.apply_if_finite(functopt.adamw(0.1), 2), "s": functopt.sgd(0.1)},
+        {"w": "g", "b": "s"}))
+    params = {"w": torch.ones(5, 3, dtype=torch.float64), "b": torch.ones(3, dtype=torch.float64)}
+    got = explain(tx, params)
+    assert not got.fast and "apply_if_finite after clip_by_global_norm" in str(got.reason)
+    grads = {"w": torch.ones(5, 3, dtype=torch.float64),
+             "b": torch.tensor([float("nan"), 1.0, 1.0], dtype=torch.float64)}
+    state = tx.init(params)
+    with torch.no_grad(), pytest.warns(FastPathWarning, match="apply_if_finite after"):
+        new, new_state = make_step(tx)(grads, state, params)
+    ref, ref_state = _pure(tx, grads, tx.init(params), params)
+    assert_bitwise_equal(new, ref)
+    assert_bitwise_equal(new_state, ref_state)
+    assert int(_guard_state(new_state[1].inner_states["g"]).notfinite_count) == 1
 
 
 def test_injected_constants_are_read_on_the_host_once(monkeypatch: pytest.MonkeyPatch) -> None:

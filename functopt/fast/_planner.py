@@ -440,7 +440,16 @@ class _Walk:
                 idx.notfinite_count, idx.last_finite, idx.total_notfinite,
                 spec.max_consecutive_errors, list(sel)))
             for i in sel:
-                self.out.programs[i].append(mark)
+                program = self.out.programs[i]
+                if self._clip_only(program, sel):
+                    # chain(clip_by_global_norm, apply_if_finite(...)): the guard checks
+                    # the clipped gradients, which are finite exactly when the gradients
+                    # are (the factor is at most 1; a nan or inf among the leaves the
+                    # clip measures, all of them checked here, makes every checked leaf
+                    # non-finite or leaves one non-finite): it is the leading guard
+                    program.insert(len(program) - 1, mark)
+                else:
+                    program.append(mark)
             self.guard = mark.index
             self.walk(spec.inner, idx.inner_state, sel, f"{where}.apply_if_finite")
             self.guard = None
@@ -452,6 +461,13 @@ class _Walk:
                 f"make_step or the inner transform of mixed_precision (not inside a chain)")
         else:  # a Spec subclass of a later layer that this planner does not know
             self.out.opaque.append(f"{where}: {type(spec).__name__} has no lowering")
+
+    def _clip_only(self, program: list[Any], sel: list[int]) -> bool:
+        """Whether ``program`` so far is one clip (identities aside) that measures only
+        leaves among ``sel``."""
+        ops = [op for op in program if op.kind != "identity"]
+        return (len(ops) == 1 and isinstance(ops[0], _Clip)
+                and set(self.out.clips[ops[0].index]) <= set(sel))
 
     def injected(self, spec: Injected, idx: Any, sel: list[int], where: str) -> None:
         hyper_idx = {k: idx.hyperparams[k] for k in spec.names}
