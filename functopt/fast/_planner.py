@@ -77,7 +77,7 @@ from functopt._spec import (
     Spec,
     describe,
 )
-from functopt.fast import _compiled, _perleaf
+from functopt.fast import _compiled, _multi, _perleaf
 from functopt.fast._layout import dense as _dense
 from functopt.fast._layout import overlapping
 from functopt.transforms import _common
@@ -442,9 +442,7 @@ class _Walk:
         elif isinstance(spec, Leafwise):
             self.leafwise(spec, idx, sel, where)
         elif isinstance(spec, Accumulated):
-            self.out.opaque.append(
-                f"{where or '<root>'}: MultiSteps is lowered only as the whole transform of "
-                f"make_step or the inner transform of mixed_precision (not inside a chain)")
+            self.out.opaque.append(f"{where or '<root>'}: {_multi.NOT_SPLIT}")
         else:  # a Spec subclass of a later layer that this planner does not know
             self.out.opaque.append(f"{where}: {type(spec).__name__} has no lowering")
 

@@ -58,7 +58,9 @@ from functopt._collective.dtensor import _rewrap_like, local_tensor
 from functopt._collective.reduce import all_reduce_stats
 from functopt.fast import _compiled, _planner
 from functopt.fast._layout import end_to_end
-from functopt.fast._step import _accumulate, _reductions, plus_zero
+from functopt.fast._multi import accumulate as _accumulate
+from functopt.fast._multi import plus_zero, zeroed
+from functopt.fast._step import _reductions
 from functopt.precision.loss_scale import LossScale, LossScaleState, _inverse
 from functopt.precision.stats import (
     _SUMSQ,
@@ -461,11 +463,6 @@ def fused_multi_step(
     if isinstance(result, str):
         return result
     new_params, new_stores, new_inner = result
-    accs = window.accs
-    if donate:
-        torch._foreach_zero_([a for a in accs if a is not None])
-        zeroed = accs
-    else:
-        zeroed = _core.map_leaves(torch.zeros_like, accs)
-    new_state = window.next_state(state, _core.unflatten(treespec, zeroed), new_inner)
+    new_state = window.next_state(
+        state, _core.unflatten(treespec, zeroed(window.accs, in_place=donate)), new_inner)
     return new_params, new_stores, new_state, stats, new_loss_scale
