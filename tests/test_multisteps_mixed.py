@@ -157,6 +157,15 @@ def test_without_max_grad_norm(k: int) -> None:
                 count_zeros=False)
 
 
+@pytest.mark.parametrize("donate", [False, True])
+def test_inner_clip_measured_before_the_statistics(donate: bool) -> None:
+    # no max_grad_norm, no skip function: a closing mini-step's inner clip measures the
+    # accumulated gradients before the statistics' reduction (to pack them with it); an
+    # overflow on a closing mini-step then discards them
+    closing = _check_step(2, "clip+adamw", donate, max_grad_norm=None, overflow={3}, steps=6)
+    assert closing == {True}
+
+
 @pytest.mark.parametrize("k", [1, 2])
 def test_no_loss_scale_and_a_skip_function(k: int) -> None:
     # the float32 param's gradient reaches the accumulation and the kernel uncast and

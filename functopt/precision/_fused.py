@@ -69,7 +69,7 @@ from functopt.precision.stats import (
     _clip_factor,
     unpack_grad_stats,
 )
-from functopt.transforms.multi_steps import MultiSteps, MultiStepsState
+from functopt.transforms.multi_steps import MultiSteps, MultiStepsState, Window
 from functopt.tree import _core
 
 # The packed statistics: grad_stats' three entries, then one sum of squares per clip of
@@ -410,10 +410,14 @@ def fused_multi_step(
     host: the window of the next call depends on it (the pure step's select of MultiSteps'
     CPU counters reads it too). Returns what `fused_mixed_step` returns, or the reason it
     takes the pure path, before anything was written.
+
+    DTensor params: ``MultiSteps`` sees DTensor gradients (its checks and skip function
+    as on the pure step), the foreach ops run on local shards, and the statistics make the
+    step's one all-reduce. The inner chain's clips and guards measure the accumulated
+    gradients of a closing mini-step: without ``max_grad_norm`` and a skip function those
+    are known before the statistics and join their all-reduce (one collective per step);
+    otherwise they take a second one on closing mini-steps.
     """
-    if any(p is not None and local_tensor(p) is not p for p in params):
-        return ("MultiSteps inside the mixed-precision step is lowered for plain tensor "
-                "params only (not DTensors)")
     _validate.check_state("MultiSteps", state, MultiStepsState)
     structure, inner_leaves, lowered = _lowered(
         planner, treespec, params, stores, views, grads, state.inner_opt_state, name, donate,
@@ -424,40 +428,54 @@ def fused_multi_step(
     device = loss_scale.scale.device
     if scaled:  # (without a loss scale the pure path multiplies by 1.0: the same values)
         unscaled = _scaled(unscaled, grads, _inverse(loss_scale))
-    packed = all_reduce_stats(
-        _unscaled_stats(unscaled, name, device, counted, count_zeros), group)
-    stats = unpack_grad_stats(packed)
+    local = _unscaled_stats(unscaled, name, device, counted, count_zeros)
+    mine = _own(unscaled, grads)
+    # Without the step's own clip (and a skip function) MultiSteps' gradients are known
+    # before the statistics: a closing mini-step's inner clips and guards measure the
+    # accumulated gradients now, and their sums join the statistics' one all-reduce.
+    early = max_grad_norm is None and ms.should_skip_update_fn is None and bool(
+        structure.clips or structure.guards)
+    window = inner_grads = None
+    if early:
+        window = _window(ms, treespec, unscaled, views, state)
+        if window.closes:
+            inner_grads = _closing_grads(ms, window, unscaled, mine)
+            sums, finite = _reductions(structure, views, inner_grads, name, counted=None if (
+                counted is None) else list(counted), group=None)
+            local = torch.cat([local, torch.stack(
+                [*sums, *((~f).to(torch.float64) for f in finite)]).to(device)])
+    packed = all_reduce_stats(local, group)
+    stats = unpack_grad_stats(packed[:_CLIPS])
     new_loss_scale = scale_rule.adjust(loss_scale, stats.found_inf)
     if max_grad_norm is not None:
         unscaled = _scaled(unscaled, grads, _clip_factor(packed, max_grad_norm))
-    window = ms.window(_core.unflatten(treespec, unscaled), state,
-                       _core.unflatten(treespec, views))
+        mine = _own(unscaled, grads)
+    if window is None:
+        window = _window(ms, treespec, unscaled, views, state)
     if bool(stats.found_inf):  # skipped: everything as it was but the loss scale
         return list(params), list(stores), state, stats, new_loss_scale
-    present = [i for i, g in enumerate(window.leaves) if g is not None]
-    # the casts (and scaled copies) are the step's own: the accumulation may write them
-    mine = [u is not None and u is not local_tensor(g)
-            for u, g in zip(unscaled, grads, strict=True)]
     if window.skip or not window.closes:
         if window.skip:
             new_state = state._replace(skip_state=window.skip_state)
         else:
+            present = [i for i, g in enumerate(window.leaves) if g is not None]
             new_accs = _accumulate(ms, window, present, in_place=donate, scratch=mine)
             new_state = window.next_state(state, _core.unflatten(treespec, new_accs))
         values = plus_zero(views, unscaled, donate=donate)  # master (or param) + 0.0
         new_params, new_stores = _write_params(params, stores, unscaled, values, None, donate)
         return new_params, new_stores, new_state, stats, new_loss_scale
-    if window.mini_step == 0:
-        inner_grads = unscaled  # a window of one: the gradient itself, as on the pure path
-    else:
-        summed = _accumulate(ms, window, present, in_place=False, scratch=mine)
-        inner_grads = [None if g is None else a.to(g.dtype)
-                       for g, a in zip(window.leaves, summed, strict=True)]
+    if inner_grads is None:
+        inner_grads = _closing_grads(ms, window, unscaled, mine)
     # the kernels scale by the inner clips in place: never a gradient of the caller's
     inner_grads = [u.clone() if structure.clips and u is not None and u is local_tensor(g)
                    else u for u, g in zip(inner_grads, grads, strict=True)]
-    sums, finite = _reductions(structure, views, inner_grads, name,
-                               counted=None if counted is None else list(counted), group=group)
+    if early:
+        n = len(structure.clips)
+        sums = list(packed[_CLIPS:_CLIPS + n].unbind())
+        finite = [x == 0 for x in packed[_CLIPS + n:].unbind()]
+    else:
+        sums, finite = _reductions(structure, views, inner_grads, name, counted=None if (
+            counted is None) else list(counted), group=group)
     result = _kernel_step(planner, lowered, params, stores, views, grads, inner_grads,
                           inner_leaves, donate, scratch, sums=sums, finite=finite)
     if isinstance(result, str):
@@ -466,3 +484,33 @@ def fused_multi_step(
     new_state = window.next_state(
         state, _core.unflatten(treespec, zeroed(window.accs, in_place=donate)), new_inner)
     return new_params, new_stores, new_state, stats, new_loss_scale
+
+
+def _own(unscaled: list[Any], grads: list[Any]) -> list[bool]:
+    """Per leaf, whether its unscaled gradient is the step's own (a cast or a scaled copy,
+    not the caller's gradient): the accumulation may write it."""
+    return [u is not None and u is not local_tensor(g)
+            for u, g in zip(unscaled, grads, strict=True)]
+
+
+def _window(ms: MultiSteps, treespec: Any, unscaled: list[Any], views: list[Any],
+            state: MultiStepsState) -> Window:
+    """``MultiSteps.window`` on the step's gradients, as the pure step gives them to it
+    (DTensors placed like their masters on DTensor params; the foreach ops then run on the
+    local shards)."""
+    return ms.window(_core.unflatten(treespec, [
+        None if u is None else _rewrap_like(v, u) for u, v in zip(unscaled, views, strict=True)
+    ]), state, _core.unflatten(treespec, views))
+
+
+def _closing_grads(ms: MultiSteps, window: Window, unscaled: list[Any],
+                   mine: list[bool]) -> list[Any]:
+    """The gradients the inner transform steps on at a closing mini-step (local shards):
+    the window's accumulated mean (or sum) in the gradients' dtype, or the gradient itself
+    for a window of one, as on the pure path."""
+    if window.mini_step == 0:
+        return unscaled
+    present = [i for i, g in enumerate(window.leaves) if g is not None]
+    summed = _accumulate(ms, window, present, in_place=False, scratch=mine)
+    return [None if g is None else local_tensor(a).to(local_tensor(g).dtype)
+            for g, a in zip(window.leaves, summed, strict=True)]
