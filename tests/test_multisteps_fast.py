@@ -143,12 +143,11 @@ def test_explain_names_the_inner_reason_and_nesting_warns() -> None:
     masked = F.masked(F.MultiSteps(F.adamw(1e-2), 2).gradient_transformation(), {"w": True})
     assert "MultiSteps is lowered as the whole transform" in (
         F.fast.explain(masked, params).reason or "")
-    # make_step lowers one in a chain (tests/test_multisteps_nested.py); the mixed step
-    # lowers a MultiSteps that is its whole inner transform (tests/test_multisteps_mixed.py),
-    # not one inside a chain
+    # make_step and the mixed step lower one in a chain (tests/test_multisteps_nested.py),
+    # not one inside masked
     nested = F.chain(F.MultiSteps(F.adamw(1e-2), 2).gradient_transformation())
     assert F.fast.explain(nested, params).fast
-    opt = F.precision.mixed_precision(nested)
+    opt = F.precision.mixed_precision(masked)
     with pytest.warns(F.fast.FastPathWarning, match="MultiSteps"):
         opt.step({"w": torch.ones(3)}, opt.init(params), params)
 

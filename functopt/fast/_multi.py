@@ -2,7 +2,9 @@
 
 ``make_step(MultiSteps(inner, k))`` and ``make_step(chain(prefix..., MultiSteps(inner,
 k).gradient_transformation(), suffix...))`` (``named_chain`` too, nested chains flattened)
-are stepped here, with the semantics of the pure ``chain``:
+are stepped here (the mixed-precision step does the same in
+``functopt/precision/_fused.py``'s ``fused_multi_step``), with the semantics of the pure
+``chain``:
 
 - the prefix (the elements before the ``MultiSteps``: elementwise rules, global-norm
   clips) runs on every call, with its own update, as the pure chain runs it: a clip
@@ -38,16 +40,16 @@ from functopt.transforms.combining import chain
 from functopt.transforms.multi_steps import Accumulated, MultiSteps, MultiStepsState, Window
 from functopt.tree import _core
 
-__all__ = ["Split", "accumulate", "multi_step", "plus_zero"]
+__all__ = ["Split", "accumulate", "closed", "get", "multi_step", "plus_zero", "put"]
 
 Path = tuple[Any, ...]  # keys from a chain's state to an element's (tuple index, dict key)
 
 # Why a MultiSteps in a chain stays opaque, for the planner's message
 NOT_SPLIT = (
-    "MultiSteps is lowered as the whole transform of make_step or mixed_precision, or as "
-    "one element of a chain (or named_chain) of make_step whose other elements are "
-    "elementwise rules or clip_by_global_norm; not inside masked, partition, "
-    "inject_hyperparams or apply_if_finite, nor beside other transforms")
+    "MultiSteps is lowered as the whole transform (of make_step or mixed_precision) or as "
+    "one element of a chain or named_chain whose other elements are elementwise rules or "
+    "clip_by_global_norm; not inside masked, partition, inject_hyperparams or "
+    "apply_if_finite, nor beside other transforms")
 
 
 def _uninitialised(params: Params) -> State:
@@ -75,21 +77,21 @@ def _elements(spec: Spec | None, path: Path) -> list[tuple[Spec | None, Path]]:
     return [(spec, path)]
 
 
-def _get(state: Any, path: Path) -> Any:
+def get(state: Any, path: Path) -> Any:
     for key in path:
         state = state[key]
     return state
 
 
-def _set(state: Any, path: Path, value: Any) -> Any:
+def put(state: Any, path: Path, value: Any) -> Any:
     """``state`` with the entry at ``path`` replaced (tuples and dicts rebuilt, not written)."""
     if not path:
         return value
     key, rest = path[0], path[1:]
     if isinstance(state, dict):
-        return {**state, key: _set(state[key], rest, value)}
+        return {**state, key: put(state[key], rest, value)}
     items = list(state)
-    items[key] = _set(state[key], rest, value)
+    items[key] = put(state[key], rest, value)
     return tuple(items)
 
 
@@ -152,17 +154,17 @@ class Split:
     def multi_state(self, state: Any) -> MultiStepsState | None:
         """The ``MultiSteps`` state within ``state``, or None where it is not there."""
         try:
-            found = _get(state, self.path)
+            found = get(state, self.path)
         except (KeyError, IndexError, TypeError):
             return None
         return found if isinstance(found, MultiStepsState) else None
 
     def closing_state(self, state: Any) -> Any:
         """The state of ``closing`` within ``state`` (the MultiSteps state must be there)."""
-        ms_state = _get(state, self.path)
+        ms_state = get(state, self.path)
         if not self.suffix:
             return ms_state.inner_opt_state
-        return (ms_state.inner_opt_state, *(_get(state, p) for _, p in self.suffix))
+        return (ms_state.inner_opt_state, *(get(state, p) for _, p in self.suffix))
 
 
 def multi_step(split: Split, closing_step: Callable[..., tuple[Params, State]],
@@ -176,11 +178,11 @@ def multi_step(split: Split, closing_step: Callable[..., tuple[Params, State]],
     new_state = state
     updates = grads
     for tx, path in split.prefix:  # (pure updates: new tensors, the caller's untouched)
-        updates, sub = tx.update(updates, _get(state, path), params, **extra_args)
-        new_state = _set(new_state, path, sub)
-    ms_state = _get(state, split.path)
+        updates, sub = tx.update(updates, get(state, path), params, **extra_args)
+        new_state = put(new_state, path, sub)
+    ms_state = get(state, split.path)
     window = ms.window(updates, ms_state, params)
-    treespec, accs = window.treespec, window.accs
+    treespec = window.treespec
     present = [i for i, g in enumerate(window.leaves) if g is not None]
     if window.skip or not window.closes:
         if window.skip:
@@ -188,7 +190,7 @@ def multi_step(split: Split, closing_step: Callable[..., tuple[Params, State]],
         else:
             new_accs = accumulate(ms, window, present, in_place=donate)
             new_ms = window.next_state(ms_state, _core.unflatten(treespec, new_accs))
-        new_state = _set(new_state, split.path, new_ms)
+        new_state = put(new_state, split.path, new_ms)
         param_leaves, param_spec = _core.flatten(params)
         if not split.suffix:
             return _core.unflatten(param_spec, plus_zero(param_leaves, window.leaves,
@@ -197,8 +199,8 @@ def multi_step(split: Split, closing_step: Callable[..., tuple[Params, State]],
         # params, a count advances)
         zeros = _core.unflatten(treespec, _core.map_leaves(torch.zeros_like, window.leaves))
         for tx, path in split.suffix:
-            zeros, sub = tx.update(zeros, _get(state, path), params, **extra_args)
-            new_state = _set(new_state, path, sub)
+            zeros, sub = tx.update(zeros, get(state, path), params, **extra_args)
+            new_state = put(new_state, path, sub)
         return apply(param_leaves, param_spec, zeros, donate), new_state
     if window.mini_step == 0:
         inner_grads = updates  # a window of one: the gradient itself, as on the pure path
@@ -207,14 +209,22 @@ def multi_step(split: Split, closing_step: Callable[..., tuple[Params, State]],
         inner_grads = _core.unflatten(treespec, [
             None if g is None else a.to(g.dtype)
             for g, a in zip(window.leaves, summed, strict=True)])
-    new_params, closed = closing_step(inner_grads, split.closing_state(state), params,
-                                      **extra_args)
-    inner_state = closed[0] if split.suffix else closed
-    for (_, path), sub in zip(split.suffix, closed[1:] if split.suffix else (), strict=True):
-        new_state = _set(new_state, path, sub)
-    new_state = _set(new_state, split.path, window.next_state(
-        ms_state, _core.unflatten(treespec, zeroed(accs, in_place=donate)), inner_state))
-    return new_params, new_state
+    new_params, new_closing = closing_step(inner_grads, split.closing_state(state), params,
+                                           **extra_args)
+    return new_params, closed(split, new_state, window, new_closing, in_place=donate)
+
+
+def closed(split: Split, state: Any, window: Window, closing_state: Any, *,
+           in_place: bool) -> Any:
+    """``state`` after a closing mini-step whose closing transform left ``closing_state``:
+    the inner state and the suffix's states put back, the accumulators reset (in place)."""
+    ms_state = get(state, split.path)
+    inner_state = closing_state[0] if split.suffix else closing_state
+    for (_, path), sub in zip(split.suffix, closing_state[1:] if split.suffix else (),
+                              strict=True):
+        state = put(state, path, sub)
+    acc_grads = _core.unflatten(window.treespec, zeroed(window.accs, in_place=in_place))
+    return put(state, split.path, window.next_state(ms_state, acc_grads, inner_state))
 
 
 def zeroed(accs: list[Any], *, in_place: bool) -> list[Any]:
