@@ -186,3 +186,15 @@ def test_fast_path_law_over_pytrees(case: tuple[Any, Any, Any], k: int, name: st
     params, grads, _ = case
     conformance.check_fast_path(functools.partial(NESTED[name], k), params, grads,
                                 steps=k + 1)
+
+
+def test_a_state_of_another_layout_gets_the_chains_own_error() -> None:
+    params = {"w": torch.zeros(3)}
+    tx = NESTED["clip, ms(adamw)"](2)
+    state = tx.init(params)
+    step = F.fast.make_step(tx)
+    with pytest.raises(ValueError, match="chain of 2 transforms expects a tuple of 2 states"):
+        step({"w": torch.ones(3)}, (*state, ()), params)
+    named = NESTED["named clip, ms(sgd)"](2)
+    with pytest.raises(ValueError, match="named_chain expects a state dict with keys"):
+        F.fast.make_step(named)({"w": torch.ones(3)}, {"ms": named.init(params)["ms"]}, params)

@@ -77,6 +77,18 @@ def _elements(spec: Spec | None, path: Path) -> list[tuple[Spec | None, Path]]:
     return [(spec, path)]
 
 
+def _fits(spec: Spec | None, state: Any) -> bool:
+    """Whether ``state`` has the layout of the chains of ``spec`` (down to their elements)."""
+    if not isinstance(spec, Sequence):
+        return True
+    if spec.names is None:
+        return isinstance(state, tuple) and len(state) == len(spec.children) and all(
+            _fits(child, sub) for child, sub in zip(spec.children, state, strict=True))
+    return isinstance(state, dict) and set(state) == set(spec.names) and all(
+        _fits(child, state[name]) for child, name in zip(spec.children, spec.names,
+                                                         strict=True))
+
+
 def get(state: Any, path: Path) -> Any:
     for key in path:
         state = state[key]
@@ -107,6 +119,8 @@ class Split:
     prefix: tuple[tuple[GradientTransformation, Path], ...]
     suffix: tuple[tuple[GradientTransformation, Path], ...]
     closing: GradientTransformation
+    whole: GradientTransformation  # the transform split (its pure update, for a bad state)
+    spec: Spec  # its spec: the chains' layouts, which the state must have
 
     @classmethod
     def of(cls, tx: GradientTransformation) -> Split | None:
@@ -115,7 +129,7 @@ class Split:
         spec = describe(tx)
         if isinstance(spec, Accumulated):
             ms = spec.multi_steps
-            return cls(ms, (), (), (), ms.inner_opt)
+            return cls(ms, (), (), (), ms.inner_opt, tx, spec)
         if not isinstance(spec, Sequence):
             return None
         elements = _elements(spec, ())
@@ -131,7 +145,7 @@ class Split:
         parts = [(t, p) for t, p in rebuilt if t is not None]
         prefix, suffix = tuple(parts[:at[0]]), tuple(parts[at[0]:])
         closing = chain(ms.inner_opt, *(t for t, _ in suffix)) if suffix else ms.inner_opt
-        return cls(ms, elements[at[0]][1], prefix, suffix, closing)
+        return cls(ms, elements[at[0]][1], prefix, suffix, closing, tx, spec)
 
     @property
     def label(self) -> str:
@@ -152,11 +166,13 @@ class Split:
             " on the accumulated gradients"))
 
     def multi_state(self, state: Any) -> MultiStepsState | None:
-        """The ``MultiSteps`` state within ``state``, or None where it is not there."""
-        try:
-            found = get(state, self.path)
-        except (KeyError, IndexError, TypeError):
+        """The ``MultiSteps`` state within ``state``, or None where ``state`` does not have
+        the layout of the chains (a tuple per ``chain``, a dict per ``named_chain``, with
+        an entry per element) or no ``MultiStepsState`` at its place: the caller then runs
+        the pure update, which says what is wrong."""
+        if not _fits(self.spec, state):
             return None
+        found = get(state, self.path)
         return found if isinstance(found, MultiStepsState) else None
 
     def closing_state(self, state: Any) -> Any:
@@ -175,6 +191,10 @@ def multi_step(split: Split, closing_step: Callable[..., tuple[Params, State]],
     fast step of ``split.closing``, ``apply`` the grouped ``apply_updates``
     ``(param leaves, treespec, updates, donate)``."""
     ms = split.ms
+    if split.multi_state(state) is None:  # (not this transform's state: its own error)
+        updates, new_state = split.whole.update(grads, state, params, **extra_args)
+        param_leaves, param_spec = _core.flatten(params)
+        return apply(param_leaves, param_spec, updates, donate), new_state
     new_state = state
     updates = grads
     for tx, path in split.prefix:  # (pure updates: new tensors, the caller's untouched)
