@@ -419,7 +419,8 @@ def fused_multi_step(
     gradients of a closing mini-step: without ``max_grad_norm``, a skip function and a
     prefix those are known before the statistics and join their all-reduce (one
     collective per step); otherwise they take a second one on closing mini-steps (and a
-    prefix clip its own, as on the pure step).
+    prefix clip its own, as on the pure step, but for an overflowing step: the prefix and
+    the skip function do not run where the pure step discards their results).
     """
     ms = split.ms
     ms_state = split.multi_state(state)
@@ -455,6 +456,10 @@ def fused_multi_step(
     packed = all_reduce_stats(local, group)
     stats = unpack_grad_stats(packed[:_CLIPS])
     new_loss_scale = scale_rule.adjust(loss_scale, stats.found_inf)
+    if bool(stats.found_inf):  # skipped: everything as it was but the loss scale (the
+        # prefix and the skip function, whose results the pure step discards, do not run:
+        # no collective of theirs on any rank, as every rank reads the same decision)
+        return list(params), list(stores), state, stats, new_loss_scale
     if max_grad_norm is not None:
         unscaled = _scaled(unscaled, grads, _clip_factor(packed, max_grad_norm))
         mine = _own(unscaled, grads)
@@ -471,8 +476,6 @@ def fused_multi_step(
         mine = _own(unscaled, grads)
     if window is None:
         window = _window(ms, treespec, unscaled, views, ms_state)
-    if bool(stats.found_inf):  # skipped: everything as it was but the loss scale
-        return list(params), list(stores), state, stats, new_loss_scale
     if window.skip or not window.closes:
         if window.skip:
             new_ms = ms_state._replace(skip_state=window.skip_state)
