@@ -27,13 +27,14 @@ def _ms(inner: functopt.GradientTransformation, k: int = 3,
     return F.MultiSteps(inner, every_k_schedule=k, **options).gradient_transformation()
 
 
-# name -> (the chain for a window of k, the closing chain it steps fast, and the state
-# paths of its prefix, MultiSteps and suffix)
+# name -> the chain, for windows of k mini-steps
 NESTED: dict[str, Callable[[int], functopt.GradientTransformation]] = {
     "clip, ms(adamw)": lambda k: F.chain(F.clip_by_global_norm(0.5),
                                          _ms(F.adamw(1e-2, weight_decay=0.1), k)),
     "named clip, ms(sgd)": lambda k: F.named_chain(
         ("clip", F.clip_by_global_norm(0.5)), ("ms", _ms(F.sgd(0.1, momentum=0.9), k))),
+    "block rms, ms(adamw)": lambda k: F.chain(F.clip_by_block_rms(0.5),
+                                              _ms(F.adamw(1e-2), k)),  # (a PerLeaf prefix)
     "ms(adam), decay, lr": lambda k: F.chain(
         _ms(F.scale_by_adam(), k), F.add_decayed_weights(0.1), F.scale_by_learning_rate(0.01)),
     "nested chain, schedule": lambda k: F.chain(

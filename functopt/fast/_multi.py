@@ -6,7 +6,7 @@ are stepped here (the mixed-precision step does the same in
 ``functopt/precision/_fused.py``'s ``fused_multi_step``), with the semantics of the pure
 ``chain``:
 
-- the prefix (the elements before the ``MultiSteps``: elementwise rules, global-norm
+- the prefix (the elements before the ``MultiSteps``: per-leaf rules, global-norm
   clips) runs on every call, with its own update, as the pure chain runs it: a clip
   measures each mini-step's gradients;
 - ``MultiSteps.window`` decides the mini-step (its checks, ``should_skip_update_fn``,
@@ -34,7 +34,7 @@ import torch
 
 from functopt._base import GradientTransformation, Params, State, Updates
 from functopt._collective.dtensor import _rewrap_like, local_tensor
-from functopt._spec import GlobalNormClip, Leafwise, PerLeaf, Sequence, Spec, describe, specified
+from functopt._spec import GlobalNormClip, Leafwise, Sequence, Spec, describe, specified
 from functopt.transforms.clipping import clip_by_global_norm
 from functopt.transforms.combining import chain
 from functopt.transforms.multi_steps import Accumulated, MultiSteps, MultiStepsState, Window
@@ -47,7 +47,7 @@ Path = tuple[Any, ...]  # keys from a chain's state to an element's (tuple index
 # Why a MultiSteps in a chain stays opaque, for the planner's message
 NOT_SPLIT = (
     "MultiSteps is lowered as the whole transform (of make_step or mixed_precision) or as "
-    "one element of a chain or named_chain whose other elements are elementwise rules or "
+    "one element of a chain or named_chain whose other elements are per-leaf rules or "
     "clip_by_global_norm; not inside masked, partition, inject_hyperparams or "
     "apply_if_finite, nor beside other transforms")
 
@@ -60,10 +60,11 @@ def _uninitialised(params: Params) -> State:
 
 def _element(spec: Spec | None) -> GradientTransformation | None:
     """The transform a chain element's spec describes, for its pure update, or None when
-    the spec does not say it whole (only per-leaf rules and clips are rebuilt)."""
+    the spec does not say it whole (only per-leaf rules, which carry their update, and
+    clips, rebuilt by their factory, are)."""
     if isinstance(spec, GlobalNormClip):
         return clip_by_global_norm(spec.max_norm)  # its own factory: the same closure
-    if isinstance(spec, Leafwise) and not isinstance(spec, PerLeaf) and spec.update is not None:
+    if isinstance(spec, Leafwise) and spec.update is not None:  # (PerLeaf ones too)
         return specified(GradientTransformation(_uninitialised, spec.update), spec)
     return None
 
