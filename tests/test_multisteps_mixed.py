@@ -34,6 +34,14 @@ INNER: dict[str, Callable[[], functopt.GradientTransformation]] = {
 }
 
 
+# a MultiSteps in the inner chain: the chain around it, and its state's place there
+NESTINGS: dict[str, tuple[Callable[[Any], Any], tuple[int, ...]]] = {
+    "clip, ms": (lambda ms: F.chain(F.clip_by_global_norm(0.05), ms), (1,)),
+    "ms, decay, lr": (lambda ms: F.chain(ms, F.add_decayed_weights(0.1),
+                                         F.scale_by_learning_rate(1e-2)), (0,)),
+}
+
+
 def _params() -> dict[str, torch.Tensor]:
     tree = every_layout(torch.bfloat16)
     tree["f32"] = torch.randn(3, 2, generator=torch.Generator().manual_seed(5))  # own master
@@ -199,9 +207,10 @@ def test_a_skip_function_that_rejects_finite_mini_steps() -> None:
 @given(case=conformance.cases(dtypes=(torch.bfloat16, torch.float32), max_leaves=3,
                               tied=False),
        k=st.sampled_from([1, 2, 3]), donate=st.booleans(),
-       max_grad_norm=st.sampled_from([None, 0.5]))
+       max_grad_norm=st.sampled_from([None, 0.5]),
+       nesting=st.sampled_from(["whole", "clip, ms", "ms, decay, lr"]))
 def test_fast_equals_pure_over_drawn_trees(case: tuple[Any, Any, Any], k: int, donate: bool,
-                                           max_grad_norm: float | None) -> None:
+                                           max_grad_norm: float | None, nesting: str) -> None:
     # values of every kind (zeros, subnormals, huge, inf, nan: overflows) and every layout;
     # a layout the kernels refuse (a sliced leaf) takes the pure path with the warning
     params, grads, _ = case
@@ -211,8 +220,10 @@ def test_fast_equals_pure_over_drawn_trees(case: tuple[Any, Any, Any], k: int, d
         return _core.unflatten(spec, [None if g is None else g * c for g in leaves])
 
     steps = [grads, times(4.0), grads, times(-1.0)][: k + 1]
-    _compare(F.MultiSteps(F.adamw(1e-2, weight_decay=0.1), every_k_schedule=k), params,
-             steps, donate=donate, max_grad_norm=max_grad_norm, scale=4.0, allow_lost=True)
+    around, at = NESTINGS.get(nesting, (None, ()))
+    rule = F.scale_by_adam() if nesting == "ms, decay, lr" else F.adamw(1e-2, weight_decay=0.1)
+    _compare(F.MultiSteps(rule, every_k_schedule=k), params, steps, donate=donate,
+             max_grad_norm=max_grad_norm, scale=4.0, allow_lost=True, around=around, at=at)
 
 
 @pytest.mark.slow
@@ -225,13 +236,6 @@ def test_compiled_inner_rule(donate: bool) -> None:
                          params, _scaled_grads(params, 5, 2.0**10, {2}), donate=donate,
                          max_grad_norm=0.5, scale=2.0**10, compile=True)
     assert closed == 2
-
-
-NESTINGS: dict[str, tuple[Callable[[Any], Any], tuple[int, ...]]] = {
-    "clip, ms": (lambda ms: F.chain(F.clip_by_global_norm(0.05), ms), (1,)),
-    "ms, decay, lr": (lambda ms: F.chain(ms, F.add_decayed_weights(0.1),
-                                         F.scale_by_learning_rate(1e-2)), (0,)),
-}
 
 
 @pytest.mark.parametrize("donate", [False, True])
