@@ -426,6 +426,10 @@ class _Walk:
                 self.out.programs[i].append(clip)
         elif isinstance(spec, Injected):
             self.injected(spec, idx, sel, where)
+        elif isinstance(spec, FiniteGuard) and self.guard is None and any(
+                not isinstance(op, _Guard) and op.kind != "identity"
+                for i in sel for op in self.out.programs[i]):
+            self.late_guard(spec, idx, sel, where)
         elif isinstance(spec, FiniteGuard):
             if self.guard is not None:
                 self.out.opaque.append(f"{where}: apply_if_finite inside apply_if_finite")
@@ -445,6 +449,34 @@ class _Walk:
             self.out.opaque.append(f"{where or '<root>'}: {_multi.NOT_SPLIT}")
         else:  # a Spec subclass of a later layer that this planner does not know
             self.out.opaque.append(f"{where}: {type(spec).__name__} has no lowering")
+
+    def late_guard(self, spec: FiniteGuard, idx: Any, sel: list[int], where: str) -> None:
+        """An ``apply_if_finite`` after other rules: its check is of their updates, which no
+        gradient pass sees, and its skip spares them. The compiled tier lowers it as one
+        rule with tree sums (the non-finite count of the updates entering it, over every
+        group and rank), whose update is the guard's own with its inner rules inside, when
+        those keep no per-leaf state and measure nothing across leaves (`_LATE_GUARDED`)."""
+        if not all(any(not isinstance(op, _Guard) and op.kind != "identity"
+                       for op in self.out.programs[i]) for i in sel):
+            self.out.opaque.append(f"{where}: apply_if_finite after other rules on some of "
+                                   f"its leaves only has no fast form")
+            return
+        if (spec.finish is None or spec.sums is None or self.injecting is not None
+                or not _guarded_whole(spec.inner)):
+            self.out.opaque.append(
+                f"{where}: apply_if_finite after other rules has a fast form (the compiled "
+                f"tier's) only around {', '.join(sorted(_LATE_GUARDED))}, outside "
+                f"inject_hyperparams")
+            return
+        node = self.node()
+        self.out.tree_wide.append(node)
+        self.out.shared.add(node)  # (its counters and inner state move in a group's call)
+        sums, finish = spec.sums, spec.finish
+        late = _Op("apply_if_finite", {}, {}, node,
+                   fn=lambda u, state, p: finish(u, state, p, sums(u, state, p)),
+                   state_at=idx, sums=sums, finish=finish)
+        for i in sel:
+            self.out.programs[i].append(late)
 
     def injected(self, spec: Injected, idx: Any, sel: list[int], where: str) -> None:
         hyper_idx = {k: idx.hyperparams[k] for k in spec.names}
@@ -552,6 +584,20 @@ class _Walk:
                     perleaf=isinstance(spec, PerLeaf), sums=spec.sums,
                     finish=spec.finish,
                     grouped=spec.grouped if isinstance(spec, PerLeaf) else None))
+
+
+# The rules an apply_if_finite after other rules may guard on the compiled tier: its update
+# runs them on a group's leaves laid end to end, so they must keep no per-leaf state and
+# read no other leaf
+_LATE_GUARDED = frozenset({"identity", "scale", "scale_by_learning_rate", "scale_by_schedule",
+                           "add_decayed_weights"})
+
+
+def _guarded_whole(spec: Spec | None) -> bool:
+    if isinstance(spec, Sequence):
+        return all(_guarded_whole(child) for child in spec.children)
+    return (isinstance(spec, Leafwise) and not isinstance(spec, PerLeaf)
+            and spec.kind in _LATE_GUARDED and spec.sums is None)
 
 
 def leafwise_specs(spec: Spec | None) -> list[Leafwise]:
