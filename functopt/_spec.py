@@ -127,6 +127,12 @@ class FiniteGuard(Spec):
 
     inner: Spec | None
     max_consecutive_errors: int
+    # its update as two halves, with the contract of `Leafwise.sums` / `Leafwise.finish`:
+    # this process's count of the non-finite entries it is given (float64), and the update
+    # given that count over every leaf and rank (the compiled tier's lowering of a guard
+    # after other rules, whose check is of their updates)
+    sums: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
+    finish: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, eq=False)

@@ -140,12 +140,14 @@ def test_explain_names_the_inner_reason_and_nesting_warns() -> None:
     params = {"w": torch.zeros(3)}
     got = F.fast.explain(F.MultiSteps(F.lion(1e-4), every_k_schedule=2), params)
     assert not got.fast and "MultiSteps' inner transform" in (got.reason or "")
+    masked = F.masked(F.MultiSteps(F.adamw(1e-2), 2).gradient_transformation(), {"w": True})
+    assert "MultiSteps is lowered as the whole transform" in (
+        F.fast.explain(masked, params).reason or "")
+    # make_step and the mixed step lower one in a chain (tests/test_multisteps_nested.py),
+    # not one inside masked
     nested = F.chain(F.MultiSteps(F.adamw(1e-2), 2).gradient_transformation())
-    assert "MultiSteps is lowered only as the whole transform" in (
-        F.fast.explain(nested, params).reason or "")
-    # the mixed step lowers a MultiSteps that is its whole inner transform
-    # (tests/test_multisteps_mixed.py), not one inside a chain
-    opt = F.precision.mixed_precision(nested)
+    assert F.fast.explain(nested, params).fast
+    opt = F.precision.mixed_precision(masked)
     with pytest.warns(F.fast.FastPathWarning, match="MultiSteps"):
         opt.step({"w": torch.ones(3)}, opt.init(params), params)
 

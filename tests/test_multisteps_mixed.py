@@ -34,6 +34,14 @@ INNER: dict[str, Callable[[], functopt.GradientTransformation]] = {
 }
 
 
+# a MultiSteps in the inner chain: the chain around it, and its state's place there
+NESTINGS: dict[str, tuple[Callable[[Any], Any], tuple[int, ...]]] = {
+    "clip, ms": (lambda ms: F.chain(F.clip_by_global_norm(0.05), ms), (1,)),
+    "ms, decay, lr": (lambda ms: F.chain(ms, F.add_decayed_weights(0.1),
+                                         F.scale_by_learning_rate(1e-2)), (0,)),
+}
+
+
 def _params() -> dict[str, torch.Tensor]:
     tree = every_layout(torch.bfloat16)
     tree["f32"] = torch.randn(3, 2, generator=torch.Generator().manual_seed(5))  # own master
@@ -77,17 +85,28 @@ def _check_step(k: int, inner: str, donate: bool, max_grad_norm: float | None,
 def _compare(ms: F.MultiSteps, params: Any, grads: list[Any], *, donate: bool,
              max_grad_norm: float | None, scale: float, allow_lost: bool = False,
              count_zeros: bool = True, compile: bool = False,
+             around: Callable[[Any], Any] | None = None, at: tuple[int, ...] = (),
              ) -> tuple[list[tuple[bool, bool]], int]:
     """Step the fast and the pure mixed step from the same inputs at every step (the pure
     results go on); returns, per step, (overflowed, would have closed its window), and the
     number of windows closed. Without ``allow_lost`` the fast step must not warn that it
-    lost its fast path."""
+    lost its fast path. ``around``: the inner transform is ``around(ms)`` (a chain holding
+    it, its state at ``at`` in the chain's)."""
+
+    def ms_of(s: Any) -> Any:
+        for key in at:
+            s = s[key]
+        return s
+
+    def inner() -> Any:
+        tx = ms.gradient_transformation()
+        return tx if around is None else around(tx)
+
     kwargs: dict[str, Any] = dict(
         loss_scale=None if scale == 1 else F.dynamic_loss_scale(init_scale=scale),
         max_grad_norm=max_grad_norm, count_zeros=count_zeros)
-    fast = P.mixed_precision(ms.gradient_transformation(), donate=donate, compile=compile,
-                             **kwargs)
-    pure = P.mixed_precision(ms.gradient_transformation(), fused=False, **kwargs)
+    fast = P.mixed_precision(inner(), donate=donate, compile=compile, **kwargs)
+    pure = P.mixed_precision(inner(), fused=False, **kwargs)
     state = pure.init(params)
     assert_bitwise_equal(fast.init(params), state)
     closed, found_at = 0, []
@@ -102,8 +121,8 @@ def _compare(ms: F.MultiSteps, params: Any, grads: list[Any], *, donate: bool,
         assert_bitwise_equal(g, given)  # gradients are never written
         ref_p, ref_s = pure.step(g, state, params)
         found = bool(ref_s.metrics.found_inf)
-        would_close = int(state.inner_state.mini_step) + 1 == ms._k_steps(
-            state.inner_state.gradient_step)
+        ms_state, new_ms, ref_ms = (ms_of(x.inner_state) for x in (state, new_s, ref_s))
+        would_close = int(ms_state.mini_step) + 1 == ms._k_steps(ms_state.gradient_step)
         found_at.append((found, would_close))
         # the loss scale, the metrics, the key and MultiSteps' counters and accumulators:
         # the same operations on the same values, bitwise on every step
@@ -111,13 +130,11 @@ def _compare(ms: F.MultiSteps, params: Any, grads: list[Any], *, donate: bool,
         assert_bitwise_equal(new_s.metrics, ref_s.metrics)
         assert_bitwise_equal(new_s.key, ref_s.key)
         for field in ("mini_step", "gradient_step", "acc_grads", "skip_state"):
-            assert_bitwise_equal(getattr(new_s.inner_state, field),
-                                 getattr(ref_s.inner_state, field))
-        if not found and would_close and int(ref_s.inner_state.mini_step) == 0:
+            assert_bitwise_equal(getattr(new_ms, field), getattr(ref_ms, field))
+        if not found and would_close and int(ref_ms.mini_step) == 0:
             closed += 1  # the inner kernel step: masters and moments to rounding
             torch.testing.assert_close(new_s.master, ref_s.master, rtol=4e-7, atol=1e-8)
-            torch.testing.assert_close(new_s.inner_state.inner_opt_state,
-                                       ref_s.inner_state.inner_opt_state,
+            torch.testing.assert_close(new_s.inner_state, ref_s.inner_state,
                                        rtol=1e-6, atol=1e-9)
             new_leaves, masters = _leaves(new_p), _leaves(new_s.master)
             for p, m in zip(new_leaves, masters, strict=True):
@@ -126,8 +143,7 @@ def _compare(ms: F.MultiSteps, params: Any, grads: list[Any], *, donate: bool,
             torch.testing.assert_close(new_p, ref_p, rtol=1e-2, atol=1e-6)
         else:  # a mini-step, a skipped one, or an overflow: bitwise
             assert_bitwise_equal(new_s.master, ref_s.master)
-            assert_bitwise_equal(new_s.inner_state.inner_opt_state,
-                                 ref_s.inner_state.inner_opt_state)
+            assert_bitwise_equal(new_s.inner_state, ref_s.inner_state)
             assert_bitwise_equal(new_p, ref_p)
         for p, q in zip(_leaves(new_p), _leaves(ref_p), strict=True):
             # the pure layouts (a donated param is written in place, in its own layout,
@@ -157,6 +173,15 @@ def test_without_max_grad_norm(k: int) -> None:
                 count_zeros=False)
 
 
+@pytest.mark.parametrize("donate", [False, True])
+def test_inner_clip_measured_before_the_statistics(donate: bool) -> None:
+    # no max_grad_norm, no skip function: a closing mini-step's inner clip measures the
+    # accumulated gradients before the statistics' reduction (to pack them with it); an
+    # overflow on a closing mini-step then discards them
+    closing = _check_step(2, "clip+adamw", donate, max_grad_norm=None, overflow={3}, steps=6)
+    assert closing == {True}
+
+
 @pytest.mark.parametrize("k", [1, 2])
 def test_no_loss_scale_and_a_skip_function(k: int) -> None:
     # the float32 param's gradient reaches the accumulation and the kernel uncast and
@@ -182,9 +207,10 @@ def test_a_skip_function_that_rejects_finite_mini_steps() -> None:
 @given(case=conformance.cases(dtypes=(torch.bfloat16, torch.float32), max_leaves=3,
                               tied=False),
        k=st.sampled_from([1, 2, 3]), donate=st.booleans(),
-       max_grad_norm=st.sampled_from([None, 0.5]))
+       max_grad_norm=st.sampled_from([None, 0.5]),
+       nesting=st.sampled_from(["whole", "clip, ms", "ms, decay, lr"]))
 def test_fast_equals_pure_over_drawn_trees(case: tuple[Any, Any, Any], k: int, donate: bool,
-                                           max_grad_norm: float | None) -> None:
+                                           max_grad_norm: float | None, nesting: str) -> None:
     # values of every kind (zeros, subnormals, huge, inf, nan: overflows) and every layout;
     # a layout the kernels refuse (a sliced leaf) takes the pure path with the warning
     params, grads, _ = case
@@ -194,8 +220,10 @@ def test_fast_equals_pure_over_drawn_trees(case: tuple[Any, Any, Any], k: int, d
         return _core.unflatten(spec, [None if g is None else g * c for g in leaves])
 
     steps = [grads, times(4.0), grads, times(-1.0)][: k + 1]
-    _compare(F.MultiSteps(F.adamw(1e-2, weight_decay=0.1), every_k_schedule=k), params,
-             steps, donate=donate, max_grad_norm=max_grad_norm, scale=4.0, allow_lost=True)
+    around, at = NESTINGS.get(nesting, (None, ()))
+    rule = F.scale_by_adam() if nesting == "ms, decay, lr" else F.adamw(1e-2, weight_decay=0.1)
+    _compare(F.MultiSteps(rule, every_k_schedule=k), params, steps, donate=donate,
+             max_grad_norm=max_grad_norm, scale=4.0, allow_lost=True, around=around, at=at)
 
 
 @pytest.mark.slow
@@ -208,6 +236,21 @@ def test_compiled_inner_rule(donate: bool) -> None:
                          params, _scaled_grads(params, 5, 2.0**10, {2}), donate=donate,
                          max_grad_norm=0.5, scale=2.0**10, compile=True)
     assert closed == 2
+
+
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("nesting", list(NESTINGS))
+def test_a_multisteps_in_the_inner_chain(nesting: str, donate: bool) -> None:
+    """The prefix (a clip of each mini-step's gradients) and the suffix (a decay on
+    MultiSteps' zeros, on every mini-step) as in the pure chain: bitwise on mini-steps and
+    overflows, the closing chain on the kernels."""
+    around, at = NESTINGS[nesting]
+    rule = F.adamw(1e-2) if at == (1,) else F.scale_by_adam()
+    params = _params()
+    found, closed = _compare(F.MultiSteps(rule, every_k_schedule=2), params,
+                             _scaled_grads(params, 6, 2.0**10, {2, 5}), donate=donate,
+                             max_grad_norm=0.5, scale=2.0**10, around=around, at=at)
+    assert closed == 2 and [f for f, _ in found] == [False, False, True, False, False, True]
 
 
 def test_explain_says_fast_and_no_warning() -> None:

@@ -10,9 +10,8 @@ import torch
 
 from functopt._base import GradientTransformation
 from functopt._collective.dtensor import _leaf_names
-from functopt._spec import describe
-from functopt.fast import _planner
-from functopt.transforms.multi_steps import Accumulated, MultiSteps, MultiStepsState
+from functopt.fast import _multi, _planner
+from functopt.transforms.multi_steps import MultiSteps
 from functopt.tree import _core
 
 __all__ = ["Explanation", "explain"]
@@ -62,6 +61,9 @@ class Explanation:
     # (Prodigy's and D-Adaptation's sums, a clip after other rules), added over groups
     # and ranks (the per-leaf tier runs such a rule's own update on all its leaves)
     tree_sums: int = 0
+    # MultiSteps (whole or in a chain): what its mini-steps run; the groups then step the
+    # mini-step that closes a window
+    mini_steps: str | None = None
 
     def __str__(self) -> str:
         if not self.fast:
@@ -70,6 +72,8 @@ class Explanation:
                  f"{self.clips} global norm(s) in one pass" + (
                      f", {self.tree_sums} tree sum(s) in a sums pass" if self.tree_sums
                      else "")]
+        if self.mini_steps is not None:
+            lines = [self.mini_steps, f"closing mini-step: {lines[0]}"]
         for g in self.groups:
             extras = [x for x, on in (("apply_if_finite", g.skip_if_nonfinite),
                                       ("clip", g.clip), ("weight decay", g.weight_decay))
@@ -120,14 +124,15 @@ def explain(tx: GradientTransformation | MultiSteps, params: Any, state: Any = N
         raise TypeError(
             f"explain: tx must be a functopt.GradientTransformation, got "
             f"{type(tx).__name__}. Fix: explain(functopt.adamw(1e-3), params).")
-    spec = describe(tx)
-    if isinstance(spec, Accumulated):  # MultiSteps: foreach accumulation, then the inner step
+    split = _multi.Split.of(tx)
+    if split is not None:  # MultiSteps: foreach accumulation, then the closing fast step
         state = tx.init(params) if state is None else state
-        if isinstance(state, MultiStepsState):
-            inner = explain(spec.multi_steps.inner_opt, params, state.inner_opt_state, grads,
+        if split.multi_state(state) is not None:
+            inner = explain(split.closing, params, split.closing_state(state), grads,
                             compile=compile)
-            return inner if inner.fast else dataclasses.replace(
-                inner, reason=f"MultiSteps' inner transform: {inner.reason}")
+            if not inner.fast:
+                return dataclasses.replace(inner, reason=f"{split.label}: {inner.reason}")
+            return dataclasses.replace(inner, mini_steps=split.summary())
     leaves, treespec = _core.flatten(params)
     if state is None:
         state = tx.init(params)

@@ -77,7 +77,7 @@ from functopt._spec import (
     Spec,
     describe,
 )
-from functopt.fast import _compiled, _perleaf
+from functopt.fast import _compiled, _multi, _perleaf
 from functopt.fast._layout import dense as _dense
 from functopt.fast._layout import overlapping
 from functopt.transforms import _common
@@ -431,6 +431,9 @@ class _Walk:
                 self.out.programs[i].append(clip)
         elif isinstance(spec, Injected):
             self.injected(spec, idx, sel, where)
+        elif isinstance(spec, FiniteGuard) and self.guard is None and not all(
+                self._leading(self.out.programs[i], sel) for i in sel):
+            self.late_guard(spec, idx, sel, where)
         elif isinstance(spec, FiniteGuard):
             if self.guard is not None:
                 self.out.opaque.append(f"{where}: apply_if_finite inside apply_if_finite")
@@ -456,11 +459,16 @@ class _Walk:
         elif isinstance(spec, Leafwise):
             self.leafwise(spec, idx, sel, where)
         elif isinstance(spec, Accumulated):
-            self.out.opaque.append(
-                f"{where or '<root>'}: MultiSteps is lowered only as the whole transform of "
-                f"make_step or the inner transform of mixed_precision (not inside a chain)")
+            self.out.opaque.append(f"{where or '<root>'}: {_multi.NOT_SPLIT}")
         else:  # a Spec subclass of a later layer that this planner does not know
             self.out.opaque.append(f"{where}: {type(spec).__name__} has no lowering")
+
+    def _leading(self, program: list[Any], sel: list[int]) -> bool:
+        """Whether a guard over ``sel`` that comes after ``program`` so far checks what a
+        leading guard checks: nothing but identities before it, or one clip that measures
+        only leaves among ``sel`` (see ``_clip_only``)."""
+        return (all(isinstance(op, _Guard) or op.kind == "identity" for op in program)
+                or self._clip_only(program, sel))
 
     def _clip_only(self, program: list[Any], sel: list[int]) -> bool:
         """Whether ``program`` so far is one clip (identities aside) that measures only
@@ -468,6 +476,41 @@ class _Walk:
         ops = [op for op in program if op.kind != "identity"]
         return (len(ops) == 1 and isinstance(ops[0], _Clip)
                 and set(self.out.clips[ops[0].index]) <= set(sel))
+
+    def late_guard(self, spec: FiniteGuard, idx: Any, sel: list[int], where: str) -> None:
+        """An ``apply_if_finite`` after other rules: its check is of their updates, which no
+        gradient pass sees, and its skip spares them. The compiled tier lowers it as one
+        rule with tree sums (the non-finite count of the updates entering it, over every
+        group and rank), whose update is the guard's own with its inner rules inside, when
+        those keep no per-leaf state and measure nothing across leaves (`_LATE_GUARDED`)."""
+        if not all(any(not isinstance(op, _Guard) and op.kind != "identity"
+                       for op in self.out.programs[i]) for i in sel):
+            self.out.opaque.append(f"{where}: apply_if_finite after other rules on some of "
+                                   f"its leaves only has no fast form")
+            return
+        if all(self._clip_only(self.out.programs[i], list(range(len(self.param_leaves))))
+               for i in sel):
+            self.out.opaque.append(
+                f"{where}: apply_if_finite after a clip_by_global_norm that also measures "
+                f"leaves outside it has no fast form (a nan there makes every leaf it "
+                f"checks nan)")
+            return
+        if (spec.finish is None or spec.sums is None or self.injecting is not None
+                or not _guarded_whole(spec.inner)):
+            self.out.opaque.append(
+                f"{where}: apply_if_finite after other rules has a fast form (the compiled "
+                f"tier's) only around {', '.join(sorted(_LATE_GUARDED))}, outside "
+                f"inject_hyperparams")
+            return
+        node = self.node()
+        self.out.tree_wide.append(node)
+        self.out.shared.add(node)  # (its counters and inner state move in a group's call)
+        sums, finish = spec.sums, spec.finish
+        late = _Op("apply_if_finite", {}, {}, node,
+                   fn=lambda u, state, p: finish(u, state, p, sums(u, state, p)),
+                   state_at=idx, sums=sums, finish=finish)
+        for i in sel:
+            self.out.programs[i].append(late)
 
     def injected(self, spec: Injected, idx: Any, sel: list[int], where: str) -> None:
         hyper_idx = {k: idx.hyperparams[k] for k in spec.names}
@@ -575,6 +618,20 @@ class _Walk:
                     perleaf=isinstance(spec, PerLeaf), sums=spec.sums,
                     finish=spec.finish,
                     grouped=spec.grouped if isinstance(spec, PerLeaf) else None))
+
+
+# The rules an apply_if_finite after other rules may guard on the compiled tier: its update
+# runs them on a group's leaves laid end to end, so they must keep no per-leaf state and
+# read no other leaf
+_LATE_GUARDED = frozenset({"identity", "scale", "scale_by_learning_rate", "scale_by_schedule",
+                           "add_decayed_weights"})
+
+
+def _guarded_whole(spec: Spec | None) -> bool:
+    if isinstance(spec, Sequence):
+        return all(_guarded_whole(child) for child in spec.children)
+    return (isinstance(spec, Leafwise) and not isinstance(spec, PerLeaf)
+            and spec.kind in _LATE_GUARDED and spec.sums is None)
 
 
 def leafwise_specs(spec: Spec | None) -> list[Leafwise]:

@@ -21,10 +21,10 @@ params and state over to be overwritten (donation). ``make_step(tx)`` is that st
    ``torch.compile``\ d call over the group's tensors laid end to end, the rules' own
    pure ``update`` fused into one loop; ``step.init(params)`` lays the state out that way.
 
-``MultiSteps`` (the whole transform) is stepped here: its mini-steps accumulate with
-``foreach`` ops in the state, and the mini-step that closes a window runs the inner
-transform's own fast step (the mixed-precision step does the same with `_accumulate`:
-``functopt/precision/_fused.py``).
+``MultiSteps`` (the whole transform, or one element of a chain) is stepped by
+``functopt/fast/_multi.py``: its mini-steps accumulate with ``foreach`` ops in the state,
+and the mini-step that closes a window runs the inner transform's own fast step (the
+mixed-precision step does the same: ``functopt/precision/_fused.py``).
 
 Every path returns ``(new_params, new_state)`` with the state in the transform's own
 layout, so the paths are interchangeable at any step.
@@ -45,9 +45,8 @@ from functopt._apply import apply_updates
 from functopt._base import GradientTransformation, Params, State, Updates
 from functopt._collective.dtensor import _infer_group, _leaf_names, _rewrap_like, local_tensor
 from functopt._collective.reduce import all_reduce_stats
-from functopt._spec import describe
-from functopt.fast import _compiled, _planner
-from functopt.transforms.multi_steps import Accumulated, MultiSteps, Window
+from functopt.fast import _compiled, _multi, _planner
+from functopt.transforms.multi_steps import MultiSteps
 from functopt.tree import _core
 
 __all__ = ["Step", "differentiated", "make_step"]
@@ -178,10 +177,9 @@ class Step:
         self.planner = _planner.Planner(tx)
         # MultiSteps: mini-steps accumulate here, a closing step runs the inner
         # transform's own fast step
-        spec = describe(tx)
-        self._accumulated = spec.multi_steps if isinstance(spec, Accumulated) else None
+        self._accumulated = _multi.Split.of(tx)  # (whole, or one element of a chain)
         self._inner = None if self._accumulated is None else Step(
-            self._accumulated.inner_opt, donate=donate, compile=compile, fused=fused,
+            self._accumulated.closing, donate=donate, compile=compile, fused=fused,
             donate_grads=donate_grads)
         # The compiled tier's gather buffers of a donating step, per thread (two threads
         # stepping their own states with one step must not share them). Scratch: every
@@ -395,67 +393,16 @@ class Step:
         return new, leaves, spec
 
 
-    def _multi_step(self, ms: MultiSteps, grads: Updates, state: Any, params: Params,
+    def _multi_step(self, split: _multi.Split, grads: Updates, state: Any, params: Params,
                     extra_args: dict[str, Any]) -> tuple[Params, State]:
-        """``MultiSteps``' step: its window decided as its ``update`` decides it, the
-        gradients accumulated with ``foreach`` ops (in place in ``state.acc_grads`` when
-        donated), and on the mini-step that closes a window the inner transform's fast step
-        on the accumulated gradients. A mini-step that does not close a window adds 0.0 to
-        the params, as the pure path adds its zero updates (bitwise: -0.0 becomes 0.0)."""
-        window = ms.window(grads, state, params)
-        if window.skip:
-            return self._plus_zero(params, window.leaves), state._replace(skip_state=window.skip_state)
-        treespec, accs = window.treespec, window.accs
-        present = [i for i, g in enumerate(window.leaves) if g is not None]
-        if not window.closes:
-            new_accs = _accumulate(ms, window, present, in_place=self.donate)
-            return self._plus_zero(params, window.leaves), window.next_state(
-                state, _core.unflatten(treespec, new_accs))
-        if window.mini_step == 0:
-            inner_grads = grads  # a window of one: the gradient itself, as on the pure path
-        else:  # (out of place: the inner step may keep the accumulated gradients)
-            summed = _accumulate(ms, window, present, in_place=False)
-            inner_grads = _core.unflatten(treespec, [
-                None if g is None else a.to(g.dtype)
-                for g, a in zip(window.leaves, summed, strict=True)])
+        """A ``MultiSteps`` step, whole or in a chain (``functopt/fast/_multi.py``): its
+        window decided as its ``update`` decides it, the gradients accumulated with
+        ``foreach`` ops (in place in ``state.acc_grads`` when donated), and on the
+        mini-step that closes a window the fast step of the inner transform (and of what
+        follows it in the chain) on the accumulated gradients."""
         assert self._inner is not None
-        new_params, inner_state = self._inner(inner_grads, state.inner_opt_state, params,
-                                              **extra_args)
-        if self.donate:
-            with torch.no_grad():
-                torch._foreach_zero_([a for a in accs if a is not None])
-            zeroed = accs
-        else:
-            zeroed = _core.map_leaves(torch.zeros_like, accs)
-        return new_params, window.next_state(state, _core.unflatten(treespec, zeroed),
-                                             inner_state)
-
-
-    def _plus_zero(self, params: Params, grads: list[Any]) -> Params:
-        """``apply_updates(params, zeros)`` (zeros where a gradient is): ``p + 0.0``, in
-        place when donated."""
-        leaves, treespec = _core.flatten(params)
-        return _core.unflatten(treespec, plus_zero(leaves, grads, donate=self.donate))
-
-
-def plus_zero(leaves: list[Any], grads: list[Any], *, donate: bool) -> list[Any]:
-    """Each leaf that has a gradient plus 0.0 (as a zero update adds: bitwise the leaf but
-    for -0.0, which becomes 0.0), one ``foreach`` add per (device, dtype) group, in place
-    when donated; the other leaves as they are."""
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, (p, g) in enumerate(zip(leaves, grads, strict=True)):
-        if p is not None and g is not None:
-            groups.setdefault((p.device, p.dtype), []).append(i)
-    out = list(leaves)
-    with torch.no_grad():
-        for idx in groups.values():
-            ps = [local_tensor(leaves[i]) for i in idx]
-            if donate:
-                torch._foreach_add_(ps, 0.0)
-            else:
-                for i, t in zip(idx, torch._foreach_add(ps, 0.0), strict=True):
-                    out[i] = _rewrap_like(leaves[i], t)
-    return out
+        return _multi.multi_step(split, self._inner, _grouped_apply, grads, state, params,
+                                 extra_args, donate=self.donate)
 
 
 # Tensors whose metadata ``_Seen`` reads directly (a DTensor's, or another subclass's, may
@@ -546,44 +493,6 @@ class _Seen:
             if entry is None or entry is not ref() or entry.data_ptr() != ptr:
                 return None
         return param_leaves, treespec, grad_leaves, state_leaves
-
-
-def _accumulate(ms: MultiSteps, window: Window, present: list[int], *,
-                in_place: bool, scratch: list[bool] | None = None) -> list[Any]:
-    """The accumulators after this mini-step's gradients: ``acc + (g - acc) / n`` (the
-    running mean) or ``acc + g``, as ``MultiSteps`` computes them per leaf (the same
-    operations, so bitwise its values), one ``foreach`` call per (device, dtype) group.
-    ``scratch[i]``: the caller's gradient ``i`` is its own to overwrite (a cast), so the
-    difference, and out of place the result (``g + acc``, bitwise ``acc + g``), is
-    computed in it: no new tensor."""
-    accs, leaves = window.accs, window.leaves
-    out = list(accs)
-    groups: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
-    for i in present:
-        mine = scratch is not None and scratch[i] and leaves[i].dtype == accs[i].dtype
-        groups.setdefault((accs[i].device, accs[i].dtype, mine), []).append(i)
-    with torch.no_grad():
-        for (_, dtype, mine), idx in groups.items():
-            a = [accs[i] for i in idx]
-            g = [leaves[i].to(dtype) for i in idx]
-            delta: list[torch.Tensor] | tuple[torch.Tensor, ...] = g
-            if ms.use_grad_mean:
-                if mine:
-                    torch._foreach_sub_(g, a)
-                else:
-                    delta = torch._foreach_sub(g, a)
-                torch._foreach_div_(delta, window.mini_step + 1)
-            if in_place:
-                torch._foreach_add_(a, delta)
-                new = a
-            elif mine:
-                torch._foreach_add_(list(delta), a)
-                new = list(delta)
-            else:
-                new = list(torch._foreach_add(a, delta))
-            for i, t in zip(idx, new, strict=True):
-                out[i] = t
-    return out
 
 
 def _reductions(structure: _planner.Structure, params: list[Any], grads: list[Any],

@@ -63,8 +63,7 @@ from functopt._base import GradientTransformation, Params, State, with_extra_arg
 from functopt._collective.counting import Replicated, _counting, _entries
 from functopt._collective.dtensor import _leaf_names
 from functopt._collective.reduce import _local_stats, all_reduce_stats
-from functopt._spec import describe
-from functopt.fast import _planner
+from functopt.fast import _multi, _planner
 from functopt.fast._step import differentiated
 from functopt.precision._fused import (
     flat_init,
@@ -81,7 +80,6 @@ from functopt.precision.loss_scale import (
 from functopt.precision.master import MasterWeights, float32_master
 from functopt.precision.stats import GradStats, _clip_factor, unpack_grad_stats
 from functopt.transforms import _common
-from functopt.transforms.multi_steps import Accumulated
 from functopt.tree import _core
 
 __all__ = [
@@ -318,11 +316,10 @@ def mixed_precision(
             f"{type(inner).__name__}.{hint} Fix: mixed_precision(functopt.adamw(1e-3), ...)."
         )
     inner = with_extra_args_support(inner)
-    # MultiSteps as the inner transform: the step lowers it whole (``fused_multi_step``),
-    # with the planner of the transform it wraps
-    spec = describe(inner)
-    accumulated = spec.multi_steps if isinstance(spec, Accumulated) else None
-    planner = _planner.Planner(inner if accumulated is None else accumulated.inner_opt)
+    # MultiSteps as the inner transform, or in its chain: the step lowers it whole
+    # (``fused_multi_step``), with the planner of what steps on a closing mini-step
+    accumulated = _multi.Split.of(inner)
+    planner = _planner.Planner(inner if accumulated is None else accumulated.closing)
     if loss_scale is not None and not isinstance(loss_scale, LossScale):
         hint = (
             f" For a constant scale pass functopt.static_loss_scale({loss_scale!r})."

@@ -154,6 +154,31 @@ def apply_if_finite(
             finite = _all_finite_sharded(leaves, treespec, device)
         else:
             finite = _all_finite(leaves, device)
+        return decided(updates, state, params, finite, extra_args)
+
+    def sums(updates: Updates, state: ApplyIfFiniteState, params: Params | None = None,
+             ) -> tuple[torch.Tensor]:
+        # the planner's compiled tier, for a guard after other rules: this process's count
+        # of the non-finite entries of the updates it is given
+        del params
+        tensors = [x for x in _core.flatten(updates)[0] if x is not None]
+        total = torch.zeros((), dtype=torch.float64, device=state.notfinite_count.device)
+        for x in tensors:
+            total = total + (~torch.isfinite(x)).sum().to(total)
+        return (total,)
+
+    def finish(updates: Updates, state: ApplyIfFiniteState, params: Params | None,
+               totals: tuple[torch.Tensor]) -> tuple[Updates, ApplyIfFiniteState]:
+        # ... and the update given that count over every leaf and rank
+        _common.check_state("apply_if_finite", state, ApplyIfFiniteState)
+        finite = (totals[0] == 0).to(state.notfinite_count.device)
+        return decided(updates, state, params, finite, {})
+
+    def decided(updates: Updates, state: ApplyIfFiniteState, params: Params | None,
+                finite: torch.Tensor, extra_args: dict[str, Any],
+                ) -> tuple[Updates, ApplyIfFiniteState]:
+        # the update once it is known whether every update is finite (0-d bool)
+        _, treespec = _common.flatten_updates(updates)
         notfinite_count = torch.where(
             finite, torch.zeros_like(state.notfinite_count),
             _common.safe_increment(state.notfinite_count),
@@ -185,4 +210,5 @@ def apply_if_finite(
         )
 
     return specified(GradientTransformation(init_fn, update_fn),
-                     FiniteGuard(describe(inner), max_consecutive_errors))
+                     FiniteGuard(describe(inner), max_consecutive_errors, sums=sums,
+                                 finish=finish))

@@ -336,6 +336,11 @@ class MultiSteps:
         return acc + g
 
     @property
+    def should_skip_update_fn(self) -> ShouldSkipUpdateFunction | None:
+        """The skip rule given, or None."""
+        return self._should_skip_update_fn
+
+    @property
     def use_grad_mean(self) -> bool:
         """Whether the window's gradients are averaged (else summed)."""
         return self._use_grad_mean
