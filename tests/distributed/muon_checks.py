@@ -355,26 +355,38 @@ def fsdp2_training_equals_single_process_float64(rank: int, world: int) -> None:
 def make_step_runs_sharded_muon_on_the_per_leaf_tier(rank: int, world: int) -> None:
     """functopt.fast.make_step(muon), donating, on Shard(0) params: the planner's per-leaf
     tier (explain says so, no FastPathWarning), bitwise the update plus apply_updates,
-    params and state still DTensors placed as before, and still two collectives per step."""
+    params and state still DTensors placed as before, and still two collectives per step;
+    inside inject_hyperparams too, its values changed between steps."""
     mesh = _mesh(world)
     full = _tree(torch.float32)
-    tx = _recipe()
-    step = functopt.fast.make_step(tx, donate=True)
-    params, ref_params = _shard_tree(full, mesh), _shard_tree(full, mesh)
-    state, ref_state = tx.init(params), tx.init(ref_params)
-    explained = functopt.fast.explain(tx, params)
-    assert explained.fast and {g.kernel for g in explained.groups} == {"per-leaf"}, explained
-    for i in range(2):
-        grads = _shard_tree(_grads(i, full), mesh)
-        ref_updates, ref_state = tx.update(grads, ref_state, ref_params)
-        ref_params = functopt.apply_updates(ref_params, ref_updates)
-        with CommDebugMode() as comm, warnings.catch_warnings():
-            warnings.simplefilter("error", FastPathWarning)
-            params, state = step(grads, state, params)
-        assert comm.get_total_counts() == 2, comm.get_comm_counts()
-    _assert_tree(params, ref_params)
-    _assert_tree(state, ref_state)
-    assert _placed_like(state, ref_params) == 5 + 2
+    # the recipe, and the recipe inside inject_hyperparams (as functopt.Optimizer lifts
+    # it) with a learning rate and decay that change between steps
+    injected = functopt.inject_hyperparams(contrib.muon, static_args=(
+        "muon_weight_dimension_numbers",))(learning_rate=0.02, weight_decay=0.01,
+                                           adaptive=True, muon_weight_dimension_numbers=_DIMS)
+    for tx in (_recipe(), injected):
+        step = functopt.fast.make_step(tx, donate=True)
+        params, ref_params = _shard_tree(full, mesh), _shard_tree(full, mesh)
+        state, ref_state = tx.init(params), tx.init(ref_params)
+        explained = functopt.fast.explain(tx, params)
+        assert explained.fast and {g.kernel for g in explained.groups} == {"per-leaf"}, (
+            explained)
+        for i in range(2):
+            if tx is injected:
+                hyper = {**state.hyperparams, "learning_rate": torch.tensor(0.02 / (1 + i)),
+                         "weight_decay": torch.tensor(0.01 * i)}
+                state = state._replace(hyperparams=hyper)
+                ref_state = ref_state._replace(hyperparams=dict(hyper))
+            grads = _shard_tree(_grads(i, full), mesh)
+            ref_updates, ref_state = tx.update(grads, ref_state, ref_params)
+            ref_params = functopt.apply_updates(ref_params, ref_updates)
+            with CommDebugMode() as comm, warnings.catch_warnings():
+                warnings.simplefilter("error", FastPathWarning)
+                params, state = step(grads, state, params)
+            assert comm.get_total_counts() == 2, comm.get_comm_counts()
+        _assert_tree(params, ref_params)
+        _assert_tree(state, ref_state)
+        assert _placed_like(state, ref_params) == 5 + 2
 
 
 @check
