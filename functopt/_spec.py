@@ -29,7 +29,9 @@ The nodes:
 - [`Injected`][functopt._spec.Injected]: ``inject_hyperparams``, whose inner transform is
   rebuilt from hyperparameters that live in the state;
 - [`FiniteGuard`][functopt._spec.FiniteGuard]: ``apply_if_finite``, a skip decided by a
-  finiteness check.
+  finiteness check;
+- [`ZeroNans`][functopt._spec.ZeroNans]: ``zero_nans``, nan entries made 0 and a per-leaf
+  flag of whether there was one (reduced over the mesh for DTensor leaves).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ __all__ = [
     "Sequence",
     "Spec",
     "SpecifiedTransformation",
+    "ZeroNans",
     "describe",
     "specified",
 ]
@@ -133,6 +136,20 @@ class FiniteGuard(Spec):
     # after other rules, whose check is of their updates)
     sums: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
     finish: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True, eq=False)
+class ZeroNans(Spec):
+    """``zero_nans()``: every nan of the updates becomes 0, and ``state.found_nan`` records
+    per leaf whether the leaf's update held one (for a DTensor leaf, anywhere on the mesh).
+    ``zeroed(update) -> (zeroed update, this process's flag)`` is its update of one leaf:
+    the fast paths call it (and reduce the DTensor leaves' flags in the step's one packed
+    all-reduce)."""
+
+    zeroed: Callable[[Any], tuple[Any, Any]] = field(compare=False, repr=False)
+
+    def __repr__(self) -> str:
+        return "zero_nans()"
 
 
 @dataclass(frozen=True, eq=False)

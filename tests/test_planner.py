@@ -459,3 +459,64 @@ def test_dampened_trace_takes_fused_sgd_and_equals_torch_sgd(
         x, state = functopt.fast.make_step(guarded)(bad, state, w)
     assert torch.equal(x, w)
     conformance.check_fast_path(lambda: guarded, w, grads[0], steps=2)
+
+
+ZEROED = {
+    "adamw": lambda: functopt.chain(functopt.zero_nans(), functopt.adamw(0.1, weight_decay=0.1)),
+    "clip_adamw": lambda: functopt.chain(functopt.zero_nans(), functopt.clip_by_global_norm(0.5),
+                                         functopt.adamw(0.1)),
+    "guarded_sgd": lambda: functopt.chain(functopt.zero_nans(), functopt.apply_if_finite(
+        functopt.sgd(0.1, momentum=0.9), 2)),
+    "masked_lamb": lambda: functopt.chain(
+        functopt.masked(functopt.zero_nans(), {"w": True, "b": False}), functopt.lamb(0.1)),
+}
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["copy", "donate"])
+@pytest.mark.parametrize("chain", list(ZEROED))
+def test_a_leading_zero_nans_keeps_the_fast_path(chain: str, donate: bool) -> None:
+    """zero_nans before every rule: the nans become 0 before the clip measures and the
+    guard checks (an inf still skips a guarded step), its found_nan flags are the pure
+    path's, and the rest of the chain keeps its kernels (or the per-leaf tier)."""
+    tx = ZEROED[chain]()
+    gen = torch.Generator().manual_seed(5)
+    params = {"w": torch.randn(5, 3, generator=gen, dtype=torch.float64),
+              "b": torch.randn(3, generator=gen, dtype=torch.float64)}
+    state = tx.init(params)
+    assert explain(tx, params, state).fast, explain(tx, params, state).reason
+    ref_params, ref_state = _clone(params), _clone(state)
+    step = make_step(tx, donate=donate)
+    for i in range(5):
+        grads = {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in
+                 params.items()}
+        if i in (1, 3):
+            grads["w"][1, 2] = float("nan")
+        if i == 2 and chain == "guarded_sgd":
+            grads["b"][0] = float("inf")
+        ref_params, ref_state = _pure(tx, grads, ref_state, ref_params)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error", FastPathWarning)
+            params, state = step(_clone(grads), state, params)
+        _assert_close(params, ref_params, f"step {i} params")
+        _assert_close(state, ref_state, f"step {i} state")
+        zeroing = state[0].inner_state if chain == "masked_lamb" else state[0]
+        assert bool(zeroing.found_nan["w"]) == (i in (1, 3)), i
+
+
+def test_zero_nans_after_a_rule_and_in_the_mixed_step_stay_pure() -> None:
+    params = {"w": torch.ones(4, dtype=torch.float64)}
+    late = functopt.chain(functopt.clip_by_global_norm(1.0), functopt.zero_nans(),
+                          functopt.adamw(0.1))
+    got = explain(late, params)
+    assert not got.fast and "zero_nans has a fast form only before" in str(got.reason)
+    # the mixed step skips any nan itself: zero_nans inside it runs pure, and says so
+    from functopt.precision import mixed_precision
+
+    low = {"w": torch.ones(4, dtype=torch.bfloat16)}
+    grads = {"w": torch.full((4,), 0.5, dtype=torch.bfloat16)}
+    fast_tx = mixed_precision(functopt.chain(functopt.zero_nans(), functopt.adamw(0.1)))
+    pure_tx = mixed_precision(functopt.chain(functopt.zero_nans(), functopt.adamw(0.1)),
+                              fused=False)
+    with pytest.warns(FastPathWarning, match="zero_nans inside the mixed-precision step"):
+        fast = fast_tx.step(grads, fast_tx.init(low), low)
+    assert_bitwise_equal(fast, pure_tx.step(grads, pure_tx.init(low), low))

@@ -63,6 +63,7 @@ from functopt._collective.dtensor import (
     _infer_group,
     _leaf_names,
     _rewrap_like,
+    is_dtensor,
     local_tensor,
 )
 from functopt._collective.reduce import all_reduce_stats
@@ -75,6 +76,7 @@ from functopt._spec import (
     Select,
     Sequence,
     Spec,
+    ZeroNans,
     describe,
 )
 from functopt.fast import _compiled, _multi, _perleaf
@@ -304,6 +306,15 @@ class _GuardState:
 
 
 @dataclass
+class _NanZeroing:
+    """A ``zero_nans`` before every rule of its leaves: its update of one leaf (see
+    ``ZeroNans.zeroed``) and, per leaf it sees, the flat index of its ``found_nan`` flag."""
+
+    zeroed: Callable[[Any], tuple[Any, Any]]
+    flags: list[tuple[int, int]]  # (leaf, flat state index of state.found_nan[leaf])
+
+
+@dataclass
 class _Injection:
     count: int  # flat index of the injected transform's count
     hyper: dict[str, int]  # key -> flat index of state.hyperparams[key]
@@ -323,6 +334,8 @@ class Structure:
     clips: list[list[int]] = field(default_factory=list)  # leaves each clip measures
     clip_bounds: list[Any] = field(default_factory=list)  # each clip's max_norm binding
     guards: list[_GuardState] = field(default_factory=list)
+    # each leading zero_nans, in chain order: its per-leaf function and (leaf, flag index)
+    zero_nans: list[_NanZeroing] = field(default_factory=list)
     counter_guard: dict[int, int] = field(default_factory=dict)  # counter -> its guard
     opaque: list[str] = field(default_factory=list)  # why the whole step must stay pure
     nodes: int = 0
@@ -456,12 +469,27 @@ class _Walk:
             self.guard = mark.index
             self.walk(spec.inner, idx.inner_state, sel, f"{where}.apply_if_finite")
             self.guard = None
+        elif isinstance(spec, ZeroNans):
+            self.zero_nans(spec, idx, sel, where)
         elif isinstance(spec, Leafwise):
             self.leafwise(spec, idx, sel, where)
         elif isinstance(spec, Accumulated):
             self.out.opaque.append(f"{where or '<root>'}: {_multi.NOT_SPLIT}")
         else:  # a Spec subclass of a later layer that this planner does not know
             self.out.opaque.append(f"{where}: {type(spec).__name__} has no lowering")
+
+    def zero_nans(self, spec: ZeroNans, idx: Any, sel: list[int], where: str) -> None:
+        """A ``zero_nans`` before every rule of its leaves runs on the gradients before the
+        step's reductions (the clips measure, and the guards check, the zeroed gradients);
+        its DTensor leaves' flags join the step's packed all-reduce."""
+        if self.guard is not None or self.injecting is not None or any(
+                op.kind != "identity" for i in sel for op in self.out.programs[i]):
+            self.out.opaque.append(
+                f"{where}: zero_nans has a fast form only before every other rule of its "
+                f"leaves, outside apply_if_finite and inject_hyperparams")
+            return
+        flags = self.per_leaf(idx.found_nan, "found_nan")
+        self.out.zero_nans.append(_NanZeroing(spec.zeroed, [(i, flags[i]) for i in sel]))
 
     def _leading(self, program: list[Any], sel: list[int]) -> bool:
         """Whether a guard over ``sel`` that comes after ``program`` so far checks what a
@@ -972,6 +1000,41 @@ def counted_leaves(grads: list[Any], name: Callable[[int], str]) -> list[bool]:
             for i, g in enumerate(grads)]
 
 
+def zero_nans(structure: Structure, grads: list[Any],
+              ) -> tuple[list[Any], list[tuple[int, Any, bool]]]:
+    """The gradients after the chain's leading ``zero_nans`` (in chain order; new tensors
+    where one applies, the others as given) and their flags: ``(flat state index, this
+    process's flag, whether the leaf is a DTensor)``, the DTensor ones still to be OR-ed
+    over the mesh (see ``found_nan``)."""
+    if not structure.zero_nans:
+        return grads, []
+    grads = list(grads)
+    flags: list[tuple[int, Any, bool]] = []
+    for zeroing in structure.zero_nans:
+        for i, k in zeroing.flags:
+            g = grads[i]
+            if g is not None:
+                grads[i], flag = zeroing.zeroed(g)
+                flags.append((k, flag, is_dtensor(g)))
+    return grads, flags
+
+
+def found_nan(flags: list[tuple[int, Any, bool]], reduced: list[torch.Tensor],
+              state_leaves: list[Any]) -> list[tuple[int, torch.Tensor]]:
+    """The new ``found_nan`` entries: a plain leaf's flag as computed, a DTensor leaf's
+    from ``reduced`` (its flags summed over the mesh, in order), on its old flag's device:
+    the pure ``zero_nans``' values."""
+    out, sharded = [], iter(reduced)
+    for k, flag, on_mesh in flags:
+        if on_mesh:
+            old = state_leaves[k]
+            flag = next(sharded) > 0
+            if isinstance(old, torch.Tensor):
+                flag = flag.to(old.device)
+        out.append((k, flag))
+    return out
+
+
 def clip_sums(structure: Structure, grads: list[Any], counted: list[bool],
               device: torch.device) -> list[torch.Tensor]:
     """Per clip, this rank's sum of squares (float64) of the gradients it measures: one
@@ -1091,7 +1154,8 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
         finite: list[torch.Tensor] | None = None,
         reads: dict[int, Any] | None = None,
         workspace: dict[Any, Any] | None = None,
-        low: list[Any] | None = None) -> Result | str:
+        low: list[Any] | None = None,
+        nans: list[tuple[int, torch.Tensor]] | None = None) -> Result | str:
     """One step on the kernels. ``multiplier`` (a 0-d float64 tensor) multiplies the
     gradients before the chain (a mixed step's unscale and clip); ``sums`` are the
     clips' global sums of squares of the multiplied gradients; ``finite`` the guards'
@@ -1107,9 +1171,14 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
 
     Returns the reason instead when a hyperparameter read at run time has no fused form
     (an injected ``eps_root`` that is not 0, say), before any tensor was written: the
-    caller takes the pure path.
+    caller takes the pure path. ``nans``: the ``found_nan`` flags of the chain's leading
+    ``zero_nans`` (see `zero_nans`, `found_nan`), whose gradients ``grads`` already are;
+    a chain with one and no flags (the mixed step's) takes the pure path.
     """
     structure = lowered.structure
+    if structure.zero_nans and nans is None:
+        return ("zero_nans inside the mixed-precision step has no fast form (the step "
+                "skips a nan gradient itself)")
     env = _Env(state_leaves, []) if reads is None else _Env(state_leaves, [], reads)
     for inj in structure.injections:
         constants = {k: state_leaves[inj.hyper[k]] for k in inj.constants}
@@ -1179,6 +1248,8 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
             old, value = state_leaves[i], hyper[k]
             new_leaves[i] = value if keep is None or value is old else torch.where(
                 keep.to(old.device), old, value.to(old.dtype))
+    for index, flag in nans or ():
+        new_leaves[index] = flag
     return Result(new_values, new_leaves, lowered.state_spec, new_low)
 
 

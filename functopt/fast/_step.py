@@ -359,11 +359,16 @@ class Step:
             if donate:  # (a step that is not donated returns new tensors: never seen again)
                 self._remember(param_leaves, treespec, grad_leaves, state_leaves, lowered)
         with torch.no_grad():  # donated params may be leaves that require grad
-            sums, finite = _reductions(lowered.structure, param_leaves, grad_leaves, name)
+            structure = lowered.structure
+            grad_leaves, flags = _planner.zero_nans(structure, grad_leaves)
+            sums, finite, reduced = _reductions(
+                structure, param_leaves, grad_leaves, name,
+                nans=[flag for _, flag, on_mesh in flags if on_mesh])
             return _planner.run(lowered, param_leaves, grad_leaves, state_leaves,
                                 donate=donate, donate_grads=self.donate_grads, sums=sums,
                                 finite=finite, reads=planner.reads,
-                                workspace=self._scratch() if donate else None)
+                                workspace=self._scratch() if donate else None,
+                                nans=_planner.found_nan(flags, reduced, state_leaves))
 
     def _step_leaves(self, grads: Updates, state_leaves: list[Any], state_spec: _core.TreeSpec,
                     params: Params) -> tuple[Params, list[Any], _core.TreeSpec]:
@@ -497,13 +502,17 @@ class _Seen:
 
 def _reductions(structure: _planner.Structure, params: list[Any], grads: list[Any],
                 name: Callable[[int], str], *, counted: list[bool] | None = None,
-                group: Any = _INFERRED) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                group: Any = _INFERRED, nans: list[torch.Tensor] | None = None,
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """The global values the chain's clips (sums of squares) and ``apply_if_finite`` guards
     (is every gradient finite) need: one local pass each, and one all-reduce of them all,
     packed, when the params are sharded (over ``group`` when given: the mixed step's; and
-    ``counted``, per leaf, whether this rank counts it, when given)."""
-    if not (structure.clips or structure.guards):
-        return [], []
+    ``counted``, per leaf, whether this rank counts it, when given). ``nans``: the local
+    ``found_nan`` flags of DTensor leaves (a leading ``zero_nans``'), summed in the same
+    all-reduce and returned third."""
+    nans = nans or []
+    if not (structure.clips or structure.guards or nans):
+        return [], [], []
     device = next((local_tensor(g).device for g in grads if g is not None),
                   torch.device("cpu"))
     if counted is None:
@@ -511,13 +520,14 @@ def _reductions(structure: _planner.Structure, params: list[Any], grads: list[An
     else:
         counted = [c and g is not None for c, g in zip(counted, grads, strict=True)]
     local = [*_planner.clip_sums(structure, grads, counted, device),
-             *_planner.nonfinite_counts(structure, grads, counted, device)]
+             *_planner.nonfinite_counts(structure, grads, counted, device),
+             *(flag.to(device, torch.float64) for flag in nans)]
     if group is _INFERRED:
         group = _infer_group(params, name)
     if group is not None:
         local = list(all_reduce_stats(torch.stack(local), group).unbind())
-    n = len(structure.clips)
-    return local[:n], [count == 0 for count in local[n:]]
+    n, m = len(structure.clips), len(structure.clips) + len(structure.guards)
+    return local[:n], [count == 0 for count in local[n:m]], local[m:]
 
 
 def _check(grads: Updates, params: Params) -> tuple[list[Any], _core.TreeSpec, list[Any]]:

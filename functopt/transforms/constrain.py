@@ -9,6 +9,7 @@ import torch
 from functopt._base import EmptyState, GradientTransformation, Params, Updates
 from functopt._collective.dtensor import _infer_group, _leaf_names, is_dtensor
 from functopt._collective.reduce import all_reduce_stats
+from functopt._spec import ZeroNans, specified
 from functopt.transforms import _common
 from functopt.tree import _core
 
@@ -74,22 +75,27 @@ def zero_nans() -> GradientTransformation:
                 new_updates.append(None)
                 new_flags.append(flag)
                 continue
-            is_nan = torch.isnan(g)
-            new_updates.append(torch.where(is_nan, 0.0, g))
-            if is_dtensor(is_nan):
-                # ``is_nan.any()`` would be a Partial DTensor (the local answer); keep the
-                # local flag and reduce all of them below, in one collective.
+            zeroed, flag = _zeroed(g)
+            new_updates.append(zeroed)
+            if is_dtensor(g):
+                # the local flag of a shard: all of them are reduced below, in one collective
                 sharded.append(len(new_flags))
-                new_flags.append(is_nan.to_local().any())
-            else:
-                new_flags.append(is_nan.any())
+            new_flags.append(flag)
         if sharded:
             _reduce_flags(new_flags, sharded, leaves, treespec, flags)
         return _common.unflatten(treespec, new_updates), ZeroNansState(
             found_nan=_common.unflatten(treespec, new_flags)
         )
 
-    return GradientTransformation(init_fn, update_fn)
+    return specified(GradientTransformation(init_fn, update_fn), ZeroNans(_zeroed))
+
+
+def _zeroed(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One leaf's update with its nans made 0, and whether it held one: this process's flag,
+    of the local shard for a DTensor (whose ``any()`` would be a Partial DTensor)."""
+    is_nan = torch.isnan(g)
+    return torch.where(is_nan, 0.0, g), (is_nan.to_local() if is_dtensor(is_nan)
+                                         else is_nan).any()
 
 
 def _reduce_flags(new_flags: list[Any], sharded: list[int], leaves: list[Any],

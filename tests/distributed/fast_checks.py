@@ -22,7 +22,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 import functopt
 from distributed.checks import _assert_placements_like, _full, _mesh
 from distributed.harness import check_registry, run_checks
-from functopt.fast import make_step
+from functopt.fast import FastPathWarning, make_step
 from functopt.precision import dynamic_loss_scale, mixed_precision
 
 CHECKS, check = check_registry()
@@ -171,6 +171,38 @@ def compiled_tier_on_sharded_params_one_collective(rank: int, world: int) -> Non
     warnings.filterwarnings("ignore", message=r".*torch\.jit\.script_method.*")
     _guarded_chain_run(world, lambda: functopt.lion(1e-2, weight_decay=0.1), compile=True,
                        seed=4)
+
+
+@check
+def zero_nans_flags_join_the_one_collective(rank: int, world: int) -> None:
+    """chain(zero_nans, apply_if_finite(chain(clip, adamw))) on Shard(0) params: the nans
+    are made 0 before the clip measures, each leaf's found_nan flag is OR-ed over the
+    mesh in the step's one all-reduce (with the clip's sum and the guard's count); a nan in
+    the last rank's shard sets the flag on every rank, an inf there skips the step."""
+    del rank
+    mesh = _mesh(world)
+    tx = functopt.chain(functopt.zero_nans(), functopt.apply_if_finite(functopt.chain(
+        functopt.clip_by_global_norm(0.5), functopt.adamw(1e-2, weight_decay=0.1)), 3))
+    full = _full_params(5, torch.float64)
+    params = _shard(full, mesh)
+    step = make_step(tx, donate=True)
+    state, ref_state = tx.init(params), tx.init(full)
+    assert functopt.fast.explain(tx, params, state).fast
+    for i in range(3):
+        gen = torch.Generator().manual_seed(60 + i)
+        gfull = {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in full.items()}
+        gfull["m"][-1, 0] = (0.0, float("nan"), float("inf"))[i]  # the last rank's shard
+        grads = _shard(gfull, mesh)
+        with CommDebugMode() as comm, torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error", FastPathWarning)
+            params, state = step(grads, state, params)
+        assert comm.get_total_counts() == 1, ("one collective", comm.get_comm_counts())
+        updates, ref_state = tx.update(gfull, ref_state, full)
+        full = functopt.apply_updates(full, updates)
+        _assert_close(params, full, f"step {i} params")
+        _assert_close(state, ref_state, f"step {i} state")
+        assert bool(state[0].found_nan["m"]) == (i == 1)
+    assert int(state[1].total_notfinite) == 1
 
 
 def _clip_adamw() -> functopt.GradientTransformation:
