@@ -213,6 +213,18 @@ def _moment_data_in_place(params: Any, grads: Any, state: Any) -> tuple[Any, Any
     return params, grads, state
 
 
+def _moment_transposed_in_place(params: Any, grads: Any, state: Any) -> tuple[Any, Any, Any]:
+    nu = state[0].nu["s"]
+    nu.data = nu.data.t()  # the same memory, other strides: no kernel reads it so
+    return params, grads, state
+
+
+def _moment_narrowed_in_place(params: Any, grads: Any, state: Any) -> tuple[Any, Any, Any]:
+    mu = state[0].mu["w"]
+    mu.data = mu.data[:2]  # the same address and strides, another shape
+    return params, grads, state
+
+
 def _state_structure(params: Any, grads: Any, state: Any) -> tuple[Any, Any, Any]:
     return params, grads, state[0]
 
@@ -226,7 +238,8 @@ CHANGES = [_grad_shape, _grad_dtype, _grad_int, _grad_sparse, _grad_none, _grad_
            _param_transposed_in_place,
            _param_shape_in_place, _param_view_same_memory, _param_tied_in_place,
            _param_expanded_in_place, _moment_swapped, _moment_other_dtype,
-           _moment_data_in_place, _state_structure, _count_not_tensor]
+           _moment_data_in_place, _moment_transposed_in_place, _moment_narrowed_in_place,
+           _state_structure, _count_not_tensor]
 
 
 @pytest.mark.parametrize("change", CHANGES, ids=lambda f: f.__name__.strip("_"))

@@ -1500,7 +1500,7 @@ class Planner:
 def _address(x: torch.Tensor) -> tuple[Any, ...]:
     """Where a tensor's elements are and how they are read (of its local shard)."""
     local = local_tensor(x)
-    return (local.data_ptr(), local.dtype, local.stride())
+    return (local.data_ptr(), local.dtype, local.stride(), local.shape)
 
 
 class FastPathWarning(UserWarning):

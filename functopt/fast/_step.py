@@ -485,10 +485,10 @@ def _meta(t: torch.Tensor) -> tuple[Any, ...]:
 class _Seen:
     """The inputs of a fused step whose checks passed and which the planner lowered: the
     params (weakly held) with their metadata, which gradients were None, the state's
-    structure and its per-leaf entries (weakly held, with their addresses). A later step
-    on inputs that `match` it skips the checks and the lookup; anything else (another
-    tensor in a param's or a moment's place, a param's dtype, shape, strides, device or
-    memory changed in place, a gradient that is not a plain dense tensor of its param's
+    structure and its per-leaf entries (weakly held, with their addresses, strides and
+    shapes). A later step on inputs that `match` it skips the checks and the lookup;
+    anything else (another tensor in a param's or a moment's place, a param's dtype, shape,
+    strides, device or memory changed in place, a moment's memory, strides or shape, a gradient that is not a plain dense tensor of its param's
     dtype, shape and device, another structure) runs them all again. Holds no tensor."""
 
     KEPT = 8  # remembered per step function (one per param group of an Optimizer)
@@ -499,7 +499,7 @@ class _Seen:
     grads: list[bool]  # per leaf: had a gradient
     slots: list[int]  # flat state indices of the per-leaf entries
     slot_refs: list[Any]
-    slot_ptrs: list[int]
+    slot_meta: list[Any]  # per entry: its memory, strides and shape
     plain_state: bool  # every state leaf a tensor or None: flatten_up_to is the flatten
     lowered: _planner.Lowered
 
@@ -516,7 +516,7 @@ class _Seen:
             treespec, [None if p is None else weakref.ref(p) for p in param_leaves],
             [None if p is None else _meta(p) for p in param_leaves],
             [g is not None for g in grad_leaves], slots, [weakref.ref(e) for e in entries],
-            [e.data_ptr() for e in entries],
+            [(e.data_ptr(), e.stride(), e.shape) for e in entries],
             all(x is None or isinstance(x, torch.Tensor) for x in state_leaves), lowered)
 
     def match(self, grads: Any, params: Any, state: Any, state_leaves: list[Any] | None,
@@ -555,9 +555,12 @@ class _Seen:
             if not had or type(g) not in _PLAIN or g.layout is not strided or (
                     g.dtype is not meta[0] or g.shape != meta[1] or g.device != meta[3]):
                 return None
-        for k, ref, ptr in zip(self.slots, self.slot_refs, self.slot_ptrs, strict=True):
+        # (a moment whose .data became another view of its memory, transposed or narrowed,
+        # keeps its address: the kernels would read it as laid out before)
+        for k, ref, meta in zip(self.slots, self.slot_refs, self.slot_meta, strict=True):
             entry = state_leaves[k]
-            if entry is not ref() or entry is None or entry.data_ptr() != ptr:
+            if entry is not ref() or entry is None or (
+                    entry.data_ptr(), entry.stride(), entry.shape) != meta:
                 return None
         return param_leaves, treespec, grad_leaves, state_leaves
 
