@@ -458,3 +458,50 @@ def test_a_warm_step_resolves_its_kernel_arguments_once(
         state = _new_lr(3e-2)(state)
         params, state = step(grads, state, params)
     assert calls == [1, 1]
+
+
+# -- counters: advanced in place by a donated step of the kernels alone -------------------
+
+def test_a_donated_kernel_step_advances_its_counters_in_place() -> None:
+    # as torch.optim advances state["step"]; the values are the pure path's
+    tx = _injected()
+    params, grads = _inputs()
+    step = functopt.fast.make_step(tx, donate=True)
+    state = tx.init(params)
+    counts = (state.count, state.inner_state[0].count)
+    with torch.no_grad():
+        for _ in range(3):
+            params, state = step(grads, state, params)
+    assert state.count is counts[0] and state.inner_state[0].count is counts[1]
+    assert int(state.count) == int(state.inner_state[0].count) == 3
+
+
+def test_a_counter_held_twice_is_advanced_once_per_place() -> None:
+    # one tensor in both counters' places (each gets its new value, not a second + 1)
+    tx = _injected()
+
+    def shared(state: Any) -> Any:
+        inner = state.inner_state
+        return state._replace(inner_state=(inner[0]._replace(count=state.count), *inner[1:]))
+
+    params, grads = _inputs(F64)
+    ref_params, ref_state = _clone(params), shared(tx.init(params))
+    step = functopt.fast.make_step(tx, donate=True)
+    state = shared(tx.init(params))
+    with torch.no_grad():
+        for _ in range(3):
+            params, state = step(grads, state, params)
+            updates, ref_state = tx.update(grads, ref_state, ref_params)
+            ref_params = functopt.apply_updates(ref_params, updates)
+    _assert_same_params(ref_params, params)
+    assert int(state.count) == int(state.inner_state[0].count) == 3
+
+
+def test_a_step_that_is_not_donated_leaves_the_counters_given() -> None:
+    tx = _injected()
+    params, grads = _inputs()
+    step = functopt.fast.make_step(tx)
+    state = tx.init(params)
+    with torch.no_grad():
+        _, new = step(grads, state, params)
+    assert int(state.count) == 0 and int(new.count) == 1

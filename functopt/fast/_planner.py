@@ -816,6 +816,14 @@ class Lowered:
     def fast(self) -> bool:
         return self.reason is None
 
+    @functools.cached_property
+    def kernels_only(self) -> bool:
+        """Every group runs a fused kernel (or nothing) and no rule reads a count while the
+        step runs: no guard, no tree sums, no per-leaf or compiled rule."""
+        structure = self.structure
+        return not (structure.guards or structure.tree_wide or structure.perleaf) and all(
+            g.plan.kernel in ("adamw", "adam", "sgd", "zero") for g in self.groups)
+
 
 @dataclass(frozen=True, eq=False)
 class _Steady:
@@ -1155,8 +1163,21 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
         structure.guards) else []
     advanced: dict[int, torch.Tensor] = {}
     hosted: dict[int, int] = {}  # the new values of the counters kept on the host
+    # A donated step of the kernels alone advances its host counters where they are, as
+    # torch.optim advances its steps: each is written its new value (so a tensor held in
+    # two counters' places is written the same value twice) after the kernels, which take
+    # the host values. Any other step (one that may skip, a compiled or per-leaf rule that
+    # reads its count, the mixed step's) makes new counters.
+    owned: list[int] = []
+    in_place = donate and skipped is None and low is None and multiplier is None and (
+        lowered.kernels_only)
     for c in structure.counter_indices:
-        advanced[c] = _increment(state_leaves[c], c, hosted)
+        count = state_leaves[c]
+        if in_place and _on_host(count) and count._base is None:
+            hosted[c] = _next_count(count)
+            owned.append(c)
+        else:
+            advanced[c] = _increment(count, c, hosted)
     perleaf: list[tuple[Group, torch.Tensor | None, torch.Tensor | None]] = []
     prepared = []
     for group, hp in resolved:
@@ -1184,6 +1205,8 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
     if perleaf:
         _perleaf.run_groups(perleaf, values, grads, state_leaves, new_values, new_leaves,
                             treespec=structure.treespec, donate=donate)
+    for c in owned:  # (new_leaves holds them)
+        state_leaves[c].fill_(hosted[c])
     if skipped is None and not structure.guards:
         for c, new in advanced.items():
             new_leaves[c] = new
@@ -1264,14 +1287,23 @@ def _guards(structure: Structure, old: list[Any], new: list[Any],
     return applied
 
 
+def _on_host(count: Any) -> bool:
+    """A counter whose value is read for free: a plain 0-d CPU tensor."""
+    return type(count) is torch.Tensor and count.is_cpu and count.dim() == 0
+
+
+def _next_count(count: torch.Tensor) -> int:
+    """``_common.safe_increment`` of a host counter, as a Python int."""
+    n = int(count)
+    return n + 1 if n < _common.INT32_MAX else n
+
+
 def _increment(count: torch.Tensor, index: int, hosted: dict[int, int]) -> torch.Tensor:
     """``_common.safe_increment``, on the host for a CPU counter (no kernel launches: a
     small model's step pays for every one; this path never runs under torch.func), whose
     new value is then also put in ``hosted[index]``."""
-    if type(count) is torch.Tensor and count.is_cpu and count.dim() == 0:
-        n = int(count)
-        n = n + 1 if n < _common.INT32_MAX else n
-        hosted[index] = n
+    if _on_host(count):
+        n = hosted[index] = _next_count(count)
         return torch.scalar_tensor(n, dtype=count.dtype)
     return _common.safe_increment(count)
 
@@ -1390,10 +1422,11 @@ def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[
             amsgrad) else []
         assert adam.count is not None
         host = hosted.get(adam.count)
-        # (the kernels take the count in float32; made from the host value on the CPU)
-        step = (torch.scalar_tensor(float(host), dtype=torch.float32)
-                if host is not None and group.on_cpu
-                else advanced[adam.count].to(device=device, dtype=torch.float32))
+        # (the kernels take the count in float32; made from the host value when there is
+        # one)
+        step = (advanced[adam.count].to(device=device, dtype=torch.float32) if host is None
+                else torch.scalar_tensor(float(host), dtype=torch.float32,
+                                         device=None if group.on_cpu else device))
         kernel = torch._fused_adamw_ if plan.kernel == "adamw" else torch._fused_adam_
         kernel(p, g, m, n, top, [step] * len(idx), lr=lr, beta1=hp["beta1"],
                beta2=hp["beta2"], weight_decay=wd, eps=hp["eps"], amsgrad=amsgrad,
@@ -1445,7 +1478,7 @@ class Planner:
               donated: list[Any] | None = None, compiled: bool = False) -> Lowered:
         """`lower`, remembered for the same tensors; ``donated``: leaves written in place,
         checked with `check_donation` the first time."""
-        # (counters are new tensors at every step; the per-leaf entries are what is checked)
+        # (counters move at every step; the per-leaf entries are what is checked)
         slots = [state_leaves[k] for k in structure.slot_indices]
         # (the data pointers catch a param or a moment whose .data was replaced in place,
         # as module.to() or .half() do: same object, new memory, maybe a new dtype; the
