@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+import operator
 import pickle
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -558,7 +559,7 @@ class Optimizer(torch.optim.Optimizer):
         mults = (flags.lr_mult, flags.wd_mult)
         last = plan.last_hyper
         if last is not None and last[1] == mults and len(last[0]) == len(raw) and all(
-                a is b for a, b in zip(last[0], raw, strict=True)):
+                map(operator.is_, last[0], raw)):
             return last[2]  # (read only: the callers take the tensors out)
         hyper = self._hyperparams(index, group, plan)
         for name, mult in zip(("learning_rate", "weight_decay"), mults, strict=True):
@@ -814,7 +815,7 @@ class Optimizer(torch.optim.Optimizer):
         raw = (group.get("lr_mult"), group.get("wd_mult"), group.get("frozen"))
         known: dict[int, Any] = self.__dict__.setdefault("_known_flags", {})
         last = known.get(index)
-        if last is not None and all(a is b for a, b in zip(last[0], raw, strict=True)):
+        if last is not None and all(map(operator.is_, last[0], raw)):
             flags: _param_groups.GroupFlags = last[1]
             return flags
         flags = _param_groups.group_flags("functopt.Optimizer", f"param_groups[{index}]", group)

@@ -12,6 +12,7 @@ instead of being silently ignored.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -233,23 +234,23 @@ class TorchOptimizer(Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """``torch.optim.Optimizer.step``: update every param group (after ``closure``)."""
         fixed = self._fixed
-        options = self.__dict__.get("_options")
-        if options is None:
-            options = self._options = [k for k in fixed if k not in HINTS]
-        # Per group, the values last checked (the fixed options' and those check_group
-        # reads): a group that holds the very same objects again (numbers, tuples, bools,
-        # None) is not checked again; a tensor value always is.
+        watched = self.__dict__.get("_watched")
+        if watched is None:  # the fixed options, then the keys check_group reads
+            watched = self._watched = (*(k for k in fixed if k not in HINTS), *_CHECKED_KEYS)
+        # Per group, the values last checked: a group that holds the very same objects
+        # again (numbers, tuples, bools, None) is not checked again; a tensor value always
+        # is.
         checked: dict[int, list[Any]] = self.__dict__.setdefault("_checked", {})
         for i, group in enumerate(self.param_groups):
             get = group.get
-            values = [get(key, _UNSET) for key in options] + [get(key) for key in _CHECKED_KEYS]
+            values = [get(key, _UNSET) for key in watched]
             last = checked.get(i)
-            if last is not None and all(a is b for a, b in zip(last, values, strict=True)):
+            if last is not None and all(map(operator.is_, last, values)):
                 continue
             checked.pop(i, None)
             # The groups hold the very objects stored at construction: identity is the fast
             # check, equality the exact one.
-            for k in options:
+            for k in watched[:len(watched) - len(_CHECKED_KEYS)]:
                 if get(k, fixed[k]) is not fixed[k]:
                     self._check_fixed(f"functopt.optim.{type(self).__name__}.step",
                                       f"param_groups[{i}]",
