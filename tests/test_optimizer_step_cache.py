@@ -315,3 +315,15 @@ def test_a_fixed_option_changed_after_steps_still_raises() -> None:
         opt.step()
     opt.param_groups[0]["amsgrad"] = False
     opt.step()  # the built value steps again
+
+
+@pytest.mark.parametrize("edit", ["deleted", "None"])
+def test_a_state_entry_lost_between_warm_steps_raises_naming_it(edit: str) -> None:
+    params, opt = _stepped(_plain)
+    if edit == "deleted":
+        del opt.state[params[1]]["inner_state.0.nu"]
+    else:
+        opt.state[params[1]]["inner_state.0.nu"] = None
+    with pytest.raises(ValueError, match=r"param 1 of param_groups\[0\] has no "
+                                         r"'inner_state.0.nu'"):
+        opt.step()

@@ -10,6 +10,7 @@ that belong to ``param``.
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import operator
 import pickle
@@ -599,7 +600,7 @@ class Optimizer(torch.optim.Optimizer):
             except (KeyError, TypeError):
                 pass
             else:
-                if not any(leaf is None for leaf in leaves):
+                if not any(map(operator.is_, leaves, itertools.repeat(None))):
                     return leaves, entries
         return self._gather_checked(group, plan, hyper, entries), entries
 
