@@ -650,8 +650,9 @@ class Optimizer(torch.optim.Optimizer):
             )
         if old is not None:
             # The entries the step read, updated in place where a leaf is another tensor
-            # (the counters; a donated fused step's moments are the same tensors), as
-            # torch.optim updates its entries. A state dict taken since the last step holds
+            # (a donated step of the kernels alone keeps every tensor: nothing to write;
+            # the pure path's new moments, or new counters, are), as torch.optim updates
+            # its entries. A state dict taken since the last step holds
             # these dicts: then this step is not donated and writes new ones (below).
             before, entries = old
             targets = plan.targets
