@@ -240,3 +240,90 @@ def test_unchanged_group_values_are_not_read_on_the_host_again(
     # the products made again with it: the lr and the weight decay times their multipliers
     # (host tensors here, which the kernels take as floats)
     assert len(reads) == 2
+
+
+# -- optimizer.state between steps: updated in place, read anew at every step -------------
+
+_TORCH_KEYS = {"count": "step", "inner_state.0.mu": "exp_avg",
+               "inner_state.0.nu": "exp_avg_sq"}
+
+
+@pytest.mark.parametrize("name", sorted(OURS))
+def test_the_state_entries_follow_every_step_as_in_torch(name: str) -> None:
+    params, opt = _stepped(OURS[name])
+    ref_params, ref = _stepped(_torch)
+    for extra in range(2):  # warm steps: the entries are updated where they are
+        for p, q, g in zip(params, ref_params, _grads(STEPS + extra), strict=True):
+            p.grad, q.grad = g, g.clone()
+        opt.step()
+        ref.step()
+        for p, q in zip(params, ref_params, strict=True):
+            entry, theirs = opt.state[p], ref.state[q]
+            assert int(entry["inner_state.0.count"]) == STEPS + extra + 1
+            for key, torch_key in _TORCH_KEYS.items():
+                torch.testing.assert_close(entry[key].to(F64), theirs[torch_key].to(F64),
+                                           rtol=1e-12, atol=0)
+        # the group's counter: one tensor, in every param's entry
+        assert len({id(opt.state[p]["count"]) for p in params}) == 1
+
+
+@pytest.mark.parametrize("name", sorted(OURS))
+def test_a_state_dict_taken_keeps_its_values_over_later_steps(name: str) -> None:
+    params, opt = _stepped(OURS[name])
+    saved = opt.state_dict()
+    snapshot = {k: {n: t.clone() for n, t in v.items()} for k, v in saved["state"].items()}
+    for _ in range(3):  # the first step writes new tensors, the next ones update them
+        opt.step()
+    for k, entry in saved["state"].items():
+        assert set(entry) == set(snapshot[k])
+        for n, t in entry.items():
+            assert torch.equal(t, snapshot[k][n]), (k, n)
+    assert int(opt.state[params[0]]["count"]) == STEPS + 3
+
+
+@pytest.mark.parametrize("name", sorted(OURS))
+def test_a_moment_replaced_between_steps_is_read_as_in_torch(name: str) -> None:
+    params, opt = _stepped(OURS[name])
+    ref_params, ref = _stepped(_torch)
+    # a user's edit of the state, as torch.optim allows: a moment reset to zeros
+    opt.state[params[0]]["inner_state.0.mu"] = torch.zeros_like(params[0])
+    ref.state[ref_params[0]]["exp_avg"] = torch.zeros_like(ref_params[0])
+    opt.step()
+    ref.step()
+    _close([p.detach() for p in params], [q.detach() for q in ref_params])
+    unedited, _ = _stepped(_torch)
+    assert not torch.allclose(unedited[0], ref_params[0])
+
+
+@pytest.mark.parametrize("name", sorted(OURS))
+def test_group_flags_changed_after_steps_take_effect(name: str) -> None:
+    params, opt = _stepped(OURS[name])
+    opt.param_groups[0]["lr_mult"] = -1.0
+    with pytest.raises(ValueError, match=r"lr_mult=-1\.0"):
+        opt.step()
+    opt.param_groups[0]["lr_mult"] = 1.0
+    opt.param_groups[0]["frozen"] = True
+    before = [p.detach().clone() for p in params]
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, before, strict=True))
+
+
+def test_a_fixed_option_changed_after_steps_still_raises() -> None:
+    _, opt = _stepped(_optim)
+    opt.param_groups[0]["amsgrad"] = True
+    with pytest.raises(ValueError, match="amsgrad=True"):
+        opt.step()
+    opt.param_groups[0]["amsgrad"] = False
+    opt.step()  # the built value steps again
+
+
+@pytest.mark.parametrize("edit", ["deleted", "None"])
+def test_a_state_entry_lost_between_warm_steps_raises_naming_it(edit: str) -> None:
+    params, opt = _stepped(_plain)
+    if edit == "deleted":
+        del opt.state[params[1]]["inner_state.0.nu"]
+    else:
+        opt.state[params[1]]["inner_state.0.nu"] = None
+    with pytest.raises(ValueError, match=r"param 1 of param_groups\[0\] has no "
+                                         r"'inner_state.0.nu'"):
+        opt.step()

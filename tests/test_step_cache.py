@@ -213,6 +213,18 @@ def _moment_data_in_place(params: Any, grads: Any, state: Any) -> tuple[Any, Any
     return params, grads, state
 
 
+def _moment_transposed_in_place(params: Any, grads: Any, state: Any) -> tuple[Any, Any, Any]:
+    nu = state[0].nu["s"]
+    nu.data = nu.data.t()  # the same memory, other strides: no kernel reads it so
+    return params, grads, state
+
+
+def _moment_narrowed_in_place(params: Any, grads: Any, state: Any) -> tuple[Any, Any, Any]:
+    mu = state[0].mu["w"]
+    mu.data = mu.data[:2]  # the same address and strides, another shape
+    return params, grads, state
+
+
 def _state_structure(params: Any, grads: Any, state: Any) -> tuple[Any, Any, Any]:
     return params, grads, state[0]
 
@@ -226,7 +238,8 @@ CHANGES = [_grad_shape, _grad_dtype, _grad_int, _grad_sparse, _grad_none, _grad_
            _param_transposed_in_place,
            _param_shape_in_place, _param_view_same_memory, _param_tied_in_place,
            _param_expanded_in_place, _moment_swapped, _moment_other_dtype,
-           _moment_data_in_place, _state_structure, _count_not_tensor]
+           _moment_data_in_place, _moment_transposed_in_place, _moment_narrowed_in_place,
+           _state_structure, _count_not_tensor]
 
 
 @pytest.mark.parametrize("change", CHANGES, ids=lambda f: f.__name__.strip("_"))
@@ -329,3 +342,166 @@ def test_step_hooks_run_once_per_step(make: Callable[[Any], Any]) -> None:
     opt.step()
     opt.step()
     assert seen == ["pre", "post"] * 2
+
+
+# -- the kernels' arguments a warm step keeps (functopt.fast._planner._Steady) ------------
+# A step keeps the Python numbers it passed to the kernels while the tensors it read them
+# from (the injected hyperparameters in the state, a tensor given to the factory) are the
+# same, unmodified tensors. Every other way a value can move must reach the next step: the
+# reference is the pure path (update, then apply_updates) on the same states.
+
+def _injected() -> functopt.GradientTransformation:
+    return functopt.inject_hyperparams(functopt.adamw)(learning_rate=1e-2, weight_decay=0.1)
+
+
+def _pure_and_fast(tx: functopt.GradientTransformation, edits: list[Callable[[Any], Any]],
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Steps of ``tx`` (float64), each after its edit of the state: (pure, fast) params."""
+    params, grads = _inputs(F64)
+    ref_params, ref_state = _clone(params), tx.init(params)
+    step = functopt.fast.make_step(tx, donate=True)
+    state = tx.init(params)
+    with torch.no_grad():
+        for edit in edits:
+            state, ref_state = edit(state), edit(ref_state)
+            params, state = step(grads, state, params)
+            updates, ref_state = tx.update(grads, ref_state, ref_params)
+            ref_params = functopt.apply_updates(ref_params, updates)
+    return ref_params, params
+
+
+def _assert_same_params(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-12, atol=0)
+
+
+def _keep(state: Any) -> Any:
+    return state
+
+
+def _new_lr(value: float) -> Callable[[Any], Any]:
+    def edit(state: Any) -> Any:  # another tensor in the hyperparameter's place
+        return state._replace(hyperparams={**state.hyperparams,
+                                           "learning_rate": torch.tensor(value, dtype=F64)})
+    return edit
+
+
+def _lr_in_place(value: float) -> Callable[[Any], Any]:
+    def edit(state: Any) -> Any:  # the same tensor, written in place
+        state.hyperparams["learning_rate"].fill_(value)
+        return state
+    return edit
+
+
+@pytest.mark.parametrize("edits", [
+    [_keep, _keep, _new_lr(3e-2), _keep, _new_lr(1e-3)],
+    [_keep, _keep, _lr_in_place(3e-2), _keep, _lr_in_place(1e-3)],
+], ids=["replaced", "in place"])
+def test_an_injected_hyperparameter_changed_after_warm_steps_reaches_the_kernel(
+        edits: list[Callable[[Any], Any]]) -> None:
+    ref, got = _pure_and_fast(_injected(), edits)
+    _assert_same_params(ref, got)
+    # the edits are no no-op: without them the params differ
+    unedited, _ = _pure_and_fast(_injected(), [_keep] * len(edits))
+    assert not torch.allclose(unedited["w"], ref["w"])
+
+
+def test_a_tensor_given_to_the_factory_changed_in_place_reaches_the_kernel() -> None:
+    # (the pure path reads the weight decay's tensor at every update)
+    decay = torch.tensor(0.1, dtype=F64)
+    tx = functopt.adamw(1e-2, weight_decay=decay)
+
+    def scaled(value: float) -> Callable[[Any], Any]:
+        def edit(state: Any) -> Any:
+            decay.fill_(value)
+            return state
+        return edit
+
+    ref, got = _pure_and_fast(tx, [_keep, _keep, scaled(0.5), _keep, scaled(0.0)])
+    _assert_same_params(ref, got)
+    unedited, _ = _pure_and_fast(functopt.adamw(1e-2, weight_decay=0.1), [_keep] * 5)
+    assert not torch.allclose(unedited["w"], ref["w"])
+
+
+@pytest.mark.parametrize("make", [
+    lambda: functopt.adamw(functopt.schedules.linear_schedule(1e-2, 1e-3, 4),
+                           weight_decay=0.1),
+    lambda: functopt.inject_hyperparams(functopt.adamw)(
+        learning_rate=functopt.schedules.linear_schedule(1e-2, 1e-3, 4), weight_decay=0.1),
+    lambda: functopt.chain(functopt.dampened_trace(0.9, dampening=0.5),
+                           functopt.scale_by_learning_rate(1e-2)),
+], ids=["schedule", "injected schedule", "dampened trace"])
+def test_values_of_the_count_move_at_every_warm_step(
+        make: Callable[[], functopt.GradientTransformation]) -> None:
+    # (a schedule of the count, and the dampened trace's first-step flag, differ per step:
+    # never kept)
+    ref, got = _pure_and_fast(make(), [_keep] * 5)
+    _assert_same_params(ref, got)
+
+
+def test_a_warm_step_resolves_its_kernel_arguments_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # (what the memo is for: unchanged hyperparameters are not read again)
+    from functopt.fast import _planner
+    tx = _injected()
+    params, grads = _inputs()
+    step = functopt.fast.make_step(tx, donate=True)
+    state = tx.init(params)
+    calls = []
+    real = _planner._hyperparameters
+    monkeypatch.setattr(_planner, "_hyperparameters",
+                        lambda *a: calls.append(1) or real(*a))  # type: ignore[func-returns-value]
+    with torch.no_grad():
+        params, state = step(grads, state, params)
+        params, state = step(grads, state, params)
+        assert calls == [1]
+        state = _new_lr(3e-2)(state)
+        params, state = step(grads, state, params)
+    assert calls == [1, 1]
+
+
+# -- counters: advanced in place by a donated step of the kernels alone -------------------
+
+def test_a_donated_kernel_step_advances_its_counters_in_place() -> None:
+    # as torch.optim advances state["step"]; the values are the pure path's
+    tx = _injected()
+    params, grads = _inputs()
+    step = functopt.fast.make_step(tx, donate=True)
+    state = tx.init(params)
+    counts = (state.count, state.inner_state[0].count)
+    with torch.no_grad():
+        for _ in range(3):
+            params, state = step(grads, state, params)
+    assert state.count is counts[0] and state.inner_state[0].count is counts[1]
+    assert int(state.count) == int(state.inner_state[0].count) == 3
+
+
+def test_a_counter_held_twice_is_advanced_once_per_place() -> None:
+    # one tensor in both counters' places (each gets its new value, not a second + 1)
+    tx = _injected()
+
+    def shared(state: Any) -> Any:
+        inner = state.inner_state
+        return state._replace(inner_state=(inner[0]._replace(count=state.count), *inner[1:]))
+
+    params, grads = _inputs(F64)
+    ref_params, ref_state = _clone(params), shared(tx.init(params))
+    step = functopt.fast.make_step(tx, donate=True)
+    state = shared(tx.init(params))
+    with torch.no_grad():
+        for _ in range(3):
+            params, state = step(grads, state, params)
+            updates, ref_state = tx.update(grads, ref_state, ref_params)
+            ref_params = functopt.apply_updates(ref_params, updates)
+    _assert_same_params(ref_params, params)
+    assert int(state.count) == int(state.inner_state[0].count) == 3
+
+
+def test_a_step_that_is_not_donated_leaves_the_counters_given() -> None:
+    tx = _injected()
+    params, grads = _inputs()
+    step = functopt.fast.make_step(tx)
+    state = tx.init(params)
+    with torch.no_grad():
+        _, new = step(grads, state, params)
+    assert int(state.count) == 0 and int(new.count) == 1

@@ -10,7 +10,9 @@ that belong to ``param``.
 from __future__ import annotations
 
 import copy
+import itertools
 import math
+import operator
 import pickle
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -167,6 +169,16 @@ class _Plan:
         # Leaves that may be None in a state (None in the template): a None read from
         # optimizer.state anywhere else is a missing entry.
         self.nullable = [leaf is None for leaf in self.template]
+        self.any_nullable = any(self.nullable)
+        # Per leaf, where a step reads it: (-1, name) from the hyperparameters, else (the
+        # param whose entry holds it, its name in the entry), a group-level leaf from the
+        # first param's entry. Per stored leaf (not a hyperparameter), every entry that
+        # holds it: (param, name).
+        self.reads = [(-1 if kind == _HYPER else (j if kind == _FIELD else 0), name)
+                      for kind, j, name in self.leaves]
+        self.stored = [i for i, (kind, _, _) in enumerate(self.leaves) if kind != _HYPER]
+        self.targets = [[(k, name) for k in range(len(order))] if kind == _GROUP else
+                        [(j, name)] for kind, j, name in self.leaves]
         # Whether the state holds tensors a step updates (in place, with donation): then a
         # restart needs a fresh init, not the template the first step already took.
         self.stateful = any(kind != _HYPER and leaf is not None
@@ -548,8 +560,8 @@ class Optimizer(torch.optim.Optimizer):
         mults = (flags.lr_mult, flags.wd_mult)
         last = plan.last_hyper
         if last is not None and last[1] == mults and len(last[0]) == len(raw) and all(
-                a is b for a, b in zip(last[0], raw, strict=True)):
-            return dict(last[2])
+                map(operator.is_, last[0], raw)):
+            return last[2]  # (read only: the callers take the tensors out)
         hyper = self._hyperparams(index, group, plan)
         for name, mult in zip(("learning_rate", "weight_decay"), mults, strict=True):
             if mult != 1.0:
@@ -565,16 +577,37 @@ class Optimizer(torch.optim.Optimizer):
     ) -> list[Any]:
         """The leaves of the group's transform state (of ``plan.treespec``): its entries in
         ``optimizer.state``, the hyperparameters from the group."""
+        return self._collect(index, group, plan, flags)[0]
+
+    def _collect(
+        self, index: int, group: dict[str, Any], plan: _Plan, flags: _param_groups.GroupFlags
+    ) -> tuple[list[Any], list[Any] | None]:
+        """`_gather`'s leaves, and the ``optimizer.state`` entries they were read from (None
+        when the state starts from init)."""
         params = group["params"]
         get = self.state.get
-        entries = [get(p) for p in params]
+        entries: list[Any] = [get(p) for p in params]
         hyper = self._step_hyperparams(index, group, plan, flags)
         # No state (cleared, or a stateless transform), or the state add_param_group made
         # for params that have moved since: start from init, on the params as they are now.
         if not any(entries) or self._unstepped.get(index, plan) is not plan:
             template = plan.fresh(self._transform, self._tree(group, params))
             return [hyper[name] if kind == _HYPER else leaf
-                    for (kind, _, name), leaf in zip(plan.leaves, template, strict=True)]
+                    for (kind, _, name), leaf in zip(plan.leaves, template, strict=True)], None
+        if not plan.any_nullable:
+            try:  # every entry holds every key it must: read them (else say which is not)
+                leaves = [hyper[name] if j < 0 else entries[j][name] for j, name in plan.reads]
+            except (KeyError, TypeError):
+                pass
+            else:
+                if not any(map(operator.is_, leaves, itertools.repeat(None))):
+                    return leaves, entries
+        return self._gather_checked(group, plan, hyper, entries), entries
+
+    def _gather_checked(self, group: dict[str, Any], plan: _Plan, hyper: dict[str, Any],
+                        entries: list[Any]) -> list[Any]:
+        """`_collect`'s leaves from ``entries``, each checked (a missing one raises, naming
+        the param and the key; a nullable one may be absent)."""
         first = entries[0]
         nullable = plan.nullable
         leaves: list[Any] = []
@@ -596,9 +629,12 @@ class Optimizer(torch.optim.Optimizer):
         return leaves
 
     def _scatter(self, group: dict[str, Any], plan: _Plan, state: Any,
-                 treespec: _core.TreeSpec | None = None) -> None:
+                 treespec: _core.TreeSpec | None = None,
+                 old: tuple[list[Any], list[Any]] | None = None) -> None:
         """Write the group's transform state into ``optimizer.state``: a state tree, or its
-        leaves of ``treespec`` (a step's), or, without ``treespec``, the template's leaves."""
+        leaves of ``treespec`` (a step's), or, without ``treespec``, the template's leaves.
+        ``old``: the leaves this step read and the entries it read them from, which are
+        then updated where a leaf changed (a step that hands no state dict's tensors over)."""
         if isinstance(state, list):
             leaves = state
         else:
@@ -612,7 +648,24 @@ class Optimizer(torch.optim.Optimizer):
                 f"{treespec}, but its init gave {plan.treespec}. Fix: a transform's state must "
                 f"keep the structure init gives it."
             )
-        # New dicts each step: a state_dict taken earlier keeps its values. Every param has
+        if old is not None:
+            # The entries the step read, updated in place where a leaf is another tensor
+            # (a donated step of the kernels alone keeps every tensor: nothing to write;
+            # the pure path's new moments, or new counters, are), as torch.optim updates
+            # its entries. A state dict taken since the last step holds
+            # these dicts: then this step is not donated and writes new ones (below).
+            before, entries = old
+            targets = plan.targets
+            for i in plan.stored:
+                value = leaves[i]
+                if value is not before[i]:
+                    for j, name in targets[i]:
+                        if value is None:
+                            entries[j].pop(name, None)
+                        else:
+                            entries[j][name] = value
+            return
+        # New dicts: a state_dict taken earlier keeps its values. Every param has
         # an entry, empty for a stateless transform, as torch.optim's SGD keeps
         # {'momentum_buffer': None}: torch.distributed.checkpoint's state-dict helpers take a
         # zero-gradient step to create the state of an optimizer whose state is empty, which
@@ -758,16 +811,30 @@ class Optimizer(torch.optim.Optimizer):
         self.load_state_dict(_state_dict.named_to_torch(
             "functopt.Optimizer.load_named_state_dict", state_dict))
 
-    def _step_group(self, index: int, group: dict[str, Any]) -> None:
+    def _flags(self, index: int, group: dict[str, Any]) -> _param_groups.GroupFlags:
+        """``group_flags`` of the group, read again only when one of its values is another
+        object than at the last step (they are numbers and bools: replaced to be changed)."""
+        raw = (group.get("lr_mult"), group.get("wd_mult"), group.get("frozen"))
+        known: dict[int, Any] = self.__dict__.setdefault("_known_flags", {})
+        last = known.get(index)
+        if last is not None and all(map(operator.is_, last[0], raw)):
+            flags: _param_groups.GroupFlags = last[1]
+            return flags
         flags = _param_groups.group_flags("functopt.Optimizer", f"param_groups[{index}]", group)
+        known[index] = (raw, flags)
+        return flags
+
+    def _step_group(self, index: int, group: dict[str, Any]) -> None:
+        flags = self._flags(index, group)
         params = group["params"]
         grads = [p.grad for p in params]
         if flags.frozen:
             return
         stepped = False
+        strided = torch.strided
         for j, g in enumerate(grads):
             if g is not None:
-                if g.layout != torch.strided:
+                if g.layout is not strided:
                     raise TypeError(
                         f"functopt.Optimizer: {self._describe(group, j)} has a {g.layout} "
                         f"gradient; functopt transforms take dense gradients. Fix: use a "
@@ -783,7 +850,7 @@ class Optimizer(torch.optim.Optimizer):
             plan = self._plan(index, group, placed=True)
         if not plan.allowed.issuperset(group):
             self._check_options(index, group, plan)
-        state = self._gather(index, group, plan, flags)
+        state, entries = self._collect(index, group, plan, flags)
         ptree = self._tree(group, params)
         # A recipe with a fused kernel runs it, any other transform its pure update and
         # grouped adds. The step may update the gathered state where it is (donation),
@@ -793,15 +860,14 @@ class Optimizer(torch.optim.Optimizer):
         steppers = self.__dict__.setdefault("_steppers", {})
         if donate not in steppers:  # one step function each: they cache their plans
             steppers[donate] = make_step(self._transform, donate=donate, fused=self._fused)
-        new, state, treespec = steppers[donate]._step_leaves(self._tree(group, grads), state,
-                                                            plan.treespec, ptree)
+        new, new_state, treespec = steppers[donate]._step_leaves(
+            self._tree(group, grads), state, plan.treespec, ptree)
         if not donate:
-            leaves, spec = _core.flatten(ptree)
-            news = _core.flatten_like(spec, new, name="new params", reference="params")
-            for p, n in zip(leaves, news, strict=True):
+            for p, n in zip(_core.flatten(ptree)[0], new, strict=True):
                 if n is not p:
                     p.copy_(n)
-        self._scatter(group, plan, state, treespec)
+        self._scatter(group, plan, new_state, treespec,
+                      None if entries is None or not donate else (state, entries))
         self._unstepped.pop(index, None)
 
     # -- checkpoints ----------------------------------------------------------------------

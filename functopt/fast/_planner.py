@@ -171,6 +171,7 @@ class _Scheduled:
     arg: str = "schedule"
 
     def __call__(self, env: _Env) -> Any:
+        env.volatile = True  # a value of the count: another at every step
         # checked as the pure path checks it: a number or a 0-d tensor
         return _common.schedule_value(self.owner, self.arg, self.schedule,
                                       env.leaves[self.count])
@@ -200,10 +201,15 @@ class _Env:
     # (for the compiled tier, which runs the rules' own updates), made when first asked
     builds: list[Any] = field(default_factory=list)
     built: dict[int, list[Any]] = field(default_factory=dict)
+    # whether a value read depends on more than the tensors in ``log`` (a count, a rebuilt
+    # rule): then what this step resolved is not kept for the next (see `_Steady`)
+    volatile: bool = False
+    log: list[torch.Tensor] = field(default_factory=list)  # the tensors `number` read
 
     def spec_of(self, rebuild: tuple[int, int]) -> Leafwise:
         """The spec of the rule at ``rebuild`` (see ``_Op.rebuild``) in the injected
         transform built from this step's hyperparameters (built once per step)."""
+        self.volatile = True
         node, position = rebuild
         specs = self.built.get(node)
         if specs is None:
@@ -223,6 +229,7 @@ class _Env:
         accelerator each read is a synchronisation)."""
         if not isinstance(value, torch.Tensor):
             return float(value)
+        self.log.append(value)
         found = self.reads.get(id(value))
         if found is not None and found[0]() is value and found[1] == value._version:
             return found[2]
@@ -347,6 +354,11 @@ class Structure:
     treespec: Any = None  # the params' structure (the per-leaf tier rebuilds trees)
     perleaf: bool = False  # some rule is a PerLeaf one: the per-leaf tier is on
     tree_wide: list[int] = field(default_factory=list)  # the rules with tree sums
+
+    @functools.cached_property
+    def counter_indices(self) -> list[int]:
+        """``counters`` without repeats, in order."""
+        return list(dict.fromkeys(self.counters))
 
     @functools.cached_property
     def slot_indices(self) -> list[int]:
@@ -882,6 +894,10 @@ class Group:
 
     _slots: dict[tuple[str, str], list[int]] = field(default_factory=dict)
 
+    @functools.cached_property
+    def on_cpu(self) -> bool:
+        return self.device.type == "cpu"
+
     def slots(self, op: str, slot: str) -> list[int]:
         """The flat state indices of ``slot`` of the rule ``op`` ("adam", "trace")."""
         found = self._slots.get((op, slot))
@@ -899,10 +915,85 @@ class Lowered:
     state_spec: _core.TreeSpec
     groups: list[Group]
     reason: str | None  # None: every leaf with a gradient is in a group
+    # what the last step resolved, kept while the tensors it read are unchanged (`run`)
+    steady: _Steady | None = None
 
     @property
     def fast(self) -> bool:
         return self.reason is None
+
+    @functools.cached_property
+    def kernels_only(self) -> bool:
+        """Every group runs a fused kernel (or nothing) and no rule reads a count while the
+        step runs: no guard, no tree sums, no per-leaf or compiled rule."""
+        structure = self.structure
+        return not (structure.guards or structure.tree_wide or structure.perleaf) and all(
+            g.plan.kernel in ("adamw", "adam", "sgd", "zero") for g in self.groups)
+
+
+@dataclass(frozen=True, eq=False)
+class _Steady:
+    """The kernels' arguments a step resolved (Python numbers only: no tensor is kept) and
+    the clips' bounds, with what they were read from: the injected hyperparameters' state
+    leaves and every other tensor read on the host (weakly held, with their version
+    counters). A later step whose hyperparameter leaves are those very tensors, and whose
+    tensors read are unmodified, resolves the same numbers, so it takes them: no
+    ``values_at``, no host reads. A step whose values depend on anything else (a schedule
+    of the count, a rule rebuilt from the values, SGD's first-step flag) is never kept, nor
+    one whose ``values_at`` made new tensors (the next state's hyperparameter leaves must be
+    the old ones)."""
+
+    hyper: list[int]  # the flat state indices of the injected hyperparameters
+    refs: list[tuple[Any, int]]  # per index of ``hyper``: (weakref, version)
+    reads: list[tuple[Any, int]]  # the other tensors read: (weakref, version)
+    resolved: list[tuple[Group, dict[str, Any]]]
+    bounds: list[Any]
+
+    @classmethod
+    def of(cls, structure: Structure, env: _Env, state_leaves: list[Any],
+           resolved: list[tuple[Group, dict[str, Any]]], bounds: list[Any]) -> _Steady | None:
+        if env.volatile or not all(_plain_number(v) for _, hp in resolved
+                                   for v in hp.values()) or not all(map(_plain_number, bounds)):
+            return None
+        hyper: list[int] = []
+        for inj, values in zip(structure.injections, env.hyper, strict=True):
+            if len(inj.constants) != len(inj.hyper):
+                return None  # a schedule: a value of the count
+            for k, i in inj.hyper.items():
+                if values[k] is not state_leaves[i]:
+                    return None  # values_at made a new tensor: the state moves
+                hyper.append(i)
+        if any(type(state_leaves[i]) not in _PLAIN for i in hyper):
+            return None
+        held = {id(state_leaves[i]) for i in hyper}
+        others = {id(t): t for t in env.log if id(t) not in held}
+        if any(type(t) not in _PLAIN for t in others.values()):
+            return None
+        return cls(hyper, [(weakref.ref(state_leaves[i]), state_leaves[i]._version)
+                           for i in hyper],
+                   [(weakref.ref(t), t._version) for t in others.values()], resolved, bounds)
+
+    def holds(self, state_leaves: list[Any]) -> bool:
+        """Whether these hyperparameter leaves, and the other tensors read, are the ones
+        this was resolved from, unmodified."""
+        for i, (ref, version) in zip(self.hyper, self.refs, strict=True):
+            x = state_leaves[i]
+            if x is not ref() or x._version != version:
+                return False
+        for ref, version in self.reads:
+            x = ref()
+            if x is None or x._version != version:
+                return False
+        return True
+
+
+# Tensors whose identity and version counter `_Steady` trusts (a subclass may hold values
+# elsewhere).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain_number(value: Any) -> bool:
+    return type(value) in (float, int, bool)
 
 
 def lower(structure: Structure, state_spec: _core.TreeSpec, values: list[Any],
@@ -1179,38 +1270,61 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
     if structure.zero_nans and nans is None:
         return ("zero_nans inside the mixed-precision step has no fast form (the step "
                 "skips a nan gradient itself)")
-    env = _Env(state_leaves, []) if reads is None else _Env(state_leaves, [], reads)
-    for inj in structure.injections:
-        constants = {k: state_leaves[inj.hyper[k]] for k in inj.constants}
-        env.hyper.append(inj.values_at(state_leaves[inj.count], constants))
-        env.builds.append(inj.build)
-    new_values = list(values)
-    new_leaves = list(state_leaves)
-    new_low: list[Any] | None = None if low is None else [None] * len(low)
     if structure.clips and (sums is None or len(sums) != len(structure.clips)):
         raise ValueError("the planner's run needs one sum of squares per clip")
     if structure.guards and (finite is None or len(finite) != len(structure.guards)):
         raise ValueError("the planner's run needs one finiteness flag per guard")
+    steady = lowered.steady
+    env: _Env | None = None
+    if steady is not None and steady.holds(state_leaves):
+        resolved, bounds = steady.resolved, steady.bounds
+    else:
+        env = _Env(state_leaves, []) if reads is None else _Env(state_leaves, [], reads)
+        for inj in structure.injections:
+            constants = {k: state_leaves[inj.hyper[k]] for k in inj.constants}
+            env.hyper.append(inj.values_at(state_leaves[inj.count], constants))
+            env.builds.append(inj.build)
+        bounds = [bound(env) for bound in structure.clip_bounds]
+        # every value read at run time first, so that a refusal comes before any write
+        resolved = []
+        for group in lowered.groups:
+            if group.plan.kernel == "zero":
+                continue
+            hp = _hyperparameters(group.plan, env)
+            if isinstance(hp, str):
+                return hp
+            resolved.append((group, hp))
+        lowered.steady = _Steady.of(structure, env, state_leaves, resolved, bounds)
+    new_values = list(values)
+    new_leaves = list(state_leaves)
+    new_low: list[Any] | None = None if low is None else [None] * len(low)
     # each clip's norm in global_norm's dtype over the leaves it measures: float64 if
     # one of them is float64 (computed only for chains that clip)
     clip_factors = [
-        _clip_multiplier(s, bound(env), torch.float64 if any(
+        _clip_multiplier(s, bound, torch.float64 if any(
             values[i] is not None and values[i].dtype == torch.float64 for i in leaves)
             else torch.float32)
-        for s, bound, leaves in zip(sums or [], structure.clip_bounds, structure.clips,
-                                    strict=True)]
-    # every value read at run time first, so that a refusal comes before any write
-    resolved = []
-    for group in lowered.groups:
-        if group.plan.kernel == "zero":
-            continue
-        hp = _hyperparameters(group.plan, env)
-        if isinstance(hp, str):
-            return hp
-        resolved.append((group, hp))
+        for s, bound, leaves in zip(sums or [], bounds, structure.clips, strict=True)]
     skipped = None if found_inf is None else found_inf != 0
-    applied = _guards(structure, state_leaves, new_leaves, finite or [], skipped)
-    advanced = {c: _increment(state_leaves[c]) for c in dict.fromkeys(structure.counters)}
+    applied = _guards(structure, state_leaves, new_leaves, finite or [], skipped) if (
+        structure.guards) else []
+    advanced: dict[int, torch.Tensor] = {}
+    hosted: dict[int, int] = {}  # the new values of the counters kept on the host
+    # A donated step of the kernels alone advances its host counters where they are, as
+    # torch.optim advances its steps: each is written its new value (so a tensor held in
+    # two counters' places is written the same value twice) after the kernels, which take
+    # the host values. Any other step (one that may skip, a compiled or per-leaf rule that
+    # reads its count, the mixed step's) makes new counters.
+    owned: list[int] = []
+    in_place = donate and skipped is None and low is None and multiplier is None and (
+        lowered.kernels_only)
+    for c in structure.counter_indices:
+        count = state_leaves[c]
+        if in_place and _on_host(count) and count._base is None:
+            hosted[c] = _next_count(count)
+            owned.append(c)
+        else:
+            advanced[c] = _increment(count, c, hosted)
     perleaf: list[tuple[Group, torch.Tensor | None, torch.Tensor | None]] = []
     prepared = []
     for group, hp in resolved:
@@ -1232,17 +1346,27 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
     for group, hp, scale, flag in prepared:
         _run_group(group, hp, values, grads, state_leaves, new_values, new_leaves,
                    donate=donate, donate_grads=donate_grads, scale=scale, found_inf=flag,
-                   advanced=advanced, compiled=structure.compiled, workspace=workspace,
+                   advanced=advanced, hosted=hosted, compiled=structure.compiled,
+                   workspace=workspace,
                    totals=totals, low=low, new_low=new_low)
     if perleaf:
         _perleaf.run_groups(perleaf, values, grads, state_leaves, new_values, new_leaves,
                             treespec=structure.treespec, donate=donate, env=env)
-    for c, new in advanced.items():
-        # a skipped step (found_inf, or a guard that skipped) leaves its counters as they were
-        keep = _keep(skipped, applied, structure.counter_guard.get(c))
-        new_leaves[c] = new if keep is None else torch.where(
-            keep.to(new.device), state_leaves[c], new)
-    for inj, hyper in zip(structure.injections, env.hyper, strict=True):
+    for c in owned:  # (new_leaves holds them)
+        state_leaves[c].fill_(hosted[c])
+    if skipped is None and not structure.guards:
+        for c, new in advanced.items():
+            new_leaves[c] = new
+    else:
+        for c, new in advanced.items():
+            # a skipped step (found_inf, or a guard that skipped) leaves its counters as
+            # they were
+            keep = _keep(skipped, applied, structure.counter_guard.get(c))
+            new_leaves[c] = new if keep is None else torch.where(
+                keep.to(new.device), state_leaves[c], new)
+    # (a steady step's hyperparameter leaves are the old ones, which new_leaves holds)
+    for inj, hyper in zip(structure.injections, [] if env is None else env.hyper,
+                          strict=env is not None):
         keep = _keep(skipped, applied, inj.guard)
         for k, i in inj.hyper.items():
             old, value = state_leaves[i], hyper[k]
@@ -1312,17 +1436,31 @@ def _guards(structure: Structure, old: list[Any], new: list[Any],
     return applied
 
 
-def _increment(count: torch.Tensor) -> torch.Tensor:
+def _on_host(count: Any) -> bool:
+    """A counter whose value is read for free: a plain 0-d CPU tensor."""
+    return type(count) is torch.Tensor and count.is_cpu and count.dim() == 0
+
+
+def _next_count(count: torch.Tensor) -> int:
+    """``_common.safe_increment`` of a host counter, as a Python int."""
+    n = int(count)
+    return n + 1 if n < _common.INT32_MAX else n
+
+
+def _increment(count: torch.Tensor, index: int, hosted: dict[int, int]) -> torch.Tensor:
     """``_common.safe_increment``, on the host for a CPU counter (no kernel launches: a
-    small model's step pays for every one; this path never runs under torch.func)."""
-    if count.device.type == "cpu" and type(count) is torch.Tensor and count.dim() == 0:
-        n = int(count)
-        return torch.scalar_tensor(n + 1 if n < _common.INT32_MAX else n, dtype=count.dtype)
+    small model's step pays for every one; this path never runs under torch.func), whose
+    new value is then also put in ``hosted[index]``."""
+    if _on_host(count):
+        n = hosted[index] = _next_count(count)
+        return torch.scalar_tensor(n, dtype=count.dtype)
     return _common.safe_increment(count)
 
 
 def _owned(xs: list[Any], donate: bool) -> list[torch.Tensor]:
-    return [local_tensor(x) if donate else local_tensor(x).clone() for x in xs]
+    if donate:  # (a plain tensor is its own shard: no call per leaf)
+        return [x if type(x) in _PLAIN else local_tensor(x) for x in xs]
+    return [local_tensor(x).clone() for x in xs]
 
 
 def _kernel_grads(grads: list[Any], values: list[torch.Tensor], owned: bool,
@@ -1331,7 +1469,7 @@ def _kernel_grads(grads: list[Any], values: list[torch.Tensor], owned: bool,
     copies the kernel may write when it unscales in place and the caller keeps them."""
     out = []
     for g, v in zip(grads, values, strict=True):
-        local = local_tensor(g)
+        local = g if type(g) in _PLAIN else local_tensor(g)
         if local.stride() != v.stride() and local.numel() > 1:
             local = torch.empty_like(v).copy_(local)
         elif needs_write and not owned:
@@ -1344,7 +1482,12 @@ def _hyperparameters(plan: _KernelPlan, env: _Env) -> dict[str, Any] | str:
     """The kernel's arguments at this step (Python floats, the lr possibly a 0-d tensor), or
     the reason a value read now has no fused form."""
     if plan.kernel == "perleaf":
-        return {}  # the rules' own updates read their hyperparameters
+        # the rules' own updates read their hyperparameters; an injected rule's are taken
+        # from the inner transform built with this step's values (in the tier's run), so
+        # nothing resolved here may be kept for the next step
+        if any(op.rebuild is not None for op in plan.ops):
+            env.volatile = True
+        return {}
     if plan.kernel == "compiled":
         # the rules' own updates, which read their hyperparameters; an injected rule's from
         # the inner transform built with this step's values, as inject_hyperparams does
@@ -1375,6 +1518,7 @@ def _hyperparameters(plan: _KernelPlan, env: _Env) -> dict[str, Any] | str:
             # (free for a CPU count; one synchronisation per step elsewhere)
             assert trace.count is not None
             hp["dampening"] = env.number(trace.args["dampening"](env))
+            env.volatile = True
             hp["is_first_step"] = int(env.leaves[trace.count]) == 0
         if trace is not None and hp["momentum"] == 0.0:
             return ("trace(decay=0) (here an injected momentum of 0) keeps a trace equal to "
@@ -1386,7 +1530,8 @@ def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[
                state_leaves: list[Any], new_values: list[Any], new_leaves: list[Any], *,
                donate: bool, donate_grads: bool, scale: torch.Tensor | None,
                found_inf: torch.Tensor | None, advanced: dict[int, torch.Tensor],
-               compiled: dict[Any, Any], workspace: dict[Any, Any] | None,
+               hosted: dict[int, int], compiled: dict[Any, Any],
+               workspace: dict[Any, Any] | None,
                totals: dict[int, Any] | None = None,
                low: list[Any] | None = None, new_low: list[Any] | None = None) -> None:
     """One kernel call for the leaves of ``group``."""
@@ -1423,18 +1568,24 @@ def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[
     if plan.kernel in ("adamw", "adam"):
         adam = plan.adam
         assert adam is not None
-        m = _owned([state_leaves[k] for k in group.slots("adam", "mu")], donate)
-        n = _owned([state_leaves[k] for k in group.slots("adam", "nu")], donate)
+        mu_at, nu_at = group.slots("adam", "mu"), group.slots("adam", "nu")
+        m = _owned([state_leaves[k] for k in mu_at], donate)
+        n = _owned([state_leaves[k] for k in nu_at], donate)
         amsgrad = adam.kind == "scale_by_amsgrad"
         top = _owned([state_leaves[k] for k in group.slots("adam", "nu_max")], donate) if (
             amsgrad) else []
         assert adam.count is not None
-        step = advanced[adam.count].to(device=device, dtype=torch.float32)
+        host = hosted.get(adam.count)
+        # (the kernels take the count in float32; made from the host value when there is
+        # one)
+        step = (advanced[adam.count].to(device=device, dtype=torch.float32) if host is None
+                else torch.scalar_tensor(float(host), dtype=torch.float32,
+                                         device=None if group.on_cpu else device))
         kernel = torch._fused_adamw_ if plan.kernel == "adamw" else torch._fused_adam_
         kernel(p, g, m, n, top, [step] * len(idx), lr=lr, beta1=hp["beta1"],
                beta2=hp["beta2"], weight_decay=wd, eps=hp["eps"], amsgrad=amsgrad,
                maximize=plan.maximize, grad_scale=grad_scale, found_inf=flag)
-        written = [(group.slots("adam", "mu"), m), (group.slots("adam", "nu"), n)]
+        written = [(mu_at, m), (nu_at, n)]
         if amsgrad:
             written.append((group.slots("adam", "nu_max"), top))
     else:  # sgd
@@ -1481,7 +1632,7 @@ class Planner:
               donated: list[Any] | None = None, compiled: bool = False) -> Lowered:
         """`lower`, remembered for the same tensors; ``donated``: leaves written in place,
         checked with `check_donation` the first time."""
-        # (counters are new tensors at every step; the per-leaf entries are what is checked)
+        # (counters move at every step; the per-leaf entries are what is checked)
         slots = [state_leaves[k] for k in structure.slot_indices]
         # (the data pointers catch a param or a moment whose .data was replaced in place,
         # as module.to() or .half() do: same object, new memory, maybe a new dtype; the
@@ -1536,7 +1687,7 @@ class Planner:
 def _address(x: torch.Tensor) -> tuple[Any, ...]:
     """Where a tensor's elements are and how they are read (of its local shard)."""
     local = local_tensor(x)
-    return (local.data_ptr(), local.dtype, local.stride())
+    return (local.data_ptr(), local.dtype, local.stride(), local.shape)
 
 
 class FastPathWarning(UserWarning):

@@ -155,8 +155,10 @@ class Step:
     path. It keeps the plans it derived (structures, no tensors), what its last fused steps
     checked (weak references to the params and moments with their dtypes, shapes,
     strides, devices and addresses: a step on the same unchanged tensors skips the checks
-    and the plan lookup, any change runs them again) and, with ``compile=True``, the
-    compiled functions: nothing that changes a result.
+    and the plan lookup, any change runs them again), the kernels' arguments its last step
+    resolved (Python numbers, kept while the hyperparameter tensors they were read from are
+    the same and unmodified) and, with ``compile=True``, the compiled functions: nothing
+    that changes a result.
 
     Examples:
         >>> import torch, functopt
@@ -358,24 +360,31 @@ class Step:
                 return lowered.reason
             if donate:  # (a step that is not donated returns new tensors: never seen again)
                 self._remember(param_leaves, treespec, grad_leaves, state_leaves, lowered)
-        with torch.no_grad():  # donated params may be leaves that require grad
-            structure = lowered.structure
-            grad_leaves, flags = _planner.zero_nans(structure, grad_leaves)
-            sums, finite, reduced = _reductions(
-                structure, param_leaves, grad_leaves, name,
-                nans=[flag for _, flag, on_mesh in flags if on_mesh])
-            return _planner.run(lowered, param_leaves, grad_leaves, state_leaves,
-                                donate=donate, donate_grads=self.donate_grads, sums=sums,
-                                finite=finite, reads=planner.reads,
-                                workspace=self._scratch() if donate else None,
-                                nans=_planner.found_nan(flags, reduced, state_leaves))
+        if torch.is_grad_enabled():  # donated params may be leaves that require grad
+            with torch.no_grad():
+                return self._run(lowered, param_leaves, grad_leaves, state_leaves, name)
+        return self._run(lowered, param_leaves, grad_leaves, state_leaves, name)
+
+    def _run(self, lowered: _planner.Lowered, param_leaves: list[Any], grad_leaves: list[Any],
+             state_leaves: list[Any], name: Callable[[int], str]) -> _planner.Result | str:
+        structure = lowered.structure
+        grad_leaves, flags = _planner.zero_nans(structure, grad_leaves)
+        sums, finite, reduced = _reductions(
+            structure, param_leaves, grad_leaves, name,
+            nans=[flag for _, flag, on_mesh in flags if on_mesh])
+        return _planner.run(lowered, param_leaves, grad_leaves, state_leaves,
+                            donate=self.donate, donate_grads=self.donate_grads, sums=sums,
+                            finite=finite, reads=self.planner.reads,
+                            workspace=self._scratch() if self.donate else None,
+                            nans=_planner.found_nan(flags, reduced, state_leaves))
 
     def _step_leaves(self, grads: Updates, state_leaves: list[Any], state_spec: _core.TreeSpec,
-                    params: Params) -> tuple[Params, list[Any], _core.TreeSpec]:
+                     params: Params) -> tuple[list[Any], list[Any], _core.TreeSpec]:
         """``self(grads, state, params)`` with the state given and returned as its leaves and
-        treespec: for a caller that keeps the state flat (``functopt.Optimizer`` keeps it in
-        torch's per-param layout), the fused path then neither rebuilds nor flattens it.
-        Any other path takes ``__call__`` (and its warning) on the rebuilt tree."""
+        treespec, and the new params as their leaves: for a caller that keeps the state flat
+        (``functopt.Optimizer`` keeps it in torch's per-param layout), the fused path then
+        neither rebuilds nor flattens it. Any other path takes ``__call__`` (and its
+        warning) on the rebuilt tree."""
         seen = self._recall(grads, params, None, state_leaves)
         if seen is not None and seen[0].state_spec is not state_spec and (
                 seen[0].state_spec != state_spec):
@@ -385,17 +394,19 @@ class Step:
             result = self._fused(params, param_leaves, treespec, grad_leaves, state_leaves,
                                  state_spec, _leaf_names(treespec), lowered)
             if not isinstance(result, str):
-                return _core.unflatten(treespec, result.values), result.leaves, result.spec
+                return result.values, result.leaves, result.spec
         elif self.fused:
             param_leaves, treespec, grad_leaves = _check(grads, params)
             if not differentiated(params, grads, state_leaves):
                 result = self._fused(params, param_leaves, treespec, grad_leaves, state_leaves,
                                      state_spec, _leaf_names(treespec))
                 if not isinstance(result, str):
-                    return _core.unflatten(treespec, result.values), result.leaves, result.spec
+                    return result.values, result.leaves, result.spec
         new, state = self._call(grads, _core.unflatten(state_spec, state_leaves), params, {})
         leaves, spec = _core.flatten(state)
-        return new, leaves, spec
+        news = _core.flatten_like(_core.structure(params), new, name="new params",
+                                  reference="params")
+        return news, leaves, spec
 
 
     def _multi_step(self, split: _multi.Split, grads: Updates, state: Any, params: Params,
@@ -426,10 +437,10 @@ def _meta(t: torch.Tensor) -> tuple[Any, ...]:
 class _Seen:
     """The inputs of a fused step whose checks passed and which the planner lowered: the
     params (weakly held) with their metadata, which gradients were None, the state's
-    structure and its per-leaf entries (weakly held, with their addresses). A later step
-    on inputs that `match` it skips the checks and the lookup; anything else (another
-    tensor in a param's or a moment's place, a param's dtype, shape, strides, device or
-    memory changed in place, a gradient that is not a plain dense tensor of its param's
+    structure and its per-leaf entries (weakly held, with their addresses, strides and
+    shapes). A later step on inputs that `match` it skips the checks and the lookup;
+    anything else (another tensor in a param's or a moment's place, a param's dtype, shape,
+    strides, device or memory changed in place, a moment's memory, strides or shape, a gradient that is not a plain dense tensor of its param's
     dtype, shape and device, another structure) runs them all again. Holds no tensor."""
 
     KEPT = 8  # remembered per step function (one per param group of an Optimizer)
@@ -440,7 +451,7 @@ class _Seen:
     grads: list[bool]  # per leaf: had a gradient
     slots: list[int]  # flat state indices of the per-leaf entries
     slot_refs: list[Any]
-    slot_ptrs: list[int]
+    slot_meta: list[Any]  # per entry: its memory, strides and shape
     plain_state: bool  # every state leaf a tensor or None: flatten_up_to is the flatten
     lowered: _planner.Lowered
 
@@ -457,7 +468,7 @@ class _Seen:
             treespec, [None if p is None else weakref.ref(p) for p in param_leaves],
             [None if p is None else _meta(p) for p in param_leaves],
             [g is not None for g in grad_leaves], slots, [weakref.ref(e) for e in entries],
-            [e.data_ptr() for e in entries],
+            [(e.data_ptr(), e.stride(), e.shape) for e in entries],
             all(x is None or isinstance(x, torch.Tensor) for x in state_leaves), lowered)
 
     def match(self, grads: Any, params: Any, state: Any, state_leaves: list[Any] | None,
@@ -477,25 +488,31 @@ class _Seen:
         if state is not None and not all(
                 x is None or isinstance(x, torch.Tensor) for x in state_leaves):
             return None  # (a subtree where a tensor was: not the structure seen)
+        strided = torch.strided
         for p, ref, meta, g, had in zip(param_leaves, self.params, self.meta, grad_leaves,
                                         self.grads, strict=True):
             if ref is None:
                 if p is not None or g is not None:
                     return None
                 continue
-            if p is None or p is not ref() or _meta(p) != meta:
+            # (_meta, inline: a small model's step pays for every call)
+            if p is None or p is not ref() or (
+                    p.dtype, p.shape, p.stride(), p.device, p.data_ptr()) != meta:
                 return None
             if g is None:
                 if had:
                     return None
                 continue
             # the checks of _check, against the param's dtype, shape and device seen
-            if not had or type(g) not in _PLAIN or g.layout != torch.strided or (
-                    g.dtype != meta[0] or g.shape != meta[1] or g.device != meta[3]):
+            if not had or type(g) not in _PLAIN or g.layout is not strided or (
+                    g.dtype is not meta[0] or g.shape != meta[1] or g.device != meta[3]):
                 return None
-        for k, ref, ptr in zip(self.slots, self.slot_refs, self.slot_ptrs, strict=True):
+        # (a moment whose .data became another view of its memory, transposed or narrowed,
+        # keeps its address: the kernels would read it as laid out before)
+        for k, ref, meta in zip(self.slots, self.slot_refs, self.slot_meta, strict=True):
             entry = state_leaves[k]
-            if entry is None or entry is not ref() or entry.data_ptr() != ptr:
+            if entry is not ref() or entry is None or (
+                    entry.data_ptr(), entry.stride(), entry.shape) != meta:
                 return None
         return param_leaves, treespec, grad_leaves, state_leaves
 

@@ -12,6 +12,7 @@ instead of being silently ignored.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -112,6 +113,7 @@ _RANGES: dict[str, tuple[float, float, bool]] = {  # key: (low, high, high open)
 
 # The group keys check_group reads.
 _CHECKED_KEYS = (*_RANGES, "betas")
+_UNSET = object()  # a fixed option the group does not hold
 
 
 def _immutable(value: Any) -> bool:
@@ -232,27 +234,32 @@ class TorchOptimizer(Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """``torch.optim.Optimizer.step``: update every param group (after ``closure``)."""
         fixed = self._fixed
-        options = [(k, v) for k, v in fixed.items() if k not in HINTS]
-        # Per group, the values check_group last passed: a group that holds the very same
-        # numbers and tuples again is not checked again (a tensor value always is).
+        watched = self.__dict__.get("_watched")
+        if watched is None:  # the fixed options, then the keys check_group reads
+            watched = self._watched = (*(k for k in fixed if k not in HINTS), *_CHECKED_KEYS)
+        # Per group, the values last checked: a group that holds the very same objects
+        # again (numbers, tuples, bools, None) is not checked again; a tensor value always
+        # is.
         checked: dict[int, list[Any]] = self.__dict__.setdefault("_checked", {})
         for i, group in enumerate(self.param_groups):
+            get = group.get
+            values = [get(key, _UNSET) for key in watched]
+            last = checked.get(i)
+            if last is not None and all(map(operator.is_, last, values)):
+                continue
+            checked.pop(i, None)
             # The groups hold the very objects stored at construction: identity is the fast
             # check, equality the exact one.
-            for k, v in options:
-                if group.get(k, v) is not v:
+            for k in watched[:len(watched) - len(_CHECKED_KEYS)]:
+                if get(k, fixed[k]) is not fixed[k]:
                     self._check_fixed(f"functopt.optim.{type(self).__name__}.step",
                                       f"param_groups[{i}]",
                                       {k: group[k] for k in fixed if k in group})
                     break
-            values = [group.get(key) for key in _CHECKED_KEYS]
-            last = checked.get(i)
-            if last is None or any(a is not b for a, b in zip(last, values, strict=True)):
-                checked.pop(i, None)
-                check_group(f"functopt.optim.{type(self).__name__}.step",
-                            f"param_groups[{i}]", group)
-                if all(map(_immutable, values)):
-                    checked[i] = values
+            check_group(f"functopt.optim.{type(self).__name__}.step", f"param_groups[{i}]",
+                        group)
+            if all(v is _UNSET or _immutable(v) for v in values):
+                checked[i] = values
         return self._step(closure)  # (not super().step: torch hooks that one too)
 
     def __getstate__(self) -> dict[str, Any]:
