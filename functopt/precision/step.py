@@ -66,6 +66,7 @@ from functopt._collective.reduce import _local_stats, all_reduce_stats
 from functopt._spec import describe
 from functopt.fast import _planner
 from functopt.fast._step import differentiated
+from functopt.precision import _host
 from functopt.precision._fused import (
     flat_init,
     fused_mixed_step,
@@ -416,9 +417,15 @@ def mixed_precision(
         _check_views(view, param_leaves, store, treespec, mw.dtype)
         _check_grads(grad_leaves, param_leaves, view, treespec)
         name = _leaf_names(treespec)
-        group, counted = _counting(
-            owner, param_leaves, name, process_group,
-            _entries(owner, replicated, params, param_leaves, treespec))
+        if process_group is None and replicated is None and all(
+                p is None or type(p) is torch.Tensor or type(p) is torch.nn.Parameter
+                for p in param_leaves):
+            # plain tensors and nothing to sum over: _counting's answer, without its walk
+            group, counted = None, [p is not None for p in param_leaves]
+        else:
+            group, counted = _counting(
+                owner, param_leaves, name, process_group,
+                _entries(owner, replicated, params, param_leaves, treespec))
 
         if fast and not differentiated(params, grads, state):
             with torch.no_grad():  # donated params may be leaves that require grad
@@ -440,12 +447,15 @@ def mixed_precision(
                 _planner.warn_lost(owner, lowered, stacklevel=2)
             else:
                 fast_params, fast_store, fast_inner, fast_stats, fast_scale = lowered
+                host = _host.on_host(fast_stats.found_inf, *state.metrics, state.key)
                 return _core.unflatten(treespec, fast_params), MixedPrecisionState(
                     loss_scale=fast_scale,
                     master=_core.unflatten(treespec, fast_store),
                     inner_state=fast_inner,
-                    metrics=_metrics(fast_stats, state.metrics, count_zeros),
-                    key=state.key + 1,
+                    metrics=_host_metrics(fast_stats, state.metrics, count_zeros, donate)
+                    if host else _metrics(fast_stats, state.metrics, count_zeros),
+                    key=_host.scalar(_host.wrap(int(state.key) + 1, _host.INT64), state.key)
+                    if host else state.key + 1,
                 )
 
         # 1. unscale in the precision of the value updated; 1/scale rounded once to float32,
@@ -533,6 +543,23 @@ def _metrics(stats: GradStats, old: StepMetrics, count_zeros: bool) -> StepMetri
     )
 
 
+def _host_metrics(stats: GradStats, old: StepMetrics, count_zeros: bool,
+                  reuse: bool) -> StepMetrics:
+    """`_metrics` on the host, for plain CPU tensors (one read of ``found_inf``): bitwise
+    the same metrics. ``reuse``: an entry that does not move keeps its tensor (the state
+    was donated)."""
+    found = bool(stats.found_inf)
+    skipped = int(old.skipped_steps)
+    if found and skipped < _common.INT32_MAX:  # (safe_increment saturates)
+        skipped += 1
+    return StepMetrics(
+        grad_norm=stats.norm,
+        found_inf=stats.found_inf,
+        skipped_steps=_host.kept(skipped, old.skipped_steps, reuse),
+        num_zeros=stats.num_zeros if count_zeros else _host.kept(-1, old.num_zeros, reuse),
+    )
+
+
 def _first_device(leaves: list[Any]) -> torch.device:
     return next((p.device for p in leaves if p is not None), torch.device("cpu"))
 
@@ -555,7 +582,7 @@ def _check_views(views: list[Any], params: list[Any], stores: list[Any],
                 f"mixed_precision: {_core.paths(treespec)[i]!r}: state.master holds "
                 f"{_core._describe(v)} for {_core._describe(p)}. {fix}"
             )
-        if torch.finfo(v.dtype).bits < torch.finfo(master_dtype).bits:
+        if v.dtype.itemsize < master_dtype.itemsize:  # (floating dtypes: fewer bits)
             held = "None" if s is None else _core._describe(s)
             raise ValueError(
                 f"mixed_precision: {_core.paths(treespec)[i]!r}: state.master holds {held} "
