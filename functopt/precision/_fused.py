@@ -287,10 +287,15 @@ def _lowered(planner: _planner.Planner, treespec: Any, params: list[Any], stores
     inner_leaves, inner_spec = _core.flatten(inner_state)
     structure = planner.structure(_core.unflatten(treespec, views), treespec, views,
                                   inner_leaves, inner_spec)
+    donated = [*params, *(v for v, s in zip(views, stores, strict=True) if s is not None)
+               ] if donate else None
+    if donated is not None:
+        # at every call: the planner checks on a miss of its memo only, whose key holds
+        # the masters but not the low-precision params (one tied to another since is
+        # written twice); a step that recalls its inputs (_seen.py) saw these unchanged
+        _planner.check_donation(donated, name)
     lowered = planner.lower(structure, inner_spec, views, proxies, inner_leaves, name,
-                            donated=[*params, *(v for v, s in zip(views, stores, strict=True)
-                                                if s is not None)] if donate else None,
-                            compiled=compiled)
+                            donated=donated, compiled=compiled)
     return structure, inner_leaves, lowered
 
 
@@ -301,6 +306,7 @@ def fused_mixed_step(
     group: dist.ProcessGroup | None, name: Callable[[int], str], count_zeros: bool,
     donate: bool, workspace: list[Any] | None = None, counted: Sequence[bool] | None = None,
     compiled: bool = False, scratch: dict[Any, Any] | None = None,
+    lowering: tuple[_planner.Structure, list[Any], _planner.Lowered] | None = None,
 ) -> tuple[list[Any], list[Any], Any, GradStats, LossScaleState] | str:
     """The mixed-precision step on the planner's kernels (see the module docstring), or the
     reason the planner gives why it cannot lower these leaves (the caller then takes the
@@ -312,10 +318,13 @@ def fused_mixed_step(
     ``compiled``: inner rules without a kernel take the planner's compiled tier, with
     ``scratch`` (kept by a donating caller) for its gathered copies.
 
+    ``lowering``: `_lowered` for these inputs, made already (the inner state's
+    leaves with it).
+
     Returns ``(new params, new stores, new inner state, statistics, new loss scale)``.
     """
-    structure, inner_leaves, lowered = _lowered(planner, treespec, params, stores, views,
-                                                grads, inner_state, name, donate, compiled)
+    structure, inner_leaves, lowered = lowering or _lowered(
+        planner, treespec, params, stores, views, grads, inner_state, name, donate, compiled)
     if lowered.reason is not None:
         return lowered.reason
     # the gradients in the precision of the values they update (a cast is a new tensor);

@@ -68,11 +68,13 @@ from functopt.fast import _planner
 from functopt.fast._step import differentiated
 from functopt.precision import _host
 from functopt.precision._fused import (
+    _lowered,
     flat_init,
     fused_mixed_step,
     fused_multi_step,
     lay_out_params,
 )
+from functopt.precision._seen import Seen
 from functopt.precision.loss_scale import (
     LossScale,
     LossScaleState,
@@ -379,6 +381,61 @@ def mixed_precision(
         found: dict[Any, Any] = workspace.scratch
         return found
 
+    # A donated fused step remembers the inputs it checked and lowered (_seen.py), per
+    # thread like the buffers: a later step on them skips the checks and the lowering.
+    remembers = fast and donate and accumulated is None and not compile and (
+        process_group is None and replicated is None)
+
+    def seen_here() -> list[Seen]:
+        if not hasattr(workspace, "seen"):
+            workspace.seen = []
+        found: list[Seen] = workspace.seen
+        return found
+
+    def fast_options(treespec: Any, group: Any, name: Callable[[int], str],
+                     counted: list[bool]) -> dict[str, Any]:
+        return dict(treespec=treespec, scale_rule=scale_rule, scaled=loss_scale is not None,
+                    max_grad_norm=max_grad_norm, group=group, name=name, counted=counted,
+                    count_zeros=count_zeros, donate=donate, compiled=compile,
+                    workspace=buffers_here() if donate else None,
+                    scratch=scratch_here() if donate else None)
+
+    def fast_result(result: tuple[list[Any], list[Any], Any, GradStats, LossScaleState],
+                    treespec: Any, state: MixedPrecisionState,
+                    ) -> tuple[Params, MixedPrecisionState]:
+        fast_params, fast_store, fast_inner, fast_stats, fast_scale = result
+        host = _host.on_host(fast_stats.found_inf, *state.metrics, state.key)
+        return _core.unflatten(treespec, fast_params), MixedPrecisionState(
+            loss_scale=fast_scale,
+            master=_core.unflatten(treespec, fast_store),
+            inner_state=fast_inner,
+            metrics=_host_metrics(fast_stats, state.metrics, count_zeros, donate)
+            if host else _metrics(fast_stats, state.metrics, count_zeros),
+            key=_host.scalar(_host.wrap(int(state.key) + 1, _host.INT64), state.key)
+            if host else state.key + 1,
+        )
+
+    def recalled(grads: Any, state: MixedPrecisionState, params: Params,
+                 ) -> tuple[Params, MixedPrecisionState] | None:
+        """The step on inputs a previous step checked and lowered (None: not those)."""
+        for seen in seen_here():
+            found = seen.match(grads, state, params)
+            if found is None:
+                continue
+            param_leaves, grad_leaves, store, inner_leaves = found
+            view = [None if p is None else mw.view(p, s)
+                    for p, s in zip(param_leaves, store, strict=True)]
+            structure, _, lowered = seen.lowering
+            with torch.no_grad():
+                result = fused_mixed_step(
+                    planner, param_leaves, store, view, grad_leaves, state.inner_state,
+                    state.loss_scale, lowering=(structure, inner_leaves, lowered),
+                    **fast_options(seen.treespec, None, seen.name, seen.counted))
+            # (a refusal: the full step says why, and warns)
+            return None if isinstance(result, str) else fast_result(
+                result, seen.treespec, state)
+        return None
+
     def init_fn(params: Params) -> MixedPrecisionState:
         leaves, treespec = _core.flatten(params)
         _core.check_tensors(leaves, treespec, name="params", floating=True)
@@ -406,6 +463,10 @@ def mixed_precision(
                 f"{type(state).__name__}. Fix: call step(grads, state, params) in this order, "
                 f"with state = opt.init(params) before the first step."
             )
+        if remembers and not differentiated(params, grads, state):
+            again = recalled(grads, state, params)
+            if again is not None:
+                return again
         param_leaves, treespec = _core.flatten(params)
         _core.check_tensors(param_leaves, treespec, name="params", floating=True)
         grad_leaves = _core.flatten_like(treespec, grads, name="grads", reference="params")
@@ -429,16 +490,19 @@ def mixed_precision(
 
         if fast and not differentiated(params, grads, state):
             with torch.no_grad():  # donated params may be leaves that require grad
-                options: dict[str, Any] = dict(
-                    treespec=treespec, scale_rule=scale_rule, scaled=loss_scale is not None,
-                    max_grad_norm=max_grad_norm, group=group, name=name, counted=counted,
-                    count_zeros=count_zeros, donate=donate, compiled=compile,
-                    workspace=buffers_here() if donate else None,
-                    scratch=scratch_here() if donate else None)
+                options = fast_options(treespec, group, name, counted)
                 if accumulated is None:
+                    lowering = _lowered(planner, treespec, param_leaves, store, view,
+                                        grad_leaves, state.inner_state, name, donate, compile)
                     lowered = fused_mixed_step(
                         planner, param_leaves, store, view, grad_leaves, state.inner_state,
-                        state.loss_scale, **options)
+                        state.loss_scale, lowering=lowering, **options)
+                    if remembers and not isinstance(lowered, str):
+                        seen = Seen.of(param_leaves, treespec, grad_leaves, store, view,
+                                       lowering, name, counted)
+                        if seen is not None:  # (replaced whole: a reader keeps its list)
+                            workspace.seen = [seen, *[s for s in seen_here() if (
+                                s.treespec != treespec)][:Seen.KEPT - 1]]
                 else:
                     lowered = fused_multi_step(
                         accumulated, planner, param_leaves, store, view, grad_leaves,
@@ -446,17 +510,7 @@ def mixed_precision(
             if isinstance(lowered, str):
                 _planner.warn_lost(owner, lowered, stacklevel=2)
             else:
-                fast_params, fast_store, fast_inner, fast_stats, fast_scale = lowered
-                host = _host.on_host(fast_stats.found_inf, *state.metrics, state.key)
-                return _core.unflatten(treespec, fast_params), MixedPrecisionState(
-                    loss_scale=fast_scale,
-                    master=_core.unflatten(treespec, fast_store),
-                    inner_state=fast_inner,
-                    metrics=_host_metrics(fast_stats, state.metrics, count_zeros, donate)
-                    if host else _metrics(fast_stats, state.metrics, count_zeros),
-                    key=_host.scalar(_host.wrap(int(state.key) + 1, _host.INT64), state.key)
-                    if host else state.key + 1,
-                )
+                return fast_result(lowered, treespec, state)
 
         # 1. unscale in the precision of the value updated; 1/scale rounded once to float32,
         # as GradScaler does (exact for power-of-two scales).
