@@ -409,6 +409,7 @@ def _host_kernel_step(
                         counted)
     if group is None:
         total, zeros, clip_sums = local
+        nonfinite = 0.0  # (never counted: see _packed)
         sumsq = 0.0 if total is None else total.item()
         num_zeros = 0.0 if zeros is None else zeros.item()
         sums = [torch.zeros((), dtype=torch.float64, device=device) if x is None else x
@@ -419,7 +420,7 @@ def _host_kernel_step(
         sums = list(packed[_CLIPS:].unbind())
     # unpack_grad_stats: the norm in float32; a non-finite one is an overflow too
     norm = f32(math.sqrt(sumsq))
-    found = (group is not None and nonfinite > 0) or not math.isfinite(norm)
+    found = nonfinite > 0 or not math.isfinite(norm)
     new_loss_scale = host_adjust(scale_rule, loss_scale, found, reuse=donate)
     multiplier = None
     if scaled or max_grad_norm is not None:
@@ -433,7 +434,7 @@ def _host_kernel_step(
         multiplier = torch.scalar_tensor(m, dtype=torch.float64, device=device)
     found_inf = torch.scalar_tensor(found, dtype=torch.bool, device=device)
     finite = [torch.scalar_tensor(not found, dtype=torch.bool, device=device)] * len(
-        structure.guards)
+        structure.guards) if structure.guards else []
     result = _kernel_step(planner, lowered, params, stores, views, grads,
                           _kernel_casts(grads, wide, multiplier, structure), inner_leaves,
                           donate, scratch, multiplier=multiplier,
