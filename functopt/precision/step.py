@@ -46,7 +46,9 @@ count as an overflow too. ``metrics.num_zeros`` counts zeros of the unscaled gra
 before clipping (Megatron-LM counts after clipping, which can differ only where clipping
 underflows an element to zero); it saves a second pass.
 
-Nothing is read back to the host: the overflow decision is a tensor.
+Nothing is read back to the host: the overflow decision is a tensor. (The fused path on
+the CPU reads its sums once and computes the scalars in Python, bitwise the same: there a
+read is free and each 0-d kernel costs microseconds; see ``precision/_host.py``.)
 """
 
 from __future__ import annotations
