@@ -307,6 +307,7 @@ def fused_mixed_step(
     donate: bool, workspace: list[Any] | None = None, counted: Sequence[bool] | None = None,
     compiled: bool = False, scratch: dict[Any, Any] | None = None,
     lowering: tuple[_planner.Structure, list[Any], _planner.Lowered] | None = None,
+    metrics: Any = None,
 ) -> tuple[list[Any], list[Any], Any, GradStats, LossScaleState] | str:
     """The mixed-precision step on the planner's kernels (see the module docstring), or the
     reason the planner gives why it cannot lower these leaves (the caller then takes the
@@ -319,7 +320,8 @@ def fused_mixed_step(
     ``scratch`` (kept by a donating caller) for its gathered copies.
 
     ``lowering``: `_lowered` for these inputs, made already (the inner state's
-    leaves with it).
+    leaves with it). ``metrics``: the state's ``StepMetrics``, whose tensors the host
+    path keeps where their values do not move (with donation).
 
     Returns ``(new params, new stores, new inner state, statistics, new loss scale)``.
     """
@@ -338,7 +340,7 @@ def fused_mixed_step(
                                  inner_leaves, loss_scale, scale_rule=scale_rule,
                                  scaled=scaled, max_grad_norm=max_grad_norm, group=group,
                                  name=name, count_zeros=count_zeros, donate=donate,
-                                 counted=counted, scratch=scratch)
+                                 counted=counted, scratch=scratch, metrics=metrics)
     inv_scale = _inverse(loss_scale)
     packed = all_reduce_stats(
         fused_stats(grads, wide, name, inv_scale, device, count_zeros, structure.clips,
@@ -394,6 +396,7 @@ def _host_kernel_step(
     scaled: bool, max_grad_norm: float | torch.Tensor | None,
     group: dist.ProcessGroup | None, name: Callable[[int], str], count_zeros: bool,
     donate: bool, counted: Sequence[bool] | None, scratch: dict[Any, Any] | None,
+    metrics: Any,
 ) -> tuple[list[Any], list[Any], Any, GradStats, LossScaleState] | str:
     """The rest of `fused_mixed_step` with its scalars on the host: the same statistics
     (one read of their sums), loss scale, clip factor and multiplier, computed in Python
@@ -432,7 +435,9 @@ def _host_kernel_step(
             m = m * outer
             sums = [s * outer * outer for s in sums]  # the inner clips see clipped grads
         multiplier = torch.scalar_tensor(m, dtype=torch.float64, device=device)
-    found_inf = torch.scalar_tensor(found, dtype=torch.bool, device=device)
+    old = metrics if metrics is not None and _host.on_host(*metrics) else None
+    found_inf = torch.scalar_tensor(found, dtype=torch.bool, device=device) if (
+        old is None) else _host.kept(found, old.found_inf, donate)
     finite = [torch.scalar_tensor(not found, dtype=torch.bool, device=device)] * len(
         structure.guards) if structure.guards else []
     result = _kernel_step(planner, lowered, params, stores, views, grads,
@@ -443,10 +448,11 @@ def _host_kernel_step(
     if isinstance(result, str):
         return result
     new_params, new_stores, new_inner = result
+    # (the metrics read the zero count only where counted: -1 as they hold it otherwise)
+    zeros = torch.scalar_tensor(int(num_zeros), dtype=torch.int64, device=device) if (
+        count_zeros or old is None) else _host.kept(-1, old.num_zeros, donate)
     stats = GradStats(norm=torch.scalar_tensor(norm, dtype=torch.float32, device=device),
-                      found_inf=found_inf,
-                      num_zeros=torch.scalar_tensor(int(num_zeros), dtype=torch.int64,
-                                                    device=device))
+                      found_inf=found_inf, num_zeros=zeros)
     return new_params, new_stores, new_inner, stats, new_loss_scale
 
 

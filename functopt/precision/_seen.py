@@ -29,8 +29,11 @@ __all__: list[str] = []
 Lowering = tuple[_planner.Structure, list[Any], _planner.Lowered]
 
 
+_TENSOR_OR_NONE = (torch.Tensor, type(None))
+
+
 def _tensor_leaves(leaves: list[Any]) -> bool:
-    return all(x is None or isinstance(x, torch.Tensor) for x in leaves)
+    return all(isinstance(x, _TENSOR_OR_NONE) for x in leaves)
 
 
 @dataclass(eq=False)

@@ -432,6 +432,7 @@ def mixed_precision(
                 result = fused_mixed_step(
                     planner, param_leaves, store, view, grad_leaves, state.inner_state,
                     state.loss_scale, lowering=(structure, inner_leaves, lowered),
+                    metrics=state.metrics,
                     **fast_options(seen.treespec, None, seen.name, seen.counted))
             # (a refusal: the full step says why, and warns)
             return None if isinstance(result, str) else fast_result(
@@ -498,7 +499,8 @@ def mixed_precision(
                                         grad_leaves, state.inner_state, name, donate, compile)
                     lowered = fused_mixed_step(
                         planner, param_leaves, store, view, grad_leaves, state.inner_state,
-                        state.loss_scale, lowering=lowering, **options)
+                        state.loss_scale, lowering=lowering, metrics=state.metrics,
+                        **options)
                     if remembers and not isinstance(lowered, str):
                         seen = Seen.of(param_leaves, treespec, grad_leaves, store, view,
                                        lowering, name, counted)
