@@ -269,7 +269,10 @@ def mixed_precision(
             float32 gradient casts between steps, in buffers reused by the next step
             (4 bytes per low-precision param, as the idiom's float32 main grads), one
             set per thread: threads may share the step function, each with its own
-            state.
+            state. It also remembers (weakly) the tensors it checked, so that a step over
+            the same params, masters and moments skips the checks and the planner's
+            lookup; the scalars a state shares with the previous one (an unchanged loss
+            scale or flag) may be the same tensors.
         fused: lower ``inner`` to fused kernels when the step planner can (Adam/AdamW/SGD
             rules however composed: chains, masks, partitions, injected
             hyperparameters, a leading ``clip_by_global_norm``, a ``MultiSteps`` around
