@@ -196,6 +196,38 @@ def test_a_written_lr_is_used_by_the_next_step_exactly() -> None:
     assert w.tolist() == [-0.25, 0.5]
 
 
+
+def test_group_values_edited_in_place_reach_the_next_step() -> None:
+    # A step whose groups hold the very values of the last one skips reading them, unless
+    # a value can change in place: a tensor (here under a multiplier) or a list.
+    w = torch.nn.Parameter(torch.zeros(2, dtype=F64))
+    opt = MixedPrecisionOptimizer(
+        [{"params": [("w", w)], "lr_mult": 2.0}],
+        lambda learning_rate=1.0: functopt.inject_hyperparams(functopt.sgd)(
+            learning_rate=learning_rate), loss_scale=None)
+    lr = torch.tensor(1.0, dtype=F64)
+    opt.param_groups[0]["lr"] = lr
+    for expected in ([-2.0, 4.0], [-2.5, 5.0], [-3.0, 6.0]):
+        w.grad = torch.tensor([1.0, -2.0], dtype=F64)
+        assert opt.step()
+        assert w.tolist() == expected
+        lr.fill_(0.25)  # the next step reads 0.25 * lr_mult
+    model, reference = _model(), _model()
+    opt = MixedPrecisionOptimizer(model.parameters(), functopt.inject_hyperparams(
+        functopt.adam)(learning_rate=0.01), loss_scale=None)
+    torch_opt = torch.optim.Adam(reference.parameters(), lr=0.01)
+    betas = [0.9, 0.999]
+    opt.param_groups[0]["betas"] = betas
+    for step in range(3):
+        for m, o in ((model, opt), (reference, torch_opt)):
+            o.zero_grad()
+            _loss(m, step).backward()
+            o.step()
+        _close(model, reference)
+        betas[0] = torch_opt.param_groups[0]["betas"][0] / 2  # in place, for both
+        torch_opt.param_groups[0]["betas"] = (betas[0], 0.999)
+
+
 def test_group_keys_no_transform_reads_are_refused() -> None:
     model = _model()
     opt = MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()), loss_scale=None)

@@ -85,6 +85,17 @@ StepResult = tuple[bool, float | None, int | None]
 """``(ok, grad_norm, num_zeros)``, Megatron-LM's ``step()`` result (``return_grad_stats``)."""
 
 
+def _immutable(value: Any) -> bool:
+    """Whether a group value cannot change without being replaced: a number, a string,
+    None, a tuple of those, or a callable (a schedule or a factory argument, which the
+    groups compare by identity). Not a tensor: one filled in place is a new value where
+    a multiplier scales it."""
+    if isinstance(value, tuple):
+        return all(_immutable(v) for v in value)
+    return value is None or isinstance(value, (int, float, str)) or (
+        callable(value) and not isinstance(value, torch.Tensor))
+
+
 def _unaliased(state: MixedPrecisionState, params: list[torch.Tensor]) -> MixedPrecisionState:
     """``state`` with a copy of every tensor that shares memory with a param.
 
@@ -596,7 +607,23 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def _sync(self) -> None:
         """Bring the group values into the step: write injected ones into the state,
         rebuild the transform of a group whose other values changed; raise on keys no
-        transform reads."""
+        transform reads. Groups holding the very values of the last sync, none of them
+        mutable, have nothing to bring (the usual step: read in one pass)."""
+        seen = self.__dict__.get("_synced")
+        if seen is not None and len(seen) == len(self.param_groups) and all(
+                len(group) == len(items) and all(
+                    key == k and value is v for (key, value), (k, v) in zip(
+                        group.items(), items, strict=True))
+                for group, items in zip(self.param_groups, seen, strict=True)):
+            return
+        self._synced = None
+        self._sync_groups()
+        snapshot = [tuple(group.items()) for group in self.param_groups]
+        if all(_immutable(v) for items in snapshot for k, v in items
+               if k not in ("params", "param_names")):
+            self._synced = snapshot
+
+    def _sync_groups(self) -> None:
         state = self._state
         rebuild = False
         before = [(dict(plan.built), plan.mults) for plan in self._plans]
@@ -1301,6 +1328,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             group.update(saved)
         for plan in self._plans:  # the next step writes the group values into the state
             plan.written.clear()
+        self._synced = None
 
     def _check_groups(self, saved: Any) -> list[dict[str, Any]] | None:
         if saved is None:

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import warnings
 import weakref
 from collections.abc import Callable
@@ -1553,7 +1554,7 @@ def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[
         torch._foreach_mul_(g, scale.to(device=device, dtype=torch.float64))
         grad_scale = None
     elif (scale is not None and grad_scale is not None and grad_scale.device.type == "cpu"
-          and not bool(torch.isfinite(grad_scale)) and bool(torch.isfinite(scale))):
+          and not math.isfinite(grad_scale.item()) and math.isfinite(scale.item())):
         # a divisor beyond float32 (a clip of a norm above 3.4e38): multiply by the factor
         # in the gradients' dtype, as the pure path's scaling does (a free host read on the
         # CPU; elsewhere such a norm divides the gradients to zero)

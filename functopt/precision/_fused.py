@@ -47,6 +47,7 @@ How it differs from the pure path, and why that is the same step:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -61,7 +62,14 @@ from functopt.fast._layout import end_to_end
 from functopt.fast._multi import accumulate as _accumulate
 from functopt.fast._multi import plus_zero
 from functopt.fast._step import _grouped_apply, _reductions
-from functopt.precision.loss_scale import LossScale, LossScaleState, _inverse
+from functopt.precision import _host
+from functopt.precision.loss_scale import (
+    LossScale,
+    LossScaleState,
+    _inverse,
+    has_host_rule,
+    host_adjust,
+)
 from functopt.precision.stats import (
     _SUMSQ,
     _ZEROS,
@@ -91,28 +99,85 @@ def fused_stats(grads: list[Any], wide: list[Any], name: Callable[[int], str],
     this rank counts, unless ``counted`` (one bool per leaf) says it; ``clips`` lists the
     leaves each clip of the inner chain measures.
     """
+    return _packed(_local_sums(grads, wide, name, inv_scale, device, count_zeros, clips,
+                               counted), len(clips), device)
+
+
+# (sum of squares, zero count, one sum of squares per clip), each a 0-d float64 tensor or
+# None where no leaf is counted (or zeros are not)
+_Sums = tuple[torch.Tensor | None, torch.Tensor | None, list[torch.Tensor | None]]
+
+
+def _local_sums(grads: list[Any], wide: list[Any], name: Callable[[int], str],
+                inv_scale: torch.Tensor, device: torch.device, count_zeros: bool,
+                clips: list[list[int]], counted: Sequence[bool] | None) -> _Sums:
+    """`fused_stats`' entries before they are packed."""
     if counted is None:
         counted = _planner.counted_leaves(grads, name)
     counted = [c and w is not None for c, w in zip(counted, wide, strict=True)]
-    squares = _planner.leaf_squares(wide, list(counted), inv_scale)
-    packed = torch.zeros(_CLIPS + len(clips), dtype=torch.float64, device=device)
-    present = [s for s in squares if s is not None]
-    if present:
-        packed[_SUMSQ] = torch.stack(present).sum().to(device)
-    for j, leaves in enumerate(clips):
-        mine = [squares[i] for i in leaves if squares[i] is not None]
-        if mine:
-            packed[_CLIPS + j] = torch.stack(mine).sum().to(device)
+    groups = _square_groups(wide, counted, inv_scale)
+    total = _sum_of_squares(groups, None, device)
+    sums = [_sum_of_squares(groups, leaves, device) for leaves in clips]
+    zeros = None
     if count_zeros:
         # on the gradients as given (a cast keeps zeros): half the bytes of a float32 cast;
         # count_nonzero is several times faster than summing a ``== 0`` mask on the CPU
         given = [local_tensor(g) for g, c in zip(grads, counted, strict=True) if c]
         if given:
             nonzero = torch.stack([torch.count_nonzero(g).to(device) for g in given]).sum()
-            packed[_ZEROS] = sum(g.numel() for g in given) - nonzero.to(torch.float64)
+            zeros = sum(g.numel() for g in given) - nonzero.to(torch.float64)
+    return total, zeros, sums
+
+
+def _packed(sums: _Sums, clips: int, device: torch.device) -> torch.Tensor:
+    total, zeros, clip_sums = sums
+    packed = torch.zeros(_CLIPS + clips, dtype=torch.float64, device=device)
+    if total is not None:
+        packed[_SUMSQ] = total
+    for j, s in enumerate(clip_sums):
+        if s is not None:
+            packed[_CLIPS + j] = s
+    if zeros is not None:
+        packed[_ZEROS] = zeros
     # packed[_NONFINITE] stays 0: a non-finite gradient makes the sum of squares
     # non-finite, which unpack_grad_stats reads as an overflow (as a norm overflow).
     return packed
+
+
+def _square_groups(tensors: list[Any], counted: list[bool], multiplier: torch.Tensor,
+                   ) -> list[tuple[list[int], torch.Tensor]]:
+    """Per (device, dtype) group of the counted tensors: their indices, and their squared
+    L2 norms times ``multiplier`` (a float64 tensor, one entry per index) from one
+    ``foreach`` norm, accumulated in float32 (float64 for float64 tensors): the values of
+    ``_planner.leaf_squares``, left stacked."""
+    found: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, (t, c) in enumerate(zip(tensors, counted, strict=True)):
+        if c:
+            found.setdefault((t.device, t.dtype), []).append(i)
+    groups = []
+    for (where, dtype), idx in found.items():
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        norms = torch.stack(torch._foreach_norm([tensors[i] for i in idx], 2,
+                                                dtype=None if dtype == acc else acc))
+        norms = norms * multiplier.to(device=where, dtype=acc)
+        groups.append((idx, norms.to(torch.float64) ** 2))
+    return groups
+
+
+def _sum_of_squares(groups: list[tuple[list[int], torch.Tensor]], leaves: list[int] | None,
+                    device: torch.device) -> torch.Tensor | None:
+    """The float64 sum of the squares of ``leaves`` (None: of every counted leaf) that are
+    counted, as ``torch.stack`` of them in this order then ``sum()`` adds them (a group that
+    holds exactly these leaves, in order, is that stack already); None if none is."""
+    if len(groups) == 1 and (leaves is None or leaves == groups[0][0]):
+        return groups[0][1].sum().to(device)
+    square = {i: sq[j] for idx, sq in groups for j, i in enumerate(idx)}
+    order = sorted(square) if leaves is None else [i for i in leaves if i in square]
+    if not order:
+        return None
+    if len(groups) == 1 and order == groups[0][0]:
+        return groups[0][1].sum().to(device)
+    return torch.stack([square[i] for i in order]).sum().to(device)
 
 
 def _widened(grads: list[Any], views: list[Any], workspace: list[Any] | None) -> list[Any]:
@@ -224,10 +289,15 @@ def _lowered(planner: _planner.Planner, treespec: Any, params: list[Any], stores
     inner_leaves, inner_spec = _core.flatten(inner_state)
     structure = planner.structure(_core.unflatten(treespec, views), treespec, views,
                                   inner_leaves, inner_spec)
+    donated = [*params, *(v for v, s in zip(views, stores, strict=True) if s is not None)
+               ] if donate else None
+    if donated is not None:
+        # at every call: the planner checks on a miss of its memo only, whose key holds
+        # the masters but not the low-precision params (one tied to another since is
+        # written twice); a step that recalls its inputs (_seen.py) saw these unchanged
+        _planner.check_donation(donated, name)
     lowered = planner.lower(structure, inner_spec, views, proxies, inner_leaves, name,
-                            donated=[*params, *(v for v, s in zip(views, stores, strict=True)
-                                                if s is not None)] if donate else None,
-                            compiled=compiled)
+                            donated=donated, compiled=compiled)
     return structure, inner_leaves, lowered
 
 
@@ -238,6 +308,8 @@ def fused_mixed_step(
     group: dist.ProcessGroup | None, name: Callable[[int], str], count_zeros: bool,
     donate: bool, workspace: list[Any] | None = None, counted: Sequence[bool] | None = None,
     compiled: bool = False, scratch: dict[Any, Any] | None = None,
+    lowering: tuple[_planner.Structure, list[Any], _planner.Lowered] | None = None,
+    metrics: Any = None,
 ) -> tuple[list[Any], list[Any], Any, GradStats, LossScaleState] | str:
     """The mixed-precision step on the planner's kernels (see the module docstring), or the
     reason the planner gives why it cannot lower these leaves (the caller then takes the
@@ -249,10 +321,14 @@ def fused_mixed_step(
     ``compiled``: inner rules without a kernel take the planner's compiled tier, with
     ``scratch`` (kept by a donating caller) for its gathered copies.
 
+    ``lowering``: `_lowered` for these inputs, made already (the inner state's
+    leaves with it). ``metrics``: the state's ``StepMetrics``, whose tensors the host
+    path keeps where their values do not move (with donation).
+
     Returns ``(new params, new stores, new inner state, statistics, new loss scale)``.
     """
-    structure, inner_leaves, lowered = _lowered(planner, treespec, params, stores, views,
-                                                grads, inner_state, name, donate, compiled)
+    structure, inner_leaves, lowered = lowering or _lowered(
+        planner, treespec, params, stores, views, grads, inner_state, name, donate, compiled)
     if lowered.reason is not None:
         return lowered.reason
     # the gradients in the precision of the values they update (a cast is a new tensor);
@@ -261,6 +337,12 @@ def fused_mixed_step(
         _flat_casts(lowered.groups, grads, views, workspace)
     wide = _widened(grads, views, workspace)
     device = loss_scale.scale.device
+    if _host_bookkeeping(loss_scale, scale_rule, max_grad_norm):
+        return _host_kernel_step(planner, lowered, params, stores, views, grads, wide,
+                                 inner_leaves, loss_scale, scale_rule=scale_rule,
+                                 scaled=scaled, max_grad_norm=max_grad_norm, group=group,
+                                 name=name, count_zeros=count_zeros, donate=donate,
+                                 counted=counted, scratch=scratch, metrics=metrics)
     inv_scale = _inverse(loss_scale)
     packed = all_reduce_stats(
         fused_stats(grads, wide, name, inv_scale, device, count_zeros, structure.clips,
@@ -278,15 +360,11 @@ def fused_mixed_step(
             multiplier = multiplier * outer
             sums = [s * outer * outer for s in sums]  # the inner clips see clipped grads
 
-    # The kernels unscale in place: a gradient that needed no cast is the caller's, never
-    # written, so it is copied when it will be scaled.
-    cast = [w if w is None or w is not local_tensor(g) or (
-        multiplier is None and not structure.clips) else w.clone()
-            for g, w in zip(grads, wide, strict=True)]
     # an apply_if_finite in the inner chain sees finite gradients whenever the step is not
     # skipped (a non-finite gradient makes the norm non-finite, which skips the step)
     finite = [~stats.found_inf] * len(structure.guards)
-    result = _kernel_step(planner, lowered, params, stores, views, grads, cast, inner_leaves,
+    result = _kernel_step(planner, lowered, params, stores, views, grads,
+                          _kernel_casts(grads, wide, multiplier, structure), inner_leaves,
                           donate, scratch, multiplier=multiplier, found_inf=stats.found_inf,
                           sums=sums, finite=finite)
     if isinstance(result, str):
@@ -294,21 +372,117 @@ def fused_mixed_step(
     return *result, stats, new_loss_scale
 
 
+def _kernel_casts(grads: list[Any], wide: list[Any], multiplier: torch.Tensor | None,
+                  structure: _planner.Structure) -> list[Any]:
+    """The gradients the kernels read. They unscale in place: a gradient that needed no
+    cast is the caller's, never written, so it is copied when it will be scaled."""
+    return [w if w is None or w is not local_tensor(g) or (
+        multiplier is None and not structure.clips) else w.clone()
+            for g, w in zip(grads, wide, strict=True)]
+
+
+def _host_bookkeeping(loss_scale: LossScaleState, rule: LossScale,
+                      max_grad_norm: float | torch.Tensor | None) -> bool:
+    """Whether the step's scalars (loss scale, statistics, clip factor) are computed on the
+    host (precision/_host.py): they are plain CPU tensors, the rule is a built-in one, and
+    the scale is not nan (whose payload only the tensors would carry through)."""
+    return (has_host_rule(rule) and _host.on_host(*loss_scale) and (
+        not isinstance(max_grad_norm, torch.Tensor) or _host.on_host(max_grad_norm))
+        and not math.isnan(loss_scale.scale.item()))
+
+
+def _host_kernel_step(
+    planner: _planner.Planner, lowered: _planner.Lowered, params: list[Any],
+    stores: list[Any], views: list[Any], grads: list[Any], wide: list[Any],
+    inner_leaves: list[Any], loss_scale: LossScaleState, *, scale_rule: LossScale,
+    scaled: bool, max_grad_norm: float | torch.Tensor | None,
+    group: dist.ProcessGroup | None, name: Callable[[int], str], count_zeros: bool,
+    donate: bool, counted: Sequence[bool] | None, scratch: dict[Any, Any] | None,
+    metrics: Any,
+) -> tuple[list[Any], list[Any], Any, GradStats, LossScaleState] | str:
+    """The rest of `fused_mixed_step` with its scalars on the host: the same statistics
+    (one read of their sums), loss scale, clip factor and multiplier, computed in Python
+    with the tensors' roundings (bitwise theirs: precision/_host.py), and a finite step
+    runs the kernels without a ``found_inf`` (which they would read as 0)."""
+    structure = lowered.structure
+    device = loss_scale.scale.device
+    f32 = _host.f32
+    # 1 / scale in float64, rounded once to float32 (`_inverse`)
+    inv = f32(_host.reciprocal(loss_scale.scale.item()))
+    inv_scale = torch.scalar_tensor(inv, dtype=torch.float32, device=device)
+    local = _local_sums(grads, wide, name, inv_scale, device, count_zeros, structure.clips,
+                        counted)
+    if group is None:
+        total, zeros, clip_sums = local
+        nonfinite = 0.0  # (never counted: see _packed)
+        sumsq = 0.0 if total is None else total.item()
+        num_zeros = 0.0 if zeros is None else zeros.item()
+        sums = [torch.zeros((), dtype=torch.float64, device=device) if x is None else x
+                for x in clip_sums]
+    else:
+        packed = all_reduce_stats(_packed(local, len(structure.clips), device), group)
+        sumsq, nonfinite, num_zeros = packed[:_CLIPS].tolist()
+        sums = list(packed[_CLIPS:].unbind())
+    # unpack_grad_stats: the norm in float32; a non-finite one is an overflow too
+    norm = f32(math.sqrt(sumsq))
+    found = nonfinite > 0 or not math.isfinite(norm)
+    new_loss_scale = host_adjust(scale_rule, loss_scale, found, reuse=donate)
+    multiplier = None
+    if scaled or max_grad_norm is not None:
+        m = inv
+        if max_grad_norm is not None:
+            # _clip_factor: max_norm / norm above the bound, in float64, else exactly 1
+            bound = float(max_grad_norm)
+            outer = bound / math.sqrt(sumsq) if sumsq > bound * bound else 1.0
+            m = m * outer
+            sums = [s * outer * outer for s in sums]  # the inner clips see clipped grads
+        multiplier = torch.scalar_tensor(m, dtype=torch.float64, device=device)
+    old = metrics if metrics is not None and _host.on_host(*metrics) else None
+    found_inf = torch.scalar_tensor(found, dtype=torch.bool, device=device) if (
+        old is None) else _host.kept(found, old.found_inf, donate)
+    finite = [torch.scalar_tensor(not found, dtype=torch.bool, device=device)] * len(
+        structure.guards) if structure.guards else []
+    result = _kernel_step(planner, lowered, params, stores, views, grads,
+                          _kernel_casts(grads, wide, multiplier, structure), inner_leaves,
+                          donate, scratch, multiplier=multiplier,
+                          found_inf=found_inf if found else None, sums=sums, finite=finite,
+                          keep_dtypes=not found)
+    if isinstance(result, str):
+        return result
+    new_params, new_stores, new_inner = result
+    # (the metrics read the zero count only where counted: -1 as they hold it otherwise)
+    zeros = torch.scalar_tensor(int(num_zeros), dtype=torch.int64, device=device) if (
+        count_zeros or old is None) else _host.kept(-1, old.num_zeros, donate)
+    stats = GradStats(norm=torch.scalar_tensor(norm, dtype=torch.float32, device=device),
+                      found_inf=found_inf, num_zeros=zeros)
+    return new_params, new_stores, new_inner, stats, new_loss_scale
+
+
 def _kernel_step(planner: _planner.Planner, lowered: _planner.Lowered, params: list[Any],
                  stores: list[Any], views: list[Any], grads: list[Any],
                  kernel_grads: list[Any], inner_leaves: list[Any], donate: bool,
-                 scratch: dict[Any, Any] | None, **options: Any,
+                 scratch: dict[Any, Any] | None, keep_dtypes: bool = False, **options: Any,
                  ) -> tuple[list[Any], list[Any], Any] | str:
     """The planner's kernels on the master-precision values and ``kernel_grads`` (which
     they may scale in place), then the params written from the new masters; ``options``
     go to ``_planner.run``. Returns ``(new params, new stores, new inner state)`` or the
-    reason the run refused, before any write."""
+    reason the run refused, before any write.
+
+    ``keep_dtypes``: the injected hyperparameters keep the dtypes of ``inner_leaves``,
+    as a run with a ``found_inf`` keeps them (its select casts a new value to the old
+    one's dtype; one without takes the value as the schedule gave it)."""
     result = _planner.run(lowered, views, kernel_grads, inner_leaves, donate=donate,
                           donate_grads=True, reads=planner.reads, workspace=scratch,
                           low=[p if s is not None else None
                                for p, s in zip(params, stores, strict=True)], **options)
     if isinstance(result, str):
         return result
+    if keep_dtypes:
+        leaves = result.leaves
+        for inj in lowered.structure.injections:
+            for i in inj.hyper.values():
+                if leaves[i] is not inner_leaves[i] and leaves[i].dtype != inner_leaves[i].dtype:
+                    leaves[i] = leaves[i].to(inner_leaves[i].dtype)
     new_params, new_stores = _write_params(params, stores, grads, result.values, result.low,
                                            donate)
     return new_params, new_stores, result.state

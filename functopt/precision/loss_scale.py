@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from functopt import _validate
+from functopt.precision import _host
 
 __all__ = [
     "LossScale",
@@ -199,6 +200,102 @@ def _state(scale: float, hysteresis: int, device: torch.device | str | None) -> 
     )
 
 
+class _Static:
+    """``static_loss_scale``'s ``adjust``: the state as it is."""
+
+    def __call__(self, state: LossScaleState, found_inf: torch.Tensor) -> LossScaleState:
+        del found_inf
+        return state
+
+
+class _Dynamic:
+    """``dynamic_loss_scale``'s ``adjust`` (``__call__``, on 0-d tensors), and the same rule
+    on the host (`host`, for the fused step's CPU bookkeeping: see precision/_host.py)."""
+
+    def __init__(self, growth_factor: float, backoff_factor: float, growth_interval: int,
+                 hysteresis: int, min_scale: float | None, max_scale: float | None) -> None:
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval, self.hysteresis = growth_interval, hysteresis
+        self.min_scale, self.max_scale = min_scale, max_scale
+        # the host rule reproduces the int32 arithmetic of arguments that fit in int32
+        # (a larger one is compared and multiplied by torch's own rules: left to them)
+        self.on_host = _host.fits_int32(growth_interval) and _host.fits_int32(hysteresis)
+
+    def __call__(self, state: LossScaleState, found_inf: torch.Tensor) -> LossScaleState:
+        overflow = found_inf.to(device=state.scale.device, dtype=torch.bool)
+        one = torch.ones((), dtype=torch.int32, device=state.scale.device)
+        # Overflow branch: spend one tolerated overflow; back off when none is left.
+        # (Floored at 0: below that every overflow backs off anyway, and int32 cannot wrap.)
+        hysteresis_left = torch.clamp(state.hysteresis_tracker - one, min=0)
+        # Products in float64, rounded once to float32, as PyTorch's kernel computes them.
+        wide = state.scale.to(torch.float64)
+        backed_off = torch.where(
+            hysteresis_left <= 0, (wide * self.backoff_factor).to(torch.float32), state.scale
+        )
+        # Finite branch: count; grow (if the grown scale stays finite) at the interval.
+        grown_count = state.growth_tracker + one
+        at_interval = grown_count >= self.growth_interval
+        candidate = (wide * self.growth_factor).to(torch.float32)
+        grows = at_interval & torch.isfinite(candidate)
+        scale = torch.where(overflow, backed_off, torch.where(grows, candidate, state.scale))
+        if self.min_scale is not None or self.max_scale is not None:
+            scale = torch.clamp(scale, min=self.min_scale, max=self.max_scale)
+        growth_tracker = torch.where(overflow | at_interval, 0 * one, grown_count)
+        hysteresis_tracker = torch.where(
+            overflow, hysteresis_left, torch.where(at_interval, self.hysteresis * one,
+                                                   state.hysteresis_tracker)
+        )
+        return LossScaleState(scale, growth_tracker, hysteresis_tracker)
+
+    def host(self, scale: float, growth_tracker: int, hysteresis_tracker: int,
+             overflow: bool) -> tuple[float, int, int]:
+        """`__call__` on the state's values read on the host: ``(scale, growth_tracker,
+        hysteresis_tracker)`` after a step that overflowed or not; bitwise the tensors'."""
+        f32, wrap = _host.f32, _host.wrap
+        hysteresis_left = max(wrap(hysteresis_tracker - 1, _host.INT32), 0)
+        grown_count = wrap(growth_tracker + 1, _host.INT32)
+        at_interval = grown_count >= self.growth_interval
+        if overflow:
+            new = f32(scale * self.backoff_factor) if hysteresis_left <= 0 else scale
+        else:
+            candidate = f32(scale * self.growth_factor)
+            new = candidate if at_interval and math.isfinite(candidate) else scale
+        if not math.isnan(new):  # (clamp keeps a nan)
+            if self.min_scale is not None:
+                new = max(new, f32(self.min_scale))  # the bounds in the scale's dtype
+            if self.max_scale is not None:
+                new = min(new, f32(self.max_scale))
+        if overflow:
+            return new, 0, hysteresis_left
+        if at_interval:
+            return new, 0, self.hysteresis
+        return new, grown_count, hysteresis_tracker
+
+
+def has_host_rule(rule: LossScale) -> bool:
+    """Whether `host_adjust` can run ``rule`` (a built-in rule; not one built by hand,
+    whose ``adjust`` only the tensors can run)."""
+    adjust = rule.adjust
+    return isinstance(adjust, _Static) or (isinstance(adjust, _Dynamic) and adjust.on_host)
+
+
+def host_adjust(rule: LossScale, state: LossScaleState, overflow: bool,
+                reuse: bool) -> LossScaleState:
+    """``rule.adjust(state, found_inf)`` computed on the host, for a rule `has_host_rule`
+    accepts and a state of plain CPU tensors, with the overflow decision read already:
+    bitwise the same state. ``reuse``: a value that does not move keeps its tensor (the
+    state was donated), else every entry is a new tensor."""
+    adjust = rule.adjust
+    if isinstance(adjust, _Static):
+        return state  # as its adjust returns it
+    assert isinstance(adjust, _Dynamic)
+    scale, growth, hysteresis = adjust.host(state.scale.item(), int(state.growth_tracker),
+                                            int(state.hysteresis_tracker), overflow)
+    return LossScaleState(_host.kept(scale, state.scale, reuse),
+                          _host.kept(growth, state.growth_tracker, reuse),
+                          _host.kept(hysteresis, state.hysteresis_tracker, reuse))
+
+
 def static_loss_scale(scale: float) -> LossScale:
     """A constant loss scale (``adjust`` returns the state unchanged).
 
@@ -214,11 +311,7 @@ def static_loss_scale(scale: float) -> LossScale:
     def init(device: torch.device | str | None = None) -> LossScaleState:
         return _state(scale, 1, device)
 
-    def adjust(state: LossScaleState, found_inf: torch.Tensor) -> LossScaleState:
-        del found_inf
-        return state
-
-    return LossScale(init, adjust, dynamic=False, config=(scale,))
+    return LossScale(init, _Static(), dynamic=False, config=(scale,))
 
 
 def dynamic_loss_scale(
@@ -293,32 +386,8 @@ def dynamic_loss_scale(
     def init(device: torch.device | str | None = None) -> LossScaleState:
         return _state(init_scale, hysteresis, device)
 
-    def adjust(state: LossScaleState, found_inf: torch.Tensor) -> LossScaleState:
-        overflow = found_inf.to(device=state.scale.device, dtype=torch.bool)
-        one = torch.ones((), dtype=torch.int32, device=state.scale.device)
-        # Overflow branch: spend one tolerated overflow; back off when none is left.
-        # (Floored at 0: below that every overflow backs off anyway, and int32 cannot wrap.)
-        hysteresis_left = torch.clamp(state.hysteresis_tracker - one, min=0)
-        # Products in float64, rounded once to float32, as PyTorch's kernel computes them.
-        wide = state.scale.to(torch.float64)
-        backed_off = torch.where(
-            hysteresis_left <= 0, (wide * backoff_factor).to(torch.float32), state.scale
-        )
-        # Finite branch: count; grow (if the grown scale stays finite) at the interval.
-        grown_count = state.growth_tracker + one
-        at_interval = grown_count >= growth_interval
-        candidate = (wide * growth_factor).to(torch.float32)
-        grows = at_interval & torch.isfinite(candidate)
-        scale = torch.where(overflow, backed_off, torch.where(grows, candidate, state.scale))
-        if min_scale is not None or max_scale is not None:
-            scale = torch.clamp(scale, min=min_scale, max=max_scale)
-        growth_tracker = torch.where(overflow | at_interval, 0 * one, grown_count)
-        hysteresis_tracker = torch.where(
-            overflow, hysteresis_left, torch.where(at_interval, hysteresis * one,
-                                                   state.hysteresis_tracker)
-        )
-        return LossScaleState(scale, growth_tracker, hysteresis_tracker)
-
+    adjust = _Dynamic(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale,
+                      max_scale)
     return LossScale(init, adjust, dynamic=True, config=(
         init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale,
         max_scale))

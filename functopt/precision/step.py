@@ -46,7 +46,9 @@ count as an overflow too. ``metrics.num_zeros`` counts zeros of the unscaled gra
 before clipping (Megatron-LM counts after clipping, which can differ only where clipping
 underflows an element to zero); it saves a second pass.
 
-Nothing is read back to the host: the overflow decision is a tensor.
+Nothing is read back to the host: the overflow decision is a tensor. (The fused path on
+the CPU reads its sums once and computes the scalars in Python, bitwise the same: there a
+read is free and each 0-d kernel costs microseconds; see ``precision/_host.py``.)
 """
 
 from __future__ import annotations
@@ -65,12 +67,15 @@ from functopt._collective.dtensor import _leaf_names
 from functopt._collective.reduce import _local_stats, all_reduce_stats
 from functopt.fast import _multi, _planner
 from functopt.fast._step import differentiated
+from functopt.precision import _host
 from functopt.precision._fused import (
+    _lowered,
     flat_init,
     fused_mixed_step,
     fused_multi_step,
     lay_out_params,
 )
+from functopt.precision._seen import Seen
 from functopt.precision.loss_scale import (
     LossScale,
     LossScaleState,
@@ -262,7 +267,10 @@ def mixed_precision(
             float32 gradient casts between steps, in buffers reused by the next step
             (4 bytes per low-precision param, as the idiom's float32 main grads), one
             set per thread: threads may share the step function, each with its own
-            state.
+            state. It also remembers (weakly) the tensors it checked, so that a step over
+            the same params, masters and moments skips the checks and the planner's
+            lookup; the scalars a state shares with the previous one (an unchanged loss
+            scale or flag) may be the same tensors.
         fused: lower ``inner`` to fused kernels when the step planner can (Adam/AdamW/SGD
             rules however composed: chains, masks, partitions, injected
             hyperparameters, a leading ``clip_by_global_norm``, a ``MultiSteps`` around
@@ -375,6 +383,62 @@ def mixed_precision(
         found: dict[Any, Any] = workspace.scratch
         return found
 
+    # A donated fused step remembers the inputs it checked and lowered (_seen.py), per
+    # thread like the buffers: a later step on them skips the checks and the lowering.
+    remembers = fast and donate and accumulated is None and not compile and (
+        process_group is None and replicated is None)
+
+    def seen_here() -> list[Seen]:
+        if not hasattr(workspace, "seen"):
+            workspace.seen = []
+        found: list[Seen] = workspace.seen
+        return found
+
+    def fast_options(treespec: Any, group: Any, name: Callable[[int], str],
+                     counted: list[bool]) -> dict[str, Any]:
+        return dict(treespec=treespec, scale_rule=scale_rule, scaled=loss_scale is not None,
+                    max_grad_norm=max_grad_norm, group=group, name=name, counted=counted,
+                    count_zeros=count_zeros, donate=donate, compiled=compile,
+                    workspace=buffers_here() if donate else None,
+                    scratch=scratch_here() if donate else None)
+
+    def fast_result(result: tuple[list[Any], list[Any], Any, GradStats, LossScaleState],
+                    treespec: Any, state: MixedPrecisionState,
+                    ) -> tuple[Params, MixedPrecisionState]:
+        fast_params, fast_store, fast_inner, fast_stats, fast_scale = result
+        host = _host.on_host(fast_stats.found_inf, *state.metrics, state.key)
+        return _core.unflatten(treespec, fast_params), MixedPrecisionState(
+            loss_scale=fast_scale,
+            master=_core.unflatten(treespec, fast_store),
+            inner_state=fast_inner,
+            metrics=_host_metrics(fast_stats, state.metrics, count_zeros, donate)
+            if host else _metrics(fast_stats, state.metrics, count_zeros),
+            key=_host.scalar(_host.wrap(int(state.key) + 1, _host.INT64), state.key)
+            if host else state.key + 1,
+        )
+
+    def recalled(grads: Any, state: MixedPrecisionState, params: Params,
+                 ) -> tuple[Params, MixedPrecisionState] | None:
+        """The step on inputs a previous step checked and lowered (None: not those)."""
+        for seen in seen_here():
+            found = seen.match(grads, state, params)
+            if found is None:
+                continue
+            param_leaves, grad_leaves, store, inner_leaves = found
+            view = [None if p is None else mw.view(p, s)
+                    for p, s in zip(param_leaves, store, strict=True)]
+            structure, _, lowered = seen.lowering
+            with torch.no_grad():
+                result = fused_mixed_step(
+                    planner, param_leaves, store, view, grad_leaves, state.inner_state,
+                    state.loss_scale, lowering=(structure, inner_leaves, lowered),
+                    metrics=state.metrics,
+                    **fast_options(seen.treespec, None, seen.name, seen.counted))
+            # (a refusal: the full step says why, and warns)
+            return None if isinstance(result, str) else fast_result(
+                result, seen.treespec, state)
+        return None
+
     def init_fn(params: Params) -> MixedPrecisionState:
         leaves, treespec = _core.flatten(params)
         _core.check_tensors(leaves, treespec, name="params", floating=True)
@@ -402,6 +466,10 @@ def mixed_precision(
                 f"{type(state).__name__}. Fix: call step(grads, state, params) in this order, "
                 f"with state = opt.init(params) before the first step."
             )
+        if remembers and not differentiated(params, grads, state):
+            again = recalled(grads, state, params)
+            if again is not None:
+                return again
         param_leaves, treespec = _core.flatten(params)
         _core.check_tensors(param_leaves, treespec, name="params", floating=True)
         grad_leaves = _core.flatten_like(treespec, grads, name="grads", reference="params")
@@ -413,22 +481,32 @@ def mixed_precision(
         _check_views(view, param_leaves, store, treespec, mw.dtype)
         _check_grads(grad_leaves, param_leaves, view, treespec)
         name = _leaf_names(treespec)
-        group, counted = _counting(
-            owner, param_leaves, name, process_group,
-            _entries(owner, replicated, params, param_leaves, treespec))
+        if process_group is None and replicated is None and all(
+                p is None or type(p) is torch.Tensor or type(p) is torch.nn.Parameter
+                for p in param_leaves):
+            # plain tensors and nothing to sum over: _counting's answer, without its walk
+            group, counted = None, [p is not None for p in param_leaves]
+        else:
+            group, counted = _counting(
+                owner, param_leaves, name, process_group,
+                _entries(owner, replicated, params, param_leaves, treespec))
 
         if fast and not differentiated(params, grads, state):
             with torch.no_grad():  # donated params may be leaves that require grad
-                options: dict[str, Any] = dict(
-                    treespec=treespec, scale_rule=scale_rule, scaled=loss_scale is not None,
-                    max_grad_norm=max_grad_norm, group=group, name=name, counted=counted,
-                    count_zeros=count_zeros, donate=donate, compiled=compile,
-                    workspace=buffers_here() if donate else None,
-                    scratch=scratch_here() if donate else None)
+                options = fast_options(treespec, group, name, counted)
                 if accumulated is None:
+                    lowering = _lowered(planner, treespec, param_leaves, store, view,
+                                        grad_leaves, state.inner_state, name, donate, compile)
                     lowered = fused_mixed_step(
                         planner, param_leaves, store, view, grad_leaves, state.inner_state,
-                        state.loss_scale, **options)
+                        state.loss_scale, lowering=lowering, metrics=state.metrics,
+                        **options)
+                    if remembers and not isinstance(lowered, str):
+                        seen = Seen.of(param_leaves, treespec, grad_leaves, store, view,
+                                       lowering, name, counted)
+                        if seen is not None:  # (replaced whole: a reader keeps its list)
+                            workspace.seen = [seen, *[s for s in seen_here() if (
+                                s.treespec != treespec)][:Seen.KEPT - 1]]
                 else:
                     lowered = fused_multi_step(
                         accumulated, planner, param_leaves, store, view, grad_leaves,
@@ -436,14 +514,7 @@ def mixed_precision(
             if isinstance(lowered, str):
                 _planner.warn_lost(owner, lowered, stacklevel=2)
             else:
-                fast_params, fast_store, fast_inner, fast_stats, fast_scale = lowered
-                return _core.unflatten(treespec, fast_params), MixedPrecisionState(
-                    loss_scale=fast_scale,
-                    master=_core.unflatten(treespec, fast_store),
-                    inner_state=fast_inner,
-                    metrics=_metrics(fast_stats, state.metrics, count_zeros),
-                    key=state.key + 1,
-                )
+                return fast_result(lowered, treespec, state)
 
         # 1. unscale in the precision of the value updated; 1/scale rounded once to float32,
         # as GradScaler does (exact for power-of-two scales).
@@ -530,6 +601,23 @@ def _metrics(stats: GradStats, old: StepMetrics, count_zeros: bool) -> StepMetri
     )
 
 
+def _host_metrics(stats: GradStats, old: StepMetrics, count_zeros: bool,
+                  reuse: bool) -> StepMetrics:
+    """`_metrics` on the host, for plain CPU tensors (one read of ``found_inf``): bitwise
+    the same metrics. ``reuse``: an entry that does not move keeps its tensor (the state
+    was donated)."""
+    found = bool(stats.found_inf)
+    skipped = int(old.skipped_steps)
+    if found and skipped < _common.INT32_MAX:  # (safe_increment saturates)
+        skipped += 1
+    return StepMetrics(
+        grad_norm=stats.norm,
+        found_inf=stats.found_inf,
+        skipped_steps=_host.kept(skipped, old.skipped_steps, reuse),
+        num_zeros=stats.num_zeros if count_zeros else _host.kept(-1, old.num_zeros, reuse),
+    )
+
+
 def _first_device(leaves: list[Any]) -> torch.device:
     return next((p.device for p in leaves if p is not None), torch.device("cpu"))
 
@@ -552,7 +640,7 @@ def _check_views(views: list[Any], params: list[Any], stores: list[Any],
                 f"mixed_precision: {_core.paths(treespec)[i]!r}: state.master holds "
                 f"{_core._describe(v)} for {_core._describe(p)}. {fix}"
             )
-        if torch.finfo(v.dtype).bits < torch.finfo(master_dtype).bits:
+        if v.dtype.itemsize < master_dtype.itemsize:  # (floating dtypes: fewer bits)
             held = "None" if s is None else _core._describe(s)
             raise ValueError(
                 f"mixed_precision: {_core.paths(treespec)[i]!r}: state.master holds {held} "
