@@ -520,3 +520,32 @@ def test_zero_nans_after_a_rule_and_in_the_mixed_step_stay_pure() -> None:
     with pytest.warns(FastPathWarning, match="zero_nans inside the mixed-precision step"):
         fast = fast_tx.step(grads, fast_tx.init(low), low)
     assert_bitwise_equal(fast, pure_tx.step(grads, pure_tx.init(low), low))
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["pure", "fast"])
+def test_a_tensor_learning_rate_written_in_place_counts_on_every_path(fast: bool) -> None:
+    # torch.optim reads a tensor lr at every step: halving it in place between steps
+    # halves the next step, on functopt's pure path as on its kernels
+    lr = torch.tensor(0.1, dtype=torch.float64)
+    torch_lr = lr.clone()
+    tx = functopt.adamw(lr, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(9)
+    start = torch.randn(7, generator=gen, dtype=torch.float64)
+    params = {"w": start.clone()}
+    state = tx.init(params)
+    ref = torch.nn.Parameter(start.clone())
+    opt = torch.optim.AdamW([ref], lr=torch_lr, weight_decay=0.1, foreach=False)
+    step = make_step(tx)
+    for _ in range(3):
+        g = torch.randn(7, generator=gen, dtype=torch.float64)
+        if fast:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", FastPathWarning)
+                params, state = step({"w": g}, state, params)
+        else:
+            params, state = _pure(tx, {"w": g}, state, params)
+        ref.grad = g.clone()
+        opt.step()
+        lr.mul_(0.5)
+        torch_lr.mul_(0.5)
+    torch.testing.assert_close(params["w"], ref.detach(), rtol=1e-12, atol=0)

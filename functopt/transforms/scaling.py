@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -50,6 +51,14 @@ def scale(step_size: Numeric) -> GradientTransformation:
         {'w': tensor([ 2., -6.])}
     """
     _validate.check_number("scale", "step_size", step_size)
+    return specified(_scale_by(lambda: step_size),
+                     Leafwise("scale", {"step_size": step_size}))
+
+
+def _scale_by(factor: Callable[[], Numeric]) -> GradientTransformation:
+    """``scale``, its factor taken from ``factor()`` at every update (a tensor
+    learning rate's negation is taken then, so that a write into the tensor between steps
+    counts, as the fast paths read it)."""
 
     def init_fn(params: Params) -> EmptyState:
         del params
@@ -62,10 +71,9 @@ def scale(step_size: Numeric) -> GradientTransformation:
         del extra_args
         leaves, treespec = _common.flatten_updates(updates)
         _common.check_params_structure("scale", treespec, params)
-        return _common.unflatten(treespec, _scaled(leaves, step_size)), state
+        return _common.unflatten(treespec, _scaled(leaves, factor())), state
 
-    return specified(GradientTransformation(init_fn, update_fn),
-                     Leafwise("scale", {"step_size": step_size}))
+    return GradientTransformation(init_fn, update_fn)
 
 
 class ScaleByScheduleState(NamedTuple):
@@ -150,6 +158,9 @@ def scale_by_learning_rate(
         schedule = learning_rate
         return specified(scale_by_schedule(lambda count: sign * _common.schedule_value(
             "scale_by_learning_rate", "learning_rate", schedule, count)), spec)
+    if isinstance(learning_rate, torch.Tensor):
+        # negated at every update: the value of the tensor then, written in place or not
+        return specified(_scale_by(lambda: sign * learning_rate), spec)
     return specified(scale(sign * learning_rate), spec)
 
 
