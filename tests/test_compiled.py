@@ -51,6 +51,14 @@ def _ademamix() -> functopt.GradientTransformation:
     return functopt.contrib.ademamix(1e-2, weight_decay=0.1)
 
 
+def _stateless() -> functopt.GradientTransformation:
+    # the stateless elementwise transforms: a clip by value, signSGD's sign, the
+    # non-negativity constraint (which reads the params)
+    return functopt.chain(functopt.clip(0.05), functopt.scale_by_sign(),
+                          functopt.scale_by_learning_rate(1e-2),
+                          functopt.keep_params_nonnegative())
+
+
 def _clip_adamw() -> functopt.GradientTransformation:
     # a rule with a PyTorch kernel: with compile=True the compiled tier takes it first
     return functopt.chain(functopt.clip_by_global_norm(0.5),
@@ -72,6 +80,7 @@ _SLOW = pytest.mark.slow
     pytest.param(_clip_nadam, torch.float32, id="float32-guard_clip_nadam"),
     pytest.param(_masked_schedule, torch.float64, id="float64-masked_schedule"),
     pytest.param(_ademamix, torch.float64, id="float64-ademamix"),
+    pytest.param(_stateless, torch.float32, id="float32-clip_sign_nonnegative"),
     # (seconds each with a cold cache: the default run tests these paths in the tests below)
     pytest.param(_clip_adamw, torch.float32, id="float32-clip_adamw", marks=_SLOW),
     pytest.param(_late_clip, torch.float64, id="float64-late_clip", marks=_SLOW),

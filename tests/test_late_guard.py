@@ -52,7 +52,8 @@ def test_explain_compiles_it_and_names_what_it_does_not() -> None:
     for tx in refused:
         reason = str(fast.explain(tx, params, compile=True).reason)
         assert "apply_if_finite after other rules has a fast form (the compiled tier's) " \
-               "only around add_decayed_weights, identity, scale" in reason, reason
+               "only around add_decayed_weights, clip, identity, keep_params_nonnegative, " \
+               "scale" in reason, reason
 
 
 @pytest.mark.parametrize("bad", [False, True])

@@ -115,6 +115,10 @@ COMPILED_SLOTS: dict[str, tuple[str, ...]] = {
     "scale_by_stddev": ("mu", "nu"),
     "scale_by_rss": ("sum_of_squares",),
     "ema": ("ema",),
+    # stateless
+    "clip": (),
+    "scale_by_sign": (),
+    "keep_params_nonnegative": (),
     # functopt.contrib
     "scale_by_adopt": ("mu", "nu"),
     "scale_by_ademamix": ("m1", "m2", "nu"),
@@ -665,7 +669,8 @@ class _Walk:
 # runs them on a group's leaves laid end to end, so they must keep no per-leaf state and
 # read no other leaf
 _LATE_GUARDED = frozenset({"identity", "scale", "scale_by_learning_rate", "scale_by_schedule",
-                           "add_decayed_weights"})
+                           "add_decayed_weights", "clip", "scale_by_sign",
+                           "keep_params_nonnegative"})
 
 
 def _guarded_whole(spec: Spec | None) -> bool:

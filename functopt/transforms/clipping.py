@@ -35,7 +35,7 @@ from functopt._collective.dtensor import (
     local_tensor,
 )
 from functopt._collective.reduce import _local_stats, all_reduce_stats
-from functopt._spec import GlobalNormClip, PerLeaf, specified
+from functopt._spec import GlobalNormClip, Leafwise, PerLeaf, specified
 from functopt.transforms import _common
 from functopt.tree import _core, _ops
 
@@ -102,7 +102,9 @@ def clip(max_delta: Numeric) -> GradientTransformation:
             new.append(torch.clamp(g, -bound, bound).to(g.dtype))
         return _common.unflatten(treespec, new), state
 
-    return GradientTransformation(_init_empty, update_fn)
+    # elementwise: the compiled tier runs this update over a group's leaves laid end to end
+    return specified(GradientTransformation(_init_empty, update_fn),
+                     Leafwise("clip", {"max_delta": max_delta}))
 
 
 def clip_by_block_rms(threshold: Numeric) -> GradientTransformation:

@@ -63,7 +63,8 @@ def scale_by_sign() -> GradientTransformation:
         return _common.unflatten(treespec, [None if u is None else _sign(u)
                                             for u in leaves]), state
 
-    return GradientTransformation(init_fn, update_fn)
+    # elementwise: the compiled tier runs this update over a group's leaves laid end to end
+    return specified(GradientTransformation(init_fn, update_fn), Leafwise("scale_by_sign", {}))
 
 
 class ScaleByRpropState(NamedTuple):
