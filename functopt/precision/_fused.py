@@ -48,6 +48,7 @@ How it differs from the pure path, and why that is the same step:
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -109,13 +110,22 @@ _Sums = tuple[torch.Tensor | None, torch.Tensor | None, list[torch.Tensor | None
 
 
 def _local_sums(grads: list[Any], wide: list[Any], name: Callable[[int], str],
-                inv_scale: torch.Tensor, device: torch.device, count_zeros: bool,
-                clips: list[list[int]], counted: Sequence[bool] | None) -> _Sums:
-    """`fused_stats`' entries before they are packed."""
+                inv_scale: torch.Tensor | Callable[[], torch.Tensor], device: torch.device,
+                count_zeros: bool, clips: list[list[int]], counted: Sequence[bool] | None,
+                host_inv: float | None = None) -> _Sums:
+    """`fused_stats`' entries before they are packed (``inv_scale``: the 0-d tensor, or a
+    function that makes it when it is needed). ``host_inv``: ``inv_scale``'s value, whose
+    products with the norms of plain CPU tensors are then taken on the host
+    (`_host_square_groups`)."""
     if counted is None:
         counted = _planner.counted_leaves(grads, name)
     counted = [c and w is not None for c, w in zip(counted, wide, strict=True)]
-    groups = _square_groups(wide, counted, inv_scale)
+    if host_inv is not None and _host.on_host(
+            *(w for w, c in zip(wide, counted, strict=True) if c)):
+        groups = _host_square_groups(wide, counted, host_inv)
+    else:
+        groups = _square_groups(wide, counted, inv_scale() if callable(inv_scale)
+                                else inv_scale)
     total = _sum_of_squares(groups, None, device)
     sums = [_sum_of_squares(groups, leaves, device) for leaves in clips]
     zeros = None
@@ -161,6 +171,34 @@ def _square_groups(tensors: list[Any], counted: list[bool], multiplier: torch.Te
                                                 dtype=None if dtype == acc else acc))
         norms = norms * multiplier.to(device=where, dtype=acc)
         groups.append((idx, norms.to(torch.float64) ** 2))
+    return groups
+
+
+def _host_square_groups(tensors: list[Any], counted: list[bool], multiplier: float,
+                        ) -> list[tuple[list[int], torch.Tensor]]:
+    """`_square_groups` of plain CPU tensors with a host ``multiplier`` (a float32 value),
+    bitwise its values with fewer kernel launches: the norms are read (one ``tolist``
+    per group), each times the multiplier rounded to the accumulation dtype (a product
+    of two float32 values is exact in float64, so rounding it once to float32 is the
+    float32 product), widened to float64 and squared (``x * x``: what ``** 2`` computes),
+    then laid in one float64 tensor, whose ``sum()`` (`_sum_of_squares`) adds them
+    in torch's own order."""
+    found: dict[torch.dtype, list[int]] = {}
+    for i, (t, c) in enumerate(zip(tensors, counted, strict=True)):
+        if c:
+            found.setdefault(t.dtype, []).append(i)
+    groups = []
+    for dtype, idx in found.items():
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        norms = [n.item() for n in torch._foreach_norm([tensors[i] for i in idx], 2,
+                                                       dtype=None if dtype == acc else acc)]
+        if acc == torch.float64:
+            scaled = [n * multiplier for n in norms]
+        else:
+            scaled = [_host.f32(n * multiplier) for n in norms]
+        # (a tensor over a host array: a fraction of torch.tensor's cost for a list)
+        groups.append((idx, torch.frombuffer(array("d", [x * x for x in scaled]),
+                                             dtype=torch.float64)))
     return groups
 
 
@@ -409,9 +447,9 @@ def _host_kernel_step(
     f32 = _host.f32
     # 1 / scale in float64, rounded once to float32 (`_inverse`)
     inv = f32(_host.reciprocal(loss_scale.scale.item()))
-    inv_scale = torch.scalar_tensor(inv, dtype=torch.float32, device=device)
-    local = _local_sums(grads, wide, name, inv_scale, device, count_zeros, structure.clips,
-                        counted)
+    local = _local_sums(grads, wide, name, lambda: torch.scalar_tensor(
+        inv, dtype=torch.float32, device=device), device, count_zeros, structure.clips,
+                        counted, host_inv=inv)
     if group is None:
         total, zeros, clip_sums = local
         nonfinite = 0.0  # (never counted: see _packed)
