@@ -212,3 +212,11 @@ def test_host_square_groups_are_the_tensor_ones(leaves, inv) -> None:
         assert (a is None) == (b is None)
         if a is not None and b is not None:
             assert _same_tensor(a, b)
+
+
+def test_on_host_takes_plain_cpu_tensors_only() -> None:
+    cpu = torch.zeros(())
+    assert _host.on_host(cpu, torch.ones(3))
+    assert _host.on_host()  # (nothing to read)
+    assert not _host.on_host(cpu, torch.zeros((), device="meta"))
+    assert not _host.on_host(torch.nn.Parameter(torch.zeros(())))  # a subclass
