@@ -14,7 +14,7 @@ again, so errors, refusals and warnings are those of a first step. The same rule
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -56,6 +56,9 @@ class Seen:
     lowering: Lowering
     name: Any  # _leaf_names(treespec)
     counted: list[bool]
+    # what the step grouped of its casts and writes, reused while they fit (_fused.py:
+    # `_recalled_casts`, `_recalled_writes`)
+    casts: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def of(cls, param_leaves: list[Any], treespec: _core.TreeSpec, grad_leaves: list[Any],
