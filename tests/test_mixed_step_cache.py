@@ -147,3 +147,54 @@ def test_the_next_step_skips_the_checks_and_the_lowering(monkeypatch) -> None:
         params = {**params, "w": params["w"].clone()}  # another tensor: lowered again
         step.step(grads, state, params)
     assert calls == [1]
+
+
+# -- the casts and writes a recalled step groups once (_fused.py: `_recalled_casts`,
+# `_recalled_writes`): each step of a sequence equals a step function that has seen nothing
+
+def _resize_a_buffer(step: Any) -> None:
+    step.buffers()[0].resize_(0)
+
+
+def _buffer_dtype(step: Any) -> None:
+    buffer = step.buffers()[0]
+    buffer.data = buffer.data.to(F64)
+
+
+def _buffers_taken(step: Any) -> None:
+    # the same step function (and thread) casts other params' gradients into its buffers
+    g = torch.Generator().manual_seed(1)
+    other = {"x": torch.randn(3, 4, generator=g).to(BF16),
+             "y": torch.randn(2, generator=g).to(BF16)}
+    grads = {k: (torch.randn(p.shape, generator=g) * 2**8).to(BF16) for k, p in other.items()}
+    with torch.no_grad():
+        step.step(grads, step.init(other), other)
+
+
+SEQUENCES: dict[str, list[Callable[[Any], None] | str | None]] = {
+    # None: a step on the warm inputs; a str: that many float32 gradients
+    "grad dtypes back and forth": ["w", None, "w,b", "b", None],
+    "a buffer resized": [_resize_a_buffer, None],
+    "grouped for float32 grads, then bfloat16": [_resize_a_buffer, "w,b", None],
+    "a buffer's dtype replaced": [_buffer_dtype, None],
+    "buffers taken by other params": [_buffers_taken, None, _buffers_taken, "w", None],
+}
+
+
+@pytest.mark.parametrize("sequence", list(SEQUENCES))
+def test_recalled_casts_and_writes_follow_changes(sequence: str) -> None:
+    step, params, grads, state = _warmed()
+    clone = functopt.testing.clone_tree
+    for move in SEQUENCES[sequence]:
+        if callable(move):
+            move(step)
+            continue
+        given = dict(grads) if move is None else {
+            **grads, **{k: grads[k].float() for k in move.split(",")}}
+        ref = clone(params), clone(given), clone(state)
+        with torch.no_grad():
+            expected = _outcome(lambda ref=ref: _step().step(ref[1], ref[2], ref[0]))
+            params, state = step.step(given, state, params)
+            now = params, state
+            got = _outcome(lambda now=now: now)
+        _same(got, expected)

@@ -48,6 +48,7 @@ How it differs from the pure path, and why that is the same step:
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -109,13 +110,22 @@ _Sums = tuple[torch.Tensor | None, torch.Tensor | None, list[torch.Tensor | None
 
 
 def _local_sums(grads: list[Any], wide: list[Any], name: Callable[[int], str],
-                inv_scale: torch.Tensor, device: torch.device, count_zeros: bool,
-                clips: list[list[int]], counted: Sequence[bool] | None) -> _Sums:
-    """`fused_stats`' entries before they are packed."""
+                inv_scale: torch.Tensor | Callable[[], torch.Tensor], device: torch.device,
+                count_zeros: bool, clips: list[list[int]], counted: Sequence[bool] | None,
+                host_inv: float | None = None) -> _Sums:
+    """`fused_stats`' entries before they are packed (``inv_scale``: the 0-d tensor, or a
+    function that makes it when it is needed). ``host_inv``: ``inv_scale``'s value, whose
+    products with the norms of plain CPU tensors are then taken on the host
+    (`_host_square_groups`)."""
     if counted is None:
         counted = _planner.counted_leaves(grads, name)
     counted = [c and w is not None for c, w in zip(counted, wide, strict=True)]
-    groups = _square_groups(wide, counted, inv_scale)
+    if host_inv is not None and _host.on_host(
+            *(w for w, c in zip(wide, counted, strict=True) if c)):
+        groups = _host_square_groups(wide, counted, host_inv)
+    else:
+        groups = _square_groups(wide, counted, inv_scale() if callable(inv_scale)
+                                else inv_scale)
     total = _sum_of_squares(groups, None, device)
     sums = [_sum_of_squares(groups, leaves, device) for leaves in clips]
     zeros = None
@@ -161,6 +171,34 @@ def _square_groups(tensors: list[Any], counted: list[bool], multiplier: torch.Te
                                                 dtype=None if dtype == acc else acc))
         norms = norms * multiplier.to(device=where, dtype=acc)
         groups.append((idx, norms.to(torch.float64) ** 2))
+    return groups
+
+
+def _host_square_groups(tensors: list[Any], counted: list[bool], multiplier: float,
+                        ) -> list[tuple[list[int], torch.Tensor]]:
+    """`_square_groups` of plain CPU tensors with a host ``multiplier`` (a float32 value),
+    bitwise its values with fewer kernel launches: the norms are read (one ``tolist``
+    per group), each times the multiplier rounded to the accumulation dtype (a product
+    of two float32 values is exact in float64, so rounding it once to float32 is the
+    float32 product), widened to float64 and squared (``x * x``: what ``** 2`` computes),
+    then laid in one float64 tensor, whose ``sum()`` (`_sum_of_squares`) adds them
+    in torch's own order."""
+    found: dict[torch.dtype, list[int]] = {}
+    for i, (t, c) in enumerate(zip(tensors, counted, strict=True)):
+        if c:
+            found.setdefault(t.dtype, []).append(i)
+    groups = []
+    for dtype, idx in found.items():
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        norms = [n.item() for n in torch._foreach_norm([tensors[i] for i in idx], 2,
+                                                       dtype=None if dtype == acc else acc)]
+        if acc == torch.float64:
+            scaled = [n * multiplier for n in norms]
+        else:
+            scaled = [_host.f32(n * multiplier) for n in norms]
+        # (a tensor over a host array: a fraction of torch.tensor's cost for a list)
+        groups.append((idx, torch.frombuffer(array("d", [x * x for x in scaled]),
+                                             dtype=torch.float64)))
     return groups
 
 
@@ -214,6 +252,76 @@ def _widened(grads: list[Any], views: list[Any], workspace: list[Any] | None) ->
     for dst, src in groups.values():
         torch._foreach_copy_(dst, src)
     return out
+
+
+def _recalled_casts(casts: dict[str, Any], grads: list[Any], views: list[Any],
+                   workspace: list[Any]) -> list[Any]:
+    """`_widened` of a recalled step's plain gradients (precision/_seen.py: their shapes and
+    devices are the params' seen, their dtypes one of two) into ``workspace``, with the
+    grouping of the last step that cast gradients of these dtypes into these very buffers;
+    made again (by `_widened`) otherwise."""
+    dtypes = [None if g is None else g.dtype for g in grads]
+    plan = casts.get("widen")
+    if plan is not None and plan[0] == dtypes and len(workspace) == len(grads) and all(
+            workspace[i] is b and b.shape == shape and b.dtype == dtype
+            for i, b, shape, dtype in plan[2]):
+        out = list(grads)
+        for idx, dst in plan[1]:
+            torch._foreach_copy_(dst, [grads[i] for i in idx])
+            for i, b in zip(idx, dst, strict=True):
+                out[i] = b
+        for i in plan[3]:
+            out[i] = None
+        return out
+    out = _widened(grads, views, workspace)
+    groups: dict[tuple[torch.device, torch.dtype, torch.dtype], list[int]] = {}
+    for i, (g, w) in enumerate(zip(grads, out, strict=True)):
+        if g is not None and w is not None and w is not g:
+            groups.setdefault((g.device, g.dtype, w.dtype), []).append(i)
+    casts["widen"] = (dtypes, [(idx, [out[i] for i in idx]) for idx in groups.values()],
+                      [(i, out[i], out[i].shape, out[i].dtype)
+                       for idx in groups.values() for i in idx],
+                      [i for i, w in enumerate(out) if w is None])
+    return out
+
+
+def _recalled_writes(casts: dict[str, Any], params: list[Any], stores: list[Any],
+                     grads: list[Any], values: list[Any], low: list[Any] | None,
+                     ) -> tuple[list[Any], list[Any]]:
+    """`_write_params` of a donated recalled step (its params and stores those seen, plain
+    tensors), with the grouping of the last step whose gradients and written params were
+    None at the same leaves; made again otherwise."""
+    pattern = ([g is None for g in grads],
+               None if low is None else [w is None for w in low])
+    plan = casts.get("write")
+    if plan is None or plan[0] != pattern:
+        copies: dict[torch.dtype, list[int]] = {}
+        own, written = [], []
+        for i, (p, s, g) in enumerate(zip(params, stores, grads, strict=True)):
+            if p is None or g is None:
+                continue
+            if s is None:
+                own.append(i)
+            elif low is not None and low[i] is not None:
+                written.append(i)
+            else:
+                copies.setdefault(p.dtype, []).append(i)
+        plan = casts["write"] = (pattern, own, written,
+                                 [(idx, [params[i] for i in idx]) for idx in copies.values()])
+    _, own, written, copies_of = plan
+    new_params = list(params)
+    new_stores = list(stores)
+    for i in own:
+        new_params[i] = values[i]
+    for i in written:
+        new_stores[i] = values[i]
+        new_params[i] = low[i]  # type: ignore[index]  # (written: low is not None)
+    for idx, dst in copies_of:
+        src = [values[i] for i in idx]
+        for i, v in zip(idx, src, strict=True):
+            new_stores[i] = v
+        torch._foreach_copy_(dst, src)  # round to nearest, in place (params are donated)
+    return new_params, new_stores
 
 
 def _flat_casts(groups: list[Any], grads: list[Any], views: list[Any],
@@ -309,7 +417,7 @@ def fused_mixed_step(
     donate: bool, workspace: list[Any] | None = None, counted: Sequence[bool] | None = None,
     compiled: bool = False, scratch: dict[Any, Any] | None = None,
     lowering: tuple[_planner.Structure, list[Any], _planner.Lowered] | None = None,
-    metrics: Any = None,
+    metrics: Any = None, casts: dict[str, Any] | None = None,
 ) -> tuple[list[Any], list[Any], Any, GradStats, LossScaleState] | str:
     """The mixed-precision step on the planner's kernels (see the module docstring), or the
     reason the planner gives why it cannot lower these leaves (the caller then takes the
@@ -323,7 +431,9 @@ def fused_mixed_step(
 
     ``lowering``: `_lowered` for these inputs, made already (the inner state's
     leaves with it). ``metrics``: the state's ``StepMetrics``, whose tensors the host
-    path keeps where their values do not move (with donation).
+    path keeps where their values do not move (with donation). ``casts``: a dict kept
+    with these inputs' record (precision/_seen.py), where the gradient casts and the
+    param writes keep their grouping between steps (`_Casts`).
 
     Returns ``(new params, new stores, new inner state, statistics, new loss scale)``.
     """
@@ -335,14 +445,16 @@ def fused_mixed_step(
     # a compiled group's casts go into one buffer, which its call then reads in place
     if workspace is not None and compiled:
         _flat_casts(lowered.groups, grads, views, workspace)
-    wide = _widened(grads, views, workspace)
+    wide = _widened(grads, views, workspace) if casts is None or workspace is None else (
+        _recalled_casts(casts, grads, views, workspace))
     device = loss_scale.scale.device
     if _host_bookkeeping(loss_scale, scale_rule, max_grad_norm):
         return _host_kernel_step(planner, lowered, params, stores, views, grads, wide,
                                  inner_leaves, loss_scale, scale_rule=scale_rule,
                                  scaled=scaled, max_grad_norm=max_grad_norm, group=group,
                                  name=name, count_zeros=count_zeros, donate=donate,
-                                 counted=counted, scratch=scratch, metrics=metrics)
+                                 counted=counted, scratch=scratch, metrics=metrics,
+                                 casts=casts)
     inv_scale = _inverse(loss_scale)
     packed = all_reduce_stats(
         fused_stats(grads, wide, name, inv_scale, device, count_zeros, structure.clips,
@@ -398,7 +510,7 @@ def _host_kernel_step(
     scaled: bool, max_grad_norm: float | torch.Tensor | None,
     group: dist.ProcessGroup | None, name: Callable[[int], str], count_zeros: bool,
     donate: bool, counted: Sequence[bool] | None, scratch: dict[Any, Any] | None,
-    metrics: Any,
+    metrics: Any, casts: dict[str, Any] | None = None,
 ) -> tuple[list[Any], list[Any], Any, GradStats, LossScaleState] | str:
     """The rest of `fused_mixed_step` with its scalars on the host: the same statistics
     (one read of their sums), loss scale, clip factor and multiplier, computed in Python
@@ -409,9 +521,9 @@ def _host_kernel_step(
     f32 = _host.f32
     # 1 / scale in float64, rounded once to float32 (`_inverse`)
     inv = f32(_host.reciprocal(loss_scale.scale.item()))
-    inv_scale = torch.scalar_tensor(inv, dtype=torch.float32, device=device)
-    local = _local_sums(grads, wide, name, inv_scale, device, count_zeros, structure.clips,
-                        counted)
+    local = _local_sums(grads, wide, name, lambda: torch.scalar_tensor(
+        inv, dtype=torch.float32, device=device), device, count_zeros, structure.clips,
+                        counted, host_inv=inv)
     if group is None:
         total, zeros, clip_sums = local
         nonfinite = 0.0  # (never counted: see _packed)
@@ -446,7 +558,7 @@ def _host_kernel_step(
                           _kernel_casts(grads, wide, multiplier, structure), inner_leaves,
                           donate, scratch, multiplier=multiplier,
                           found_inf=found_inf if found else None, sums=sums, finite=finite,
-                          keep_dtypes=not found)
+                          keep_dtypes=not found, casts=casts)
     if isinstance(result, str):
         return result
     new_params, new_stores, new_inner = result
@@ -461,7 +573,8 @@ def _host_kernel_step(
 def _kernel_step(planner: _planner.Planner, lowered: _planner.Lowered, params: list[Any],
                  stores: list[Any], views: list[Any], grads: list[Any],
                  kernel_grads: list[Any], inner_leaves: list[Any], donate: bool,
-                 scratch: dict[Any, Any] | None, keep_dtypes: bool = False, **options: Any,
+                 scratch: dict[Any, Any] | None, keep_dtypes: bool = False,
+                 casts: dict[str, Any] | None = None, **options: Any,
                  ) -> tuple[list[Any], list[Any], Any] | str:
     """The planner's kernels on the master-precision values and ``kernel_grads`` (which
     they may scale in place), then the params written from the new masters; ``options``
@@ -470,7 +583,8 @@ def _kernel_step(planner: _planner.Planner, lowered: _planner.Lowered, params: l
 
     ``keep_dtypes``: the injected hyperparameters keep the dtypes of ``inner_leaves``,
     as a run with a ``found_inf`` keeps them (its select casts a new value to the old
-    one's dtype; one without takes the value as the schedule gave it)."""
+    one's dtype; one without takes the value as the schedule gave it). ``casts``: see
+    `fused_mixed_step`."""
     result = _planner.run(lowered, views, kernel_grads, inner_leaves, donate=donate,
                           donate_grads=True, reads=planner.reads, workspace=scratch,
                           low=[p if s is not None else None
@@ -483,8 +597,12 @@ def _kernel_step(planner: _planner.Planner, lowered: _planner.Lowered, params: l
             for i in inj.hyper.values():
                 if leaves[i] is not inner_leaves[i] and leaves[i].dtype != inner_leaves[i].dtype:
                     leaves[i] = leaves[i].to(inner_leaves[i].dtype)
-    new_params, new_stores = _write_params(params, stores, grads, result.values, result.low,
-                                           donate)
+    if casts is not None and donate:
+        new_params, new_stores = _recalled_writes(casts, params, stores, grads,
+                                                  result.values, result.low)
+    else:
+        new_params, new_stores = _write_params(params, stores, grads, result.values,
+                                               result.low, donate)
     return new_params, new_stores, result.state
 
 

@@ -56,7 +56,7 @@ def on_host(*tensors: Any) -> bool:
     """Whether every one of ``tensors`` is a plain CPU tensor (not a DTensor, not a
     ``torch.func`` wrapper, not a subclass), whose value the host reads for free."""
     return torch._C._functorch.maybe_current_level() is None and all(
-        type(t) is torch.Tensor and t.device.type == "cpu" for t in tensors)
+        type(t) is torch.Tensor and t.is_cpu for t in tensors)  # (is_cpu: a fifth of .device)
 
 
 def scalar(value: float | int | bool, like: torch.Tensor) -> torch.Tensor:

@@ -432,7 +432,7 @@ def mixed_precision(
                 result = fused_mixed_step(
                     planner, param_leaves, store, view, grad_leaves, state.inner_state,
                     state.loss_scale, lowering=(structure, inner_leaves, lowered),
-                    metrics=state.metrics,
+                    metrics=state.metrics, casts=seen.casts,
                     **fast_options(seen.treespec, None, seen.name, seen.counted))
             # (a refusal: the full step says why, and warns)
             return None if isinstance(result, str) else fast_result(
