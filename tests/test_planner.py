@@ -299,26 +299,38 @@ def test_apply_if_finite_folds_into_the_kernels_skip(chain: str, donate: bool) -
     (packed with the clips' norms), its skip the kernels' found_inf; its counters, the
     counters inside it (held on a skip) and outside it (moving on) as on the pure path,
     including the step that gives up after max_consecutive_errors."""
-    tx = GUARDED[chain]()
-    gen = torch.Generator().manual_seed(3)
+    def spoil(i: int, grads: dict[str, torch.Tensor]) -> None:
+        if i in (2, 3, 4, 6):  # three bad steps in a row: a guard of 2 gives up on the third
+            grads["b"][0] = float("nan") if i % 2 else float("inf")
+
+    *_, (_, state) = _beside_pure(GUARDED[chain](), 3, 8, spoil, _nan_mask_and_close, donate)
+    assert int(_guard_state(state).total_notfinite) == 4
+
+
+def _beside_pure(tx: Any, seed: int, steps: int, spoil: Any, compare: Any, donate: bool,
+                 ) -> Any:
+    """``steps`` fast steps of ``tx`` (no FastPathWarning: it must stay fast) on float64
+    params ``w`` (5, 3) and ``b`` (3,), each beside the pure step, on gradients drawn from
+    ``seed`` and changed by ``spoil(i, grads)``; ``compare(actual, expected, what)`` holds
+    params and state to the pure path's after each; yields ``(i, fast state)``."""
+    gen = torch.Generator().manual_seed(seed)
     params = {"w": torch.randn(5, 3, generator=gen, dtype=torch.float64),
               "b": torch.randn(3, generator=gen, dtype=torch.float64)}
     state = tx.init(params)
-    assert explain(tx, params, state).fast
+    assert explain(tx, params, state).fast, explain(tx, params, state).reason
     ref_params, ref_state = _clone(params), _clone(state)
     step = make_step(tx, donate=donate)
-    for i in range(8):
+    for i in range(steps):
         grads = {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in
                  params.items()}
-        if i in (2, 3, 4, 6):  # three bad steps in a row: a guard of 2 gives up on the third
-            grads["b"][0] = float("nan") if i % 2 else float("inf")
+        spoil(i, grads)
         ref_params, ref_state = _pure(tx, grads, ref_state, ref_params)
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("error", FastPathWarning)
             params, state = step(_clone(grads), state, params)
-        _nan_mask_and_close(params, ref_params, f"step {i} params")
-        _nan_mask_and_close(state, ref_state, f"step {i} state")
-    assert int(_guard_state(state).total_notfinite) == 4
+        compare(params, ref_params, f"step {i} params")
+        compare(state, ref_state, f"step {i} state")
+        yield i, state
 
 
 def test_a_guard_after_a_clip_of_more_leaves_than_it_checks_stays_pure() -> None:
@@ -478,27 +490,13 @@ def test_a_leading_zero_nans_keeps_the_fast_path(chain: str, donate: bool) -> No
     """zero_nans before every rule: the nans become 0 before the clip measures and the
     guard checks (an inf still skips a guarded step), its found_nan flags are the pure
     path's, and the rest of the chain keeps its kernels (or the per-leaf tier)."""
-    tx = ZEROED[chain]()
-    gen = torch.Generator().manual_seed(5)
-    params = {"w": torch.randn(5, 3, generator=gen, dtype=torch.float64),
-              "b": torch.randn(3, generator=gen, dtype=torch.float64)}
-    state = tx.init(params)
-    assert explain(tx, params, state).fast, explain(tx, params, state).reason
-    ref_params, ref_state = _clone(params), _clone(state)
-    step = make_step(tx, donate=donate)
-    for i in range(5):
-        grads = {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in
-                 params.items()}
+    def spoil(i: int, grads: dict[str, torch.Tensor]) -> None:
         if i in (1, 3):
             grads["w"][1, 2] = float("nan")
         if i == 2 and chain == "guarded_sgd":
             grads["b"][0] = float("inf")
-        ref_params, ref_state = _pure(tx, grads, ref_state, ref_params)
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("error", FastPathWarning)
-            params, state = step(_clone(grads), state, params)
-        _assert_close(params, ref_params, f"step {i} params")
-        _assert_close(state, ref_state, f"step {i} state")
+
+    for i, state in _beside_pure(ZEROED[chain](), 5, 5, spoil, _assert_close, donate):
         zeroing = state[0].inner_state if chain == "masked_lamb" else state[0]
         assert bool(zeroing.found_nan["w"]) == (i in (1, 3)), i
 

@@ -364,29 +364,19 @@ def make_step_runs_sharded_muon_on_the_per_leaf_tier(rank: int, world: int) -> N
     injected = functopt.inject_hyperparams(contrib.muon, static_args=(
         "muon_weight_dimension_numbers",))(learning_rate=0.02, weight_decay=0.01,
                                            adaptive=True, muon_weight_dimension_numbers=_DIMS)
-    for tx in (_recipe(), injected):
+
+    def new_values(i: int, state: Any) -> Any:
+        return state._replace(hyperparams={
+            **state.hyperparams, "learning_rate": torch.tensor(0.02 / (1 + i)),
+            "weight_decay": torch.tensor(0.01 * i)})
+
+    for tx, edit in ((_recipe(), None), (injected, new_values)):
         step = functopt.fast.make_step(tx, donate=True)
         params, ref_params = _shard_tree(full, mesh), _shard_tree(full, mesh)
-        state, ref_state = tx.init(params), tx.init(ref_params)
         explained = functopt.fast.explain(tx, params)
         assert explained.fast and {g.kernel for g in explained.groups} == {"per-leaf"}, (
             explained)
-        for i in range(2):
-            if tx is injected:
-                hyper = {**state.hyperparams, "learning_rate": torch.tensor(0.02 / (1 + i)),
-                         "weight_decay": torch.tensor(0.01 * i)}
-                state = state._replace(hyperparams=hyper)
-                ref_state = ref_state._replace(hyperparams=dict(hyper))
-            grads = _shard_tree(_grads(i, full), mesh)
-            ref_updates, ref_state = tx.update(grads, ref_state, ref_params)
-            ref_params = functopt.apply_updates(ref_params, ref_updates)
-            with CommDebugMode() as comm, warnings.catch_warnings():
-                warnings.simplefilter("error", FastPathWarning)
-                params, state = step(grads, state, params)
-            assert comm.get_total_counts() == 2, comm.get_comm_counts()
-        _assert_tree(params, ref_params)
-        _assert_tree(state, ref_state)
-        assert _placed_like(state, ref_params) == 5 + 2
+        _two_exchanges_per_step(tx, step, full, mesh, params, ref_params, edit)
 
 
 @check
@@ -402,11 +392,22 @@ def per_leaf_tier_with_a_decay_mask_still_makes_two_exchanges(rank: int,
                       weight_decay_mask=lambda p: {k: k in ("wide", "square") for k in p})
     step = functopt.fast.make_step(tx)
     params, ref_params = _shard_tree(full, mesh), _shard_tree(full, mesh)
-    state, ref_state = tx.init(params), tx.init(ref_params)
     explained = functopt.fast.explain(tx, params)
     muon_groups = [g for g in explained.groups if g.rules[0] == "scale_by_muon"]
     assert len(muon_groups) == 2, explained
+    _two_exchanges_per_step(tx, step, full, mesh, params, ref_params)
+
+
+def _two_exchanges_per_step(tx: functopt.GradientTransformation, step: Any,
+                            full: dict[str, torch.Tensor], mesh: Any, params: Any,
+                            ref_params: Any, new_values: Any = None) -> None:
+    """Two fast steps on the shards, each with two collectives (Muon's all-to-alls) and no
+    FastPathWarning, bitwise update plus apply_updates, the state placed as the params;
+    ``new_values(i, state)``, when given, edits both states before step ``i``."""
+    state, ref_state = tx.init(params), tx.init(ref_params)
     for i in range(2):
+        if new_values is not None:
+            state, ref_state = new_values(i, state), new_values(i, ref_state)
         grads = _shard_tree(_grads(i, full), mesh)
         ref_updates, ref_state = tx.update(grads, ref_state, ref_params)
         ref_params = functopt.apply_updates(ref_params, ref_updates)
