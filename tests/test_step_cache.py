@@ -138,6 +138,17 @@ def _grad_sparse(params: Any, grads: Any, state: Any) -> tuple[Any, Any, Any]:
     return params, {**grads, "b": grads["b"].to_sparse()}, state
 
 
+def _grad_strides(params: Any, grads: Any, state: Any) -> tuple[Any, Any, Any]:
+    # the same values laid out column-major: the kernels read a copy in the param's layout
+    return params, {**grads, "w": grads["w"].t().contiguous().t()}, state
+
+
+def _grad_transposed(params: Any, grads: Any, state: Any) -> tuple[Any, Any, Any]:
+    # a square gradient's transpose: the param's shape, other strides (read as laid out, it
+    # would pair each element with another's param)
+    return params, {**grads, "s": grads["s"].t()}, state
+
+
 def _grad_none(params: Any, grads: Any, state: Any) -> tuple[Any, Any, Any]:
     return params, {**grads, "b": None}, state
 
@@ -233,7 +244,8 @@ def _count_not_tensor(params: Any, grads: Any, state: Any) -> tuple[Any, Any, An
     return params, grads, (state[0]._replace(count={"n": state[0].count}), *state[1:])
 
 
-CHANGES = [_grad_shape, _grad_dtype, _grad_int, _grad_sparse, _grad_none, _grad_not_tensor,
+CHANGES = [_grad_shape, _grad_dtype, _grad_int, _grad_sparse, _grad_strides, _grad_transposed,
+           _grad_none, _grad_not_tensor,
            _grad_structure, _param_swapped, _param_dtype_in_place, _param_strides_in_place,
            _param_transposed_in_place,
            _param_shape_in_place, _param_view_same_memory, _param_tied_in_place,
