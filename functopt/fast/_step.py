@@ -484,12 +484,11 @@ class _Seen:
     KEPT = 8  # remembered per step function (one per param group of an Optimizer)
 
     treespec: _core.TreeSpec
-    params: list[Any]  # weakref or None, per leaf
-    meta: list[Any]  # _meta or None, per leaf
-    grads: list[bool]  # per leaf: had a gradient
-    slots: list[int]  # flat state indices of the per-leaf entries
-    slot_refs: list[Any]
-    slot_meta: list[Any]  # per entry: its memory, strides and shape
+    # per param leaf: None for a None param, else (weakref, address, strides, shape, dtype,
+    # device, whether it had a gradient): one list to walk per step
+    rows: list[tuple[Any, ...] | None]
+    # per per-leaf state entry: (flat state index, weakref, address, strides, shape)
+    slot_rows: list[tuple[Any, ...]]
     plain_state: bool  # every state leaf a tensor or None: flatten_up_to is the flatten
     lowered: _planner.Lowered
 
@@ -502,12 +501,13 @@ class _Seen:
         entries = [state_leaves[k] for k in slots]
         if any(type(e) not in _PLAIN for e in entries):
             return None
-        return cls(
-            treespec, [None if p is None else weakref.ref(p) for p in param_leaves],
-            [None if p is None else _meta(p) for p in param_leaves],
-            [g is not None for g in grad_leaves], slots, [weakref.ref(e) for e in entries],
-            [(e.data_ptr(), e.stride(), e.shape) for e in entries],
-            all(x is None or isinstance(x, torch.Tensor) for x in state_leaves), lowered)
+        rows = [None if p is None else (weakref.ref(p), p.data_ptr(), p.stride(), p.shape,
+                                        p.dtype, p.device, g is not None)
+                for p, g in zip(param_leaves, grad_leaves, strict=True)]
+        slot_rows = [(k, weakref.ref(e), e.data_ptr(), e.stride(), e.shape)
+                     for k, e in zip(slots, entries, strict=True)]
+        return cls(treespec, rows, slot_rows,
+                   all(x is None or isinstance(x, torch.Tensor) for x in state_leaves), lowered)
 
     def match(self, grads: Any, params: Any, state: Any, state_leaves: list[Any] | None,
               ) -> tuple[list[Any], _core.TreeSpec, list[Any], list[Any]] | None:
@@ -536,17 +536,19 @@ class _Seen:
         seen): whether they are the ones seen, unchanged in everything the checks and the
         lowering read."""
         strided = torch.strided
-        if len(param_leaves) != len(self.params) or len(grad_leaves) != len(self.params):
+        rows = self.rows
+        if len(param_leaves) != len(rows) or len(grad_leaves) != len(rows):
             return False
-        for p, ref, meta, g, had in zip(param_leaves, self.params, self.meta, grad_leaves,
-                                        self.grads, strict=True):
-            if ref is None:
+        for p, g, row in zip(param_leaves, grad_leaves, rows, strict=True):
+            if row is None:
                 if p is not None or g is not None:
                     return False
                 continue
-            # (_meta, inline: a small model's step pays for every call)
-            if p is None or p is not ref() or (
-                    p.dtype, p.shape, p.stride(), p.device, p.data_ptr()) != meta:
+            ref, ptr, stride, shape, dtype, device, had = row
+            # (the metadata _meta reads, one value at a time: a small model's step pays for
+            # every read)
+            if p is None or p is not ref() or p.data_ptr() != ptr or p.stride() != stride or (
+                    p.shape != shape or p.dtype is not dtype or p.device != device):
                 return False
             if g is None:
                 if had:
@@ -556,15 +558,15 @@ class _Seen:
             # the param's strides (the kernels then take the gradient as it is: `run`'s
             # ``checked``)
             if not had or type(g) not in _PLAIN or g.layout is not strided or (
-                    g.dtype is not meta[0] or g.shape != meta[1] or g.device != meta[3]
-                    or g.stride() != meta[2]):
+                    g.dtype is not dtype or g.shape != shape or g.stride() != stride
+                    or g.device != device):
                 return False
         # (a moment whose .data became another view of its memory, transposed or narrowed,
         # keeps its address: the kernels would read it as laid out before)
-        for k, ref, meta in zip(self.slots, self.slot_refs, self.slot_meta, strict=True):
+        for k, ref, ptr, stride, shape in self.slot_rows:
             entry = state_leaves[k]
-            if entry is not ref() or entry is None or (
-                    entry.data_ptr(), entry.stride(), entry.shape) != meta:
+            if entry is None or entry is not ref() or entry.data_ptr() != ptr or (
+                    entry.stride() != stride or entry.shape != shape):
                 return False
         return True
 
