@@ -488,6 +488,34 @@ def test_a_donated_kernel_step_advances_its_counters_in_place() -> None:
     assert int(state.count) == int(state.inner_state[0].count) == 3
 
 
+def test_a_donated_kernel_step_keeps_a_counter_at_the_int32_maximum() -> None:
+    # safe_increment's saturation, on the counters a donated step advances in place; the
+    # values are the pure path's (update then apply_updates)
+    tx = _injected()
+    params, grads = _inputs(F64)
+    top = torch.iinfo(torch.int32).max
+
+    def at_max(state: Any) -> Any:
+        inner = state.inner_state
+        return state._replace(count=torch.tensor(top, dtype=torch.int32), inner_state=(
+            inner[0]._replace(count=torch.tensor(top, dtype=torch.int32)), *inner[1:]))
+
+    step = functopt.fast.make_step(tx, donate=True)
+    state = tx.init(params)
+    with torch.no_grad():
+        params, state = step(grads, state, params)  # warm: the next step is recalled
+        state = at_max(state)
+        ref_params, ref_state = _clone(params), _clone(state)
+        params, state = step(grads, state, params)
+    updates, ref_state = tx.update(grads, ref_state, ref_params)
+    ref_params = functopt.apply_updates(ref_params, updates)
+    assert int(state.count) == int(state.inner_state[0].count) == top
+    assert int(ref_state.count) == int(ref_state.inner_state[0].count) == top
+    for a, b in zip(functopt.tree.flatten(params)[0], functopt.tree.flatten(ref_params)[0],
+                    strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def test_a_counter_held_twice_is_advanced_once_per_place() -> None:
     # one tensor in both counters' places (each gets its new value, not a second + 1)
     tx = _injected()

@@ -1332,8 +1332,11 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
         lowered.kernels_only)
     for c in structure.counter_indices:
         count = state_leaves[c]
-        if in_place and _on_host(count) and count._base is None:
-            hosted[c] = _next_count(count)
+        # (_on_host and _next_count, inline: two counters a step on a small model)
+        if in_place and type(count) is torch.Tensor and count.is_cpu and count.dim() == 0 and (
+                count._base is None):
+            n = int(count)
+            hosted[c] = n + 1 if n < _common.INT32_MAX else n
             owned.append(c)
         else:
             advanced[c] = _increment(count, c, hosted)
