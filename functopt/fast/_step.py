@@ -436,11 +436,13 @@ class Step:
                 if (seen.treespec is treespec or seen.treespec == treespec) and (
                         lowered.state_spec is state_spec or lowered.state_spec == state_spec
                         ) and seen.match_leaves(param_leaves, grad_leaves, state_leaves):
-                    if differentiated(param_leaves, grad_leaves, state_leaves):
+                    if torch._C._functorch.maybe_current_level() is not None or (
+                            torch.is_grad_enabled()):
+                        # (autograd may record, or torch.func wraps: every check again)
                         break
-                    result = self._fused(param_leaves, param_leaves, seen.treespec,
-                                         grad_leaves, state_leaves, state_spec,
-                                         _leaf_names(seen.treespec), lowered)
+                    # (_fused's run, under no_grad already)
+                    result = self._run(lowered, param_leaves, grad_leaves, state_leaves,
+                                       _leaf_names(seen.treespec), True)
                     if isinstance(result, str):
                         break
                     return result.values, result.leaves, result.spec
