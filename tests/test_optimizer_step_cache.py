@@ -327,3 +327,36 @@ def test_a_state_entry_lost_between_warm_steps_raises_naming_it(edit: str) -> No
     with pytest.raises(ValueError, match=r"param 1 of param_groups\[0\] has no "
                                          r"'inner_state.0.nu'"):
         opt.step()
+
+
+@pytest.mark.parametrize("name", sorted(OURS))
+def test_a_gradient_of_other_strides_after_steps_steps_as_in_torch(name: str) -> None:
+    params, opt = _stepped(OURS[name])
+    ref_params, ref = _stepped(_torch)
+    g = _grads(STEPS)
+    # the same values laid out column-major: other strides than the params
+    for ps in (params, ref_params):
+        for p, grad in zip(ps, g, strict=True):
+            p.grad = grad.clone()
+        ps[2].grad = g[2].t().contiguous().t()
+        ps[0].grad = g[0].t().contiguous().t()
+    opt.step()
+    ref.step()
+    _close([p.detach() for p in params], [q.detach() for q in ref_params])
+
+
+@pytest.mark.parametrize("name", sorted(OURS))
+def test_named_params_out_of_name_order_step_as_in_torch(name: str) -> None:
+    # the transform sees a named group as a dict, which flattens by sorted name: the
+    # optimizer hands the kernels its params in that order, each with its own gradient
+    def run(make: Callable[[Any], torch.optim.Optimizer], named: bool) -> list[torch.Tensor]:
+        params = _params()
+        names = ["z", "a", "m"]
+        opt = make(list(zip(names, params, strict=True)) if named else params)
+        for step in range(STEPS + 2):
+            for p, g in zip(params, _grads(step), strict=True):
+                p.grad = g
+            opt.step()
+        return [p.detach() for p in params]
+
+    _close(run(OURS[name], True), run(_torch, False))

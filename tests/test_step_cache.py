@@ -138,6 +138,17 @@ def _grad_sparse(params: Any, grads: Any, state: Any) -> tuple[Any, Any, Any]:
     return params, {**grads, "b": grads["b"].to_sparse()}, state
 
 
+def _grad_strides(params: Any, grads: Any, state: Any) -> tuple[Any, Any, Any]:
+    # the same values laid out column-major: the kernels read a copy in the param's layout
+    return params, {**grads, "w": grads["w"].t().contiguous().t()}, state
+
+
+def _grad_transposed(params: Any, grads: Any, state: Any) -> tuple[Any, Any, Any]:
+    # a square gradient's transpose: the param's shape, other strides (read as laid out, it
+    # would pair each element with another's param)
+    return params, {**grads, "s": grads["s"].t()}, state
+
+
 def _grad_none(params: Any, grads: Any, state: Any) -> tuple[Any, Any, Any]:
     return params, {**grads, "b": None}, state
 
@@ -233,7 +244,8 @@ def _count_not_tensor(params: Any, grads: Any, state: Any) -> tuple[Any, Any, An
     return params, grads, (state[0]._replace(count={"n": state[0].count}), *state[1:])
 
 
-CHANGES = [_grad_shape, _grad_dtype, _grad_int, _grad_sparse, _grad_none, _grad_not_tensor,
+CHANGES = [_grad_shape, _grad_dtype, _grad_int, _grad_sparse, _grad_strides, _grad_transposed,
+           _grad_none, _grad_not_tensor,
            _grad_structure, _param_swapped, _param_dtype_in_place, _param_strides_in_place,
            _param_transposed_in_place,
            _param_shape_in_place, _param_view_same_memory, _param_tied_in_place,
@@ -474,6 +486,34 @@ def test_a_donated_kernel_step_advances_its_counters_in_place() -> None:
             params, state = step(grads, state, params)
     assert state.count is counts[0] and state.inner_state[0].count is counts[1]
     assert int(state.count) == int(state.inner_state[0].count) == 3
+
+
+def test_a_donated_kernel_step_keeps_a_counter_at_the_int32_maximum() -> None:
+    # safe_increment's saturation, on the counters a donated step advances in place; the
+    # values are the pure path's (update then apply_updates)
+    tx = _injected()
+    params, grads = _inputs(F64)
+    top = torch.iinfo(torch.int32).max
+
+    def at_max(state: Any) -> Any:
+        inner = state.inner_state
+        return state._replace(count=torch.tensor(top, dtype=torch.int32), inner_state=(
+            inner[0]._replace(count=torch.tensor(top, dtype=torch.int32)), *inner[1:]))
+
+    step = functopt.fast.make_step(tx, donate=True)
+    state = tx.init(params)
+    with torch.no_grad():
+        params, state = step(grads, state, params)  # warm: the next step is recalled
+        state = at_max(state)
+        ref_params, ref_state = _clone(params), _clone(state)
+        params, state = step(grads, state, params)
+    updates, ref_state = tx.update(grads, ref_state, ref_params)
+    ref_params = functopt.apply_updates(ref_params, updates)
+    assert int(state.count) == int(state.inner_state[0].count) == top
+    assert int(ref_state.count) == int(ref_state.inner_state[0].count) == top
+    for a, b in zip(functopt.tree.flatten(params)[0], functopt.tree.flatten(ref_params)[0],
+                    strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
 def test_a_counter_held_twice_is_advanced_once_per_place() -> None:

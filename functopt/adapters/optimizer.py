@@ -105,7 +105,10 @@ class _Plan:
         self.signature = recipe  # the recipe with its fixed arguments, saved in state dicts
         self.recipe = None if recipe is None else recipe.split("(", 1)[0]
         self.template, self.treespec = _core.flatten(template)
-        pspec = _core.structure(ptree)
+        pspec = self.pspec = _core.structure(ptree)
+        # per leaf of the params' tree, the index of its param in the group (a named group's
+        # dict flattens by sorted name); None when that is the group's own order
+        self.order: list[int] | None = None if order == list(range(len(order))) else order
         ppaths = _core.paths(pspec)
         full = _core.paths(self.treespec)
         hyper = (
@@ -851,7 +854,9 @@ class Optimizer(torch.optim.Optimizer):
         if not plan.allowed.issuperset(group):
             self._check_options(index, group, plan)
         state, entries = self._collect(index, group, plan, flags)
-        ptree = self._tree(group, params)
+        if plan.order is not None:  # the leaves in the tree's order
+            params = [params[k] for k in plan.order]
+            grads = [grads[k] for k in plan.order]
         # A recipe with a fused kernel runs it, any other transform its pure update and
         # grouped adds. The step may update the gathered state where it is (donation),
         # unless a state dict handed those tensors out since the last step: then this one
@@ -860,10 +865,10 @@ class Optimizer(torch.optim.Optimizer):
         steppers = self.__dict__.setdefault("_steppers", {})
         if donate not in steppers:  # one step function each: they cache their plans
             steppers[donate] = make_step(self._transform, donate=donate, fused=self._fused)
-        new, new_state, treespec = steppers[donate]._step_leaves(
-            self._tree(group, grads), state, plan.treespec, ptree)
+        new, new_state, treespec = steppers[donate]._step_flat(
+            params, grads, plan.pspec, state, plan.treespec)
         if not donate:
-            for p, n in zip(_core.flatten(ptree)[0], new, strict=True):
+            for p, n in zip(params, new, strict=True):
                 if n is not p:
                     p.copy_(n)
         self._scatter(group, plan, new_state, treespec,

@@ -1252,7 +1252,8 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
         reads: dict[int, Any] | None = None,
         workspace: dict[Any, Any] | None = None,
         low: list[Any] | None = None,
-        nans: list[tuple[int, torch.Tensor]] | None = None) -> Result | str:
+        nans: list[tuple[int, torch.Tensor]] | None = None,
+        checked: bool = False) -> Result | str:
     """One step on the kernels. ``multiplier`` (a 0-d float64 tensor) multiplies the
     gradients before the chain (a mixed step's unscale and clip); ``sums`` are the
     clips' global sums of squares of the multiplied gradients; ``finite`` the guards'
@@ -1271,6 +1272,11 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
     caller takes the pure path. ``nans``: the ``found_nan`` flags of the chain's leading
     ``zero_nans`` (see `zero_nans`, `found_nan`), whose gradients ``grads`` already are;
     a chain with one and no flags (the mixed step's) takes the pure path.
+
+    ``checked``: the caller found every value, gradient and per-leaf state entry a plain
+    tensor (no DTensor or other subclass), each gradient with its value's shape and strides
+    (``make_step``'s `_Seen.match`): the kernels then take them as they are, without
+    the per-leaf unwrapping and layout checks.
     """
     structure = lowered.structure
     if structure.zero_nans and nans is None:
@@ -1326,8 +1332,11 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
         lowered.kernels_only)
     for c in structure.counter_indices:
         count = state_leaves[c]
-        if in_place and _on_host(count) and count._base is None:
-            hosted[c] = _next_count(count)
+        # (_on_host and _next_count, inline: two counters a step on a small model)
+        if in_place and type(count) is torch.Tensor and count.is_cpu and count.dim() == 0 and (
+                count._base is None):
+            n = int(count)
+            hosted[c] = n + 1 if n < _common.INT32_MAX else n
             owned.append(c)
         else:
             advanced[c] = _increment(count, c, hosted)
@@ -1354,7 +1363,7 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
                    donate=donate, donate_grads=donate_grads, scale=scale, found_inf=flag,
                    advanced=advanced, hosted=hosted, compiled=structure.compiled,
                    workspace=workspace,
-                   totals=totals, low=low, new_low=new_low)
+                   totals=totals, low=low, new_low=new_low, checked=checked)
     if perleaf:
         _perleaf.run_groups(perleaf, values, grads, state_leaves, new_values, new_leaves,
                             treespec=structure.treespec, donate=donate, env=env)
@@ -1539,8 +1548,9 @@ def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[
                hosted: dict[int, int], compiled: dict[Any, Any],
                workspace: dict[Any, Any] | None,
                totals: dict[int, Any] | None = None,
-               low: list[Any] | None = None, new_low: list[Any] | None = None) -> None:
-    """One kernel call for the leaves of ``group``."""
+               low: list[Any] | None = None, new_low: list[Any] | None = None,
+               checked: bool = False) -> None:
+    """One kernel call for the leaves of ``group`` (``checked``: see `run`)."""
     if group.plan.kernel == "compiled":
         _compiled.run_group(group, values, grads, state_leaves, new_values, new_leaves,
                             hp["updates"], donate=donate, scale=scale, found_inf=found_inf,
@@ -1548,12 +1558,16 @@ def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[
                             new_low=new_low)
         return
     plan, idx, device, dtype = group.plan, group.leaves, group.device, group.dtype
-    p = _owned([values[i] for i in idx], donate)
+    # (checked and donated: plain tensors, their own shards, each gradient laid out as its
+    # value and not written without a scale: _owned and _kernel_grads would return them)
+    plain = checked and donate
+    p = [values[i] for i in idx] if plain else _owned([values[i] for i in idx], donate)
     grad_scale = None
     if scale is not None:
         divisor = scale.reciprocal()
         grad_scale = divisor.to(device=device, dtype=torch.float32)
-    g = _kernel_grads([grads[i] for i in idx], p, donate_grads, scale is not None)
+    g = [grads[i] for i in idx] if plain and (donate_grads or scale is None) else (
+        _kernel_grads([grads[i] for i in idx], p, donate_grads, scale is not None))
     if scale is not None and dtype == torch.float64:
         # the kernels take grad_scale in float32: a float64 group is unscaled here
         torch._foreach_mul_(g, scale.to(device=device, dtype=torch.float64))
@@ -1575,8 +1589,10 @@ def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[
         adam = plan.adam
         assert adam is not None
         mu_at, nu_at = group.slots("adam", "mu"), group.slots("adam", "nu")
-        m = _owned([state_leaves[k] for k in mu_at], donate)
-        n = _owned([state_leaves[k] for k in nu_at], donate)
+        m = [state_leaves[k] for k in mu_at] if plain else _owned(
+            [state_leaves[k] for k in mu_at], donate)
+        n = [state_leaves[k] for k in nu_at] if plain else _owned(
+            [state_leaves[k] for k in nu_at], donate)
         amsgrad = adam.kind == "scale_by_amsgrad"
         top = _owned([state_leaves[k] for k in group.slots("adam", "nu_max")], donate) if (
             amsgrad) else []

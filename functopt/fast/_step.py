@@ -347,8 +347,10 @@ class Step:
                name: Callable[[int], str], lowered: _planner.Lowered | None = None,
                ) -> _planner.Result | str:
         """The planner's step on checked leaves, or the reason it has no fast path (before
-        anything was written). ``lowered``: the lowering `_recall` found for them."""
+        anything was written). ``lowered``: the lowering `_recall` found for them (whose
+        `_Seen.match` checked them: plain tensors, each gradient laid out as its param)."""
         donate, planner = self.donate, self.planner
+        checked = lowered is not None
         if lowered is None:
             structure = planner.structure(params, treespec, param_leaves, state_leaves,
                                           state_spec)
@@ -362,12 +364,22 @@ class Step:
                 self._remember(param_leaves, treespec, grad_leaves, state_leaves, lowered)
         if torch.is_grad_enabled():  # donated params may be leaves that require grad
             with torch.no_grad():
-                return self._run(lowered, param_leaves, grad_leaves, state_leaves, name)
-        return self._run(lowered, param_leaves, grad_leaves, state_leaves, name)
+                return self._run(lowered, param_leaves, grad_leaves, state_leaves, name,
+                                 checked)
+        return self._run(lowered, param_leaves, grad_leaves, state_leaves, name, checked)
 
     def _run(self, lowered: _planner.Lowered, param_leaves: list[Any], grad_leaves: list[Any],
-             state_leaves: list[Any], name: Callable[[int], str]) -> _planner.Result | str:
+             state_leaves: list[Any], name: Callable[[int], str], checked: bool = False,
+             ) -> _planner.Result | str:
         structure = lowered.structure
+        workspace = self._scratch() if self.donate else None
+        if not (structure.zero_nans or structure.clips or structure.guards):
+            # (no gradient to zero, no value to reduce: zero_nans hands the gradients back,
+            # _reductions and found_nan no values)
+            return _planner.run(lowered, param_leaves, grad_leaves, state_leaves,
+                                donate=self.donate, donate_grads=self.donate_grads, sums=[],
+                                finite=[], reads=self.planner.reads, workspace=workspace,
+                                nans=[], checked=checked)
         grad_leaves, flags = _planner.zero_nans(structure, grad_leaves)
         sums, finite, reduced = _reductions(
             structure, param_leaves, grad_leaves, name,
@@ -375,7 +387,8 @@ class Step:
         return _planner.run(lowered, param_leaves, grad_leaves, state_leaves,
                             donate=self.donate, donate_grads=self.donate_grads, sums=sums,
                             finite=finite, reads=self.planner.reads,
-                            workspace=self._scratch() if self.donate else None,
+                            # (a zero_nans' gradients are new tensors, of any layout)
+                            workspace=workspace, checked=checked and not structure.zero_nans,
                             nans=_planner.found_nan(flags, reduced, state_leaves))
 
     def _step_leaves(self, grads: Updates, state_leaves: list[Any], state_spec: _core.TreeSpec,
@@ -408,6 +421,33 @@ class Step:
                                   reference="params")
         return news, leaves, spec
 
+
+    def _step_flat(self, param_leaves: list[Any], grad_leaves: list[Any],
+                   treespec: _core.TreeSpec, state_leaves: list[Any],
+                   state_spec: _core.TreeSpec) -> tuple[list[Any], list[Any], _core.TreeSpec]:
+        """`_step_leaves` with the params and grads given as their leaves, of ``treespec``
+        (the params' structure), for a caller that holds them so (``functopt.Optimizer``):
+        a step on the inputs the last fused step saw, unchanged (`_Seen.match_leaves`),
+        takes the kernels without building their trees; any other step builds them and
+        takes `_step_leaves`. The new params are returned as leaves of ``treespec``."""
+        if self.fused and self._accumulated is None:
+            for seen in self._seen:
+                lowered = seen.lowered
+                if (seen.treespec is treespec or seen.treespec == treespec) and (
+                        lowered.state_spec is state_spec or lowered.state_spec == state_spec
+                        ) and seen.match_leaves(param_leaves, grad_leaves, state_leaves):
+                    if torch._C._functorch.maybe_current_level() is not None or (
+                            torch.is_grad_enabled()):
+                        # (autograd may record, or torch.func wraps: every check again)
+                        break
+                    # (_fused's run, under no_grad already)
+                    result = self._run(lowered, param_leaves, grad_leaves, state_leaves,
+                                       _leaf_names(seen.treespec), True)
+                    if isinstance(result, str):
+                        break
+                    return result.values, result.leaves, result.spec
+        return self._step_leaves(_core.unflatten(treespec, grad_leaves), state_leaves,
+                                 state_spec, _core.unflatten(treespec, param_leaves))
 
     def _multi_step(self, split: _multi.Split, grads: Updates, state: Any, params: Params,
                     extra_args: dict[str, Any]) -> tuple[Params, State]:
@@ -446,12 +486,11 @@ class _Seen:
     KEPT = 8  # remembered per step function (one per param group of an Optimizer)
 
     treespec: _core.TreeSpec
-    params: list[Any]  # weakref or None, per leaf
-    meta: list[Any]  # _meta or None, per leaf
-    grads: list[bool]  # per leaf: had a gradient
-    slots: list[int]  # flat state indices of the per-leaf entries
-    slot_refs: list[Any]
-    slot_meta: list[Any]  # per entry: its memory, strides and shape
+    # per param leaf: None for a None param, else (weakref, address, strides, shape, dtype,
+    # device, whether it had a gradient): one list to walk per step
+    rows: list[tuple[Any, ...] | None]
+    # per per-leaf state entry: (flat state index, weakref, address, strides, shape)
+    slot_rows: list[tuple[Any, ...]]
     plain_state: bool  # every state leaf a tensor or None: flatten_up_to is the flatten
     lowered: _planner.Lowered
 
@@ -464,12 +503,13 @@ class _Seen:
         entries = [state_leaves[k] for k in slots]
         if any(type(e) not in _PLAIN for e in entries):
             return None
-        return cls(
-            treespec, [None if p is None else weakref.ref(p) for p in param_leaves],
-            [None if p is None else _meta(p) for p in param_leaves],
-            [g is not None for g in grad_leaves], slots, [weakref.ref(e) for e in entries],
-            [(e.data_ptr(), e.stride(), e.shape) for e in entries],
-            all(x is None or isinstance(x, torch.Tensor) for x in state_leaves), lowered)
+        rows = [None if p is None else (weakref.ref(p), p.data_ptr(), p.stride(), p.shape,
+                                        p.dtype, p.device, g is not None)
+                for p, g in zip(param_leaves, grad_leaves, strict=True)]
+        slot_rows = [(k, weakref.ref(e), e.data_ptr(), e.stride(), e.shape)
+                     for k, e in zip(slots, entries, strict=True)]
+        return cls(treespec, rows, slot_rows,
+                   all(x is None or isinstance(x, torch.Tensor) for x in state_leaves), lowered)
 
     def match(self, grads: Any, params: Any, state: Any, state_leaves: list[Any] | None,
               ) -> tuple[list[Any], _core.TreeSpec, list[Any], list[Any]] | None:
@@ -488,33 +528,49 @@ class _Seen:
         if state is not None and not all(
                 x is None or isinstance(x, torch.Tensor) for x in state_leaves):
             return None  # (a subtree where a tensor was: not the structure seen)
+        if not self.match_leaves(param_leaves, grad_leaves, state_leaves):
+            return None
+        return param_leaves, treespec, grad_leaves, state_leaves
+
+    def match_leaves(self, param_leaves: list[Any], grad_leaves: list[Any],
+                     state_leaves: list[Any]) -> bool:
+        """`match` on inputs given as leaves (of ``treespec``, and of the state structure
+        seen): whether they are the ones seen, unchanged in everything the checks and the
+        lowering read."""
         strided = torch.strided
-        for p, ref, meta, g, had in zip(param_leaves, self.params, self.meta, grad_leaves,
-                                        self.grads, strict=True):
-            if ref is None:
+        rows = self.rows
+        if len(param_leaves) != len(rows) or len(grad_leaves) != len(rows):
+            return False
+        for p, g, row in zip(param_leaves, grad_leaves, rows, strict=True):
+            if row is None:
                 if p is not None or g is not None:
-                    return None
+                    return False
                 continue
-            # (_meta, inline: a small model's step pays for every call)
-            if p is None or p is not ref() or (
-                    p.dtype, p.shape, p.stride(), p.device, p.data_ptr()) != meta:
-                return None
+            ref, ptr, stride, shape, dtype, device, had = row
+            # (the metadata _meta reads, one value at a time: a small model's step pays for
+            # every read)
+            if p is None or p is not ref() or p.data_ptr() != ptr or p.stride() != stride or (
+                    p.shape != shape or p.dtype is not dtype or p.device != device):
+                return False
             if g is None:
                 if had:
-                    return None
+                    return False
                 continue
-            # the checks of _check, against the param's dtype, shape and device seen
+            # the checks of _check, against the param's dtype, shape and device seen, and
+            # the param's strides (the kernels then take the gradient as it is: `run`'s
+            # ``checked``)
             if not had or type(g) not in _PLAIN or g.layout is not strided or (
-                    g.dtype is not meta[0] or g.shape != meta[1] or g.device != meta[3]):
-                return None
+                    g.dtype is not dtype or g.shape != shape or g.stride() != stride
+                    or g.device != device):
+                return False
         # (a moment whose .data became another view of its memory, transposed or narrowed,
         # keeps its address: the kernels would read it as laid out before)
-        for k, ref, meta in zip(self.slots, self.slot_refs, self.slot_meta, strict=True):
+        for k, ref, ptr, stride, shape in self.slot_rows:
             entry = state_leaves[k]
-            if entry is not ref() or entry is None or (
-                    entry.data_ptr(), entry.stride(), entry.shape) != meta:
-                return None
-        return param_leaves, treespec, grad_leaves, state_leaves
+            if entry is None or entry is not ref() or entry.data_ptr() != ptr or (
+                    entry.stride() != stride or entry.shape != shape):
+                return False
+        return True
 
 
 def _reductions(structure: _planner.Structure, params: list[Any], grads: list[Any],

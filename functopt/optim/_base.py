@@ -11,6 +11,7 @@ instead of being silently ignored.
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from collections.abc import Callable, Iterable
@@ -243,7 +244,7 @@ class TorchOptimizer(Optimizer):
         checked: dict[int, list[Any]] = self.__dict__.setdefault("_checked", {})
         for i, group in enumerate(self.param_groups):
             get = group.get
-            values = [get(key, _UNSET) for key in watched]
+            values = list(map(get, watched, itertools.repeat(_UNSET)))
             last = checked.get(i)
             if last is not None and all(map(operator.is_, last, values)):
                 continue
