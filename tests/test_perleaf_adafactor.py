@@ -20,6 +20,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_perleaf_fast import (  # (the pure step, and a fast step that must not fall back)
+    _fast,
+    _pure,
+)
 
 import functopt
 from functopt.fast import FastPathWarning
@@ -29,18 +33,6 @@ from functopt.transforms import factored as factored_module
 
 ADAFACTOR_RULES = ("scale_by_factored_rms", "clip_by_block_rms", "scale_by_learning_rate",
                    "scale_by_param_block_rms", "scale")
-
-
-def _pure(tx: Any, grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
-    updates, state = tx.update(grads, state, params)
-    return functopt.apply_updates(params, updates), state
-
-
-def _fast(step: Any, grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("error", FastPathWarning)  # the tier was asked for: no loss
-        out: tuple[Any, Any] = step(grads, state, params)
-    return out
 
 
 def _model(dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
