@@ -94,6 +94,25 @@ class FunctoptChain(C.Contender):
         return []
 
 
+class FunctoptCaptured(FunctoptChain):
+    """``make_step(tx, donate=True).capture(...)`` (CUDA only): the step recorded once as a
+    CUDA graph, each step one replay on the same params, gradients and state."""
+
+    def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor],
+                 tx: functopt.GradientTransformation) -> None:
+        super().__init__(params, grads, tx, fast=True)
+        self.name = "functopt captured"
+        assert self.step_fn is not None
+        self.captured = self.step_fn.capture(self.grads, self.state, self.params)
+
+    def step(self) -> None:
+        self.captured()
+        self.steps += 1
+
+    def problems(self) -> list[str]:
+        return []  # (the recorded tensors are the params: replays write nothing else)
+
+
 class TorchAdamWFor(C.TorchAdamW):
     """``AdamW(fused=True)``, with ``clip_grad_norm_`` first, or with a no-decay group."""
 
@@ -273,6 +292,9 @@ def small_contenders(shapes: list[tuple[int, ...]], seed: int = 0,
                    FunctoptOptimizerPlain(params, grads),
                    FunctoptOptimizerPlain(params, grads, name="functopt.optim.AdamW",
                                           make=_optim_adamw),
+                   # a CUDA graph of the step (one launch), where there is CUDA
+                   *([FunctoptCaptured(params, grads, _adamw())]
+                     if C.DEVICE.type == "cuda" else []),
                    TorchAdamWFor(params, grads)], []),
         "mixed": ([C.FunctoptMixed(params, grads, fused=False),
                    FacadeMixed(params, grads, groups=False),

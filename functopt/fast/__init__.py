@@ -7,8 +7,10 @@ them (tests/test_fast.py, tests/test_planner.py). See the performance page of th
 the measured speed.
 """
 
+from functopt.fast._capture import CapturedStep
 from functopt.fast._explain import Explanation, explain
-from functopt.fast._planner import FastPathWarning
+from functopt.fast._planner import CaptureError, FastPathWarning
 from functopt.fast._step import Step, make_step
 
-__all__ = ["Explanation", "FastPathWarning", "Step", "explain", "make_step"]
+__all__ = ["CaptureError", "CapturedStep", "Explanation", "FastPathWarning", "Step", "explain",
+           "make_step"]

@@ -238,6 +238,14 @@ class _Env:
         found = self.reads.get(id(value))
         if found is not None and found[0]() is value and found[1] == value._version:
             return found[2]
+        if _ops._recording():
+            raise CaptureError(
+                f"a recorded step cannot read a hyperparameter tensor on the host (one of "
+                f"shape {tuple(value.shape)} on {value.device} that the kernels take as a "
+                f"Python number, and which is not the one the warm-up steps read: a "
+                f"schedule of the count, say). Fix: inject only the learning rate (the "
+                f"kernels read it as a tensor), make the others Python numbers, or step "
+                f"without capture.")
         number = float(value.item())
         if len(self.reads) > 64:
             self.reads.clear()
@@ -1235,11 +1243,11 @@ def _clip_multiplier(sumsq: torch.Tensor, max_norm: Any, acc: torch.dtype) -> to
     float64 for a norm beyond the norm dtype's range, as the pure path scales then)."""
     wide = torch.sqrt(sumsq)
     norm = wide.to(acc)
-    bound = torch.as_tensor(max_norm, dtype=acc, device=norm.device)
+    bound = _ops._scalar(max_norm, acc, norm.device)
     factor = torch.where(norm < bound, torch.ones_like(norm),
                          bound / torch.clamp(norm, min=bound)).to(torch.float64)
     if acc != torch.float64:
-        bound64 = torch.as_tensor(max_norm, dtype=torch.float64, device=norm.device)
+        bound64 = _ops._scalar(max_norm, torch.float64, norm.device)
         factor = torch.where(torch.isinf(norm) & torch.isfinite(wide),
                              bound64 / torch.clamp(wide, min=bound64), factor)
     return torch.where(torch.isfinite(wide), factor, torch.nan)
@@ -1288,7 +1296,9 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
         raise ValueError("the planner's run needs one finiteness flag per guard")
     steady = lowered.steady
     env: _Env | None = None
-    if steady is not None and steady.holds(state_leaves):
+    if steady is not None and steady.holds(state_leaves) and not _ops._recording():
+        # (a recorded step resolves its values again: what a steady step took as a Python
+        # number, such as a learning rate in a CPU tensor, a replay must read as a tensor)
         resolved, bounds = steady.resolved, steady.bounds
     else:
         env = _Env(state_leaves, []) if reads is None else _Env(state_leaves, [], reads)
@@ -1328,8 +1338,9 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
     # the host values. Any other step (one that may skip, a compiled or per-leaf rule that
     # reads its count, the mixed step's) makes new counters.
     owned: list[int] = []
+    # (a recorded step advances them on their device: a replay does not run Python)
     in_place = donate and skipped is None and low is None and multiplier is None and (
-        lowered.kernels_only)
+        lowered.kernels_only) and not _ops._recording()
     for c in structure.counter_indices:
         count = state_leaves[c]
         # (_on_host and _next_count, inline: two counters a step on a small model)
@@ -1452,8 +1463,10 @@ def _guards(structure: Structure, old: list[Any], new: list[Any],
 
 
 def _on_host(count: Any) -> bool:
-    """A counter whose value is read for free: a plain 0-d CPU tensor."""
-    return type(count) is torch.Tensor and count.is_cpu and count.dim() == 0
+    """A counter whose value is read for free: a plain 0-d CPU tensor (in a step that is not
+    recorded, `_ops._recording`)."""
+    return type(count) is torch.Tensor and count.is_cpu and count.dim() == 0 and (
+        not _ops._recording())
 
 
 def _next_count(count: torch.Tensor) -> int:
@@ -1509,7 +1522,8 @@ def _hyperparameters(plan: _KernelPlan, env: _Env) -> dict[str, Any] | str:
         return {"updates": [op.fn if op.rebuild is None else env.update_of(op.rebuild)
                             for op in plan.ops]}
     lr = plan.lr(env)
-    if isinstance(lr, torch.Tensor) and lr.device.type == "cpu" and lr.dim() == 0:
+    if isinstance(lr, torch.Tensor) and lr.device.type == "cpu" and lr.dim() == 0 and (
+            not _ops._recording()):
         # a host tensor (an injected lr) is read for free, once while unchanged: the
         # kernels then take the float, which costs less per call than a tensor lr
         lr = env.number(lr)
@@ -1532,6 +1546,10 @@ def _hyperparameters(plan: _KernelPlan, env: _Env) -> dict[str, Any] | str:
             # the kernel's is_first_step, a Python bool, so the count is read on the host
             # (free for a CPU count; one synchronisation per step elsewhere)
             assert trace.count is not None
+            if _ops._recording():
+                return ("a dampened trace's first step is torch._fused_sgd_'s is_first_step, "
+                        "a Python bool read from the count on the host, which a recorded "
+                        "step cannot read")
             hp["dampening"] = env.number(trace.args["dampening"](env))
             env.volatile = True
             hp["is_first_step"] = int(env.leaves[trace.count]) == 0
@@ -1572,7 +1590,7 @@ def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[
         # the kernels take grad_scale in float32: a float64 group is unscaled here
         torch._foreach_mul_(g, scale.to(device=device, dtype=torch.float64))
         grad_scale = None
-    elif (scale is not None and grad_scale is not None and grad_scale.device.type == "cpu"
+    elif (scale is not None and grad_scale is not None and _ops._host_branch_ok(grad_scale)
           and not math.isfinite(grad_scale.item()) and math.isfinite(scale.item())):
         # a divisor beyond float32 (a clip of a norm above 3.4e38): multiply by the factor
         # in the gradients' dtype, as the pure path's scaling does (a free host read on the
@@ -1730,6 +1748,19 @@ class FastPathWarning(UserWarning):
     """
 
 
+class CaptureError(RuntimeError):
+    """A step cannot be recorded for replay ([`Step.capture`][functopt.fast.Step.capture]):
+    it reads a value back to the host while it runs (a CUDA graph replays the device's work
+    only, so such a value would stay what it was when recorded), or its state would leave
+    the tensors it was recorded on. The message names the value and the fix.
+
+    Examples:
+        >>> import functopt
+        >>> issubclass(functopt.fast.CaptureError, RuntimeError)
+        True
+    """
+
+
 def warn_lost(owner: str, reason: str, stacklevel: int) -> None:
     """Warn that this step lost its fast path (Python shows each message once per place)."""
     warnings.warn(
@@ -1741,6 +1772,19 @@ def warn_lost(owner: str, reason: str, stacklevel: int) -> None:
 def check_donation(values: list[Any], name: Callable[[int], str]) -> None:
     """Donated leaves are written in place: each must own its memory (views of one buffer
     are fine as long as they do not overlap)."""
+    pair = overlap(values, name, "param")
+    if pair is not None:
+        raise ValueError(
+            f"{name(pair[0])!r} and {name(pair[1])!r}: the params share memory (tied weights, "
+            f"or overlapping views of one tensor), so a donated step would update that "
+            f"memory once per leaf. Fix: pass each shared tensor once (drop the tied copy "
+            f"from the params tree), or step without donate.")
+
+
+def overlap(values: list[Any], name: Callable[[int], str], what: str,
+            ) -> tuple[int, int] | None:
+    """The first two leaves (indices) of ``values`` whose memory overlaps, or None; raises
+    for a leaf that overlaps itself (an expanded tensor), a ``what`` named by ``name``."""
     spans: list[tuple[int, int, int]] = []  # (first byte, end byte, leaf)
     for i, v in enumerate(values):
         if v is None:
@@ -1754,7 +1798,7 @@ def check_donation(values: list[Any], name: Callable[[int], str]) -> None:
         else:
             if overlapping(local):
                 raise ValueError(
-                    f"{name(i)!r}: the param has strides {local.stride()} for shape "
+                    f"{name(i)!r}: the {what} has strides {local.stride()} for shape "
                     f"{tuple(local.shape)}, so several of its elements share memory (an "
                     f"expanded tensor), and a donated step would write them several times. "
                     f"Fix: optimize a tensor that owns its memory (x.clone() or "
@@ -1766,8 +1810,5 @@ def check_donation(values: list[Any], name: Callable[[int], str]) -> None:
     spans.sort()
     for a, b in itertools.pairwise(spans):
         if b[0] < a[1]:
-            raise ValueError(
-                f"{name(a[2])!r} and {name(b[2])!r}: the params share memory (tied weights, "
-                f"or overlapping views of one tensor), so a donated step would update that "
-                f"memory once per leaf. Fix: pass each shared tensor once (drop the tied copy "
-                f"from the params tree), or step without donate.")
+            return a[2], b[2]
+    return None

@@ -45,7 +45,8 @@ from functopt._apply import apply_updates
 from functopt._base import GradientTransformation, Params, State, Updates
 from functopt._collective.dtensor import _infer_group, _leaf_names, _rewrap_like, local_tensor
 from functopt._collective.reduce import all_reduce_stats
-from functopt.fast import _compiled, _multi, _planner
+from functopt.fast import _capture, _compiled, _multi, _planner
+from functopt.fast._capture import CapturedStep
 from functopt.transforms.multi_steps import MultiSteps
 from functopt.tree import _core
 
@@ -270,6 +271,49 @@ class Step:
             with torch.no_grad():
                 _compiled.lay_out_params(param_leaves, groups, _leaf_names(treespec))
         return params
+
+    def capture(self, grads: Updates, state: State, params: Params, *,
+                warmup: int = 2) -> CapturedStep:
+        """Record this step once as a CUDA graph and return it: ``captured()`` then replays
+        it, one launch for the whole step, on these very tensors: the params and the state
+        are updated in place and the gradients read where they are (backward into the same
+        ``.grad`` tensors, ``model.zero_grad(set_to_none=False)``; ``captured(grads)``
+        copies gradients held elsewhere in first). Equal to calling the step, bitwise (the
+        same kernels), for static shapes on one CUDA device.
+
+        While it is recorded the step takes its device forms: counters advance by kernels,
+        the learning rate (a tensor, injected or a schedule of the count) reaches the
+        kernels as a tensor and is read at every replay. What the step resolved on the host
+        is fixed when recorded: the plan, and the hyperparameters the kernels take as Python
+        numbers (betas, eps, weight decay; an injected one is read once, and changing it in
+        place later does not reach the replays: capture again). ``warmup`` real steps run
+        first (planning, compiling, the kernels' workspaces) and are then undone: capture
+        leaves every value as it was (it holds a copy of the params and the state
+        meanwhile). A lost fast path is recorded too: the pure update, if it reads nothing
+        on the host. ``functopt.testing.conformance.check_capture`` holds a chain's captured
+        step to the pure path, on a CPU too.
+
+        Raises:
+            ValueError: the step is not donated (``make_step(tx, donate=True)``); a tensor
+                not on the params' CUDA device (a counter on the CPU, as ``MultiSteps``
+                keeps its window, would stay what it was when recorded); a param without a
+                gradient tensor; tied params, as a donated step refuses them.
+            TypeError: a DTensor or another tensor subclass.
+            CaptureError: the step reads a tensor on the host while it runs (a transform
+                that branches on a value, an injected beta that is a schedule), naming
+                where; or replaces a state entry with another kind of value.
+
+        Examples:
+            >>> import torch, functopt
+            >>> step = functopt.fast.make_step(functopt.adamw(1e-3), donate=True)
+            >>> params = {"w": torch.ones(2)}  # on the CPU: a CUDA graph needs CUDA
+            >>> try:
+            ...     step.capture({"w": torch.ones(2)}, step.init(params), params)
+            ... except ValueError as error:
+            ...     print(str(error).split(";")[0])
+            Step.capture: param 'w' is on cpu
+        """
+        return _capture.capture(self, grads, state, params, warmup=warmup)
 
     def _scratch(self) -> dict[Any, Any]:
         found: dict[Any, Any] | None = getattr(self._workspace, "buffers", None)

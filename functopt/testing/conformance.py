@@ -36,6 +36,11 @@ The laws:
   places of the tree) with a ValueError naming them. `cases` draws the layouts fast paths
   get wrong (channels_last, transposed, sliced, grads laid out unlike their params, 0-d
   and empty leaves, tied params).
+- **capture** (`check_capture`): ``step.capture`` of the donated step, replayed once per
+  gradient tree, equals the step run as it is recorded (bitwise) and the pure step (the
+  tolerance above); recording changes no value; tied params and params without a
+  gradient are refused by name. On a CPU it records a tape of the step's operations,
+  which refuses host reads as a CUDA graph does.
 
 About ``weights_only=True``: PyTorch's safe unpickler rejects classes it does not know,
 and a NamedTuple state is such a class. Loading works once the state's NamedTuple classes
@@ -68,7 +73,7 @@ from __future__ import annotations
 import io
 import re
 import warnings
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import optree
@@ -78,7 +83,7 @@ from hypothesis import strategies as st
 
 import functopt
 from functopt._base import GradientTransformation
-from functopt.fast import FastPathWarning, explain, make_step
+from functopt.fast import FastPathWarning, _capture, explain, make_step
 from functopt.testing import _compare
 from functopt.testing import strategies as fst
 from functopt.tree import _core
@@ -87,6 +92,7 @@ __all__ = [
     "CHECKS",
     "TransformOrFactory",
     "cases",
+    "check_capture",
     "check_chain_laws",
     "check_determinism",
     "check_fast_path",
@@ -657,6 +663,139 @@ def check_fast_path(
                                 f"{check}: {what}: the step wrote into leaf "
                                 f"{_core.paths(spec)[i]!r} of its {label}: {found}.")
         params, state = pure_params, pure_state
+
+
+def check_capture(
+    tx: TransformOrFactory, params: Any, grads: Sequence[Any], *, compile: bool = False,
+) -> None:
+    """``step.capture`` of ``functopt.fast.make_step(tx, donate=True)``, replayed once per
+    gradient tree of ``grads`` (one per step), equals the step called directly as it is
+    recorded (bitwise: the same operations, in the device forms a recorded step takes, so
+    nothing the replay keeps from the recording is stale) and the pure step (to the
+    tolerance of `check_fast_path`), each step from the pure path's params and state
+    (copied into the recorded tensors before the replay). Recording changes no value.
+
+    On CUDA params the step is a real CUDA graph; on any other device it is recorded on a
+    tape of its operations, replayed as a graph replays its kernels (the same operations,
+    with the arguments of the recording), which refuses a value read back to the host as a
+    CUDA graph does: so a CPU test tells whether a chain can be captured and replayed.
+    Tied params must be refused (a ``ValueError`` naming them), and so must a param
+    without a gradient.
+
+    Raises:
+        AssertionError: naming the step, the tree and the leaf that differ.
+        functopt.fast.CaptureError: the step cannot be recorded (its message says why).
+
+    Examples:
+        >>> import torch, functopt
+        >>> from functopt.testing import conformance
+        >>> params = {"w": torch.ones(3, dtype=torch.float64)}
+        >>> grads = [{"w": torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64) * k}
+        ...          for k in (1, -2, 3)]
+        >>> conformance.check_capture(lambda: functopt.chain(
+        ...     functopt.clip_by_global_norm(1.0),
+        ...     functopt.adamw(functopt.schedules.linear_schedule(0.1, 0.0, 5))), params, grads)
+    """
+    check = "check_capture"
+    if isinstance(grads, (str, bytes)) or not isinstance(grads, Sequence) or not grads:
+        raise TypeError(f"{check}: grads must be a non-empty sequence of gradient trees, one "
+                        f"per step, got {type(grads).__name__}.")
+    built = _build(tx, check)
+    recorded = make_step(built, donate=True, compile=compile)
+    p = _compare.clone_tree(params)
+    s = recorded.init(p)
+    g = _compare.clone_tree(grads[0])
+    tied = _tied(params)
+    missing = [path for path, (x, y) in zip(
+        _core.paths(_core.structure(params)),
+        zip(_core.flatten(params)[0],
+            _core.flatten_like(_core.structure(params), grads[0], name="grads",
+                               reference="params"), strict=True), strict=True)
+        if x is not None and y is None]
+    on_cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in _core.flatten(params)[0])
+
+    def capture(inputs: tuple[Any, Any, Any]) -> Any:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FastPathWarning)
+            return _capture.capture(recorded, *inputs, tape=not on_cuda)
+
+    if tied or missing:
+        _check_capture_refused(capture, (g, s, p), tied or missing, check=check,
+                               what="tied params" if tied else "params without gradients")
+        return
+    before = _compare.clone_tree((g, s, p))
+    captured = capture((g, s, p))
+    _compare.assert_trees_equal((g, s, p), before, check=check,
+                                what="the inputs after capture vs before it")
+    direct = make_step(built, donate=True, compile=compile)
+    state = built.init(params)
+    for step, step_grads in enumerate(grads, 1):
+        updates, pure_state = built.update(step_grads, state, params)
+        pure_params = functopt.apply_updates(params, updates)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FastPathWarning)
+            _copy_into(p, params, check=check, what="params")
+            _copy_into(s, state, check=check, what="state")
+            _copy_into(g, step_grads, check=check, what="grads")
+            # the step called on the same values in the recorded tensors' layouts (which
+            # decide its path), as it runs when recorded (a recording, thrown away), after
+            # a warm-up call on the same tensors (undone) as capture makes one
+            inputs = _compare.clone_tree((g, s, p))
+            backup = _compare.clone_tree(inputs)
+            direct(*inputs)
+            _restore_changed(inputs, backup)
+            with _capture._Tape():
+                direct_params, direct_state = direct(*inputs)
+            captured()
+        what = f"step {step}"
+        _compare.assert_trees_equal((p, s), (direct_params, direct_state), check=check,
+                                    what=f"{what}: the replayed step vs the step run as "
+                                         f"recorded")
+        _assert_fast_close(p, pure_params, params, check=check, what=f"{what}, params",
+                           exact=False)
+        _assert_fast_close(s, pure_state, state, check=check, what=f"{what}, state",
+                           exact=False)
+        params, state = pure_params, pure_state
+
+
+def _copy_into(target: Any, source: Any, *, check: str, what: str) -> None:
+    """Write the tensors of ``source`` into those of ``target`` (one structure)."""
+    leaves, spec = _core.flatten(target)
+    for i, (t, x) in enumerate(zip(leaves, _core.flatten_like(spec, source, name=what,
+                                                              reference="recorded"),
+                                   strict=True)):
+        if isinstance(t, torch.Tensor) and isinstance(x, torch.Tensor):
+            t.copy_(x)
+        elif t is not x and t != x:
+            raise AssertionError(f"{check}: {what}, leaf {_core.paths(spec)[i]!r}: "
+                                 f"{_core._describe(x)} where the recording holds "
+                                 f"{_core._describe(t)}.")
+
+
+def _restore_changed(target: Any, backup: Any) -> None:
+    """Copy back the tensors of ``target`` whose bits differ from ``backup``'s (the others
+    keep their version counters, by which a step knows what it read from them)."""
+    for t, x in zip(_core.flatten(target)[0], _core.flatten(backup)[0], strict=True):
+        if isinstance(t, torch.Tensor) and not _capture._same_bits(t, x):
+            t.copy_(x)
+
+
+def _check_capture_refused(capture: Callable[[Any], Any], inputs: tuple[Any, Any, Any],
+                           paths: list[str], *, check: str, what: str) -> None:
+    """``capture(inputs)`` raises a ValueError naming one of ``paths``, and writes nothing
+    before it does."""
+    before = _compare.clone_tree(inputs)
+    try:
+        capture(inputs)
+    except ValueError as error:
+        if not any(repr(path) in str(error) for path in paths):
+            raise AssertionError(f"{check}: capture on {what} {paths} raised a ValueError "
+                                 f"that does not name them: {error}") from error
+    else:
+        raise AssertionError(f"{check}: capture accepted {what} {paths}; it must raise a "
+                             f"ValueError naming them.")
+    _compare.assert_trees_equal(inputs, before, check=check,
+                                what="the inputs of the refused capture vs before it")
 
 
 def _tied(params: Any) -> list[str]:

@@ -12,7 +12,7 @@ from functopt._base import EmptyState, GradientTransformation, Params, ScalarOrS
 from functopt._spec import Leafwise, specified
 from functopt.transforms import _common
 from functopt.transforms.masking import Mask, masked
-from functopt.tree import _core
+from functopt.tree import _core, _ops
 
 __all__ = [
     "AddDecayedWeightsState",
@@ -31,12 +31,13 @@ class AddDecayedWeightsState(NamedTuple):
 def _readable(rate: torch.Tensor) -> bool:
     """Whether a 0-d tensor rate may be read as a Python number: on the CPU (no device
     synchronisation), without a gradient to carry, outside ``torch.func`` and
-    ``torch.compile`` (which would graph-break on the read). Then the decay is
-    ``torch.add(g, p, alpha=rate)``, bitwise what the number gives (one rounding; the
-    tensor form, kept for the rest, rounds the product first)."""
+    ``torch.compile`` (which would graph-break on the read), and in a step that is not
+    recorded for replay (``Step.capture``, where the read would stay what it was). Then
+    the decay is ``torch.add(g, p, alpha=rate)``, bitwise what the number gives (one
+    rounding; the tensor form, kept for the rest, rounds the product first)."""
     return (rate.device.type == "cpu" and rate.dim() == 0 and not rate.requires_grad
             and torch._C._functorch.maybe_current_level() is None
-            and not torch.compiler.is_compiling())
+            and not torch.compiler.is_compiling() and not _ops._recording())
 
 
 def add_decayed_weights(

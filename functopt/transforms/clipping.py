@@ -263,11 +263,11 @@ def _scaled_by_norm(leaves: list[Any], treespec: _core.TreeSpec, wide: torch.Ten
     keep = norm < max_norm
     # A tensor numerator: torch computes `number / tensor` as `number * (1 / tensor)`,
     # and 1 / a subnormal norm overflows to inf.
-    bound = torch.as_tensor(max_norm, dtype=norm.dtype, device=norm.device)
+    bound = _ops._scalar(max_norm, norm.dtype, norm.device)
     scale = bound / torch.clamp(norm, min=bound)
     if norm.dtype != torch.float64:
         # A finite norm beyond float32's range (rescued in float64): scale in float64.
-        bound64 = torch.as_tensor(max_norm, dtype=torch.float64, device=wide.device)
+        bound64 = _ops._scalar(max_norm, torch.float64, wide.device)
         far = (bound64 / torch.clamp(wide, min=bound64)).to(norm.dtype)
         scale = torch.where(torch.isfinite(norm), scale, far)
     scale = _nan_unless_finite(wide, scale)

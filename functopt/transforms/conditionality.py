@@ -139,7 +139,8 @@ def apply_if_finite(
         return ApplyIfFiniteState(
             notfinite_count=count,
             last_finite=torch.ones((), dtype=torch.bool, device=count.device),
-            total_notfinite=count,
+            total_notfinite=_common.zero_count(leaves),  # (its own tensor: a step
+            # written in place, as a captured one is, moves the two counters apart)
             inner_state=inner.init(params),
         )
 

@@ -267,9 +267,32 @@ def _leaf_stats(x: torch.Tensor) -> torch.Tensor:
 
 def _host_branch_ok(x: torch.Tensor) -> bool:
     """Whether a step may read a boolean of ``x`` back and branch on it: ``x`` is on the CPU
-    (where the value is already computed, so the read costs no synchronisation) and no
-    ``torch.func`` transform is active (``vmap`` has no data-dependent control flow)."""
-    return x.device.type == "cpu" and torch._C._functorch.maybe_current_level() is None
+    (where the value is already computed, so the read costs no synchronisation), no
+    ``torch.func`` transform is active (``vmap`` has no data-dependent control flow) and
+    the step is not being recorded (`_recording`)."""
+    return x.device.type == "cpu" and torch._C._functorch.maybe_current_level() is None and (
+        not _recording())
+
+
+def _scalar(value: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``value`` (a number or a 0-d tensor) as a 0-d tensor of ``dtype`` on ``device``, as
+    ``torch.as_tensor`` makes it; a number by a fill on the device rather than a copy from
+    the host (which a CUDA graph cannot record)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=dtype)
+    return torch.full((), value, dtype=dtype, device=device)
+
+
+def _recording() -> bool:
+    """Whether the operations that run are recorded to be replayed, rather than only run: a
+    CUDA stream capture (a CUDA graph), or a Python dispatch mode (a tape of the operations,
+    fake tensors). A value read on the host then stays what it was when recorded, or cannot
+    be read at all: a step takes its device forms (counters advanced by kernels, a
+    learning rate passed as a tensor, selections with ``torch.where``)."""
+    if torch._C._len_torch_dispatch_stack() > 0:
+        return True
+    return torch.cuda.is_initialized() and (  # type: ignore[no-untyped-call]
+        torch.cuda.is_current_stream_capturing())
 
 
 def _safe_norm(x: torch.Tensor) -> torch.Tensor:
