@@ -234,3 +234,34 @@ def test_cuda_capture_is_a_graph_and_refuses_host_counters() -> None:
     multi = F.MultiSteps(tx, every_k_schedule=2)
     with pytest.raises(ValueError, match=r"state entry .*mini_step.* is on cpu"):
         F.fast.make_step(multi, donate=True).capture(grads, multi.init(params), params)
+
+
+# --- every built-in transform --------------------------------------------------------------
+
+def _registry() -> list[Any]:
+    from test_conformance import REGISTRY
+    return REGISTRY
+
+
+# The built-ins whose step reads a value on the host: refused with a CaptureError, never
+# recorded wrong. (Kept exact: a transform that starts or stops reading the host fails here.)
+HOST_READERS = {"MultiSteps"}
+
+
+@pytest.mark.parametrize("entry", _registry(), ids=[e.id for e in _registry()])
+def test_every_builtin_is_captured_or_refused(entry: Any) -> None:
+    """Each public transform factory and recipe of the conformance registry, on a tree of
+    three dtypes with a 0-d, an empty and a None leaf: its recorded step replays as the
+    pure path steps, or capture refuses it with a CaptureError."""
+    params = {"a": torch.linspace(-1, 1, 6).reshape(2, 3),
+              "b": [torch.tensor(0.5, dtype=torch.float64), None],
+              "c": torch.ones(0, dtype=torch.bfloat16)}
+    grads = {"a": torch.linspace(0.5, -0.25, 6).reshape(2, 3),
+             "b": [torch.tensor(-2.0, dtype=torch.float64), None],
+             "c": torch.ones(0, dtype=torch.bfloat16)}
+    try:
+        conformance.check_capture(entry.factory, params, _steps(grads))
+    except CaptureError:
+        assert entry.name in HOST_READERS, f"{entry.id} cannot be captured"
+    else:
+        assert entry.name not in HOST_READERS, f"{entry.id} is captured now: update HOST_READERS"
