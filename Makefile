@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test unit test-deep lint docs clean
+.PHONY: demo test unit test-deep lint docs clean gpu-wheels
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,3 +41,11 @@ docs: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build site
+
+# The wheels the GPU machine lacks (it has PyTorch, pytest and hypothesis, not optree), for
+# benchmarks/gpu_check.sh: its Python is 3.12 on x86-64.
+gpu-wheels: $(STAMP)
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 -d .whl \
+	  optree==$$($(PY) -c "import optree; print(optree.__version__)")
