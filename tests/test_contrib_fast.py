@@ -218,6 +218,7 @@ def sharded_results() -> list[dict[str, str | None]]:
                                   "prodigy_on_shards_one_all_reduce_per_step",
                                   # not contrib: the same lowering for a clip after Adam
                                   "late_clip_on_shards_one_all_reduce_per_step",
+                                  "late_guard_on_shards_one_all_reduce_per_step",
                                   "clip_adamw_compiled_on_shards_one_all_reduce_per_step",
                                   "prodigy_on_a_rank_holding_nothing"])
 def test_on_dtensor_shards(sharded_results: list[dict[str, str | None]], name: str) -> None:

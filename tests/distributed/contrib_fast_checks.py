@@ -79,25 +79,31 @@ def schedule_free_compiles_on_shards_without_collectives(rank: int, world: int) 
 def _steps_equal_the_full_tensors(tx: Any, full: dict[str, torch.Tensor],
                                   params: dict[str, Any], mesh: Any, *, collectives: int,
                                   seed: int | None = None, each: Any = None,
+                                  steps: int = 3, spoil: Any = None,
                                   ) -> tuple[dict[str, Any], Any]:
-    """Three compiled steps on the shards, each with ``collectives`` collectives, equal to
-    the pure path on the full tensors (``each(before, after)`` checks those); returns the
-    stepped params and state. The gradients are drawn from ``seed + step``, or with no
-    seed are half the first params at every step (Prodigy's sums then grow)."""
+    """``steps`` compiled steps on the shards, each with ``collectives`` all-reduces, equal
+    to the pure path on the full tensors (``each(before, after)`` checks those); returns
+    the stepped params and state. The gradients are drawn from ``seed + step``, or with no
+    seed are half the first params at every step (Prodigy's sums then grow);
+    ``spoil(step, grads)`` may change the full gradients of a step in place first."""
     step = make_step(tx, compile=True)
     state, ref_state = tx.init(params), tx.init(full)
     fixed = {k: v * 0.5 for k, v in full.items()}
-    for i in range(3):
+    for i in range(steps):
         gfull = fixed
         if seed is not None:
             gen = torch.Generator().manual_seed(seed + i)
             gfull = {k: torch.randn(v.shape, generator=gen, dtype=v.dtype)
                      for k, v in full.items()}
+        if spoil is not None:
+            spoil(i, gfull)
         grads = _shard(gfull, mesh)
         with torch.no_grad(), CommDebugMode() as comm, warnings.catch_warnings():
             warnings.simplefilter("error", FastPathWarning)
             params, state = step(grads, state, params)
-        assert comm.get_total_counts() == collectives, comm.get_comm_counts()
+        counts = comm.get_comm_counts()
+        assert comm.get_total_counts() == collectives and all(
+            "allreduce" in str(op) for op in counts), counts
         updates, ref_state = tx.update(gfull, ref_state, full)
         before, full = full, functopt.apply_updates(full, updates)
         if each is not None:
@@ -144,6 +150,41 @@ def late_clip_on_shards_one_all_reduce_per_step(rank: int, world: int) -> None:
 
     _steps_equal_the_full_tensors(tx, full, params, mesh, seed=20, collectives=1,
                                   each=clipped)
+
+
+@check
+def late_guard_on_shards_one_all_reduce_per_step(rank: int, world: int) -> None:
+    """chain(scale_by_adam, apply_if_finite(lr, 3)) compiled on shards, a float64 group and
+    a float32 one (one row: rank 1 holds none of it): the guard's non-finite count of
+    Adam's updates (a compiled sums pass per group) made global in one all-reduce; an inf
+    gradient in rank 1's shard at step 2 skips every rank's guarded update (and at step 3,
+    its inf in Adam's moments making the updates nan), the moments moving anyway; equal to
+    the pure path on the full tensors."""
+    del rank
+    mesh = _mesh(world)
+    tx = functopt.chain(functopt.scale_by_adam(), functopt.apply_if_finite(
+        functopt.scale_by_learning_rate(1e-3), 3))
+    full = dict(_full_params(5), c=torch.randn(1, 2, generator=torch.Generator().manual_seed(6)))
+    params = _shard(full, mesh)
+    got = explain(tx, params, compile=True)
+    assert got.fast and got.tree_sums == 1 and len(got.groups) == 2, str(got)
+
+    def spoil(i: int, grads: dict[str, torch.Tensor]) -> None:
+        if i == 2:
+            grads["w"][4, 1] = float("inf")  # rows 3-4 of "w" live on rank 1
+
+    def skipped_from_step_2(before: dict[str, torch.Tensor],
+                            after: dict[str, torch.Tensor]) -> None:
+        moved.append(any(not torch.equal(before[k], after[k]) for k in after))
+
+    moved: list[bool] = []
+    params, state = _steps_equal_the_full_tensors(
+        tx, full, params, mesh, seed=40, collectives=1, steps=4, spoil=spoil,
+        each=skipped_from_step_2)
+    assert moved == [True, True, False, False], moved
+    guard = state[1]
+    assert int(guard.total_notfinite) == 2 and int(guard.notfinite_count) == 2
+    assert int(state[0].count) == 4  # Adam's moments moved at every step
 
 
 @check
