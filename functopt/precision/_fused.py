@@ -741,7 +741,7 @@ def fused_multi_step(
         window = _window(ms, treespec, unscaled, views, ms_state)
         if window.closes:
             inner_grads = _closing_grads(ms, window, unscaled, mine)
-            sums, finite, _ = _reductions(structure, views, inner_grads, name, counted=None if (
+            sums, finite, _, _ = _reductions(structure, views, inner_grads, name, counted=None if (
                 counted is None) else list(counted), group=None)
             local = torch.cat([local, torch.stack(
                 [*sums, *((~f).to(torch.float64) for f in finite)]).to(device)])
@@ -797,7 +797,7 @@ def fused_multi_step(
         sums = list(packed[_CLIPS:_CLIPS + n].unbind())
         finite = [x == 0 for x in packed[_CLIPS + n:].unbind()]
     else:
-        sums, finite, _ = _reductions(structure, views, inner_grads, name, counted=None if (
+        sums, finite, _, _ = _reductions(structure, views, inner_grads, name, counted=None if (
             counted is None) else list(counted), group=group)
     result = _kernel_step(planner, lowered, params, stores, views, grads, inner_grads,
                           inner_leaves, donate, scratch, sums=sums, finite=finite)

@@ -85,7 +85,8 @@ def _steps_equal_the_full_tensors(tx: Any, full: dict[str, torch.Tensor],
     to the pure path on the full tensors (``each(before, after)`` checks those); returns
     the stepped params and state. The gradients are drawn from ``seed + step``, or with no
     seed are half the first params at every step (Prodigy's sums then grow);
-    ``spoil(step, grads)`` may change the full gradients of a step in place first."""
+    ``spoil(step, grads)`` sees the full gradients of a step first (and may change them in
+    place)."""
     step = make_step(tx, compile=True)
     state, ref_state = tx.init(params), tx.init(full)
     fixed = {k: v * 0.5 for k, v in full.items()}
@@ -185,6 +186,52 @@ def late_guard_on_shards_one_all_reduce_per_step(rank: int, world: int) -> None:
     guard = state[1]
     assert int(guard.total_notfinite) == 2 and int(guard.notfinite_count) == 2
     assert int(state[0].count) == 4  # Adam's moments moved at every step
+
+
+@check
+def clip_prodigy_on_shards_two_all_reduces_per_step(rank: int, world: int) -> None:
+    """chain(clip_by_global_norm, prodigy) compiled on shards, the clip active: two
+    all-reduces per step, the clip's sum of squares, then Prodigy's sums of the clipped
+    gradients. ||beta3 s + c f g||_1 is not a function of sums taken before the clip
+    factor f is known (docs/architecture.md, "A clip before a rule with tree sums"), so
+    they cannot share one. Equal to the pure path on the full tensors."""
+    del rank
+    mesh = _mesh(world)
+    tx = functopt.chain(functopt.clip_by_global_norm(0.5), contrib.prodigy(weight_decay=0.1))
+    full = _full_params(7)
+    params = _shard(full, mesh)
+    got = explain(tx, params, compile=True)
+    assert got.fast and got.tree_sums == 1 and got.clips == 1, str(got)
+
+    def clip_active(i: int, grads: dict[str, torch.Tensor]) -> None:
+        assert float(functopt.tree.global_norm(grads)) > 0.5, i
+
+    _, state = _steps_equal_the_full_tensors(tx, full, params, mesh, seed=50, collectives=2,
+                                             spoil=clip_active)
+    assert float(state[1].numerator_weighted) != 0
+
+
+@check
+def guarded_prodigy_on_shards_one_all_reduce_per_step(rank: int, world: int) -> None:
+    """chain(zero_nans, apply_if_finite(prodigy, 3)) compiled on shards: the nan flags, the
+    guard's non-finite count and Prodigy's sums (which need neither) in one all-reduce; a
+    nan in rank 1's shard (step 1) is made 0 and flagged on every rank, an inf there (step
+    2) skips every rank's step; equal to the pure path on the full tensors."""
+    del rank
+    mesh = _mesh(world)
+    tx = functopt.chain(functopt.zero_nans(), functopt.apply_if_finite(
+        contrib.prodigy(weight_decay=0.1), 3))
+    full = _full_params(8)
+    params = _shard(full, mesh)
+    got = explain(tx, params, compile=True)
+    assert got.fast and got.tree_sums == 1 and got.guards == 1, str(got)
+
+    def spoil(i: int, grads: dict[str, torch.Tensor]) -> None:
+        grads["w"][4, 1] = (1.0, float("nan"), float("inf"))[i]  # rows 3-4: rank 1's
+
+    _, state = _steps_equal_the_full_tensors(tx, full, params, mesh, seed=60, collectives=1,
+                                             spoil=spoil)
+    assert int(state[1].total_notfinite) == 1 and int(state[1].inner_state.count) == 2
 
 
 @check
