@@ -456,15 +456,22 @@ def fused_mixed_step(
                                  counted=counted, scratch=scratch, metrics=metrics,
                                  casts=casts)
     inv_scale = _inverse(loss_scale)
-    packed = all_reduce_stats(
-        fused_stats(grads, wide, name, inv_scale, device, count_zeros, structure.clips,
-                    counted), group)
+    local = fused_stats(grads, wide, name, inv_scale, device, count_zeros, structure.clips,
+                        counted)
+    totals = _early_totals(lowered, views, wide, inner_leaves, group, max_grad_norm,
+                           lambda: inv_scale.to(torch.float64) if scaled else None)
+    if totals:
+        local = torch.cat([local, torch.stack(_planner.pack_tree_sums(totals)).to(device)])
+    packed = all_reduce_stats(local, group)
     stats = unpack_grad_stats(packed[:_CLIPS])
     new_loss_scale = scale_rule.adjust(loss_scale, stats.found_inf)
+    n = len(structure.clips)
+    if totals:
+        totals = _planner.unpack_tree_sums(totals, list(packed[_CLIPS + n:].unbind()))
 
     # one multiplier for unscale and clip, in float64 (the kernel rounds its divisor)
     multiplier = None
-    sums = list(packed[_CLIPS:].unbind())
+    sums = list(packed[_CLIPS:_CLIPS + n].unbind())
     if scaled or max_grad_norm is not None:
         multiplier = inv_scale.to(torch.float64)
         if max_grad_norm is not None:
@@ -478,10 +485,30 @@ def fused_mixed_step(
     result = _kernel_step(planner, lowered, params, stores, views, grads,
                           _kernel_casts(grads, wide, multiplier, structure), inner_leaves,
                           donate, scratch, multiplier=multiplier, found_inf=stats.found_inf,
-                          sums=sums, finite=finite)
+                          sums=sums, finite=finite, totals=totals)
     if isinstance(result, str):
         return result
     return *result, stats, new_loss_scale
+
+
+def _early_totals(lowered: _planner.Lowered, views: list[Any], wide: list[Any],
+                  inner_leaves: list[Any], group: dist.ProcessGroup | None,
+                  max_grad_norm: float | torch.Tensor | None,
+                  multiplier: Callable[[], torch.Tensor | None]) -> dict[int, Any] | None:
+    """This process's tree sums of the inner chain's rules that have them (Prodigy's), to
+    be summed over the ranks in the statistics' one all-reduce, or None where they are
+    taken after it (the planner's `run`): on one process (no collective to share), or
+    where their sums pass needs a clip factor that only the statistics give (the step's
+    ``max_grad_norm``, an inner clip). ``multiplier``: the unscale the kernels will
+    apply, known before the statistics then (`fused_mixed_step`'s, without a clip)."""
+    structure = lowered.structure
+    if group is None or not structure.tree_wide or structure.clips or (
+            max_grad_norm is not None):
+        return None
+    scale = multiplier()
+    # (the sums pass reads the casts the kernels will read: `_kernel_casts` copies them)
+    return _planner.local_tree_sums(structure, [(g, scale) for g in lowered.groups], views,
+                                    wide, inner_leaves)
 
 
 def _kernel_casts(grads: list[Any], wide: list[Any], multiplier: torch.Tensor | None,
@@ -519,6 +546,7 @@ def _host_kernel_step(
     structure = lowered.structure
     device = loss_scale.scale.device
     f32 = _host.f32
+    totals = None
     # 1 / scale in float64, rounded once to float32 (`_inverse`)
     inv = f32(_host.reciprocal(loss_scale.scale.item()))
     local = _local_sums(grads, wide, name, lambda: torch.scalar_tensor(
@@ -532,9 +560,19 @@ def _host_kernel_step(
         sums = [torch.zeros((), dtype=torch.float64, device=device) if x is None else x
                 for x in clip_sums]
     else:
-        packed = all_reduce_stats(_packed(local, len(structure.clips), device), group)
+        local_packed = _packed(local, len(structure.clips), device)
+        totals = _early_totals(lowered, views, wide, inner_leaves, group, max_grad_norm,
+                               lambda: torch.scalar_tensor(inv, dtype=torch.float64,
+                                                           device=device) if scaled else None)
+        if totals:
+            local_packed = torch.cat([local_packed, torch.stack(
+                _planner.pack_tree_sums(totals)).to(device)])
+        packed = all_reduce_stats(local_packed, group)
         sumsq, nonfinite, num_zeros = packed[:_CLIPS].tolist()
-        sums = list(packed[_CLIPS:].unbind())
+        n = len(structure.clips)
+        sums = list(packed[_CLIPS:_CLIPS + n].unbind())
+        if totals:
+            totals = _planner.unpack_tree_sums(totals, list(packed[_CLIPS + n:].unbind()))
     # unpack_grad_stats: the norm in float32; a non-finite one is an overflow too
     norm = f32(math.sqrt(sumsq))
     found = nonfinite > 0 or not math.isfinite(norm)
@@ -558,7 +596,7 @@ def _host_kernel_step(
                           _kernel_casts(grads, wide, multiplier, structure), inner_leaves,
                           donate, scratch, multiplier=multiplier,
                           found_inf=found_inf if found else None, sums=sums, finite=finite,
-                          keep_dtypes=not found, casts=casts)
+                          keep_dtypes=not found, casts=casts, totals=totals)
     if isinstance(result, str):
         return result
     new_params, new_stores, new_inner = result

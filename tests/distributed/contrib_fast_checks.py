@@ -20,9 +20,11 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import functopt
 from distributed.checks import _full, _mesh
+from distributed.fast_checks import _mixed_run
 from distributed.harness import check_registry, run_checks
 from functopt import contrib
 from functopt.fast import FastPathWarning, explain, make_step
+from functopt.precision import dynamic_loss_scale
 
 CHECKS, check = check_registry()
 
@@ -232,6 +234,22 @@ def guarded_prodigy_on_shards_one_all_reduce_per_step(rank: int, world: int) -> 
     _, state = _steps_equal_the_full_tensors(tx, full, params, mesh, seed=60, collectives=1,
                                              spoil=spoil)
     assert int(state[1].total_notfinite) == 1 and int(state[1].inner_state.count) == 2
+
+
+@check
+def mixed_compiled_prodigy_on_shards_one_all_reduce_per_step(rank: int, world: int) -> None:
+    """mixed_precision(prodigy, compile=True) on bf16 shards (`fast_checks._mixed_run`):
+    Prodigy's sums of the unscaled gradients (the unscale known before the statistics)
+    join the step's one all-reduce; an inf in rank 1's shard skips every rank's step. With
+    the built-in loss-scale rule (the step's scalars on the host) and one built by hand
+    (they stay tensors)."""
+    del rank
+    rule = dynamic_loss_scale(init_scale=2.0 ** 10)
+    by_hand = rule._replace(adjust=lambda state, found_inf: rule.adjust(state, found_inf),
+                            config=())
+    for loss_scale in (rule, by_hand):
+        _mixed_run(world, 1, lambda: contrib.prodigy(weight_decay=0.1), compile=True,
+                   loss_scale=loss_scale)
 
 
 @check
