@@ -747,8 +747,8 @@ def fused_multi_step(
     as on the pure step), the foreach ops run on local shards, and the statistics make the
     step's one all-reduce. The inner chain's clips and guards measure the accumulated
     gradients of a closing mini-step: without ``max_grad_norm``, a skip function and a
-    prefix those are known before the statistics and join their all-reduce (one
-    collective per step); otherwise they take a second one on closing mini-steps (and a
+    prefix those are known before the statistics and join their all-reduce, with a
+    compiled rule's tree sums where no inner clip comes first (one collective per step); otherwise they take a second one on closing mini-steps (and a
     prefix clip its own, as on the pure step, but for an overflowing step: the prefix and
     the skip function do not run where the pure step discards their results).
     """
@@ -771,18 +771,25 @@ def fused_multi_step(
     mine = _own(unscaled, grads)
     # Without the step's own clip (a skip function, a prefix) MultiSteps' gradients are
     # known before the statistics: a closing mini-step's inner clips and guards measure
-    # the accumulated gradients now, and their sums join the statistics' one all-reduce.
+    # the accumulated gradients now, and their sums join the statistics' one all-reduce
+    # (and the tree sums of a rule that has them, Prodigy's, unless an inner clip's factor
+    # must come first).
     early = max_grad_norm is None and ms.should_skip_update_fn is None and not (
-        split.prefix) and bool(structure.clips or structure.guards)
-    window = inner_grads = None
+        split.prefix) and bool(structure.clips or structure.guards or structure.tree_wide)
+    window = inner_grads = totals = None
     if early:
         window = _window(ms, treespec, unscaled, views, ms_state)
         if window.closes:
             inner_grads = _closing_grads(ms, window, unscaled, mine)
+            if structure.tree_wide and not structure.clips:
+                totals = _planner.local_tree_sums(
+                    structure, [(g, None) for g in lowered.groups], views, inner_grads,
+                    inner_leaves)
             sums, finite, _, _ = _reductions(structure, views, inner_grads, name, counted=None if (
                 counted is None) else list(counted), group=None)
-            local = torch.cat([local, torch.stack(
-                [*sums, *((~f).to(torch.float64) for f in finite)]).to(device)])
+            local = torch.cat([local, *(torch.stack(x).to(device) for x in (
+                [*sums, *((~f).to(torch.float64) for f in finite)],
+                _planner.pack_tree_sums(totals or {})) if x)])
     packed = all_reduce_stats(local, group)
     stats = unpack_grad_stats(packed[:_CLIPS])
     new_loss_scale = scale_rule.adjust(loss_scale, stats.found_inf)
@@ -831,14 +838,17 @@ def fused_multi_step(
     inner_grads = [u.clone() if structure.clips and u is not None and u is local_tensor(g)
                    else u for u, g in zip(inner_grads, grads, strict=True)]
     if early:
-        n = len(structure.clips)
+        n, k = len(structure.clips), len(structure.clips) + len(structure.guards)
         sums = list(packed[_CLIPS:_CLIPS + n].unbind())
-        finite = [x == 0 for x in packed[_CLIPS + n:].unbind()]
+        finite = [x == 0 for x in packed[_CLIPS + n:_CLIPS + k].unbind()]
+        if totals:
+            totals = _planner.unpack_tree_sums(totals, list(packed[_CLIPS + k:].unbind()))
     else:
         sums, finite, _, _ = _reductions(structure, views, inner_grads, name, counted=None if (
             counted is None) else list(counted), group=group)
     result = _kernel_step(planner, lowered, params, stores, views, grads, inner_grads,
-                          inner_leaves, donate, scratch, sums=sums, finite=finite)
+                          inner_leaves, donate, scratch, sums=sums, finite=finite,
+                          totals=totals)
     if isinstance(result, str):
         return result
     new_params, new_stores, closed = result

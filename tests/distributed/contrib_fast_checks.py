@@ -22,6 +22,7 @@ import functopt
 from distributed.checks import _full, _mesh
 from distributed.fast_checks import _mixed_run
 from distributed.harness import check_registry, run_checks
+from distributed.multisteps_checks import _mixed_multisteps_run
 from functopt import contrib
 from functopt.fast import FastPathWarning, explain, make_step
 from functopt.precision import dynamic_loss_scale
@@ -250,6 +251,15 @@ def mixed_compiled_prodigy_on_shards_one_all_reduce_per_step(rank: int, world: i
     for loss_scale in (rule, by_hand):
         _mixed_run(world, 1, lambda: contrib.prodigy(weight_decay=0.1), compile=True,
                    loss_scale=loss_scale)
+
+
+@check
+def mixed_multisteps_prodigy_on_shards_one_all_reduce_per_step(rank: int, world: int) -> None:
+    """mixed_precision(MultiSteps(prodigy, 2), compile=True) on bf16 shards
+    (`multisteps_checks._mixed_multisteps_run`): a closing mini-step's Prodigy sums of the
+    accumulated gradients join the statistics' one all-reduce."""
+    del rank
+    _mixed_multisteps_run(world, lambda: contrib.prodigy(weight_decay=0.1), compile=True)
 
 
 @check
