@@ -218,6 +218,11 @@ def sharded_results() -> list[dict[str, str | None]]:
                                   "prodigy_on_shards_one_all_reduce_per_step",
                                   # not contrib: the same lowering for a clip after Adam
                                   "late_clip_on_shards_one_all_reduce_per_step",
+                                  "late_guard_on_shards_one_all_reduce_per_step",
+                                  "clip_prodigy_on_shards_two_all_reduces_per_step",
+                                  "guarded_prodigy_on_shards_one_all_reduce_per_step",
+                                  "mixed_compiled_prodigy_on_shards_one_all_reduce_per_step",
+                                  "mixed_multisteps_prodigy_on_shards_one_all_reduce_per_step",
                                   "clip_adamw_compiled_on_shards_one_all_reduce_per_step",
                                   "prodigy_on_a_rank_holding_nothing"])
 def test_on_dtensor_shards(sharded_results: list[dict[str, str | None]], name: str) -> None:

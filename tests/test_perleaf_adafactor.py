@@ -257,6 +257,31 @@ def test_a_skipped_step_keeps_params_and_state() -> None:
     assert int(fast_s.notfinite_count) == 1
 
 
+def _mixed_steps(build: Any, full: dict[str, torch.Tensor], *, steps: int, seed: int,
+                 overflow_at: int | None = None) -> tuple[Any, Any, Any]:
+    """``steps`` steps of ``mixed_precision(build(), max_grad_norm=1.0)``, fused (without
+    a FastPathWarning) and pure, from the bf16 params ``full``, the gradients drawn from
+    ``seed + step``; at ``overflow_at`` an inf, which both skip (the fused masters kept
+    bitwise). Returns the fused params and state, and the pure state."""
+    fast = mixed_precision(build(), max_grad_norm=1.0)
+    pure = mixed_precision(build(), max_grad_norm=1.0, fused=False)
+    fp, fs = full, fast.init(full)
+    pp, ps = full, pure.init(full)
+    for i in range(steps):
+        grads = {k: v.to(torch.bfloat16) for k, v in _grads_like(
+            {k: v.float() for k, v in full.items()}, seed + i).items()}
+        if i == overflow_at:
+            grads["a"][1, 1] = float("inf")
+        masters = {k: v.clone() for k, v in fs.master.items()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FastPathWarning)
+            fp, fs = fast.step(grads, fs, fp)
+        pp, ps = pure.step(grads, ps, pp)
+        if i == overflow_at:
+            assert_bitwise_equal(fs.master, masters)
+    return fp, fs, ps
+
+
 @pytest.mark.parametrize("momentum", [None, 0.9])
 def test_mixed_precision_adafactor_takes_the_tier(momentum: float | None) -> None:
     full = {k: v.to(torch.bfloat16) for k, v in _model(torch.float32).items()
@@ -266,22 +291,7 @@ def test_mixed_precision_adafactor_takes_the_tier(momentum: float | None) -> Non
         return functopt.adafactor(0.02, min_dim_size_to_factor=2, momentum=momentum,
                                   weight_decay_rate=0.01)
 
-    fast = mixed_precision(build(), max_grad_norm=1.0)
-    pure = mixed_precision(build(), max_grad_norm=1.0, fused=False)
-    fp, fs = full, fast.init(full)
-    pp, ps = full, pure.init(full)
-    for i in range(4):
-        grads = {k: v.to(torch.bfloat16) for k, v in _grads_like(
-            {k: v.float() for k, v in full.items()}, 20 + i).items()}
-        if i == 2:  # an overflow: the step is skipped on both paths
-            grads["a"][1, 1] = float("inf")
-        masters = {k: v.clone() for k, v in fs.master.items()}
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", FastPathWarning)
-            fp, fs = fast.step(grads, fs, fp)
-        pp, ps = pure.step(grads, ps, pp)
-        if i == 2:
-            assert_bitwise_equal(fs.master, masters)
+    fp, fs, ps = _mixed_steps(build, full, steps=4, seed=20, overflow_at=2)
     # bitwise where the leaf is contiguous; the mixed step hands the rules the gradients of
     # a transposed or channels_last leaf laid out as its master, so a factored mean there
     # may sum in another order than on the pure mixed path (measured: 1 ulp in v_row)

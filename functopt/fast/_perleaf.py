@@ -3,7 +3,9 @@ r"""The planner's per-leaf tier: rules that reduce within a leaf, groups at a ti
 Some rules are not elementwise: Muon orthogonalises each matrix by Newton-Schulz
 iterations, a trust ratio divides a leaf by its own norm, a shape factor depends on the
 leaf's dimensions, Adafactor keeps row and column means of each matrix's squared
-gradients, block RMS clipping divides a leaf by its own rms. Their spec is a [`PerLeaf`][functopt._spec.PerLeaf]: neither PyTorch's
+gradients, block RMS clipping divides a leaf by its own rms, gradient centralization
+subtracts each output unit's mean, adaptive gradient clipping scales each unit against
+its param's norm. Their spec is a [`PerLeaf`][functopt._spec.PerLeaf]: neither PyTorch's
 kernels nor the compiled tier (which lays leaves end to end) can take them. Here the
 groups of leaves (one device, one dtype, one program after an optional leading clip or
 ``apply_if_finite``) run their programs' rules in order, rule-major: at each position, the

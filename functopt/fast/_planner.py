@@ -27,7 +27,8 @@ A leading ``clip_by_global_norm`` (over all leaves or a masked subset) and the u
 a mixed-precision step are folded into the kernel's ``grad_scale``; a skipped step into
 its ``found_inf``. The norms every clip needs come from one local ``foreach`` pass and, on
 sharded params, one all-reduce of a packed vector: one collective per step whatever the
-chain (a rule with tree sums of its own, Prodigy's, adds one for them: see
+chain (a rule with tree sums of its own, Prodigy's, has them in the same all-reduce,
+unless a clip's factor must be known before its sums are taken: then in a second, see
 ``_tree_totals``). Anything else (a rule without a kernel, a clip after the moments, an opaque
 transform) keeps the pure path for the whole step, and the reason is reported by
 [`explain`][functopt.fast.explain] and by a one-time
@@ -1261,6 +1262,7 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
         workspace: dict[Any, Any] | None = None,
         low: list[Any] | None = None,
         nans: list[tuple[int, torch.Tensor]] | None = None,
+        totals: dict[int, Any] | None = None,
         checked: bool = False) -> Result | str:
     """One step on the kernels. ``multiplier`` (a 0-d float64 tensor) multiplies the
     gradients before the chain (a mixed step's unscale and clip); ``sums`` are the
@@ -1279,7 +1281,10 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
     (an injected ``eps_root`` that is not 0, say), before any tensor was written: the
     caller takes the pure path. ``nans``: the ``found_nan`` flags of the chain's leading
     ``zero_nans`` (see `zero_nans`, `found_nan`), whose gradients ``grads`` already are;
-    a chain with one and no flags (the mixed step's) takes the pure path.
+    a chain with one and no flags (the mixed step's) takes the pure path. ``totals``: the
+    tree sums of the chain's rules that have them, over every leaf and rank, where the
+    caller summed them over the ranks with its own values (`local_tree_sums`); None: they
+    are computed here.
 
     ``checked``: the caller found every value, gradient and per-leaf state entry a plain
     tensor (no DTensor or other subclass), each gradient with its value's shape and strides
@@ -1367,8 +1372,8 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
             perleaf.append((group, scale, flag))
             continue
         prepared.append((group, hp, scale, flag))
-    totals = _tree_totals(structure, prepared, values, grads, state_leaves) if (
-        structure.tree_wide) else None
+    if totals is None and structure.tree_wide:
+        totals = _tree_totals(structure, prepared, values, grads, state_leaves)
     for group, hp, scale, flag in prepared:
         _run_group(group, hp, values, grads, state_leaves, new_values, new_leaves,
                    donate=donate, donate_grads=donate_grads, scale=scale, found_inf=flag,
@@ -1409,27 +1414,50 @@ def _tree_totals(structure: Structure, prepared: list[Any], values: list[Any],
     compiled sums pass per group (each with its clip's scale), added over the groups, and
     on DTensor params over the ranks with one all-reduce of them all, packed (a replicated
     shard counts on one rank)."""
-    def name(i: int) -> str:
-        return f"leaf {i}"  # (words only the errors of inconsistent meshes)
+    totals = local_tree_sums(structure, [(group, scale) for group, _, scale, _ in prepared],
+                             values, grads, state_leaves)
+    group = _infer_group(values, _leaf_number)
+    if group is not None and totals:
+        packed = all_reduce_stats(torch.stack(pack_tree_sums(totals)), group)
+        totals = unpack_tree_sums(totals, list(packed.unbind()))
+    return totals
 
-    counted = counted_leaves(grads, name)
+
+def _leaf_number(i: int) -> str:
+    return f"leaf {i}"  # (words only the errors of inconsistent meshes)
+
+
+def local_tree_sums(structure: Structure, groups: list[tuple[Group, torch.Tensor | None]],
+                    values: list[Any], grads: list[Any], state_leaves: list[Any],
+                    ) -> dict[int, Any]:
+    """This process's tree sums of every rule that has them, by rule: one compiled sums
+    pass per compiled group among ``groups`` (each with its scale: its clip's factor, or
+    None), added over the groups."""
+    counted = counted_leaves(grads, _leaf_number)
     parts: dict[int, list[Any]] = {node: [] for node in structure.tree_wide}
-    for group, _, scale, _ in prepared:
+    for group, scale in groups:
         op = next((op for op in group.plan.ops if op.sums is not None), None)
         if group.plan.kernel == "compiled" and op is not None:
             parts[op.node].append(_compiled.group_sums(
                 group, values, grads, state_leaves, counted, scale=scale,
                 compiled=structure.compiled))
-    totals = {node: tuple(functools.reduce(torch.add, column) for column in zip(*found, strict=True))
-              for node, found in parts.items() if found}
-    group = _infer_group(values, name)
-    if group is not None and totals:
-        flat = [t for node in totals for t in totals[node]]
-        summed = all_reduce_stats(torch.stack([t.to(torch.float64) for t in flat]),
-                                  group).unbind()
-        it = iter(t.to(like.dtype) for t, like in zip(summed, flat, strict=True))
-        totals = {node: tuple(next(it) for _ in found) for node, found in totals.items()}
-    return totals
+    return {node: tuple(functools.reduce(torch.add, column)
+                        for column in zip(*found, strict=True))
+            for node, found in parts.items() if found}
+
+
+def pack_tree_sums(totals: dict[int, Any]) -> list[torch.Tensor]:
+    """The tree sums of `local_tree_sums`, in float64, in one list (to be summed over the
+    ranks with a step's other values in one all-reduce)."""
+    return [t.to(torch.float64) for node in totals for t in totals[node]]
+
+
+def unpack_tree_sums(totals: dict[int, Any], summed: list[torch.Tensor]) -> dict[int, Any]:
+    """``totals`` with their values replaced by ``summed`` (as `pack_tree_sums` laid them
+    out), each in its own dtype again."""
+    flat = [t for node in totals for t in totals[node]]
+    it = iter(t.to(like.dtype) for t, like in zip(summed, flat, strict=True))
+    return {node: tuple(next(it) for _ in found) for node, found in totals.items()}
 
 
 def _or(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:

@@ -425,15 +425,23 @@ class Step:
                                 finite=[], reads=self.planner.reads, workspace=workspace,
                                 nans=[], checked=checked)
         grad_leaves, flags = _planner.zero_nans(structure, grad_leaves)
-        sums, finite, reduced = _reductions(
+        totals = None
+        if structure.tree_wide and not structure.clips:
+            # (the sums passes need no clip's factor, which only the reduction gives: their
+            # sums join the guards' counts and the nan flags in the step's one all-reduce)
+            totals = _planner.local_tree_sums(
+                structure, [(group, None) for group in lowered.groups], param_leaves,
+                grad_leaves, state_leaves)
+        sums, finite, reduced, totals = _reductions(
             structure, param_leaves, grad_leaves, name,
-            nans=[flag for _, flag, on_mesh in flags if on_mesh])
+            nans=[flag for _, flag, on_mesh in flags if on_mesh], totals=totals)
         return _planner.run(lowered, param_leaves, grad_leaves, state_leaves,
                             donate=self.donate, donate_grads=self.donate_grads, sums=sums,
                             finite=finite, reads=self.planner.reads,
                             # (a zero_nans' gradients are new tensors, of any layout)
                             workspace=workspace, checked=checked and not structure.zero_nans,
-                            nans=_planner.found_nan(flags, reduced, state_leaves))
+                            nans=_planner.found_nan(flags, reduced, state_leaves),
+                            totals=totals)
 
     def _step_leaves(self, grads: Updates, state_leaves: list[Any], state_spec: _core.TreeSpec,
                      params: Params) -> tuple[list[Any], list[Any], _core.TreeSpec]:
@@ -620,16 +628,19 @@ class _Seen:
 def _reductions(structure: _planner.Structure, params: list[Any], grads: list[Any],
                 name: Callable[[int], str], *, counted: list[bool] | None = None,
                 group: Any = _INFERRED, nans: list[torch.Tensor] | None = None,
-                ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+                totals: dict[int, Any] | None = None,
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor],
+                           dict[int, Any] | None]:
     """The global values the chain's clips (sums of squares) and ``apply_if_finite`` guards
     (is every gradient finite) need: one local pass each, and one all-reduce of them all,
     packed, when the params are sharded (over ``group`` when given: the mixed step's; and
     ``counted``, per leaf, whether this rank counts it, when given). ``nans``: the local
     ``found_nan`` flags of DTensor leaves (a leading ``zero_nans``'), summed in the same
-    all-reduce and returned third."""
+    all-reduce and returned third; ``totals``: this process's tree sums
+    (`_planner.local_tree_sums`), summed there too and returned fourth."""
     nans = nans or []
-    if not (structure.clips or structure.guards or nans):
-        return [], [], []
+    if not (structure.clips or structure.guards or nans or totals):
+        return [], [], [], totals
     device = next((local_tensor(g).device for g in grads if g is not None),
                   torch.device("cpu"))
     if counted is None:
@@ -639,12 +650,16 @@ def _reductions(structure: _planner.Structure, params: list[Any], grads: list[An
     local = [*_planner.clip_sums(structure, grads, counted, device),
              *_planner.nonfinite_counts(structure, grads, counted, device),
              *(flag.to(device, torch.float64) for flag in nans)]
+    m = len(local)
     if group is _INFERRED:
         group = _infer_group(params, name)
     if group is not None:
+        local += _planner.pack_tree_sums(totals or {})
         local = list(all_reduce_stats(torch.stack(local), group).unbind())
-    n, m = len(structure.clips), len(structure.clips) + len(structure.guards)
-    return local[:n], [count == 0 for count in local[n:m]], local[m:]
+        if totals:
+            totals = _planner.unpack_tree_sums(totals, local[m:])
+    n, k = len(structure.clips), len(structure.clips) + len(structure.guards)
+    return local[:n], [count == 0 for count in local[n:k]], local[k:m], totals
 
 
 def _check(grads: Updates, params: Params) -> tuple[list[Any], _core.TreeSpec, list[Any]]:

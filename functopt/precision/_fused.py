@@ -456,15 +456,22 @@ def fused_mixed_step(
                                  counted=counted, scratch=scratch, metrics=metrics,
                                  casts=casts)
     inv_scale = _inverse(loss_scale)
-    packed = all_reduce_stats(
-        fused_stats(grads, wide, name, inv_scale, device, count_zeros, structure.clips,
-                    counted), group)
+    local = fused_stats(grads, wide, name, inv_scale, device, count_zeros, structure.clips,
+                        counted)
+    totals = _early_totals(lowered, views, wide, inner_leaves, group, max_grad_norm,
+                           lambda: inv_scale.to(torch.float64) if scaled else None)
+    if totals:
+        local = torch.cat([local, torch.stack(_planner.pack_tree_sums(totals)).to(device)])
+    packed = all_reduce_stats(local, group)
     stats = unpack_grad_stats(packed[:_CLIPS])
     new_loss_scale = scale_rule.adjust(loss_scale, stats.found_inf)
+    n = len(structure.clips)
+    if totals:
+        totals = _planner.unpack_tree_sums(totals, list(packed[_CLIPS + n:].unbind()))
 
     # one multiplier for unscale and clip, in float64 (the kernel rounds its divisor)
     multiplier = None
-    sums = list(packed[_CLIPS:].unbind())
+    sums = list(packed[_CLIPS:_CLIPS + n].unbind())
     if scaled or max_grad_norm is not None:
         multiplier = inv_scale.to(torch.float64)
         if max_grad_norm is not None:
@@ -478,10 +485,30 @@ def fused_mixed_step(
     result = _kernel_step(planner, lowered, params, stores, views, grads,
                           _kernel_casts(grads, wide, multiplier, structure), inner_leaves,
                           donate, scratch, multiplier=multiplier, found_inf=stats.found_inf,
-                          sums=sums, finite=finite)
+                          sums=sums, finite=finite, totals=totals)
     if isinstance(result, str):
         return result
     return *result, stats, new_loss_scale
+
+
+def _early_totals(lowered: _planner.Lowered, views: list[Any], wide: list[Any],
+                  inner_leaves: list[Any], group: dist.ProcessGroup | None,
+                  max_grad_norm: float | torch.Tensor | None,
+                  multiplier: Callable[[], torch.Tensor | None]) -> dict[int, Any] | None:
+    """This process's tree sums of the inner chain's rules that have them (Prodigy's), to
+    be summed over the ranks in the statistics' one all-reduce, or None where they are
+    taken after it (the planner's `run`): on one process (no collective to share), or
+    where their sums pass needs a clip factor that only the statistics give (the step's
+    ``max_grad_norm``, an inner clip). ``multiplier``: the unscale the kernels will
+    apply, known before the statistics then (`fused_mixed_step`'s, without a clip)."""
+    structure = lowered.structure
+    if group is None or not structure.tree_wide or structure.clips or (
+            max_grad_norm is not None):
+        return None
+    scale = multiplier()
+    # (the sums pass reads the casts the kernels will read: `_kernel_casts` copies them)
+    return _planner.local_tree_sums(structure, [(g, scale) for g in lowered.groups], views,
+                                    wide, inner_leaves)
 
 
 def _kernel_casts(grads: list[Any], wide: list[Any], multiplier: torch.Tensor | None,
@@ -519,6 +546,7 @@ def _host_kernel_step(
     structure = lowered.structure
     device = loss_scale.scale.device
     f32 = _host.f32
+    totals = None
     # 1 / scale in float64, rounded once to float32 (`_inverse`)
     inv = f32(_host.reciprocal(loss_scale.scale.item()))
     local = _local_sums(grads, wide, name, lambda: torch.scalar_tensor(
@@ -532,9 +560,19 @@ def _host_kernel_step(
         sums = [torch.zeros((), dtype=torch.float64, device=device) if x is None else x
                 for x in clip_sums]
     else:
-        packed = all_reduce_stats(_packed(local, len(structure.clips), device), group)
+        local_packed = _packed(local, len(structure.clips), device)
+        totals = _early_totals(lowered, views, wide, inner_leaves, group, max_grad_norm,
+                               lambda: torch.scalar_tensor(inv, dtype=torch.float64,
+                                                           device=device) if scaled else None)
+        if totals:
+            local_packed = torch.cat([local_packed, torch.stack(
+                _planner.pack_tree_sums(totals)).to(device)])
+        packed = all_reduce_stats(local_packed, group)
         sumsq, nonfinite, num_zeros = packed[:_CLIPS].tolist()
-        sums = list(packed[_CLIPS:].unbind())
+        n = len(structure.clips)
+        sums = list(packed[_CLIPS:_CLIPS + n].unbind())
+        if totals:
+            totals = _planner.unpack_tree_sums(totals, list(packed[_CLIPS + n:].unbind()))
     # unpack_grad_stats: the norm in float32; a non-finite one is an overflow too
     norm = f32(math.sqrt(sumsq))
     found = nonfinite > 0 or not math.isfinite(norm)
@@ -558,7 +596,7 @@ def _host_kernel_step(
                           _kernel_casts(grads, wide, multiplier, structure), inner_leaves,
                           donate, scratch, multiplier=multiplier,
                           found_inf=found_inf if found else None, sums=sums, finite=finite,
-                          keep_dtypes=not found, casts=casts)
+                          keep_dtypes=not found, casts=casts, totals=totals)
     if isinstance(result, str):
         return result
     new_params, new_stores, new_inner = result
@@ -709,8 +747,8 @@ def fused_multi_step(
     as on the pure step), the foreach ops run on local shards, and the statistics make the
     step's one all-reduce. The inner chain's clips and guards measure the accumulated
     gradients of a closing mini-step: without ``max_grad_norm``, a skip function and a
-    prefix those are known before the statistics and join their all-reduce (one
-    collective per step); otherwise they take a second one on closing mini-steps (and a
+    prefix those are known before the statistics and join their all-reduce, with a
+    compiled rule's tree sums where no inner clip comes first (one collective per step); otherwise they take a second one on closing mini-steps (and a
     prefix clip its own, as on the pure step, but for an overflowing step: the prefix and
     the skip function do not run where the pure step discards their results).
     """
@@ -733,18 +771,25 @@ def fused_multi_step(
     mine = _own(unscaled, grads)
     # Without the step's own clip (a skip function, a prefix) MultiSteps' gradients are
     # known before the statistics: a closing mini-step's inner clips and guards measure
-    # the accumulated gradients now, and their sums join the statistics' one all-reduce.
+    # the accumulated gradients now, and their sums join the statistics' one all-reduce
+    # (and the tree sums of a rule that has them, Prodigy's, unless an inner clip's factor
+    # must come first).
     early = max_grad_norm is None and ms.should_skip_update_fn is None and not (
-        split.prefix) and bool(structure.clips or structure.guards)
-    window = inner_grads = None
+        split.prefix) and bool(structure.clips or structure.guards or structure.tree_wide)
+    window = inner_grads = totals = None
     if early:
         window = _window(ms, treespec, unscaled, views, ms_state)
         if window.closes:
             inner_grads = _closing_grads(ms, window, unscaled, mine)
-            sums, finite, _ = _reductions(structure, views, inner_grads, name, counted=None if (
+            if structure.tree_wide and not structure.clips:
+                totals = _planner.local_tree_sums(
+                    structure, [(g, None) for g in lowered.groups], views, inner_grads,
+                    inner_leaves)
+            sums, finite, _, _ = _reductions(structure, views, inner_grads, name, counted=None if (
                 counted is None) else list(counted), group=None)
-            local = torch.cat([local, torch.stack(
-                [*sums, *((~f).to(torch.float64) for f in finite)]).to(device)])
+            local = torch.cat([local, *(torch.stack(x).to(device) for x in (
+                [*sums, *((~f).to(torch.float64) for f in finite)],
+                _planner.pack_tree_sums(totals or {})) if x)])
     packed = all_reduce_stats(local, group)
     stats = unpack_grad_stats(packed[:_CLIPS])
     new_loss_scale = scale_rule.adjust(loss_scale, stats.found_inf)
@@ -793,14 +838,17 @@ def fused_multi_step(
     inner_grads = [u.clone() if structure.clips and u is not None and u is local_tensor(g)
                    else u for u, g in zip(inner_grads, grads, strict=True)]
     if early:
-        n = len(structure.clips)
+        n, k = len(structure.clips), len(structure.clips) + len(structure.guards)
         sums = list(packed[_CLIPS:_CLIPS + n].unbind())
-        finite = [x == 0 for x in packed[_CLIPS + n:].unbind()]
+        finite = [x == 0 for x in packed[_CLIPS + n:_CLIPS + k].unbind()]
+        if totals:
+            totals = _planner.unpack_tree_sums(totals, list(packed[_CLIPS + k:].unbind()))
     else:
-        sums, finite, _ = _reductions(structure, views, inner_grads, name, counted=None if (
+        sums, finite, _, _ = _reductions(structure, views, inner_grads, name, counted=None if (
             counted is None) else list(counted), group=group)
     result = _kernel_step(planner, lowered, params, stores, views, grads, inner_grads,
-                          inner_leaves, donate, scratch, sums=sums, finite=finite)
+                          inner_leaves, donate, scratch, sums=sums, finite=finite,
+                          totals=totals)
     if isinstance(result, str):
         return result
     new_params, new_stores, closed = result

@@ -442,4 +442,7 @@ def adaptive_grad_clip(
             new.append(clip_leaf(g, p))
         return _common.unflatten(treespec, new), state
 
-    return GradientTransformation(_init_empty, update_fn)
+    # each unit against its own param's norm: the planner's per-leaf tier runs this update
+    # a group at a time
+    return specified(GradientTransformation(_init_empty, update_fn), PerLeaf(
+        "adaptive_grad_clip", {"clipping": clipping, "eps": eps, "axis": dims}))

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from functopt._base import EmptyState, GradientTransformation, Params, Updates
+from functopt._spec import PerLeaf, specified
 from functopt.transforms import _common
 from functopt.tree import _core
 
@@ -67,4 +68,5 @@ def centralize() -> GradientTransformation:
         leaves, treespec = _common.flatten_updates(updates)
         return _common.unflatten(treespec, _core.map_leaves(_subtract_mean, leaves)), state
 
-    return GradientTransformation(init_fn, update_fn)
+    # each unit's own mean: the planner's per-leaf tier runs this update a group at a time
+    return specified(GradientTransformation(init_fn, update_fn), PerLeaf("centralize", {}))

@@ -86,8 +86,10 @@ def mixed_multisteps_after_a_clip_in_the_inner_chain(rank: int, world: int) -> N
 
 
 def _mixed_multisteps_run(world: int, rule: Any, around: Any = None,
-                          collectives: tuple[int, int] = (1, 1)) -> None:
-    """(collectives: per step, and on the overflow)"""
+                          collectives: tuple[int, int] = (1, 1), compile: bool = False,
+                          ) -> None:
+    """(collectives: per step, and on the overflow; compile: the fused step's compiled
+    tier)"""
     mesh = _mesh(world)
 
     def inner() -> functopt.GradientTransformation:
@@ -98,7 +100,8 @@ def _mixed_multisteps_run(world: int, rule: Any, around: Any = None,
         return inner_state if around is None else inner_state[1]
 
     kw: dict[str, Any] = dict(loss_scale=dynamic_loss_scale(init_scale=2.0 ** 10))
-    fused, pure = mixed_precision(inner(), **kw), mixed_precision(inner(), fused=False, **kw)
+    fused = mixed_precision(inner(), compile=compile, **kw)
+    pure = mixed_precision(inner(), fused=False, **kw)
     full = _full_params(2, torch.bfloat16)
     params = _shard(full, mesh)
     state, ref_state = fused.init(params), pure.init(full)
@@ -136,7 +139,7 @@ def _mixed_multisteps_run(world: int, rule: Any, around: Any = None,
         if int(ms.mini_step) == 0 and i != 2:  # a closing mini-step: the kernel
             closed.append(i)
             _assert_close(state.master, ref_state.master, f"step {i} masters")
-            _assert_close(ms.inner_opt_state, ref_ms.inner_opt_state, f"step {i} adam")
+            _assert_close(ms.inner_opt_state, ref_ms.inner_opt_state, f"step {i} inner")
         else:  # a mini-step (or the overflow): bitwise, masters plus 0.0
             assert _all_bits_equal(state.master, ref_state.master), i
             assert _all_bits_equal(params, ref_params), i

@@ -286,47 +286,70 @@ def stochastic_rounding_on_sharded_bf16_params(rank: int, world: int) -> None:
 
 # ------------------------------------------------------- adafactor on the per-leaf tier
 
+def _per_leaf_step_on_shards(world: int, tx: Any, full: dict[str, torch.Tensor],
+                             seed: int) -> tuple[Any, Any]:
+    """Two donated ``make_step(tx)`` steps on uneven Shard(0) params, on the planner's
+    per-leaf tier (explain says so, no FastPathWarning): bitwise the sharded pure step,
+    with the same collectives, and equal to one process's step on the whole tensors.
+    Returns the stepped params and state."""
+    mesh = _mesh(world)
+    params = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
+    ref_params = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
+    state, ref_state = tx.init(params), tx.init(ref_params)
+    single, single_state = full, tx.init(full)
+    explained = functopt.fast.explain(tx, params)
+    assert explained.fast and {g.kernel for g in explained.groups} == {"per-leaf"}, explained
+    step = functopt.fast.make_step(tx, donate=True)
+    for i in range(2):
+        torch.manual_seed(seed + i)
+        grads = {k: torch.randn_like(v) for k, v in full.items()}
+        sharded = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in grads.items()}
+        with CommDebugMode() as pure_comm:
+            updates, ref_state = tx.update(sharded, ref_state, ref_params)
+        ref_params = functopt.apply_updates(ref_params, updates)
+        with CommDebugMode() as comm, warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("error", functopt.fast.FastPathWarning)
+            params, state = step(sharded, state, params)
+        assert comm.get_total_counts() == pure_comm.get_total_counts() > 0, (
+            comm.get_comm_counts(), pure_comm.get_comm_counts())
+        updates, single_state = tx.update(grads, single_state, single)
+        single = functopt.apply_updates(single, updates)
+    _assert_tree(params, ref_params)
+    _assert_tree(state, ref_state)
+    _assert_tree(params, single, bitwise=False, rtol=1e-12, atol=1e-15)
+    return params, state
+
+
 @check
 def adafactor_make_step_on_shards_takes_the_per_leaf_tier(rank: int, world: int) -> None:
-    """functopt.fast.make_step(adafactor), donating, on uneven Shard(0) params: the
-    planner's per-leaf tier (explain says so, no FastPathWarning), bitwise the sharded
-    pure step with the same collectives (the factored means and block norms of a sharded
-    matrix are DTensor reductions across the shards, as on the pure path), equal to one
-    process's step on the whole tensors, the statistics still DTensors."""
+    """functopt.fast.make_step(adafactor) on the per-leaf tier (`_per_leaf_step_on_shards`;
+    the factored means and block norms of a sharded matrix are DTensor reductions across
+    the shards, as on the pure path), the statistics still DTensors."""
     del rank
-    mesh = _mesh(world)
     torch.manual_seed(5)
     full = {"w": torch.randn(5, 6, dtype=torch.float64), "w2": torch.randn(5, 6, dtype=torch.float64),
             "tall": torch.randn(7, 3, dtype=torch.float64), "b": torch.randn(5, dtype=torch.float64)}
-    for kw in ({"momentum": 0.9, "weight_decay_rate": 0.1},):  # (one recipe: ranks are slow)
-        tx = functopt.adafactor(1e-2, min_dim_size_to_factor=2, **kw)
-        params = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
-        ref_params = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
-        state, ref_state = tx.init(params), tx.init(ref_params)
-        single, single_state = full, tx.init(full)
-        explained = functopt.fast.explain(tx, params)
-        assert explained.fast and {g.kernel for g in explained.groups} == {"per-leaf"}, explained
-        step = functopt.fast.make_step(tx, donate=True)
-        for i in range(2):
-            torch.manual_seed(10 + i)
-            grads = {k: torch.randn_like(v) for k, v in full.items()}
-            sharded = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in grads.items()}
-            with CommDebugMode() as pure_comm:
-                updates, ref_state = tx.update(sharded, ref_state, ref_params)
-            ref_params = functopt.apply_updates(ref_params, updates)
-            with CommDebugMode() as comm, warnings.catch_warnings(), torch.no_grad():
-                warnings.simplefilter("error", functopt.fast.FastPathWarning)
-                params, state = step(sharded, state, params)
-            assert comm.get_total_counts() == pure_comm.get_total_counts(), (
-                comm.get_comm_counts(), pure_comm.get_comm_counts())
-            updates, single_state = tx.update(grads, single_state, single)
-            single = functopt.apply_updates(single, updates)
-        _assert_tree(params, ref_params)
-        _assert_tree(state, ref_state)
-        _assert_tree(params, single, bitwise=False, rtol=1e-12, atol=1e-15)
-        factored = state[0]
-        assert all(isinstance(x, DTensor) for x in (factored.v_row["w"], factored.v_col["w"],
-                                                     params["w"]))
+    # (one recipe: ranks are slow)
+    tx = functopt.adafactor(1e-2, min_dim_size_to_factor=2, momentum=0.9, weight_decay_rate=0.1)
+    params, state = _per_leaf_step_on_shards(world, tx, full, seed=10)
+    factored = state[0]
+    assert all(isinstance(x, DTensor) for x in (factored.v_row["w"], factored.v_col["w"],
+                                                 params["w"]))
+
+
+@check
+def unit_rules_make_step_on_shards_take_the_per_leaf_tier(rank: int, world: int) -> None:
+    """functopt.fast.make_step(chain(centralize, adaptive_grad_clip, adamw)) on the
+    per-leaf tier (`_per_leaf_step_on_shards`), which calls the two rules' own updates on
+    the shards: a matrix's units are its rows, within a shard; a vector is one unit, whose
+    norm is a DTensor reduction across the shards, as on the pure path."""
+    del rank
+    torch.manual_seed(6)
+    full = {"w": torch.randn(5, 6, dtype=torch.float64),
+            "k": torch.randn(5, 2, 3, dtype=torch.float64), "b": torch.randn(5, dtype=torch.float64)}
+    tx = functopt.chain(functopt.centralize(), functopt.adaptive_grad_clip(0.05),
+                        functopt.adamw(1e-2, weight_decay=0.1))
+    _per_leaf_step_on_shards(world, tx, full, seed=20)
 
 
 @check
