@@ -265,3 +265,52 @@ def test_every_builtin_is_captured_or_refused(entry: Any) -> None:
         assert entry.name in HOST_READERS, f"{entry.id} cannot be captured"
     else:
         assert entry.name not in HOST_READERS, f"{entry.id} is captured now: update HOST_READERS"
+
+
+@pytest.mark.parametrize("kind", ["Optimizer", "optim.AdamW"])
+def test_an_optimizer_step_recorded_by_the_caller_replays(kind: str) -> None:
+    """The PyTorch idiom: the caller records the whole ``opt.step()`` (as with
+    ``torch.cuda.graph``) after a step has made the state. A donated step being recorded
+    writes its new tensors (the counters) into those ``optimizer.state`` holds, so the
+    replays go on from each other: they equal an optimizer stepped as it is recorded
+    (its device forms: the learning rate a float32 tensor), bitwise."""
+    import copy
+
+    def make(params: Any) -> torch.optim.Optimizer:
+        if kind == "Optimizer":
+            return F.Optimizer(params, F.adamw(1e-2, weight_decay=0.1))
+        return F.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    reference = copy.deepcopy(model)
+    opt, ref = make(model.parameters()), make(reference.parameters())
+    inputs = [torch.randn(5, 4) for _ in range(6)]
+
+    def backward(m: torch.nn.Module, x: torch.Tensor) -> None:
+        for p in m.parameters():  # (into the same gradient tensors, as a graph needs)
+            if p.grad is not None:
+                p.grad.zero_()
+        m(x).square().sum().backward()
+
+    for x in inputs[:2]:  # the state made, the step warmed up
+        for m, o in ((model, opt), (reference, ref)):
+            backward(m, x)
+            o.step()
+    tape = _capture._Tape()
+    with tape:
+        opt.step()  # (the tape's recording runs the step: so does the reference)
+    with _capture._Tape():
+        ref.step()
+    for x in inputs[2:]:
+        backward(model, x)
+        backward(reference, x)
+        tape.replay()
+        with _capture._Tape():  # (a recording thrown away: the step as recorded)
+            ref.step()
+        functopt.testing.assert_bitwise_equal(
+            [p.detach() for p in model.parameters()],
+            [p.detach() for p in reference.parameters()])
+        functopt.testing.assert_bitwise_equal(
+            [dict(opt.state[p]) for p in model.parameters()],
+            [dict(ref.state[p]) for p in reference.parameters()])

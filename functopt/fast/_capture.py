@@ -133,12 +133,8 @@ def capture(step: Step, grads: Updates, state: State, params: Params, *,
                            tape=tape)
 
     def program() -> None:
-        new, new_state = step(grads, state, params)
-        _write_back(param_leaves, _core.flatten_like(treespec, new, name="new params",
-                                                     reference="params"), name, "param")
-        _write_back(state_leaves, _core.flatten_like(state_spec, new_state, name="new state",
-                                                     reference="state"),
-                    _state_names(state_spec), "state entry")
+        # (a donated step being recorded returns its inputs, updated in place: `Step._kept`)
+        step(grads, state, params)
 
     # The warm-up steps are real steps (the first plans, compiles, allocates the kernels'
     # workspace): what they change is put back, so that capture leaves every value as it
@@ -266,24 +262,6 @@ def _check_inputs(param_leaves: list[Any], grad_leaves: list[Any], state_leaves:
     if not tape and device is None:
         raise ValueError("Step.capture: the params hold no tensor to record a step on.")
     return device
-
-
-def _write_back(old: list[Any], new: list[Any], name: Callable[[int], str], what: str) -> None:
-    """Copy each new tensor the step made into the tensor it replaces, so that the next
-    replay reads it where this one read the old."""
-    for i, (a, b) in enumerate(zip(old, new, strict=True)):
-        if b is a:
-            continue
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (
-                a.shape == b.shape and a.dtype == b.dtype and a.device == b.device):
-            a.copy_(b)
-        elif not (isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor)) and a == b:
-            continue
-        else:
-            raise CaptureError(
-                f"Step.capture: the step replaces {what} {name(i)!r}, "
-                f"{_core._describe(a)}, with {_core._describe(b)}; a replayed step can "
-                f"only write new values into the tensors it was recorded on.")
 
 
 def _cuda_graph(program: Callable[[], None], device: torch.device | None, warmup: int,

@@ -46,9 +46,10 @@ from functopt._base import GradientTransformation, Params, State, Updates
 from functopt._collective.dtensor import _infer_group, _leaf_names, _rewrap_like, local_tensor
 from functopt._collective.reduce import all_reduce_stats
 from functopt.fast import _capture, _compiled, _multi, _planner
-from functopt.fast._capture import CapturedStep
+from functopt.fast._capture import CapturedStep, _state_names
+from functopt.fast._planner import CaptureError
 from functopt.transforms.multi_steps import MultiSteps
-from functopt.tree import _core
+from functopt.tree import _core, _ops
 
 __all__ = ["Step", "differentiated", "make_step"]
 
@@ -291,7 +292,9 @@ class Step:
         leaves every value as it was (it holds a copy of the params and the state
         meanwhile). A lost fast path is recorded too: the pure update, if it reads nothing
         on the host. ``functopt.testing.conformance.check_capture`` holds a chain's captured
-        step to the pure path, on a CPU too.
+        step to the pure path, on a CPU too. (A donated step recorded by the caller's own
+        ``torch.cuda.graph``, around a whole training step, behaves the same: it writes
+        every new tensor it makes into the one it replaces and returns its inputs.)
 
         Raises:
             ValueError: the step is not donated (``make_step(tx, donate=True)``); a tensor
@@ -329,8 +332,33 @@ class Step:
             result = self._fused(params, param_leaves, treespec, grad_leaves, state_leaves,
                                  lowered.state_spec, _leaf_names(treespec), lowered)
             if not isinstance(result, str):
+                if self.donate and _ops._recording():
+                    _written_back(param_leaves, result.values, _leaf_names(treespec), "param")
+                    _written_back(state_leaves, result.leaves, _state_names(result.spec),
+                                  "state entry")
+                    return params, state
                 return _core.unflatten(treespec, result.values), result.state
-        return self._call(grads, state, params, extra_args)
+        new_params, new_state = self._call(grads, state, params, extra_args)
+        if self.donate and _ops._recording():
+            return self._kept(params, state, new_params, new_state)
+        return new_params, new_state
+
+    def _kept(self, params: Params, state: State, new_params: Params, new_state: State,
+              ) -> tuple[Params, State]:
+        """A donated step being recorded (a CUDA graph, `_ops._recording`) returns its inputs,
+        each new tensor it made (a counter, a guard's counters, an injected value, the pure
+        path's updates) copied into the tensor it replaces: a replay then writes where the
+        next replay reads, and whoever holds the params and the state (an ``nn.Module``,
+        ``optimizer.state``) holds the graph's outputs."""
+        param_leaves, treespec = _core.flatten(params)
+        _written_back(param_leaves, _core.flatten_like(treespec, new_params, name="new params",
+                                                       reference="params"),
+                      _leaf_names(treespec), "param")
+        state_leaves, state_spec = _core.flatten(state)
+        _written_back(state_leaves, _core.flatten_like(state_spec, new_state, name="new state",
+                                                       reference="state"),
+                      _state_names(state_spec), "state entry")
+        return params, state
 
     def _call(self, grads: Updates, state: State, params: Params, extra_args: dict[str, Any],
               ) -> tuple[Params, State]:
@@ -497,9 +525,30 @@ class Step:
                                        _leaf_names(seen.treespec), True)
                     if isinstance(result, str):
                         break
-                    return result.values, result.leaves, result.spec
-        return self._step_leaves(_core.unflatten(treespec, grad_leaves), state_leaves,
-                                 state_spec, _core.unflatten(treespec, param_leaves))
+                    return self._flat_kept(param_leaves, treespec, state_leaves, state_spec,
+                                           result.values, result.leaves, result.spec)
+        return self._flat_kept(param_leaves, treespec, state_leaves, state_spec,
+                               *self._step_leaves(_core.unflatten(treespec, grad_leaves),
+                                                  state_leaves, state_spec,
+                                                  _core.unflatten(treespec, param_leaves)))
+
+    def _flat_kept(self, param_leaves: list[Any], treespec: _core.TreeSpec,
+                   state_leaves: list[Any], state_spec: _core.TreeSpec, values: list[Any],
+                   leaves: list[Any], spec: _core.TreeSpec,
+                   ) -> tuple[list[Any], list[Any], _core.TreeSpec]:
+        """`_kept` for `_step_flat`'s leaves (the step's result unchanged when it is not a
+        donated step being recorded)."""
+        if not (self.donate and _ops._recording()):
+            return values, leaves, spec
+        if spec != state_spec:
+            raise CaptureError(
+                f"a recorded step changed the structure of its state (from {state_spec} to "
+                f"{spec}); a replay writes into the tensors it was recorded on. Fix: record "
+                f"a step after one that made the state its steady structure.")
+        _written_back(param_leaves, values, _leaf_names(treespec), "param")
+        _written_back(state_leaves, leaves, _state_names(state_spec), "state entry")
+        return param_leaves, state_leaves, state_spec
+
 
     def _multi_step(self, split: _multi.Split, grads: Updates, state: Any, params: Params,
                     extra_args: dict[str, Any]) -> tuple[Params, State]:
@@ -623,6 +672,26 @@ class _Seen:
                     entry.stride() != stride or entry.shape != shape):
                 return False
         return True
+
+
+def _written_back(old: list[Any], new: list[Any], name: Callable[[int], str], what: str,
+                  ) -> None:
+    """Copy each new tensor of ``new`` into the tensor of ``old`` it replaces (a recorded
+    step's results, see `Step._kept`)."""
+    for i, (a, b) in enumerate(zip(old, new, strict=True)):
+        if b is a:
+            continue
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (
+                a.shape == b.shape and a.dtype == b.dtype and a.device == b.device):
+            a.copy_(b)
+        elif not (isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor)) and a == b:
+            continue
+        else:
+            raise CaptureError(
+                f"a recorded step replaces {what} {name(i)!r}, {_core._describe(a)}, with "
+                f"{_core._describe(b)}; a replay can only write new values into the tensors "
+                f"it was recorded on. Fix: give that entry its steady kind before recording "
+                f"(one step first), or step without capture.")
 
 
 def _reductions(structure: _planner.Structure, params: list[Any], grads: list[Any],
