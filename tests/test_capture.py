@@ -314,3 +314,28 @@ def test_an_optimizer_step_recorded_by_the_caller_replays(kind: str) -> None:
         functopt.testing.assert_bitwise_equal(
             [dict(opt.state[p]) for p in model.parameters()],
             [dict(ref.state[p]) for p in reference.parameters()])
+
+
+def test_the_mixed_precision_step_is_refused_while_recorded() -> None:
+    """Its key (the step count seeding random rounding) lives on the CPU: a replay would
+    not advance it, so a recording of it is refused, by name."""
+    params = {"w": torch.ones(3, dtype=torch.bfloat16)}
+    grads = {"w": torch.full((3,), 0.5, dtype=torch.bfloat16)}
+    mp = F.precision.mixed_precision(F.adamw(1e-2), donate=True)
+    state = mp.init(params)
+    with pytest.raises(CaptureError, match="mixed-precision step cannot be recorded"), \
+            _capture._Tape():
+        mp.step(grads, state, params)
+
+
+def test_another_dispatch_mode_only_takes_the_device_forms() -> None:
+    """Under a dispatch mode that does not replay (a flop counter), a step that reads a
+    changing hyperparameter on the host still runs, and equals the step outside it."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    params, grads = _tree()
+    tx = F.inject_hyperparams(F.adamw)(learning_rate=0.1, b1=linear_schedule(0.9, 0.5, 4))
+    expected = F.fast.make_step(tx)(grads, tx.init(params), params)
+    with FlopCounterMode(display=False):
+        got = F.fast.make_step(tx)(grads, tx.init(params), params)
+    functopt.testing.assert_bitwise_equal(got, expected)

@@ -66,6 +66,7 @@ from functopt._collective.counting import Replicated, _counting, _entries
 from functopt._collective.dtensor import _leaf_names
 from functopt._collective.reduce import _local_stats, all_reduce_stats
 from functopt.fast import _multi, _planner
+from functopt.fast._planner import CaptureError
 from functopt.fast._step import differentiated
 from functopt.precision import _host
 from functopt.precision._fused import (
@@ -85,7 +86,7 @@ from functopt.precision.loss_scale import (
 from functopt.precision.master import MasterWeights, float32_master
 from functopt.precision.stats import GradStats, _clip_factor, unpack_grad_stats
 from functopt.transforms import _common
-from functopt.tree import _core
+from functopt.tree import _core, _ops
 
 __all__ = [
     "MixedPrecisionState",
@@ -460,6 +461,13 @@ def mixed_precision(
     def step_fn(
         grads: Any, state: MixedPrecisionState, params: Params, **extra_args: Any
     ) -> tuple[Params, MixedPrecisionState]:
+        if _ops._capturing():
+            raise CaptureError(
+                f"{owner}: the mixed-precision step cannot be recorded for replay (a CUDA "
+                f"graph) yet: it keeps its key, the step count that seeds random rounding, "
+                f"on the CPU, where a replay would not advance it. Fix: run this step "
+                f"outside the recording (the forward and backward can still be captured), "
+                f"or record a functopt.fast.make_step of a float32 chain.")
         if not isinstance(state, MixedPrecisionState):
             raise TypeError(
                 f"{owner}: state must be the MixedPrecisionState returned by init or step, got "

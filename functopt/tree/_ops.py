@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils import _python_dispatch
 
 from functopt.tree import _core
 
@@ -272,6 +273,20 @@ def _host_branch_ok(x: torch.Tensor) -> bool:
     the step is not being recorded (`_recording`)."""
     return x.device.type == "cpu" and torch._C._functorch.maybe_current_level() is None and (
         not _recording())
+
+
+def _capturing() -> bool:
+    """Whether the operations that run are recorded to be replayed without the host: a
+    CUDA stream capture, or a Python dispatch mode that says it replays (a ``replays``
+    attribute that is true: ``functopt.fast``'s tape). Then a value the host would read
+    cannot be read at all (a `_recording` under another dispatch mode, such as a flop
+    counter, only takes the device forms)."""
+    if torch._C._len_torch_dispatch_stack() > 0 and any(
+            getattr(mode, "replays", False)
+            for mode in _python_dispatch._get_current_dispatch_mode_stack()):
+        return True
+    return torch.cuda.is_initialized() and (  # type: ignore[no-untyped-call]
+        torch.cuda.is_current_stream_capturing())
 
 
 def _scalar(value: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
