@@ -359,6 +359,9 @@ class Structure:
     treespec: Any = None  # the params' structure (the per-leaf tier rebuilds trees)
     perleaf: bool = False  # some rule is a PerLeaf one: the per-leaf tier is on
     tree_wide: list[int] = field(default_factory=list)  # the rules with tree sums
+    # a MultiSteps inside a combinator (functopt/fast/_inside.py): where it is and what it
+    # sees; the walk's ``mode`` says which of its steps the programs are
+    accumulation: Accumulation | None = None
 
     @functools.cached_property
     def counter_indices(self) -> list[int]:
@@ -372,9 +375,30 @@ class Structure:
                        if isinstance(op, _Op) for k in op.slots.values()})
 
 
+@dataclass(frozen=True, eq=False)
+class Accumulation:
+    """A ``MultiSteps`` the walk met inside a combinator (``masked``, ``partition``,
+    ``inject_hyperparams``, a chain beside them), first on its leaves."""
+
+    multi_steps: Any  # the MultiSteps (inside an injection: built from the placeholders)
+    state_at: Any  # its state, with flat state indices for leaves (a MultiStepsState)
+    leaves: tuple[int, ...]  # the leaves it sees
+    where: str  # its place in the transform, for explain
+    # inside inject_hyperparams: (the injection's index, the position of its spec among the
+    # Accumulated specs of the inner transform), to find it again in the inner transform
+    # built from this step's values (its window is decided by that one); else None
+    rebuild: tuple[int, int] | None = None
+
+
+# The walk's modes for a MultiSteps inside a combinator (`Accumulation`): its closing
+# mini-step (its inner transform on its state's inner_opt_state) or another mini-step (zero
+# updates: set_to_zero on its leaves); None: it is opaque.
+CLOSING, MINI = "closing", "mini"
+
+
 class _Walk:
     def __init__(self, params: Any, treespec: _core.TreeSpec, param_leaves: list[Any],
-                 state_leaves: list[Any]) -> None:
+                 state_leaves: list[Any], mode: str | None = None) -> None:
         self.params = params
         self.treespec = treespec
         self.param_leaves = param_leaves
@@ -384,6 +408,8 @@ class _Walk:
         self.guard: int | None = None  # the apply_if_finite the walk is inside
         # the injection the walk is inside and its inner Leafwise specs ("nested" inside two)
         self.injecting: tuple[int, list[Leafwise]] | str | None = None
+        self.mode = mode  # CLOSING, MINI or None (see `Accumulation`)
+        self.accumulating: list[Any] = []  # per injection walked: its Accumulated specs
 
     def counter(self, index: int) -> None:
         self.out.counters.append(index)
@@ -491,9 +517,45 @@ class _Walk:
         elif isinstance(spec, Leafwise):
             self.leafwise(spec, idx, sel, where)
         elif isinstance(spec, Accumulated):
-            self.out.opaque.append(f"{where or '<root>'}: {_multi.NOT_SPLIT}")
+            self.accumulated(spec, idx, sel, where or "<root>")
         else:  # a Spec subclass of a later layer that this planner does not know
             self.out.opaque.append(f"{where}: {type(spec).__name__} has no lowering")
+
+    def accumulated(self, spec: Accumulated, idx: Any, sel: list[int], where: str) -> None:
+        """A ``MultiSteps`` that `_multi.Split` did not take. It is lowered where it is the
+        first rule of its leaves (it then sees their gradients, which the step accumulates
+        and decides its window on), outside ``apply_if_finite`` and within at most one
+        injection: recorded in ``accumulation``, and walked as the mode says."""
+        reason = None
+        if self.out.accumulation is not None:
+            reason = "a second MultiSteps in one transform has no fast form"
+        elif self.guard is not None:
+            reason = ("MultiSteps inside apply_if_finite has no fast form (the guard's skip "
+                      "decides whether the mini-step accumulates)")
+        elif self.injecting == "nested":
+            reason = "MultiSteps inside two nested inject_hyperparams has no fast form"
+        elif any(op.kind != "identity" for i in sel for op in self.out.programs[i]):
+            reason = ("MultiSteps after other rules of its leaves has a fast form only as an "
+                      "element of a chain of per-leaf rules and clips (inside masked, "
+                      "partition or inject_hyperparams it must come first)")
+        if reason is not None:
+            self.out.opaque.append(f"{where}: {reason}")
+            return
+        rebuild = None
+        if isinstance(self.injecting, tuple):
+            found = self.accumulating[self.injecting[0]]
+            rebuild = (self.injecting[0], next(j for j, other in enumerate(found)
+                                               if other is spec))
+        ms = spec.multi_steps
+        self.out.accumulation = Accumulation(ms, idx, tuple(sel), where, rebuild)
+        if self.mode is None:
+            self.out.opaque.append(f"{where}: {_multi.NOT_SPLIT}")
+        elif self.mode == CLOSING:
+            self.walk(describe(ms.inner_opt), idx.inner_opt_state, sel, f"{where}.MultiSteps")
+        else:  # its zero updates
+            node = self.node()
+            for i in sel:
+                self.out.programs[i].append(_Op("set_to_zero", {}, {}, node))
 
     def zero_nans(self, spec: ZeroNans, idx: Any, sel: list[int], where: str) -> None:
         """A ``zero_nans`` before every rule of its leaves runs on the gradients before the
@@ -574,6 +636,7 @@ class _Walk:
         self.counter(idx.count)
         outer = self.injecting
         self.injecting = (node, leafwise_specs(describe(inner))) if outer is None else "nested"
+        self.accumulating.append(accumulated_specs(describe(inner)))
         self.walk(describe(inner), idx.inner_state, sel, f"{where}.inject_hyperparams")
         self.injecting = outer
         del placeholders  # ids of freed placeholders must not match later tensors
@@ -683,15 +746,29 @@ def _guarded_whole(spec: Spec | None) -> bool:
 def leafwise_specs(spec: Spec | None) -> list[Leafwise]:
     """The Leafwise specs of a transform's spec tree, depth first (the order in which an
     injected transform built again from new values is searched for the same rule)."""
-    if isinstance(spec, Leafwise):
+    return _specs_of(spec, Leafwise)
+
+
+def accumulated_specs(spec: Spec | None) -> list[Accumulated]:
+    """The ``MultiSteps`` specs of a transform's spec tree, in the same order (see
+    `Accumulation.rebuild`)."""
+    return _specs_of(spec, Accumulated)
+
+
+def _specs_of(spec: Spec | None, kind: type[Any]) -> list[Any]:
+    if isinstance(spec, kind):
         return [spec]
+    children: Any = ()
     if isinstance(spec, Sequence):
-        return [x for child in spec.children for x in leafwise_specs(child)]
-    if isinstance(spec, Select):
-        return [x for child in spec.children.values() for x in leafwise_specs(child)]
-    if isinstance(spec, FiniteGuard):
-        return leafwise_specs(spec.inner)
-    return []  # an injection inside: its rules are not searched (see _Op.rebuild)
+        children = spec.children
+    elif isinstance(spec, Select):
+        children = spec.children.values()
+    elif isinstance(spec, FiniteGuard):
+        children = (spec.inner,)
+    elif isinstance(spec, Accumulated):
+        children = (describe(spec.multi_steps.inner_opt),)
+    # (an injection inside: its rules are not searched, see _Op.rebuild)
+    return [x for child in children for x in _specs_of(child, kind)]
 
 
 class _Mismatch(Exception):
@@ -701,10 +778,11 @@ class _Mismatch(Exception):
 
 def walk(tx: GradientTransformation, params: Any, treespec: _core.TreeSpec,
          param_leaves: list[Any], state_leaves: list[Any], state_spec: _core.TreeSpec,
-         ) -> Structure:
-    """The programs of ``tx`` on these params and this (flattened) state."""
+         mode: str | None = None) -> Structure:
+    """The programs of ``tx`` on these params and this (flattened) state; ``mode``: which
+    step of a ``MultiSteps`` inside a combinator they are (see `Accumulation`)."""
     index_tree = _core.unflatten(state_spec, list(range(len(state_leaves))))
-    w = _Walk(params, treespec, param_leaves, state_leaves)
+    w = _Walk(params, treespec, param_leaves, state_leaves, mode)
     w.out.treespec = treespec
     try:
         w.walk(describe(tx), index_tree, list(range(len(param_leaves))), "")
@@ -1694,12 +1772,14 @@ class Planner:
         return lowered.groups if lowered.fast else None
 
     def structure(self, params: Any, treespec: _core.TreeSpec, param_leaves: list[Any],
-                  state_leaves: list[Any], state_spec: _core.TreeSpec) -> Structure:
+                  state_leaves: list[Any], state_spec: _core.TreeSpec,
+                  mode: str | None = None) -> Structure:
         key = (treespec, state_spec,
-               tuple(None if p is None else tuple(p.shape) for p in param_leaves))
+               tuple(None if p is None else tuple(p.shape) for p in param_leaves), mode)
         found = self._cache.get(key)
         if found is None:
-            found = walk(self.tx, params, treespec, param_leaves, state_leaves, state_spec)
+            found = walk(self.tx, params, treespec, param_leaves, state_leaves, state_spec,
+                         mode)
             if len(self._cache) >= self._SIZE:
                 self._cache.pop(next(iter(self._cache)))
             self._cache[key] = found

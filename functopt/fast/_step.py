@@ -45,7 +45,7 @@ from functopt._apply import apply_updates
 from functopt._base import GradientTransformation, Params, State, Updates
 from functopt._collective.dtensor import _infer_group, _leaf_names, _rewrap_like, local_tensor
 from functopt._collective.reduce import all_reduce_stats
-from functopt.fast import _compiled, _multi, _planner
+from functopt.fast import _compiled, _inside, _multi, _planner
 from functopt.transforms.multi_steps import MultiSteps
 from functopt.tree import _core
 
@@ -314,7 +314,8 @@ class Step:
                              state_spec, name)
         if not isinstance(result, str):
             return _core.unflatten(treespec, result.values), result.state
-        _planner.warn_lost("make_step", result, stacklevel=3)
+        if result is not _inside.FOREIGN:  # (a state of another transform: its own error)
+            _planner.warn_lost("make_step", result, stacklevel=3)
         updates, new_state = tx.update(grads, state, params, **extra_args)
         return _grouped_apply(param_leaves, treespec, updates, donate), new_state
 
@@ -359,7 +360,10 @@ class Step:
                                     donated=param_leaves if donate else None,
                                     compiled=self.compile)
             if lowered.reason is not None:
-                return lowered.reason
+                if structure.accumulation is None:
+                    return lowered.reason
+                return self._inside(structure, params, param_leaves, treespec, grad_leaves,
+                                    state_leaves, state_spec, name)
             if donate:  # (a step that is not donated returns new tensors: never seen again)
                 self._remember(param_leaves, treespec, grad_leaves, state_leaves, lowered)
         if torch.is_grad_enabled():  # donated params may be leaves that require grad
@@ -367,6 +371,29 @@ class Step:
                 return self._run(lowered, param_leaves, grad_leaves, state_leaves, name,
                                  checked)
         return self._run(lowered, param_leaves, grad_leaves, state_leaves, name, checked)
+
+    def _inside(self, structure: _planner.Structure, params: Params, param_leaves: list[Any],
+                treespec: _core.TreeSpec, grad_leaves: list[Any], state_leaves: list[Any],
+                state_spec: _core.TreeSpec, name: Callable[[int], str],
+                ) -> _planner.Result | str:
+        """A step of a transform with a ``MultiSteps`` inside a combinator
+        (``functopt/fast/_inside.py``): the planner's step of this mini-step, or the reason
+        there is none (before anything was written)."""
+        planner = self.planner
+
+        def lower(mode: str) -> _planner.Lowered:
+            found = planner.structure(params, treespec, param_leaves, state_leaves,
+                                      state_spec, mode)
+            return planner.lower(found, state_spec, param_leaves, grad_leaves, state_leaves,
+                                 name, donated=param_leaves if self.donate else None,
+                                 compiled=self.compile)
+
+        def run(lowered: _planner.Lowered, grads: list[Any]) -> _planner.Result | str:
+            return self._run(lowered, param_leaves, grads, state_leaves, name)
+
+        with torch.no_grad():
+            return _inside.inside_step(structure, lower, run, treespec, param_leaves,
+                                       grad_leaves, state_leaves, donate=self.donate)
 
     def _run(self, lowered: _planner.Lowered, param_leaves: list[Any], grad_leaves: list[Any],
              state_leaves: list[Any], name: Callable[[int], str], checked: bool = False,
