@@ -52,6 +52,10 @@ INSIDE: dict[str, tuple[Callable[[int], functopt.GradientTransformation], tuple[
             lambda learning_rate: _ms(F.adamw(learning_rate), k))(learning_rate=1e-2),
             WEIGHTS)),
         ("sgd", F.masked(F.sgd(0.1), BIASES))), ("w",)),
+    # the inner injection's schedule reads the outer's value: both levels resolved per step
+    "inject(inject(ms(sgd)))": (lambda k: F.inject_hyperparams(
+        lambda peak: F.inject_hyperparams(lambda learning_rate: _ms(F.sgd(learning_rate), k))(
+            learning_rate=lambda count: peak * 0.5 ** count))(peak=0.1), ("w", "b")),
 }
 
 
@@ -200,9 +204,6 @@ def test_what_is_not_lowered_stays_pure_and_says_why() -> None:
             F.masked(F.scale(2.0), WEIGHTS), F.masked(ms, WEIGHTS), F.masked(F.sgd(0.1), BIASES)),
         "a second MultiSteps in one transform": F.partition({"a": ms, "b": ms},
                                                             {"w": "a", "b": "b"}),
-        "MultiSteps inside two nested inject_hyperparams": F.inject_hyperparams(
-            lambda learning_rate: F.inject_hyperparams(
-                lambda lr: _ms(F.sgd(lr), 2))(lr=learning_rate))(learning_rate=0.1),
         # a mini-step's zeros then reach a rule: the kernels have no such program
         "a mini-step of the MultiSteps: leaf 'w': set_to_zero followed by other rules":
             F.chain(ms, F.masked(F.add_decayed_weights(0.1), WEIGHTS)),
@@ -224,15 +225,19 @@ def test_a_state_of_another_layout_gets_the_transforms_own_error() -> None:
         F.fast.make_step(tx)(_grads(0, params), broken, params)
 
 
-def test_an_injected_value_changed_between_steps_is_read_as_the_pure_path_reads_it() -> None:
+@pytest.mark.parametrize(("name", "key"), [("inject(ms(adamw))", "learning_rate"),
+                                         ("inject(inject(ms(sgd)))", "peak")])
+def test_an_injected_value_changed_between_steps_is_read_as_the_pure_path_reads_it(
+        name: str, key: str) -> None:
     """The Optimizer's case: a scheduler writes the injected learning rate; the closing
-    mini-step's kernel and the window's MultiSteps are those built from the new value."""
-    tx = INSIDE["inject(ms(adamw))"][0](2)
+    mini-step's kernel and the window's MultiSteps are those built from the new value (in
+    a nested injection, the outer's value that the inner's schedule reads)."""
+    tx = INSIDE[name][0](2)
     params = _params()
     state = tx.init(params)
     step = F.fast.make_step(tx, donate=True)
     for t in range(6):
-        state.hyperparams["learning_rate"].fill_(1e-2 / (t + 1))
+        state.hyperparams[key].fill_(1e-2 / (t + 1))
         ref_params, ref_state, fast_params, fast_state = _stepped(
             tx, step, _grads(t, params), state, params, donate=True)
         _close(fast_params, ref_params)

@@ -4,8 +4,7 @@
 `_multi.Split` steps a ``MultiSteps`` that is the whole transform or one element of a chain
 of per-leaf rules and clips. Anywhere else, the planner lowers it where it is the first rule
 of the leaves it sees (so that what it accumulates are their gradients), outside
-``apply_if_finite`` and within at most one ``inject_hyperparams``
-(`_planner.Accumulation`). Each step then:
+``apply_if_finite`` (`_planner.Accumulation`). Each step then:
 
 - decides the mini-step with the very code of the pure update, ``MultiSteps.window``, on
   the gradients and params of its leaves (``None`` at the others, as ``masked`` and
@@ -31,7 +30,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from functopt._spec import describe
 from functopt.fast import _multi, _planner
 from functopt.transforms.multi_steps import MultiSteps, MultiStepsState, Window
 from functopt.tree import _core
@@ -59,11 +57,7 @@ def multi_steps(acc: _planner.Accumulation, structure: _planner.Structure,
         ms: MultiSteps = acc.multi_steps
         return ms
     node, position = acc.rebuild
-    inj = structure.injections[node]
-    assert inj.build is not None
-    values = inj.values_at(state_leaves[inj.count],
-                           {k: state_leaves[inj.hyper[k]] for k in inj.constants})
-    found = _planner.accumulated_specs(describe(inj.build(values)))
+    found = _planner.accumulated_specs(_planner.injected_spec(structure, state_leaves, node))
     if len(found) <= position:
         return (f"{acc.where}: the injected transform built from this step's values has no "
                 f"MultiSteps there")

@@ -202,10 +202,11 @@ class _Env:
     hyper: list[dict[str, Any]]  # per injected node: this step's hyperparameters
     # the planner's memo of host reads: id(tensor) -> (weakref, version, value)
     reads: dict[int, tuple[Any, int, float]] = field(default_factory=dict)
-    # per injected node: its inner transform's Leafwise specs, built from this step's values
-    # (for the compiled tier, which runs the rules' own updates), made when first asked
+    # per injected node: its build, and its inner transform's spec built from this step's
+    # values (for the compiled and per-leaf tiers, which run the rules' own updates, and the
+    # injections inside it), made when first asked
     builds: list[Any] = field(default_factory=list)
-    built: dict[int, list[Any]] = field(default_factory=dict)
+    built: dict[int, Spec | None] = field(default_factory=dict)
     # whether a value read depends on more than the tensors in ``log`` (a count, a rebuilt
     # rule): then what this step resolved is not kept for the next (see `_Steady`)
     volatile: bool = False
@@ -214,13 +215,32 @@ class _Env:
     def spec_of(self, rebuild: tuple[int, int]) -> Leafwise:
         """The spec of the rule at ``rebuild`` (see ``_Op.rebuild``) in the injected
         transform built from this step's hyperparameters (built once per step)."""
-        self.volatile = True
         node, position = rebuild
-        specs = self.built.get(node)
-        if specs is None:
-            specs = self.built[node] = leafwise_specs(describe(self.builds[node](
-                self.hyper[node])))
-        return specs[position]
+        found: Leafwise = leafwise_specs(self.inner(node))[position]
+        return found
+
+    def inner(self, node: int) -> Spec | None:
+        """The spec of the ``node``-th injection's inner transform built from this step's
+        hyperparameters (built once per step)."""
+        self.volatile = True
+        if node not in self.built:
+            self.built[node] = describe(self.builds[node](self.hyper[node]))
+        return self.built[node]
+
+    def resolve(self, injections: list[_Injection]) -> None:
+        """This step's hyperparameters and build of every injection, outer ones first: an
+        injection inside another is the one in the outer's inner transform built from the
+        outer's values (its schedules, its static arguments), as the pure outer update
+        builds it."""
+        for inj in injections:
+            values_at, build = inj.values_at, inj.build
+            if inj.parent is not None:
+                node, position = inj.parent
+                spec: Injected = _specs_of(self.inner(node), Injected)[position]
+                values_at, build = spec.values_at, spec.build
+            constants = {k: self.leaves[inj.hyper[k]] for k in inj.constants}
+            self.hyper.append(values_at(self.leaves[inj.count], constants))
+            self.builds.append(build)
 
     def update_of(self, rebuild: tuple[int, int]) -> Any:
         """The update of the rule at ``rebuild`` in the injected transform built from this
@@ -262,9 +282,9 @@ class _Op:
     fn: Any = None
     state_at: Any = None
     injected: bool = False
-    # inside inject_hyperparams: (the injection's index, the position of this rule's spec
-    # among the Leafwise specs of the inner transform), to find its update again in the
-    # inner transform built from this step's values; None when nested injections
+    # inside inject_hyperparams: (the innermost injection's index, the position of this
+    # rule's spec among the Leafwise specs of its inner transform), to find its update again
+    # in the inner transform built from this step's values (see `_Env.resolve`)
     rebuild: tuple[int, int] | None = None
     # a PerLeaf rule (not elementwise): the per-leaf tier runs ``grouped`` (or ``fn``)
     perleaf: bool = False
@@ -334,6 +354,10 @@ class _Injection:
     values_at: Callable[[Any, dict[str, Any]], dict[str, Any]]
     guard: int | None = None  # the apply_if_finite it sits in
     build: Callable[[dict[str, Any]], Any] | None = None  # the inner transform from values
+    # inside another injection: (that one's index, the position of this one's spec among the
+    # Injected specs of its inner transform), to find it again in the inner transform built
+    # from this step's values (see `_Env.resolve`)
+    parent: tuple[int, int] | None = None
 
 
 @dataclass
@@ -406,10 +430,12 @@ class _Walk:
         self.out = Structure(programs=[[] for _ in param_leaves])
         self.placeholders: dict[int, Any] = {}  # id(placeholder tensor) -> _Hyper
         self.guard: int | None = None  # the apply_if_finite the walk is inside
-        # the injection the walk is inside and its inner Leafwise specs ("nested" inside two)
-        self.injecting: tuple[int, list[Leafwise]] | str | None = None
+        # the (innermost) injection the walk is inside and its inner Leafwise specs
+        self.injecting: tuple[int, list[Leafwise]] | None = None
         self.mode = mode  # CLOSING, MINI or None (see `Accumulation`)
-        self.accumulating: list[Any] = []  # per injection walked: its Accumulated specs
+        # per injection walked: the Accumulated and the Injected specs of its inner transform
+        self.accumulating: list[list[Accumulated]] = []
+        self.injections: list[list[Injected]] = []
 
     def counter(self, index: int) -> None:
         self.out.counters.append(index)
@@ -532,8 +558,6 @@ class _Walk:
         elif self.guard is not None:
             reason = ("MultiSteps inside apply_if_finite has no fast form (the guard's skip "
                       "decides whether the mini-step accumulates)")
-        elif self.injecting == "nested":
-            reason = "MultiSteps inside two nested inject_hyperparams has no fast form"
         elif any(op.kind != "identity" for i in sel for op in self.out.programs[i]):
             reason = ("MultiSteps after other rules of its leaves has a fast form only as an "
                       "element of a chain of per-leaf rules and clips (inside masked, "
@@ -542,7 +566,7 @@ class _Walk:
             self.out.opaque.append(f"{where}: {reason}")
             return
         rebuild = None
-        if isinstance(self.injecting, tuple):
+        if self.injecting is not None:
             found = self.accumulating[self.injecting[0]]
             rebuild = (self.injecting[0], next(j for j, other in enumerate(found)
                                                if other is spec))
@@ -629,14 +653,19 @@ class _Walk:
                                else torch.tensor(current, dtype=torch.float64))
             self.placeholders[id(placeholders[k])] = _Hyper(node, k)
         inner = spec.build(placeholders)
+        outer = self.injecting
+        parent = None
+        if outer is not None:  # (where the walk met it, the outer's inner spec holds it)
+            parent = (outer[0], next(j for j, other in enumerate(self.injections[outer[0]])
+                                     if other is spec))
         self.out.injections.append(_Injection(
             count=idx.count, hyper=hyper_idx,
             constants=tuple(k for k in spec.names if k not in spec.schedules),
-            values_at=spec.values_at, guard=self.guard, build=spec.build))
+            values_at=spec.values_at, guard=self.guard, build=spec.build, parent=parent))
         self.counter(idx.count)
-        outer = self.injecting
-        self.injecting = (node, leafwise_specs(describe(inner))) if outer is None else "nested"
+        self.injecting = (node, leafwise_specs(describe(inner)))
         self.accumulating.append(accumulated_specs(describe(inner)))
+        self.injections.append(_specs_of(describe(inner), Injected))
         self.walk(describe(inner), idx.inner_state, sel, f"{where}.inject_hyperparams")
         self.injecting = outer
         del placeholders  # ids of freed placeholders must not match later tensors
@@ -715,7 +744,7 @@ class _Walk:
         if count is not None:
             self.counter(count)
         rebuild = None
-        if isinstance(self.injecting, tuple):
+        if self.injecting is not None:
             at = [j for j, other in enumerate(self.injecting[1]) if other is spec]
             rebuild = (self.injecting[0], at[0]) if at else None
         for i in sel:
@@ -769,6 +798,14 @@ def _specs_of(spec: Spec | None, kind: type[Any]) -> list[Any]:
         children = (describe(spec.multi_steps.inner_opt),)
     # (an injection inside: its rules are not searched, see _Op.rebuild)
     return [x for child in children for x in _specs_of(child, kind)]
+
+
+def injected_spec(structure: Structure, state_leaves: list[Any], node: int) -> Spec | None:
+    """The spec of the ``node``-th injection's inner transform built from this step's
+    hyperparameters (those of the injections around it too), as the pure update builds it."""
+    env = _Env(state_leaves, [])
+    env.resolve(structure.injections[:node + 1])  # (the outer ones come first)
+    return env.inner(node)
 
 
 class _Mismatch(Exception):
@@ -882,8 +919,8 @@ def _match_compiled(program: list[Any]) -> _KernelPlan | str:
         if op.fn is None or op.state_at is None:
             return f"the compiled tier has no lowering of {op.kind}"
         if op.injected and op.rebuild is None:
-            return (f"the compiled tier does not lower an inject_hyperparams inside "
-                    f"another ({op.kind})")
+            return (f"the compiled tier does not find {op.kind} again in the injected "
+                    f"transform built from a step's values")
     if not ops:
         return "no update rule"
     summing = [op.kind for op in ops if op.sums is not None]
@@ -1370,10 +1407,7 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
         resolved, bounds = steady.resolved, steady.bounds
     else:
         env = _Env(state_leaves, []) if reads is None else _Env(state_leaves, [], reads)
-        for inj in structure.injections:
-            constants = {k: state_leaves[inj.hyper[k]] for k in inj.constants}
-            env.hyper.append(inj.values_at(state_leaves[inj.count], constants))
-            env.builds.append(inj.build)
+        env.resolve(structure.injections)
         bounds = [bound(env) for bound in structure.clip_bounds]
         # every value read at run time first, so that a refusal comes before any write
         resolved = []
