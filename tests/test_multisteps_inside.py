@@ -8,6 +8,7 @@ float64 to 1e-12 (the kernels order the arithmetic otherwise)."""
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +53,12 @@ INSIDE: dict[str, tuple[Callable[[int], functopt.GradientTransformation], tuple[
             lambda learning_rate: _ms(F.adamw(learning_rate), k))(learning_rate=1e-2),
             WEIGHTS)),
         ("sgd", F.masked(F.sgd(0.1), BIASES))), ("w",)),
+    "apply_if_finite(ms(adamw))": (lambda k: F.apply_if_finite(
+        _ms(F.adamw(1e-2, weight_decay=0.1), k), max_consecutive_errors=1), ("w", "b")),
+    "apply_if_finite(partition ms(clip+adam), sgd)": (lambda k: F.apply_if_finite(
+        F.partition({"acc": _ms(F.chain(F.clip_by_global_norm(0.5), F.adam(1e-2)), k),
+                     "sgd": F.sgd(0.1, momentum=0.9)}, {"w": "acc", "b": "sgd"}),
+        max_consecutive_errors=1), ("w",)),
     # the inner injection's schedule reads the outer's value: both levels resolved per step
     "inject(inject(ms(sgd)))": (lambda k: F.inject_hyperparams(
         lambda peak: F.inject_hyperparams(lambda learning_rate: _ms(F.sgd(learning_rate), k))(
@@ -178,6 +185,42 @@ def test_skipped_mini_steps_are_bitwise_the_pure_path(donate: bool) -> None:
     assert int(_multi_state(state).gradient_step) == 1  # (three mini-steps taken, one window)
 
 
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("name", ["apply_if_finite(ms(adamw))",
+                                  "apply_if_finite(partition ms(clip+adam), sgd)"])
+def test_a_guard_around_it_skips_or_applies_as_the_pure_path(name: str, donate: bool) -> None:
+    """apply_if_finite around the MultiSteps: a non-finite gradient skips the mini-step
+    (nothing inside the guard moves, its leaves get 0.0 added), two in a row make the guard
+    apply anyway (max_consecutive_errors=1: the inf is accumulated, and the closing
+    mini-step steps on the accumulated inf), and the guard checks the gradients, not the
+    accumulated ones, on the closing mini-step."""
+    tx = INSIDE[name][0](3)
+    params = _params()
+    state = tx.init(params)
+    step = F.fast.make_step(tx, donate=donate)
+    bad = {1, 4, 5}
+    for t in range(8):
+        grads = _grads(30 + t, params)
+        if t in bad:
+            grads["w"][1, 1] = float("inf")
+        ref_params, ref_state, fast_params, fast_state = _stepped(
+            tx, step, grads, state, params, donate=donate)
+        assert_bitwise_equal(fast_state[:3], ref_state[:3])  # the guard's counters
+        ms, ref_ms = _multi_state(fast_state), _multi_state(ref_state)
+        assert_bitwise_equal(ms._replace(inner_opt_state=()),
+                             ref_ms._replace(inner_opt_state=()))
+        if t in (1, 4):  # skipped: nothing of it moved
+            assert_bitwise_equal(ref_ms, _multi_state(state))
+            assert_bitwise_equal(fast_params["w"], ref_params["w"])
+        for k in params:
+            torch.testing.assert_close(fast_params[k], ref_params[k], rtol=1e-12, atol=1e-12,
+                                       equal_nan=True)
+        params, state = ref_params, ref_state
+    # (the forced step accumulated the inf; the window it was in closed at step 7)
+    assert int(state.total_notfinite) == 3 and int(_multi_state(state).gradient_step) == 2
+    assert bool(torch.isnan(params["w"][1, 1]))
+
+
 def test_explain_says_what_the_mini_steps_run() -> None:
     params = {"w": torch.zeros(4, 4), "b": torch.zeros(4)}
     got = F.fast.explain(INSIDE["masked ms(adamw), masked sgd"][0](4), params)
@@ -198,8 +241,13 @@ def test_what_is_not_lowered_stays_pure_and_says_why() -> None:
     params = {"w": torch.zeros(3), "b": torch.zeros(2)}
     ms = _ms(F.adamw(1e-2), 2)
     cases = {
-        "inside apply_if_finite has no fast form (the guard's skip decides":
-            F.apply_if_finite(ms, max_consecutive_errors=1),
+        # (the planner folds one guard per program)
+        "apply_if_finite inside apply_if_finite": F.apply_if_finite(
+            _ms(F.apply_if_finite(F.adamw(1e-2), max_consecutive_errors=1), 2),
+            max_consecutive_errors=1),
+        "MultiSteps after zero_nans has no fast form": F.chain(F.zero_nans(),
+                                                              F.masked(ms, WEIGHTS),
+                                                              F.masked(F.sgd(0.1), BIASES)),
         "MultiSteps after other rules of its leaves": F.chain(
             F.masked(F.scale(2.0), WEIGHTS), F.masked(ms, WEIGHTS), F.masked(F.sgd(0.1), BIASES)),
         "a second MultiSteps in one transform": F.partition({"a": ms, "b": ms},
@@ -211,9 +259,15 @@ def test_what_is_not_lowered_stays_pure_and_says_why() -> None:
     for expected, tx in cases.items():
         reason = F.fast.explain(tx, params).reason or ""
         assert expected in reason, reason
-        with pytest.warns(F.fast.FastPathWarning, match=expected.split(" (")[0]):
-            F.fast.make_step(tx)({"w": torch.ones(3), "b": torch.ones(2)}, tx.init(params),
-                                 params)
+        step, state, grads = F.fast.make_step(tx), tx.init(params), {
+            "w": torch.ones(3), "b": torch.ones(2)}
+        # (over a window: the mini-step and the closing one, which may be the one refused)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                params, state = step(grads, state, params)
+        assert any(w.category is F.fast.FastPathWarning and expected.split(" (")[0] in str(
+            w.message) for w in caught), [str(w.message) for w in caught]
 
 
 def test_a_state_of_another_layout_gets_the_transforms_own_error() -> None:

@@ -3,8 +3,8 @@
 
 `_multi.Split` steps a ``MultiSteps`` that is the whole transform or one element of a chain
 of per-leaf rules and clips. Anywhere else, the planner lowers it where it is the first rule
-of the leaves it sees (so that what it accumulates are their gradients), outside
-``apply_if_finite`` (`_planner.Accumulation`). Each step then:
+of the leaves it sees (so that what it accumulates are their gradients; a leading
+``apply_if_finite`` may sit around it) (`_planner.Accumulation`). Each step then:
 
 - decides the mini-step with the very code of the pure update, ``MultiSteps.window``, on
   the gradients and params of its leaves (``None`` at the others, as ``masked`` and
@@ -21,6 +21,10 @@ of the leaves it sees (so that what it accumulates are their gradients), outside
   mini-step (`_multi.plus_zero`: a zero update turns -0.0 into 0.0), and writes its counters,
   accumulators and ``skip_state`` as its update does.
 
+Under an ``apply_if_finite``, its verdict on the gradients is read on the host first: a
+skipped step moves nothing inside the guard, and a closing mini-step's run is given that
+verdict (its kernels see the accumulated gradients, which the guard does not check).
+
 Nothing is written before the planner's step is known to be fast: a step it refuses runs
 the pure update, whole.
 """
@@ -30,7 +34,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from functopt.fast import _multi, _planner
+from functopt.transforms import _common
 from functopt.transforms.multi_steps import MultiSteps, MultiStepsState, Window
 from functopt.tree import _core
 
@@ -40,7 +47,8 @@ __all__ = ["FOREIGN", "explained", "inside_step"]
 # update, which says what is wrong (no FastPathWarning: nothing fast was lost)
 FOREIGN = "the state does not have the transform's layout"
 
-Run = Callable[[_planner.Lowered, list[Any]], "_planner.Result | str"]
+Run = Callable[[_planner.Lowered, list[Any], dict[int, torch.Tensor]],
+               "_planner.Result | str"]
 
 
 def _filled(index_tree: Any, leaves: list[Any]) -> Any:
@@ -98,13 +106,14 @@ def window(acc: _planner.Accumulation, ms: MultiSteps, treespec: _core.TreeSpec,
 
 
 def inside_step(structure: _planner.Structure, lower: Callable[[str], _planner.Lowered],
-                run: Run, treespec: _core.TreeSpec, param_leaves: list[Any],
-                grad_leaves: list[Any], state_leaves: list[Any], *,
+                run: Run, finite: Callable[[int], torch.Tensor], treespec: _core.TreeSpec,
+                param_leaves: list[Any], grad_leaves: list[Any], state_leaves: list[Any], *,
                 donate: bool) -> _planner.Result | str:
     """One step of a transform with a ``MultiSteps`` inside (``structure.accumulation``):
     ``lower(mode)`` is the planner's lowering of the transform in that mode, ``run`` its
-    step on these leaves with the gradients given. Returns the result, or the reason the
-    step must take the pure path, before anything was written."""
+    step on these leaves with the gradients given (and the verdicts of the guards given),
+    ``finite(guard)`` that guard's verdict on these gradients. Returns the result, or the
+    reason the step must take the pure path, before anything was written."""
     acc = structure.accumulation
     assert acc is not None
     ms = multi_steps(acc, structure, state_leaves)
@@ -113,21 +122,33 @@ def inside_step(structure: _planner.Structure, lower: Callable[[str], _planner.L
     found = window(acc, ms, treespec, param_leaves, grad_leaves, state_leaves)
     if isinstance(found, str):
         return found
-    closing = found.closes and not found.skip
+    verdicts: dict[int, torch.Tensor] = {}
+    guarded = False  # an apply_if_finite around it skips: nothing of it moves
+    if acc.guard is not None:
+        # its verdict on the gradients (a closing mini-step steps on others), read on the
+        # host as MultiSteps reads its own: whether the mini-step happens at all
+        guard = structure.guards[acc.guard]
+        verdict = finite(acc.guard)
+        count = int(state_leaves[guard.notfinite_count])
+        count += count < _common.INT32_MAX  # (its safe_increment)
+        guarded = not (bool(verdict) or count > guard.max_consecutive_errors)
+        verdicts[acc.guard] = verdict
+    closing = found.closes and not found.skip and not guarded
     lowered = lower(_planner.CLOSING if closing else _planner.MINI)
     if lowered.reason is not None:
         return _named(lowered, acc, "the closing mini-step" if closing else "a mini-step")
     present = [i for i, g in enumerate(found.leaves) if g is not None]
     grads = grad_leaves
     new_accs: list[Any] = found.accs
+    accumulates = not (closing or found.skip or guarded)
     if closing and found.mini_step > 0:  # (a window of one steps on the gradient itself)
         summed = _multi.accumulate(ms, found, present, in_place=False)
         grads = list(grad_leaves)
         for i in present:
             grads[i] = summed[i].to(grad_leaves[i].dtype)
-    elif not (closing or found.skip or donate):
+    elif accumulates and not donate:
         new_accs = _multi.accumulate(ms, found, present, in_place=False)
-    result = run(lowered, grads)
+    result = run(lowered, grads, verdicts)
     if isinstance(result, str):
         return result
     idx = acc.state_at
@@ -137,8 +158,10 @@ def inside_step(structure: _planner.Structure, lower: Callable[[str], _planner.L
         chosen = set(present)
         mask = [g if i in chosen else None for i, g in enumerate(found.leaves)]
         result.values = _multi.plus_zero(result.values, mask, donate=donate)
-        if not found.skip and donate:  # (after the step: a refused one writes nothing)
+        if accumulates and donate:  # (after the step: a refused one writes nothing)
             new_accs = _multi.accumulate(ms, found, present, in_place=True)
+    if guarded:  # (the guard keeps the state inside it: the planner kept the rest)
+        return result
     leaves = result.leaves
     writes = [(idx.skip_state, found.skip_state)]
     if not found.skip:

@@ -22,7 +22,8 @@ are stepped here (the mixed-precision step does the same in
 A ``MultiSteps`` anywhere else (inside ``masked``, ``partition``, ``inject_hyperparams`` or
 ``apply_if_finite``, or beside an element that is not a per-leaf rule or a clip) is not a
 `Split`: ``make_step`` lowers it with the planner where it is the first rule of its leaves
-(``functopt/fast/_inside.py``); elsewhere the step is pure, with a ``FastPathWarning``.
+(``functopt/fast/_inside.py``); elsewhere, and in the mixed-precision step, the step is
+pure, with a ``FastPathWarning``.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ Path = tuple[Any, ...]  # keys from a chain's state to an element's (tuple index
 # Why a MultiSteps that is not a Split stays opaque to a step that does not read it as
 # functopt/fast/_inside.py does (the mixed-precision step's), for the planner's message
 NOT_SPLIT = (
-    "MultiSteps inside masked, partition or inject_hyperparams, or in a chain beside them, is "
-    "lowered by make_step only; the mixed-precision step lowers it as the whole transform or "
+    "MultiSteps inside masked, partition, inject_hyperparams or apply_if_finite, or in a chain "
+    "beside them, is lowered by make_step only; the mixed-precision step lowers it as the whole transform or "
     "as one element of a chain or named_chain whose other elements are per-leaf rules or "
     "clip_by_global_norm")
 

@@ -412,6 +412,7 @@ class Accumulation:
     # Accumulated specs of the inner transform), to find it again in the inner transform
     # built from this step's values (its window is decided by that one); else None
     rebuild: tuple[int, int] | None = None
+    guard: int | None = None  # the apply_if_finite it sits in (its index in ``guards``)
 
 
 # The walk's modes for a MultiSteps inside a combinator (`Accumulation`): its closing
@@ -550,15 +551,17 @@ class _Walk:
     def accumulated(self, spec: Accumulated, idx: Any, sel: list[int], where: str) -> None:
         """A ``MultiSteps`` that `_multi.Split` did not take. It is lowered where it is the
         first rule of its leaves (it then sees their gradients, which the step accumulates
-        and decides its window on), outside ``apply_if_finite`` and within at most one
-        injection: recorded in ``accumulation``, and walked as the mode says."""
+        and decides its window on; a leading ``apply_if_finite`` around it checks them):
+        recorded in ``accumulation``, and walked as the mode says."""
         reason = None
         if self.out.accumulation is not None:
             reason = "a second MultiSteps in one transform has no fast form"
-        elif self.guard is not None:
-            reason = ("MultiSteps inside apply_if_finite has no fast form (the guard's skip "
-                      "decides whether the mini-step accumulates)")
-        elif any(op.kind != "identity" for i in sel for op in self.out.programs[i]):
+        elif any(i in set(sel) for zeroing in self.out.zero_nans for i, _ in zeroing.flags):
+            reason = ("MultiSteps after zero_nans has no fast form (it decides its window on "
+                      "the gradients as zero_nans leaves them)")
+        elif any(op.kind != "identity" and not (isinstance(op, _Guard)
+                                                and op.index == self.guard)
+                 for i in sel for op in self.out.programs[i]):
             reason = ("MultiSteps after other rules of its leaves has a fast form only as an "
                       "element of a chain of per-leaf rules and clips (inside masked, "
                       "partition or inject_hyperparams it must come first)")
@@ -571,7 +574,7 @@ class _Walk:
             rebuild = (self.injecting[0], next(j for j, other in enumerate(found)
                                                if other is spec))
         ms = spec.multi_steps
-        self.out.accumulation = Accumulation(ms, idx, tuple(sel), where, rebuild)
+        self.out.accumulation = Accumulation(ms, idx, tuple(sel), where, rebuild, self.guard)
         if self.mode is None:
             self.out.opaque.append(f"{where}: {_multi.NOT_SPLIT}")
         elif self.mode == CLOSING:

@@ -388,16 +388,24 @@ class Step:
                                  name, donated=param_leaves if self.donate else None,
                                  compiled=self.compile)
 
-        def run(lowered: _planner.Lowered, grads: list[Any]) -> _planner.Result | str:
-            return self._run(lowered, param_leaves, grads, state_leaves, name)
+        def run(lowered: _planner.Lowered, grads: list[Any],
+                verdicts: dict[int, torch.Tensor]) -> _planner.Result | str:
+            return self._run(lowered, param_leaves, grads, state_leaves, name,
+                             verdicts=verdicts)
+
+        def finite(guard: int) -> torch.Tensor:
+            return _reductions(structure, param_leaves, grad_leaves, name)[1][guard]
 
         with torch.no_grad():
-            return _inside.inside_step(structure, lower, run, treespec, param_leaves,
+            return _inside.inside_step(structure, lower, run, finite, treespec, param_leaves,
                                        grad_leaves, state_leaves, donate=self.donate)
 
     def _run(self, lowered: _planner.Lowered, param_leaves: list[Any], grad_leaves: list[Any],
              state_leaves: list[Any], name: Callable[[int], str], checked: bool = False,
-             ) -> _planner.Result | str:
+             verdicts: dict[int, torch.Tensor] | None = None) -> _planner.Result | str:
+        """The planner's run with the step's reductions; ``verdicts``: guards whose verdict
+        the caller gives (a guard around a MultiSteps checks other gradients than those its
+        closing mini-step steps on: `_inside.inside_step`)."""
         structure = lowered.structure
         workspace = self._scratch() if self.donate else None
         if not (structure.zero_nans or structure.clips or structure.guards):
@@ -411,6 +419,8 @@ class Step:
         sums, finite, reduced = _reductions(
             structure, param_leaves, grad_leaves, name,
             nans=[flag for _, flag, on_mesh in flags if on_mesh])
+        for index, verdict in (verdicts or {}).items():
+            finite[index] = verdict
         return _planner.run(lowered, param_leaves, grad_leaves, state_leaves,
                             donate=self.donate, donate_grads=self.donate_grads, sums=sums,
                             finite=finite, reads=self.planner.reads,
