@@ -437,6 +437,25 @@ class _Walk:
         # per injection walked: the Accumulated and the Injected specs of its inner transform
         self.accumulating: list[list[Accumulated]] = []
         self.injections: list[list[Injected]] = []
+        # per leaf under a leading apply_if_finite: its program's length when the guard's
+        # inner transform ended, and where the guard is (see `after_guards`)
+        self.guard_ends: dict[int, tuple[int, str]] = {}
+
+    def after_guards(self) -> None:
+        """A leading guard folds into the kernels' skip of the whole program, which is what
+        the pure path does only where the rules after the guard (outside it: the guard hands
+        them zero updates on a skipped step) leave zeros at zero and their state as it is:
+        the learning rates. Any other rule there (a decay, a momentum, on leaves the guard's
+        inner transform passes through, say) keeps the step pure."""
+        for i, (end, where) in self.guard_ends.items():
+            after = [op.kind for op in self.out.programs[i][end:]
+                     if op.kind != "identity" and op.kind not in _LR_KINDS]
+            if after:
+                self.out.opaque.append(
+                    f"{where}: {after[0]} after apply_if_finite on the leaves it checks has "
+                    f"no fast form (on a skipped step it runs on the guard's zero updates, "
+                    f"which the kernels' skip does not)")
+                return
 
     def counter(self, index: int) -> None:
         self.out.counters.append(index)
@@ -539,6 +558,8 @@ class _Walk:
             self.guard = mark.index
             self.walk(spec.inner, idx.inner_state, sel, f"{where}.apply_if_finite")
             self.guard = None
+            for i in sel:
+                self.guard_ends[i] = (len(self.out.programs[i]), where or "<root>")
         elif isinstance(spec, ZeroNans):
             self.zero_nans(spec, idx, sel, where)
         elif isinstance(spec, Leafwise):
@@ -826,6 +847,7 @@ def walk(tx: GradientTransformation, params: Any, treespec: _core.TreeSpec,
     w.out.treespec = treespec
     try:
         w.walk(describe(tx), index_tree, list(range(len(param_leaves))), "")
+        w.after_guards()
     except (_Mismatch, AttributeError, KeyError, TypeError, IndexError) as error:
         w.out.opaque.append(f"the state does not fit the transform's spec ({error})")
     return w.out
