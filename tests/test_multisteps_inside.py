@@ -32,7 +32,8 @@ def _ms(inner: functopt.GradientTransformation, k: int,
     return F.MultiSteps(inner, every_k_schedule=k, **options).gradient_transformation()
 
 
-# name -> (the transform for windows of k mini-steps, the leaves its MultiSteps sees)
+# name -> (the transform for windows of k mini-steps, the leaves of its MultiSteps whose
+# params a mini-step leaves bitwise as the pure path)
 INSIDE: dict[str, tuple[Callable[[int], functopt.GradientTransformation], tuple[str, ...]]] = {
     "masked ms(adamw), masked sgd": (lambda k: F.chain(
         F.masked(_ms(F.adamw(1e-2, weight_decay=0.1), k), WEIGHTS),
@@ -53,6 +54,11 @@ INSIDE: dict[str, tuple[Callable[[int], functopt.GradientTransformation], tuple[
             lambda learning_rate: _ms(F.adamw(learning_rate), k))(learning_rate=1e-2),
             WEIGHTS)),
         ("sgd", F.masked(F.sgd(0.1), BIASES))), ("w",)),
+    # its zero updates reach rules after it (a masked decay, a learning rate): the kernels
+    # step them on zero gradients (the decayed leaf to rounding, the other bitwise)
+    "ms(adam), masked decay, lr": (lambda k: F.chain(
+        _ms(F.scale_by_adam(), k), F.masked(F.add_decayed_weights(0.1), WEIGHTS),
+        F.scale_by_learning_rate(1e-2)), ("b",)),
     "apply_if_finite(ms(adamw))": (lambda k: F.apply_if_finite(
         _ms(F.adamw(1e-2, weight_decay=0.1), k), max_consecutive_errors=1), ("w", "b")),
     "apply_if_finite(partition ms(clip+adam), sgd)": (lambda k: F.apply_if_finite(
@@ -228,13 +234,16 @@ def test_explain_says_what_the_mini_steps_run() -> None:
     assert lines[0] == (
         "MultiSteps at [0].masked[True] on 1 leaves (w): each mini-step accumulates their "
         "gradients with a foreach running mean per (device, dtype) group and adds 0.0 to "
-        "them, the other leaves take 1 kernel call(s) (torch._fused_sgd_); the closing one "
+        "them; the mini-step's kernels: 1 call(s) (torch._fused_sgd_); the closing one "
         "steps the MultiSteps' inner transform on the accumulated gradients"), lines
     assert lines[1].startswith("closing mini-step: fused path: 2 kernel call(s) per step")
     assert sorted(line.split(" on ")[0].strip() for line in lines[2:]) == [
         "torch._fused_adamw_ + weight decay", "torch._fused_sgd_"]
     summed = F.fast.explain(INSIDE["partition ms(adam), clip+sgd"][0](2), params).mini_steps
     assert summed is not None and "foreach running sum" in summed
+    decayed = F.fast.explain(INSIDE["ms(adam), masked decay, lr"][0](2), params).mini_steps
+    assert decayed is not None and ("2 of them then stepped on zero gradients by the rules "
+                                    "after it; the mini-step's kernels: 2 call(s)") in decayed
 
 
 def test_what_is_not_lowered_stays_pure_and_says_why() -> None:
@@ -252,9 +261,9 @@ def test_what_is_not_lowered_stays_pure_and_says_why() -> None:
             F.masked(F.scale(2.0), WEIGHTS), F.masked(ms, WEIGHTS), F.masked(F.sgd(0.1), BIASES)),
         "a second MultiSteps in one transform": F.partition({"a": ms, "b": ms},
                                                             {"w": "a", "b": "b"}),
-        # a mini-step's zeros then reach a rule: the kernels have no such program
-        "a mini-step of the MultiSteps: leaf 'w': set_to_zero followed by other rules":
-            F.chain(ms, F.masked(F.add_decayed_weights(0.1), WEIGHTS)),
+        # a mini-step's zeros then reach a decay that no learning rate follows: no kernel
+        "a mini-step of the MultiSteps: leaf 'w': the program add_decayed_weights does not "
+        "end with a learning rate": F.chain(ms, F.masked(F.add_decayed_weights(0.1), WEIGHTS)),
     }
     for expected, tx in cases.items():
         reason = F.fast.explain(tx, params).reason or ""

@@ -164,8 +164,10 @@ def explain(tx: GradientTransformation | MultiSteps, params: Any, state: Any = N
                 ", ".join(paths[i] for i in mine[:4]), ", ..." if len(mine) > 4 else "",
                 "): each mini-step accumulates their gradients with a foreach running ",
                 "mean" if accumulation.multi_steps.use_grad_mean else "sum",
-                " per (device, dtype) group and adds 0.0 to them",
-                f", the other leaves take {len(others)} kernel call(s) (" if others else "",
+                " per (device, dtype) group",
+                f", {len(mini.structure.zeroed)} of them then stepped on zero gradients by "
+                "the rules after it" if mini.structure.zeroed else " and adds 0.0 to them",
+                f"; the mini-step's kernels: {len(others)} call(s) (" if others else "",
                 ", ".join(_KERNELS[g.plan.kernel] for g in others),
                 ")" if others else "",
                 "; the closing one steps the MultiSteps' inner transform on the accumulated "

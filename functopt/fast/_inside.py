@@ -16,6 +16,10 @@ of the leaves it sees (so that what it accumulates are their gradients; a leadin
   as always, and every counter and injected hyperparameter around it moves as on the pure
   path); the one that closes it is its inner transform on its state's ``inner_opt_state``,
   stepped on the window's accumulated gradients in place of its leaves' gradients;
+- where rules come after it on its leaves (``chain(MultiSteps(...),
+  masked(add_decayed_weights(...)), scale_by_learning_rate(...))``), a mini-step's zero
+  updates reach them as zero gradients would, since it is the first rule there: those
+  leaves take the kernels on zero gradients (`_planner.Structure.zeroed`);
 - accumulates with one ``foreach`` running mean (or sum) per (device, dtype) group
   (`_multi.accumulate`, in place in ``acc_grads`` when donated), adds 0.0 to its leaves on a
   mini-step (`_multi.plus_zero`: a zero update turns -0.0 into 0.0), and writes its counters,
@@ -140,6 +144,11 @@ def inside_step(structure: _planner.Structure, lower: Callable[[str], _planner.L
     present = [i for i, g in enumerate(found.leaves) if g is not None]
     grads = grad_leaves
     new_accs: list[Any] = found.accs
+    zeroed = set(lowered.structure.zeroed) & set(present)
+    if zeroed:  # (its zero updates reach rules after it: they run on zero gradients)
+        grads = list(grad_leaves)
+        for i in zeroed:
+            grads[i] = torch.zeros_like(grad_leaves[i])
     accumulates = not (closing or found.skip or guarded)
     if closing and found.mini_step > 0:  # (a window of one steps on the gradient itself)
         summed = _multi.accumulate(ms, found, present, in_place=False)
@@ -155,7 +164,8 @@ def inside_step(structure: _planner.Structure, lower: Callable[[str], _planner.L
     if closing:
         new_accs = _multi.zeroed(found.accs, in_place=donate)
     else:  # its leaves' zero updates, added as apply_updates adds them
-        chosen = set(present)
+        # (the kernels stepped the zeroed ones, unless the guard skipped them)
+        chosen = set(present) - (set() if guarded else zeroed)
         mask = [g if i in chosen else None for i, g in enumerate(found.leaves)]
         result.values = _multi.plus_zero(result.values, mask, donate=donate)
         if accumulates and donate:  # (after the step: a refused one writes nothing)

@@ -386,6 +386,9 @@ class Structure:
     # a MultiSteps inside a combinator (functopt/fast/_inside.py): where it is and what it
     # sees; the walk's ``mode`` says which of its steps the programs are
     accumulation: Accumulation | None = None
+    # MINI mode: its leaves whose zero updates reach other rules after it; the step hands
+    # the kernels zero gradients there (the other leaves of it take set_to_zero)
+    zeroed: list[int] = field(default_factory=list)
 
     @functools.cached_property
     def counter_indices(self) -> list[int]:
@@ -600,10 +603,26 @@ class _Walk:
             self.out.opaque.append(f"{where}: {_multi.NOT_SPLIT}")
         elif self.mode == CLOSING:
             self.walk(describe(ms.inner_opt), idx.inner_opt_state, sel, f"{where}.MultiSteps")
-        else:  # its zero updates
+        else:  # its zero updates (see `zero_updates`)
             node = self.node()
             for i in sel:
                 self.out.programs[i].append(_Op("set_to_zero", {}, {}, node))
+
+    def zero_updates(self) -> None:
+        """A mini-step's zero updates, where rules come after the ``MultiSteps`` (a masked
+        decay, a learning rate): as it is the first rule of its leaves, those rules see
+        what they would see if the leaves' gradients were zeros, so the step gives them
+        zero gradients (``zeroed``) and the programs lose the ``set_to_zero``, which the
+        kernels take only last."""
+        acc = self.out.accumulation
+        if self.mode != MINI or acc is None:
+            return
+        for i in acc.leaves:
+            program = self.out.programs[i]
+            at = next(j for j, op in enumerate(program) if op.kind == "set_to_zero")
+            if any(op.kind != "identity" for op in program[at + 1:]):
+                del program[at]
+                self.out.zeroed.append(i)
 
     def zero_nans(self, spec: ZeroNans, idx: Any, sel: list[int], where: str) -> None:
         """A ``zero_nans`` before every rule of its leaves runs on the gradients before the
@@ -847,6 +866,7 @@ def walk(tx: GradientTransformation, params: Any, treespec: _core.TreeSpec,
     w.out.treespec = treespec
     try:
         w.walk(describe(tx), index_tree, list(range(len(param_leaves))), "")
+        w.zero_updates()
         w.after_guards()
     except (_Mismatch, AttributeError, KeyError, TypeError, IndexError) as error:
         w.out.opaque.append(f"the state does not fit the transform's spec ({error})")
