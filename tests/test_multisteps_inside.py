@@ -332,16 +332,20 @@ def _by_rank(params: Any, wide: bool) -> Any:
         p.dim() >= 1 if wide else p.dim() < 1 for p in _core.flatten(params)[0]])
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(case=conformance.cases(dtypes=(torch.float32, torch.float64), max_leaves=3),
-       k=st.sampled_from([1, 2]), masked=st.booleans())
-def test_fast_path_law_over_pytrees(case: tuple[Any, Any, Any], k: int, masked: bool) -> None:
+       k=st.sampled_from([1, 2]), shape=st.sampled_from(["masked", "injected", "decayed"]))
+def test_fast_path_law_over_pytrees(case: tuple[Any, Any, Any], k: int, shape: str) -> None:
     params, grads, _ = case
+    # (mask functions: the leaves each part sees depend on the tree)
+    wide, narrow = functools.partial(_by_rank, wide=True), functools.partial(_by_rank, wide=False)
 
     def factory() -> functopt.GradientTransformation:
-        if masked:  # (a mask function: the MultiSteps' leaves depend on the tree)
-            return F.chain(F.masked(_ms(F.adamw(1e-2), k), functools.partial(_by_rank, wide=True)),
-                           F.masked(F.sgd(0.1), functools.partial(_by_rank, wide=False)))
+        if shape == "masked":
+            return F.chain(F.masked(_ms(F.adamw(1e-2), k), wide), F.masked(F.sgd(0.1), narrow))
+        if shape == "decayed":
+            return F.chain(_ms(F.scale_by_adam(), k), F.masked(F.add_decayed_weights(0.1), wide),
+                           F.scale_by_learning_rate(1e-2))
         return F.inject_hyperparams(lambda learning_rate: _ms(F.adam(learning_rate), k))(
             learning_rate=1e-2)
 

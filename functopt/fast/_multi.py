@@ -255,8 +255,10 @@ def zeroed(accs: list[Any], *, in_place: bool) -> list[Any]:
     """The accumulators reset for a new window: zeroed in place (one ``foreach`` call), or
     new zeros."""
     if in_place:
-        with torch.no_grad():
-            torch._foreach_zero_([local_tensor(a) for a in accs if a is not None])
+        tensors = [local_tensor(a) for a in accs if a is not None]
+        if tensors:  # (a MultiSteps that sees no leaf, inside masked: nothing to reset)
+            with torch.no_grad():
+                torch._foreach_zero_(tensors)
         return accs
     return _core.map_leaves(torch.zeros_like, accs)
 
