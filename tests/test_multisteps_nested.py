@@ -193,6 +193,55 @@ def test_fast_path_law_over_pytrees(case: tuple[Any, Any, Any], k: int, name: st
                                 steps=k + 1)
 
 
+@settings(max_examples=4, deadline=None)
+@given(case=conformance.cases(dtypes=(torch.float32, torch.float64), max_leaves=3),
+       k=st.sampled_from([1, 2]))
+def test_fast_path_law_over_pytrees_injected(case: tuple[Any, Any, Any], k: int) -> None:
+    params, grads, _ = case
+    conformance.check_fast_path(functools.partial(_injected_chain, k), params, grads,
+                                steps=k + 1)
+
+
+def _injected_chain(k: int) -> functopt.GradientTransformation:
+    """A clip before the MultiSteps, inside inject_hyperparams: a scheduled learning rate of
+    the inner AdamW and an injected constant of the clip."""
+    return F.inject_hyperparams(lambda learning_rate, max_norm: F.chain(
+        F.clip_by_global_norm(max_norm), _ms(F.adamw(learning_rate, weight_decay=0.1), k)))(
+        learning_rate=F.schedules.linear_schedule(0.1, 0.01, 6), max_norm=0.5)
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_chain_inside_inject_hyperparams_is_split_with_this_steps_values(
+        donate: bool) -> None:
+    """The chain built from each step's hyperparameters (the clip's max_norm edited between
+    steps, the learning rate a schedule of the injection's count): mini-steps bitwise the
+    pure path, closing mini-steps to the kernel's rounding, the injection's count and values
+    as its update writes them."""
+    k, params = 3, {n: p.double() for n, p in _params().items()}
+    tx = _injected_chain(k)
+    got = F.fast.explain(tx, params)
+    assert got.fast and (got.mini_steps or "").startswith(
+        "MultiSteps: each mini-step runs clip_by_global_norm("), str(got)
+    step, state = F.fast.make_step(tx, donate=donate), tx.init(params)
+    for t in range(2 * k + 1):
+        state.hyperparams["max_norm"].fill_(0.5 + t)
+        grads = _grads(t, params)
+        updates, ref_state = tx.update(grads, state, params)
+        ref_params = F.apply_updates(params, updates)
+        with torch.no_grad():
+            fast_params, fast_state = step(grads, tree_clone(state) if donate else state,
+                                           {n: p.clone() for n, p in params.items()})
+        if (t + 1) % k:
+            assert_bitwise_equal((fast_params, fast_state), (ref_params, ref_state))
+        leaves, spec = functopt.tree._core.flatten((fast_params, fast_state))
+        ref_leaves, ref_spec = functopt.tree._core.flatten((ref_params, ref_state))
+        assert spec == ref_spec
+        for a, e in zip(leaves, ref_leaves, strict=True):
+            torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+        params, state = ref_params, ref_state
+    assert int(state.count) == 2 * k + 1 and int(state.inner_state[1].gradient_step) == 2
+
+
 def test_a_state_of_another_layout_gets_the_chains_own_error() -> None:
     params = {"w": torch.zeros(3)}
     tx = NESTED["clip, ms(adamw)"](2)

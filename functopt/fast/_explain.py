@@ -10,7 +10,8 @@ import torch
 
 from functopt._base import GradientTransformation
 from functopt._collective.dtensor import _leaf_names
-from functopt.fast import _inside, _multi, _planner
+from functopt.fast import _inside, _multi, _multi_injected, _planner
+from functopt.transforms.hyperparams import InjectHyperparamsState
 from functopt.transforms.multi_steps import MultiSteps
 from functopt.tree import _core
 
@@ -124,6 +125,18 @@ def explain(tx: GradientTransformation | MultiSteps, params: Any, state: Any = N
         raise TypeError(
             f"explain: tx must be a functopt.GradientTransformation, got "
             f"{type(tx).__name__}. Fix: explain(functopt.adamw(1e-3), params).")
+    injected = _multi_injected.InjectedSplit.of(tx)
+    if injected is not None:  # such a chain inside inject_hyperparams: the same, injected
+        state = tx.init(params) if state is None else state
+        found = injected.split_of(state)
+        if found is not None:
+            inner_split = found[0]
+            closing_state = InjectHyperparamsState(
+                state.count, state.hyperparams, inner_split.closing_state(state.inner_state))
+            inner = explain(injected.closing, params, closing_state, grads, compile=compile)
+            if not inner.fast:
+                return dataclasses.replace(inner, reason=f"{inner_split.label}: {inner.reason}")
+            return dataclasses.replace(inner, mini_steps=inner_split.summary())
     split = _multi.Split.of(tx)
     if split is not None:  # MultiSteps: foreach accumulation, then the closing fast step
         state = tx.init(params) if state is None else state

@@ -45,7 +45,7 @@ from functopt._apply import apply_updates
 from functopt._base import GradientTransformation, Params, State, Updates
 from functopt._collective.dtensor import _infer_group, _leaf_names, _rewrap_like, local_tensor
 from functopt._collective.reduce import all_reduce_stats
-from functopt.fast import _compiled, _inside, _multi, _planner
+from functopt.fast import _compiled, _inside, _multi, _multi_injected, _planner
 from functopt.transforms.multi_steps import MultiSteps
 from functopt.tree import _core
 
@@ -179,7 +179,9 @@ class Step:
         self.planner = _planner.Planner(tx)
         # MultiSteps: mini-steps accumulate here, a closing step runs the inner
         # transform's own fast step
-        self._accumulated = _multi.Split.of(tx)  # (whole, or one element of a chain)
+        # (whole, one element of a chain, or such a chain inside inject_hyperparams)
+        self._accumulated: _multi.Split | _multi_injected.InjectedSplit | None = (
+            _multi.Split.of(tx) or _multi_injected.InjectedSplit.of(tx))
         self._inner = None if self._accumulated is None else Step(
             self._accumulated.closing, donate=donate, compile=compile, fused=fused,
             donate_grads=donate_grads)
@@ -486,7 +488,8 @@ class Step:
         return self._step_leaves(_core.unflatten(treespec, grad_leaves), state_leaves,
                                  state_spec, _core.unflatten(treespec, param_leaves))
 
-    def _multi_step(self, split: _multi.Split, grads: Updates, state: Any, params: Params,
+    def _multi_step(self, split: _multi.Split | _multi_injected.InjectedSplit, grads: Updates,
+                    state: Any, params: Params,
                     extra_args: dict[str, Any]) -> tuple[Params, State]:
         """A ``MultiSteps`` step, whole or in a chain (``functopt/fast/_multi.py``): its
         window decided as its ``update`` decides it, the gradients accumulated with
@@ -494,6 +497,9 @@ class Step:
         mini-step that closes a window the fast step of the inner transform (and of what
         follows it in the chain) on the accumulated gradients."""
         assert self._inner is not None
+        if isinstance(split, _multi_injected.InjectedSplit):
+            return split.step(self._inner, _grouped_apply, grads, state, params, extra_args,
+                              donate=self.donate)
         return _multi.multi_step(split, self._inner, _grouped_apply, grads, state, params,
                                  extra_args, donate=self.donate)
 
