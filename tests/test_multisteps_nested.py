@@ -242,6 +242,22 @@ def test_a_chain_inside_inject_hyperparams_is_split_with_this_steps_values(
     assert int(state.count) == 2 * k + 1 and int(state.inner_state[1].gradient_step) == 2
 
 
+def test_an_injected_chain_that_changes_with_the_values_stays_pure_and_says_why() -> None:
+    def factory(learning_rate: Any) -> functopt.GradientTransformation:
+        # (a MultiSteps only for the value the structure was probed with)
+        inner = _ms(F.sgd(learning_rate), 2) if float(learning_rate) == 1.0 else F.sgd(
+            learning_rate)
+        return F.chain(F.clip_by_global_norm(1.0), inner)
+
+    tx = F.inject_hyperparams(factory)(learning_rate=0.5)
+    params = {"w": torch.ones(3)}
+    grads, state = {"w": torch.full((3,), 0.5)}, tx.init(params)
+    with pytest.warns(F.fast.FastPathWarning, match="built from this step's values"):
+        new, new_state = F.fast.make_step(tx)(grads, state, params)
+    updates, ref_state = tx.update(grads, state, params)
+    assert_bitwise_equal((new, new_state), (F.apply_updates(params, updates), ref_state))
+
+
 def test_a_state_of_another_layout_gets_the_chains_own_error() -> None:
     params = {"w": torch.zeros(3)}
     tx = NESTED["clip, ms(adamw)"](2)

@@ -29,6 +29,7 @@ import torch
 from functopt._base import GradientTransformation, Params, State, with_extra_args_support
 from functopt._spec import Injected, describe, specified
 from functopt.fast._multi import Split, multi_step
+from functopt.fast._planner import warn_lost
 from functopt.transforms import _common
 from functopt.transforms.hyperparams import InjectHyperparamsState
 from functopt.tree import _core
@@ -109,7 +110,12 @@ class InjectedSplit:
         hyper = self.spec.values_at(state.count, {k: state.hyperparams[k]
                                                   for k in _constants(self.spec)})
         split = _split(self.spec, hyper)
-        if split is None or split.multi_state(state.inner_state) is None:
+        if split is None:
+            warn_lost("make_step", "the injected transform built from this step's values is "
+                      "not a chain with a MultiSteps after per-leaf rules or clips, as the "
+                      "one built from 1.0 was", stacklevel=5)
+            return None
+        if split.multi_state(state.inner_state) is None:
             return None
         return split, hyper
 
