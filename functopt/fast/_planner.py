@@ -594,9 +594,13 @@ class _Walk:
             return
         rebuild = None
         if self.injecting is not None:
-            found = self.accumulating[self.injecting[0]]
-            rebuild = (self.injecting[0], next(j for j, other in enumerate(found)
-                                               if other is spec))
+            at = [j for j, other in enumerate(self.accumulating[self.injecting[0]])
+                  if other is spec]
+            if not at:
+                self.out.opaque.append(f"{where}: a MultiSteps inside inject_hyperparams that "
+                                       f"the planner does not find again in it")
+                return
+            rebuild = (self.injecting[0], at[0])
         ms = spec.multi_steps
         self.out.accumulation = Accumulation(ms, idx, tuple(sel), where, rebuild, self.guard)
         if self.mode is None:
@@ -687,6 +691,15 @@ class _Walk:
             self.out.programs[i].append(late)
 
     def injected(self, spec: Injected, idx: Any, sel: list[int], where: str) -> None:
+        outer = self.injecting
+        parent = None
+        if outer is not None:  # (where the walk met it, the outer's inner spec holds it)
+            at = [j for j, other in enumerate(self.injections[outer[0]]) if other is spec]
+            if not at:
+                self.out.opaque.append(f"{where}: an inject_hyperparams inside another that "
+                                       f"the planner does not find again in it")
+                return
+            parent = (outer[0], at[0])
         hyper_idx = {k: idx.hyperparams[k] for k in spec.names}
         node = len(self.out.injections)
         placeholders = {}
@@ -696,11 +709,6 @@ class _Walk:
                                else torch.tensor(current, dtype=torch.float64))
             self.placeholders[id(placeholders[k])] = _Hyper(node, k)
         inner = spec.build(placeholders)
-        outer = self.injecting
-        parent = None
-        if outer is not None:  # (where the walk met it, the outer's inner spec holds it)
-            parent = (outer[0], next(j for j, other in enumerate(self.injections[outer[0]])
-                                     if other is spec))
         self.out.injections.append(_Injection(
             count=idx.count, hyper=hyper_idx,
             constants=tuple(k for k in spec.names if k not in spec.schedules),
