@@ -204,14 +204,12 @@ def make_step_multisteps_inside_combinators_on_shards(rank: int, world: int) -> 
             learning_rate=1e-2),
     }
     for name, tx in cases.items():
-        full = _full_params(4, torch.float64)
+        full, step = _full_params(4, torch.float64), make_step(tx, donate=True)
         params = _shard(full, mesh)
         state, ref_state = tx.init(params), tx.init(full)
-        step = make_step(tx, donate=True)
         for i in range(5):
-            gen = torch.Generator().manual_seed(80 + i)
-            gfull = {k: torch.randn(v.shape, generator=gen, dtype=v.dtype)
-                     for k, v in full.items()}
+            gfull = {k: torch.randn(v.shape, dtype=v.dtype, generator=torch.Generator(
+                ).manual_seed(80 + 7 * i + j)) for j, (k, v) in enumerate(full.items())}
             if i == 2 and name == "guarded partition":
                 gfull["w"][4, 1] = float("inf")  # rows 3-4 of "w" live on rank 1
             with torch.no_grad(), warnings.catch_warnings():
