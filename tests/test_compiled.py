@@ -279,15 +279,22 @@ def test_two_threads_step_their_own_states() -> None:
         assert all(torch.equal(m[k], a[k]) for k in m)
 
 
-def test_injected_hyperparameters_are_read_at_every_step() -> None:
+@pytest.mark.parametrize("nested", [False, True])
+def test_injected_hyperparameters_are_read_at_every_step(nested: bool) -> None:
     """inject_hyperparams(lion) with a scheduled learning rate, and its weight decay and b1
     edited in the state between steps (as a torch scheduler or a user would): the compiled
     tier runs the rule built from each step's values, equal to the pure path (float64 to
-    1e-12) on every layout, and one graph serves every value (no recompile)."""
+    1e-12) on every layout, and one graph serves every value (no recompile). ``nested``: the
+    same inside another inject_hyperparams whose value the schedule reads (its peak, edited
+    too): the rule is the one of the inner injection built from the outer's values."""
     params = every_layout(torch.float64)
-    tx = functopt.inject_hyperparams(functopt.lion)(
-        learning_rate=functopt.schedules.linear_schedule(1e-2, 1e-3, 4), b1=0.9,
-        weight_decay=0.1)
+
+    def lion(peak: Any) -> functopt.GradientTransformation:
+        return functopt.inject_hyperparams(functopt.lion)(
+            learning_rate=functopt.schedules.linear_schedule(peak, 1e-3, 4), b1=0.9,
+            weight_decay=0.1)
+
+    tx = functopt.inject_hyperparams(lion)(peak=1e-2) if nested else lion(1e-2)
     assert fast.explain(tx, params, compile=True).fast
     step = fast.make_step(tx, compile=True)
     state_fast, state_pure = step.init(params), tx.init(params)
@@ -295,8 +302,11 @@ def test_injected_hyperparameters_are_read_at_every_step() -> None:
     for i in range(4):
         if i == 2:  # new values between steps, in both states
             for state in (state_fast, state_pure):
-                state.hyperparams["weight_decay"].fill_(0.3)
-                state.hyperparams["b1"].fill_(0.5)
+                inner = state.inner_state if nested else state
+                inner.hyperparams["weight_decay"].fill_(0.3)
+                inner.hyperparams["b1"].fill_(0.5)
+                if nested:
+                    state.hyperparams["peak"].fill_(5e-2)
         grads = grads_for(params, 10 + i)
         with torch.no_grad():
             p_fast, state_fast = step(grads, state_fast, p_fast)

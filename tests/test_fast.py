@@ -573,20 +573,13 @@ def test_injected_hyperparameters_are_read_every_step() -> None:
     and a hyperparameter that requires grad keeps the step on the pure, differentiable
     path."""
     tx = functopt.inject_hyperparams(functopt.adamw)(learning_rate=1e-2, weight_decay=0.1)
-    step = make_step(tx)
-    params = _params(3)
-    state, ref_state, ref_params = tx.init(params), tx.init(params), _clone(params)
-    for i in range(4):
+    def edit(i: int, s: Any) -> None:
         if i == 2:
-            for s in (state, ref_state):
-                s.hyperparams["learning_rate"] = torch.tensor(3e-3, dtype=torch.float64)
-                s.hyperparams["weight_decay"] = torch.tensor(0.5, dtype=torch.float64)
-        grads = _grads(3, ref_params, i)
-        assert _kernel_takes(tx, grads, state, params)
-        params, state = step(_clone(grads), state, params)
-        ref_params, ref_state = _pure_step(tx, grads, ref_state, ref_params)
-        _assert_close_trees(params, ref_params, rel=REL_FLOAT64, what=f"step {i} params")
-        _assert_close_trees(state, ref_state, rel=REL_FLOAT64, what=f"step {i} state")
+            s.hyperparams["learning_rate"] = torch.tensor(3e-3, dtype=torch.float64)
+            s.hyperparams["weight_decay"] = torch.tensor(0.5, dtype=torch.float64)
+
+    step = make_step(tx)
+    params, _ = _edited_steps(tx, step, edit)
     lr = torch.tensor(1e-2, dtype=torch.float64, requires_grad=True)
     state = tx.init(params)
     state.hyperparams["learning_rate"] = lr
@@ -595,6 +588,39 @@ def test_injected_hyperparameters_are_read_every_step() -> None:
     new, _ = step(grads, state, params)
     (d_lr,) = torch.autograd.grad(new["w"].sum(), lr)  # the pure path kept the graph
     assert torch.isfinite(d_lr) and d_lr != 0
+
+
+def test_a_nested_injection_resolves_both_levels_at_every_step() -> None:
+    """inject_hyperparams inside inject_hyperparams, the inner learning rate a schedule of
+    the outer's value: the pure outer update builds the inner injection from the outer's
+    values, so an edit of the outer value reaches the inner schedule at the next step. The
+    kernel's lr is that value (it was the one of the planning step, silently)."""
+    tx = functopt.inject_hyperparams(lambda peak: functopt.inject_hyperparams(functopt.sgd)(
+        learning_rate=lambda count: peak * 0.5 ** count, momentum=0.9))(peak=0.1)
+    def edit(i: int, s: Any) -> None:
+        if i in (1, 3):
+            s.hyperparams["peak"] = torch.tensor(10.0 * i, dtype=torch.float64)
+            s.inner_state.hyperparams["momentum"] = torch.tensor(0.5 / i, dtype=torch.float64)
+
+    _, state = _edited_steps(tx, make_step(tx), edit)
+    assert float(state.inner_state.hyperparams["learning_rate"]) == 30.0 * 0.5 ** 3
+
+
+def _edited_steps(tx: Any, step: Any, edit: Callable[[int, Any], None]) -> tuple[Any, Any]:
+    """Four steps of ``step`` and of the pure path, ``edit(i, state)`` applied to both
+    states before step ``i``; each step on the kernels and equal to the pure one."""
+    params = _params(3)
+    state, ref_state, ref_params = tx.init(params), tx.init(params), _clone(params)
+    for i in range(4):
+        edit(i, state)
+        edit(i, ref_state)
+        grads = _grads(3, ref_params, i)
+        assert _kernel_takes(tx, grads, state, params)
+        params, state = step(_clone(grads), state, params)
+        ref_params, ref_state = _pure_step(tx, grads, ref_state, ref_params)
+        _assert_close_trees(params, ref_params, rel=REL_FLOAT64, what=f"step {i} params")
+        _assert_close_trees(state, ref_state, rel=REL_FLOAT64, what=f"step {i} state")
+    return params, state
 
 
 def test_a_clip_of_finite_huge_gradients_is_finite_without_a_host_read(monkeypatch) -> None:

@@ -154,13 +154,17 @@ def test_skipped_and_overflowing_mini_steps_are_bitwise_the_pure_chain() -> None
 
 
 def test_what_is_not_split_stays_pure_and_says_why() -> None:
+    """Chains that are not a Split (a combinator before the MultiSteps, two of them) and
+    that the planner does not lower either (tests/test_multisteps_inside.py: a MultiSteps
+    inside a combinator)."""
     params = {"w": torch.zeros(3)}
     ms = _ms(F.adamw(1e-2), 2)
-    for tx in (F.masked(ms, {"w": True}), F.chain(F.masked(F.scale(2.0), {"w": True}), ms),
-               F.apply_if_finite(ms, max_consecutive_errors=1), F.chain(ms, ms)):
+    for tx, expected in ((F.chain(F.masked(F.scale(2.0), {"w": True}), ms),
+                          "MultiSteps after other rules of its leaves"),
+                         (F.chain(ms, ms), "a second MultiSteps in one transform")):
         reason = F.fast.explain(tx, params).reason or ""
-        assert "MultiSteps is lowered as the whole transform" in reason, reason
-        with pytest.warns(F.fast.FastPathWarning, match="MultiSteps is lowered"):
+        assert expected in reason, reason
+        with pytest.warns(F.fast.FastPathWarning, match=expected):
             F.fast.make_step(tx)({"w": torch.ones(3)}, tx.init(params), params)
     # the closing chain's own reason, named as such
     lion = F.chain(F.clip_by_global_norm(1.0), _ms(F.lion(1e-4), 2))
@@ -187,6 +191,71 @@ def test_fast_path_law_over_pytrees(case: tuple[Any, Any, Any], k: int, name: st
     params, grads, _ = case
     conformance.check_fast_path(functools.partial(NESTED[name], k), params, grads,
                                 steps=k + 1)
+
+
+@settings(max_examples=4, deadline=None)
+@given(case=conformance.cases(dtypes=(torch.float32, torch.float64), max_leaves=3),
+       k=st.sampled_from([1, 2]))
+def test_fast_path_law_over_pytrees_injected(case: tuple[Any, Any, Any], k: int) -> None:
+    params, grads, _ = case
+    conformance.check_fast_path(functools.partial(_injected_chain, k), params, grads,
+                                steps=k + 1)
+
+
+def _injected_chain(k: int) -> functopt.GradientTransformation:
+    """A clip before the MultiSteps, inside inject_hyperparams: a scheduled learning rate of
+    the inner AdamW and an injected constant of the clip."""
+    return F.inject_hyperparams(lambda learning_rate, max_norm: F.chain(
+        F.clip_by_global_norm(max_norm), _ms(F.adamw(learning_rate, weight_decay=0.1), k)))(
+        learning_rate=F.schedules.linear_schedule(0.1, 0.01, 6), max_norm=0.5)
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_chain_inside_inject_hyperparams_is_split_with_this_steps_values(
+        donate: bool) -> None:
+    """The chain built from each step's hyperparameters (the clip's max_norm edited between
+    steps, the learning rate a schedule of the injection's count): mini-steps bitwise the
+    pure path, closing mini-steps to the kernel's rounding, the injection's count and values
+    as its update writes them."""
+    k, params = 3, {n: p.double() for n, p in _params().items()}
+    tx = _injected_chain(k)
+    got = F.fast.explain(tx, params)
+    assert got.fast and (got.mini_steps or "").startswith(
+        "MultiSteps: each mini-step runs clip_by_global_norm("), str(got)
+    step, state = F.fast.make_step(tx, donate=donate), tx.init(params)
+    for t in range(2 * k + 1):
+        state.hyperparams["max_norm"].fill_(0.5 + t)
+        grads = _grads(t, params)
+        updates, ref_state = tx.update(grads, state, params)
+        ref_params = F.apply_updates(params, updates)
+        with torch.no_grad():
+            fast_params, fast_state = step(grads, tree_clone(state) if donate else state,
+                                           {n: p.clone() for n, p in params.items()})
+        if (t + 1) % k:
+            assert_bitwise_equal((fast_params, fast_state), (ref_params, ref_state))
+        leaves, spec = functopt.tree._core.flatten((fast_params, fast_state))
+        ref_leaves, ref_spec = functopt.tree._core.flatten((ref_params, ref_state))
+        assert spec == ref_spec
+        for a, e in zip(leaves, ref_leaves, strict=True):
+            torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+        params, state = ref_params, ref_state
+    assert int(state.count) == 2 * k + 1 and int(state.inner_state[1].gradient_step) == 2
+
+
+def test_an_injected_chain_that_changes_with_the_values_stays_pure_and_says_why() -> None:
+    def factory(learning_rate: Any) -> functopt.GradientTransformation:
+        # (a MultiSteps only for the value the structure was probed with)
+        inner = _ms(F.sgd(learning_rate), 2) if float(learning_rate) == 1.0 else F.sgd(
+            learning_rate)
+        return F.chain(F.clip_by_global_norm(1.0), inner)
+
+    tx = F.inject_hyperparams(factory)(learning_rate=0.5)
+    params = {"w": torch.ones(3)}
+    grads, state = {"w": torch.full((3,), 0.5)}, tx.init(params)
+    with pytest.warns(F.fast.FastPathWarning, match="built from this step's values"):
+        new, new_state = F.fast.make_step(tx)(grads, state, params)
+    updates, ref_state = tx.update(grads, state, params)
+    assert_bitwise_equal((new, new_state), (F.apply_updates(params, updates), ref_state))
 
 
 def test_a_state_of_another_layout_gets_the_chains_own_error() -> None:

@@ -353,6 +353,36 @@ def test_a_guard_after_a_clip_of_more_leaves_than_it_checks_stays_pure() -> None
     assert int(_guard_state(new_state[1].inner_states["g"]).notfinite_count) == 1
 
 
+@pytest.mark.parametrize(("after", "kind"), [
+    (lambda: functopt.masked(functopt.sgd(0.1, momentum=0.9), {"w": False, "b": True}),
+     "trace"),
+    (lambda: functopt.chain(functopt.add_decayed_weights(0.1),
+                            functopt.scale_by_learning_rate(0.1)), "add_decayed_weights"),
+], ids=["momentum_on_passed_leaves", "decay_after_the_guard"])
+def test_a_rule_after_a_leading_guard_on_its_leaves_stays_pure(after: Any, kind: str) -> None:
+    """On a skipped step the rules after an apply_if_finite run on its zero updates (a
+    momentum moves on, a decay moves the params), which the kernels' skip of the whole
+    program would not: such a step stays pure with that reason. (A learning rate after it
+    keeps zeros at zero: "clip_adam_then_schedule" above folds.)"""
+    tx = functopt.chain(functopt.apply_if_finite(
+        functopt.masked(functopt.adamw(0.1), {"w": True, "b": False}), 2), after())
+    params = {"w": torch.ones(5, 3, dtype=torch.float64), "b": torch.ones(3, dtype=torch.float64)}
+    reason = str(explain(tx, params).reason)
+    assert f"{kind} after apply_if_finite on the leaves it checks has no fast form" in reason
+    state, step = tx.init(params), make_step(tx)
+    for i in range(3):
+        grads = {k: torch.full_like(v, 0.5) for k, v in params.items()}
+        if i == 2:
+            grads["w"][0, 0] = float("inf")
+        with torch.no_grad(), pytest.warns(FastPathWarning, match="after apply_if_finite"):
+            new, new_state = step(grads, state, params)
+        ref, ref_state = _pure(tx, grads, state, params)
+        assert_bitwise_equal(new, ref)
+        assert_bitwise_equal(new_state, ref_state)
+        params, state = ref, ref_state
+    assert int(_guard_state(state[0]).total_notfinite) == 1
+
+
 def test_injected_constants_are_read_on_the_host_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernels take betas, eps, weight decay and a host lr as Python floats: an injected constant
     is read once and remembered while it is the same, unmodified tensor (each read is a

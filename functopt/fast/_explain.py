@@ -10,7 +10,8 @@ import torch
 
 from functopt._base import GradientTransformation
 from functopt._collective.dtensor import _leaf_names
-from functopt.fast import _multi, _planner
+from functopt.fast import _inside, _multi, _multi_injected, _planner
+from functopt.transforms.hyperparams import InjectHyperparamsState
 from functopt.transforms.multi_steps import MultiSteps
 from functopt.tree import _core
 
@@ -61,8 +62,8 @@ class Explanation:
     # (Prodigy's and D-Adaptation's sums, a clip after other rules), added over groups
     # and ranks (the per-leaf tier runs such a rule's own update on all its leaves)
     tree_sums: int = 0
-    # MultiSteps (whole or in a chain): what its mini-steps run; the groups then step the
-    # mini-step that closes a window
+    # MultiSteps (whole, in a chain, or inside a combinator): what its mini-steps run; the
+    # groups then step the mini-step that closes a window
     mini_steps: str | None = None
 
     def __str__(self) -> str:
@@ -124,6 +125,18 @@ def explain(tx: GradientTransformation | MultiSteps, params: Any, state: Any = N
         raise TypeError(
             f"explain: tx must be a functopt.GradientTransformation, got "
             f"{type(tx).__name__}. Fix: explain(functopt.adamw(1e-3), params).")
+    injected = _multi_injected.InjectedSplit.of(tx)
+    if injected is not None:  # such a chain inside inject_hyperparams: the same, injected
+        state = tx.init(params) if state is None else state
+        found = injected.split_of(state)
+        if found is not None:
+            inner_split = found[0]
+            closing_state = InjectHyperparamsState(
+                state.count, state.hyperparams, inner_split.closing_state(state.inner_state))
+            inner = explain(injected.closing, params, closing_state, grads, compile=compile)
+            if not inner.fast:
+                return dataclasses.replace(inner, reason=f"{inner_split.label}: {inner.reason}")
+            return dataclasses.replace(inner, mini_steps=inner_split.summary())
     split = _multi.Split.of(tx)
     if split is not None:  # MultiSteps: foreach accumulation, then the closing fast step
         state = tx.init(params) if state is None else state
@@ -144,6 +157,34 @@ def explain(tx: GradientTransformation | MultiSteps, params: Any, state: Any = N
     lowered = _planner.lower(structure, state_spec, leaves, grad_leaves, state_leaves, name,
                              compiled=compile)
     paths = _core.paths(treespec)
+    mini_steps = None
+    accumulation = structure.accumulation
+    if accumulation is not None and not lowered.fast:  # a MultiSteps inside a combinator
+
+        def lower(mode: str) -> _planner.Lowered:
+            found = _planner.walk(tx, params, treespec, leaves, state_leaves, state_spec,
+                                  mode)
+            return _planner.lower(found, state_spec, leaves, grad_leaves, state_leaves, name,
+                                  compiled=compile)
+
+        mini, lowered = _inside.explained(structure, lower)
+        structure = lowered.structure
+        if lowered.fast:
+            mine = accumulation.leaves
+            others = [g for g in mini.groups if g.plan.kernel != "zero"]
+            mini_steps = "".join((
+                f"MultiSteps at {accumulation.where} on {len(mine)} leaves (",
+                ", ".join(paths[i] for i in mine[:4]), ", ..." if len(mine) > 4 else "",
+                "): each mini-step accumulates their gradients with a foreach running ",
+                "mean" if accumulation.multi_steps.use_grad_mean else "sum",
+                " per (device, dtype) group",
+                f", {len(mini.structure.zeroed)} of them then stepped on zero gradients by "
+                "the rules after it" if mini.structure.zeroed else " and adds 0.0 to them",
+                f"; the mini-step's kernels: {len(others)} call(s) (" if others else "",
+                ", ".join(_KERNELS[g.plan.kernel] for g in others),
+                ")" if others else "",
+                "; the closing one steps the MultiSteps' inner transform on the accumulated "
+                "gradients"))
     groups = tuple(
         GroupPath(kernel=_KERNELS[g.plan.kernel], device=g.device, dtype=g.dtype,
                   leaves=tuple(paths[i] for i in g.leaves), clip=g.plan.clip is not None,
@@ -155,4 +196,5 @@ def explain(tx: GradientTransformation | MultiSteps, params: Any, state: Any = N
                        clips=len(structure.clips), guards=len(structure.guards),
                        tree_sums=len({op.node for g in lowered.groups
                                       if g.plan.kernel == "compiled"
-                                      for op in g.plan.ops if op.sums is not None}))
+                                      for op in g.plan.ops if op.sums is not None}),
+                       mini_steps=mini_steps)

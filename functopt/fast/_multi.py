@@ -21,7 +21,9 @@ are stepped here (the mixed-precision step does the same in
 
 A ``MultiSteps`` anywhere else (inside ``masked``, ``partition``, ``inject_hyperparams`` or
 ``apply_if_finite``, or beside an element that is not a per-leaf rule or a clip) is not a
-`Split`: the planner keeps it opaque, and the step pure, with a ``FastPathWarning``.
+`Split`: ``make_step`` lowers it with the planner where it is the first rule of its leaves
+(``functopt/fast/_inside.py``); elsewhere, and in the mixed-precision step, the step is
+pure, with a ``FastPathWarning``.
 """
 
 from __future__ import annotations
@@ -44,12 +46,13 @@ __all__ = ["Split", "accumulate", "closed", "get", "multi_step", "plus_zero", "p
 
 Path = tuple[Any, ...]  # keys from a chain's state to an element's (tuple index, dict key)
 
-# Why a MultiSteps in a chain stays opaque, for the planner's message
+# Why a MultiSteps that is not a Split stays opaque to a step that does not read it as
+# functopt/fast/_inside.py does (the mixed-precision step's), for the planner's message
 NOT_SPLIT = (
-    "MultiSteps is lowered as the whole transform (of make_step or mixed_precision) or as "
-    "one element of a chain or named_chain whose other elements are per-leaf rules or "
-    "clip_by_global_norm; not inside masked, partition, inject_hyperparams or "
-    "apply_if_finite, nor beside other transforms")
+    "MultiSteps inside masked, partition, inject_hyperparams or apply_if_finite, or in a chain "
+    "beside them, is lowered by make_step only; the mixed-precision step lowers it as the whole transform or "
+    "as one element of a chain or named_chain whose other elements are per-leaf rules or "
+    "clip_by_global_norm")
 
 
 def _uninitialised(params: Params) -> State:
@@ -252,8 +255,10 @@ def zeroed(accs: list[Any], *, in_place: bool) -> list[Any]:
     """The accumulators reset for a new window: zeroed in place (one ``foreach`` call), or
     new zeros."""
     if in_place:
-        with torch.no_grad():
-            torch._foreach_zero_([local_tensor(a) for a in accs if a is not None])
+        tensors = [local_tensor(a) for a in accs if a is not None]
+        if tensors:  # (a MultiSteps that sees no leaf, inside masked: nothing to reset)
+            with torch.no_grad():
+                torch._foreach_zero_(tensors)
         return accs
     return _core.map_leaves(torch.zeros_like, accs)
 

@@ -40,9 +40,10 @@ DTensor shards are taken: the rules run on them as on the pure path (sharded Muo
 grouped update sends each matrix to its owner rank and back, two all-to-alls per call),
 and the apply adds the local shards. A rule inside ``inject_hyperparams`` runs the update
 (and ``grouped`` update) of the inner transform built from the step's hyperparameters, as
-the pure ``inject_hyperparams`` builds it. Not taken (the reason goes to ``explain`` and the
-``FastPathWarning``): an ``inject_hyperparams`` nested in another, a clip or guard after the
-rules, a per-leaf state entry that is not a tensor on its leaf's device.
+the pure ``inject_hyperparams`` builds it (one nested in another: the inner transform of
+the one built from the outer's values, built from its own). Not taken (the reason goes to
+``explain`` and the ``FastPathWarning``): a clip or guard after the rules, a per-leaf state
+entry that is not a tensor on its leaf's device.
 """
 
 from __future__ import annotations
@@ -76,8 +77,8 @@ def match(program: list[Any], plan: Any) -> Any:
         if op.fn is None or op.state_at is None:
             return f"the per-leaf tier has no lowering of {op.kind}"
         if op.injected and op.rebuild is None:
-            return (f"the per-leaf tier does not lower an inject_hyperparams nested in "
-                    f"another ({op.kind})")
+            return (f"the per-leaf tier does not find {op.kind} again in the injected "
+                    f"transform built from a step's values")
     if not ops:
         return "no update rule"
     return plan("perleaf", clip, guard=guard, ops=tuple(ops))

@@ -203,10 +203,11 @@ class _Env:
     hyper: list[dict[str, Any]]  # per injected node: this step's hyperparameters
     # the planner's memo of host reads: id(tensor) -> (weakref, version, value)
     reads: dict[int, tuple[Any, int, float]] = field(default_factory=dict)
-    # per injected node: its inner transform's Leafwise specs, built from this step's values
-    # (for the compiled tier, which runs the rules' own updates), made when first asked
+    # per injected node: its build, and its inner transform's spec built from this step's
+    # values (for the compiled and per-leaf tiers, which run the rules' own updates, and the
+    # injections inside it), made when first asked
     builds: list[Any] = field(default_factory=list)
-    built: dict[int, list[Any]] = field(default_factory=dict)
+    built: dict[int, Spec | None] = field(default_factory=dict)
     # whether a value read depends on more than the tensors in ``log`` (a count, a rebuilt
     # rule): then what this step resolved is not kept for the next (see `_Steady`)
     volatile: bool = False
@@ -215,13 +216,32 @@ class _Env:
     def spec_of(self, rebuild: tuple[int, int]) -> Leafwise:
         """The spec of the rule at ``rebuild`` (see ``_Op.rebuild``) in the injected
         transform built from this step's hyperparameters (built once per step)."""
-        self.volatile = True
         node, position = rebuild
-        specs = self.built.get(node)
-        if specs is None:
-            specs = self.built[node] = leafwise_specs(describe(self.builds[node](
-                self.hyper[node])))
-        return specs[position]
+        found: Leafwise = leafwise_specs(self.inner(node))[position]
+        return found
+
+    def inner(self, node: int) -> Spec | None:
+        """The spec of the ``node``-th injection's inner transform built from this step's
+        hyperparameters (built once per step)."""
+        self.volatile = True
+        if node not in self.built:
+            self.built[node] = describe(self.builds[node](self.hyper[node]))
+        return self.built[node]
+
+    def resolve(self, injections: list[_Injection]) -> None:
+        """This step's hyperparameters and build of every injection, outer ones first: an
+        injection inside another is the one in the outer's inner transform built from the
+        outer's values (its schedules, its static arguments), as the pure outer update
+        builds it."""
+        for inj in injections:
+            values_at, build = inj.values_at, inj.build
+            if inj.parent is not None:
+                node, position = inj.parent
+                spec: Injected = _specs_of(self.inner(node), Injected)[position]
+                values_at, build = spec.values_at, spec.build
+            constants = {k: self.leaves[inj.hyper[k]] for k in inj.constants}
+            self.hyper.append(values_at(self.leaves[inj.count], constants))
+            self.builds.append(build)
 
     def update_of(self, rebuild: tuple[int, int]) -> Any:
         """The update of the rule at ``rebuild`` in the injected transform built from this
@@ -271,9 +291,9 @@ class _Op:
     fn: Any = None
     state_at: Any = None
     injected: bool = False
-    # inside inject_hyperparams: (the injection's index, the position of this rule's spec
-    # among the Leafwise specs of the inner transform), to find its update again in the
-    # inner transform built from this step's values; None when nested injections
+    # inside inject_hyperparams: (the innermost injection's index, the position of this
+    # rule's spec among the Leafwise specs of its inner transform), to find its update again
+    # in the inner transform built from this step's values (see `_Env.resolve`)
     rebuild: tuple[int, int] | None = None
     # a PerLeaf rule (not elementwise): the per-leaf tier runs ``grouped`` (or ``fn``)
     perleaf: bool = False
@@ -343,6 +363,10 @@ class _Injection:
     values_at: Callable[[Any, dict[str, Any]], dict[str, Any]]
     guard: int | None = None  # the apply_if_finite it sits in
     build: Callable[[dict[str, Any]], Any] | None = None  # the inner transform from values
+    # inside another injection: (that one's index, the position of this one's spec among the
+    # Injected specs of its inner transform), to find it again in the inner transform built
+    # from this step's values (see `_Env.resolve`)
+    parent: tuple[int, int] | None = None
 
 
 @dataclass
@@ -368,6 +392,12 @@ class Structure:
     treespec: Any = None  # the params' structure (the per-leaf tier rebuilds trees)
     perleaf: bool = False  # some rule is a PerLeaf one: the per-leaf tier is on
     tree_wide: list[int] = field(default_factory=list)  # the rules with tree sums
+    # a MultiSteps inside a combinator (functopt/fast/_inside.py): where it is and what it
+    # sees; the walk's ``mode`` says which of its steps the programs are
+    accumulation: Accumulation | None = None
+    # MINI mode: its leaves whose zero updates reach other rules after it; the step hands
+    # the kernels zero gradients there (the other leaves of it take set_to_zero)
+    zeroed: list[int] = field(default_factory=list)
 
     @functools.cached_property
     def counter_indices(self) -> list[int]:
@@ -381,9 +411,31 @@ class Structure:
                        if isinstance(op, _Op) for k in op.slots.values()})
 
 
+@dataclass(frozen=True, eq=False)
+class Accumulation:
+    """A ``MultiSteps`` the walk met inside a combinator (``masked``, ``partition``,
+    ``inject_hyperparams``, a chain beside them), first on its leaves."""
+
+    multi_steps: Any  # the MultiSteps (inside an injection: built from the placeholders)
+    state_at: Any  # its state, with flat state indices for leaves (a MultiStepsState)
+    leaves: tuple[int, ...]  # the leaves it sees
+    where: str  # its place in the transform, for explain
+    # inside inject_hyperparams: (the injection's index, the position of its spec among the
+    # Accumulated specs of the inner transform), to find it again in the inner transform
+    # built from this step's values (its window is decided by that one); else None
+    rebuild: tuple[int, int] | None = None
+    guard: int | None = None  # the apply_if_finite it sits in (its index in ``guards``)
+
+
+# The walk's modes for a MultiSteps inside a combinator (`Accumulation`): its closing
+# mini-step (its inner transform on its state's inner_opt_state) or another mini-step (zero
+# updates: set_to_zero on its leaves); None: it is opaque.
+CLOSING, MINI = "closing", "mini"
+
+
 class _Walk:
     def __init__(self, params: Any, treespec: _core.TreeSpec, param_leaves: list[Any],
-                 state_leaves: list[Any]) -> None:
+                 state_leaves: list[Any], mode: str | None = None) -> None:
         self.params = params
         self.treespec = treespec
         self.param_leaves = param_leaves
@@ -391,8 +443,31 @@ class _Walk:
         self.out = Structure(programs=[[] for _ in param_leaves])
         self.placeholders: dict[int, Any] = {}  # id(placeholder tensor) -> _Hyper
         self.guard: int | None = None  # the apply_if_finite the walk is inside
-        # the injection the walk is inside and its inner Leafwise specs ("nested" inside two)
-        self.injecting: tuple[int, list[Leafwise]] | str | None = None
+        # the (innermost) injection the walk is inside and its inner Leafwise specs
+        self.injecting: tuple[int, list[Leafwise]] | None = None
+        self.mode = mode  # CLOSING, MINI or None (see `Accumulation`)
+        # per injection walked: the Accumulated and the Injected specs of its inner transform
+        self.accumulating: list[list[Accumulated]] = []
+        self.injections: list[list[Injected]] = []
+        # per leaf under a leading apply_if_finite: its program's length when the guard's
+        # inner transform ended, and where the guard is (see `after_guards`)
+        self.guard_ends: dict[int, tuple[int, str]] = {}
+
+    def after_guards(self) -> None:
+        """A leading guard folds into the kernels' skip of the whole program, which is what
+        the pure path does only where the rules after the guard (outside it: the guard hands
+        them zero updates on a skipped step) leave zeros at zero and their state as it is:
+        the learning rates. Any other rule there (a decay, a momentum, on leaves the guard's
+        inner transform passes through, say) keeps the step pure."""
+        for i, (end, where) in self.guard_ends.items():
+            after = [op.kind for op in self.out.programs[i][end:]
+                     if op.kind != "identity" and op.kind not in _LR_KINDS]
+            if after:
+                self.out.opaque.append(
+                    f"{where}: {after[0]} after apply_if_finite on the leaves it checks has "
+                    f"no fast form (on a skipped step it runs on the guard's zero updates, "
+                    f"which the kernels' skip does not)")
+                return
 
     def counter(self, index: int) -> None:
         self.out.counters.append(index)
@@ -495,14 +570,72 @@ class _Walk:
             self.guard = mark.index
             self.walk(spec.inner, idx.inner_state, sel, f"{where}.apply_if_finite")
             self.guard = None
+            for i in sel:
+                self.guard_ends[i] = (len(self.out.programs[i]), where or "<root>")
         elif isinstance(spec, ZeroNans):
             self.zero_nans(spec, idx, sel, where)
         elif isinstance(spec, Leafwise):
             self.leafwise(spec, idx, sel, where)
         elif isinstance(spec, Accumulated):
-            self.out.opaque.append(f"{where or '<root>'}: {_multi.NOT_SPLIT}")
+            self.accumulated(spec, idx, sel, where or "<root>")
         else:  # a Spec subclass of a later layer that this planner does not know
             self.out.opaque.append(f"{where}: {type(spec).__name__} has no lowering")
+
+    def accumulated(self, spec: Accumulated, idx: Any, sel: list[int], where: str) -> None:
+        """A ``MultiSteps`` that `_multi.Split` did not take. It is lowered where it is the
+        first rule of its leaves (it then sees their gradients, which the step accumulates
+        and decides its window on; a leading ``apply_if_finite`` around it checks them):
+        recorded in ``accumulation``, and walked as the mode says."""
+        reason = None
+        if self.out.accumulation is not None:
+            reason = "a second MultiSteps in one transform has no fast form"
+        elif any(i in set(sel) for zeroing in self.out.zero_nans for i, _ in zeroing.flags):
+            reason = ("MultiSteps after zero_nans has no fast form (it decides its window on "
+                      "the gradients as zero_nans leaves them)")
+        elif any(op.kind != "identity" and not (isinstance(op, _Guard)
+                                                and op.index == self.guard)
+                 for i in sel for op in self.out.programs[i]):
+            reason = ("MultiSteps after other rules of its leaves has a fast form only as an "
+                      "element of a chain of per-leaf rules and clips (inside masked, "
+                      "partition or inject_hyperparams it must come first)")
+        if reason is not None:
+            self.out.opaque.append(f"{where}: {reason}")
+            return
+        rebuild = None
+        if self.injecting is not None:
+            at = [j for j, other in enumerate(self.accumulating[self.injecting[0]])
+                  if other is spec]
+            if not at:
+                self.out.opaque.append(f"{where}: a MultiSteps inside inject_hyperparams that "
+                                       f"the planner does not find again in it")
+                return
+            rebuild = (self.injecting[0], at[0])
+        ms = spec.multi_steps
+        self.out.accumulation = Accumulation(ms, idx, tuple(sel), where, rebuild, self.guard)
+        if self.mode is None:
+            self.out.opaque.append(f"{where}: {_multi.NOT_SPLIT}")
+        elif self.mode == CLOSING:
+            self.walk(describe(ms.inner_opt), idx.inner_opt_state, sel, f"{where}.MultiSteps")
+        else:  # its zero updates (see `zero_updates`)
+            node = self.node()
+            for i in sel:
+                self.out.programs[i].append(_Op("set_to_zero", {}, {}, node))
+
+    def zero_updates(self) -> None:
+        """A mini-step's zero updates, where rules come after the ``MultiSteps`` (a masked
+        decay, a learning rate): as it is the first rule of its leaves, those rules see
+        what they would see if the leaves' gradients were zeros, so the step gives them
+        zero gradients (``zeroed``) and the programs lose the ``set_to_zero``, which the
+        kernels take only last."""
+        acc = self.out.accumulation
+        if self.mode != MINI or acc is None:
+            return
+        for i in acc.leaves:
+            program = self.out.programs[i]
+            at = next(j for j, op in enumerate(program) if op.kind == "set_to_zero")
+            if any(op.kind != "identity" for op in program[at + 1:]):
+                del program[at]
+                self.out.zeroed.append(i)
 
     def zero_nans(self, spec: ZeroNans, idx: Any, sel: list[int], where: str) -> None:
         """A ``zero_nans`` before every rule of its leaves runs on the gradients before the
@@ -567,6 +700,15 @@ class _Walk:
             self.out.programs[i].append(late)
 
     def injected(self, spec: Injected, idx: Any, sel: list[int], where: str) -> None:
+        outer = self.injecting
+        parent = None
+        if outer is not None:  # (where the walk met it, the outer's inner spec holds it)
+            at = [j for j, other in enumerate(self.injections[outer[0]]) if other is spec]
+            if not at:
+                self.out.opaque.append(f"{where}: an inject_hyperparams inside another that "
+                                       f"the planner does not find again in it")
+                return
+            parent = (outer[0], at[0])
         hyper_idx = {k: idx.hyperparams[k] for k in spec.names}
         node = len(self.out.injections)
         placeholders = {}
@@ -579,10 +721,11 @@ class _Walk:
         self.out.injections.append(_Injection(
             count=idx.count, hyper=hyper_idx,
             constants=tuple(k for k in spec.names if k not in spec.schedules),
-            values_at=spec.values_at, guard=self.guard, build=spec.build))
+            values_at=spec.values_at, guard=self.guard, build=spec.build, parent=parent))
         self.counter(idx.count)
-        outer = self.injecting
-        self.injecting = (node, leafwise_specs(describe(inner))) if outer is None else "nested"
+        self.injecting = (node, leafwise_specs(describe(inner)))
+        self.accumulating.append(accumulated_specs(describe(inner)))
+        self.injections.append(_specs_of(describe(inner), Injected))
         self.walk(describe(inner), idx.inner_state, sel, f"{where}.inject_hyperparams")
         self.injecting = outer
         del placeholders  # ids of freed placeholders must not match later tensors
@@ -661,7 +804,7 @@ class _Walk:
         if count is not None:
             self.counter(count)
         rebuild = None
-        if isinstance(self.injecting, tuple):
+        if self.injecting is not None:
             at = [j for j, other in enumerate(self.injecting[1]) if other is spec]
             rebuild = (self.injecting[0], at[0]) if at else None
         for i in sel:
@@ -692,15 +835,37 @@ def _guarded_whole(spec: Spec | None) -> bool:
 def leafwise_specs(spec: Spec | None) -> list[Leafwise]:
     """The Leafwise specs of a transform's spec tree, depth first (the order in which an
     injected transform built again from new values is searched for the same rule)."""
-    if isinstance(spec, Leafwise):
+    return _specs_of(spec, Leafwise)
+
+
+def accumulated_specs(spec: Spec | None) -> list[Accumulated]:
+    """The ``MultiSteps`` specs of a transform's spec tree, in the same order (see
+    `Accumulation.rebuild`)."""
+    return _specs_of(spec, Accumulated)
+
+
+def _specs_of(spec: Spec | None, kind: type[Any]) -> list[Any]:
+    if isinstance(spec, kind):
         return [spec]
+    children: Any = ()
     if isinstance(spec, Sequence):
-        return [x for child in spec.children for x in leafwise_specs(child)]
-    if isinstance(spec, Select):
-        return [x for child in spec.children.values() for x in leafwise_specs(child)]
-    if isinstance(spec, FiniteGuard):
-        return leafwise_specs(spec.inner)
-    return []  # an injection inside: its rules are not searched (see _Op.rebuild)
+        children = spec.children
+    elif isinstance(spec, Select):
+        children = spec.children.values()
+    elif isinstance(spec, FiniteGuard):
+        children = (spec.inner,)
+    elif isinstance(spec, Accumulated):
+        children = (describe(spec.multi_steps.inner_opt),)
+    # (an injection inside: its rules are not searched, see _Op.rebuild)
+    return [x for child in children for x in _specs_of(child, kind)]
+
+
+def injected_spec(structure: Structure, state_leaves: list[Any], node: int) -> Spec | None:
+    """The spec of the ``node``-th injection's inner transform built from this step's
+    hyperparameters (those of the injections around it too), as the pure update builds it."""
+    env = _Env(state_leaves, [])
+    env.resolve(structure.injections[:node + 1])  # (the outer ones come first)
+    return env.inner(node)
 
 
 class _Mismatch(Exception):
@@ -710,13 +875,16 @@ class _Mismatch(Exception):
 
 def walk(tx: GradientTransformation, params: Any, treespec: _core.TreeSpec,
          param_leaves: list[Any], state_leaves: list[Any], state_spec: _core.TreeSpec,
-         ) -> Structure:
-    """The programs of ``tx`` on these params and this (flattened) state."""
+         mode: str | None = None) -> Structure:
+    """The programs of ``tx`` on these params and this (flattened) state; ``mode``: which
+    step of a ``MultiSteps`` inside a combinator they are (see `Accumulation`)."""
     index_tree = _core.unflatten(state_spec, list(range(len(state_leaves))))
-    w = _Walk(params, treespec, param_leaves, state_leaves)
+    w = _Walk(params, treespec, param_leaves, state_leaves, mode)
     w.out.treespec = treespec
     try:
         w.walk(describe(tx), index_tree, list(range(len(param_leaves))), "")
+        w.zero_updates()
+        w.after_guards()
     except (_Mismatch, AttributeError, KeyError, TypeError, IndexError) as error:
         w.out.opaque.append(f"the state does not fit the transform's spec ({error})")
     return w.out
@@ -813,8 +981,8 @@ def _match_compiled(program: list[Any]) -> _KernelPlan | str:
         if op.fn is None or op.state_at is None:
             return f"the compiled tier has no lowering of {op.kind}"
         if op.injected and op.rebuild is None:
-            return (f"the compiled tier does not lower an inject_hyperparams inside "
-                    f"another ({op.kind})")
+            return (f"the compiled tier does not find {op.kind} again in the injected "
+                    f"transform built from a step's values")
     if not ops:
         return "no update rule"
     summing = [op.kind for op in ops if op.sums is not None]
@@ -1307,10 +1475,7 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
         resolved, bounds = steady.resolved, steady.bounds
     else:
         env = _Env(state_leaves, []) if reads is None else _Env(state_leaves, [], reads)
-        for inj in structure.injections:
-            constants = {k: state_leaves[inj.hyper[k]] for k in inj.constants}
-            env.hyper.append(inj.values_at(state_leaves[inj.count], constants))
-            env.builds.append(inj.build)
+        env.resolve(structure.injections)
         bounds = [bound(env) for bound in structure.clip_bounds]
         # every value read at run time first, so that a refusal comes before any write
         resolved = []
@@ -1740,12 +1905,14 @@ class Planner:
         return lowered.groups if lowered.fast else None
 
     def structure(self, params: Any, treespec: _core.TreeSpec, param_leaves: list[Any],
-                  state_leaves: list[Any], state_spec: _core.TreeSpec) -> Structure:
+                  state_leaves: list[Any], state_spec: _core.TreeSpec,
+                  mode: str | None = None) -> Structure:
         key = (treespec, state_spec,
-               tuple(None if p is None else tuple(p.shape) for p in param_leaves))
+               tuple(None if p is None else tuple(p.shape) for p in param_leaves), mode)
         found = self._cache.get(key)
         if found is None:
-            found = walk(self.tx, params, treespec, param_leaves, state_leaves, state_spec)
+            found = walk(self.tx, params, treespec, param_leaves, state_leaves, state_spec,
+                         mode)
             if len(self._cache) >= self._SIZE:
                 self._cache.pop(next(iter(self._cache)))
             self._cache[key] = found

@@ -45,7 +45,7 @@ from functopt._apply import apply_updates
 from functopt._base import GradientTransformation, Params, State, Updates
 from functopt._collective.dtensor import _infer_group, _leaf_names, _rewrap_like, local_tensor
 from functopt._collective.reduce import all_reduce_stats
-from functopt.fast import _capture, _compiled, _multi, _planner
+from functopt.fast import _capture, _compiled, _inside, _multi, _multi_injected, _planner
 from functopt.fast._capture import CapturedStep, _state_names
 from functopt.fast._planner import CaptureError
 from functopt.transforms.multi_steps import MultiSteps
@@ -181,7 +181,9 @@ class Step:
         self.planner = _planner.Planner(tx)
         # MultiSteps: mini-steps accumulate here, a closing step runs the inner
         # transform's own fast step
-        self._accumulated = _multi.Split.of(tx)  # (whole, or one element of a chain)
+        # (whole, one element of a chain, or such a chain inside inject_hyperparams)
+        self._accumulated: _multi.Split | _multi_injected.InjectedSplit | None = (
+            _multi.Split.of(tx) or _multi_injected.InjectedSplit.of(tx))
         self._inner = None if self._accumulated is None else Step(
             self._accumulated.closing, donate=donate, compile=compile, fused=fused,
             donate_grads=donate_grads)
@@ -386,7 +388,8 @@ class Step:
                              state_spec, name)
         if not isinstance(result, str):
             return _core.unflatten(treespec, result.values), result.state
-        _planner.warn_lost("make_step", result, stacklevel=3)
+        if result is not _inside.FOREIGN:  # (a state of another transform: its own error)
+            _planner.warn_lost("make_step", result, stacklevel=3)
         updates, new_state = tx.update(grads, state, params, **extra_args)
         return _grouped_apply(param_leaves, treespec, updates, donate), new_state
 
@@ -431,7 +434,10 @@ class Step:
                                     donated=param_leaves if donate else None,
                                     compiled=self.compile)
             if lowered.reason is not None:
-                return lowered.reason
+                if structure.accumulation is None:
+                    return lowered.reason
+                return self._inside(structure, params, param_leaves, treespec, grad_leaves,
+                                    state_leaves, state_spec, name)
             if donate:  # (a step that is not donated returns new tensors: never seen again)
                 self._remember(param_leaves, treespec, grad_leaves, state_leaves, lowered)
         if torch.is_grad_enabled():  # donated params may be leaves that require grad
@@ -440,9 +446,40 @@ class Step:
                                  checked)
         return self._run(lowered, param_leaves, grad_leaves, state_leaves, name, checked)
 
+    def _inside(self, structure: _planner.Structure, params: Params, param_leaves: list[Any],
+                treespec: _core.TreeSpec, grad_leaves: list[Any], state_leaves: list[Any],
+                state_spec: _core.TreeSpec, name: Callable[[int], str],
+                ) -> _planner.Result | str:
+        """A step of a transform with a ``MultiSteps`` inside a combinator
+        (``functopt/fast/_inside.py``): the planner's step of this mini-step, or the reason
+        there is none (before anything was written)."""
+        planner = self.planner
+
+        def lower(mode: str) -> _planner.Lowered:
+            found = planner.structure(params, treespec, param_leaves, state_leaves,
+                                      state_spec, mode)
+            return planner.lower(found, state_spec, param_leaves, grad_leaves, state_leaves,
+                                 name, donated=param_leaves if self.donate else None,
+                                 compiled=self.compile)
+
+        def run(lowered: _planner.Lowered, grads: list[Any],
+                verdicts: dict[int, torch.Tensor]) -> _planner.Result | str:
+            return self._run(lowered, param_leaves, grads, state_leaves, name,
+                             verdicts=verdicts)
+
+        def finite(guard: int) -> torch.Tensor:
+            return _reductions(structure, param_leaves, grad_leaves, name)[1][guard]
+
+        with torch.no_grad():
+            return _inside.inside_step(structure, lower, run, finite, treespec, param_leaves,
+                                       grad_leaves, state_leaves, donate=self.donate)
+
     def _run(self, lowered: _planner.Lowered, param_leaves: list[Any], grad_leaves: list[Any],
              state_leaves: list[Any], name: Callable[[int], str], checked: bool = False,
-             ) -> _planner.Result | str:
+             verdicts: dict[int, torch.Tensor] | None = None) -> _planner.Result | str:
+        """The planner's run with the step's reductions; ``verdicts``: guards whose verdict
+        the caller gives (a guard around a MultiSteps checks other gradients than those its
+        closing mini-step steps on: `_inside.inside_step`)."""
         structure = lowered.structure
         workspace = self._scratch() if self.donate else None
         if not (structure.zero_nans or structure.clips or structure.guards):
@@ -463,6 +500,8 @@ class Step:
         sums, finite, reduced, totals = _reductions(
             structure, param_leaves, grad_leaves, name,
             nans=[flag for _, flag, on_mesh in flags if on_mesh], totals=totals)
+        for index, verdict in (verdicts or {}).items():
+            finite[index] = verdict
         return _planner.run(lowered, param_leaves, grad_leaves, state_leaves,
                             donate=self.donate, donate_grads=self.donate_grads, sums=sums,
                             finite=finite, reads=self.planner.reads,
@@ -550,7 +589,8 @@ class Step:
         return param_leaves, state_leaves, state_spec
 
 
-    def _multi_step(self, split: _multi.Split, grads: Updates, state: Any, params: Params,
+    def _multi_step(self, split: _multi.Split | _multi_injected.InjectedSplit, grads: Updates,
+                    state: Any, params: Params,
                     extra_args: dict[str, Any]) -> tuple[Params, State]:
         """A ``MultiSteps`` step, whole or in a chain (``functopt/fast/_multi.py``): its
         window decided as its ``update`` decides it, the gradients accumulated with
@@ -558,6 +598,9 @@ class Step:
         mini-step that closes a window the fast step of the inner transform (and of what
         follows it in the chain) on the accumulated gradients."""
         assert self._inner is not None
+        if isinstance(split, _multi_injected.InjectedSplit):
+            return split.step(self._inner, _grouped_apply, grads, state, params, extra_args,
+                              donate=self.donate)
         return _multi.multi_step(split, self._inner, _grouped_apply, grads, state, params,
                                  extra_args, donate=self.donate)
 

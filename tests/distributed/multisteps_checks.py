@@ -182,3 +182,46 @@ def make_step_clip_then_multisteps_on_shards(rank: int, world: int) -> None:
         _assert_close(params, full, f"step {i} params")
         _assert_close(state, ref_state, f"step {i} state")
     assert int(state[1].gradient_step) == 2
+
+
+@check
+def make_step_multisteps_inside_combinators_on_shards(rank: int, world: int) -> None:
+    """make_step of a MultiSteps inside a guarded partition (beside SGD) and inside
+    inject_hyperparams, on float64 shards (functopt/fast/_inside.py): the window decided on
+    the DTensor gradients, the foreach accumulation on the local shards, the guard's verdict
+    over every rank (an inf on rank 1's rows of "w" at step 2 skips the step everywhere);
+    equal to the pure transform on the full tensors."""
+    del rank
+    mesh = _mesh(world)
+
+    def ms() -> functopt.GradientTransformation:
+        return functopt.MultiSteps(functopt.adamw(1e-2, weight_decay=0.1),
+                                   every_k_schedule=2).gradient_transformation()
+
+    cases = {
+        "guarded partition": functopt.apply_if_finite(functopt.partition(
+            {"acc": ms(), "sgd": functopt.sgd(0.1, momentum=0.9)},
+            {"w": "acc", "m": "acc", "b": "sgd"}), max_consecutive_errors=2),
+        "injected": functopt.inject_hyperparams(lambda learning_rate: functopt.MultiSteps(
+            functopt.adamw(learning_rate), every_k_schedule=2).gradient_transformation())(
+            learning_rate=1e-2),
+    }
+    for name, tx in cases.items():
+        full, step = _full_params(4, torch.float64), make_step(tx, donate=True)
+        params = _shard(full, mesh)
+        state, ref_state = tx.init(params), tx.init(full)
+        for i in range(5):
+            gfull = {k: torch.randn(v.shape, dtype=v.dtype, generator=torch.Generator(
+                ).manual_seed(80 + 7 * i + j)) for j, (k, v) in enumerate(full.items())}
+            if i == 2 and name == "guarded partition":
+                gfull["w"][4, 1] = float("inf")  # rows 3-4 of "w" live on rank 1
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("error", FastPathWarning)
+                params, state = step(_shard(gfull, mesh), state, params)
+            updates, ref_state = tx.update(gfull, ref_state, full)
+            full = functopt.apply_updates(full, updates)
+            _assert_close(params, full, f"{name}: step {i} params")
+            _assert_close(_full_tree(state), ref_state, f"{name}: step {i} state")
+        if name == "guarded partition":
+            assert int(state.total_notfinite) == 1
+            assert int(state.inner_state.inner_states["acc"].gradient_step) == 2
