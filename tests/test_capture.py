@@ -339,3 +339,30 @@ def test_another_dispatch_mode_only_takes_the_device_forms() -> None:
     with FlopCounterMode(display=False):
         got = F.fast.make_step(tx)(grads, tx.init(params), params)
     functopt.testing.assert_bitwise_equal(got, expected)
+
+
+def test_a_tensor_learning_rate_moved_in_place_reaches_the_replays() -> None:
+    """torch's idiom for schedules in a graph: a 0-d tensor ``lr`` in the param group,
+    which the scheduler fills in place. The adapter's cast of it is recorded, so each
+    replay reads its value."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = F.Optimizer(model.parameters(), F.adamw(1e-2, weight_decay=0.1))
+    lr = opt.param_groups[0]["lr"] = torch.tensor(1e-2)  # (what a scheduler fills)
+    for _ in range(2):
+        model.zero_grad(set_to_none=False)
+        model(torch.randn(5, 4)).sum().backward()
+        opt.step()
+    tape = _capture._Tape()
+    with tape:
+        opt.step()
+    lr.fill_(0.0)  # (lr 0: neither the update nor the decay moves a param)
+    before = [p.detach().clone() for p in model.parameters()]
+    count = int(opt.state[model.weight]["count"])
+    tape.replay()
+    functopt.testing.assert_bitwise_equal([p.detach() for p in model.parameters()], before)
+    assert int(opt.state[model.weight]["count"]) == count + 1
+    lr.fill_(1e-2)
+    tape.replay()
+    assert all(not torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before,
+                                                              strict=True))
