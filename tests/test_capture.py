@@ -328,7 +328,7 @@ def test_the_mixed_precision_step_is_refused_while_recorded() -> None:
         mp.step(grads, state, params)
 
 
-def test_another_dispatch_mode_only_takes_the_device_forms() -> None:
+def test_a_dispatch_mode_that_only_observes_changes_nothing() -> None:
     """Under a dispatch mode that does not replay (a flop counter), a step that reads a
     changing hyperparameter on the host still runs, and equals the step outside it."""
     from torch.utils.flop_counter import FlopCounterMode

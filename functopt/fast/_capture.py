@@ -307,7 +307,7 @@ class _Tape(TorchDispatchMode):  # type: ignore[no-untyped-call]
     reads a value back to the host (``.item()``, ``int(t)``, ``bool(t)``) raises
     `CaptureError`, which names the line of functopt or of the caller that read it."""
 
-    replays = True  # (what `functopt.tree._ops._capturing` looks for)
+    replays = True  # (what `functopt.tree._ops._recording` looks for)
 
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]

@@ -259,7 +259,7 @@ class _Env:
         found = self.reads.get(id(value))
         if found is not None and found[0]() is value and found[1] == value._version:
             return found[2]
-        if _ops._capturing():
+        if _ops._recording():
             raise CaptureError(
                 f"a recorded step cannot read a hyperparameter tensor on the host (one of "
                 f"shape {tuple(value.shape)} on {value.device} that the kernels take as a "

@@ -461,7 +461,7 @@ def mixed_precision(
     def step_fn(
         grads: Any, state: MixedPrecisionState, params: Params, **extra_args: Any
     ) -> tuple[Params, MixedPrecisionState]:
-        if _ops._capturing():
+        if _ops._recording():
             raise CaptureError(
                 f"{owner}: the mixed-precision step cannot be recorded for replay (a CUDA "
                 f"graph) yet: it keeps its key, the step count that seeds random rounding, "

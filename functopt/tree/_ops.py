@@ -275,20 +275,6 @@ def _host_branch_ok(x: torch.Tensor) -> bool:
         not _recording())
 
 
-def _capturing() -> bool:
-    """Whether the operations that run are recorded to be replayed without the host: a
-    CUDA stream capture, or a Python dispatch mode that says it replays (a ``replays``
-    attribute that is true: ``functopt.fast``'s tape). Then a value the host would read
-    cannot be read at all (a `_recording` under another dispatch mode, such as a flop
-    counter, only takes the device forms)."""
-    if torch._C._len_torch_dispatch_stack() > 0 and any(
-            getattr(mode, "replays", False)
-            for mode in _python_dispatch._get_current_dispatch_mode_stack()):
-        return True
-    return torch.cuda.is_initialized() and (  # type: ignore[no-untyped-call]
-        torch.cuda.is_current_stream_capturing())
-
-
 def _scalar(value: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``value`` (a number or a 0-d tensor) as a 0-d tensor of ``dtype`` on ``device``, as
     ``torch.as_tensor`` makes it; a number by a fill on the device rather than a copy from
@@ -299,12 +285,16 @@ def _scalar(value: Any, dtype: torch.dtype, device: torch.device) -> torch.Tenso
 
 
 def _recording() -> bool:
-    """Whether the operations that run are recorded to be replayed, rather than only run: a
-    CUDA stream capture (a CUDA graph), or a Python dispatch mode (a tape of the operations,
-    fake tensors). A value read on the host then stays what it was when recorded, or cannot
-    be read at all: a step takes its device forms (counters advanced by kernels, a
-    learning rate passed as a tensor, selections with ``torch.where``)."""
-    if torch._C._len_torch_dispatch_stack() > 0:
+    """Whether the operations that run are recorded to be replayed without the host: a
+    CUDA stream capture (a CUDA graph), or a Python dispatch mode that says it replays (a
+    ``replays`` attribute that is true: ``functopt.fast``'s tape). A value read on the host
+    would then stay what it was when recorded, or cannot be read at all: a step takes its
+    device forms (counters advanced by kernels, a learning rate passed as a tensor,
+    selections with ``torch.where``). A dispatch mode that only observes (a flop counter,
+    ``CommDebugMode``) changes nothing."""
+    if torch._C._len_torch_dispatch_stack() > 0 and any(
+            getattr(mode, "replays", False)
+            for mode in _python_dispatch._get_current_dispatch_mode_stack()):
         return True
     return torch.cuda.is_initialized() and (  # type: ignore[no-untyped-call]
         torch.cuda.is_current_stream_capturing())
