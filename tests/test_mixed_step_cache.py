@@ -114,10 +114,17 @@ def _moment_data_in_place(p: Any, g: Any, s: Any) -> tuple[Any, Any, Any]:
     return p, g, s
 
 
+def _moments_tied_in_place(p: Any, g: Any, s: Any) -> tuple[Any, Any, Any]:
+    _adam(s).nu["w"].data = _adam(s).mu["w"].data  # two entries, one memory: refused
+    return p, g, s
+
+
 CHANGES.update({f.__name__.strip("_").replace("_", " "): f for f in (
     _param_dtype_in_place, _param_shape_in_place, _param_tied_in_place,
-    _master_dtype_in_place, _master_shape_in_place, _moment_data_in_place)})
-_SHARED = {"param tied in place"}  # (copies would not share memory: stepped as they are)
+    _master_dtype_in_place, _master_shape_in_place, _moment_data_in_place,
+    _moments_tied_in_place)})
+# (copies would not share memory: stepped as they are)
+_SHARED = {"param tied in place", "moments tied in place"}
 
 
 @pytest.mark.parametrize("change", list(CHANGES))

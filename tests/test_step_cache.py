@@ -83,7 +83,7 @@ def _check_against_fresh(change: Callable[[Any, Any, Any], tuple[Any, Any, Any]]
     # the reference first, on copies (the warmed step donates, and may write its inputs),
     # but on the inputs themselves where they share memory (copies would not; both steps
     # then refuse before writing anything)
-    shared = change in (_param_tied_in_place, _param_expanded_in_place)
+    shared = change in (_param_tied_in_place, _param_expanded_in_place, _moments_tied_in_place)
     ref_params, ref_grads, ref_state = (params, grads, state) if shared else (
         _clone(params), _clone(grads), _clone(state))
     fresh = functopt.fast.make_step(_tx(), donate=True)
@@ -236,6 +236,12 @@ def _moment_narrowed_in_place(params: Any, grads: Any, state: Any) -> tuple[Any,
     return params, grads, state
 
 
+def _moments_tied_in_place(params: Any, grads: Any, state: Any) -> tuple[Any, Any, Any]:
+    nu = state[0].nu["w"]
+    nu.data = state[0].mu["w"].data  # one memory for two entries: a donated step refuses
+    return params, grads, state
+
+
 def _state_structure(params: Any, grads: Any, state: Any) -> tuple[Any, Any, Any]:
     return params, grads, state[0]
 
@@ -251,7 +257,7 @@ CHANGES = [_grad_shape, _grad_dtype, _grad_int, _grad_sparse, _grad_strides, _gr
            _param_shape_in_place, _param_view_same_memory, _param_tied_in_place,
            _param_expanded_in_place, _moment_swapped, _moment_other_dtype,
            _moment_data_in_place, _moment_transposed_in_place, _moment_narrowed_in_place,
-           _state_structure, _count_not_tensor]
+           _moments_tied_in_place, _state_structure, _count_not_tensor]
 
 
 @pytest.mark.parametrize("change", CHANGES, ids=lambda f: f.__name__.strip("_"))

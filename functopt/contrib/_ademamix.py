@@ -99,14 +99,11 @@ def scale_by_ademamix(
 
     def init_fn(params: Params) -> ScaleByAdemamixState:
         leaves, treespec = _common.flatten_params(params)
-
-        def zeros() -> Any:
-            return _common.unflatten(
-                treespec, [None if p is None else _common.zeros_like(p, mu_dtype) for p in leaves])
-
         return ScaleByAdemamixState(count=_common.zero_count(leaves),
                                     count_m2=_common.zero_count(leaves),
-                                    m1=zeros(), m2=zeros(), nu=zeros())
+                                    m1=_shared.zeros(treespec, leaves, mu_dtype),
+                                    m2=_shared.zeros(treespec, leaves, mu_dtype),
+                                    nu=_shared.zeros(treespec, leaves, mu_dtype))
 
     def update_fn(
         updates: Updates, state: ScaleByAdemamixState, params: Params | None = None,
@@ -241,10 +238,9 @@ def scale_by_simplified_ademamix(
 
     def init_fn(params: Params) -> ScaleBySimplifiedAdEMAMixState:
         leaves, treespec = _common.flatten_params(params)
-        zeros = [None if p is None else _common.zeros_like(p) for p in leaves]
-        return ScaleBySimplifiedAdEMAMixState(
-            t=_common.zero_count(leaves), m=_common.unflatten(treespec, zeros),
-            n=_common.unflatten(treespec, list(zeros)))
+        return ScaleBySimplifiedAdEMAMixState(t=_common.zero_count(leaves),
+                                              m=_shared.zeros(treespec, leaves),
+                                              n=_shared.zeros(treespec, leaves))
 
     def update_fn(
         updates: Updates, state: ScaleBySimplifiedAdEMAMixState, params: Params | None = None,

@@ -75,11 +75,10 @@ def scale_by_madgrad(
 
     def init_fn(params: Params) -> MadgradState:
         leaves, treespec = _common.flatten_params(params)
-        zeros = [None if p is None else _common.zeros_like(p) for p in leaves]
         return MadgradState(
             count=_common.zero_count(leaves),
-            grad_sum_sq=_common.unflatten(treespec, zeros),
-            s=_common.unflatten(treespec, list(zeros)),
+            grad_sum_sq=_shared.zeros(treespec, leaves),
+            s=_shared.zeros(treespec, leaves),
             x0=_common.unflatten(treespec, [None if p is None else p.clone() for p in leaves]),
         )
 

@@ -120,12 +120,9 @@ def prodigy(
         dtype = _shared.scalar_dtype(leaves)
         device = _common.first_device(leaves)
 
-        def zeros() -> Any:
-            return _common.unflatten(
-                treespec, [None if p is None else _common.zeros_like(p) for p in leaves])
-
         return ProdigyState(
-            exp_avg=zeros(), exp_avg_sq=zeros(), grad_sum=zeros(),
+            exp_avg=_shared.zeros(treespec, leaves), exp_avg_sq=_shared.zeros(treespec, leaves),
+            grad_sum=_shared.zeros(treespec, leaves),
             params0=_common.unflatten(treespec, [None if p is None else p.clone() for p in leaves]),
             estim_lr=_shared.f64(estim_lr0, device).to(dtype),
             numerator_weighted=torch.zeros((), dtype=dtype, device=device),
@@ -311,12 +308,9 @@ def dadapt_adamw(
         dtype = _shared.scalar_dtype(leaves)
         device = _common.first_device(leaves)
 
-        def zeros() -> Any:
-            return _common.unflatten(
-                treespec, [None if p is None else _common.zeros_like(p) for p in leaves])
-
         return DAdaptAdamWState(
-            exp_avg=zeros(), exp_avg_sq=zeros(), grad_sum=zeros(),
+            exp_avg=_shared.zeros(treespec, leaves), exp_avg_sq=_shared.zeros(treespec, leaves),
+            grad_sum=_shared.zeros(treespec, leaves),
             estim_lr=_shared.f64(estim_lr0, device).to(dtype),
             numerator_weighted=torch.zeros((), dtype=dtype, device=device),
             count=_common.zero_count(leaves),

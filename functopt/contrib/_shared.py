@@ -28,6 +28,14 @@ def scalar_dtype(leaves: Sequence[Any]) -> torch.dtype:
     return _common.compute_dtype(*(p.dtype for p in leaves if p is not None))
 
 
+def zeros(treespec: Any, leaves: Sequence[Any], dtype: torch.dtype | None = None) -> Any:
+    """A new tree of zeros like the params (``leaves`` of ``treespec``; None where a param
+    is None), in ``dtype`` or each param's. Call it once per state field: a donated fast
+    step writes each state entry in place, so two fields must never share a tensor."""
+    return _common.unflatten(
+        treespec, [None if p is None else _common.zeros_like(p, dtype) for p in leaves])
+
+
 def f64(value: Any, device: torch.device) -> torch.Tensor:
     """A number or a 0-d tensor as a 0-d float64 tensor on ``device`` (for scalar maths)."""
     if isinstance(value, torch.Tensor):

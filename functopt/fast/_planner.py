@@ -38,7 +38,8 @@ What the planner checks at every step, since the kernels read memory linearly: e
 leaf's value, gradient and moments share dtype, shape and strides and are dense (a
 gradient laid out differently is copied into its param's layout first); a leaf that
 overlaps itself (an expanded tensor) or two leaves sharing storage (tied weights) cannot be
-written in place and raise when donated.
+written in place and raise when donated, as do per-leaf state entries (which a donated fast
+step writes in place) sharing memory with each other or with a param.
 
 The structural part of a plan (the walk, the masks and labels, the injected factory's
 spec) depends only on the transform and the tree structures, and is cached by the step
@@ -1885,6 +1886,9 @@ class Planner:
             check_donation(donated, name)
         lowered = lower(structure, state_spec, values, grads, state_leaves, name,
                         compiled=compiled)
+        if donated is not None and lowered.fast:
+            check_state_donation(values, name, structure.slot_indices, state_leaves,
+                                 state_spec)
         refs = [weakref.ref(x) if isinstance(x, torch.Tensor) else x
                 for x in itertools.chain(values, slots)]
         if len(self._lowered) >= self._SIZE:
@@ -1974,6 +1978,27 @@ def check_donation(values: list[Any], name: Callable[[int], str]) -> None:
             f"or overlapping views of one tensor), so a donated step would update that "
             f"memory once per leaf. Fix: pass each shared tensor once (drop the tied copy "
             f"from the params tree), or step without donate.")
+
+
+def check_state_donation(values: list[Any], name: Callable[[int], str], slots: list[int],
+                         state_leaves: list[Any], state_spec: _core.TreeSpec) -> None:
+    """The per-leaf state entries (``slots``, flat indices) that a donated fast step writes in
+    place must own their memory, apart from each other and from the values it writes (the
+    params, a mixed step's masters, named by ``name``): where
+    two share it (a transform's ``init`` that gave one tensor to two fields, a state loaded
+    with such ties), writing one overwrites the other, which the pure step reads as it was."""
+    paths = _core.paths(state_spec)
+    rows = [(f"param {name(i)!r}", v) for i, v in enumerate(values)]
+    rows += [(f"state entry {paths[k] or 'state'!r}", state_leaves[k]) for k in slots]
+    pair = overlap([x if isinstance(x, torch.Tensor) else None for _, x in rows],
+                   lambda i: rows[i][0], "tensor")
+    if pair is not None:
+        raise ValueError(
+            f"{rows[pair[0]][0]} and {rows[pair[1]][0]} share memory, so a donated step "
+            f"would write one over the other (the pure step reads each as it was). Fix: give "
+            f"each state entry its own tensor (functopt.tree.map(torch.clone, state) copies "
+            f"a state; a transform's init must not put one tensor in two fields), or step "
+            f"without donate.")
 
 
 def overlap(values: list[Any], name: Callable[[int], str], what: str,

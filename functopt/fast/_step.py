@@ -126,7 +126,8 @@ def make_step(
             floating tensors, or grads of another dtype than their params (naming the leaf).
         ValueError: grads of another structure, shape or device than the params; with
             ``donate``, params that share memory (tied weights) or overlap themselves
-            (expanded tensors).
+            (expanded tensors), and on a fast path per-leaf state entries that share
+            memory with each other or with a param (``init`` must give each its own).
 
     Examples:
         >>> import torch, functopt
