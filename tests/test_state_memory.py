@@ -124,3 +124,18 @@ def test_entries_without_a_write_may_share_memory() -> None:
     assert_bitwise_equal(got, expected)
     assert got[0]["w"] is params["w"]  # (donated: written in place)
     assert _shared_memory(got[1], got[0]) is None  # the pure step's new state
+
+
+def test_a_donated_mixed_step_refuses_masters_that_share_memory() -> None:
+    """Two bfloat16 params whose masters are one tensor (a state edited by hand): refused
+    by name before anything is written (the message named no master before: its names
+    were the params')."""
+    params = {"a": torch.ones(3, dtype=torch.bfloat16), "b": torch.ones(3, dtype=torch.bfloat16)}
+    grads = {k: torch.full((3,), 0.5, dtype=torch.bfloat16) for k in params}
+    mp = functopt.precision.mixed_precision(functopt.adamw(1e-2), donate=True)
+    state = mp.init(params)
+    tied = state._replace(master={"a": state.master["a"], "b": state.master["a"]})
+    before = clone_tree((params, tied))
+    with pytest.raises(ValueError, match=r"state.master 'a' and state.master 'b' share memory"):
+        mp.step(grads, tied, params)
+    assert_bitwise_equal((params, tied), before)

@@ -397,13 +397,22 @@ def _lowered(planner: _planner.Planner, treespec: Any, params: list[Any], stores
     inner_leaves, inner_spec = _core.flatten(inner_state)
     structure = planner.structure(_core.unflatten(treespec, views), treespec, views,
                                   inner_leaves, inner_spec)
-    donated = [*params, *(v for v, s in zip(views, stores, strict=True) if s is not None)
-               ] if donate else None
+    mastered = [i for i, s in enumerate(stores) if s is not None]
+    donated = [*params, *(views[i] for i in mastered)] if donate else None
     if donated is not None:
         # at every call: the planner checks on a miss of its memo only, whose key holds
         # the masters but not the low-precision params (one tied to another since is
         # written twice); a step that recalls its inputs (_seen.py) saw these unchanged
-        _planner.check_donation(donated, name)
+        _planner.check_donation(params, name)
+        labels = [f"param {name(i)!r}" for i in range(len(params))]
+        labels += [f"state.master {name(i)!r}" for i in mastered]
+        pair = _planner.overlap(donated, lambda k: labels[k], "tensor")
+        if pair is not None:
+            raise ValueError(
+                f"{labels[pair[0]]} and {labels[pair[1]]} share memory, so a donated step "
+                f"would write one over the other. Fix: give each master its own tensor "
+                f"(the state that init makes, or functopt.tree.map(torch.clone, state)), or "
+                f"step without donate.")
     lowered = planner.lower(structure, inner_spec, views, proxies, inner_leaves, name,
                             donated=donated, compiled=compiled)
     return structure, inner_leaves, lowered
