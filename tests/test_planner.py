@@ -577,3 +577,33 @@ def test_a_tensor_learning_rate_written_in_place_counts_on_every_path(fast: bool
         lr.mul_(0.5)
         torch_lr.mul_(0.5)
     torch.testing.assert_close(params["w"], ref.detach(), rtol=1e-12, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("compile", [False, True])
+def test_moments_strided_otherwise_on_size_1_dims_keep_the_fast_path(compile: bool) -> None:
+    """A moment whose strides differ from its param's only where a dimension has one
+    element (as the pure path's results can come back) is laid out as the param in memory:
+    the kernels (and the compiled tier) take it, equal to the pure step; a moment strided
+    otherwise on a longer dimension is still refused."""
+    gen = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(2, 2, 1, 2, generator=gen, dtype=torch.float64)}
+    grads = {"w": torch.randn(2, 2, 1, 2, generator=gen, dtype=torch.float64)}
+    tx = functopt.adam(1e-2)
+    state = tx.init(params)
+
+    def restrided(x: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
+        return torch.empty_strided(x.shape, strides, dtype=x.dtype).copy_(x)
+
+    adam = state[0]
+    odd = (adam._replace(mu={"w": restrided(adam.mu["w"], (4, 2, 4, 1))},
+                         nu={"w": restrided(adam.nu["w"], (4, 2, 4, 1))}), *state[1:])
+    assert functopt.fast.explain(tx, params, odd, grads, compile=compile).fast
+    want = _pure(tx, grads, odd, params)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", functopt.fast.FastPathWarning)
+        got = functopt.fast.make_step(tx, donate=True, compile=compile)(
+            grads, _clone(odd), _clone(params))
+    _assert_close(got, want, "size-1 strides")
+    other = (adam._replace(mu={"w": restrided(adam.mu["w"], (1, 2, 4, 4))}), *state[1:])
+    assert not functopt.fast.explain(tx, params, other, grads, compile=compile).fast

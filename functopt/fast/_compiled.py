@@ -43,6 +43,7 @@ import optree
 import torch
 
 from functopt._collective.dtensor import _rewrap_like, local_tensor
+from functopt.fast import _layout
 from functopt.fast._layout import dense, end_to_end, memory_view, shaped_like
 from functopt.transforms import _common
 from functopt.tree import _core
@@ -174,7 +175,7 @@ def entries_problem(ops: Any, local: torch.Tensor, state_leaves: list[Any], *,
                 return (f"its {op.kind} state.{slot} is {_core._describe(ls)} for a "
                         f"{_core._describe(local)}" + (
                             " (the kernels need one dtype per leaf)" if same_dtype else ""))
-            if ls.stride() != local.stride() and local.numel() > 1:
+            if not _layout.same_strides(ls, local) and local.numel() > 1:
                 return (f"its {op.kind} state.{slot} has strides {ls.stride()}, the param "
                         f"{local.stride()}")
     return None

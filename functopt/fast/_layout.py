@@ -22,6 +22,14 @@ def dense(t: torch.Tensor) -> bool:
     return True
 
 
+def same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (one shape) have the same strides wherever a dimension has
+    more than one element: the stride of a dimension of size 1 places nothing, so such
+    tensors, dense, line up element for element in memory."""
+    return all(sa == sb or n == 1 for sa, sb, n in zip(a.stride(), b.stride(), a.shape,
+                                                        strict=True))
+
+
 def overlapping(t: torch.Tensor) -> bool:
     """Whether two elements of ``t`` share memory (an expanded tensor, say)."""
     if t.numel() <= 1 or dense(t):
