@@ -341,14 +341,21 @@ def test_a_dispatch_mode_that_only_observes_changes_nothing() -> None:
     functopt.testing.assert_bitwise_equal(got, expected)
 
 
-def test_a_tensor_learning_rate_moved_in_place_reaches_the_replays() -> None:
+@pytest.mark.parametrize("kind", ["Optimizer", "optim.AdamW"])
+def test_a_tensor_learning_rate_moved_in_place_reaches_the_replays(kind: str) -> None:
     """torch's idiom for schedules in a graph: a 0-d tensor ``lr`` in the param group,
     which the scheduler fills in place. The adapter's cast of it is recorded, so each
     replay reads its value."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
-    opt = F.Optimizer(model.parameters(), F.adamw(1e-2, weight_decay=0.1))
-    lr = opt.param_groups[0]["lr"] = torch.tensor(1e-2)  # (what a scheduler fills)
+    opt: torch.optim.Optimizer
+    if kind == "Optimizer":
+        opt = F.Optimizer(model.parameters(), F.adamw(1e-2, weight_decay=0.1))
+        lr = opt.param_groups[0]["lr"] = torch.tensor(1e-2)  # (what a scheduler fills)
+    else:
+        lr = torch.tensor(1e-2)
+        opt = F.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+        assert opt.param_groups[0]["lr"] is lr  # (kept as given, as torch.optim keeps it)
     for _ in range(2):
         model.zero_grad(set_to_none=False)
         model(torch.randn(5, 4)).sum().backward()

@@ -405,9 +405,11 @@ class Optimizer(torch.optim.Optimizer):
             )
             plan = self._plan(index, group)
             if not self.defaults:
+                given = self.__dict__.get("_given_defaults", {})
                 self.defaults.update({
-                    key: (tuple(_python_value(plan.hyper[n]) for n in names) if len(names) > 1
-                          else _python_value(plan.hyper[names[0]]))
+                    key: given[key] if key in given else (
+                        tuple(_python_value(plan.hyper[n]) for n in names) if len(names) > 1
+                        else _python_value(plan.hyper[names[0]]))
                     for key, names in plan.exposed.items()
                 })
             for key, value in self.defaults.items():

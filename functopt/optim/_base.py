@@ -23,6 +23,7 @@ from functopt import _validate
 from functopt._base import GradientTransformation
 from functopt.adapters.optimizer import Optimizer
 from functopt.transforms.hyperparams import inject_hyperparams
+from functopt.tree import _ops
 
 __all__: list[str] = []
 
@@ -129,8 +130,8 @@ def check_group(owner: str, where: str, group: dict[str, Any]) -> None:
     enforces (Python numbers and 0-d tensors; betas each in [0, 1))."""
     for key, (low, high, high_open) in _RANGES.items():
         value = group.get(key)
-        if value is None:
-            continue
+        if value is None or (isinstance(value, torch.Tensor) and _ops._recording()):
+            continue  # (a recorded step cannot read a tensor: the warm-up steps checked it)
         v = float(value) if isinstance(value, (int, float, torch.Tensor)) else math.nan
         if not (low <= v <= high) or (high_open and v == high):
             raise ValueError(
@@ -183,6 +184,11 @@ class TorchOptimizer(Optimizer):
         self._recipe = (factory, dict(hyperparams), dict(flags))
         transform = inject_hyperparams(factory)(**hyperparams, **flags)
         self._fixed = {**fixed, "differentiable": False}
+        # A tensor lr stays the caller's tensor in the groups, as torch.optim keeps it: a
+        # scheduler fills it in place, and a recorded step (a CUDA graph) reads it there.
+        lr = hyperparams.get("learning_rate")
+        if isinstance(lr, torch.Tensor) and not lr.requires_grad:
+            self._given_defaults = {"lr": lr}
         # fused=None: the fused kernel where the planner has one, the pure path (no warning)
         # elsewhere, as torch picks foreach. fused=True where there is no kernel warns.
         super().__init__(params, transform, fused=lowerable if fused is None else bool(fused))
