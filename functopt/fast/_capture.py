@@ -25,6 +25,7 @@ is how ``functopt.testing.check_capture`` holds a captured step to the pure path
 
 from __future__ import annotations
 
+import functools
 import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -344,12 +345,18 @@ class _Tape(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self.held.append(x)
         return x
 
-    def replay(self) -> None:
+    @functools.cached_property
+    def _last(self) -> dict[int, int]:
+        """Per operation whose outputs are read, the last operation that reads them."""
         last: dict[int, int] = {}
         for j, (_, args, kwargs) in enumerate(self.ops):
             for x in _pytree.tree_leaves((args, kwargs)):
                 if isinstance(x, _Made):
                     last[x.op] = j
+        return last
+
+    def replay(self) -> None:
+        last = self._last
         results: dict[int, list[Any]] = {}
 
         def resolve(x: Any) -> Any:

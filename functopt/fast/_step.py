@@ -336,9 +336,8 @@ class Step:
                                  lowered.state_spec, _leaf_names(treespec), lowered)
             if not isinstance(result, str):
                 if self.donate and _ops._recording():
-                    _written_back(param_leaves, result.values, _leaf_names(treespec), "param")
-                    _written_back(state_leaves, result.leaves, _state_names(result.spec),
-                                  "state entry")
+                    self._flat_kept(param_leaves, treespec, state_leaves, lowered.state_spec,
+                                    result.values, result.leaves, result.spec)
                     return params, state
                 return _core.unflatten(treespec, result.values), result.state
         new_params, new_state = self._call(grads, state, params, extra_args)
@@ -354,13 +353,11 @@ class Step:
         next replay reads, and whoever holds the params and the state (an ``nn.Module``,
         ``optimizer.state``) holds the graph's outputs."""
         param_leaves, treespec = _core.flatten(params)
-        _written_back(param_leaves, _core.flatten_like(treespec, new_params, name="new params",
-                                                       reference="params"),
-                      _leaf_names(treespec), "param")
         state_leaves, state_spec = _core.flatten(state)
-        _written_back(state_leaves, _core.flatten_like(state_spec, new_state, name="new state",
-                                                       reference="state"),
-                      _state_names(state_spec), "state entry")
+        new_leaves, new_spec = _core.flatten(new_state)
+        self._flat_kept(param_leaves, treespec, state_leaves, state_spec,
+                        _core.flatten_like(treespec, new_params, name="new params",
+                                           reference="params"), new_leaves, new_spec)
         return params, state
 
     def _call(self, grads: Updates, state: State, params: Params, extra_args: dict[str, Any],
