@@ -36,7 +36,8 @@ import torch.distributed as dist
 from functopt._collective.counting import _group_ranks
 from functopt._collective.reduce import COLLECTIVE_FAILED, all_reduce_stats, raise_with_note
 
-__all__ = ["AGREE_TIMEOUT_S", "Agreement", "agreement", "check_agreement", "reduce_stats"]
+__all__ = ["AGREE_TIMEOUT_S", "Agreement", "agreement", "check_agreement",
+           "reduce_stats", "spans", "threshold_verdict"]
 
 AGREE_TIMEOUT_S = 600.0
 """The default bound on the agreement's collective, in seconds (NCCL's default timeout)."""
@@ -115,6 +116,29 @@ def agreement(agree_skip: bool | dist.ProcessGroup, timeout_s: float | None,
     return Agreement(group, datetime.timedelta(seconds=timeout_s))
 
 
+def spans(group: dist.ProcessGroup | None, agreed: Agreement) -> bool:
+    """Whether a sum over ``group`` reaches every rank of the agreement (agrees it)."""
+    return group is not None and _group_ranks(agreed.group) <= _group_ranks(group)
+
+
+def threshold_verdict(norm: torch.Tensor, found_inf: torch.Tensor, threshold: float,
+                      group: dist.ProcessGroup | None, agree_skip: bool | dist.ProcessGroup,
+                      timeout_s: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(over, found)`` of a step with a norm threshold (``grad_norm_skip_threshold``):
+    whether the finite ``norm`` exceeds ``threshold``, and the overflow verdict, both the
+    same on every rank of the agreement. Where the statistics were summed over a group
+    spanning it they are already; otherwise one all-reduce of two float64s makes them so
+    (a rank that skips for the norm while another takes the step, whose agreement it would
+    never meet, would leave that one waiting)."""
+    over = torch.isfinite(norm) & (norm > threshold)
+    agreed = agreement(agree_skip, timeout_s)
+    if agreed is None or spans(group, agreed):
+        return over, found_inf
+    local = torch.stack([over.to(torch.float64), found_inf.to(torch.float64)])
+    summed = _bounded(local, agreed.group, agreed, "all_reduce of the norm threshold's verdict")
+    return summed[0] > 0, summed[1] > 0
+
+
 def reduce_stats(local: torch.Tensor, group: dist.ProcessGroup | None,
                  agreed: Agreement | None) -> torch.Tensor:
     """The packed statistics ``local`` summed over ``group`` (None: not summed), with the
@@ -123,10 +147,9 @@ def reduce_stats(local: torch.Tensor, group: dist.ProcessGroup | None,
     ``local`` is left unchanged."""
     if agreed is None:
         return all_reduce_stats(local, group)
-    spans = group is not None and _group_ranks(agreed.group) <= _group_ranks(group)
     packed = local if group is None else _bounded(local, group, agreed, "all_reduce of the "
                                                    "gradient statistics")
-    if spans:
+    if spans(group, agreed):
         return packed
     # this rank's verdict, as unpack_grad_stats reads it: a non-finite element, or a norm
     # that overflows float32

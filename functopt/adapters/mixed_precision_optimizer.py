@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from functopt import _validate
 from functopt._base import GradientTransformation, Params
-from functopt._collective.agreement import check_agreement
+from functopt._collective.agreement import check_agreement, threshold_verdict
 from functopt._collective.counting import Replicated
 from functopt._collective.dtensor import local_tensor
 from functopt._collective.reduce import global_grad_stats
@@ -465,7 +465,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             )
         _validate.check_flags(_OWNER, fused=fused, count_zeros=count_zeros,
                               return_grad_stats=return_grad_stats, compile=compile)
-        check_agreement(_OWNER, agree_skip, agree_timeout)
+        self._agree = (agree_skip, check_agreement(_OWNER, agree_skip, agree_timeout))
         self._distributed = dict(process_group=process_group, replicated=replicated,
                                  agree_skip=agree_skip, agree_timeout=agree_timeout)
         self._compile = compile
@@ -819,8 +819,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             )
         if math.isfinite(self._skip_threshold):
             stats = self._stats(grads)
+            over, found = threshold_verdict(stats.norm, stats.found_inf, self._skip_threshold,
+                                            self._distributed["process_group"], *self._agree)
             # Two host reads, on steps with a threshold only; an overflow is the step's own.
-            if bool(torch.isfinite(stats.norm)) and float(stats.norm) > self._skip_threshold:
+            if not bool(found) and bool(over):
                 self._skip_for_norm(stats)
                 self._remember(grads)
                 return self._result(False)

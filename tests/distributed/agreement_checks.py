@@ -172,6 +172,26 @@ def replicated_grads_norm_of_one_process_skip_agreed(rank: int, world: int) -> N
 
 
 @check
+def norm_threshold_verdict_agreed(rank: int, world: int) -> None:
+    """grad_norm_skip_threshold on plain slices: rank 1's slice alone above it skips every
+    rank for the norm (the scale kept); a nan on rank 0 with rank 1 above it is an
+    overflow on every rank (the scale halved), as one process sees it."""
+    params = _params(rank, world, sliced=True)
+    opt = _facade(params, agree_timeout=10.0)
+    opt.grad_norm_skip_threshold = 1.0e3
+    for nan_on, scale in ((None, 1024.0), (0, 512.0)):
+        _set_grads(params, 0, rank, world, sliced=True, nan_on=None)
+        assert params["w"].grad is not None
+        if rank == 1:
+            params["w"].grad.mul_(1.0e4)  # a norm of about 3e4 here, below 10 elsewhere
+        elif rank == nan_on:
+            params["w"].grad[0, 0] = float("nan")
+        ok, norm, _ = opt.step()
+        assert not ok and (norm is None) == (nan_on is not None), (rank, nan_on, norm)
+        assert opt.loss_scale == scale, (rank, nan_on, opt.loss_scale)
+
+
+@check
 def fsdp2_agreement_in_the_one_all_reduce(rank: int, world: int) -> None:
     """FSDP2 params over every rank: the agreement adds nothing to the statistics' one
     all-reduce, which is bounded by agree_timeout, and an inf in rank 1's shard skips
