@@ -273,7 +273,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     [`LossScaleWarning`][functopt.precision.LossScaleWarning] when it has collapsed (below
     float32's smallest normal number, on its way to 0.0); ``loss_scale`` reads the scale
     as a Python float. A finite ``grad_norm_skip_threshold`` adds two reads per step (the
-    norm's finiteness and its value), ``return_grad_stats=True`` the norm and the zero
+    norm's finiteness and its value; with an agreement and no ``process_group`` spanning
+    it, one all-reduce of its verdict too), ``return_grad_stats=True`` the norm and the zero
     count (Megatron's Python numbers), and Megatron's ``clip_grad_norm(clip_grad)`` the
     norm. Nothing else syncs: ``backward`` multiplies by the scale tensor, and
     ``get_loss_scale()``, ``get_grad_norm()`` and ``count_zeros()`` return 0-d tensors.
