@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from functopt._collective.counting import _group_ranks
+from functopt._collective.counting import _group_ranks, _non_member
 from functopt._collective.reduce import COLLECTIVE_FAILED, all_reduce_stats, raise_with_note
 
 __all__ = ["AGREE_TIMEOUT_S", "Agreement", "agreement", "check_agreement",
@@ -69,6 +69,13 @@ class Agreement(NamedTuple):
 def check_agreement(owner: str, agree_skip: Any, agree_timeout: Any) -> float | None:
     """Validate ``agree_skip`` and ``agree_timeout`` as given; return the timeout in
     seconds (None where there is no agreement)."""
+    if _non_member(agree_skip):
+        raise ValueError(
+            f"{owner}: agree_skip is GroupMember.NON_GROUP_MEMBER, what "
+            f"torch.distributed.new_group returns on the ranks outside the new group: this "
+            f"rank ({dist.get_rank()}) would agree over a group it is not in. Fix: build this "
+            f"optimizer only on the ranks of that group (the ones that step it)."
+        )
     if not isinstance(agree_skip, (bool, dist.ProcessGroup)):
         raise TypeError(
             f"{owner}: agree_skip must be True (agree the skip decision over the default "

@@ -192,6 +192,45 @@ def norm_threshold_verdict_agreed(rank: int, world: int) -> None:
 
 
 @check
+def statistics_over_a_smaller_group_then_the_verdict(rank: int, world: int) -> None:
+    """Statistics summed over a group smaller than the default one (here each rank's own):
+    that group's all-reduce, then the verdict's over the default group, two collectives;
+    a nan on rank 1 skips every rank."""
+    own, _ = dist.new_subgroups(group_size=1)
+    params = _params(rank, world, sliced=True)
+    opt = _facade(params, process_group=own, replicated=False)
+    results, counts = _run(opt, params, rank, world, steps=2, sliced=True, nan_at=NAN_STEP)
+    assert [r[0][0] for r in results] == [True, False], (rank, results)
+    assert counts == [2, 2], counts
+    first = dist.new_group([0])
+    if rank != 0:  # what new_group gives the ranks outside it
+        with pytest.raises(ValueError, match="NON_GROUP_MEMBER"):
+            _facade(params, agree_skip=first)
+
+
+@check
+def functional_step_agrees_on_every_path(rank: int, world: int) -> None:
+    """mixed_precision(agree_skip=True) on plain slices, on its fused, pure and MultiSteps
+    paths: a nan on rank 1 skips every rank (off by default: rank 0 steps)."""
+    params = {k: v.detach() for k, v in _params(rank, world, sliced=True).items()}
+    inners = {"fused": (functopt.adamw(1e-2), True), "pure": (functopt.adamw(1e-2), False),
+              "multisteps": (functopt.MultiSteps(functopt.adamw(1e-2), 1)
+                             .gradient_transformation(), True)}
+    for label, (inner, fused) in inners.items():
+        for agree in (True, False):
+            tx = functopt.precision.mixed_precision(inner, fused=fused, agree_skip=agree)
+            state = tx.init(params)
+            grads = {k: torch.ones_like(v) for k, v in params.items()}
+            if rank == 1:
+                grads["w"][0, 0] = float("nan")
+            with CommDebugMode() as comm:
+                _, state = tx.step(grads, state, params)
+            skipped = bool(state.metrics.found_inf)
+            assert skipped == (agree or rank == 1), (label, agree, rank, skipped)
+            assert comm.get_total_counts() == int(agree), (label, agree)
+
+
+@check
 def fsdp2_agreement_in_the_one_all_reduce(rank: int, world: int) -> None:
     """FSDP2 params over every rank: the agreement adds nothing to the statistics' one
     all-reduce, which is bounded by agree_timeout, and an inf in rank 1's shard skips
