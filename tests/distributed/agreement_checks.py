@@ -71,9 +71,10 @@ def _facade(params: dict[str, torch.nn.Parameter], **options: Any,
 
 
 def _reference(steps: int, nan_at: int | None) -> list[tuple[Any, ...]]:
-    """One process holding the whole tensors: per step ``(result, loss scale, w, b)``."""
+    """One process holding the whole tensors: per step ``(result, loss scale, w, b)``.
+    (Every rank runs it alike at the same point: its agreement sums equal verdicts.)"""
     params = _params(0, 1, sliced=False)
-    opt = _facade(params, agree_skip=False)
+    opt = _facade(params)
     out = []
     for step in range(steps):
         _set_grads(params, step, 0, 1, sliced=False, nan_on=0 if step == nan_at else None)
@@ -177,7 +178,7 @@ def norm_threshold_verdict_agreed(rank: int, world: int) -> None:
     rank for the norm (the scale kept); a nan on rank 0 with rank 1 above it is an
     overflow on every rank (the scale halved), as one process sees it."""
     params = _params(rank, world, sliced=True)
-    opt = _facade(params, agree_timeout=10.0)
+    opt = _facade(params)
     opt.grad_norm_skip_threshold = 1.0e3
     for nan_on, scale in ((None, 1024.0), (0, 512.0)):
         _set_grads(params, 0, rank, world, sliced=True, nan_on=None)
