@@ -1082,7 +1082,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         last step read, unmodified, it is that step's norm before clipping (no second
         pass); where no param has a gradient (after ``zero_grad``), the last step's norm
         (0 before the first step; inf or nan after an overflow); otherwise it is computed
-        now, as the step computes it.
+        now, as the step computes it (with ``process_group``, or DTensor params, an
+        all-reduce: call it on every rank then).
         """
         grads = self._grads()
         if all(g is None for g in grads) or self._seen(grads):
