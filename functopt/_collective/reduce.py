@@ -22,6 +22,7 @@ is bitwise ``grad_stats``'s.
 from __future__ import annotations
 
 import functools
+import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -153,13 +154,17 @@ def all_reduce_stats(packed: torch.Tensor, group: dist.ProcessGroup | None) -> t
     try:
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     except RuntimeError as exc:  # gloo's and NCCL's errors (DistBackendError) keep their type
-        note = COLLECTIVE_FAILED.format(world=dist.get_world_size(group))
-        add_note = getattr(exc, "add_note", None)  # Python 3.11+
-        if add_note is None:
-            raise RuntimeError(f"{exc}\n{note}") from exc
-        add_note(note)
-        raise
+        raise_with_note(exc, COLLECTIVE_FAILED.format(world=dist.get_world_size(group)))
     return out
+
+
+def raise_with_note(exc: RuntimeError, note: str) -> typing.NoReturn:
+    """Re-raise ``exc`` (inside its ``except`` block) with ``note`` added to its message."""
+    add_note = getattr(exc, "add_note", None)  # Python 3.11+
+    if add_note is None:
+        raise RuntimeError(f"{exc}\n{note}") from exc
+    add_note(note)
+    raise exc
 
 
 def global_grad_stats(

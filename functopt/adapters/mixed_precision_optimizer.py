@@ -12,6 +12,7 @@ so everything the functional step guarantees (bitwise skips, params exactly
 
 from __future__ import annotations
 
+import datetime
 import math
 import typing
 import weakref
@@ -20,9 +21,12 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from functopt import _validate
 from functopt._base import GradientTransformation, Params
+from functopt._collective.agreement import check_agreement, threshold_verdict
+from functopt._collective.counting import Replicated
 from functopt._collective.dtensor import local_tensor
 from functopt._collective.reduce import global_grad_stats
 from functopt._spec import Injected, describe
@@ -269,10 +273,28 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     [`LossScaleWarning`][functopt.precision.LossScaleWarning] when it has collapsed (below
     float32's smallest normal number, on its way to 0.0); ``loss_scale`` reads the scale
     as a Python float. A finite ``grad_norm_skip_threshold`` adds two reads per step (the
-    norm's finiteness and its value), ``return_grad_stats=True`` the norm and the zero
+    norm's finiteness and its value; with an agreement and no ``process_group`` spanning
+    it, one all-reduce of its verdict too), ``return_grad_stats=True`` the norm and the zero
     count (Megatron's Python numbers), and Megatron's ``clip_grad_norm(clip_grad)`` the
     norm. Nothing else syncs: ``backward`` multiplies by the scale tensor, and
     ``get_loss_scale()``, ``get_grad_norm()`` and ``count_zeros()`` return 0-d tensors.
+
+    **Distributed.** The ranks never diverge on a skip: whenever ``torch.distributed`` is
+    initialized, the overflow verdict is agreed over the default process group
+    (``agree_skip=True``), as ``ShardedGradScaler`` agrees its ``found_inf``, so a nan on
+    one rank skips the step and moves the loss scale on every rank. Only the verdict is
+    agreed, never the norm (DDP's gradients are the same on every rank: their squares are
+    not summed over it). With FSDP2 params over all the ranks it travels in the step's one
+    all-reduce of the statistics; with plain tensors it is one all-reduce of one float64
+    per step. ``process_group`` and ``replicated`` are
+    [`mixed_precision`][functopt.precision.mixed_precision]'s: for Megatron-style
+    tensor-parallel slices (plain tensors), ``process_group`` sums the norm and the
+    non-finite count over the ranks holding the slices and ``replicated`` says which
+    params every rank of it holds whole, so the norm, the clipping and the skip are those
+    of one process holding the whole tensors. An optimizer that steps on some ranks only
+    (an RLHF actor and critic stepping at different times) passes ``agree_skip=`` the
+    group of its ranks, or ``False``; a rank that does not reach the agreement within
+    ``agree_timeout`` makes the others raise, naming the likely cause.
 
     Args:
         params: the parameters to optimize (see *Param groups*). Each must be a
@@ -307,6 +329,19 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             backward keeps accumulating into the buffer (``zero_grad(set_to_none=True)``
             still sets them to None; the step then gathers the new ones, correct and
             slower). The first step compiles (seconds).
+        process_group: the ranks the gradient statistics (norm, non-finite count, zero
+            count) are summed over, as in ``mixed_precision``; None infers it from DTensor
+            params (FSDP2), plain tensors are then not summed.
+        replicated: how plain tensor params repeat over the ranks of the group, as in
+            ``mixed_precision`` (True: every rank holds the same values, counted once;
+            False: each rank's own part; a group, or a pytree keyed by param names).
+        agree_skip: where the skip decision is agreed (see *Distributed*): True, over the
+            default process group when one is initialized; a ``ProcessGroup``, over its
+            ranks; False, only where the statistics are summed, each rank deciding alone
+            otherwise.
+        agree_timeout: how long the agreement waits for the other ranks, in seconds or a
+            ``datetime.timedelta`` (default 600 s); passing it with ``agree_skip=False``
+            raises.
 
     Raises:
         TypeError: for a malformed ``params`` or ``transform``, or naming a param of a
@@ -388,6 +423,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         grad_norm_skip_threshold: float = math.inf,
         return_grad_stats: bool = False,
         compile: bool = False,
+        process_group: dist.ProcessGroup | None = None,
+        replicated: Replicated = None,
+        agree_skip: bool | dist.ProcessGroup = True,
+        agree_timeout: float | datetime.timedelta | None = None,
     ) -> None:
         if not isinstance(master_dtype, torch.dtype) or not master_dtype.is_floating_point:
             raise TypeError(
@@ -427,6 +466,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             )
         _validate.check_flags(_OWNER, fused=fused, count_zeros=count_zeros,
                               return_grad_stats=return_grad_stats, compile=compile)
+        self._agree = (agree_skip, check_agreement(_OWNER, agree_skip, agree_timeout))
+        self._distributed = dict(process_group=process_group, replicated=replicated,
+                                 agree_skip=agree_skip, agree_timeout=agree_timeout)
         self._compile = compile
         self.grad_norm_skip_threshold = grad_norm_skip_threshold
         self._return_grad_stats = return_grad_stats
@@ -716,6 +758,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             # path may update both where they are (unless a state dict shares them).
             donate=donate,
             compile=self._compile,
+            **self._distributed,
         )
 
     def _tree(self, leaves: list[Any]) -> Params:
@@ -777,8 +820,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             )
         if math.isfinite(self._skip_threshold):
             stats = self._stats(grads)
+            over, found = threshold_verdict(stats.norm, stats.found_inf, self._skip_threshold,
+                                            self._distributed["process_group"], *self._agree)
             # Two host reads, on steps with a threshold only; an overflow is the step's own.
-            if bool(torch.isfinite(stats.norm)) and float(stats.norm) > self._skip_threshold:
+            if not bool(found) and bool(over):
                 self._skip_for_norm(stats)
                 self._remember(grads)
                 return self._result(False)
@@ -837,7 +882,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             unscaled = [None if g is None else g.to(torch.promote_types(p.dtype, master))
                         * inv_scale for p, g in zip(self._params, grads, strict=True)]
-            return unpack_grad_stats(global_grad_stats(self._tree(unscaled)))
+            return unpack_grad_stats(global_grad_stats(
+                self._tree(unscaled), self._distributed["process_group"],
+                replicated=self._distributed["replicated"]))
 
     def _skip_for_norm(self, stats: GradStats) -> None:
         state = self._state
@@ -1035,7 +1082,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         last step read, unmodified, it is that step's norm before clipping (no second
         pass); where no param has a gradient (after ``zero_grad``), the last step's norm
         (0 before the first step; inf or nan after an overflow); otherwise it is computed
-        now, as the step computes it.
+        now, as the step computes it (with ``process_group``, or DTensor params, an
+        all-reduce: call it on every rank then).
         """
         grads = self._grads()
         if all(g is None for g in grads) or self._seen(grads):

@@ -56,8 +56,8 @@ import torch
 import torch.distributed as dist
 
 from functopt import _validate
+from functopt._collective.agreement import Agreement, reduce_stats
 from functopt._collective.dtensor import _rewrap_like, local_tensor
-from functopt._collective.reduce import all_reduce_stats
 from functopt.fast import _compiled, _multi, _planner
 from functopt.fast._layout import end_to_end
 from functopt.fast._multi import accumulate as _accumulate
@@ -426,7 +426,7 @@ def fused_mixed_step(
     donate: bool, workspace: list[Any] | None = None, counted: Sequence[bool] | None = None,
     compiled: bool = False, scratch: dict[Any, Any] | None = None,
     lowering: tuple[_planner.Structure, list[Any], _planner.Lowered] | None = None,
-    metrics: Any = None, casts: dict[str, Any] | None = None,
+    metrics: Any = None, casts: dict[str, Any] | None = None, agreed: Agreement | None = None,
 ) -> tuple[list[Any], list[Any], Any, GradStats, LossScaleState] | str:
     """The mixed-precision step on the planner's kernels (see the module docstring), or the
     reason the planner gives why it cannot lower these leaves (the caller then takes the
@@ -442,7 +442,8 @@ def fused_mixed_step(
     leaves with it). ``metrics``: the state's ``StepMetrics``, whose tensors the host
     path keeps where their values do not move (with donation). ``casts``: a dict kept
     with these inputs' record (precision/_seen.py), where the gradient casts and the
-    param writes keep their grouping between steps (`_Casts`).
+    param writes keep their grouping between steps (`_Casts`). ``agreed``: where the
+    overflow verdict is agreed (``functopt/_collective/agreement.py``).
 
     Returns ``(new params, new stores, new inner state, statistics, new loss scale)``.
     """
@@ -463,7 +464,7 @@ def fused_mixed_step(
                                  scaled=scaled, max_grad_norm=max_grad_norm, group=group,
                                  name=name, count_zeros=count_zeros, donate=donate,
                                  counted=counted, scratch=scratch, metrics=metrics,
-                                 casts=casts)
+                                 casts=casts, agreed=agreed)
     inv_scale = _inverse(loss_scale)
     local = fused_stats(grads, wide, name, inv_scale, device, count_zeros, structure.clips,
                         counted)
@@ -471,7 +472,7 @@ def fused_mixed_step(
                            lambda: inv_scale.to(torch.float64) if scaled else None)
     if totals:
         local = torch.cat([local, torch.stack(_planner.pack_tree_sums(totals)).to(device)])
-    packed = all_reduce_stats(local, group)
+    packed = reduce_stats(local, group, agreed)
     stats = unpack_grad_stats(packed[:_CLIPS])
     new_loss_scale = scale_rule.adjust(loss_scale, stats.found_inf)
     n = len(structure.clips)
@@ -546,7 +547,7 @@ def _host_kernel_step(
     scaled: bool, max_grad_norm: float | torch.Tensor | None,
     group: dist.ProcessGroup | None, name: Callable[[int], str], count_zeros: bool,
     donate: bool, counted: Sequence[bool] | None, scratch: dict[Any, Any] | None,
-    metrics: Any, casts: dict[str, Any] | None = None,
+    metrics: Any, casts: dict[str, Any] | None = None, agreed: Agreement | None = None,
 ) -> tuple[list[Any], list[Any], Any, GradStats, LossScaleState] | str:
     """The rest of `fused_mixed_step` with its scalars on the host: the same statistics
     (one read of their sums), loss scale, clip factor and multiplier, computed in Python
@@ -561,7 +562,7 @@ def _host_kernel_step(
     local = _local_sums(grads, wide, name, lambda: torch.scalar_tensor(
         inv, dtype=torch.float32, device=device), device, count_zeros, structure.clips,
                         counted, host_inv=inv)
-    if group is None:
+    if group is None and agreed is None:
         total, zeros, clip_sums = local
         nonfinite = 0.0  # (never counted: see _packed)
         sumsq = 0.0 if total is None else total.item()
@@ -576,7 +577,7 @@ def _host_kernel_step(
         if totals:
             local_packed = torch.cat([local_packed, torch.stack(
                 _planner.pack_tree_sums(totals)).to(device)])
-        packed = all_reduce_stats(local_packed, group)
+        packed = reduce_stats(local_packed, group, agreed)
         sumsq, nonfinite, num_zeros = packed[:_CLIPS].tolist()
         n = len(structure.clips)
         sums = list(packed[_CLIPS:_CLIPS + n].unbind())
@@ -734,6 +735,7 @@ def fused_multi_step(
     name: Callable[[int], str], count_zeros: bool, donate: bool,
     workspace: list[Any] | None = None, counted: Sequence[bool] | None = None,
     compiled: bool = False, scratch: dict[Any, Any] | None = None,
+    agreed: Agreement | None = None,
 ) -> tuple[list[Any], list[Any], Any, GradStats, LossScaleState] | str:
     """The mixed step around ``MultiSteps(inner, k).gradient_transformation()``, or a chain
     holding one (``split``: ``functopt/fast/_multi.py``), with ``planner`` that of
@@ -799,7 +801,7 @@ def fused_multi_step(
             local = torch.cat([local, *(torch.stack(x).to(device) for x in (
                 [*sums, *((~f).to(torch.float64) for f in finite)],
                 _planner.pack_tree_sums(totals or {})) if x)])
-    packed = all_reduce_stats(local, group)
+    packed = reduce_stats(local, group, agreed)
     stats = unpack_grad_stats(packed[:_CLIPS])
     new_loss_scale = scale_rule.adjust(loss_scale, stats.found_inf)
     if bool(stats.found_inf):  # skipped: everything as it was but the loss scale (the

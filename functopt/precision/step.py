@@ -16,7 +16,8 @@ Order of operations in ``step(grads, state, params)``, one pass each:
    ``inv_scale``, the float32 rounding of ``1 / loss_scale`` (as ``GradScaler`` rounds it);
 2. one statistics pass over all leaves: sum of squares (float64), non-finite count, zero
    count, packed into one tensor; with DTensor params (FSDP2) each rank counts its local
-   shards and one all-reduce sums them (see ``functopt.distributed``);
+   shards and one all-reduce sums them (see ``functopt.distributed``); with ``agree_skip``
+   the overflow verdict is agreed over a group too (``functopt/_collective/agreement.py``);
 3. adjust the loss scale with ``found_inf``;
 4. clip by the global norm of step 2 (``max_grad_norm``; no second reduction);
 5. the inner transform's update, on the master params (so weight decay reads the master);
@@ -53,6 +54,7 @@ read is free and each 0-d kernel costs microseconds; see ``precision/_host.py``.
 
 from __future__ import annotations
 
+import datetime
 import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -62,9 +64,10 @@ import torch.distributed as dist
 
 from functopt import _validate
 from functopt._base import GradientTransformation, Params, State, with_extra_args_support
+from functopt._collective.agreement import agreement, check_agreement, reduce_stats
 from functopt._collective.counting import Replicated, _counting, _entries
 from functopt._collective.dtensor import _leaf_names
-from functopt._collective.reduce import _local_stats, all_reduce_stats
+from functopt._collective.reduce import _local_stats
 from functopt.fast import _multi, _planner
 from functopt.fast._planner import CaptureError
 from functopt.fast._step import differentiated
@@ -201,6 +204,8 @@ def mixed_precision(
     max_grad_norm: float | torch.Tensor | None = None,
     process_group: dist.ProcessGroup | None = None,
     replicated: Replicated = None,
+    agree_skip: bool | dist.ProcessGroup = False,
+    agree_timeout: float | datetime.timedelta | None = None,
     count_zeros: bool = True,
     donate: bool = False,
     fused: bool = True,
@@ -257,6 +262,20 @@ def mixed_precision(
             param on a sub-mesh of the group (under FSDP2 x TP, a param left out of the
             tensor-parallel plan lives on the data-parallel mesh only) needs a declaration
             too: ``True``, the group it repeats over, or ``False``.
+        agree_skip: agree the skip decision over a process group as well, so that no rank
+            of it steps while another skips: ``True``, over the default group whenever
+            ``torch.distributed`` is initialized; a ``ProcessGroup``, over its ranks (an
+            optimizer that steps on some ranks only); ``False``, only where the statistics
+            are summed (DTensor params, ``process_group``), each rank deciding alone
+            otherwise. Only the overflow verdict is agreed, never the norm: packed into the
+            statistics' all-reduce where that spans the group, else one all-reduce of one
+            float64 (see ``functopt/_collective/agreement.py``).
+            [`MixedPrecisionOptimizer`][functopt.MixedPrecisionOptimizer] agrees by
+            default.
+        agree_timeout: how long the agreement's collective may wait for the other ranks,
+            in seconds or a ``datetime.timedelta`` (default 600 s); past it the step raises
+            a ``RuntimeError`` naming the collective, the group's size and the likely
+            cause. Only with ``agree_skip``.
         count_zeros: count the zero gradient elements into ``metrics.num_zeros``
             (Megatron-LM's ``count_zeros``; one more read of the gradients). With False,
             ``metrics.num_zeros`` is -1.
@@ -364,6 +383,7 @@ def mixed_precision(
             f"infer it from DTensor params), got {type(process_group).__name__}. Fix: pass "
             f"e.g. torch.distributed.group.WORLD or device_mesh.get_group()."
         )
+    agree_timeout_s = check_agreement(owner, agree_skip, agree_timeout)
 
     # With donation the fused path casts the gradients into the buffers of the previous
     # step (4 bytes per low-precision param, as the PyTorch idiom's float32 main grads).
@@ -399,7 +419,8 @@ def mixed_precision(
                      counted: list[bool]) -> dict[str, Any]:
         return dict(treespec=treespec, scale_rule=scale_rule, scaled=loss_scale is not None,
                     max_grad_norm=max_grad_norm, group=group, name=name, counted=counted,
-                    count_zeros=count_zeros, donate=donate, compiled=compile,
+                    agreed=agreement(agree_skip, agree_timeout_s), count_zeros=count_zeros,
+                    donate=donate, compiled=compile,
                     workspace=buffers_here() if donate else None,
                     scratch=scratch_here() if donate else None)
 
@@ -531,11 +552,12 @@ def mixed_precision(
         unscaled = [None if g is None or v is None else g.to(v.dtype) * inv_scale
                     for g, v in zip(grad_leaves, view, strict=True)]
         # 2. one statistics pass over the local shards, one all-reduce when the params are
-        # DTensors (or a group is given): every rank then skips or steps alike.
+        # DTensors (or a group is given): every rank then skips or steps alike; with
+        # agree_skip, the overflow verdict of plain tensors too.
         # 3. The loss scale moves whatever happens.
-        packed = all_reduce_stats(
-            _local_stats(unscaled, name, state.loss_scale.scale.device, counted), group
-        )
+        packed = reduce_stats(
+            _local_stats(unscaled, name, state.loss_scale.scale.device, counted), group,
+            agreement(agree_skip, agree_timeout_s))
         stats = unpack_grad_stats(packed)
         new_loss_scale = scale_rule.adjust(state.loss_scale, stats.found_inf)
         # 4. clip with the same statistics (optax's rule: only when the norm exceeds the bound).
