@@ -26,13 +26,17 @@ must exist, eagerly initialised, before ``load``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import optree
 import torch
+import torch.distributed as dist
 
 from functopt._collective.dtensor import is_dtensor
+from functopt.distributed import _integrity
+from functopt.distributed._zero_state import ZERO1_STATE_REFUSED, Zero1State
 from functopt.tree import _core
 
 __all__ = ["state_from_dict", "state_to_dict"]
@@ -121,10 +125,30 @@ def state_to_dict(state: Any, params: Any = None) -> dict[str, torch.Tensor]:
         >>> params = {"w": torch.ones(2)}
         >>> state = functopt.adam(0.1).init(params)
         >>> sorted(state_to_dict(state, params))
-        ['0.count', '0.mu.w', '0.nu.w']
+        ['0.count', '0.mu.w', '0.nu.w', '@integrity']
     """
     owner = "state_to_dict"
+    if isinstance(state, Zero1State):
+        raise TypeError(ZERO1_STATE_REFUSED.format(owner=owner, what="the state"))
+    return _with_record(_flat(owner, state, params))
+
+
+def _with_record(out: dict[str, torch.Tensor],
+                 owned: AbstractSet[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """``out`` with its integrity record added (one all_reduce if it has DTensor entries, or
+    ``owned`` plain entries that only this rank holds)."""
+    out[_integrity.RECORD_KEY] = _integrity.make_record(out, owned)
+    return out
+
+
+def _flat(owner: str, state: Any, params: Any) -> dict[str, torch.Tensor]:
+    """``state_to_dict`` without the integrity record."""
     leaves, treespec, keys = _keyed_leaves(owner, state)
+    if _integrity.RECORD_KEY in keys:
+        raise ValueError(
+            f"{owner}: a state leaf has the key {_integrity.RECORD_KEY!r}, which the "
+            f"integrity record of the dict takes. Fix: rename that param or dict entry."
+        )
     if params is not None:
         _check_params(owner, treespec, params, leaves)
     out: dict[str, torch.Tensor] = {}
@@ -186,6 +210,34 @@ def state_from_dict(d: Mapping[str, Any], template: Any) -> Any:
             f"{owner}: expected a dict {{dotted path: tensor}} as state_to_dict returns, got "
             f"{type(d).__name__}."
         )
+    if isinstance(template, Zero1State):
+        raise TypeError(ZERO1_STATE_REFUSED.format(owner=owner, what="the template"))
+    sharded = dist.is_available() and dist.is_initialized() and any(
+        is_dtensor(x) for x in _core.flatten(template)[0])
+    return _checked(owner, d, lambda body: _rebuild(owner, body, template), sharded)
+
+
+def _checked(owner: str, d: Mapping[str, Any], rebuild: Callable[[dict[str, Any]], Any],
+             sharded: bool, owned: AbstractSet[str] = frozenset()) -> Any:
+    """``rebuild(d without its record)``, checked against the record when ``d`` has one.
+
+    With ``sharded`` (DTensor entries: one ``all_reduce`` over the default group) every rank
+    raises if any rank's dict fails the record or the rebuild."""
+    body = {k: v for k, v in d.items() if k != _integrity.RECORD_KEY}
+    if _integrity.RECORD_KEY not in d:  # a dict saved without the record: nothing to check
+        return rebuild(body)
+    error: BaseException | None = None
+    try:
+        state = rebuild(dict(body))  # (a copy: the record is checked on the dict as loaded)
+    except (TypeError, ValueError) as exc:
+        error = exc
+    _integrity.check_record(owner, body, d[_integrity.RECORD_KEY], collective=sharded,
+                            owned=owned, error=error)
+    return state
+
+
+def _rebuild(owner: str, d: Mapping[str, Any], template: Any) -> Any:
+    """``state_from_dict`` of a dict without the integrity record."""
     leaves, treespec, keys = _keyed_leaves(owner, template)
     expected = {k for k, leaf in zip(keys, leaves, strict=True) if leaf is not None}
     missing = [k for k in keys if k in expected and k not in d]
