@@ -70,6 +70,35 @@ def test_a_moved_entry_is_named() -> None:
         state_from_dict(d, state)
 
 
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int8, torch.int64, torch.float16,
+                                   torch.bfloat16, torch.float64, torch.complex128])
+def test_every_dtype_is_covered(dtype) -> None:
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(3, 4, generator=g) * 50).to(dtype) if dtype is not torch.complex128 \
+        else torch.randn(3, 4, dtype=dtype, generator=g)
+    d = state_to_dict({"x": x})
+    assert_bitwise_equal(state_from_dict(d, {"x": x}), {"x": x})
+    changed = x.clone()
+    flat = changed.view(-1)
+    flat[5] = ~flat[5] if dtype is torch.bool else flat[5] + (1j if dtype.is_complex else 1)
+    with pytest.raises(ValueError, match=TORN + r".*\['x'\]"):
+        state_from_dict({**d, "x": changed}, {"x": x})
+
+
+def test_the_record_changes_nothing() -> None:
+    """Hashing works on copies: every leaf, the int64 counters included, stays as it was
+    (the record's sums run in place on int64 words, which are the value's own memory when
+    it is int64)."""
+    params = {"w": torch.randn(4, 3).to(torch.bfloat16)}
+    tx = functopt.precision.mixed_precision(functopt.adamw(1e-2))
+    state = tx.step({"w": torch.ones(4, 3, dtype=torch.bfloat16)}, tx.init(params), params)[1]
+    before = functopt.testing.clone_tree(state)
+    d = state_to_dict(state, params)
+    back = state_from_dict(d, tx.init(params))
+    assert_bitwise_equal(state, before)
+    assert_bitwise_equal(back, before)
+
+
 def test_without_the_record_a_dict_loads() -> None:
     params, state = _state((2, 3), 1)
     d = state_to_dict(state, params)
@@ -129,7 +158,7 @@ def _failures(results: list[dict[str, str | None]], name: str) -> str:
     "torn_functional_raises_on_every_rank", "torn_zero1_raises_on_every_rank",
     "intact_loads_bitwise", "one_changed_element_on_one_rank_raises_on_every_rank",
     "swapped_elements_raise", "error_on_one_rank_raises_on_every_rank",
-    "saved_without_record_loads"])
+    "saved_without_record_loads", "placements_reshard_and_verify"])
 def test_on_2_ranks(launched, name: str) -> None:
     failures = _failures(launched[1], name)
     assert not failures, failures

@@ -45,7 +45,7 @@ from functopt._collective.dtensor import is_dtensor
 RECORD_KEY = "@integrity"
 _MAGIC = 0x46544F5054494E31  # "FTOPTIN1": the record's format
 _BUCKETS = 64
-_CHUNK = 1 << 22  # elements hashed at a time: bounds the int64 temporaries
+_CHUNK = 1 << 16  # words hashed at a time: the int64 temporaries stay in cache
 _MIX = (-7046029254386353131, -4658895280553007687, -7723592293110705685)  # 64-bit odd
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -83,37 +83,76 @@ def _placement(local: torch.Tensor, value: Any) -> tuple[list[int], list[int], b
     return list(offset), list(value.shape), counted
 
 
+def _wrap(x: int) -> int:
+    """``x`` as the int64 of its low 64 bits."""
+    x &= (1 << 64) - 1
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_steps: dict[torch.device, torch.Tensor] = {}
+
+
+def _step_terms(device: torch.device) -> torch.Tensor:
+    """``arange(_CHUNK) * _MIX[0]`` on ``device`` (built once): the position terms of a chunk."""
+    if device not in _steps:
+        _steps[device] = torch.arange(_CHUNK, dtype=torch.int64, device=device).mul_(_MIX[0])
+    return _steps[device]
+
+
+def _hash_sum(z: torch.Tensor) -> torch.Tensor:
+    """Sum over ``z`` (int64 bits plus position terms, changed in place) of the mixed value."""
+    z.mul_(_MIX[1])
+    z.bitwise_xor_(_shr(z, 32))
+    return z.sum()
+
+
 def entry_sum(key: str, value: torch.Tensor) -> torch.Tensor | None:
-    """The checksum (0-d int64) of this rank's part of ``value``, or None if it counts nowhere here."""
+    """The checksum (0-d int64) of this rank's part of ``value``, or None if it counts nowhere here.
+
+    Each element's word ``w`` (its bits as an integer; complex128 has two) at global word
+    position ``q`` adds ``mix((w + (q + k) * _MIX[0]) * _MIX[1])``, ``k`` the key's hash.
+    The local block is walked in runs that are contiguous in the global tensor (the whole
+    block for a ``Shard(0)`` piece or a plain tensor), ``_CHUNK`` words at a time.
+    """
     local = value.to_local() if is_dtensor(value) else value
     offset, shape, counted = _placement(local, value)
     if not counted or local.numel() == 0:
         return None
     size = local.element_size()
-    words = _WORDS.get(size)
-    bits = local.detach().contiguous().reshape(-1)
-    if words is None:  # complex128: two int64 words per element
-        bits, per = bits.view(torch.int64), size // 8
-    else:
-        bits, per = bits.view(words), 1
-    # global row-major strides, and the local ones to unravel a flat local index
-    gstride, lstride = [1] * len(shape), [1] * local.dim()
+    words = _WORDS.get(size, torch.int64)  # complex128: two int64 words per element
+    per = max(1, size // 8)
+    bits = local.detach().contiguous().reshape(-1).view(words)
+    device = bits.device
+    gstride = [1] * len(shape)
     for d in range(len(shape) - 2, -1, -1):
         gstride[d] = gstride[d + 1] * shape[d + 1]
-        lstride[d] = lstride[d + 1] * local.shape[d + 1]
-    base = sum(o * s for o, s in zip(offset, gstride, strict=True))
+    # the runs: dims after `lead` are whole in the local block, so each run is contiguous
+    lead = max(0, local.dim() - 1)
+    while lead > 0 and local.shape[lead] == shape[lead]:
+        lead -= 1
+    run = per * (1 if local.dim() == 0 else local.shape[lead:].numel())
+    starts = torch.full((), sum(o * g for o, g in zip(offset, gstride, strict=True)),
+                        dtype=torch.int64, device=device)
+    for d in range(lead):  # the global position of each run's first element
+        starts = (starts.unsqueeze(-1) + torch.arange(local.shape[d], device=device)
+                  * gstride[d])
+    starts = starts.reshape(-1) * per
     k = key_hash(key)
-    total = torch.zeros((), dtype=torch.int64, device=local.device)
-    for start in range(0, bits.numel(), _CHUNK):
-        word = torch.arange(start, min(start + _CHUNK, bits.numel()), device=local.device)
-        flat = word // per
-        pos = torch.full_like(flat, base)
-        for d in range(local.dim()):
-            pos += (flat // lstride[d]) % local.shape[d] * gstride[d]
-        z = bits[start:start + _CHUNK].to(torch.int64) ^ ((pos * per + word % per + k) * _MIX[0])
-        z = (z ^ _shr(z, 31)) * _MIX[1]
-        z = (z ^ _shr(z, 29)) * _MIX[2]
-        total += (z ^ _shr(z, 32)).sum()
+    steps = _step_terms(device)
+    total = torch.zeros((), dtype=torch.int64, device=device)
+    rows = bits.view(-1, run)
+    if run >= _CHUNK // 8 or rows.shape[0] == 1:  # long runs: a chunk of one run at a time
+        for r, start in enumerate(starts.tolist()):
+            for s in range(0, run, _CHUNK):
+                z = rows[r, s:s + _CHUNK].to(torch.int64, copy=True)  # (never the value)
+                z.add_(steps[:z.numel()]).add_(_wrap((start + s + k) * _MIX[0]))
+                total += _hash_sum(z)
+        return total
+    within = torch.arange(run, device=device)
+    for r in range(0, rows.shape[0], _CHUNK // run):  # short runs: many rows at a time
+        block = rows[r:r + _CHUNK // run]
+        q = starts[r:r + block.shape[0]].unsqueeze(-1) + within
+        total += _hash_sum(block.to(torch.int64, copy=True).add_(q.add_(k).mul_(_MIX[0])))
     return total
 
 

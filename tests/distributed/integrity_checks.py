@@ -25,7 +25,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from distributed import zero_checkpoint_checks as zc
 from distributed.checkpoint_checks import _full_params, _functional_steps, _transform
@@ -168,11 +169,38 @@ def run_all(rank: int, world: int, path: str) -> dict[str, str | None]:
         dcp.load(loaded, checkpoint_id=where)
         _assert_tree(fdist.state_from_dict(loaded["opt"], template), state)
 
+    def placements_reshard_and_verify() -> None:
+        """Blocks that are not contiguous in the global tensor (``Shard(1)``, a 2-D mesh
+        with a replicated dimension) are checked element by element after another split."""
+        mesh = _mesh(world)
+        mesh2 = init_device_mesh("cpu", (1, world))
+        g = torch.Generator().manual_seed(5)
+        full = {"cols": torch.randn(6, 5, generator=g), "rows": torch.randn(7, 3, generator=g),
+                "rep": torch.randn(4, generator=g), "mesh2": torch.randn(3, 4, generator=g)}
+        saved = {"cols": distribute_tensor(full["cols"], mesh, [Shard(1)]),
+                 "rows": distribute_tensor(full["rows"], mesh, [Shard(0)]),
+                 "rep": distribute_tensor(full["rep"], mesh, [Replicate()]),
+                 "mesh2": distribute_tensor(full["mesh2"], mesh2, [Replicate(), Shard(1)])}
+        where = os.path.join(path, "placements")
+        dcp.save({"s": fdist.state_to_dict(saved)}, checkpoint_id=where)
+        template = {"cols": distribute_tensor(torch.zeros(6, 5), mesh, [Shard(0)]),
+                    "rows": distribute_tensor(torch.zeros(7, 3), mesh, [Shard(1)]),
+                    "rep": distribute_tensor(torch.zeros(4), mesh, [Shard(0)]),
+                    "mesh2": distribute_tensor(torch.zeros(3, 4), mesh2, [Shard(1), Shard(0)])}
+        loaded = {"s": fdist.state_to_dict(template)}
+        dcp.load(loaded, checkpoint_id=where)
+        back = fdist.state_from_dict(loaded["s"], template)
+        assert all(torch.equal(back[k].full_tensor(), full[k]) for k in full)
+        if rank == 1:
+            back["cols"].to_local().view(-1)[-1] += 1.0
+        with pytest.raises(ValueError, match=TORN + r".*\['cols'"):
+            fdist.state_from_dict(loaded["s"], template)
+
     return _run({f.__name__: f for f in (
         torn_functional_raises_on_every_rank, torn_zero1_raises_on_every_rank,
         intact_loads_bitwise, one_changed_element_on_one_rank_raises_on_every_rank,
         swapped_elements_raise, error_on_one_rank_raises_on_every_rank,
-        saved_without_record_loads)})
+        saved_without_record_loads, placements_reshard_and_verify)})
 
 
 def load_single_process_save(rank: int, world: int, path: str) -> dict[str, str | None]:
