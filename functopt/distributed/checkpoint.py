@@ -22,6 +22,21 @@ state = state_from_dict(loaded["opt"], template)
 
 DCP loads only the keys present in the dict it is given, into its tensors, so the template
 must exist, eagerly initialised, before ``load``.
+
+A checkpoint that cannot be torn: DCP writes one file per rank and the metadata last, so a
+save that dies while overwriting a checkpoint leaves files of two saves under the old
+metadata, which load without an error as a mix of two steps when their sizes match. The
+dict therefore carries its own check. ``state_to_dict`` adds the entry ``'@integrity'``, a
+small int64 tensor of checksums of every value, keyed by each element's position in the
+global tensor and summed over the ranks' shards (one ``all_reduce`` when the dict holds
+DTensors), so it does not depend on how the saving run sharded the state.
+``state_from_dict`` sums the loaded values the same way and raises, on every rank alike
+(one ``all_reduce`` carries every rank's verdict), naming the keys whose values are not
+the ones saved with the record. See ``functopt/distributed/_integrity.py`` for the sums. A
+dict without the entry (a checkpoint saved without it) loads unchecked; DCP refuses a
+template key the checkpoint lacks, so drop ``'@integrity'`` from the template dict to load
+such a checkpoint. A ZeRO-1 state (``zero1``'s slices) is refused here: its pair is
+``zero1_state_to_dict`` / ``zero1_state_from_dict``.
 """
 
 from __future__ import annotations
@@ -103,7 +118,10 @@ def state_to_dict(state: Any, params: Any = None) -> dict[str, torch.Tensor]:
     stay DTensors (DCP saves their shards and reshards them on load); the values are the
     state's own tensors, not copies, except that a tensor sharing memory with an earlier
     leaf is cloned, so that loading in place into the dict writes every key to memory of
-    its own.
+    its own. The entry ``'@integrity'`` is the integrity record that ``state_from_dict``
+    checks the loaded values against (see the module docstring); with DTensor leaves,
+    computing it makes one ``all_reduce`` over the default process group, so call this on
+    every rank, as ``dcp.save`` and ``dcp.load`` are.
 
     Args:
         state: a functopt state: nested NamedTuples, tuples, lists and dicts of tensors,
@@ -116,8 +134,10 @@ def state_to_dict(state: Any, params: Any = None) -> dict[str, torch.Tensor]:
         A new flat dict of tensors.
 
     Raises:
-        TypeError: a leaf is not a tensor or None (naming its path).
-        ValueError: two leaves map to the same key, or ``params`` do not match the state.
+        TypeError: a leaf is not a tensor or None (naming its path), or ``state`` is a
+            ``zero1`` state (use ``zero1_state_to_dict``).
+        ValueError: two leaves map to the same key (or one has the record's key), or
+            ``params`` do not match the state.
 
     Examples:
         >>> import torch, functopt
@@ -180,8 +200,15 @@ def state_from_dict(d: Mapping[str, Any], template: Any) -> Any:
     tensors themselves (no copies): after an in-place ``dcp.load`` into
     ``state_to_dict(template)``, those are already the template's sharding.
 
+    When ``d`` has the integrity record ``'@integrity'``, the loaded values are checked
+    against it: a torn checkpoint (files of two saves), a changed value, or a dict that one
+    rank cannot rebuild raises on every rank (with a DTensor template, one ``all_reduce``
+    over the default process group carries the verdicts: call this on every rank). A dict
+    without the record is rebuilt unchecked.
+
     Args:
-        d: ``{dotted path: tensor}``, every key of ``state_to_dict(template)`` and no other.
+        d: ``{dotted path: tensor}``, every key of ``state_to_dict(template)`` and no other
+            (the record is optional).
         template: a state of the same structure.
 
     Returns:
@@ -190,9 +217,11 @@ def state_from_dict(d: Mapping[str, Any], template: Any) -> Any:
 
     Raises:
         ValueError: naming missing and unexpected keys, or a key whose tensor has another
-            (global) shape or other placements.
+            (global) shape or other placements; naming the keys whose values fail the
+            integrity record; on every rank when one rank's dict fails (DTensor template).
         TypeError: naming a key whose value is not a tensor, has another dtype, or is a
-            plain tensor where the template has a DTensor (or the reverse).
+            plain tensor where the template has a DTensor (or the reverse); ``template`` is
+            a ``zero1`` state (use ``zero1_state_from_dict``).
 
     Examples:
         >>> import torch, functopt, functopt.testing
