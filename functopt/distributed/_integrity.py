@@ -27,8 +27,11 @@ replicated mesh dimension (each element once); a plain tensor is counted by rank
 when the dict holds ``DTensor`` entries (DCP keeps one copy of a plain entry for all
 ranks), and by each rank on its own otherwise; ``owned`` plain entries, which only one
 rank holds (ZeRO-1's slices beside tensor parallelism on one data-parallel rank), by that
-rank. An entry's checksum does not cover its dtype or shape: ``state_from_dict`` compares
-those with the template.
+rank. A plain entry that rank 0 does not hold (with DTensor entries) is not covered. An
+entry's checksum does not cover its dtype or shape: ``state_from_dict`` compares those
+with the template. Whether the sums are collective follows from the dict (DTensor entries,
+or ``owned`` ones), which is the same on every rank of one model; a plain-tensor dict needs
+no collective, so one rank alone may call ``state_to_dict`` on a replicated state.
 """
 
 from __future__ import annotations
