@@ -258,7 +258,7 @@ def _checked(owner: str, d: Mapping[str, Any], rebuild: Callable[[dict[str, Any]
     error: BaseException | None = None
     try:
         state = rebuild(dict(body))  # (a copy: the record is checked on the dict as loaded)
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # re-raised after the ranks agree: none waits for this one
         error = exc
     _integrity.check_record(owner, body, d[_integrity.RECORD_KEY], collective=sharded,
                             owned=owned, error=error)

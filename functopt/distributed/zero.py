@@ -653,7 +653,7 @@ def zero1_state_to_dict(state: MixedPrecisionState, params: Params, *,
         out[key + suffix] = local if group is None else DTensor.from_local(
             local, mesh_of(group, local.device.type), [Shard(0)], run_check=False,
             shape=torch.Size((numel,)), stride=(1,))
-    return _with_record(out, {k + suffix for k in slices} if suffix else set())  # (one DP rank)
+    return _with_record(out, {k + suffix for k in slices} if suffix else set())  # TP, 1 DP rank
 
 
 def _tp_suffix(owner: str, params: Params, group: dist.ProcessGroup | None) -> str:
@@ -737,7 +737,7 @@ def zero1_state_from_dict(d: dict[str, Any], template: MixedPrecisionState, para
             plain[key] = value.to_local()
         return _rebuild(owner, plain, template)  # type: ignore[no-any-return]
 
-    owned = {k + suffix for k in slices} if suffix else set()  # (plain with one DP rank)
+    owned = {k + suffix for k in slices} if suffix else set()  # TP, 1 DP rank: plain, own
     state = _checked(owner, d, rebuild, group is not None or bool(owned), owned)
     return state  # type: ignore[no-any-return]
 
