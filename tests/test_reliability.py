@@ -528,12 +528,12 @@ def test_state_to_dict_refuses_the_params_of_an_unrelated_model() -> None:
                                          r"belongs to the params given \(\['x'\]\)"):
         state_to_dict(state, {"x": torch.zeros(4, 3)})
     assert sorted(state_to_dict(state, params)) == ["0.count", "0.mu.b", "0.mu.w", "0.nu.b",
-                                                    "0.nu.w"]
+                                                    "0.nu.w", "@integrity"]
     # Only 0-d entries under dict keys (a partition of stateless transforms, keyed by its
     # labels): nothing per-param to check, so any params are accepted.
     tx = functopt.partition({"a": functopt.sgd(0.1), "b": functopt.sgd(0.2)},
                             lambda p: {"w": "a", "b": "b"})
     out = state_to_dict(tx.init(params), {"x": torch.zeros(1)})
-    assert all(v.dim() == 0 for v in out.values())
+    assert all(v.dim() == 0 for k, v in out.items() if k != "@integrity")
     with pytest.raises(ValueError, match="initialised on another model"):
         state_to_dict(functopt.adam(0.1).init({"q": torch.zeros(2)}), params)

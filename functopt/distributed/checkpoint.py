@@ -22,17 +22,36 @@ state = state_from_dict(loaded["opt"], template)
 
 DCP loads only the keys present in the dict it is given, into its tensors, so the template
 must exist, eagerly initialised, before ``load``.
+
+A checkpoint that cannot be torn: DCP writes one file per rank and the metadata last, so a
+save that dies while overwriting a checkpoint leaves files of two saves under the old
+metadata, which load without an error as a mix of two steps when their sizes match. The
+dict therefore carries its own check. ``state_to_dict`` adds the entry ``'@integrity'``, a
+small int64 tensor of checksums of every value, keyed by each element's position in the
+global tensor and summed over the ranks' shards (one ``all_reduce`` when the dict holds
+DTensors), so it does not depend on how the saving run sharded the state.
+``state_from_dict`` sums the loaded values the same way and raises, on every rank alike
+(one ``all_reduce`` carries every rank's verdict), naming the keys whose values are not
+the ones saved with the record. See ``functopt/distributed/_integrity.py`` for the sums. A
+dict without the entry (a checkpoint saved without it) loads unchecked; DCP refuses a
+template key the checkpoint lacks, so drop ``'@integrity'`` from the template dict to load
+such a checkpoint. A ZeRO-1 state (``zero1``'s slices) is refused here: its pair is
+``zero1_state_to_dict`` / ``zero1_state_from_dict``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import optree
 import torch
+import torch.distributed as dist
 
 from functopt._collective.dtensor import is_dtensor
+from functopt.distributed import _integrity
+from functopt.distributed._zero_state import ZERO1_STATE_REFUSED, Zero1State
 from functopt.tree import _core
 
 __all__ = ["state_from_dict", "state_to_dict"]
@@ -99,7 +118,10 @@ def state_to_dict(state: Any, params: Any = None) -> dict[str, torch.Tensor]:
     stay DTensors (DCP saves their shards and reshards them on load); the values are the
     state's own tensors, not copies, except that a tensor sharing memory with an earlier
     leaf is cloned, so that loading in place into the dict writes every key to memory of
-    its own.
+    its own. The entry ``'@integrity'`` is the integrity record that ``state_from_dict``
+    checks the loaded values against (see the module docstring); with DTensor leaves,
+    computing it makes one ``all_reduce`` over the default process group, so call this on
+    every rank, as ``dcp.save`` and ``dcp.load`` are.
 
     Args:
         state: a functopt state: nested NamedTuples, tuples, lists and dicts of tensors,
@@ -112,8 +134,10 @@ def state_to_dict(state: Any, params: Any = None) -> dict[str, torch.Tensor]:
         A new flat dict of tensors.
 
     Raises:
-        TypeError: a leaf is not a tensor or None (naming its path).
-        ValueError: two leaves map to the same key, or ``params`` do not match the state.
+        TypeError: a leaf is not a tensor or None (naming its path), or ``state`` is a
+            ``zero1`` state (use ``zero1_state_to_dict``).
+        ValueError: two leaves map to the same key (or one has the record's key), or
+            ``params`` do not match the state.
 
     Examples:
         >>> import torch, functopt
@@ -121,10 +145,30 @@ def state_to_dict(state: Any, params: Any = None) -> dict[str, torch.Tensor]:
         >>> params = {"w": torch.ones(2)}
         >>> state = functopt.adam(0.1).init(params)
         >>> sorted(state_to_dict(state, params))
-        ['0.count', '0.mu.w', '0.nu.w']
+        ['0.count', '0.mu.w', '0.nu.w', '@integrity']
     """
     owner = "state_to_dict"
+    if isinstance(state, Zero1State):
+        raise TypeError(ZERO1_STATE_REFUSED.format(owner=owner, what="the state"))
+    return _with_record(_flat(owner, state, params))
+
+
+def _with_record(out: dict[str, torch.Tensor],
+                 owned: AbstractSet[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """``out`` with its integrity record added (one all_reduce if it has DTensor entries, or
+    ``owned`` plain entries that only this rank holds)."""
+    out[_integrity.RECORD_KEY] = _integrity.make_record(out, owned)
+    return out
+
+
+def _flat(owner: str, state: Any, params: Any) -> dict[str, torch.Tensor]:
+    """``state_to_dict`` without the integrity record."""
     leaves, treespec, keys = _keyed_leaves(owner, state)
+    if _integrity.RECORD_KEY in keys:
+        raise ValueError(
+            f"{owner}: a state leaf has the key {_integrity.RECORD_KEY!r}, which the "
+            f"integrity record of the dict takes. Fix: rename that param or dict entry."
+        )
     if params is not None:
         _check_params(owner, treespec, params, leaves)
     out: dict[str, torch.Tensor] = {}
@@ -156,8 +200,15 @@ def state_from_dict(d: Mapping[str, Any], template: Any) -> Any:
     tensors themselves (no copies): after an in-place ``dcp.load`` into
     ``state_to_dict(template)``, those are already the template's sharding.
 
+    When ``d`` has the integrity record ``'@integrity'``, the loaded values are checked
+    against it: a torn checkpoint (files of two saves), a changed value, or a dict that one
+    rank cannot rebuild raises on every rank (with a DTensor template, one ``all_reduce``
+    over the default process group carries the verdicts: call this on every rank). A dict
+    without the record is rebuilt unchecked.
+
     Args:
-        d: ``{dotted path: tensor}``, every key of ``state_to_dict(template)`` and no other.
+        d: ``{dotted path: tensor}``, every key of ``state_to_dict(template)`` and no other
+            (the record is optional).
         template: a state of the same structure.
 
     Returns:
@@ -166,9 +217,11 @@ def state_from_dict(d: Mapping[str, Any], template: Any) -> Any:
 
     Raises:
         ValueError: naming missing and unexpected keys, or a key whose tensor has another
-            (global) shape or other placements.
+            (global) shape or other placements; naming the keys whose values fail the
+            integrity record; on every rank when one rank's dict fails (DTensor template).
         TypeError: naming a key whose value is not a tensor, has another dtype, or is a
-            plain tensor where the template has a DTensor (or the reverse).
+            plain tensor where the template has a DTensor (or the reverse); ``template`` is
+            a ``zero1`` state (use ``zero1_state_from_dict``).
 
     Examples:
         >>> import torch, functopt, functopt.testing
@@ -186,6 +239,34 @@ def state_from_dict(d: Mapping[str, Any], template: Any) -> Any:
             f"{owner}: expected a dict {{dotted path: tensor}} as state_to_dict returns, got "
             f"{type(d).__name__}."
         )
+    if isinstance(template, Zero1State):
+        raise TypeError(ZERO1_STATE_REFUSED.format(owner=owner, what="the template"))
+    sharded = dist.is_available() and dist.is_initialized() and any(
+        is_dtensor(x) for x in _core.flatten(template)[0])
+    return _checked(owner, d, lambda body: _rebuild(owner, body, template), sharded)
+
+
+def _checked(owner: str, d: Mapping[str, Any], rebuild: Callable[[dict[str, Any]], Any],
+             sharded: bool, owned: AbstractSet[str] = frozenset()) -> Any:
+    """``rebuild(d without its record)``, checked against the record when ``d`` has one.
+
+    With ``sharded`` (DTensor entries: one ``all_reduce`` over the default group) every rank
+    raises if any rank's dict fails the record or the rebuild."""
+    body = {k: v for k, v in d.items() if k != _integrity.RECORD_KEY}
+    if _integrity.RECORD_KEY not in d:  # a dict saved without the record: nothing to check
+        return rebuild(body)
+    error: BaseException | None = None
+    try:
+        state = rebuild(dict(body))  # (a copy: the record is checked on the dict as loaded)
+    except Exception as exc:  # re-raised after the ranks agree: none waits for this one
+        error = exc
+    _integrity.check_record(owner, body, d[_integrity.RECORD_KEY], collective=sharded,
+                            owned=owned, error=error)
+    return state
+
+
+def _rebuild(owner: str, d: Mapping[str, Any], template: Any) -> Any:
+    """``state_from_dict`` of a dict without the integrity record."""
     leaves, treespec, keys = _keyed_leaves(owner, template)
     expected = {k for k, leaf in zip(keys, leaves, strict=True) if leaf is not None}
     missing = [k for k in keys if k in expected and k not in d]

@@ -61,7 +61,8 @@ import torch.distributed as dist
 from functopt._base import GradientTransformation, Params
 from functopt._collective.counting import Replicated, _entries
 from functopt._collective.dtensor import _rewrap_like, is_dtensor, local_tensor
-from functopt.distributed.checkpoint import state_from_dict, state_to_dict
+from functopt.distributed._zero_state import Zero1State, mesh_of
+from functopt.distributed.checkpoint import _checked, _flat, _rebuild, _with_record
 from functopt.precision.loss_scale import LossScale
 from functopt.precision.master import MasterWeights
 from functopt.precision.step import (
@@ -492,8 +493,8 @@ def _zero1_parts(
 
     def init_fn(params: Params) -> MixedPrecisionState:
         pl = plan(params)
-        return pl.opt.init(_core.unflatten(
-            pl.treespec, [_slice(p, b) for p, b in zip(pl.local, pl.mine, strict=True)]))
+        return Zero1State(*pl.opt.init(_core.unflatten(
+            pl.treespec, [_slice(p, b) for p, b in zip(pl.local, pl.mine, strict=True)])))
 
     def step_slices(grads: Any, state: MixedPrecisionState, params: Params,
                     **extra_args: Any) -> tuple[_Plan, list[Any], MixedPrecisionState]:
@@ -538,7 +539,7 @@ def _zero1_parts(
         )
         new_leaves = _core.flatten_like(treespec, new_slices, name="new params",
                                         reference="params")
-        return pl, new_leaves, new_state
+        return pl, new_leaves, Zero1State(*new_state)
 
     def buffers() -> list[torch.Tensor]:
         return [*unsharded.buffers(), *(b for _, mp in by_group.values() for b in mp.buffers())]
@@ -597,25 +598,12 @@ def _slice_keys(owner: str, state: Any, params: Params, rank: int,
     return out
 
 
-_meshes: dict[tuple[int, str], tuple[dist.ProcessGroup, Any]] = {}
-
-
-def _mesh_of(group: dist.ProcessGroup, device_type: str) -> Any:
-    """The 1-D ``DeviceMesh`` over ``group`` (built once per group and device type)."""
-    cached = _meshes.get((id(group), device_type))
-    if cached is None or cached[0] is not group:  # (an id can be reused by a new group)
-        from torch.distributed.device_mesh import DeviceMesh  # (importing it costs 0.7 s)
-
-        cached = _meshes[(id(group), device_type)] = (
-            group, DeviceMesh.from_group(group, device_type))
-    return cached[1]
-
-
 def zero1_state_to_dict(state: MixedPrecisionState, params: Params, *,
                         process_group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
     r"""A [`zero1`][functopt.distributed.zero1] state as a flat dict for ``torch.distributed.checkpoint``, resharding included.
 
-    The keys are [`state_to_dict`][functopt.distributed.state_to_dict]'s. Each rank's slice
+    The keys are [`state_to_dict`][functopt.distributed.state_to_dict]'s, its integrity
+    record included (over the DTensors below: one ``all_reduce``). Each rank's slice
     of a param's state (master, moments) becomes its local shard of a ``Shard(0)``
     DTensor over the data-parallel group whose global tensor is the flattened leaf, of
     ``param.numel()`` elements (no copy: the DTensor wraps the slice). DCP therefore saves
@@ -654,7 +642,7 @@ def zero1_state_to_dict(state: MixedPrecisionState, params: Params, *,
         (torch.Size([6]), torch.Size([6]))
     """
     owner = "zero1_state_to_dict"
-    out = state_to_dict(state, params)
+    out = _flat(owner, state, params)
     group, rank, world = _resolve_group(process_group)
     slices = _slice_keys(owner, state, params, rank, world)
     suffix = _tp_suffix(owner, params, group)
@@ -663,9 +651,9 @@ def zero1_state_to_dict(state: MixedPrecisionState, params: Params, *,
     for key, (numel, _) in slices.items():
         local = out.pop(key)
         out[key + suffix] = local if group is None else DTensor.from_local(
-            local, _mesh_of(group, local.device.type), [Shard(0)], run_check=False,
+            local, mesh_of(group, local.device.type), [Shard(0)], run_check=False,
             shape=torch.Size((numel,)), stride=(1,))
-    return out
+    return _with_record(out, {k + suffix for k in slices} if suffix else set())  # TP, 1 DP rank
 
 
 def _tp_suffix(owner: str, params: Params, group: dist.ProcessGroup | None) -> str:
@@ -705,7 +693,8 @@ def zero1_state_from_dict(d: dict[str, Any], template: MixedPrecisionState, para
 
     Raises:
         ValueError: a DTensor entry of another global shape (a checkpoint of other
-            params), and ``state_from_dict``'s errors (naming the key).
+            params), and ``state_from_dict``'s errors (naming the key; on every rank
+            for a dict that fails its integrity record, e.g. a torn checkpoint).
         TypeError: an entry is a plain tensor where this rank expects a DTensor slice,
             or the reverse.
 
@@ -724,31 +713,33 @@ def zero1_state_from_dict(d: dict[str, Any], template: MixedPrecisionState, para
     group, rank, world = _resolve_group(process_group)
     slices = _slice_keys(owner, template, params, rank, world)
     suffix = _tp_suffix(owner, params, group)
-    plain: dict[str, Any] = dict(d)
-    for key in slices:
-        if key + suffix in plain:
-            plain[key] = plain.pop(key + suffix)
-    if group is not None:
-        for key, (numel, _) in slices.items():
+
+    def rebuild(plain: dict[str, Any]) -> MixedPrecisionState:
+        plain.update({k: plain.pop(k + suffix) for k in slices if k + suffix in plain})
+        for key, (numel, _) in slices.items() if group is not None else ():
             value = plain.get(key)
             if value is None:
-                continue  # state_from_dict names the missing key
+                continue  # _rebuild names the missing key
             if not is_dtensor(value):
                 raise TypeError(
                     f"{owner}: entry {key!r} is {_core._describe(value)}; on rank {rank} of "
-                    f"{world} it must be the DTensor of zero1_state_to_dict(template, params) "
-                    f"(the flattened leaf of {numel} elements, Shard(0)). Fix: load the "
-                    f"checkpoint into zero1_state_to_dict(template, params) with "
+                    f"{world} it must be the DTensor of zero1_state_to_dict(template, "
+                    f"params) (the flattened leaf of {numel} elements, Shard(0)). Fix: load "
+                    f"the checkpoint into zero1_state_to_dict(template, params) with "
                     f"torch.distributed.checkpoint."
                 )
             if value.shape != (numel,):
                 raise ValueError(
                     f"{owner}: entry {key!r} is a flattened leaf of {tuple(value.shape)} "
-                    f"elements, the param has {numel}. Fix: load a state saved for params of "
-                    f"the same shapes."
+                    f"elements, the param has {numel}. Fix: load a state saved for params "
+                    f"of the same shapes."
                 )
             plain[key] = value.to_local()
-    return state_from_dict(plain, template)  # type: ignore[no-any-return]
+        return _rebuild(owner, plain, template)  # type: ignore[no-any-return]
+
+    owned = {k + suffix for k in slices} if suffix else set()  # TP, 1 DP rank: plain, own
+    state = _checked(owner, d, rebuild, group is not None or bool(owned), owned)
+    return state  # type: ignore[no-any-return]
 
 
 def _reduce_scatter(out: torch.Tensor, buf: torch.Tensor, group: dist.ProcessGroup) -> None:

@@ -29,6 +29,7 @@ rank. Two configurations:
 from __future__ import annotations
 
 import os
+import re
 import traceback
 import warnings
 from collections.abc import Callable
@@ -118,6 +119,17 @@ def _run(checks: dict[str, Callable[[], None]]) -> dict[str, str | None]:
     return out
 
 
+def _raises(kind: type[Exception], pattern: str, fn: Callable[..., Any], *args: Any) -> None:
+    """``fn(*args)`` raises ``kind`` matching ``pattern`` (an ``AssertionError`` otherwise:
+    ``pytest.raises``'s "did not raise" is no ``Exception`` for ``_run`` to report)."""
+    try:
+        fn(*args)
+    except kind as exc:
+        assert re.search(pattern, str(exc)), f"{exc!r} does not match {pattern!r}"
+        return
+    raise AssertionError(f"{fn.__name__} did not raise {kind.__name__}")
+
+
 def _present(params: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {k: p for k, p in params.items() if p is not None}  # DCP would pickle a None
 
@@ -171,27 +183,26 @@ def save_and_reload(rank: int, world: int, path: str) -> dict[str, str | None]:
         ref_params, ref_state = _reference(config, SAVE_STEPS + MORE_STEPS)
         _assert_like_reference(config, params2, state2, ref_params, ref_state, rank, world)
 
-    def plain_state_dict_collides() -> None:
-        """Why the slices must be DTensors: saved as plain tensors (``state_to_dict``), every
-        rank's slice has the same key, DCP keeps one rank's, and a same-size reload gives
-        some rank another rank's slice (or fails on the shapes) without a word."""
+    def generic_helpers_refuse_zero1_state() -> None:
+        """Saved as plain tensors (``state_to_dict``), every rank's slice would have the same
+        key and DCP would keep one rank's: a same-size reload would give some rank another
+        rank's slice without a word. The generic helpers refuse the state and the template."""
         from functopt.distributed import state_from_dict, state_to_dict
         opt = _zero1("pure")
         params = {"w": torch.arange(8.0)}  # slices of 4 and 4: equal shapes, other values
         params, state = _train(opt, params, opt.init(params), range(1))
-        where = os.path.join(path, "plain")
-        dcp.save({"opt": state_to_dict(state, params)}, checkpoint_id=where)
-        template = opt.init({"w": torch.zeros(8)})
-        loaded = {"opt": state_to_dict(template, params)}
-        dcp.load(loaded, checkpoint_id=where)
-        back = state_from_dict(loaded["opt"], template)
-        mu, saved_mu = back.inner_state[0].mu["w"], state.inner_state[0].mu["w"]  # float32: no master
-        same = torch.tensor([float(torch.equal(mu, saved_mu))])
-        dist.all_reduce(same)
-        assert int(same) < world, "every rank got its own slice back from plain tensors"
+        _raises(TypeError, r"state_to_dict: the state is the state of zero1.*Fix: use "
+                           r"zero1_state_to_dict\(state, params\)", state_to_dict, state, params)
+        d = zero1_state_to_dict(state, params)
+        _raises(TypeError, r"state_from_dict: the template is the state of zero1.*"
+                           r"zero1_state_from_dict\(d, template", state_from_dict, d,
+                opt.init(params))
+        back = zero1_state_from_dict(d, opt.init(params), params)  # the zero1 pair: exact
+        _assert_tree(back, state)
 
     checks: dict[str, Callable[[], None]] = {config: (lambda c=config: run(c)) for config in CONFIGS}
-    return _run({**checks, "plain_state_dict_collides": plain_state_dict_collides})
+    return _run({**checks, "generic_helpers_refuse_zero1_state":
+                 generic_helpers_refuse_zero1_state})
 
 
 # --------------------------------------------------------------- another size (1, 4)
