@@ -23,7 +23,7 @@ import torch
 from functopt import _validate
 from functopt._base import GradientTransformation, State
 from functopt._spec import Injected, describe
-from functopt.adapters import _param_groups, _state_dict
+from functopt.adapters import _group_init, _param_groups, _state_dict
 from functopt.fast._step import make_step
 from functopt.optimizers import recipe_of
 from functopt.transforms.combining import _check_transform
@@ -188,14 +188,24 @@ class _Plan:
                             for (kind, _, _), leaf in zip(self.leaves, self.template,
                                                           strict=True))
         self.template_taken = False
+        # The hyperparameters the group's state was made from by add_param_group.
+        self.made_from: dict[str, Any] = {}
 
-    def fresh(self, transform: GradientTransformation, ptree: Any) -> list[Any]:
-        """Leaves of a new ``transform.init`` state (the template, if no step has it yet)."""
+    def fresh(self, transform: GradientTransformation, ptree: Any,
+              hyper: dict[str, torch.Tensor]) -> list[Any]:
+        """Leaves of a new ``transform.init`` state (the template, if no step has it yet),
+        made from the group's hyperparameters ``hyper`` where they are not the template's."""
+        if _group_init.differs(self.hyper, hyper):
+            with torch.no_grad():
+                return self._checked(_group_init.init_from_group(transform, ptree, hyper))
         if not self.template_taken or not self.stateful:
             self.template_taken = True
             return self.template
         with torch.no_grad():
-            leaves, treespec = _core.flatten(transform.init(ptree))
+            return self._checked(transform.init(ptree))
+
+    def _checked(self, state: State) -> list[Any]:
+        leaves, treespec = _core.flatten(state)
         if treespec != self.treespec:
             raise ValueError(
                 f"functopt.Optimizer: the transform's init returned a state of structure "
@@ -416,7 +426,7 @@ class Optimizer(torch.optim.Optimizer):
                 group.setdefault(key, value)
             self._check_options(index, group, plan)
             self._check_multipliers(index, group, plan, flags)
-            self._hyperparams(index, group, plan)  # type-checks the group's values now
+            hyper = self._hyperparams(index, group, plan)  # type-checks the values now
         except Exception:
             self.param_groups.pop()
             del self._plans[index:]
@@ -424,12 +434,23 @@ class Optimizer(torch.optim.Optimizer):
         if flags.frozen:  # no state: the plan (and its template) was only for the checks
             self._plans[index] = None
             return
-        self._scatter(group, plan, plan.fresh(self._transform, self._tree(group, group["params"])))
+        plan.made_from = self._init_hyper(hyper)
+        self._scatter(group, plan, plan.fresh(self._transform, self._tree(group, group["params"]),
+                                              plan.made_from))
         self._unstepped[index] = plan
 
     def _kept_keys(self) -> frozenset[str]:
         """Group keys this optimizer keeps beyond the transform's (torch's fixed options)."""
         return frozenset()
+
+    # Injected hyperparameters whose value when a group's state is created is the one the
+    # transform was built with, not the group's (torch.optim.Adagrad's accumulator).
+    _init_from_defaults: frozenset[str] = frozenset()
+
+    def _init_hyper(self, hyper: dict[str, Any]) -> dict[str, Any]:
+        """The hyperparameters a group's first state is made from."""
+        skip = self._init_from_defaults
+        return {k: v for k, v in hyper.items() if k not in skip} if skip else hyper
 
     @staticmethod
     def _check_multipliers(
@@ -595,8 +616,14 @@ class Optimizer(torch.optim.Optimizer):
         hyper = self._step_hyperparams(index, group, plan, flags)
         # No state (cleared, or a stateless transform), or the state add_param_group made
         # for params that have moved since: start from init, on the params as they are now.
-        if not any(entries) or self._unstepped.get(index, plan) is not plan:
-            template = plan.fresh(self._transform, self._tree(group, params))
+        # So does a state made for values the group no longer holds at its first step (a
+        # scheduler set the lr after construction): torch.optim makes it at the first step.
+        unstepped = self._unstepped.get(index)
+        if not any(entries) or (unstepped is not None and (
+                unstepped is not plan
+                or _group_init.differs(plan.made_from, self._init_hyper(hyper)))):
+            template = plan.fresh(self._transform, self._tree(group, params),
+                                  self._init_hyper(hyper))
             return [hyper[name] if kind == _HYPER else leaf
                     for (kind, _, name), leaf in zip(plan.leaves, template, strict=True)], None
         if not plan.any_nullable:

@@ -145,8 +145,9 @@ class Adagrad(_base.TorchOptimizer):
 
     ``chain([scale(-1)], [add_decayed_weights], scale_by_rss(initial_accumulator_value,
     eps, eps_in_sqrt=False), scale_by_learning_rate(lr / (1 + (t - 1) lr_decay)))``.
-    ``lr``, ``lr_decay``, ``eps``, ``weight_decay`` and ``initial_accumulator_value`` (read
-    when a group's state is created) live in ``param_groups``; ``maximize`` is fixed.
+    ``lr``, ``lr_decay``, ``eps``, ``weight_decay`` and ``initial_accumulator_value`` live
+    in ``param_groups``; ``maximize`` is fixed. As in torch, every accumulator starts at the
+    constructor's ``initial_accumulator_value``: a group's own value is kept, not read.
 
     Examples:
         >>> import torch, functopt
@@ -158,6 +159,10 @@ class Adagrad(_base.TorchOptimizer):
         Parameter containing:
         tensor([-0.1000], requires_grad=True)
     """
+
+    # torch.optim.Adagrad fills every param's accumulator with the constructor's value; a
+    # group's own initial_accumulator_value is kept in the group and read by nothing.
+    _init_from_defaults = frozenset({"initial_accumulator_value"})
 
     def __init__(
         self,
