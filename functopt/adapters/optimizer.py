@@ -18,6 +18,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import optree
 import torch
 
 from functopt import _validate
@@ -109,31 +110,33 @@ class _Plan:
         # per leaf of the params' tree, the index of its param in the group (a named group's
         # dict flattens by sorted name); None when that is the group's own order
         self.order: list[int] | None = None if order == list(range(len(order))) else order
-        ppaths = _core.paths(pspec)
-        full = _core.paths(self.treespec)
         hyper = (
             {f"hyperparams.{name}": name for name in template.hyperparams}
             if isinstance(template, InjectHyperparamsState) else {}
         )
         self.leaves: list[tuple[int, int, str]] = []
 
-        def walk(spec: _core.TreeSpec) -> None:
+        # Paths are built node by node (each node's entries once), not from every leaf's
+        # accessor: a state holds several leaves per param, and its plan is made at
+        # construction.
+        def walk(spec: _core.TreeSpec, prefix: str) -> None:
             if spec == pspec:  # a field with the params' structure: one leaf per param
-                for k in range(pspec.num_leaves):
-                    path = full[len(self.leaves)]
-                    field = path[: len(path) - len(ppaths[k]) - 1] or "<root>"
-                    self.leaves.append((_FIELD, order[k], field))
+                field = prefix or "<root>"
+                self.leaves.extend((_FIELD, j, field) for j in order)
             elif spec.is_leaf():
-                path = full[len(self.leaves)]
+                path = prefix or "<root>"
                 if path in hyper:
                     self.leaves.append((_HYPER, -1, hyper[path]))
                 else:
                     self.leaves.append((_GROUP, -1, path))
             else:
-                for child in spec.children():
-                    walk(child)
+                one_level = optree.treespec_one_level(spec)
+                assert one_level is not None  # (spec is no leaf)
+                entries = _core.paths(one_level)
+                for child, entry in zip(spec.children(), entries, strict=True):
+                    walk(child, f"{prefix}.{entry}" if prefix else entry)
 
-        walk(self.treespec)
+        walk(self.treespec, "")
         self.hyper: dict[str, torch.Tensor] = {}
         group_leaves: dict[str, Any] = {}
         fields: list[dict[str, Any]] = [{} for _ in order]
@@ -166,9 +169,15 @@ class _Plan:
         self.last_hyper: tuple[list[Any], tuple[float, float], dict[str, Any]] | None = None
         # Per param, the (leaf index, entry name) pairs of its optimizer.state entry, in
         # the order of the state's leaves: the group-level leaves and its own fields.
+        # (one pass over the leaves: a param's fields are the leaves whose j is its index)
+        group_slots = [(i, name) for i, (kind, _, name) in enumerate(self.leaves)
+                       if kind == _GROUP]
+        own: list[list[tuple[int, str]]] = [[] for _ in order]
+        for i, (kind, j, name) in enumerate(self.leaves):
+            if kind == _FIELD:
+                own[j].append((i, name))
         self.entry_slots: list[list[tuple[int, str]]] = [
-            [(i, name) for i, (kind, j, name) in enumerate(self.leaves)
-             if kind == _GROUP or (kind == _FIELD and j == k)] for k in range(len(order))]
+            sorted(group_slots + slots) for slots in own]
         # Leaves that may be None in a state (None in the template): a None read from
         # optimizer.state anywhere else is a missing entry.
         self.nullable = [leaf is None for leaf in self.template]
