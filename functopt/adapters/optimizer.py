@@ -10,6 +10,7 @@ that belong to ``param``.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import math
 import operator
@@ -24,7 +25,7 @@ import torch
 from functopt import _validate
 from functopt._base import GradientTransformation, State
 from functopt._spec import Injected, describe
-from functopt.adapters import _group_init, _param_groups, _state_dict
+from functopt.adapters import _group_init, _missing_grads, _param_groups, _state_dict
 from functopt.fast._step import make_step
 from functopt.optimizers import recipe_of
 from functopt.transforms.combining import _check_transform
@@ -223,6 +224,10 @@ class _Plan:
         return leaves
 
 
+_SEPARATE = ("put the params that miss steps in a group of their own whose params all have "
+             "or all lack a gradient at each step (a group without gradients does not step)")
+
+
 class Optimizer(torch.optim.Optimizer):
     r"""A ``torch.optim.Optimizer`` whose step is a functopt transform.
 
@@ -273,8 +278,11 @@ class Optimizer(torch.optim.Optimizer):
     ``partition`` labels can go by name). A param whose ``.grad`` is None gets a None
     gradient (functopt leaves it and its state unchanged); as in ``torch.optim``, a group in
     which no param has a gradient is not stepped at all (its counters do not move). Unlike
-    ``torch.optim``, which counts steps per param, a transform counts them per group, so a
-    param that missed some steps gets the group's bias correction.
+    ``torch.optim``, which counts steps per param, a transform counts them per group: where
+    its state holds a count that per-param maths reads (Adam's bias correction), a step in
+    which a param that missed earlier steps has a gradient raises a ``ValueError`` naming
+    it, before anything is written (it would get the group's count, not its own). Give it
+    a zero gradient on the steps where it has none, or a group of its own.
 
     State. Every param of a group that is not frozen has an entry in ``optimizer.state``
     from the start (empty for a stateless transform, as torch.optim's SGD keeps
@@ -386,6 +394,8 @@ class Optimizer(torch.optim.Optimizer):
         self._unstepped: dict[int, _Plan] = {}
         self._state_shared = False  # state_dict()/load_state_dict() handed tensors over
         self._plans: list[_Plan | None] = []
+        # Per group, the steps each param had no gradient in (torch.optim counts per param).
+        self._missed = _missing_grads.MissedSteps()
         if isinstance(params, torch.Tensor):
             raise TypeError(
                 f"{owner}: params must be an iterable of tensors, (name, tensor) pairs or "
@@ -738,6 +748,8 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._missed.missed:
+            self._check_missed()
         with torch.no_grad():
             for index, group in enumerate(self.param_groups):
                 self._step_group(index, group)
@@ -873,8 +885,11 @@ class Optimizer(torch.optim.Optimizer):
             return
         stepped = False
         strided = torch.strided
+        missing: list[int] = []
         for j, g in enumerate(grads):
-            if g is not None:
+            if g is None:
+                missing.append(j)
+            else:
                 if g.layout is not strided:
                     raise TypeError(
                         f"functopt.Optimizer: {self._describe(group, j)} has a {g.layout} "
@@ -892,6 +907,9 @@ class Optimizer(torch.optim.Optimizer):
         if not plan.allowed.issuperset(group):
             self._check_options(index, group, plan)
         state, entries = self._collect(index, group, plan, flags)
+        missed = self._missed
+        if entries is None:  # from init: one count for all again
+            missed.reset(index)
         if plan.order is not None:  # the leaves in the tree's order
             params = [params[k] for k in plan.order]
             grads = [grads[k] for k in plan.order]
@@ -912,6 +930,29 @@ class Optimizer(torch.optim.Optimizer):
         self._scatter(group, plan, new_state, treespec,
                       None if entries is None or not donate else (state, entries))
         self._unstepped.pop(index, None)
+        missed.advance(index, missing)
+
+    def _check_missed(self) -> None:
+        """Raise, before any group steps, where a param that missed steps would step
+        otherwise than in torch.optim (a group whose state restarts from init is exact)."""
+        for index in list(self._missed.missed):
+            if index >= len(self.param_groups):
+                continue
+            group = self.param_groups[index]
+            params = group["params"]
+            plan = self._plans[index] if index < len(self._plans) else None
+            if plan is None or not any(self.state.get(p) for p in params):
+                continue
+            self._missed.check(f"{self._step_owner()}.step", index, [p.grad for p in params],
+                               functools.partial(self._count_rule, group, plan),
+                               functools.partial(self._describe, group), _SEPARATE)
+
+    def _step_owner(self) -> str:
+        return "functopt.Optimizer"
+
+    def _count_rule(self, group: dict[str, Any], plan: _Plan) -> int:
+        """How the group's transform reads its step counts (``_missing_grads``' rules)."""
+        return _missing_grads.transform_rule(plan.treespec, plan.pspec)
 
     # -- checkpoints ----------------------------------------------------------------------
 
@@ -975,6 +1016,7 @@ class Optimizer(torch.optim.Optimizer):
         self.state = new_state
         self.param_groups = new_groups
         self._unstepped.clear()
+        self._missed.reset()
         self._state_shared = True  # the loaded tensors may be the caller's own
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
@@ -983,13 +1025,15 @@ class Optimizer(torch.optim.Optimizer):
         # Plans are rebuilt on the next step; the transform's closures travel as they are.
         # A copy holds copies of the state tensors: it shares nothing with a state dict.
         return {**super().__getstate__(), "_transform": _HeldTransform(self._transform),
-                "_plans": [], "_fused": self._fused, "_state_shared": False, "_unstepped": {}}
+                "_plans": [], "_fused": self._fused, "_state_shared": False, "_unstepped": {},
+                "_missed": copy.deepcopy(self._missed)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         held = state.get("_transform")
         if isinstance(held, _HeldTransform):
             state = {**state, "_transform": held.transform}
         super().__setstate__(state)
+        self.__dict__.setdefault("_missed", _missing_grads.MissedSteps())
 
 
 OPTIMIZER_NOT_PICKLABLE = (
