@@ -13,6 +13,8 @@ import copy
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 import functopt
@@ -205,3 +207,38 @@ def test_a_restart_or_a_loaded_state_counts_from_there() -> None:
     opt.state.clear()
     model.bias.grad = torch.ones_like(model.bias)
     opt.step()
+
+
+@settings(max_examples=40, deadline=None)
+@given(row=st.sampled_from(COUNTED + UNCOUNTED + [DAMPENED]),
+       pattern=st.lists(st.tuples(st.booleans(), st.booleans()), min_size=1, max_size=5))
+def test_any_pattern_is_exact_or_raises_where_torch_counts_differ(
+        row: tuple[str, dict[str, Any]], pattern: list[tuple[bool, bool]]) -> None:
+    # Which of a and b have a gradient at each step. torch's count per param against the
+    # group's: a step must raise exactly where a rule reading it would see them differ.
+    name, kwargs = row
+    reads_every = row in COUNTED
+    starts_apart = row == DAMPENED
+    model, ref = _params(), _params()
+    opt = getattr(optim, name)(model.parameters(), **kwargs)
+    torch_opt = getattr(torch.optim, name)(ref.parameters(), **kwargs)
+    group, own = 0, [0, 0]
+    for t, has in enumerate(pattern):
+        for m in (model, ref):
+            for p, h in zip(m.parameters(), has, strict=True):
+                p.grad = torch.full_like(p, 0.1 * (t + 1)) if h else None
+        stepping = [i for i in (0, 1) if has[i]]
+        differs = any((reads_every and own[i] != group)
+                      or (starts_apart and own[i] == 0 and group > 0) for i in stepping)
+        if differs:
+            with pytest.raises(ValueError, match="has a gradient at this step"):
+                opt.step()
+            return
+        opt.step()
+        torch_opt.step()
+        if stepping:
+            group += 1
+            for i in stepping:
+                own[i] += 1
+        _close([p.detach() for p in model.parameters()],
+               [p.detach() for p in ref.parameters()])
