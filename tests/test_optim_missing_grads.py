@@ -13,9 +13,9 @@ import copy
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch
 
 import functopt
 from functopt import optim
