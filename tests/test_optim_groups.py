@@ -9,6 +9,7 @@ when a group sets another value, naming the key and the fix.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import pytest
@@ -96,6 +97,18 @@ def test_a_group_value_trains_as_torch(name: str, key: str, value: Any) -> None:
         ps, **{**kwargs, **({} if name == "Adagrad" and key == "initial_accumulator_value"
                             else {key: value})}))
     assert torch.equal(got[1], alone[1]), (name, key)
+
+
+@pytest.mark.parametrize(("name", "key", "value"), _rows())
+def test_a_group_back_at_the_default_trains_as_torch(name: str, key: str, value: Any) -> None:
+    # the constructor sets the value, a group torch's default (HF Trainer's no-decay group)
+    default = inspect.signature(getattr(torch.optim, name)).parameters[key].default
+    kwargs = {**GROUP_VALUES[name][0], key: value}
+    groups: list[dict[str, Any]] = [{}, {key: default}]
+    expected = _train(lambda ps: getattr(torch.optim, name)(ps, **kwargs), groups)
+    got = _train(lambda ps: getattr(optim, name)(ps, **kwargs), groups)
+    for g, e in zip(got, expected, strict=True):
+        assert (g - e).abs().max().item() <= 1e-14 * max(1.0, e.abs().max().item()), (name, key)
 
 
 @pytest.mark.parametrize("name", list(GROUP_VALUES))

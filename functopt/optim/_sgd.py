@@ -78,8 +78,13 @@ class SGD(_base.TorchOptimizer):
         else:
             fixed["momentum"] = momentum
         flags = {"dampening": damp, "nesterov": nesterov, "maximize": maximize}
+        # torch's fused SGD keeps no buffer for a group whose momentum is 0, where the
+        # chain's trace (decay 0) still keeps one: such a group takes the pure path.
+        no_buffer = uses_momentum and any(
+            _base.number(owner, "momentum", v) == 0
+            for v in (momentum, *_base.groups_set(params, "momentum")))
         super().__init__(params, _chains.sgd, hyper, flags, fixed,
-                         lowerable=not maximize and damp == 0, fused=fused,
+                         lowerable=not maximize and damp == 0 and not no_buffer, fused=fused,
                          differentiable=differentiable)
 
 
