@@ -209,3 +209,18 @@ def test_a_fixed_option_set_per_group_raises(name: str, key: str, value: Any) ->
     a.grad = torch.ones(2)
     with pytest.raises(ValueError, match=f"fixes '{key}'"):
         opt.step()
+
+
+@pytest.mark.parametrize(("name", "key", "value"), [
+    ("SGD", "momentum", 0.9), ("RMSprop", "momentum", 0.5), ("Adam", "weight_decay", 0.1),
+    ("Adagrad", "weight_decay", 0.1), ("Adadelta", "weight_decay", 0.1)])
+def test_a_later_group_needing_a_stage_the_constructor_left_out_raises(
+        name: str, key: str, value: Any) -> None:
+    # 0 in the constructor and every group: the chain has no such stage (as torch skips the
+    # maths), so a group added later with another value cannot be honoured
+    a, b = torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(1))
+    opt = getattr(optim, name)([a], lr=0.1)
+    with pytest.raises(ValueError, match=f"param group 1 has {key}={value}, but this "
+                                         f"optimizer was built with {key}=0.*Fix:"):
+        opt.add_param_group({"params": [b], key: value})
+    assert len(opt.param_groups) == 1
