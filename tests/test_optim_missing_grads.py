@@ -242,3 +242,20 @@ def test_any_pattern_is_exact_or_raises_where_torch_counts_differ(
                 own[i] += 1
         _close([p.detach() for p in model.parameters()],
                [p.detach() for p in ref.parameters()])
+
+
+def test_a_frozen_group_that_missed_steps_does_not_raise() -> None:
+    # a frozen group does not step, whatever gradients its params have
+    a, b = torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(1))
+    c = torch.nn.Parameter(torch.ones(1))
+    opt = functopt.Optimizer([{"params": [a, b]}, {"params": [c]}], functopt.adamw(0.1))
+    a.grad = torch.ones(1)
+    opt.step()  # b misses it
+    b.grad, c.grad = torch.ones(1), torch.ones(1)
+    opt.param_groups[0]["frozen"] = True
+    before = [a.detach().clone(), b.detach().clone()]
+    opt.step()
+    assert torch.equal(a.detach(), before[0]) and torch.equal(b.detach(), before[1])
+    opt.param_groups[0]["frozen"] = False  # stepping again with b: its count is behind
+    with pytest.raises(ValueError, match=r"param 1 of param_groups\[0\]"):
+        opt.step()

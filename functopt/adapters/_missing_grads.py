@@ -84,6 +84,9 @@ MISSED_STEPS = (
     "Fix: give the param a zero gradient on the steps where it has none (zero_grad("
     "set_to_none=False), or p.grad = torch.zeros_like(p)), or {separate}."
 )
+SEPARATE_GROUP = ("put the params that miss steps in a group of their own whose params all "
+                  "have or all lack a gradient at each step (a group without gradients does "
+                  "not step)")
 _WHY = {ALL: "its rule reads the count at every step (bias correction)",
         FIRST: "its rule takes a param's first step apart (undamped momentum)"}
 

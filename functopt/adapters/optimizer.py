@@ -224,10 +224,6 @@ class _Plan:
         return leaves
 
 
-_SEPARATE = ("put the params that miss steps in a group of their own whose params all have "
-             "or all lack a gradient at each step (a group without gradients does not step)")
-
-
 class Optimizer(torch.optim.Optimizer):
     r"""A ``torch.optim.Optimizer`` whose step is a functopt transform.
 
@@ -941,11 +937,13 @@ class Optimizer(torch.optim.Optimizer):
             group = self.param_groups[index]
             params = group["params"]
             plan = self._plans[index] if index < len(self._plans) else None
-            if plan is None or not any(self.state.get(p) for p in params):
+            if plan is None or self._flags(index, group).frozen or not any(
+                    self.state.get(p) for p in params):
                 continue
             self._missed.check(f"{self._step_owner()}.step", index, [p.grad for p in params],
                                functools.partial(self._count_rule, group, plan),
-                               functools.partial(self._describe, group), _SEPARATE)
+                               functools.partial(self._describe, group),
+                               _missing_grads.SEPARATE_GROUP)
 
     def _step_owner(self) -> str:
         return "functopt.Optimizer"
