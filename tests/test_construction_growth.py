@@ -4,15 +4,17 @@ optimizer).
 
 The law is a ratio, not a speed: twice the params (1-element ones, so that the time is the
 per-param bookkeeping, not the arithmetic) take under three times as long, for the
-constructor and for ``state_dict()``. A piece of work per param that walks every param
-(quadratic) makes the ratio about 4. Each time is the median of a few repeats with the
-garbage collector paused, so that a collection of unrelated objects is not counted.
+constructor and for a fresh optimizer's ``state_dict()`` (its first call included). A piece
+of work per param that walks every param (quadratic) makes the ratio about 4 on every
+measurement. Timing on a shared machine is noisy (torch.optim's own ``state_dict()`` shows
+ratios from 2 to 4 between runs), so the two sizes are timed in turn, each time is the
+least of a few repeats with the garbage collector paused (other processes only ever add
+time), and a ratio of 3 or more is measured again, up to three times in all.
 """
 
 from __future__ import annotations
 
 import gc
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,34 +26,10 @@ import functopt
 from functopt import optim
 
 SMALL, LARGE = 10_000, 20_000
+REPEATS, ATTEMPTS = 3, 3
 
-
-def _median_s(fn: Callable[[], Callable[[], Any]], repeats: int = 3, calls: int = 1) -> float:
-    """The median over ``repeats`` of the time of ``calls`` calls of what ``fn()`` returns
-    (made untimed, afresh each repeat: a first call that caches something is counted)."""
-    samples = []
-    for _ in range(repeats):
-        timed = fn()
-        gc.collect()
-        gc.disable()
-        try:
-            start = time.perf_counter()
-            for _ in range(calls):
-                timed()
-            samples.append(time.perf_counter() - start)
-        finally:
-            gc.enable()
-    return statistics.median(samples)
-
-
-def _times(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
-           n: int) -> tuple[float, float]:
-    params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(n)]
-    construct = _median_s(lambda: lambda: make(params))
-    return construct, _median_s(lambda: make(params).state_dict, calls=5)
-
-
-MAKERS: dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = {
+Make = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+MAKERS: dict[str, Make] = {
     "AdamW": lambda ps: optim.AdamW(ps, lr=1e-3),
     "SGD-momentum": lambda ps: optim.SGD(ps, lr=1e-3, momentum=0.9),
     "Optimizer-adamw": lambda ps: functopt.Optimizer(ps, functopt.adamw(1e-3)),
@@ -60,14 +38,40 @@ MAKERS: dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = {
 }
 
 
-@pytest.mark.timeout(240)
+def _time_s(timed: Callable[[], Any], calls: int) -> float:
+    gc.collect()
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        for _ in range(calls):
+            timed()
+        return time.perf_counter() - start
+    finally:
+        gc.enable()
+
+
+def _least(make: Make, params: dict[int, list[torch.Tensor]]) -> dict[str, dict[int, float]]:
+    """Per measure and size, the least time over REPEATS, the sizes taken in turn."""
+    out: dict[str, dict[int, float]] = {"constructor": {}, "state_dict()": {}}
+    for _ in range(REPEATS):
+        for n, ps in params.items():
+            samples = {"constructor": _time_s(lambda ps=ps: make(ps), 1),
+                       "state_dict()": _time_s(make(ps).state_dict, 20)}
+            for what, t in samples.items():
+                out[what][n] = min(out[what].get(n, t), t)
+    return out
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", list(MAKERS))
 def test_construction_and_state_dict_grow_linearly(name: str) -> None:
     make = MAKERS[name]
     make([torch.nn.Parameter(torch.zeros(1))])  # first-call costs (imports) out of the way
-    small = _times(make, SMALL)
-    large = _times(make, LARGE)
-    for what, t_small, t_large in zip(("constructor", "state_dict()"), small, large,
-                                      strict=True):
-        assert t_large < 3 * t_small, (f"{name} {what}: {t_large:.3f} s at {LARGE} params, "
-                                       f"{t_small:.3f} s at {SMALL}")
+    params = {n: [torch.nn.Parameter(torch.zeros(1)) for _ in range(n)] for n in (SMALL, LARGE)}
+    for _ in range(ATTEMPTS):
+        times = _least(make, params)
+        ratios = {what: t[LARGE] / t[SMALL] for what, t in times.items()}
+        if all(r < 3 for r in ratios.values()):
+            return
+    raise AssertionError(f"{name}: {LARGE} params take {ratios} times as long as {SMALL} "
+                         f"(times in s: {times})")
