@@ -299,6 +299,8 @@ class Layout:
             for i, step in enumerate(accessor):
                 if isinstance(step, optree.MappingEntry):
                     node_keys.setdefault(path[:i], set()).add(step.entry)
+        # the dicts keyed by param names only (decided once per dict, not once per leaf)
+        by_names = {node for node, keys in node_keys.items() if keys <= known}
         self.owners: list[str | None] = []
         self.fields: list[str] = []
         for accessor, path in zip(accessors, parts, strict=True):
@@ -306,7 +308,7 @@ class Layout:
             field = path
             for i, step in enumerate(accessor):
                 if isinstance(step, optree.MappingEntry) and isinstance(step.entry, str) \
-                        and step.entry in known and node_keys[path[:i]] <= known:
+                        and step.entry in known and path[:i] in by_names:
                     owner_name, field = step.entry, path[:i] + path[i + 1:]
                     break
             self.owners.append(owner_name)

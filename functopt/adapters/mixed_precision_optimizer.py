@@ -30,7 +30,7 @@ from functopt._collective.counting import Replicated
 from functopt._collective.dtensor import local_tensor
 from functopt._collective.reduce import global_grad_stats
 from functopt._spec import Injected, describe
-from functopt.adapters import _from_torch, _param_groups, _state_dict
+from functopt.adapters import _from_torch, _missing_grads, _param_groups, _state_dict
 from functopt.adapters._facade_groups import (
     _UNSET,
     BOOKKEEPING_KEYS,
@@ -146,7 +146,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     dtype. A param whose
     ``.grad`` is None at ``step()`` is left unchanged, and so is its per-param state, as in
     ``torch.optim`` (a counter shared by all params, such as Adam's ``count``, still
-    advances). A ``step()`` where no param has a gradient is an error: ``backward`` was
+    advances; built from a torch.optim optimizer whose rule reads that count per param, a
+    step where a param that missed earlier steps has a gradient raises, naming it). A
+    ``step()`` where no param has a gradient is an error: ``backward`` was
     not called, or the gradients were cleared before the step.
 
     The transform's state is built once, by the constructor, from the params as they are
@@ -440,6 +442,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 f"got {type(loss_scale).__name__}."
             )
         factories: list[Any] | None = None
+        torch_source = None
         if isinstance(params, torch.optim.Optimizer):
             if transform is not None:
                 raise TypeError(
@@ -448,6 +451,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                     f"pass one of them, MixedPrecisionOptimizer(torch_optimizer, ...) or "
                     f"MixedPrecisionOptimizer(params, transform, ...)."
                 )
+            torch_source = params  # (its rule's per-param step counts: _missing_grads)
             translated = _from_torch.translate(_OWNER, params, BOOKKEEPING_KEYS)
             params = [spec for spec, _ in translated]
             factories = [factory for _, factory in translated]
@@ -516,6 +520,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         trainable = [group for group in groups if not group.frozen]
         self._names = [name for group in trainable for name in group.names]
         self._params = [p for group in trainable for p in group.params]
+        self._missed = (None if torch_source is None
+                        else _missing_grads.TorchCounts(torch_source, self._params))
         self._labels = {name: i for i, group in enumerate(groups) if not group.frozen
                         for name in group.names}
         self._frozen = [p for group in groups if group.frozen for p in group.params]
@@ -827,6 +833,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 self._skip_for_norm(stats)
                 self._remember(grads)
                 return self._result(False)
+        missed = self.__dict__.get("_missed")
+        if missed is not None:
+            missed.check(f"{_OWNER}.step", grads, self._names)
         with torch.no_grad():
             old = list(self._params)  # (no detach per param: six ops per step here)
             # After state_dict() the live state is shared with the caller's dict: this one
@@ -842,6 +851,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                     after = new_params[name]
                     if after is not before:  # a param without grad comes back as it was
                         p.copy_(after)
+        if took and missed is not None:
+            missed.advance(grads)
         self._state = new_state
         self._state_shared = False
         self._remember(grads)
@@ -1372,6 +1383,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 if store is not None:  # as LightRFT: the model follows the loaded master
                     p.copy_(mw.write(p, store, mw.view(p, store), None)[0])
         self._state = state
+        missed = self.__dict__.get("_missed")
+        if missed is not None:  # one count for all again
+            missed.missed.reset()
         for group, saved in zip(self.param_groups, groups or [], strict=False):
             group.update(saved)
         for plan in self._plans:  # the next step writes the group values into the state

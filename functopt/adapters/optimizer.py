@@ -10,6 +10,7 @@ that belong to ``param``.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import math
 import operator
@@ -18,12 +19,13 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import optree
 import torch
 
 from functopt import _validate
 from functopt._base import GradientTransformation, State
 from functopt._spec import Injected, describe
-from functopt.adapters import _param_groups, _state_dict
+from functopt.adapters import _group_init, _missing_grads, _param_groups, _state_dict
 from functopt.fast._step import make_step
 from functopt.optimizers import recipe_of
 from functopt.transforms.combining import _check_transform
@@ -109,31 +111,33 @@ class _Plan:
         # per leaf of the params' tree, the index of its param in the group (a named group's
         # dict flattens by sorted name); None when that is the group's own order
         self.order: list[int] | None = None if order == list(range(len(order))) else order
-        ppaths = _core.paths(pspec)
-        full = _core.paths(self.treespec)
         hyper = (
             {f"hyperparams.{name}": name for name in template.hyperparams}
             if isinstance(template, InjectHyperparamsState) else {}
         )
         self.leaves: list[tuple[int, int, str]] = []
 
-        def walk(spec: _core.TreeSpec) -> None:
+        # Paths are built node by node (each node's entries once), not from every leaf's
+        # accessor: a state holds several leaves per param, and its plan is made at
+        # construction.
+        def walk(spec: _core.TreeSpec, prefix: str) -> None:
             if spec == pspec:  # a field with the params' structure: one leaf per param
-                for k in range(pspec.num_leaves):
-                    path = full[len(self.leaves)]
-                    field = path[: len(path) - len(ppaths[k]) - 1] or "<root>"
-                    self.leaves.append((_FIELD, order[k], field))
+                field = prefix or "<root>"
+                self.leaves.extend((_FIELD, j, field) for j in order)
             elif spec.is_leaf():
-                path = full[len(self.leaves)]
+                path = prefix or "<root>"
                 if path in hyper:
                     self.leaves.append((_HYPER, -1, hyper[path]))
                 else:
                     self.leaves.append((_GROUP, -1, path))
             else:
-                for child in spec.children():
-                    walk(child)
+                one_level = optree.treespec_one_level(spec)
+                assert one_level is not None  # (spec is no leaf)
+                entries = _core.paths(one_level)
+                for child, entry in zip(spec.children(), entries, strict=True):
+                    walk(child, f"{prefix}.{entry}" if prefix else entry)
 
-        walk(self.treespec)
+        walk(self.treespec, "")
         self.hyper: dict[str, torch.Tensor] = {}
         group_leaves: dict[str, Any] = {}
         fields: list[dict[str, Any]] = [{} for _ in order]
@@ -166,9 +170,15 @@ class _Plan:
         self.last_hyper: tuple[list[Any], tuple[float, float], dict[str, Any]] | None = None
         # Per param, the (leaf index, entry name) pairs of its optimizer.state entry, in
         # the order of the state's leaves: the group-level leaves and its own fields.
+        # (one pass over the leaves: a param's fields are the leaves whose j is its index)
+        group_slots = [(i, name) for i, (kind, _, name) in enumerate(self.leaves)
+                       if kind == _GROUP]
+        own: list[list[tuple[int, str]]] = [[] for _ in order]
+        for i, (kind, j, name) in enumerate(self.leaves):
+            if kind == _FIELD:
+                own[j].append((i, name))
         self.entry_slots: list[list[tuple[int, str]]] = [
-            [(i, name) for i, (kind, j, name) in enumerate(self.leaves)
-             if kind == _GROUP or (kind == _FIELD and j == k)] for k in range(len(order))]
+            sorted(group_slots + slots) for slots in own]
         # Leaves that may be None in a state (None in the template): a None read from
         # optimizer.state anywhere else is a missing entry.
         self.nullable = [leaf is None for leaf in self.template]
@@ -188,14 +198,24 @@ class _Plan:
                             for (kind, _, _), leaf in zip(self.leaves, self.template,
                                                           strict=True))
         self.template_taken = False
+        # The hyperparameters the group's state was made from by add_param_group.
+        self.made_from: dict[str, Any] = {}
 
-    def fresh(self, transform: GradientTransformation, ptree: Any) -> list[Any]:
-        """Leaves of a new ``transform.init`` state (the template, if no step has it yet)."""
+    def fresh(self, transform: GradientTransformation, ptree: Any,
+              hyper: dict[str, torch.Tensor]) -> list[Any]:
+        """Leaves of a new ``transform.init`` state (the template, if no step has it yet),
+        made from the group's hyperparameters ``hyper`` where they are not the template's."""
+        if _group_init.differs(self.hyper, hyper):
+            with torch.no_grad():
+                return self._checked(_group_init.init_from_group(transform, ptree, hyper))
         if not self.template_taken or not self.stateful:
             self.template_taken = True
             return self.template
         with torch.no_grad():
-            leaves, treespec = _core.flatten(transform.init(ptree))
+            return self._checked(transform.init(ptree))
+
+    def _checked(self, state: State) -> list[Any]:
+        leaves, treespec = _core.flatten(state)
         if treespec != self.treespec:
             raise ValueError(
                 f"functopt.Optimizer: the transform's init returned a state of structure "
@@ -254,8 +274,11 @@ class Optimizer(torch.optim.Optimizer):
     ``partition`` labels can go by name). A param whose ``.grad`` is None gets a None
     gradient (functopt leaves it and its state unchanged); as in ``torch.optim``, a group in
     which no param has a gradient is not stepped at all (its counters do not move). Unlike
-    ``torch.optim``, which counts steps per param, a transform counts them per group, so a
-    param that missed some steps gets the group's bias correction.
+    ``torch.optim``, which counts steps per param, a transform counts them per group: where
+    its state holds a count that per-param maths reads (Adam's bias correction), a step in
+    which a param that missed earlier steps has a gradient raises a ``ValueError`` naming
+    it, before anything is written (it would get the group's count, not its own). Give it
+    a zero gradient on the steps where it has none, or a group of its own.
 
     State. Every param of a group that is not frozen has an entry in ``optimizer.state``
     from the start (empty for a stateless transform, as torch.optim's SGD keeps
@@ -367,6 +390,8 @@ class Optimizer(torch.optim.Optimizer):
         self._unstepped: dict[int, _Plan] = {}
         self._state_shared = False  # state_dict()/load_state_dict() handed tensors over
         self._plans: list[_Plan | None] = []
+        # Per group, the steps each param had no gradient in (torch.optim counts per param).
+        self._missed = _missing_grads.MissedSteps()
         if isinstance(params, torch.Tensor):
             raise TypeError(
                 f"{owner}: params must be an iterable of tensors, (name, tensor) pairs or "
@@ -416,7 +441,7 @@ class Optimizer(torch.optim.Optimizer):
                 group.setdefault(key, value)
             self._check_options(index, group, plan)
             self._check_multipliers(index, group, plan, flags)
-            self._hyperparams(index, group, plan)  # type-checks the group's values now
+            hyper = self._hyperparams(index, group, plan)  # type-checks the values now
         except Exception:
             self.param_groups.pop()
             del self._plans[index:]
@@ -424,12 +449,23 @@ class Optimizer(torch.optim.Optimizer):
         if flags.frozen:  # no state: the plan (and its template) was only for the checks
             self._plans[index] = None
             return
-        self._scatter(group, plan, plan.fresh(self._transform, self._tree(group, group["params"])))
+        plan.made_from = self._init_hyper(hyper)
+        self._scatter(group, plan, plan.fresh(self._transform, self._tree(group, group["params"]),
+                                              plan.made_from))
         self._unstepped[index] = plan
 
     def _kept_keys(self) -> frozenset[str]:
         """Group keys this optimizer keeps beyond the transform's (torch's fixed options)."""
         return frozenset()
+
+    # Injected hyperparameters whose value when a group's state is created is the one the
+    # transform was built with, not the group's (torch.optim.Adagrad's accumulator).
+    _init_from_defaults: frozenset[str] = frozenset()
+
+    def _init_hyper(self, hyper: dict[str, Any]) -> dict[str, Any]:
+        """The hyperparameters a group's first state is made from."""
+        skip = self._init_from_defaults
+        return {k: v for k, v in hyper.items() if k not in skip} if skip else hyper
 
     @staticmethod
     def _check_multipliers(
@@ -595,8 +631,14 @@ class Optimizer(torch.optim.Optimizer):
         hyper = self._step_hyperparams(index, group, plan, flags)
         # No state (cleared, or a stateless transform), or the state add_param_group made
         # for params that have moved since: start from init, on the params as they are now.
-        if not any(entries) or self._unstepped.get(index, plan) is not plan:
-            template = plan.fresh(self._transform, self._tree(group, params))
+        # So does a state made for values the group no longer holds at its first step (a
+        # scheduler set the lr after construction): torch.optim makes it at the first step.
+        unstepped = self._unstepped.get(index)
+        if not any(entries) or (unstepped is not None and (
+                unstepped is not plan
+                or _group_init.differs(plan.made_from, self._init_hyper(hyper)))):
+            template = plan.fresh(self._transform, self._tree(group, params),
+                                  self._init_hyper(hyper))
             return [hyper[name] if kind == _HYPER else leaf
                     for (kind, _, name), leaf in zip(plan.leaves, template, strict=True)], None
         if not plan.any_nullable:
@@ -702,6 +744,8 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._missed.missed:
+            self._check_missed()
         with torch.no_grad():
             for index, group in enumerate(self.param_groups):
                 self._step_group(index, group)
@@ -837,8 +881,11 @@ class Optimizer(torch.optim.Optimizer):
             return
         stepped = False
         strided = torch.strided
+        missing: list[int] = []
         for j, g in enumerate(grads):
-            if g is not None:
+            if g is None:
+                missing.append(j)
+            else:
                 if g.layout is not strided:
                     raise TypeError(
                         f"functopt.Optimizer: {self._describe(group, j)} has a {g.layout} "
@@ -856,6 +903,9 @@ class Optimizer(torch.optim.Optimizer):
         if not plan.allowed.issuperset(group):
             self._check_options(index, group, plan)
         state, entries = self._collect(index, group, plan, flags)
+        missed = self._missed
+        if entries is None:  # from init: one count for all again
+            missed.reset(index)
         if plan.order is not None:  # the leaves in the tree's order
             params = [params[k] for k in plan.order]
             grads = [grads[k] for k in plan.order]
@@ -876,6 +926,31 @@ class Optimizer(torch.optim.Optimizer):
         self._scatter(group, plan, new_state, treespec,
                       None if entries is None or not donate else (state, entries))
         self._unstepped.pop(index, None)
+        missed.advance(index, missing)
+
+    def _check_missed(self) -> None:
+        """Raise, before any group steps, where a param that missed steps would step
+        otherwise than in torch.optim (a group whose state restarts from init is exact)."""
+        for index in list(self._missed.missed):
+            if index >= len(self.param_groups):
+                continue
+            group = self.param_groups[index]
+            params = group["params"]
+            plan = self._plans[index] if index < len(self._plans) else None
+            if plan is None or self._flags(index, group).frozen or not any(
+                    self.state.get(p) for p in params):
+                continue
+            self._missed.check(f"{self._step_owner()}.step", index, [p.grad for p in params],
+                               functools.partial(self._count_rule, group, plan),
+                               functools.partial(self._describe, group),
+                               _missing_grads.SEPARATE_GROUP)
+
+    def _step_owner(self) -> str:
+        return "functopt.Optimizer"
+
+    def _count_rule(self, group: dict[str, Any], plan: _Plan) -> int:
+        """How the group's transform reads its step counts (``_missing_grads``' rules)."""
+        return _missing_grads.transform_rule(plan.treespec, plan.pspec)
 
     # -- checkpoints ----------------------------------------------------------------------
 
@@ -939,6 +1014,7 @@ class Optimizer(torch.optim.Optimizer):
         self.state = new_state
         self.param_groups = new_groups
         self._unstepped.clear()
+        self._missed.reset()
         self._state_shared = True  # the loaded tensors may be the caller's own
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
@@ -947,13 +1023,15 @@ class Optimizer(torch.optim.Optimizer):
         # Plans are rebuilt on the next step; the transform's closures travel as they are.
         # A copy holds copies of the state tensors: it shares nothing with a state dict.
         return {**super().__getstate__(), "_transform": _HeldTransform(self._transform),
-                "_plans": [], "_fused": self._fused, "_state_shared": False, "_unstepped": {}}
+                "_plans": [], "_fused": self._fused, "_state_shared": False, "_unstepped": {},
+                "_missed": copy.deepcopy(self._missed)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         held = state.get("_transform")
         if isinstance(held, _HeldTransform):
             state = {**state, "_transform": held.transform}
         super().__setstate__(state)
+        self.__dict__.setdefault("_missed", _missing_grads.MissedSteps())
 
 
 OPTIMIZER_NOT_PICKLABLE = (

@@ -21,6 +21,7 @@ import torch
 
 from functopt import _validate
 from functopt._base import GradientTransformation
+from functopt.adapters import _missing_grads
 from functopt.adapters.optimizer import Optimizer
 from functopt.transforms.hyperparams import inject_hyperparams
 from functopt.tree import _ops
@@ -182,7 +183,7 @@ class TorchOptimizer(Optimizer):
         # Module-level factory and plain values: enough to rebuild the transform when the
         # optimizer is unpickled (its closures cannot be pickled).
         self._recipe = (factory, dict(hyperparams), dict(flags))
-        transform = inject_hyperparams(factory)(**hyperparams, **flags)
+        transform = _built(factory, hyperparams, flags)
         self._fixed = {**fixed, "differentiable": False}
         # A tensor lr stays the caller's tensor in the groups, as torch.optim keeps it: a
         # scheduler fills it in place, and a recorded step (a CUDA graph) reads it there.
@@ -198,6 +199,13 @@ class TorchOptimizer(Optimizer):
     def transform(self) -> GradientTransformation:
         """The functopt transform this optimizer runs (``inject_hyperparams`` of a chain)."""
         return self._transform
+
+    def _step_owner(self) -> str:
+        return f"functopt.optim.{type(self).__name__}"
+
+    def _count_rule(self, group: dict[str, Any], plan: Any) -> int:
+        # torch's own rule for the class (the chain's counts say less: RMSprop's is unread)
+        return _missing_grads.torch_rule(type(self).__name__, group)
 
     def _kept_keys(self) -> frozenset[str]:
         # torch's fixed options and execution hints: checked here, kept in every group.
@@ -281,8 +289,14 @@ class TorchOptimizer(Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         if "_transform" not in self.__dict__:
-            factory, hyperparams, flags = self._recipe
-            self._transform = inject_hyperparams(factory)(**hyperparams, **flags)
+            self._transform = _built(*self._recipe)
+
+
+def _built(factory: Callable[..., GradientTransformation], hyperparams: dict[str, Any],
+           flags: dict[str, Any]) -> GradientTransformation:
+    """The chain with ``hyperparams`` injected and ``flags`` (the options that choose its
+    stages, a number such as SGD's ``dampening`` too) fixed: a flag is no group value."""
+    return inject_hyperparams(factory, static_args=tuple(flags))(**hyperparams, **flags)
 
 
 def _rebuild(cls: type[TorchOptimizer]) -> TorchOptimizer:

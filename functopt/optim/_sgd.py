@@ -78,8 +78,13 @@ class SGD(_base.TorchOptimizer):
         else:
             fixed["momentum"] = momentum
         flags = {"dampening": damp, "nesterov": nesterov, "maximize": maximize}
+        # torch's fused SGD keeps no buffer for a group whose momentum is 0, where the
+        # chain's trace (decay 0) still keeps one: such a group takes the pure path.
+        no_buffer = uses_momentum and any(
+            _base.number(owner, "momentum", v) == 0
+            for v in (momentum, *_base.groups_set(params, "momentum")))
         super().__init__(params, _chains.sgd, hyper, flags, fixed,
-                         lowerable=not maximize and damp == 0, fused=fused,
+                         lowerable=not maximize and damp == 0 and not no_buffer, fused=fused,
                          differentiable=differentiable)
 
 
@@ -145,8 +150,9 @@ class Adagrad(_base.TorchOptimizer):
 
     ``chain([scale(-1)], [add_decayed_weights], scale_by_rss(initial_accumulator_value,
     eps, eps_in_sqrt=False), scale_by_learning_rate(lr / (1 + (t - 1) lr_decay)))``.
-    ``lr``, ``lr_decay``, ``eps``, ``weight_decay`` and ``initial_accumulator_value`` (read
-    when a group's state is created) live in ``param_groups``; ``maximize`` is fixed.
+    ``lr``, ``lr_decay``, ``eps``, ``weight_decay`` and ``initial_accumulator_value`` live
+    in ``param_groups``; ``maximize`` is fixed. As in torch, every accumulator starts at the
+    constructor's ``initial_accumulator_value``: a group's own value is kept, not read.
 
     Examples:
         >>> import torch, functopt
@@ -158,6 +164,10 @@ class Adagrad(_base.TorchOptimizer):
         Parameter containing:
         tensor([-0.1000], requires_grad=True)
     """
+
+    # torch.optim.Adagrad fills every param's accumulator with the constructor's value; a
+    # group's own initial_accumulator_value is kept in the group and read by nothing.
+    _init_from_defaults = frozenset({"initial_accumulator_value"})
 
     def __init__(
         self,
