@@ -238,11 +238,11 @@ def scale_by_muon(
     [`MuonDimensionNumbers`][functopt.contrib.MuonDimensionNumbers]); without it every leaf
     with a gradient must be 2-D. The maths runs in the widest of the leaf's dtypes and
     float32; the update keeps the gradient's dtype. With ``ns_dtype`` (``torch.bfloat16``,
-    as ``torch.optim.Muon`` iterates) the momentum is still kept and bias-corrected in that
-    dtype, but the normalisation and the Newton-Schulz steps run in ``ns_dtype``: on a CPU
-    with bfloat16 matrix units, or a GPU, several times faster per matrix, and the update is
-    then accurate to ``ns_dtype``'s rounding (the iteration only has to bring the singular
-    values into a band, which bfloat16 does).
+    as ``torch.optim.Muon`` iterates) the momentum is kept and bias-corrected as without
+    it, but the normalisation and the Newton-Schulz steps run in ``ns_dtype``: faster where
+    the hardware multiplies bfloat16 matrices faster, and the update is then accurate to
+    ``ns_dtype``'s rounding (the iteration only has to bring the singular values into a
+    band, which bfloat16 does).
 
     On DTensor params (FSDP2's ``fully_shard``, tensor parallelism) the momentum stays
     sharded as the params are, and each matrix is orthogonalised whole on one rank: the
