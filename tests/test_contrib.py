@@ -122,9 +122,17 @@ def _defaults(fn: Any) -> list[tuple[str, Any]]:
     return out
 
 
+# functopt's own options, keyword-only and after optax's, whose default is optax's behaviour
+EXTRA_OPTIONS = {"muon": ("ns_dtype",), "scale_by_muon": ("ns_dtype",)}
+
+
 @pytest.mark.parametrize("name", sorted(GOLDEN["signatures"]))
 def test_signature_matches_optax(name: str) -> None:
     ours = _defaults(getattr(contrib, name))
+    extras = EXTRA_OPTIONS.get(name, ())
+    assert [x for x in ours if x[0] in extras] == [(x, "KEYWORD_ONLY", None) for x in extras]
+    assert [x[0] for x in ours[len(ours) - len(extras):]] == list(extras)
+    ours = ours[:len(ours) - len(extras)]
     theirs = [tuple(x) for x in GOLDEN["signatures"][name]]
     assert [x[:2] for x in ours] == [x[:2] for x in theirs], name
     for (pname, _, mine), (_, _, ref) in zip(ours, theirs, strict=True):
@@ -319,6 +327,87 @@ def test_muon_dimension_numbers_batch_the_other_axes(seed: int, reduction: int) 
         got = u["k"].select(batch, i)
         got = got.T if reduction > output else got
         torch.testing.assert_close(got, expected["w"], rtol=1e-12, atol=1e-14)
+
+
+def _newton_schulz_transcribed(m: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # Muon's iteration written out from the paper, every operation in ``dtype``: divide by
+    # the Frobenius norm (+ eps), then five quintic steps on the side with the smaller Gram
+    # matrix
+    a, b, c = (torch.tensor(x, dtype=torch.float64).to(dtype) for x in (3.4445, -4.7750,
+                                                                        2.0315))
+    x = m.to(dtype)
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.T
+    x = x / (torch.linalg.matrix_norm(x) + torch.tensor(1e-8, dtype=dtype))
+    for _ in range(5):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    return x.T if tall else x
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (48, 96), (96, 40)])
+def test_bfloat16_newton_schulz_is_the_iteration_in_bfloat16(shape: tuple[int, int]) -> None:
+    # ns_dtype=torch.bfloat16 runs the normalisation and the iteration in bfloat16 (the
+    # momentum stays float32): within bfloat16 rounding of the iteration transcribed in
+    # bfloat16, and far from the float32 iteration's update only by that rounding. Without
+    # ns_dtype (or with float32) the update is the float32 iteration, as before.
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    params = {"w": torch.zeros(shape)}
+    updates = {}
+    for key, ns_dtype in (("default", None), ("float32", torch.float32),
+                          ("bfloat16", torch.bfloat16)):
+        tx = contrib.scale_by_muon(nesterov=False, ns_dtype=ns_dtype)
+        updates[key] = tx.update({"w": g}, tx.init(params))[0]["w"]
+    # (no Nesterov, first step: the bias-corrected momentum is g itself)
+    want16 = _newton_schulz_transcribed(g, torch.bfloat16).float()
+    want32 = _newton_schulz_transcribed(g, torch.float32)
+    assert updates["bfloat16"].dtype == torch.float32  # the update keeps the grad's dtype
+    bf16_eps = torch.finfo(torch.bfloat16).eps
+    scale = float(want16.abs().max())
+    assert float((updates["bfloat16"] - want16).abs().max()) <= 4 * bf16_eps * scale
+    # bfloat16's rounding shows: not the float32 update to float32 precision
+    assert float((updates["bfloat16"] - want32).abs().max()) > 100 * torch.finfo(
+        torch.float32).eps * scale
+    torch.testing.assert_close(updates["default"], want32, rtol=1e-5, atol=1e-6)
+    assert_bitwise_equal(updates["float32"], updates["default"])
+
+
+def test_muon_recipe_passes_ns_dtype_on_and_refuses_a_non_float() -> None:
+    params = {"w": torch.randn(32, 16), "b": torch.zeros(16)}
+    grads = {"w": torch.randn(32, 16), "b": torch.ones(16)}
+    opt16, inner = contrib.muon(0.1, ns_dtype=torch.bfloat16), contrib.scale_by_muon(
+        ns_dtype=torch.bfloat16)
+    got = opt16.update(grads, opt16.init(params), params)[0]["w"]
+    want = inner.update({"w": grads["w"]}, inner.init({"w": params["w"]}))[0]["w"]
+    assert_bitwise_equal(got, -0.1 * want)  # shape factor sqrt(max(1, 16/32)) = 1
+    with pytest.raises(TypeError, match=r"scale_by_muon: ns_dtype must be None or a floating "
+                                        r"torch.dtype .* got torch.int32"):
+        contrib.muon(0.1, ns_dtype=torch.int32)
+
+
+def test_the_documented_torch_layout_one_liner() -> None:
+    # what muon's docstring gives torch users: nn.Linear weights read as (out, in), the
+    # embedding and the head sent to AdamW
+    model = torch.nn.ModuleDict({"embed": torch.nn.Embedding(10, 8),
+                                 "fc": torch.nn.Linear(8, 24), "lm_head": torch.nn.Linear(8, 10)})
+    params = {k: v.detach().double() for k, v in model.named_parameters()}
+    dims = lambda p: {k: contrib.MuonDimensionNumbers(1, 0) if v is not None and  # noqa: E731
+                      v.dim() == 2 and not k.startswith(("embed", "lm_head")) else None
+                      for k, v in p.items()}
+    opt = contrib.muon(0.1, muon_weight_dimension_numbers=dims)
+    grads = {k: torch.randn(v.shape, dtype=F64) for k, v in params.items()}
+    updates, _ = opt.update(grads, opt.init(params), params)
+    adam = functopt.adamw(0.1, weight_decay=0.0, nesterov=True)
+    for k in ("embed.weight", "lm_head.weight", "fc.bias"):
+        expected, _ = adam.update({k: grads[k]}, adam.init({k: params[k]}), {k: params[k]})
+        torch.testing.assert_close(updates[k], expected[k], rtol=1e-14, atol=0)
+    # fc.weight is (out=24, in=8): the shape factor is sqrt(max(1, 24/8)), Keller Jordan's
+    # sqrt(max(1, rows/cols)) for a torch weight; optax's default reading would give 1
+    ortho = contrib.scale_by_muon()
+    u, _ = ortho.update({"w": grads["fc.weight"]}, ortho.init({"w": params["fc.weight"]}))
+    torch.testing.assert_close(updates["fc.weight"], -0.1 * 3 ** 0.5 * u["w"], rtol=1e-14,
+                               atol=0)
 
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=[e[0] for e in ENTRIES])

@@ -126,6 +126,48 @@ def test_newton_schulz_runs_once_per_shape_not_once_per_matrix(
     assert len(seen) == 6  # the pure path: one iteration per matrix
 
 
+@pytest.mark.parametrize(("ns_dtype", "cap"), [(None, 2 * 24 * 4), (torch.bfloat16, 2 * 24 * 2)],
+                         ids=["float32 iteration", "bfloat16 iteration"])
+def test_batches_hold_at_most_the_cap_in_bytes_and_equal_the_pure_step(
+        monkeypatch: pytest.MonkeyPatch, ns_dtype: Any, cap: int) -> None:
+    # a cap of two 6 x 4 matrices (counted in the iteration's dtype): a, b, c go as a batch
+    # of two and one; t (columns contiguous), wide and empty alone; and the step is the pure
+    # one, over steps, in either dtype of the iteration
+    seen: list[tuple[tuple[int, ...], torch.dtype]] = []
+    real = _muon._orthogonalize
+
+    def counting(x: torch.Tensor, *args: Any) -> torch.Tensor:
+        seen.append((tuple(x.shape), x.dtype))
+        return real(x, *args)
+
+    monkeypatch.setattr(_muon, "_orthogonalize", counting)
+    monkeypatch.setitem(_muon._BATCH_BYTES, "cpu", cap)
+    tx = contrib.muon(0.05, weight_decay=0.1, ns_dtype=ns_dtype)
+    step = functopt.fast.make_step(tx)
+    params = _model(torch.float32)
+    pure_p, pure_s = params, tx.init(params)
+    fast_p, fast_s = params, tx.init(params)
+    for i in range(3):
+        grads = _grads_like(params, seed=40 + i)
+        seen.clear()
+        fast_p, fast_s = _fast(step, grads, fast_s, fast_p)
+        assert sorted(shape for shape, _ in seen) == sorted(
+            [(2, 6, 4), (1, 6, 4), (1, 6, 4), (1, 3, 7), (1, 0, 5)])
+        assert {dtype for _, dtype in seen} == {ns_dtype or torch.float32}
+        pure_p, pure_s = _pure(tx, grads, pure_s, pure_p)
+    assert_bitwise_equal(fast_p, pure_p)  # measured bitwise here, as uncapped
+    assert_bitwise_equal(fast_s, pure_s)
+
+
+def test_on_the_cpu_a_batch_holds_at_most_256_kib() -> None:
+    # a 256 x 256 float32 matrix fills a batch: it runs alone, as every larger one does
+    assert _muon._chunks([torch.zeros(1, 256, 256)] * 2, None) == [[0], [1]]
+    assert _muon._chunks([torch.zeros(2, 512, 512)] * 2, None) == [[0], [1]]
+    small = [torch.zeros(1, 64, 64)] * 70  # 16 KiB each in float32, 8 KiB in bfloat16
+    assert [len(c) for c in _muon._chunks(small, None)] == [16, 16, 16, 16, 6]
+    assert [len(c) for c in _muon._chunks(small, torch.bfloat16)] == [32, 32, 6]
+
+
 def test_dimension_numbers_channels_last_and_a_leading_clip() -> None:
     # a conv kernel (out, in, kh, kw) in channels_last memory, read with dimension numbers,
     # two of them (one batch), behind a global-norm clip folded into the tier
@@ -198,10 +240,10 @@ def test_batched_newton_schulz_is_within_the_law_of_per_matrix(dtype: torch.dtyp
     mats = [torch.randn(33, 17, generator=g, dtype=dtype) for _ in range(4)]
     dims = [DN()] * len(mats)
     coeffs = torch.tensor(_muon._DEFAULT_NS_COEFFS, dtype=torch.float64)
-    single = [_muon._update_of(x, DN(), dtype, coeffs, 5, "frobenius", 1e-8, False)
+    single = [_muon._update_of(x, DN(), dtype, coeffs, 5, "frobenius", 1e-8, False, None)
               for x in mats]
     batched = _muon._updates_batched(mats, dims, [dtype] * len(mats), coeffs, 5, "frobenius",
-                                     1e-8, False)
+                                     1e-8, False, None)
     rel = 1e-12 if dtype == torch.float64 else 3 * torch.finfo(dtype).eps
     for s, b in zip(single, batched, strict=True):
         assert float((s - b).abs().max()) <= rel * float(s.abs().max())

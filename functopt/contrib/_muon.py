@@ -48,6 +48,17 @@ _NS_PRESETS = {"standard": _DEFAULT_NS_COEFFS, "dion": _DION_NS_COEFFS}
 # The first-step rescalings of 'aol' and 'schatten' floor their norms here (optax's
 # constant, independent of the transform's eps).
 _FIRST_STEP_EPS = 1e-8
+# The most bytes of matrices the per-leaf tier stacks into one batched Newton-Schulz
+# iteration, by device type. Each step of the iteration makes about four batch-sized
+# buffers (X X^T, its square, their sum and the product with X, for a square matrix), read
+# and written again by the next: on a CPU they stay in a core's L2 cache (1 MiB or more on
+# current server cores) while the batch is at most a quarter of it, and a batch past that
+# goes to memory on every pass. A matrix of a few hundred rows runs its products at full
+# speed alone, so it gains nothing from a batch: small matrices are stacked up to 256 KiB
+# and larger ones run one by one (measured: docs/performance.md). On an accelerator a
+# batch saves kernel launches and larger batches are taken.
+_BATCH_BYTES = {"cpu": 1 << 18}
+_BATCH_BYTES_ELSEWHERE = 1 << 26
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,6 +219,7 @@ def scale_by_muon(
     adaptive: bool = False,
     preconditioning: Preconditioning = "frobenius",
     weight_dimension_numbers: WeightDimNumOrFn | None = None,
+    ns_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     r"""Rescale updates by Muon: orthogonalise the (Nesterov) momentum of each matrix.
 
@@ -225,7 +237,12 @@ def scale_by_muon(
     ``weight_dimension_numbers`` says which axes of each leaf form the matrix (see
     [`MuonDimensionNumbers`][functopt.contrib.MuonDimensionNumbers]); without it every leaf
     with a gradient must be 2-D. The maths runs in the widest of the leaf's dtypes and
-    float32; the update keeps the gradient's dtype.
+    float32; the update keeps the gradient's dtype. With ``ns_dtype`` (``torch.bfloat16``,
+    as ``torch.optim.Muon`` iterates) the momentum is kept and bias-corrected as without
+    it, but the normalisation and the Newton-Schulz steps run in ``ns_dtype``: faster where
+    the hardware multiplies bfloat16 matrices faster, and the update is then accurate to
+    ``ns_dtype``'s rounding (the iteration only has to bring the singular values into a
+    band, which bfloat16 does).
 
     On DTensor params (FSDP2's ``fully_shard``, tensor parallelism) the momentum stays
     sharded as the params are, and each matrix is orthogonalised whole on one rank: the
@@ -237,8 +254,10 @@ def scale_by_muon(
     the process group's timeout.
 
     ``functopt.fast.make_step`` and the mixed-precision step run it on the planner's
-    per-leaf tier: the momentum as ``foreach`` ops over a group of leaves and one
-    Newton-Schulz iteration per set of same-shape matrices, stacked into a batch.
+    per-leaf tier: the momentum as ``foreach`` ops over a group of leaves and the
+    Newton-Schulz iteration over batches of same-shape matrices stacked up to a size in
+    bytes (a matrix of that size or more runs alone); the same maths as one matrix at a
+    time.
 
     Args:
         ns_coeffs: Newton-Schulz coefficients: a triple, or a tuple of triples.
@@ -251,6 +270,8 @@ def scale_by_muon(
         preconditioning: 'frobenius', 'spectral', 'aol' or 'schatten'.
         weight_dimension_numbers: a `MuonDimensionNumbers`, a tree of them (None at leaves
             that are not updated here), or ``updates -> such a tree``.
+        ns_dtype: the dtype of the Newton-Schulz iteration (default None: the momentum's
+            compute dtype, float32 or wider), e.g. ``torch.bfloat16``.
 
     Returns:
         A [`GradientTransformation`][functopt.GradientTransformation] with
@@ -281,6 +302,7 @@ def scale_by_muon(
     _common.check_betas(owner, beta=beta)
     _validate.check_range(owner, "eps", eps, low=0.0)
     _validate.check_dtype(owner, "mu_dtype", mu_dtype)
+    _validate.check_dtype(owner, "ns_dtype", ns_dtype)
     if preconditioning not in _PRECONDITIONINGS:
         raise ValueError(f"{owner}: unknown preconditioning {preconditioning!r}; expected one "
                          f"of {list(_PRECONDITIONINGS)}.")
@@ -325,13 +347,13 @@ def scale_by_muon(
         def orthogonalize(mu_hat: torch.Tensor, d: MuonDimensionNumbers,
                           dtype: torch.dtype) -> torch.Tensor:
             return _update_of(mu_hat, d, dtype, state.ns_coeffs, ns_steps, preconditioning,
-                              eps, adaptive)
+                              eps, adaptive, ns_dtype)
 
         if grouped:
             for i, u in zip(plain, _updates_batched(
                     [out[i] for i in plain], [dims[i] for i in plain],
                     [grads[i].dtype for i in plain], state.ns_coeffs, ns_steps,
-                    preconditioning, eps, adaptive), strict=True):
+                    preconditioning, eps, adaptive, ns_dtype), strict=True):
                 out[i] = u
         else:
             for i in plain:
@@ -357,7 +379,8 @@ def scale_by_muon(
 
     return specified(GradientTransformation(init_fn, update_fn), PerLeaf(
         "scale_by_muon", {"ns_steps": ns_steps, "beta": beta, "eps": eps, "nesterov": nesterov,
-                          "adaptive": adaptive, "preconditioning": preconditioning},
+                          "adaptive": adaptive, "preconditioning": preconditioning,
+                          "ns_dtype": ns_dtype},
         slots=("mu",), grouped=grouped_fn))
 
 
@@ -418,10 +441,11 @@ def _momentum_grouped(grads: list[Any], mus: list[Any], beta: Numeric, bc: Any, 
 
 def _updates_batched(mu_hats: list[torch.Tensor], dims: list[Any], dtypes: list[torch.dtype],
                      coeffs: torch.Tensor, ns_steps: int, preconditioning: str, eps: Any,
-                     adaptive: bool) -> list[torch.Tensor]:
+                     adaptive: bool, ns_dtype: torch.dtype | None) -> list[torch.Tensor]:
     """`_update_of` for many plain matrices: those whose (batch, m, n) views have the same
-    (m, n), dtype and device are stacked along the batch and iterated together (one set
-    of batched matrix products per shape instead of one per matrix)."""
+    (m, n), layout, dtype and device are stacked along the batch, up to ``_BATCH_BYTES``
+    of them, and iterated together (one set of batched matrix products per batch instead
+    of one per matrix)."""
     views = []
     shapes: dict[Any, list[int]] = {}
     for j, (mu_hat, d) in enumerate(zip(mu_hats, dims, strict=True)):
@@ -436,21 +460,47 @@ def _updates_batched(mu_hats: list[torch.Tensor], dims: list[Any], dtypes: list[
                           []).append(j)
     orthos: list[Any] = [None] * len(mu_hats)
     for (_, columns, _, _), idx in shapes.items():
-        stack = [views[j][2] for j in idx]
-        if len(stack) == 1:
-            batch = stack[0]
-        elif columns:
-            batch = torch.cat([x.mT for x in stack]).mT
-        else:
-            batch = torch.cat(stack)
-        result = _orthogonalize(batch, coeffs, ns_steps, preconditioning, eps)
-        for j, part in zip(idx, torch.split(result, [x.shape[0] for x in stack]), strict=True):
-            orthos[j] = part
+        for chunk in _chunks([views[j][2] for j in idx], ns_dtype):
+            stack = [views[idx[k]][2] for k in chunk]
+            if len(stack) == 1:
+                batch = stack[0]
+            elif columns:
+                batch = torch.cat([x.mT for x in stack]).mT
+            else:
+                batch = torch.cat(stack)
+            result = _orthogonalize(_in_dtype(batch, ns_dtype), coeffs, ns_steps,
+                                    preconditioning, eps)
+            for k, part in zip(chunk, torch.split(result, [x.shape[0] for x in stack]),
+                               strict=True):
+                orthos[idx[k]] = part
     out = []
     for (order, shape, _), ortho, mu_hat, dtype in zip(views, orthos, mu_hats, dtypes,
                                                          strict=True):
         out.append(_finish(ortho, order, shape, mu_hat, dtype, adaptive))
     return out
+
+
+def _chunks(views: list[torch.Tensor], ns_dtype: torch.dtype | None) -> list[list[int]]:
+    """The positions of ``views`` (same-shape stacks of matrices) in consecutive batches
+    of at most ``_BATCH_BYTES`` (counted in the iteration's dtype); a view of that size or
+    more is a batch of its own."""
+    first = views[0]
+    cap = _BATCH_BYTES.get(first.device.type, _BATCH_BYTES_ELSEWHERE)
+    itemsize = (first.dtype if ns_dtype is None else ns_dtype).itemsize
+    out: list[list[int]] = []
+    size = 0
+    for k, view in enumerate(views):
+        nbytes = view.numel() * itemsize
+        if not out or size + nbytes > cap:
+            out.append([])
+            size = 0
+        out[-1].append(k)
+        size += nbytes
+    return out
+
+
+def _in_dtype(x: torch.Tensor, ns_dtype: torch.dtype | None) -> torch.Tensor:
+    return x if ns_dtype is None else x.to(ns_dtype)
 
 
 def _finish(ortho: torch.Tensor, order: Sequence[int], shape: Sequence[int],
@@ -465,11 +515,12 @@ def _finish(ortho: torch.Tensor, order: Sequence[int], shape: Sequence[int],
 
 def _update_of(mu_hat: torch.Tensor, d: MuonDimensionNumbers, dtype: torch.dtype,
                coeffs: torch.Tensor, ns_steps: int, preconditioning: str, eps: Any,
-               adaptive: bool) -> torch.Tensor:
+               adaptive: bool, ns_dtype: torch.dtype | None) -> torch.Tensor:
     """The update of one whole (plain) momentum matrix, in ``dtype``."""
     order, flat_shape, _, _ = _layout(mu_hat.shape, d, "")
     permuted = mu_hat.permute(order)
-    ortho = _orthogonalize(permuted.reshape(flat_shape), coeffs, ns_steps, preconditioning, eps)
+    ortho = _orthogonalize(_in_dtype(permuted.reshape(flat_shape), ns_dtype), coeffs,
+                           ns_steps, preconditioning, eps)
     return _finish(ortho, order, permuted.shape, mu_hat, dtype, adaptive)
 
 
@@ -564,6 +615,7 @@ def muon(
     adam_learning_rate: ScalarOrSchedule | None = None,
     muon_weight_dimension_numbers: WeightDimNumOrFn | None = None,
     consistent_rms: Numeric | None = None,
+    ns_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     r"""Muon for the matrices, AdamW for the rest: optax's ``muon`` recipe.
 
@@ -576,10 +628,27 @@ def muon(
     $r \approx 0.2$). The other leaves (None in the dimension numbers) get
     ``adamw(adam_learning_rate or learning_rate, adam_b1, adam_b2, eps, adam_eps_root,
     weight_decay=adam_weight_decay, nesterov=nesterov)``. ``ns_coeffs`` may also name a
-    preset: 'standard' or 'dion'. See [`scale_by_muon`][functopt.contrib.scale_by_muon].
+    preset: 'standard' or 'dion'; ``ns_dtype=torch.bfloat16`` runs the Newton-Schulz
+    iteration in bfloat16. See [`scale_by_muon`][functopt.contrib.scale_by_muon].
 
     A callable ``muon_weight_dimension_numbers`` is called with the params in ``init`` and
     with the updates (None where a leaf has no gradient) in ``update``.
+
+    **PyTorch modules.** The defaults are optax's, which reads a 2-D leaf as ``(in, out)``
+    (``x @ W``). ``torch.nn.Linear`` stores ``(out, in)``: for its weights pass
+    ``MuonDimensionNumbers(reduction_axis=1, output_axis=0)``, else the shape factor
+    swaps fan-in and fan-out (the orthogonalisation is the same either way). Muon's authors
+    update embeddings and output heads with AdamW: give those leaves None. For the
+    ``dict(model.named_parameters())`` of a model whose embedding and head names start
+    with ``embed`` and ``lm_head``, one line does both::
+
+        dims = lambda p: {k: contrib.MuonDimensionNumbers(1, 0) if v is not None and
+                          v.dim() == 2 and not k.startswith(("embed", "lm_head")) else None
+                          for k, v in p.items()}
+        opt = contrib.muon(0.02, muon_weight_dimension_numbers=dims)
+
+    (``v`` is None where a leaf has no gradient.) The Adam leaves take ``nesterov`` too, as
+    in optax's recipe.
 
     Examples:
         >>> import torch
@@ -621,7 +690,8 @@ def muon(
             "muon": chain(
                 scale_by_muon(ns_coeffs=coeffs, ns_steps=ns_steps, beta=beta, eps=eps,
                               mu_dtype=mu_dtype, nesterov=nesterov, adaptive=adaptive,
-                              preconditioning=preconditioning, weight_dimension_numbers=dims),
+                              preconditioning=preconditioning, weight_dimension_numbers=dims,
+                              ns_dtype=ns_dtype),
                 _scale_by_shape(dims, consistent_rms),
                 add_decayed_weights(weight_decay, weight_decay_mask),
                 scale_by_learning_rate(learning_rate),

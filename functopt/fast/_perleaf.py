@@ -14,8 +14,9 @@ decay mask that splits Muon's matrices into two groups still batches them, and o
 still makes one pair of all-to-alls):
 
 - a ``PerLeaf`` rule runs its ``grouped`` update when it has one (Muon's: the momentum
-  with ``torch._foreach_*`` ops over the group, then one Newton-Schulz iteration per set
-  of same-shape matrices, stacked into one batch of matrix products; Adafactor's: foreach
+  with ``torch._foreach_*`` ops over the group, then the Newton-Schulz iteration over
+  same-shape matrices stacked into batches of matrix products, at most 256 KiB each on
+  the CPU, where larger batches leave the cache; Adafactor's: foreach
   ops over the unfactored leaves, the factored ones stacked by shape and layout; the trust
   ratio's and block RMS clipping's: their norms in ``torch._foreach_norm`` calls), else
   its own ``update``;

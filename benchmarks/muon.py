@@ -1,0 +1,167 @@
+"""Muon's step: functopt's pure path, its per-leaf tier (at several batch caps), and
+``torch.optim.Muon``, side by side in one process.
+
+    .venv/bin/python benchmarks/muon.py --threads 1
+    .venv/bin/python benchmarks/muon.py --threads 2 --caps 0,1M,4M,inf --only 512
+
+Three problems of float32 matrices: 50 of 256 x 256, 50 of 512 x 512, and the matrices of
+a small transformer (4 layers of width 256: four 256 x 256 attention matrices, a 1024 x 256
+and a 256 x 1024 MLP matrix per layer, and 64 x 64 matrices of a per-head projection).
+Every contender updates the same matrices (``torch.optim.Muon`` takes matrices only) and
+steps under ``torch.no_grad()``:
+
+* ``pure``: ``contrib.muon(0.02)``'s ``update`` and ``functopt.apply_updates``;
+* ``tier <cap>``: ``functopt.fast.make_step(contrib.muon(0.02), donate=True)`` with the
+  per-leaf tier's CPU batches capped at ``cap`` bytes (``0``: every matrix alone, ``inf``:
+  every same-shape matrix in one batch);
+* ``tier bf16``: the same at the default cap with ``ns_dtype=torch.bfloat16``;
+* ``torch.optim.Muon``: torch's class (its Newton-Schulz in bfloat16; other maths differ:
+  no bias correction, its own learning-rate adjustment), a yardstick of cost only.
+
+The pure and tier contenders are checked equal after the timed steps (bitwise but for the
+batched products' rounding: relative 1e-5 in float32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import harness
+from contenders import Contender
+
+import functopt
+from functopt import contrib
+from functopt.contrib import _muon
+
+PROBLEMS = {
+    "256": [(256, 256)] * 50,
+    "512": [(512, 512)] * 50,
+    "transformer": [(256, 256)] * 16 + [(1024, 256), (256, 1024)] * 4 + [(64, 64)] * 32,
+}
+
+
+def _problem(shapes: Sequence[tuple[int, int]], seed: int = 0) -> tuple[list[Any], list[Any]]:
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.randn(s, generator=g) * 0.02 for s in shapes]
+    grads = [torch.randn(s, generator=g) for s in shapes]
+    return params, grads
+
+
+class _Functopt(Contender):
+    def __init__(self, name: str, shapes: Sequence[tuple[int, int]], *, fast: bool,
+                 cap: float | None = None, ns_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.name = name
+        params, grads = _problem(shapes)
+        self.params = {f"w{i}": p for i, p in enumerate(params)}
+        self.grads = {f"w{i}": g for i, g in enumerate(grads)}
+        self.tx = contrib.muon(0.02, ns_dtype=ns_dtype)
+        self.state = self.tx.init(self.params)
+        self.fast, self.cap = fast, cap
+        self.run = functopt.fast.make_step(self.tx, donate=True) if fast else None
+
+    def step(self) -> None:
+        with torch.no_grad():
+            if self.run is None:
+                u, self.state = self.tx.update(self.grads, self.state, self.params)
+                self.params = functopt.apply_updates(self.params, u)
+            else:
+                default = _muon._BATCH_BYTES["cpu"]
+                if self.cap is not None:
+                    _muon._BATCH_BYTES["cpu"] = int(min(self.cap, 1 << 62))
+                try:
+                    self.params, self.state = self.run(self.grads, self.state, self.params)
+                finally:
+                    _muon._BATCH_BYTES["cpu"] = default
+        self.steps += 1
+
+    def result(self) -> list[torch.Tensor]:
+        return list(self.params.values())
+
+    def tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {"params": list(self.params.values()), "grads": list(self.grads.values())}
+
+
+class _TorchMuon(Contender):
+    name = "torch.optim.Muon"
+
+    def __init__(self, shapes: Sequence[tuple[int, int]]) -> None:
+        super().__init__()
+        params, grads = _problem(shapes)
+        self.params = [torch.nn.Parameter(p) for p in params]
+        for p, g in zip(self.params, grads, strict=True):
+            p.grad = g
+        self.opt = torch.optim.Muon(self.params, lr=0.02, weight_decay=0.0)
+
+    def step(self) -> None:
+        self.opt.step()
+        self.steps += 1
+
+    def result(self) -> list[torch.Tensor]:
+        return [p.detach() for p in self.params]
+
+    def tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {"params": [p.detach() for p in self.params]}
+
+
+def _cap(text: str) -> float:
+    if text == "inf":
+        return math.inf
+    scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:].upper(), 1)
+    return float(text[:-1] if scale > 1 else text) * scale
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--only", default=",".join(PROBLEMS), help="problems: 256,512,transformer")
+    ap.add_argument("--caps", default="0,1M,inf", help="tier batch caps in bytes (K, M, inf)")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--no-torch", action="store_true", help="leave torch.optim.Muon out")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    facts = harness.machine_facts()
+    print(" | ".join(f"{k}: {v}" for k, v in facts.items()))
+    failed = False
+    for key in args.only.split(","):
+        shapes = PROBLEMS[key]
+        cs: list[Contender] = [_Functopt("pure", shapes, fast=False)]
+        cs += [_Functopt(f"tier {c}", shapes, fast=True, cap=_cap(c))
+               for c in args.caps.split(",")]
+        cs.append(_Functopt("tier bf16", shapes, fast=True, ns_dtype=torch.bfloat16))
+        if not args.no_torch:
+            cs.append(_TorchMuon(shapes))
+        timings, inner = harness.time_interleaved(cs, repeats=args.repeats, warmup=1,
+                                                  block_s=0.2, max_block_s=5.0)
+        base = timings["pure"]["median_s"]
+        print(f"\n{key}: {len(shapes)} matrices, {inner} step(s) per block, "
+              f"medians of {args.repeats}")
+        for c in cs:
+            t = timings[c.name]
+            print(f"  {c.name:18s} {t['median_s'] * 1e3:9.1f} ms  (IQR {t['iqr_s'] * 1e3:7.1f})"
+                  f"  {t['median_s'] / base:5.2f}x pure")
+        ref = cs[0].result()
+        for c in cs[1:]:
+            if not isinstance(c, _Functopt) or c.name == "tier bf16":
+                continue
+            worst = max(float((a - b).abs().max() / a.abs().max())
+                        for a, b in zip(ref, c.result(), strict=True))
+            if worst > 1e-5:
+                print(f"  CHECK FAILED: {c.name} differs from pure by {worst:.2e}")
+                failed = True
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
