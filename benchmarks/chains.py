@@ -42,21 +42,28 @@ CHAINS: dict[str, Callable[[], functopt.GradientTransformation]] = {
 
 
 class FunctoptChain(C.Contender):
-    """A composed chain: pure (``update`` + ``apply_updates``) or ``make_step(donate=True)``."""
+    """A composed chain: pure (``update`` + ``apply_updates``) or ``make_step(donate=True)``,
+    the call the README shows; with ``donate_grads``, the gradients handed over too (a
+    clip may then scale them in place, as ``clip_grad_norm_`` scales torch's)."""
 
     def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor],
                  tx: functopt.GradientTransformation, *, fast: bool,
-                 compile: bool = False, one_buffer: bool = False) -> None:
+                 compile: bool = False, one_buffer: bool = False,
+                 donate_grads: bool = False) -> None:
         super().__init__()
         self.name = "functopt compiled" if compile else (
             "functopt fused" if fast else "functopt pure")
+        if donate_grads:
+            self.name += ", donate_grads"
         names = C._names(len(params))
         self.params = {k: p.clone() for k, p in zip(names, params, strict=True)}
         self.grads = {k: g.clone() for k, g in zip(names, grads, strict=True)}
         self.tx, self.fast = tx, fast or compile
-        # the grads are handed over too, as clip_grad_norm_ scales torch's in place
         self.step_fn = functopt.fast.make_step(
-            tx, donate=True, donate_grads=True, compile=compile) if self.fast else None
+            tx, donate=True, donate_grads=donate_grads, compile=compile) if self.fast else None
+        # a step not handed the gradients must leave them as they were
+        self.grads_at_start = [g.clone() for g in self.grads.values()] if (
+            self.fast and not donate_grads) else None
         if one_buffer:  # step.lay_out: params and their grads in one buffer per group
             assert self.step_fn is not None and compile
             self.name += ", lay_out"
@@ -89,9 +96,14 @@ class FunctoptChain(C.Contender):
                 "state": C.state_tensors(self.state)}
 
     def problems(self) -> list[str]:
+        found = []
         if self.fast and not C._same_tensors(list(self.params.values()), self.start):
-            return [C.NOT_IN_PLACE]
-        return []
+            found.append(C.NOT_IN_PLACE)
+        if self.grads_at_start is not None and not all(
+                torch.equal(g, g0) for g, g0 in zip(self.grads.values(), self.grads_at_start,
+                                                     strict=True)):
+            found.append(f"{self.name}: wrote the gradients it was not handed")
+        return found
 
 
 class FunctoptCaptured(FunctoptChain):
@@ -145,6 +157,8 @@ def chain_contenders(case: str, shapes: list[tuple[int, ...]], seed: int = 0, *,
     make = CHAINS[case]
     ours = [FunctoptChain(params, grads, make(), fast=False),
             FunctoptChain(params, grads, make(), fast=True)]
+    if case == "clip_adamw":  # (the only chain here whose kernel scales the gradients)
+        ours.append(FunctoptChain(params, grads, make(), fast=True, donate_grads=True))
     if compiled and case != "lion":
         ours.append(FunctoptChain(params, grads, make(), fast=True, compile=True,
                                   one_buffer=True))
