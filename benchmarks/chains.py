@@ -192,14 +192,16 @@ class FunctoptMixedChain(C.FunctoptMixed):
 
 class FacadeMixed(C.Contender):
     """``MixedPrecisionOptimizer`` over an ``nn.Module``'s bf16 params: one group
-    (``adamw`` + ``clip_grad_norm``), or decay / no-decay groups; zeros not counted
-    (``count_zeros=False``, Megatron's default; the idiom counts none either)."""
+    (``adamw`` + ``clip_grad_norm``), or decay / no-decay groups; built with no flag but
+    ``compile``, so zeros are not counted (``count_zeros``' default, Megatron's; the idiom
+    counts none either); ``count_zeros=True`` counts them."""
 
     def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor], *,
-                 groups: bool, compile: bool = False) -> None:
+                 groups: bool, compile: bool = False, count_zeros: bool = False) -> None:
         super().__init__()
         self.name = ("facade, 2 groups" if groups else "facade, 1 group") + (
-            ", compile" if compile else "")
+            ", compile" if compile else "") + (", count_zeros" if count_zeros else "")
+        flags: dict[str, Any] = {"count_zeros": True} if count_zeros else {}
         bf_params, bf_grads = C._bf16_setup(params, grads)
         names = C._names(len(params))
         self.params = [torch.nn.Parameter(p) for p in bf_params]
@@ -218,11 +220,11 @@ class FacadeMixed(C.Contender):
                           "wd_mult": 0.0}]
             self.opt = functopt.MixedPrecisionOptimizer(spec, factory,
                                                         loss_scale=_loss_scale(),
-                                                        count_zeros=False, compile=compile)
+                                                        compile=compile, **flags)
         else:
             self.opt = functopt.MixedPrecisionOptimizer(named, _adamw(),
                                                         loss_scale=_loss_scale(),
-                                                        count_zeros=False, compile=compile)
+                                                        compile=compile, **flags)
         self.opt.clip_grad_norm(None, MAX_NORM)
         self.start = list(self.params)
 
@@ -257,9 +259,12 @@ def mixed_contenders(case: str, shapes: list[tuple[int, ...]], seed: int = 0, *,
         if compiled:
             ours.append(FunctoptMixedChain(params, grads, fused=True, compile=True))
         return [ref, *ours, idiom], []
+    groups = case == "facade_2_groups"
     facades: list[C.Contender] = [
-        FacadeMixed(params, grads, groups=case == "facade_2_groups", compile=c)
+        FacadeMixed(params, grads, groups=groups, compile=c)
         for c in ((False, True) if compiled else (False,))]
+    # what counting the zeros costs (count_zeros=True; off by default)
+    facades.append(FacadeMixed(params, grads, groups=groups, count_zeros=True))
     if case == "facade_1_group":
         return [ref, *facades, idiom], []
     # decay / no-decay groups: the idiom decays the vectors too, so it is the yardstick

@@ -201,7 +201,7 @@ def mixed_precision(
     max_grad_norm: float | torch.Tensor | None = None,
     process_group: dist.ProcessGroup | None = None,
     replicated: Replicated = None,
-    count_zeros: bool = True,
+    count_zeros: bool = False,
     donate: bool = False,
     fused: bool = True,
     compile: bool = False,
@@ -258,8 +258,8 @@ def mixed_precision(
             tensor-parallel plan lives on the data-parallel mesh only) needs a declaration
             too: ``True``, the group it repeats over, or ``False``.
         count_zeros: count the zero gradient elements into ``metrics.num_zeros``
-            (Megatron-LM's ``count_zeros``; one more read of the gradients). With False,
-            ``metrics.num_zeros`` is -1.
+            (Megatron-LM's ``count_zeros``; one more read of the gradients). Off by
+            default, as in Megatron-LM: ``metrics.num_zeros`` is then -1.
         donate: the caller hands ``params`` and ``state`` over at every step: the fused
             path may overwrite their tensors (params, masters and moments are then
             updated in place, and returned) instead of writing new ones. The caller must
