@@ -21,6 +21,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import functopt
 from functopt.fast import FastPathWarning, _staged, explain, make_step
@@ -455,37 +456,60 @@ def test_kept_gradients_of_a_clip_kernel_are_never_written(
         _assert_bitwise(ours, theirs, what=f"step {i}")
 
 
+class _Ops(TorchDispatchMode):
+    """Records the operations that run: their names, and the largest tensor one returned
+    that is not a view of its inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest, self.names = 0, set[str]()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.names.add(func.overloadpacket.__name__)
+        if all(r.alias_info is None for r in func._schema.returns):
+            for t in out if isinstance(out, (list, tuple)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    self.largest = max(self.largest, t.numel())
+        return out
+
+
 @pytest.mark.usefixtures("small_stage")
 def test_kept_gradients_of_a_clip_kernel_take_no_copy_larger_than_the_scratch() -> None:
     """A donated step allocates no tensor beyond the scratch buffer's size: no copy of a
     whole gradient (every leaf here is larger than the buffer)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Fresh(TorchDispatchMode):
-        """The largest tensor an operation returned that is not a view of its inputs."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.largest = 0
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                               kwargs: Any = None) -> Any:
-            out = func(*args, **(kwargs or {}))
-            if all(r.alias_info is None for r in func._schema.returns):
-                for t in out if isinstance(out, (list, tuple)) else [out]:
-                    if isinstance(t, torch.Tensor):
-                        self.largest = max(self.largest, t.numel())
-            return out
-
     tx = CLIPPED["adamw"]()
     params = {"a": torch.randn(40, 9), "b": torch.randn(300)}
     state, step = tx.init(params), make_step(tx, donate=True)
     with torch.no_grad():
         params, state = step(_staged_grads(params, 0), state, params)  # plans, allocates
         grads = _staged_grads(params, 1)
-        with Fresh() as seen:
+        with _Ops() as seen:
             step(grads, state, params)
     assert 0 < seen.largest <= _STAGED_ELEMENTS
+
+
+@pytest.mark.parametrize("recipe", list(CLIPPED))
+def test_a_clip_that_does_not_act_copies_no_gradient(recipe: str) -> None:
+    """A norm within the clip's bound (a factor of exactly 1, read on the host for free on
+    the CPU): the kernel reads the caller's gradients uncopied and leaves them as they
+    were; the step is bitwise the step handed the gradients."""
+    tx = CLIPPED[recipe]()
+    params = {"a": torch.randn(40, 9), "b": torch.randn(300)}
+    kept, handed = make_step(tx, donate=True), make_step(tx, donate=True, donate_grads=True)
+    ours, theirs = (params, tx.init(params)), _clone((params, tx.init(params)))
+    for i in range(3):
+        grads = functopt.tree.map(lambda p: p * 1e-3, ours[0])  # norm well below 0.5
+        before = _clone(grads)
+        with torch.no_grad(), _Ops() as seen:
+            ours = kept(grads, ours[1], ours[0])
+        with torch.no_grad():
+            theirs = handed(_clone(grads), theirs[1], theirs[0])
+        assert not seen.names & {"clone", "copy_", "_foreach_copy_", "_foreach_mul_"}, (
+            i, seen.names)
+        _assert_bitwise(grads, before, what=f"step {i} gradients")
+        _assert_bitwise(ours, theirs, what=f"step {i}")
 
 
 # ---------------------------------------------------------------- fallback: bitwise

@@ -1775,6 +1775,10 @@ def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[
     # value and not written without a scale: _owned and _kernel_grads would return them)
     plain = checked and donate
     p = [values[i] for i in idx] if plain else _owned([values[i] for i in idx], donate)
+    if scale is not None and _ops._host_branch_ok(scale) and scale.item() == 1.0:
+        # a clip that does not act at this step (a norm within its bound), read for free on
+        # the CPU: the kernel reads the gradients as they are, uncopied (g / 1 is g)
+        scale = None
     grad_scale = None
     widened = False  # the gradients are scaled here, in their dtype, not by the kernel
     if scale is not None:
