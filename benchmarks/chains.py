@@ -42,21 +42,28 @@ CHAINS: dict[str, Callable[[], functopt.GradientTransformation]] = {
 
 
 class FunctoptChain(C.Contender):
-    """A composed chain: pure (``update`` + ``apply_updates``) or ``make_step(donate=True)``."""
+    """A composed chain: pure (``update`` + ``apply_updates``) or ``make_step(donate=True)``,
+    the call the README shows; with ``donate_grads``, the gradients handed over too (a
+    clip may then scale them in place, as ``clip_grad_norm_`` scales torch's)."""
 
     def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor],
                  tx: functopt.GradientTransformation, *, fast: bool,
-                 compile: bool = False, one_buffer: bool = False) -> None:
+                 compile: bool = False, one_buffer: bool = False,
+                 donate_grads: bool = False) -> None:
         super().__init__()
         self.name = "functopt compiled" if compile else (
             "functopt fused" if fast else "functopt pure")
+        if donate_grads:
+            self.name += ", donate_grads"
         names = C._names(len(params))
         self.params = {k: p.clone() for k, p in zip(names, params, strict=True)}
         self.grads = {k: g.clone() for k, g in zip(names, grads, strict=True)}
         self.tx, self.fast = tx, fast or compile
-        # the grads are handed over too, as clip_grad_norm_ scales torch's in place
         self.step_fn = functopt.fast.make_step(
-            tx, donate=True, donate_grads=True, compile=compile) if self.fast else None
+            tx, donate=True, donate_grads=donate_grads, compile=compile) if self.fast else None
+        # a step not handed the gradients must leave them as they were
+        self.grads_at_start = [g.clone() for g in self.grads.values()] if (
+            self.fast and not donate_grads) else None
         if one_buffer:  # step.lay_out: params and their grads in one buffer per group
             assert self.step_fn is not None and compile
             self.name += ", lay_out"
@@ -89,9 +96,14 @@ class FunctoptChain(C.Contender):
                 "state": C.state_tensors(self.state)}
 
     def problems(self) -> list[str]:
+        found = []
         if self.fast and not C._same_tensors(list(self.params.values()), self.start):
-            return [C.NOT_IN_PLACE]
-        return []
+            found.append(C.NOT_IN_PLACE)
+        if self.grads_at_start is not None and not all(
+                torch.equal(g, g0) for g, g0 in zip(self.grads.values(), self.grads_at_start,
+                                                     strict=True)):
+            found.append(f"{self.name}: wrote the gradients it was not handed")
+        return found
 
 
 class FunctoptCaptured(FunctoptChain):
@@ -145,6 +157,8 @@ def chain_contenders(case: str, shapes: list[tuple[int, ...]], seed: int = 0, *,
     make = CHAINS[case]
     ours = [FunctoptChain(params, grads, make(), fast=False),
             FunctoptChain(params, grads, make(), fast=True)]
+    if case == "clip_adamw":  # (the only chain here whose kernel scales the gradients)
+        ours.append(FunctoptChain(params, grads, make(), fast=True, donate_grads=True))
     if compiled and case != "lion":
         ours.append(FunctoptChain(params, grads, make(), fast=True, compile=True,
                                   one_buffer=True))
@@ -178,14 +192,16 @@ class FunctoptMixedChain(C.FunctoptMixed):
 
 class FacadeMixed(C.Contender):
     """``MixedPrecisionOptimizer`` over an ``nn.Module``'s bf16 params: one group
-    (``adamw`` + ``clip_grad_norm``), or decay / no-decay groups; zeros not counted
-    (``count_zeros=False``, Megatron's default; the idiom counts none either)."""
+    (``adamw`` + ``clip_grad_norm``), or decay / no-decay groups; built with no flag but
+    ``compile``, so zeros are not counted (``count_zeros``' default, Megatron's; the idiom
+    counts none either); ``count_zeros=True`` counts them."""
 
     def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor], *,
-                 groups: bool, compile: bool = False) -> None:
+                 groups: bool, compile: bool = False, count_zeros: bool = False) -> None:
         super().__init__()
         self.name = ("facade, 2 groups" if groups else "facade, 1 group") + (
-            ", compile" if compile else "")
+            ", compile" if compile else "") + (", count_zeros" if count_zeros else "")
+        flags: dict[str, Any] = {"count_zeros": True} if count_zeros else {}
         bf_params, bf_grads = C._bf16_setup(params, grads)
         names = C._names(len(params))
         self.params = [torch.nn.Parameter(p) for p in bf_params]
@@ -204,11 +220,11 @@ class FacadeMixed(C.Contender):
                           "wd_mult": 0.0}]
             self.opt = functopt.MixedPrecisionOptimizer(spec, factory,
                                                         loss_scale=_loss_scale(),
-                                                        count_zeros=False, compile=compile)
+                                                        compile=compile, **flags)
         else:
             self.opt = functopt.MixedPrecisionOptimizer(named, _adamw(),
                                                         loss_scale=_loss_scale(),
-                                                        count_zeros=False, compile=compile)
+                                                        compile=compile, **flags)
         self.opt.clip_grad_norm(None, MAX_NORM)
         self.start = list(self.params)
 
@@ -243,9 +259,12 @@ def mixed_contenders(case: str, shapes: list[tuple[int, ...]], seed: int = 0, *,
         if compiled:
             ours.append(FunctoptMixedChain(params, grads, fused=True, compile=True))
         return [ref, *ours, idiom], []
+    groups = case == "facade_2_groups"
     facades: list[C.Contender] = [
-        FacadeMixed(params, grads, groups=case == "facade_2_groups", compile=c)
+        FacadeMixed(params, grads, groups=groups, compile=c)
         for c in ((False, True) if compiled else (False,))]
+    # what counting the zeros costs (count_zeros=True; off by default)
+    facades.append(FacadeMixed(params, grads, groups=groups, count_zeros=True))
     if case == "facade_1_group":
         return [ref, *facades, idiom], []
     # decay / no-decay groups: the idiom decays the vectors too, so it is the yardstick

@@ -235,11 +235,11 @@ class FunctoptMixed(Contender):
     loss scale and Adam's moments live in the explicit state.
 
     ``fused=False``: "functopt pure", the reference path (``mixed_precision(...,
-    fused=False)``, zeros counted as by default). ``fused=True``: "functopt fused",
-    ``mixed_precision(..., fused=True, donate=True, count_zeros=False)`` called under
-    ``torch.no_grad()``, the step a training loop takes. It does not count zero gradients
-    (``metrics.num_zeros`` stays -1): the PyTorch idiom does not count them either, and
-    counting is one more read of the gradients.
+    fused=False)``). ``fused=True``: "functopt fused", ``mixed_precision(..., fused=True,
+    donate=True)`` called under ``torch.no_grad()``, the step a training loop takes.
+    Neither counts zero gradients (``count_zeros`` is off by default: ``metrics.num_zeros``
+    stays -1): the PyTorch idiom does not count them either, and counting is one more
+    read of the gradients.
     """
 
     def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor], *,
@@ -263,7 +263,7 @@ class FunctoptMixed(Contender):
         if self.fused:
             self.mp = functopt.precision.mixed_precision(
                 inner, loss_scale=loss_scale, max_grad_norm=max_grad_norm, fused=True,
-                donate=True, count_zeros=False, compile=compile)
+                donate=True, compile=compile)
         else:
             self.mp = functopt.precision.mixed_precision(
                 inner, loss_scale=loss_scale, max_grad_norm=max_grad_norm, fused=False)

@@ -3,7 +3,7 @@
 functopt runs on two paths: "functopt pure", the reference (``tx.update`` then
 ``functopt.apply_updates``; ``mixed_precision(..., fused=False)``), and "functopt fused",
 the step a training loop takes (``functopt.fast.make_step(tx, donate=True)`` under
-``torch.no_grad()``; ``mixed_precision(..., fused=True, donate=True, count_zeros=False)``).
+``torch.no_grad()``; ``mixed_precision(..., fused=True, donate=True)``).
 
 Cases (``--only`` takes a comma-separated list of these names):
 
@@ -174,7 +174,7 @@ def case_mixed(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     r = res["ratios"]
     print(f"  target: functopt fused <= 1.0x the idiom (aim 0.8x); now "
           f"{r[f'{FUSED}/{IDIOM}']:.2f}x (pure {r[f'{PURE}/{IDIOM}']:.2f}x)")
-    print("  (functopt fused does not count zero gradients, count_zeros=False: neither does "
+    print("  (functopt does not count zero gradients, count_zeros' default: neither does "
           "the idiom)")
     print_check(res["check"])
     return res

@@ -21,9 +21,10 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import functopt
-from functopt.fast import FastPathWarning, explain, make_step
+from functopt.fast import FastPathWarning, _staged, explain, make_step
 from functopt.fast._step import differentiated
 from functopt.testing import assert_bitwise_equal
 from functopt.testing import strategies as fst
@@ -387,6 +388,128 @@ def test_no_donation_leaves_inputs_bitwise_unchanged(recipe: str) -> None:
             new_params, new_state = step(grads, state, params)
         _assert_bitwise((grads, state, params), before, what=f"step {i} inputs")
         params, state = new_params, new_state
+
+
+# ---------------------------------------------- gradients a clip's kernel must not write
+
+# A clip folded into a kernel's grad_scale: the kernels unscale their gradients in place,
+# so the gradients a caller keeps (no donate_grads) reach them as copies, staged on the CPU
+# batch by batch through one scratch buffer of _staged.BUDGET_BYTES (set to 64 elements
+# here, so that a step has several batches and cuts its larger leaves into pieces).
+CLIPPED: dict[str, Callable[[], functopt.GradientTransformation]] = {
+    "adamw": lambda: functopt.chain(functopt.clip_by_global_norm(0.5),
+                                    functopt.adamw(1e-2, weight_decay=0.1)),
+    "amsgrad": lambda: functopt.chain(functopt.clip_by_global_norm(0.5),
+                                      functopt.scale_by_amsgrad(correct_after_max=True),
+                                      functopt.scale_by_learning_rate(1e-2)),
+    "sgd_momentum": lambda: functopt.chain(functopt.clip_by_global_norm(0.5),
+                                           functopt.sgd(0.1, momentum=0.9)),
+}
+_STAGED_ELEMENTS = 64
+
+
+def _staged_params(dtype: torch.dtype, layouts: str) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(3)
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+
+    # 360 elements (cut into pieces), six leaves of 11 (several to a batch), a 0-d leaf
+    params: dict[str, Any] = {"big": r(40, 9), "small": [r(11) for _ in range(6)], "s": r()}
+    if layouts == "odd":
+        params["t"] = r(7, 5).t()  # transposed: a copy laid out as its value
+        params["cl"] = r(2, 3, 4, 5).to(memory_format=torch.channels_last)  # and cut
+    return params
+
+
+def _staged_grads(params: dict[str, Any], step: int) -> dict[str, Any]:
+    # (elementwise of the params: each gradient laid out as its value)
+    return functopt.tree.map(lambda p: p * (3.0 + step) - 0.25, params)
+
+
+@pytest.fixture
+def small_stage(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_staged, "BUDGET_BYTES", _STAGED_ELEMENTS * 4)
+
+
+@pytest.mark.parametrize("layouts", ["plain", "odd"])
+@pytest.mark.parametrize("donate", [False, True], ids=["copy", "donate"])
+@pytest.mark.parametrize(("recipe", "dtype"), [
+    *((r, torch.float32) for r in CLIPPED), ("adamw", torch.bfloat16),
+    ("amsgrad", torch.float16)])  # (torch._fused_sgd_ is refused in half on the CPU)
+@pytest.mark.usefixtures("small_stage")
+def test_kept_gradients_of_a_clip_kernel_are_never_written(
+        recipe: str, donate: bool, dtype: torch.dtype, layouts: str) -> None:
+    """The step that keeps the caller's gradients is bitwise the step handed them (the
+    same kernels on the same values), and leaves them bitwise as they were."""
+    tx = CLIPPED[recipe]()
+    params = _staged_params(dtype, layouts)
+    kept, handed = make_step(tx, donate=donate), make_step(tx, donate=donate, donate_grads=True)
+    ours, theirs = (params, tx.init(params)), _clone((params, tx.init(params)))
+    for i in range(4):
+        grads = _staged_grads(ours[0], i)
+        before = _clone(grads)
+        with torch.no_grad():
+            ours = kept(grads, ours[1], ours[0])
+            theirs = handed(_clone(grads), theirs[1], theirs[0])
+        _assert_bitwise(grads, before, what=f"step {i} gradients")
+        _assert_bitwise(ours, theirs, what=f"step {i}")
+
+
+class _Ops(TorchDispatchMode):
+    """Records the operations that run: their names, and the largest tensor one returned
+    that is not a view of its inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest, self.names = 0, set[str]()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.names.add(func.overloadpacket.__name__)
+        if all(r.alias_info is None for r in func._schema.returns):
+            for t in out if isinstance(out, (list, tuple)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.usefixtures("small_stage")
+def test_kept_gradients_of_a_clip_kernel_take_no_copy_larger_than_the_scratch() -> None:
+    """A donated step allocates no tensor beyond the scratch buffer's size: no copy of a
+    whole gradient (every leaf here is larger than the buffer)."""
+    tx = CLIPPED["adamw"]()
+    params = {"a": torch.randn(40, 9), "b": torch.randn(300)}
+    state, step = tx.init(params), make_step(tx, donate=True)
+    with torch.no_grad():
+        params, state = step(_staged_grads(params, 0), state, params)  # plans, allocates
+        grads = _staged_grads(params, 1)
+        with _Ops() as seen:
+            step(grads, state, params)
+    assert 0 < seen.largest <= _STAGED_ELEMENTS
+
+
+@pytest.mark.parametrize("recipe", list(CLIPPED))
+def test_a_clip_that_does_not_act_copies_no_gradient(recipe: str) -> None:
+    """A norm within the clip's bound (a factor of exactly 1, read on the host for free on
+    the CPU): the kernel reads the caller's gradients uncopied and leaves them as they
+    were; the step is bitwise the step handed the gradients."""
+    tx = CLIPPED[recipe]()
+    params = {"a": torch.randn(40, 9), "b": torch.randn(300)}
+    kept, handed = make_step(tx, donate=True), make_step(tx, donate=True, donate_grads=True)
+    ours, theirs = (params, tx.init(params)), _clone((params, tx.init(params)))
+    for i in range(3):
+        grads = functopt.tree.map(lambda p: p * 1e-3, ours[0])  # norm well below 0.5
+        before = _clone(grads)
+        with torch.no_grad(), _Ops() as seen:
+            ours = kept(grads, ours[1], ours[0])
+        with torch.no_grad():
+            theirs = handed(_clone(grads), theirs[1], theirs[0])
+        assert not seen.names & {"clone", "copy_", "_foreach_copy_", "_foreach_mul_"}, (
+            i, seen.names)
+        _assert_bitwise(grads, before, what=f"step {i} gradients")
+        _assert_bitwise(ours, theirs, what=f"step {i}")
 
 
 # ---------------------------------------------------------------- fallback: bitwise

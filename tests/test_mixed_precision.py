@@ -519,11 +519,28 @@ def test_num_zeros_counts_zeros_of_the_unscaled_grads(pg, scale_exp, max_norm) -
     params, grads = pg
     scale = 2.0**scale_exp
     opt = mixed_precision(functopt.sgd(0.1), loss_scale=static_loss_scale(scale),
-                          max_grad_norm=max_norm)
+                          max_grad_norm=max_norm, count_zeros=True)
     _, state = opt.step(_scaled(grads, scale), opt.init(params), params)
     zeros = sum(int((g == 0).sum()) for g in _core.flatten(grads)[0] if g is not None)
     assert state.metrics.num_zeros.dtype == torch.int64
     assert int(state.metrics.num_zeros) == zeros
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_num_zeros_is_counted_only_when_asked(fused: bool) -> None:
+    """By default (Megatron's) the step counts no zeros: metrics.num_zeros is -1, and the
+    rest of the step is bitwise the counting step's."""
+    params = {"w": torch.tensor([1.0, -2.0, 3.0, 0.5], dtype=torch.bfloat16)}
+    grads = {"w": torch.tensor([0.0, 0.5, 0.0, -1.0], dtype=torch.bfloat16)}
+    results = {}
+    for flags in ({}, {"count_zeros": True}):
+        opt = mixed_precision(functopt.adamw(0.1), loss_scale=None, fused=fused, **flags)
+        with torch.no_grad():
+            results[bool(flags)] = opt.step(grads, opt.init(params), params)
+    (p_default, s_default), (p_counted, s_counted) = results[False], results[True]
+    assert int(s_default.metrics.num_zeros) == -1 and int(s_counted.metrics.num_zeros) == 2
+    assert torch.equal(p_default["w"], p_counted["w"])
+    assert torch.equal(s_default.master["w"], s_counted.master["w"])
 
 
 # --- 5. unscaling ---------------------------------------------------------------------------

@@ -539,7 +539,7 @@ def test_clip_grad_norm_sets_the_norm_of_following_steps() -> None:
 
 def test_metrics_getters() -> None:
     w = torch.nn.Parameter(torch.zeros(4))
-    opt = MixedPrecisionOptimizer({"w": w}, functopt.sgd(1.0))
+    opt = MixedPrecisionOptimizer({"w": w}, functopt.sgd(1.0), count_zeros=True)
     assert opt.get_grad_norm().item() == 0.0 and opt.count_zeros().item() == 0
     w.grad = torch.tensor([0.0, 3.0, 0.0, 4.0]) * 65536
     assert opt.step()
@@ -731,16 +731,19 @@ def test_state_dict_rejects_non_tensor_state() -> None:
 
 
 @pytest.mark.parametrize("fused", [True, False])
-def test_count_zeros_can_be_switched_off(fused: bool) -> None:
-    """count_zeros=False (Megatron's default) skips the count: count_zeros() is -1 and
-    the step is otherwise the same (bitwise the masters of a counting optimizer)."""
+def test_zeros_are_counted_only_when_asked(fused: bool) -> None:
+    """Zeros are counted with count_zeros=True only; by default, as with False (Megatron's
+    default), count_zeros() is -1 and the step is otherwise the same (bitwise the masters
+    of a counting optimizer)."""
     results = {}
-    for count in (True, False):
+    for count in (True, False, None):
         w = torch.nn.Parameter(torch.tensor([0.0, 1.0, -2.0, 0.0], dtype=torch.bfloat16))
+        flags = {} if count is None else {"count_zeros": count}
         opt = MixedPrecisionOptimizer([("w", w)], functopt.adamw(0.1), loss_scale=None,
-                                      fused=fused, count_zeros=count)
+                                      fused=fused, **flags)
         w.grad = torch.tensor([0.0, 0.5, 0.0, 0.0], dtype=torch.bfloat16)
         assert opt.step()
         results[count] = (int(opt.count_zeros()), _nested(opt)["master"]["w"].clone())
-    assert results[True][0] == 3 and results[False][0] == -1
+    assert results[True][0] == 3 and results[False][0] == results[None][0] == -1
     assert torch.equal(results[True][1], results[False][1])
+    assert torch.equal(results[True][1], results[None][1])

@@ -353,7 +353,7 @@ def test_get_grad_norm_is_the_norm_of_the_current_gradients() -> None:
 def test_grad_norm_skip_threshold_skips_like_an_overflow_without_a_trace() -> None:
     model = _model(torch.bfloat16)
     opt = MixedPrecisionOptimizer(model.named_parameters(), functopt.adamw(1e-2),
-                                  return_grad_stats=True)
+                                  return_grad_stats=True, count_zeros=True)
     opt.backward(_loss(model, 0))
     assert opt.step()[0]
     opt.zero_grad()

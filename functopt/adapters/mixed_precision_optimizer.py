@@ -314,8 +314,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             updates masters and moments in place. False keeps the pure path, which is
             bitwise independent of how FSDP2 shards the params.
         count_zeros: count the zero gradient elements at every step (``count_zeros()``;
-            one more read of the gradients). False, Megatron-LM's default, saves it and
-            ``count_zeros()`` returns -1.
+            one more read of the gradients). Off by default, as in Megatron-LM:
+            ``count_zeros()`` then returns -1.
         grad_norm_skip_threshold: skip steps whose gradient norm exceeds it (Megatron's
             option; ``inf``, the default, never skips).
         return_grad_stats: ``step()`` returns ``(ok, grad_norm, num_zeros)`` as
@@ -421,7 +421,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         loss_scale: LossScale | None = dynamic_loss_scale(),  # noqa: B008
         master_dtype: torch.dtype = torch.float32,
         fused: bool = True,
-        count_zeros: bool = True,
+        count_zeros: bool = False,
         grad_norm_skip_threshold: float = math.inf,
         return_grad_stats: bool = False,
         compile: bool = False,

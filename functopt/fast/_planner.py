@@ -82,7 +82,7 @@ from functopt._spec import (
     ZeroNans,
     describe,
 )
-from functopt.fast import _compiled, _multi, _perleaf
+from functopt.fast import _compiled, _multi, _perleaf, _staged
 from functopt.fast._layout import dense as _dense
 from functopt.fast._layout import overlapping
 from functopt.transforms import _common
@@ -1440,8 +1440,9 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
     skips the whole step: values, moments and every counter keep their values (as a
     skipped mixed step restores the inner state whole).
 
-    ``workspace``: scratch buffers the compiled tier may reuse for its gathered copies
-    (kept by a donating caller per thread), or None. ``low``: per leaf, the low-precision
+    ``workspace``: scratch buffers the compiled tier may reuse for its gathered copies,
+    and the kernels for the copies of gradients they scale (`_staged`), kept by a donating
+    caller per thread; or None. ``low``: per leaf, the low-precision
     param of a mixed step (or None): a compiled group whose leaves all have one writes
     each its new value rounded (in place when donated), returned in ``Result.low`` (None
     where the caller must still write it).
@@ -1774,22 +1775,44 @@ def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[
     # value and not written without a scale: _owned and _kernel_grads would return them)
     plain = checked and donate
     p = [values[i] for i in idx] if plain else _owned([values[i] for i in idx], donate)
+    if scale is not None and _ops._host_branch_ok(scale) and scale.item() == 1.0:
+        # a clip that does not act at this step (a norm within its bound), read for free on
+        # the CPU: the kernel reads the gradients as they are, uncopied (g / 1 is g)
+        scale = None
     grad_scale = None
+    widened = False  # the gradients are scaled here, in their dtype, not by the kernel
     if scale is not None:
         divisor = scale.reciprocal()
         grad_scale = divisor.to(device=device, dtype=torch.float32)
-    g = [grads[i] for i in idx] if plain and (donate_grads or scale is None) else (
-        _kernel_grads([grads[i] for i in idx], p, donate_grads, scale is not None))
-    if scale is not None and dtype == torch.float64:
-        # the kernels take grad_scale in float32: a float64 group is unscaled here
-        torch._foreach_mul_(g, scale.to(device=device, dtype=torch.float64))
-        grad_scale = None
-    elif (scale is not None and grad_scale is not None and _ops._host_branch_ok(grad_scale)
-          and not math.isfinite(grad_scale.item()) and math.isfinite(scale.item())):
-        # a divisor beyond float32 (a clip of a norm above 3.4e38): multiply by the factor
-        # in the gradients' dtype, as the pure path's scaling does (a free host read on the
-        # CPU; elsewhere such a norm divides the gradients to zero)
-        torch._foreach_mul_(g, scale.to(device=device, dtype=dtype))
+        # the kernels take grad_scale in float32: a float64 group, or a divisor beyond
+        # float32 (a clip of a norm above 3.4e38; a free host read on the CPU, elsewhere
+        # such a norm divides the gradients to zero), is scaled as the pure path scales
+        widened = dtype == torch.float64 or (
+            _ops._host_branch_ok(grad_scale) and not math.isfinite(grad_scale.item())
+            and math.isfinite(scale.item()))
+    # a kernel that unscales in place on the CPU, on gradients the caller keeps: copied
+    # batch by batch into a small scratch buffer (`_staged`), if their layouts allow it
+    staged = grad_scale is not None and not widened and not donate_grads and group.on_cpu
+    local = [grads[i] if plain or type(grads[i]) in _PLAIN else local_tensor(grads[i])
+             for i in idx] if staged else []
+
+    def kernel_grads() -> list[torch.Tensor]:
+        """The gradients of one kernel call over the whole group."""
+        g = [grads[i] for i in idx] if plain and (donate_grads or scale is None) else (
+            _kernel_grads([grads[i] for i in idx], p, donate_grads, scale is not None))
+        if widened:
+            assert scale is not None
+            torch._foreach_mul_(g, scale.to(device=device, dtype=dtype))
+        return g
+
+    def launch(call: Callable[[list[torch.Tensor], list[list[torch.Tensor]]], None],
+               columns: list[list[torch.Tensor]]) -> None:
+        if staged and _staged.fits(local, columns):
+            _staged.run(call, local, columns, workspace, ("staged", idx[0]))
+        else:
+            call(kernel_grads(), columns)
+
+    if widened:
         grad_scale = None
     flag = None if found_inf is None else found_inf.to(device=device, dtype=torch.float32)  # 1.0: skip
     lr_value = hp["lr"]
@@ -1816,9 +1839,13 @@ def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[
                 else torch.scalar_tensor(float(host), dtype=torch.float32,
                                          device=None if group.on_cpu else device))
         kernel = torch._fused_adamw_ if plan.kernel == "adamw" else torch._fused_adam_
-        kernel(p, g, m, n, top, [step] * len(idx), lr=lr, beta1=hp["beta1"],
-               beta2=hp["beta2"], weight_decay=wd, eps=hp["eps"], amsgrad=amsgrad,
-               maximize=plan.maximize, grad_scale=grad_scale, found_inf=flag)
+
+        def adam_call(g: list[torch.Tensor], c: list[list[torch.Tensor]]) -> None:
+            kernel(c[0], g, c[1], c[2], c[3], [step] * len(g), lr=lr, beta1=hp["beta1"],
+                   beta2=hp["beta2"], weight_decay=wd, eps=hp["eps"], amsgrad=amsgrad,
+                   maximize=plan.maximize, grad_scale=grad_scale, found_inf=flag)
+
+        launch(adam_call, [p, m, n, top])
         written = [(mu_at, m), (nu_at, n)]
         if amsgrad:
             written.append((group.slots("adam", "nu_max"), top))
@@ -1830,10 +1857,14 @@ def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[
         # A zero momentum buffer makes the first step's ``momentum * 0 + g`` exactly the
         # ``buf = g`` of is_first_step, so trace's zero-initialised buffer fits; a
         # dampened_trace says its first step (its count) instead.
-        torch._fused_sgd_(p, g, bufs, weight_decay=wd, momentum=momentum, lr=lr,
-                          dampening=hp["dampening"], nesterov=nesterov,
-                          maximize=plan.maximize, is_first_step=hp["is_first_step"],
-                          grad_scale=grad_scale, found_inf=flag)
+
+        def sgd_call(g: list[torch.Tensor], c: list[list[torch.Tensor]]) -> None:
+            torch._fused_sgd_(c[0], g, c[1], weight_decay=wd, momentum=momentum, lr=lr,
+                              dampening=hp["dampening"], nesterov=nesterov,
+                              maximize=plan.maximize, is_first_step=hp["is_first_step"],
+                              grad_scale=grad_scale, found_inf=flag)
+
+        launch(sgd_call, [p, bufs])
         if trace is not None:
             written = [(group.slots("trace", "trace"), bufs)]
     if not donate:  # donated leaves were written in place: the lists hold them

@@ -103,7 +103,11 @@ def make_step(
         donate_grads: the caller hands the gradients over too: a fused step may scale them
             in place (a clip folded into the kernel divides them, as
             ``clip_grad_norm_`` and ``GradScaler.unscale_`` do), which saves a copy of
-            every gradient on steps with a clip. Without it gradients are never written.
+            every gradient on steps with a clip. Without it gradients are never written:
+            the kernel reads copies, which on the CPU are made batch by batch into one
+            scratch buffer of 2 MiB (kept by a donated step, per thread) so that the
+            kernel finds them in cache; a clip that does not act at a step (a factor of
+            exactly 1, read on the host there) copies nothing.
         fused: False keeps every step on the pure ``update`` (with the grouped ``foreach``
             apply, and donation), without a warning: the reference path, for comparison.
         compile: the compiled tier: each group of leaves whose program of elementwise

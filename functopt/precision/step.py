@@ -206,7 +206,7 @@ def mixed_precision(
     replicated: Replicated = None,
     agree_skip: bool | dist.ProcessGroup = False,
     agree_timeout: float | datetime.timedelta | None = None,
-    count_zeros: bool = True,
+    count_zeros: bool = False,
     donate: bool = False,
     fused: bool = True,
     compile: bool = False,
@@ -277,8 +277,8 @@ def mixed_precision(
             a ``RuntimeError`` naming the collective, the group's size and the likely
             cause. Only with ``agree_skip``.
         count_zeros: count the zero gradient elements into ``metrics.num_zeros``
-            (Megatron-LM's ``count_zeros``; one more read of the gradients). With False,
-            ``metrics.num_zeros`` is -1.
+            (Megatron-LM's ``count_zeros``; one more read of the gradients). Off by
+            default, as in Megatron-LM: ``metrics.num_zeros`` is then -1.
         donate: the caller hands ``params`` and ``state`` over at every step: the fused
             path may overwrite their tensors (params, masters and moments are then
             updated in place, and returned) instead of writing new ones. The caller must
