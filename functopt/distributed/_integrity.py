@@ -68,6 +68,7 @@ def _placement(local: torch.Tensor, value: Any) -> tuple[list[int], list[int], b
         return [0] * local.dim(), list(local.shape), True
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     mesh = value.device_mesh
     coordinate = mesh.get_coordinate()
@@ -77,11 +78,13 @@ def _placement(local: torch.Tensor, value: Any) -> tuple[list[int], list[int], b
     for dim, p in enumerate(value.placements):
         if isinstance(p, Replicate):
             counted = counted and coordinate[dim] == 0
-        elif not isinstance(p, Shard):
+        elif not isinstance(p, (Shard, _StridedShard)):
             raise ValueError(
                 f"a DTensor entry has the placement {p} on mesh dimension {dim}; a checkpoint "
                 f"entry must be sharded or replicated. Fix: redistribute it before saving."
             )
+    # DCP writes each local block at this offset (a _StridedShard's too, as FSDP2 over
+    # tensor parallelism places it), so the sums key each element by DCP's own position.
     _, offset = compute_local_shape_and_global_offset(value.shape, mesh, value.placements)
     return list(offset), list(value.shape), counted
 
