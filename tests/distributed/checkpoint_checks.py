@@ -26,14 +26,10 @@ Each launch function returns ``{check name: None or the failure's traceback}``.
 from __future__ import annotations
 
 import os
-import traceback
-import warnings
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -44,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import functopt
+from distributed import harness
 from distributed.checks import _assert_tree, _full, _mesh, _mlp, _shard
 from functopt import distributed as fdist
 from functopt.precision import mixed_precision
@@ -52,19 +49,6 @@ SAVE_STEPS = 2
 MORE_STEPS = 2
 
 
-def _run(checks: dict[str, Callable[[], None]]) -> dict[str, str | None]:
-    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed.*")
-    out: dict[str, str | None] = {}
-    for name, fn in checks.items():
-        try:
-            fn()
-            out[name] = None
-        except Exception:  # reported per check to the parent
-            out[name] = traceback.format_exc()
-        dist.barrier()
-    return out
 
 
 def _full_params() -> dict[str, torch.Tensor]:
@@ -218,7 +202,7 @@ def save_all(rank: int, world: int, path: str) -> dict[str, str | None]:
                                             r"DTensor"):
             fdist.state_from_dict({"m": torch.zeros(4)}, template)
 
-    return _run({"functional": functional, "facade": facade, "facade_dsd": facade_dsd,
+    return harness.run_named({"functional": functional, "facade": facade, "facade_dsd": facade_dsd,
                  "state_from_dict_sharding_errors": state_from_dict_sharding_errors,
                  "offload_dtensor_state": offload_dtensor_state,
                  "facade_offload_fsdp": facade_offload_fsdp})
@@ -273,7 +257,7 @@ def load_all(rank: int, world: int, path: str) -> dict[str, str | None]:
         _assert_tree(dict(model.named_parameters()), dict(ref_model.named_parameters()))
 
     ref_loss_scale_after_save = _after_save_loss_scale()
-    return _run({"functional": functional, "facade": facade, "facade_dsd": facade_dsd})
+    return harness.run_named({"functional": functional, "facade": facade, "facade_dsd": facade_dsd})
 
 
 def _after_save_loss_scale() -> float:

@@ -22,10 +22,12 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -151,6 +153,25 @@ def run_checks(checks: dict[str, Check], rank: int, world: int) -> dict[str, str
             dist.barrier()
         except RuntimeError as exc:
             raise RuntimeError(f"ranks out of step after check {name!r}; so far: {out}") from exc
+    return out
+
+
+def run_named(checks: dict[str, Callable[[], None]]) -> dict[str, str | None]:
+    """Run each check of a rank function, each failure (``pytest.fail``'s "did not raise"
+    too, which is not an ``Exception``) reported by name to the parent; a barrier after each
+    keeps the ranks in step where a process group is up."""
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed.*")
+    out: dict[str, str | None] = {}
+    for name, fn in checks.items():
+        try:
+            fn()
+            out[name] = None
+        except (Exception, pytest.fail.Exception):  # reported per check to the parent
+            out[name] = traceback.format_exc()
+        if dist.is_initialized():
+            dist.barrier()
     return out
 
 

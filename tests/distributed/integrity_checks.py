@@ -14,9 +14,6 @@ Each launch function returns ``{check name: None or the failure's traceback}``.
 from __future__ import annotations
 
 import os
-import traceback
-import warnings
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -28,6 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from distributed import harness
 from distributed import zero_checkpoint_checks as zc
 from distributed.checkpoint_checks import _full_params, _functional_steps, _transform
 from distributed.checks import _assert_tree, _mesh
@@ -54,20 +52,6 @@ def _torn_save(path: str, first: dict[str, Any], second: dict[str, Any]) -> None
     assert "rank 1 killed while saving" in repr(died.value.failures)
 
 
-def _run(checks: dict[str, Callable[[], None]]) -> dict[str, str | None]:
-    """Each check's failure by name; ``pytest.raises``'s "did not raise" included (it is not an
-    ``Exception``); a barrier after each keeps the ranks in step."""
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed.*")
-    out: dict[str, str | None] = {}
-    for name, fn in checks.items():
-        try:
-            fn()
-            out[name] = None
-        except (Exception, pytest.fail.Exception):  # reported per check to the parent
-            out[name] = traceback.format_exc()
-        dist.barrier()
-    return out
 
 
 def _dtensor_params() -> tuple[Any, dict[str, Any]]:
@@ -196,7 +180,7 @@ def run_all(rank: int, world: int, path: str) -> dict[str, str | None]:
         with pytest.raises(ValueError, match=TORN + r".*\['cols'"):
             fdist.state_from_dict(loaded["s"], template)
 
-    return _run({f.__name__: f for f in (
+    return harness.run_named({f.__name__: f for f in (
         torn_functional_raises_on_every_rank, torn_zero1_raises_on_every_rank,
         intact_loads_bitwise, one_changed_element_on_one_rank_raises_on_every_rank,
         swapped_elements_raise, error_on_one_rank_raises_on_every_rank,
@@ -214,7 +198,7 @@ def load_single_process_save(rank: int, world: int, path: str) -> dict[str, str 
         assert all(isinstance(v, DTensor) for v in state.master.values() if v is not None)
         _assert_tree(state, expected)
 
-    return _run({"one_to_two_ranks_verifies": one_to_two_ranks_verifies})
+    return harness.run_named({"one_to_two_ranks_verifies": one_to_two_ranks_verifies})
 
 
 __all__ = ["SAVED", "load_single_process_save", "run_all"]

@@ -30,16 +30,14 @@ from __future__ import annotations
 
 import os
 import re
-import traceback
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import functopt
+from distributed import harness
 from distributed.checks import _assert_tree
 from distributed.zero_checks import _params, _sharded_state_like
 from functopt.distributed import (
@@ -103,20 +101,6 @@ def _assert_like_reference(config: str, params: Any, state: Any, ref_params: Any
                                rtol=1e-6, atol=0.0)
 
 
-def _run(checks: dict[str, Callable[[], None]]) -> dict[str, str | None]:
-    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed.*")
-    out: dict[str, str | None] = {}
-    for name, fn in checks.items():
-        try:
-            fn()
-            out[name] = None
-        except Exception:  # reported per check to the parent
-            out[name] = traceback.format_exc()
-        if dist.is_initialized():
-            dist.barrier()
-    return out
 
 
 def _raises(kind: type[Exception], pattern: str, fn: Callable[..., Any], *args: Any) -> None:
@@ -201,7 +185,7 @@ def save_and_reload(rank: int, world: int, path: str) -> dict[str, str | None]:
         _assert_tree(back, state)
 
     checks: dict[str, Callable[[], None]] = {config: (lambda c=config: run(c)) for config in CONFIGS}
-    return _run({**checks, "generic_helpers_refuse_zero1_state":
+    return harness.run_named({**checks, "generic_helpers_refuse_zero1_state":
                  generic_helpers_refuse_zero1_state})
 
 
@@ -223,7 +207,7 @@ def load_and_continue(rank: int, world: int, path: str) -> dict[str, str | None]
         ref_params, ref_state = _reference(config, SAVE_STEPS + MORE_STEPS)
         _assert_like_reference(config, params, state, ref_params, ref_state, rank, world)
 
-    return _run({config: (lambda c=config: run(c)) for config in CONFIGS})
+    return harness.run_named({config: (lambda c=config: run(c)) for config in CONFIGS})
 
 
 # ------------------------------------------------- with tensor parallelism: (2, 2) -> (1, 2)
@@ -314,7 +298,7 @@ def tp_save_and_reload(rank: int, world: int, path: str) -> dict[str, str | None
         _, _, _, state2 = _tp_load(world, path)
         _assert_tree(state2, state)  # bitwise, every rank its own slices back
 
-    return _run({"tp": run})
+    return harness.run_named({"tp": run})
 
 
 def tp_load_and_continue(rank: int, world: int, path: str) -> dict[str, str | None]:
@@ -332,4 +316,4 @@ def tp_load_and_continue(rank: int, world: int, path: str) -> dict[str, str | No
                                   range(SAVE_STEPS, SAVE_STEPS + MORE_STEPS))
         _tp_assert_like_reference(params, state, full, SAVE_STEPS + MORE_STEPS)
 
-    return _run({"tp": run})
+    return harness.run_named({"tp": run})
