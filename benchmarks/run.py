@@ -1,4 +1,4 @@
-"""functopt's optimizer step against PyTorch's, side by side in one process (issue 5).
+"""functopt's optimizer step against PyTorch's, side by side in one process.
 
 functopt runs on two paths: "functopt pure", the reference (``tx.update`` then
 ``functopt.apply_updates``; ``mixed_precision(..., fused=False)``), and "functopt fused",
@@ -14,7 +14,7 @@ Cases (``--only`` takes a comma-separated list of these names):
   master), functopt pure and fused, vs the best PyTorch idiom for it (see
   ``contenders.TorchMixedIdiom``). The fused contender does not count zero gradients:
   neither does the idiom.
-* ``chains``: composed chains as users write them (issue 9), each against the PyTorch step
+* ``chains``: composed chains as users write them, each against the PyTorch step
   for the same maths: ``chain(clip_by_global_norm, adamw)`` vs ``clip_grad_norm_`` +
   AdamW(fused); ``adamw`` with a no-decay mask vs AdamW(fused) with a no-decay group;
   ``chain(scale_by_adam, add_decayed_weights, scale_by_learning_rate(schedule))`` vs
