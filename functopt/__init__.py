@@ -6,7 +6,7 @@ The public surface is this module's ``__all__`` and the documented subpackages
 (the last imports hypothesis, so it is not imported here).
 """
 
-from functopt import contrib, distributed, fast, optim, precision, schedules, tree
+from functopt import _serialization, contrib, distributed, fast, optim, precision, schedules, tree
 from functopt._apply import apply_updates, apply_updates_
 from functopt._base import (
     EmptyState,
@@ -269,3 +269,7 @@ __all__ = [
     "with_extra_args_support",
     "zero_nans",
 ]
+
+# The one global side effect of the import, on purpose: PyTorch's default torch.load
+# (weights_only=True) accepts functopt's state classes (plain data) from here on.
+_serialization.allow_state_classes()

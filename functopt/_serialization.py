@@ -5,8 +5,13 @@ A functopt state is a pytree of tensors inside NamedTuples (``ScaleByAdamState``
 ``torch.load`` (``weights_only=True`` since PyTorch 2.6) refuses any class it has not been
 told is safe. [`state_classes`][functopt.state_classes] lists functopt's NamedTuple
 classes (plain data: fields of tensors, numbers and trees, no code runs when they are
-built), and [`safe_globals`][functopt.safe_globals] allows them for one ``torch.load``,
-without turning ``weights_only`` off (which would let a checkpoint run arbitrary code).
+built). ``import functopt`` allows them in every ``torch.load`` of the process
+(``torch.serialization.add_safe_globals``): the package's one global side effect, made on
+purpose so that a state saved with ``torch.save`` loads with PyTorch's default as a tensor
+does, without turning ``weights_only`` off (which would let a checkpoint run arbitrary
+code). Classes of a user's own rules are not allowed by it;
+[`safe_globals`][functopt.safe_globals] allows functopt's for one block (after
+``torch.serialization.clear_safe_globals()``, say).
 
 [`save_checkpoint`][functopt.save_checkpoint] writes a file atomically (a process killed
 while saving leaves the previous file whole) and
@@ -46,9 +51,9 @@ def _is_namedtuple_class(obj: Any) -> bool:
 def state_classes() -> list[type]:
     """Every NamedTuple class functopt defines (the states and what they hold), by name.
 
-    For ``torch.serialization.add_safe_globals(functopt.state_classes())``, which allows
-    them in every later ``torch.load`` of the process; [`safe_globals`][functopt.safe_globals]
-    allows them for one block instead.
+    ``import functopt`` passes them to ``torch.serialization.add_safe_globals``, which
+    allows them in every later ``torch.load`` of the process;
+    [`safe_globals`][functopt.safe_globals] allows them for one block.
 
     Examples:
         >>> import functopt
@@ -70,10 +75,11 @@ def safe_globals() -> Any:
     """A context manager in which ``torch.load`` (``weights_only=True``) accepts functopt states.
 
     ``torch.serialization.safe_globals(functopt.state_classes())``: inside the block the
-    default, safe ``torch.load`` reads a state saved with ``torch.save``; outside it,
-    PyTorch raises ``UnpicklingError`` naming the class (``ScaleByAdamState``). The state
-    classes hold only data, so this keeps the guarantee of ``weights_only`` that loading a
-    file runs no code from it.
+    default, safe ``torch.load`` reads a state saved with ``torch.save``. ``import
+    functopt`` already allows these classes for the whole process; the block is for code
+    that cleared PyTorch's allowed globals (``torch.serialization.clear_safe_globals()``).
+    The state classes hold only data, so this keeps the guarantee of ``weights_only`` that
+    loading a file runs no code from it.
 
     Examples:
         >>> import io, torch, functopt
@@ -87,8 +93,26 @@ def safe_globals() -> Any:
         >>> type(loaded[0]).__name__, bool(loaded[0].mu["w"].eq(0).all())
         ('ScaleByAdamState', True)
     """
+    return allowing(state_classes())
+
+
+def allowing(classes: list[type]) -> Any:
+    """A context manager that allows those of ``classes`` not allowed yet, for the block.
+
+    ``torch.serialization.safe_globals`` removes its globals on leaving the block, also
+    those that were allowed before it (as ``import functopt`` allows the state classes), so
+    it is given only the missing ones.
+    """
+    before = set(torch.serialization.get_safe_globals())
+    missing: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
+        cls for cls in classes if cls not in before]
+    return torch.serialization.safe_globals(missing)
+
+
+def allow_state_classes() -> None:
+    """Allow functopt's state classes in every later ``torch.load`` (called at import)."""
     allowed: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = list(state_classes())
-    return torch.serialization.safe_globals(allowed)
+    torch.serialization.add_safe_globals(allowed)
 
 
 CHECKPOINT_UNREADABLE = (

@@ -418,18 +418,23 @@ def test_roundtrip_loads_namedtuple_states_with_weights_only() -> None:
     conformance.check_state_roundtrip(lambda: tx, PARAMS, GRADS, steps=3)
 
 
-def test_weights_only_load_needs_the_namedtuple_classes_allowlisted() -> None:
-    # What check_state_roundtrip relies on, and what its docstring tells users to do.
-    state = functopt.scale_by_adam().init(PARAMS)
+class _UserState(NamedTuple):  # a state class of a user's own rule
+    mu: torch.Tensor
+
+
+def test_weights_only_load_needs_a_user_state_class_allowlisted() -> None:
+    # What check_state_roundtrip relies on, and what its docstring tells users to do: the
+    # import of functopt allows functopt's own classes only.
+    state = (_UserState(torch.ones(2)), functopt.scale_by_adam().init(PARAMS))
     buffer = io.BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)
-    with pytest.raises(pickle.UnpicklingError, match="ScaleByAdamState"):
+    with pytest.raises(pickle.UnpicklingError, match="_UserState"):
         torch.load(buffer, weights_only=True)
     buffer.seek(0)
-    with torch.serialization.safe_globals([functopt.ScaleByAdamState]):
+    with torch.serialization.safe_globals([_UserState]):
         loaded = torch.load(buffer, weights_only=True)
-    assert type(loaded) is functopt.ScaleByAdamState
+    assert type(loaded[0]) is _UserState and type(loaded[1]) is functopt.ScaleByAdamState
     _compare.assert_trees_equal(loaded, state, check="c", what="w")
 
 

@@ -276,7 +276,7 @@ def _every_state(params: dict[str, torch.Tensor]) -> dict[str, Any]:
     }
 
 
-def test_states_load_with_weights_only_inside_safe_globals() -> None:
+def test_every_state_loads_with_the_default_torch_load_after_import() -> None:
     import io
     import pickle
 
@@ -284,18 +284,85 @@ def test_states_load_with_weights_only_inside_safe_globals() -> None:
     buffer = io.BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)
-    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
-        torch.load(buffer)  # PyTorch's default refuses the state classes
-    buffer.seek(0)
-    with functopt.safe_globals():
-        loaded = torch.load(buffer)
+    loaded = torch.load(buffer)  # PyTorch's default, weights_only=True
     assert functopt.tree.structure(loaded) == functopt.tree.structure(state)
     for a, b in zip(functopt.tree.flatten(loaded)[0], functopt.tree.flatten(state)[0],
                     strict=True):
         assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b))
+    # the import allows the state classes, nothing else: weights_only keeps refusing code
+    buffer = io.BytesIO()
+    torch.save({"state": state, "fn": functopt.adamw}, buffer)
     buffer.seek(0)
-    with pytest.raises(pickle.UnpicklingError):
-        torch.load(buffer)  # allowed for the block only: no global mode
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        torch.load(buffer)
+
+
+def test_the_import_itself_allows_the_state_classes(tmp_path) -> None:
+    # In a new interpreter: a state saved there loads with the default torch.load once
+    # functopt is imported, and not before.
+    import subprocess
+    import sys
+
+    path = tmp_path / "state.pt"
+    code = (
+        "import pickle, sys, torch\n"
+        "from functopt import adamw\n"
+        "import functopt\n"
+        "torch.save(adamw(1e-3).init({'w': torch.ones(2)}), sys.argv[1])\n"
+    )
+    subprocess.run([sys.executable, "-c", code, str(path)], check=True, timeout=120)
+    check = (
+        "import pickle, sys, torch\n"
+        "try:\n"
+        "    torch.load(sys.argv[1])\n"
+        "    print('loaded before import')\n"
+        "except pickle.UnpicklingError:\n"
+        "    print('refused before import')\n"
+        "import functopt\n"
+        "state = torch.load(sys.argv[1])\n"
+        "print(type(state[0]).__name__, bool(state[0].mu['w'].eq(0).all()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", check, str(path)], check=True, timeout=120,
+                         capture_output=True, text=True).stdout.split("\n")
+    assert out[:2] == ["refused before import", "ScaleByAdamState True"]
+
+
+def test_a_safe_globals_block_leaves_the_import_s_allowance_in_place() -> None:
+    # torch's safe_globals block removes its classes on leaving it, allowed before or not
+    import io
+
+    from functopt.testing import conformance
+
+    state = functopt.adamw(1e-3).init({"w": torch.ones(2)})
+    with functopt.safe_globals():
+        pass
+    conformance.check_state_roundtrip(functopt.adamw(1e-3), {"w": torch.ones(2)},
+                                      {"w": torch.ones(2)})
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    assert type(torch.load(buffer)[0]) is functopt.ScaleByAdamState
+
+
+def test_safe_globals_allows_the_state_classes_after_they_were_cleared() -> None:
+    import io
+    import pickle
+
+    state = _every_state(_p())
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    allowed = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    try:
+        buffer.seek(0)
+        with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+            torch.load(buffer)
+        buffer.seek(0)
+        with functopt.safe_globals():
+            loaded = torch.load(buffer)
+        assert functopt.tree.structure(loaded) == functopt.tree.structure(state)
+    finally:
+        torch.serialization.add_safe_globals(allowed)
 
 
 def test_state_classes_cover_every_namedtuple_the_package_defines() -> None:

@@ -43,11 +43,11 @@ The laws:
   which refuses host reads as a CUDA graph does.
 
 About ``weights_only=True``: PyTorch's safe unpickler rejects classes it does not know,
-and a NamedTuple state is such a class. Loading works once the state's NamedTuple classes
-are allowlisted, as `check_state_roundtrip` does::
+and a NamedTuple state is such a class. ``import functopt`` allows functopt's own state
+classes; a state class of a user's rule loads once it is allowlisted
+(`check_state_roundtrip` allows the classes it finds in the state for its own load)::
 
-    with torch.serialization.safe_globals([functopt.ScaleByAdamState]):
-        state = torch.load(f, weights_only=True)
+    torch.serialization.add_safe_globals([MyRuleState])
 
 (``weights_only=False`` also works, but runs arbitrary code from the file.) The check
 allowlists exactly the NamedTuple classes found in the state, so a state holding anything
@@ -82,6 +82,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import functopt
+from functopt import _serialization
 from functopt._base import GradientTransformation
 from functopt.fast import FastPathWarning, _capture, explain, make_step
 from functopt.testing import _compare
@@ -356,8 +357,7 @@ def _save_load(state: Any, when: str) -> Any:
     buffer.seek(0)
     classes = _namedtuple_classes(state)
     try:
-        # list(): a new list, typed as safe_globals' parameter (a list[type] is not one).
-        with torch.serialization.safe_globals(list(classes)):
+        with _serialization.allowing(classes):
             return torch.load(buffer, weights_only=True)
     except Exception as err:
         names = [c.__qualname__ for c in classes]
