@@ -1754,6 +1754,25 @@ def _hyperparameters(plan: _KernelPlan, env: _Env) -> dict[str, Any] | str:
     return hp
 
 
+def _kernel_scale(scale: torch.Tensor | None, device: torch.device, dtype: torch.dtype,
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
+    """A clip factor as the kernels take it: the factor (None where it does not act), the
+    kernels' ``grad_scale`` (its float32 reciprocal, or None), and whether the gradients
+    are instead multiplied by the factor in their own dtype before the kernel."""
+    if scale is None or (_ops._host_branch_ok(scale) and scale.item() == 1.0):
+        # no clip, or one that does not act at this step (a norm within its bound), read
+        # for free on the CPU: the kernel reads the gradients as they are (g / 1 is g)
+        return None, None, False
+    grad_scale = scale.reciprocal().to(device=device, dtype=torch.float32)
+    # the kernels take grad_scale in float32: a float64 group, or a divisor beyond float32
+    # (a clip of a norm above 3.4e38; a free host read on the CPU, elsewhere such a norm
+    # divides the gradients to zero), is scaled as the pure path scales
+    widened = dtype == torch.float64 or (
+        _ops._host_branch_ok(grad_scale) and not math.isfinite(grad_scale.item())
+        and math.isfinite(scale.item()))
+    return scale, None if widened else grad_scale, widened
+
+
 def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[Any],
                state_leaves: list[Any], new_values: list[Any], new_leaves: list[Any], *,
                donate: bool, donate_grads: bool, scale: torch.Tensor | None,
@@ -1775,24 +1794,10 @@ def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[
     # value and not written without a scale: _owned and _kernel_grads would return them)
     plain = checked and donate
     p = [values[i] for i in idx] if plain else _owned([values[i] for i in idx], donate)
-    if scale is not None and _ops._host_branch_ok(scale) and scale.item() == 1.0:
-        # a clip that does not act at this step (a norm within its bound), read for free on
-        # the CPU: the kernel reads the gradients as they are, uncopied (g / 1 is g)
-        scale = None
-    grad_scale = None
-    widened = False  # the gradients are scaled here, in their dtype, not by the kernel
-    if scale is not None:
-        divisor = scale.reciprocal()
-        grad_scale = divisor.to(device=device, dtype=torch.float32)
-        # the kernels take grad_scale in float32: a float64 group, or a divisor beyond
-        # float32 (a clip of a norm above 3.4e38; a free host read on the CPU, elsewhere
-        # such a norm divides the gradients to zero), is scaled as the pure path scales
-        widened = dtype == torch.float64 or (
-            _ops._host_branch_ok(grad_scale) and not math.isfinite(grad_scale.item())
-            and math.isfinite(scale.item()))
+    scale, grad_scale, widened = _kernel_scale(scale, device, dtype)
     # a kernel that unscales in place on the CPU, on gradients the caller keeps: copied
     # batch by batch into a small scratch buffer (`_staged`), if their layouts allow it
-    staged = grad_scale is not None and not widened and not donate_grads and group.on_cpu
+    staged = grad_scale is not None and not donate_grads and group.on_cpu
     local = [grads[i] if plain or type(grads[i]) in _PLAIN else local_tensor(grads[i])
              for i in idx] if staged else []
 
@@ -1812,8 +1817,6 @@ def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[
         else:
             call(kernel_grads(), columns)
 
-    if widened:
-        grad_scale = None
     flag = None if found_inf is None else found_inf.to(device=device, dtype=torch.float32)  # 1.0: skip
     lr_value = hp["lr"]
     lr: Any = (lr_value.to(device=device, dtype=torch.promote_types(dtype, torch.float32))
