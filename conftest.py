@@ -6,7 +6,9 @@ same examples; ``dev`` explores randomly; ``deep`` runs many examples (by hand:
 """
 
 import os
+from collections.abc import Iterator
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -32,3 +34,18 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     import torch
 
     torch.set_num_threads(1)
+
+
+@pytest.fixture
+def float64_default() -> Iterator[None]:
+    """float64 as torch's default dtype for the test: torch.optim keeps its scalar state
+    (step counts, NAdam's momentum product) in the default dtype, and the float64
+    comparisons with it need that to be float64 too."""
+    import torch
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)

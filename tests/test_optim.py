@@ -16,7 +16,6 @@ import copy
 import pickle
 import re
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -40,18 +39,6 @@ def test_every_name_is_in_optim_db() -> None:
     assert sorted(optim.__all__) == sorted(NAMES)
     for name in NAMES:
         assert issubclass(getattr(optim, name), torch.optim.Optimizer)
-
-
-@pytest.fixture
-def float64_default() -> Iterator[None]:
-    # torch.optim keeps its scalar state (step counts, NAdam's momentum product) in the
-    # default dtype; the float64 comparison needs it to be float64 too.
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
 
 
 def _start() -> list[torch.Tensor]:

@@ -52,13 +52,7 @@ FIXED: dict[str, dict[str, Any]] = {
 STEPS = 3
 
 
-@pytest.fixture(autouse=True)
-def float64_default() -> Any:
-    # torch.optim keeps its scalar state in the default dtype (NAdam's momentum product).
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 def _start() -> tuple[torch.Tensor, torch.Tensor]:

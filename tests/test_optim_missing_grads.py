@@ -38,12 +38,7 @@ UNCOUNTED = [("SGD", {"lr": 0.1}), ("SGD", {"lr": 0.1, "momentum": 0.9}),
 DAMPENED = ("SGD", {"lr": 0.1, "momentum": 0.9, "dampening": 0.3})
 
 
-@pytest.fixture(autouse=True)
-def float64_default() -> Any:
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 def _params() -> torch.nn.Module:

@@ -833,7 +833,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 self._skip_for_norm(stats)
                 self._remember(grads)
                 return self._result(False)
-        missed = self.__dict__.get("_missed")
+        missed = self._missed
         if missed is not None:
             missed.check(f"{_OWNER}.step", grads, self._names)
         with torch.no_grad():
@@ -1383,7 +1383,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 if store is not None:  # as LightRFT: the model follows the loaded master
                     p.copy_(mw.write(p, store, mw.view(p, store), None)[0])
         self._state = state
-        missed = self.__dict__.get("_missed")
+        missed = self._missed
         if missed is not None:  # one count for all again
             missed.missed.reset()
         for group, saved in zip(self.param_groups, groups or [], strict=False):
