@@ -82,6 +82,10 @@ ROWS: dict[str, Row] = {
                           estim_lr_coef=0.5, bias_correction=False),
         _ref("prodigyopt", "Prodigy", weight_decay=0.1, safeguard_warmup=True, beta3=0.95,
              d_coef=0.5)),
+    "prodigy[coupled decay]": Row(
+        lambda: functopt.chain(functopt.add_decayed_weights(0.1),
+                               C.prodigy(bias_correction=False)),
+        _ref("prodigyopt", "Prodigy", weight_decay=0.1, decouple=False)),
     "prodigy[use_bias_correction,d0]": Row(
         lambda: C.prodigy(estim_lr0=1e-3),
         _ref("prodigyopt", "Prodigy", use_bias_correction=True, d0=1e-3)),
