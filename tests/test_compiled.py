@@ -344,6 +344,7 @@ def test_what_the_tier_does_not_lower_is_said() -> None:
     lambda: functopt.adagrad(1e-2),
     lambda: functopt.contrib.adopt(1e-2), lambda: functopt.contrib.simplified_ademamix(1e-2),
     lambda: functopt.contrib.madgrad(1e-2),
+    lambda: functopt.contrib.madgrad(1e-2, weight_decay=0.1, decouple_decay=True),
     # rules the kernels have, which compile=True compiles
     lambda: functopt.chain(functopt.add_decayed_weights(0.1), functopt.adam(1e-2)),
     lambda: functopt.amsgrad(1e-2),
@@ -351,7 +352,8 @@ def test_what_the_tier_does_not_lower_is_said() -> None:
                            functopt.sgd(1e-2, momentum=0.9, nesterov=True)),
     lambda: functopt.adamw(1e-2, mu_dtype=torch.float32),
 ], ids=["radam", "adamax", "adadelta", "rprop", "nadamw", "dampened_sgd", "rmsprop_momentum",
-        "rmsprop_centered", "adagrad", "adopt", "simplified_ademamix", "madgrad", "adam_l2",
+        "rmsprop_centered", "adagrad", "adopt", "simplified_ademamix", "madgrad",
+        "madgrad_decouple_decay", "adam_l2",
         "amsgrad", "sgd_nesterov_decay", "adamw_mu_float32"])
 def test_every_compiled_rule_obeys_the_law(factory: Any) -> None:
     params = every_layout(torch.float64)

@@ -123,14 +123,22 @@ def _defaults(fn: Any) -> list[tuple[str, Any]]:
 
 
 # functopt's own options, keyword-only and after optax's, whose default is optax's behaviour
-EXTRA_OPTIONS = {"muon": ("ns_dtype",), "scale_by_muon": ("ns_dtype",)}
+# (the ones that reproduce the authors' packages: tests/test_contrib_ports.py)
+EXTRA_OPTIONS: dict[str, dict[str, Any]] = {
+    "muon": {"ns_dtype": None}, "scale_by_muon": {"ns_dtype": None},
+    "prodigy": {"bias_correction": True}, "dadapt_adamw": {"bias_correction": True},
+    "schedule_free_sgd": {"warmup_from_zero": True},
+    "schedule_free_adamw": {"warmup_from_zero": True},
+    "madgrad": {"decouple_decay": False},
+}
 
 
 @pytest.mark.parametrize("name", sorted(GOLDEN["signatures"]))
 def test_signature_matches_optax(name: str) -> None:
     ours = _defaults(getattr(contrib, name))
-    extras = EXTRA_OPTIONS.get(name, ())
-    assert [x for x in ours if x[0] in extras] == [(x, "KEYWORD_ONLY", None) for x in extras]
+    extras = EXTRA_OPTIONS.get(name, {})
+    assert [x for x in ours if x[0] in extras] == [
+        (x, "KEYWORD_ONLY", default) for x, default in extras.items()]
     assert [x[0] for x in ours[len(ours) - len(extras):]] == list(extras)
     ours = ours[:len(ours) - len(extras)]
     theirs = [tuple(x) for x in GOLDEN["signatures"][name]]
@@ -228,8 +236,15 @@ ENTRIES: list[tuple[str, str, Any]] = [
      lambda: C.scale_by_simplified_ademamix(alpha=1.0)),
     ("prodigy", "prodigy", lambda: C.prodigy()),
     ("prodigy[safeguard]", "prodigy", lambda: C.prodigy(safeguard_warmup=True, weight_decay=0.1)),
+    ("prodigy[no bias correction]", "prodigy", lambda: C.prodigy(bias_correction=False)),
     ("dadapt_adamw", "dadapt_adamw", lambda: C.dadapt_adamw(weight_decay=0.1)),
+    ("dadapt_adamw[no bias correction]", "dadapt_adamw",
+     lambda: C.dadapt_adamw(weight_decay=0.1, bias_correction=False)),
+    ("schedule_free_sgd[warmup from lr/W]", "schedule_free_sgd",
+     lambda: C.schedule_free_sgd(0.1, warmup_steps=3, warmup_from_zero=False)),
     ("madgrad", "madgrad", lambda: C.madgrad(1e-2, weight_decay=0.1)),
+    ("madgrad[decouple_decay]", "madgrad",
+     lambda: C.madgrad(1e-2, weight_decay=0.1, decouple_decay=True)),
     ("scale_by_madgrad", "scale_by_madgrad", lambda: C.scale_by_madgrad(1e-2)),
 ]
 

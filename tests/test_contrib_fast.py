@@ -122,6 +122,12 @@ _RECIPES = {
     "prodigy": lambda: contrib.prodigy(weight_decay=0.1),
     "prodigy[safeguard]": lambda: contrib.prodigy(safeguard_warmup=True, beta3=0.9),
     "dadapt_adamw": lambda: contrib.dadapt_adamw(weight_decay=0.1),
+    # the options that reproduce the authors' packages (tests/test_contrib_ports.py)
+    "prodigy[no bias correction]": lambda: contrib.prodigy(bias_correction=False),
+    "dadapt_adamw[no bias correction]": lambda: contrib.dadapt_adamw(
+        weight_decay=0.1, bias_correction=False),
+    "schedule_free_adamw[warmup from lr/W]": lambda: contrib.schedule_free_adamw(
+        0.1, warmup_steps=2, weight_decay=0.01, warmup_from_zero=False),
 }
 
 

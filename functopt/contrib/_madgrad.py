@@ -14,6 +14,7 @@ from functopt.contrib import _shared
 from functopt.transforms import _common
 from functopt.transforms.adding import add_decayed_weights
 from functopt.transforms.combining import chain
+from functopt.transforms.scaling import scale
 
 __all__ = ["MadgradState", "madgrad", "scale_by_madgrad"]
 
@@ -127,12 +128,19 @@ def madgrad(
     momentum: Numeric = 0.9,
     weight_decay: Numeric = 0.0,
     eps: Numeric = 1e-6,
+    *,
+    decouple_decay: bool = False,
 ) -> GradientTransformation:
     r"""MADGRAD: ``chain(add_decayed_weights(weight_decay), scale_by_madgrad(...))``.
 
-    The weight decay is added to the gradient before the dual averaging (coupled, as in
-    the paper's reference implementation and optax). See
-    [`scale_by_madgrad`][functopt.contrib.scale_by_madgrad] for the rule.
+    The weight decay $\lambda$ is added to the gradient before the dual averaging (coupled,
+    as in the paper's reference implementation and optax). ``decouple_decay=True`` leaves
+    the gradient alone and subtracts $(\eta_k + \epsilon)\lambda x_k$ from the step instead,
+    as the madgrad package's ``decouple_decay=True`` does (it adds $\epsilon$ to the learning
+    rate for the whole step); it is ``chain(scale_by_madgrad(...), scale(-1),
+    add_decayed_weights((eta + eps) * weight_decay), scale(-1))``, the negations exact, and
+    needs ``weight_decay >= 0``. See [`scale_by_madgrad`][functopt.contrib.scale_by_madgrad]
+    for the rule.
 
     Examples:
         >>> import torch, functopt
@@ -146,8 +154,19 @@ def madgrad(
         >>> bool((params["w"].abs() < 1.0).all())
         True
     """
+    _validate.check_flags("madgrad", decouple_decay=decouple_decay)
     _validate.check_number("madgrad", "weight_decay", weight_decay)
-    return chain(add_decayed_weights(weight_decay),
-                 scale_by_madgrad(learning_rate=learning_rate, momentum=momentum, eps=eps))
+    rule = scale_by_madgrad(learning_rate=learning_rate, momentum=momentum, eps=eps)
+    if not decouple_decay:
+        return chain(add_decayed_weights(weight_decay), rule)
+    _validate.check_range("madgrad", "weight_decay", weight_decay, low=0.0,
+                          hint="Fix: a decoupled decay rate is non-negative, such as 1e-4.")
+    rate: Any
+    if callable(learning_rate) and not isinstance(learning_rate, torch.Tensor):
+        def rate(count: torch.Tensor) -> Any:
+            return (learning_rate(count) + eps) * weight_decay
+    else:
+        rate = (learning_rate + eps) * weight_decay
+    return chain(rule, scale(-1.0), add_decayed_weights(rate), scale(-1.0))
 
 

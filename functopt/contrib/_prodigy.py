@@ -24,6 +24,19 @@ def _tree_sum(values: list[Any], dtype: torch.dtype, device: torch.device) -> to
     return total
 
 
+def _step_correction(beta1: Any, beta2: Any, bias_correction: bool) -> Any:
+    """``count, dtype -> sqrt(1 - beta2**count) / (1 - beta1**count)``, the Adam bias
+    correction of the step size of Prodigy and D-Adaptation, or 1 without it."""
+    def correction(count: torch.Tensor, dtype: torch.dtype) -> Any:
+        if not bias_correction:
+            return 1.0
+        bc = (torch.sqrt(_common.bias_correction(beta2, count))
+              / _common.bias_correction(beta1, count))
+        return bc.to(dtype)
+
+    return correction
+
+
 class ProdigyState(NamedTuple):
     """State of [`prodigy`][functopt.contrib.prodigy]."""
 
@@ -46,6 +59,8 @@ def prodigy(
     estim_lr_coef: Numeric = 1.0,
     weight_decay: Numeric = 0.0,
     safeguard_warmup: bool = False,
+    *,
+    bias_correction: bool = True,
 ) -> GradientTransformation:
     r"""Prodigy: Adam with a learning rate $d$ that estimates the distance to the solution.
 
@@ -62,7 +77,10 @@ def prodigy(
     u_t = -\lambda\gamma_t x_t - \gamma_t m_t / (\sqrt{v_t} + d_t\epsilon).
     $$
 
-    ``safeguard_warmup=True`` uses $d_{t-1}$ for $\gamma_t$ in $s_t$. The update is the
+    ``safeguard_warmup=True`` uses $d_{t-1}$ for $\gamma_t$ in $s_t$.
+    ``bias_correction=False`` drops Adam's bias correction from the step size,
+    $\gamma_t = d_{t-1}\eta_t$, which is the default of the authors' package (prodigyopt's
+    ``use_bias_correction=False``); optax always corrects. The update is the
     whole step (the learning rate is inside), and it reads the params. The inner product and
     the norm run over the whole tree, over the leaves that have a gradient this step. As in
     optax, a tree whose first gradients are all zero gives $0/0$ and a NaN estimate. The
@@ -81,6 +99,8 @@ def prodigy(
         estim_lr_coef: a multiplier of the estimate, >= 0.
         weight_decay: $\lambda$, decoupled and scaled by $\gamma_t$.
         safeguard_warmup: see above.
+        bias_correction: the factor $\sqrt{1-\beta_2^t}/(1-\beta_1^t)$ in $\gamma_t$
+            (default, as optax); ``False`` leaves it out, as prodigyopt does by default.
 
     Returns:
         A [`GradientTransformation`][functopt.GradientTransformation] with
@@ -102,7 +122,8 @@ def prodigy(
         Mishchenko & Defazio, *Prodigy: An Expeditiously Adaptive Parameter-Free Learner*,
         2023.
     """
-    _validate.check_flags("prodigy", safeguard_warmup=safeguard_warmup)
+    _validate.check_flags("prodigy", safeguard_warmup=safeguard_warmup,
+                          bias_correction=bias_correction)
     owner = "prodigy"
     _shared.check_lr(owner, learning_rate)
     beta1, beta2 = _shared.check_betas_pair(owner, betas)
@@ -114,6 +135,7 @@ def prodigy(
                           hint="Fix: the initial estimate must be positive; 1e-6 is usual.")
     _validate.check_range(owner, "estim_lr_coef", estim_lr_coef, low=0.0)
     _validate.check_number(owner, "weight_decay", weight_decay)
+    adam_correction = _step_correction(beta1, beta2, bias_correction)
 
     def init_fn(params: Params) -> ProdigyState:
         leaves, treespec = _common.flatten_params(params)
@@ -145,9 +167,8 @@ def prodigy(
         dtype = state.estim_lr.dtype
         count = _common.safe_increment(state.count)
         sched = _shared.value_at(learning_rate, state.count)
-        bc = torch.sqrt(_common.bias_correction(beta2, count)) / _common.bias_correction(beta1, count)
         d = state.estim_lr
-        dlr = (d * _common.scalar(sched, dtype) * bc.to(dtype)).to(dtype)
+        dlr = (d * _common.scalar(sched, dtype) * adam_correction(count, dtype)).to(dtype)
         s_scale = d / estim_lr0 if safeguard_warmup else dlr / estim_lr0
         return count, d, dlr, s_scale
 
@@ -227,7 +248,8 @@ def prodigy(
     return specified(GradientTransformation(init_fn, update_fn), Leafwise("prodigy", {
         "learning_rate": learning_rate, "betas": betas, "beta3": beta3, "eps": eps,
         "estim_lr0": estim_lr0, "estim_lr_coef": estim_lr_coef, "weight_decay": weight_decay,
-        "safeguard_warmup": safeguard_warmup}, sums=tree_sums, finish=finish))
+        "safeguard_warmup": safeguard_warmup, "bias_correction": bias_correction},
+        sums=tree_sums, finish=finish))
 
 
 class DAdaptAdamWState(NamedTuple):
@@ -248,6 +270,8 @@ def dadapt_adamw(
     eps: Numeric = 1e-8,
     estim_lr0: Numeric = 1e-6,
     weight_decay: Numeric = 0.0,
+    *,
+    bias_correction: bool = True,
 ) -> GradientTransformation:
     r"""D-Adaptation AdamW: Adam whose learning rate $d$ is a lower bound on the distance
     to the solution.
@@ -265,8 +289,11 @@ def dadapt_adamw(
     u_t = -\lambda\gamma_t x_t - m_t / (\sqrt{v_t} + \epsilon).
     $$
 
-    The update is the whole step and reads the params; the sums run over the leaves that
-    have a gradient; the scalars' dtype is as in [`prodigy`][functopt.contrib.prodigy].
+    ``bias_correction=False`` drops Adam's bias correction from the step size,
+    $\gamma_t = d_{t-1}\eta_t$, which is the default of the authors' package (dadaptation's
+    ``DAdaptAdam(use_bias_correction=False)``); optax always corrects. The update is the
+    whole step and reads the params; the sums run over the leaves that have a gradient; the
+    scalars' dtype is as in [`prodigy`][functopt.contrib.prodigy].
 
     Args:
         learning_rate: $\eta$, a multiplier of the estimate (a number, tensor or schedule).
@@ -274,6 +301,8 @@ def dadapt_adamw(
         eps: added to the root, >= 0.
         estim_lr0: the initial estimate $d_0$, > 0.
         weight_decay: $\lambda$, decoupled and scaled by $\gamma_t$.
+        bias_correction: the factor $\sqrt{1-\beta_2^t}/(1-\beta_1^t)$ in $\gamma_t$
+            (default, as optax); ``False`` leaves it out, as dadaptation does by default.
 
     Returns:
         A [`GradientTransformation`][functopt.GradientTransformation] with
@@ -295,6 +324,7 @@ def dadapt_adamw(
         Defazio & Mishchenko, *Learning-Rate-Free Learning by D-Adaptation*, ICML 2023.
     """
     owner = "dadapt_adamw"
+    _validate.check_flags(owner, bias_correction=bias_correction)
     _shared.check_lr(owner, learning_rate)
     beta1, beta2 = _shared.check_betas_pair(owner, betas)
     _validate.check_range(owner, "eps", eps, low=0.0)
@@ -302,6 +332,7 @@ def dadapt_adamw(
                           hint="Fix: the initial estimate must be positive; 1e-6 is usual.")
     _validate.check_number(owner, "weight_decay", weight_decay)
     sb2 = beta2**0.5
+    adam_correction = _step_correction(beta1, beta2, bias_correction)
 
     def init_fn(params: Params) -> DAdaptAdamWState:
         leaves, treespec = _common.flatten_params(params)
@@ -331,8 +362,8 @@ def dadapt_adamw(
         dtype = state.estim_lr.dtype
         count = _common.safe_increment(state.count)
         sched = _shared.value_at(learning_rate, state.count)
-        bc = torch.sqrt(_common.bias_correction(beta2, count)) / _common.bias_correction(beta1, count)
-        return count, (state.estim_lr * _common.scalar(sched, dtype) * bc.to(dtype)).to(dtype)
+        return count, (state.estim_lr * _common.scalar(sched, dtype)
+                       * adam_correction(count, dtype)).to(dtype)
 
     def grad_sum(wide: torch.Tensor, s_prev: torch.Tensor, dlr: Any) -> torch.Tensor:
         c = functools.partial(_common.scalar, dtype=wide.dtype)
@@ -400,4 +431,5 @@ def dadapt_adamw(
 
     return specified(GradientTransformation(init_fn, update_fn), Leafwise("dadapt_adamw", {
         "learning_rate": learning_rate, "betas": betas, "eps": eps, "estim_lr0": estim_lr0,
-        "weight_decay": weight_decay}, sums=tree_sums, finish=finish))
+        "weight_decay": weight_decay, "bias_correction": bias_correction},
+        sums=tree_sums, finish=finish))

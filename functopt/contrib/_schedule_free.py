@@ -276,11 +276,27 @@ def schedule_free_eval_params(state: ScheduleFreeState, params: Params) -> Param
     return _core.unflatten(treespec, [leaf(y, z) for y, z in zip(leaves, zs, strict=True)])
 
 
-def _warmup(learning_rate: Any, warmup_steps: int | None) -> Any:
-    if warmup_steps is None:
-        return learning_rate
-    return warmup_constant_schedule(init_value=0.0, peak_value=learning_rate,
-                                    warmup_steps=warmup_steps)
+def _warmup(owner: str, learning_rate: Any, warmup_steps: int | None,
+            warmup_from_zero: bool) -> tuple[Any, Any]:
+    """The learning rates of the base optimizer (read at its count, 0 first) and of the
+    averaging (read at ``step_count``, 1 first).
+
+    optax's warmup is one schedule, ``lr * min(t / W, 1)``, for both: the base's first step
+    has rate 0, the averaging's first weight ``lr / W``. The schedulefree package's is
+    ``lr * min((k + 1) / W, 1)`` at its step ``k`` (0 first) for both, which the averaging
+    already reads; the base then reads the warmup from ``lr / W`` to ``lr`` over ``W - 1``
+    steps, the same values one step earlier.
+    """
+    _validate.check_flags(owner, warmup_from_zero=warmup_from_zero)
+    if warmup_steps is None or (warmup_steps == 0 and not warmup_from_zero):
+        return learning_rate, learning_rate  # (schedulefree's warmup_steps=0: no warmup)
+    averaging = warmup_constant_schedule(init_value=0.0, peak_value=learning_rate,
+                                         warmup_steps=warmup_steps)
+    if warmup_from_zero:
+        return averaging, averaging
+    base = warmup_constant_schedule(init_value=learning_rate / warmup_steps,
+                                    peak_value=learning_rate, warmup_steps=warmup_steps - 1)
+    return base, averaging
 
 
 def schedule_free_sgd(
@@ -290,12 +306,18 @@ def schedule_free_sgd(
     weight_decay: Numeric | None = None,
     weight_lr_power: Numeric = 2.0,
     state_dtype: torch.dtype | None = None,
+    *,
+    warmup_from_zero: bool = True,
 ) -> GradientTransformation:
     r"""Schedule-free SGD: ``schedule_free(sgd(lr), lr, b1, ...)``.
 
-    With ``warmup_steps`` the learning rate warms up linearly from 0
-    (``warmup_constant_schedule``); with ``weight_decay`` the decay is added to the
-    gradient first (``chain(add_decayed_weights(weight_decay), sgd(lr))``). See
+    With ``warmup_steps`` $W$ the learning rate warms up linearly from 0
+    (``warmup_constant_schedule``): the $t$-th update ($t$ from 1) moves $z$ with rate
+    $\eta\min((t-1)/W, 1)$, so the first one does not move it, as in optax;
+    ``warmup_from_zero=False`` uses $\eta\min(t/W, 1)$, the first update taking $\eta/W$,
+    as the schedulefree package does. The averaging weights follow $\eta\min(t/W, 1)$
+    either way. With ``weight_decay`` the decay is added to the gradient first
+    (``chain(add_decayed_weights(weight_decay), sgd(lr))``). See
     [`schedule_free`][functopt.contrib.schedule_free].
 
     Examples:
@@ -312,8 +334,8 @@ def schedule_free_sgd(
     """
     owner = "schedule_free_sgd"
     _shared.check_lr(owner, learning_rate)
-    lr = _warmup(learning_rate, warmup_steps)
-    optimizer = sgd(lr)
+    base_lr, lr = _warmup(owner, learning_rate, warmup_steps, warmup_from_zero)
+    optimizer = sgd(base_lr)
     if weight_decay is not None:
         optimizer = chain(add_decayed_weights(weight_decay), optimizer)
     return schedule_free(optimizer, learning_rate=lr, b1=b1, weight_lr_power=weight_lr_power,
@@ -329,14 +351,18 @@ def schedule_free_adamw(
     weight_decay: Numeric = 0.0,
     weight_lr_power: Numeric = 2.0,
     state_dtype: torch.dtype | None = None,
+    *,
+    warmup_from_zero: bool = True,
 ) -> GradientTransformation:
     r"""Schedule-free AdamW: ``schedule_free`` around Adam without momentum.
 
     The base optimizer is ``chain(scale_by_rms(b2, eps, eps_in_sqrt=False,
     bias_correction=True), add_decayed_weights(weight_decay),
     scale_by_learning_rate(lr))``: Adam with $\beta_1 = 0$ without its zero first moment,
-    as in optax. With ``warmup_steps`` the learning rate warms up linearly from 0. See
-    [`schedule_free`][functopt.contrib.schedule_free].
+    as in optax. With ``warmup_steps`` the learning rate warms up linearly from 0, and
+    ``warmup_from_zero=False`` starts it at ``lr / warmup_steps`` as the schedulefree
+    package does ([`schedule_free_sgd`][functopt.contrib.schedule_free_sgd] has the maths).
+    See [`schedule_free`][functopt.contrib.schedule_free].
 
     Examples:
         >>> import torch, functopt
@@ -350,11 +376,11 @@ def schedule_free_adamw(
     """
     owner = "schedule_free_adamw"
     _shared.check_lr(owner, learning_rate)
-    lr = _warmup(learning_rate, warmup_steps)
+    base_lr, lr = _warmup(owner, learning_rate, warmup_steps, warmup_from_zero)
     optimizer = chain(
         scale_by_rms(decay=b2, eps=eps, eps_in_sqrt=False, bias_correction=True),
         add_decayed_weights(weight_decay),
-        scale_by_learning_rate(lr),
+        scale_by_learning_rate(base_lr),
     )
     return schedule_free(optimizer, learning_rate=lr, b1=b1, weight_lr_power=weight_lr_power,
                          state_dtype=state_dtype)
