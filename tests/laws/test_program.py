@@ -12,7 +12,8 @@ and state after several steps are bitwise those of ``update`` then ``apply_updat
 - the chain table: clips before, after and between rules, ``apply_if_finite`` with an inf
   or a nan injected, ``inject_hyperparams`` (nested too) with a value changed between
   steps, ``masked`` / ``partition``;
-- barriers: a program's count of barriers (the collectives of a step on a mesh);
+- barriers: a program's count of barriers, and on 2 gloo ranks with DTensor shards the
+  step's collectives (``CommDebugMode``) equal to it;
 - the switch: off, the engine is not called; a program that cannot be built keeps the
   planner's path with one FastPathWarning naming the reason.
 """
@@ -280,3 +281,22 @@ def test_extra_args_keep_the_planner_path_with_a_warning() -> None:
     with engine() as calls, pytest.warns(FastPathWarning, match="extra arguments"):
         make_step(tx)({"w": torch.ones(3)}, tx.init(params), params, unused=1)
     assert calls == []
+
+
+# --- collectives on a mesh ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mesh_results() -> list[dict[str, str | None]]:
+    from distributed import harness, program_checks
+
+    return harness.run_ranks(program_checks.run_all, 2, timeout_s=120.0)
+
+
+@pytest.mark.parametrize("name", ["adamw", "clip before", "clip after", "two clips",
+                                  "clip in guard", "partition"])
+def test_collectives_per_step_are_the_barriers(mesh_results: list[dict[str, str | None]],
+                                               name: str) -> None:
+    # 2 gloo ranks, Shard(0) DTensor params: CommDebugMode's count == program.barriers,
+    # and the params equal the pure step's (tests/distributed/program_checks.py)
+    failures = [f"rank {rank}:\n{r[name]}" for rank, r in enumerate(mesh_results) if r[name]]
+    assert not failures, "\n".join(failures)
