@@ -32,6 +32,10 @@ Cases (``--only`` takes a comma-separated list of these names):
 * ``compile``: the planner's compiled tier, ``make_step(lion, compile=True)`` at the
   ``adamw`` size: the compile time (wall time of the first call), then the steady state
   against torch's fused AdamW (checked against Lion's pure path).
+* ``engine``: the README's chain ``chain(clip_by_global_norm, adamw)`` at 10M params in
+  100 leaves (the ``--quick`` size with ``--quick``): the program engine's eager backend
+  (a private switch) vs ``make_step(donate=True)`` vs the pure path, with
+  ``clip_grad_norm_`` + AdamW(fused) beside them (``benchmarks/engine.py``).
 * ``bandwidth``: the machine's streaming bandwidth and the time an AdamW step would take
   at that bound; % of the bound reached by each contender of ``adamw``, ``mixed`` and
   ``compile``.
@@ -66,11 +70,12 @@ sys.path.insert(1, str(HERE.parent))  # functopt from this checkout
 
 import chains as K  # noqa: E402
 import contenders as C  # noqa: E402
+import engine as E  # noqa: E402
 import harness as H  # noqa: E402
 import torch  # noqa: E402
 
 CASES = ("adamw", "mixed", "chains", "mixed_chains", "small", "leaves", "size", "memory",
-         "compile", "bandwidth")
+         "compile", "engine", "bandwidth")
 PURE, FUSED, COMPILED = "functopt pure", "functopt fused", "functopt compiled"
 FOREACH, TORCH_FUSED, IDIOM = "torch foreach", "torch fused", "torch idiom"
 ADAPTER = "functopt.Optimizer"  # the torch.optim.Optimizer adapter, in the adamw case
@@ -426,6 +431,23 @@ def case_compile(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
     return res
 
 
+def case_engine(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    total, leaves = (cfg["total"], cfg["leaves"]) if args.quick else (10_000_000, 100)
+    checked, yardsticks = E.engine_contenders(C.make_shapes(total, leaves))
+    res = _run_set(checked, yardsticks, cfg, args, total, leaves)
+    res["ratios"] = ratios(res["timings"], (E.ENGINE, FUSED, PURE), TORCH_FUSED)
+    t = res["timings"]
+    for other in (FUSED, PURE):
+        res["ratios"][f"{E.ENGINE}/{other}"] = t[E.ENGINE]["median_s"] / t[other]["median_s"]
+    print_timings(f"engine: chain(clip_by_global_norm, adamw), {total:,} params", res,
+                  TORCH_FUSED)
+    r = res["ratios"]
+    print(f"  program (eager) / make_step(donate=True) {r[f'{E.ENGINE}/{FUSED}']:.2f}x, "
+          f"/ pure {r[f'{E.ENGINE}/{PURE}']:.2f}x")
+    print_check(res["check"])
+    return res
+
+
 def case_bandwidth(cfg: dict[str, Any], args: argparse.Namespace,
                    done: dict[str, Any]) -> dict[str, Any]:
     bw = H.bandwidth(cfg["bw_numel"], max(args.repeats, 3))
@@ -520,7 +542,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  {k}: {v}")
     funcs = {"adamw": case_adamw, "mixed": case_mixed, "chains": case_chains,
              "mixed_chains": case_mixed_chains, "small": case_small, "leaves": case_leaves,
-             "size": case_size, "memory": case_memory, "compile": case_compile}
+             "size": case_size, "memory": case_memory, "compile": case_compile,
+             "engine": case_engine}
     results: dict[str, Any] = {}
     started = time.perf_counter()
     for name in CASES:

@@ -27,7 +27,7 @@ import functopt
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 CASES = {"adamw", "mixed", "chains", "mixed_chains", "small", "leaves", "size", "memory",
-         "compile", "bandwidth"}
+         "compile", "engine", "bandwidth"}
 ADAMW_NAMES = {"functopt pure", "functopt fused", "torch foreach", "torch fused"}
 MIXED_NAMES = {"functopt pure", "functopt fused", "torch idiom"}
 COMPILE_NAMES = {"functopt compiled", "functopt compiled, lay_out",
@@ -97,6 +97,20 @@ def test_quick_run_reports_the_composed_chains(quick_report):
     assert cases["chains"]["subcases"]["clip_adamw"]["ratio_of"] == \
         "functopt fused/torch fused"
     assert "torch fused AdamW" in cases["chains"]["subcases"]["lion"]["timings"]
+
+
+def test_quick_run_times_the_program_engine_beside_todays_step(quick_report):
+    """The engine case: the program engine's eager step, make_step(donate=True) and the pure
+    path side by side on the clip chain, checked equal (the engine's step a donated one:
+    a lost path would be a failed check)."""
+    report, _ = quick_report
+    engine = report["cases"]["engine"]
+    assert engine["check"]["passed"], engine["check"]
+    assert set(engine["timings"]) == {"functopt pure", "functopt fused",
+                                      "functopt program (eager)", "torch fused"}
+    for key in ("functopt program (eager)/functopt fused",
+                "functopt program (eager)/functopt pure"):
+        assert _positive_finite(engine["ratios"][key]), key
 
 
 def test_quick_run_reports_every_case_with_positive_finite_timings(quick_report):

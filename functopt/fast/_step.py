@@ -45,7 +45,7 @@ from functopt._apply import apply_updates
 from functopt._base import GradientTransformation, Params, State, Updates
 from functopt._collective.dtensor import _infer_group, _leaf_names, _rewrap_like, local_tensor
 from functopt._collective.reduce import all_reduce_stats
-from functopt.fast import _capture, _compiled, _inside, _multi, _multi_injected, _planner
+from functopt.fast import _capture, _compiled, _engine, _inside, _multi, _multi_injected, _planner
 from functopt.fast._capture import CapturedStep, _state_names
 from functopt.fast._planner import CaptureError
 from functopt.transforms.multi_steps import MultiSteps
@@ -381,6 +381,9 @@ class Step:
                 _planner.check_donation(param_leaves, name)
             updates, new_state = tx.update(grads, state, params, **extra_args)
             return _grouped_apply(param_leaves, treespec, updates, donate), new_state
+        if _engine.ENABLED and (taken := _engine.step(  # (the private program engine)
+                self, param_leaves, treespec, grad_leaves, state, params, extra_args)):
+            return taken
         if self._accumulated is not None:
             if donate:
                 _planner.check_donation(param_leaves, name)
@@ -542,7 +545,6 @@ class Step:
                                   reference="params")
         return news, leaves, spec
 
-
     def _step_flat(self, param_leaves: list[Any], grad_leaves: list[Any],
                    treespec: _core.TreeSpec, state_leaves: list[Any],
                    state_spec: _core.TreeSpec) -> tuple[list[Any], list[Any], _core.TreeSpec]:
@@ -589,7 +591,6 @@ class Step:
         _written_back(param_leaves, values, _leaf_names(treespec), "param")
         _written_back(state_leaves, leaves, _state_names(state_spec), "state entry")
         return param_leaves, state_leaves, state_spec
-
 
     def _multi_step(self, split: _multi.Split | _multi_injected.InjectedSplit, grads: Updates,
                     state: Any, params: Params,

@@ -1,0 +1,79 @@
+"""The switch that routes ``make_step`` through the program engine: private and temporary.
+
+``make_step(tx)(grads, state, params)`` runs on the program engine (the program of
+``functopt/fast/_program.py`` and the executor of ``functopt/fast/_execute.py``) only
+while `ENABLED` is true: set from the environment variable ``FUNCTOPT_ENGINE=program``
+when ``functopt`` is imported, or assigned here (``functopt.fast._engine.ENABLED = True``,
+as the tests do). Off, nothing changes. On, a step that the planner's path would take
+after its checks (not differentiated, ``fused=True``) takes the program instead; a
+transform whose program cannot be built, or cannot run on these leaves, keeps the
+planner's path with a one-time [`FastPathWarning`][functopt.fast.FastPathWarning] per
+structure naming the reason. The switch goes away when the engine becomes the default.
+The adapters' flat entry points (``Step._step_leaves``) are not routed.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+import weakref
+from typing import Any
+
+from functopt._collective.dtensor import _leaf_names
+from functopt.fast import _planner
+from functopt.fast._execute import execute_leaves, problem
+from functopt.fast._program import Program, compile_program
+from functopt.tree import _core
+
+__all__ = ["ENABLED", "step"]
+
+ENABLED: bool = os.environ.get("FUNCTOPT_ENGINE", "") == "program"
+
+_KEPT = 8  # programs kept per step function (one per params and state structure)
+# per step function: its programs by (params structure, state structure), and the
+# reasons it warned about
+_PROGRAMS: weakref.WeakKeyDictionary[Any, dict[Any, Program]] = weakref.WeakKeyDictionary()
+_WARNED: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+
+
+def program_of(owner: Any, params: Any, treespec: _core.TreeSpec, param_leaves: list[Any],
+               state_leaves: list[Any], state_spec: _core.TreeSpec) -> Program:
+    """The program of ``owner.tx`` for these structures, compiled once per structure."""
+    programs = _PROGRAMS.setdefault(owner, {})
+    key = (treespec, state_spec)
+    found = programs.get(key)
+    if found is None:
+        found = compile_program(owner.tx, params, treespec, param_leaves,
+                                state_leaves, state_spec)
+        if len(programs) >= _KEPT:
+            programs.pop(next(iter(programs)))
+        programs[key] = found
+    return found
+
+
+def step(owner: Any, param_leaves: list[Any], treespec: _core.TreeSpec,
+         grad_leaves: list[Any], state: Any, params: Any, extra_args: dict[str, Any],
+         ) -> tuple[Any, Any] | None:
+    """``owner``'s step (a `Step`, on checked leaves) on the program engine, or None when
+    the engine does not take it (warned once per reason)."""
+    state_leaves, state_spec = _core.flatten(state)
+    if extra_args:
+        reason: str | None = "extra arguments to update have no program yet"
+    else:
+        program = program_of(owner, params, treespec, param_leaves, state_leaves, state_spec)
+        reason = problem(program, param_leaves)
+    if reason is not None:
+        warned = _WARNED.setdefault(owner, set())
+        if reason not in warned:
+            warned.add(reason)
+            warnings.warn(
+                f"make_step: the program engine (FUNCTOPT_ENGINE=program) does not take "
+                f"this step: {reason}; it runs on the planner's path.",
+                _planner.FastPathWarning, stacklevel=4)
+        return None
+    name = _leaf_names(treespec)
+    if owner.donate:
+        _planner.check_donation(param_leaves, name)
+    values, leaves = execute_leaves(program, treespec, param_leaves, grad_leaves,
+                                    state_leaves, donate=owner.donate)
+    return _core.unflatten(treespec, values), _core.unflatten(state_spec, leaves)

@@ -1,0 +1,353 @@
+r"""The private engine's executor: runs a step's program (``functopt/fast/_program.py``).
+
+One entry point, `execute_leaves`, on the flat leaves of the params, gradients and state;
+`execute` is the tree wrapper. A step:
+
+1. resolves the program's bindings (``inject_hyperparams``, outer ones first): their values
+   read from the state as the pure update reads them, their inner transforms built from
+   them once for the step;
+2. runs the ops in order on the updates (the gradients at first) and the flat state;
+3. resolves reductions at *barriers*: a `Reduce` computes this rank's part at once (from
+   the local shards of DTensor leaves, each replicated value counted on one rank) and
+   leaves it pending; the first op that reads a pending result resolves every pending one
+   together, with one packed all-reduce when there is a process group (given, or inferred
+   from the DTensor leaves' mesh) through ``functopt/_collective/reduce.py``. So a step
+   makes ``program.barriers`` collectives on a mesh and none on one process;
+4. adds the updates to the params (`Write`): one ``foreach`` add per (device, dtype) group,
+   in place when donated.
+
+The backend is the eager one, the reference: a `Map` calls its rule's own pure ``update``
+(a `PerLeaf` rule's ``grouped`` update when it has one) on the params' tree with ``None``
+outside its leaves, as ``masked`` calls an inner transform; an elementwise rule is called
+once per (device, dtype) group of its leaves, the others once on all of them. A `Gate`
+runs both branches and selects with ``torch.where``, as ``apply_if_finite`` does. The
+arithmetic is the pure path's, so the results equal it bitwise (tests/laws/test_program.py).
+It is not faster than the pure path: it is the reference the faster backends will be held
+to, and the program it runs is what they will share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from functopt._collective.dtensor import (
+    _infer_group,
+    _leaf_names,
+    _rewrap_like,
+    is_dtensor,
+    local_tensor,
+)
+from functopt._collective.reduce import all_reduce_stats
+from functopt._spec import Spec, describe
+from functopt.fast import _planner
+from functopt.fast._program import (
+    Gate,
+    Map,
+    Op,
+    Program,
+    Record,
+    Reduce,
+    Rule,
+    Scale,
+    Write,
+    nodes_of,
+)
+from functopt.transforms import _common
+from functopt.tree import _core
+
+__all__ = ["INFERRED", "execute", "execute_leaves", "problem"]
+
+INFERRED: Any = object()  # the process group from the params' DTensor meshes
+
+
+def problem(program: Program, param_leaves: list[Any]) -> str | None:
+    """Why the executor cannot run ``program`` on these params, or None."""
+    if program.reason is not None:
+        return program.reason
+    if any(map(is_dtensor, param_leaves)) and _has_sums(program.ops):
+        return ("a rule with tree sums (Prodigy, D-Adaptation) on DTensor leaves has no "
+                "program step yet (its sums would be DTensors)")
+    return None
+
+
+def _has_sums(ops: tuple[Op, ...]) -> bool:
+    return any((isinstance(op, Reduce) and op.kind == "sums")
+               or (isinstance(op, Gate) and (_has_sums(op.then) or _has_sums(op.otherwise)))
+               for op in ops)
+
+
+@dataclass
+class _Run:
+    """One step in flight."""
+
+    program: Program
+    treespec: _core.TreeSpec
+    params: list[Any]
+    updates: list[Any]
+    state: list[Any]
+    counted: list[bool]  # per leaf: whether this rank counts it in a sum over the ranks
+    group: Any  # the process group reductions are summed over, or None
+    device: torch.device  # where a reduction over no counted leaf lives
+    results: dict[int, Any] = field(default_factory=dict)
+    pending: dict[int, Any] = field(default_factory=dict)
+    values: list[dict[str, Any]] = field(default_factory=list)  # per binding
+    nodes: list[list[Spec]] = field(default_factory=list)  # per binding: its inner nodes
+
+    def tree(self, leaves: list[Any], sel: tuple[int, ...]) -> Any:
+        chosen = set(sel)
+        return _core.unflatten(self.treespec, [x if i in chosen else None
+                                               for i, x in enumerate(leaves)])
+
+    def spec(self, rule: Rule) -> Any:
+        """The rule's node for this step (inside inject_hyperparams: built from its values)."""
+        if rule.bound is None:
+            return rule.spec
+        binding, position = rule.bound
+        node = self.nodes[binding][position]
+        if type(node) is not type(rule.spec):
+            raise ValueError(f"{rule.where}: the injected transform built from this step's "
+                             f"values has {node!r} where {rule.spec!r} was compiled")
+        return node
+
+    def state_of(self, rule: Rule) -> Any:
+        keys, spec = _core.flatten(rule.state_at)
+        return _core.unflatten(spec, [self.state[k] for k in keys])
+
+    def result(self, index: int) -> Any:
+        """A reduction's value summed over the ranks: resolves the pending ones together."""
+        if index in self.pending:
+            _resolve(self)
+        return self.results[index]
+
+
+def _resolve(run: _Run) -> None:
+    """Every pending reduction, summed over the ranks in one packed all-reduce."""
+    pending, run.pending = run.pending, {}
+    if run.group is None:
+        run.results.update(pending)
+        return
+    tuples = {k: v if isinstance(v, tuple) else (v,) for k, v in pending.items()}
+    summed = all_reduce_stats(torch.stack(_planner.pack_tree_sums(tuples)), run.group)
+    for k, found in _planner.unpack_tree_sums(tuples, list(summed.unbind())).items():
+        run.results[k] = found if isinstance(pending[k], tuple) else found[0]
+
+
+def _bind(run: _Run) -> None:
+    """Each binding's values and inner transform for this step, outer ones first."""
+    for b in run.program.bindings:
+        node = b.spec if b.parent is None else run.nodes[b.parent[0]][b.parent[1]]
+        constants = {k: run.state[i] for k, i in b.hyper if k in b.constants}
+        values = node.values_at(run.state[b.count], constants)  # type: ignore[attr-defined]
+        run.values.append(values)
+        run.nodes.append(nodes_of(describe(node.build(values))))  # type: ignore[attr-defined]
+
+
+# --- the eager backend ------------------------------------------------------------------
+
+def _groups(run: _Run, op: Map, spec: Any) -> list[tuple[int, ...]]:
+    """The calls of ``op``'s rule: per (device, dtype) group of its leaves where it is
+    elementwise, else one call on all of them."""
+    if not op.rule.elementwise or getattr(spec, "sums", None) is not None:
+        return [op.sel]
+    found: dict[Any, list[int]] = {}
+    for i in op.sel:
+        x = run.updates[i] if run.updates[i] is not None else run.params[i]
+        local = local_tensor(x)
+        found.setdefault((local.device, local.dtype), []).append(i)
+    return [tuple(leaves) for leaves in found.values()]
+
+
+def _map(run: _Run, op: Map) -> None:
+    spec = run.spec(op.rule)
+    state = run.state_of(op.rule)  # (every call from the state before the rule)
+    update = getattr(spec, "grouped", None) or spec.update
+    for j, leaves in enumerate(_groups(run, op, spec)):
+        updates, params = run.tree(run.updates, leaves), run.tree(run.params, leaves)
+        if op.totals is not None:
+            out, new = spec.finish(updates, state, params, run.result(op.totals))
+        else:
+            out, new = update(updates, state, params)
+        flat = run.treespec.flatten_up_to(out)
+        for i in leaves:
+            run.updates[i] = flat[i]
+        _written(run, op.rule, new, leaves, shared=j == 0)
+
+
+def _written(run: _Run, rule: Rule, new: Any, leaves: tuple[int, ...], shared: bool) -> None:
+    """The rule's new state into the flat state: its per-leaf entries of ``leaves`` and,
+    from its first call, its other entries (a count, NAdam's product: the same in every
+    call of a step, which all start from the same state)."""
+    at = rule.state_at
+    for name in rule.slots:
+        keys: list[Any] = run.treespec.flatten_up_to(getattr(at, name))
+        entries = run.treespec.flatten_up_to(getattr(new, name))
+        for i in leaves:
+            if isinstance(keys[i], int):
+                run.state[keys[i]] = entries[i]
+    if not shared:
+        return
+    fields = getattr(at, "_fields", None)
+    pairs = [(at, new)] if fields is None else [
+        (getattr(at, f), getattr(new, f)) for f in fields if f not in rule.slots]
+    for old, fresh in pairs:
+        for k, v in zip(_core.flatten(old)[0], _core.flatten(fresh)[0], strict=True):
+            run.state[k] = v
+
+
+def _reduce(run: _Run, op: Reduce) -> None:
+    """This rank's part of a reduction, left pending until an op reads it."""
+    if op.kind == "sums":
+        assert op.rule is not None
+        spec = run.spec(op.rule)
+        run.pending[op.out] = tuple(spec.sums(run.tree(run.updates, op.sel),
+                                              run.state_of(op.rule),
+                                              run.tree(run.params, op.sel)))
+        return
+    chosen = set(op.sel)
+    tensors = [local_tensor(u) if i in chosen and u is not None else None
+               for i, u in enumerate(run.updates)]
+    run.pending[op.out] = (_sum_of_squares if op.kind == "sumsq" else _nonfinite)(
+        tensors, run.counted, run.device)
+
+
+def _sum_of_squares(tensors: list[Any], counted: list[bool], device: torch.device,
+                    ) -> torch.Tensor:
+    """The float64 sum of squares ``global_norm`` takes: each leaf's norm accumulated in
+    float32 (float64 when any leaf measured is float64), squared in float64."""
+    wide = any(t is not None and t.dtype == torch.float64 for t in tensors)
+    squares = _planner.leaf_squares(tensors, counted, None, rescue=not wide,
+                                    accumulate=torch.float64 if wide else None)
+    parts = [s for s in squares if s is not None]
+    if not parts:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack(parts).sum().to(device)
+
+
+def _nonfinite(tensors: list[Any], counted: list[bool], device: torch.device) -> torch.Tensor:
+    """The float64 count of leaves holding an inf or a nan: one ``foreach`` max-norm per
+    (device, dtype) group (inf and nan propagate, finite values stay finite)."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for t, c in zip(tensors, counted, strict=True):
+        if c and t is not None and t.numel():
+            groups.setdefault((t.device, t.dtype), []).append(t)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for members in groups.values():
+        norms = torch.stack(torch._foreach_norm(members, float("inf")))
+        total = total + (~torch.isfinite(norms)).sum().to(device=device, dtype=torch.float64)
+    return total
+
+
+def _scale(run: _Run, op: Scale) -> None:
+    spec = run.spec(op.rule)
+    out, _ = spec.finish(run.tree(run.updates, op.sel), run.state_of(op.rule),
+                         run.tree(run.params, op.sel), (run.result(op.source),))
+    flat = run.treespec.flatten_up_to(out)
+    for i in op.sel:
+        run.updates[i] = flat[i]
+
+
+def _gate(run: _Run, op: Gate) -> None:
+    """Both branches from the same updates and state, selected as apply_if_finite does."""
+    updates, state = list(run.updates), list(run.state)
+    _ops(run, op.then)
+    taken_updates, taken_state = run.updates, run.state
+    run.updates, run.state = list(updates), list(state)
+    _ops(run, op.otherwise)
+    d = op.decide
+    old_count = state[d.notfinite_count]
+    finite = (run.result(d.source) == 0).to(old_count.device)
+    count = torch.where(finite, torch.zeros_like(old_count),
+                        _common.safe_increment(old_count))
+    total = torch.where(finite, state[d.total_notfinite],
+                        _common.safe_increment(state[d.total_notfinite]))
+    apply = finite | (count > d.max_consecutive_errors)
+    changed = [k for k in range(len(state))
+               if taken_state[k] is not state[k] or run.state[k] is not state[k]]
+    kept = _common.select_tree(~apply, [run.state[k] for k in changed],
+                               [taken_state[k] for k in changed], owner="apply_if_finite",
+                               name="inner state")
+    for k, v in zip(changed, kept, strict=True):
+        run.state[k] = v
+    applied = _common.OnDevice(apply)
+    for i in op.sel:
+        u = taken_updates[i]
+        run.updates[i] = None if u is None else torch.where(applied.on(u.device), u,
+                                                            run.updates[i])
+    run.state[d.notfinite_count], run.state[d.last_finite] = count, finite
+    run.state[d.total_notfinite] = total
+
+
+def _record(run: _Run, op: Record) -> None:
+    b = run.program.bindings[op.binding]
+    run.state[b.count] = _common.safe_increment(run.state[b.count])
+    for k, i in b.hyper:
+        run.state[i] = run.values[op.binding][k]
+
+
+_STEPS: dict[type, Callable[[_Run, Any], None]] = {
+    Map: _map, Reduce: _reduce, Scale: _scale, Gate: _gate, Record: _record}
+
+
+def _ops(run: _Run, ops: tuple[Op, ...]) -> None:
+    for op in ops:
+        if not isinstance(op, Write):
+            _STEPS[type(op)](run, op)
+
+
+def _apply(run: _Run, donate: bool) -> list[Any]:
+    """The params plus the updates: one ``foreach`` add per (device, dtype) group, in
+    place when donated (the same additions as ``apply_updates``)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, (p, u) in enumerate(zip(run.params, run.updates, strict=True)):
+        if p is not None and u is not None:
+            local = local_tensor(p)
+            groups.setdefault((local.device, local.dtype), []).append(i)
+    new = list(run.params)
+    for idx in groups.values():
+        ps = [local_tensor(run.params[i]) for i in idx]
+        us = [local_tensor(run.updates[i]) for i in idx]
+        if donate:
+            torch._foreach_add_(ps, us)
+            continue
+        for i, out in zip(idx, torch._foreach_add(ps, us), strict=True):
+            new[i] = _rewrap_like(run.params[i], out)
+    return new
+
+
+def execute_leaves(program: Program, treespec: _core.TreeSpec, param_leaves: list[Any],
+                   grad_leaves: list[Any], state_leaves: list[Any], *, donate: bool = False,
+                   group: Any = INFERRED) -> tuple[list[Any], list[Any]]:
+    """One step of ``program`` on flat leaves (``treespec``: the params' structure): the
+    new params' leaves and the new state's leaves (of the state's structure). ``donate``:
+    the params are updated in place and returned. ``group``: the process group the
+    reductions are summed over (default: inferred from the DTensor leaves, None for plain
+    tensors)."""
+    reason = problem(program, param_leaves)
+    if reason is not None:
+        raise ValueError(f"the program cannot run: {reason}")
+    name = _leaf_names(treespec)
+    if group is INFERRED:
+        group = _infer_group(param_leaves, name)
+    device = next((local_tensor(g).device for g in grad_leaves if g is not None),
+                  torch.device("cpu"))
+    run = _Run(program, treespec, list(param_leaves), list(grad_leaves), list(state_leaves),
+               _planner.counted_leaves(grad_leaves, name), group, device)
+    with torch.no_grad():
+        _bind(run)
+        _ops(run, program.ops)
+        return _apply(run, donate), run.state
+
+
+def execute(program: Program, grads: Any, state: Any, params: Any, *, donate: bool = False,
+            group: Any = INFERRED) -> tuple[Any, Any]:
+    """`execute_leaves` on trees: ``(new_params, new_state)``."""
+    param_leaves, treespec = _core.flatten(params)
+    grad_leaves = _core.flatten_like(treespec, grads, name="grads", reference="params")
+    state_leaves, state_spec = _core.flatten(state)
+    values, leaves = execute_leaves(program, treespec, param_leaves, grad_leaves, state_leaves,
+                                    donate=donate, group=group)
+    return _core.unflatten(treespec, values), _core.unflatten(state_spec, leaves)
