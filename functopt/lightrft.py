@@ -34,7 +34,7 @@ import torch
 
 from functopt.adapters.mixed_precision_optimizer import MixedPrecisionOptimizer
 from functopt.precision.loss_scale import LossScale, static_loss_scale
-from functopt.precision.stats import GlobalNormClip
+from functopt.precision.stats import NormClip
 
 __all__ = [
     "DTENSOR_SUPPORTED",
@@ -77,7 +77,7 @@ _LIGHTRFT_CHECKPOINT = (
 )
 
 
-def _lightrft_clip(owner: str, max_norm: Any) -> GlobalNormClip | None:
+def _lightrft_clip(owner: str, max_norm: Any) -> NormClip | None:
     """LightRFT's clip at ``max_norm`` (0 or None: no clipping, as LightRFT's ``> 0`` test)."""
     if max_norm is not None and (isinstance(max_norm, bool)
                                  or not isinstance(max_norm, (int, float))):
@@ -86,7 +86,7 @@ def _lightrft_clip(owner: str, max_norm: Any) -> GlobalNormClip | None:
     if max_norm is not None and not (math.isfinite(max_norm) and max_norm >= 0):
         raise ValueError(f"{owner}: max_norm must be a finite number >= 0 (0 or None switch "
                          f"clipping off), got {max_norm!r}.")
-    return GlobalNormClip(float(max_norm), eps=LIGHTRFT_CLIP_EPS) if max_norm else None
+    return NormClip(float(max_norm), eps=LIGHTRFT_CLIP_EPS) if max_norm else None
 
 
 class FSDPadaptOptimizer(MixedPrecisionOptimizer):
@@ -107,7 +107,7 @@ class FSDPadaptOptimizer(MixedPrecisionOptimizer):
     - every step clips the unscaled gradients by their global L2 norm at ``max_norm``
       (1.0), by LightRFT's rule: they are multiplied by
       $1 / \max(1, (\lVert g\rVert + 10^{-6}) / \text{max\_norm})$, computed in float64
-      ([`GlobalNormClip`][functopt.precision.GlobalNormClip]), in the step's one
+      ([`NormClip`][functopt.precision.NormClip]), in the step's one
       statistics pass;
     - ``step()`` and a skipped step clear the gradients (``zero_grad()``).
 

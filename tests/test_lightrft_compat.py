@@ -29,7 +29,7 @@ from functopt.lightrft import (
     load_fsdp_optimizer,
     offload_fsdp_optimizer,
 )
-from functopt.precision import GlobalNormClip, mixed_precision, static_loss_scale
+from functopt.precision import NormClip, mixed_precision, static_loss_scale
 from functopt.testing import assert_bitwise_equal
 
 P = inspect.Parameter
@@ -153,13 +153,13 @@ def test_global_norm_clip_without_eps_is_the_plain_number_bitwise(fused: bool) -
     grads = {k: (torch.randn(v.shape, generator=gen) * 4).to(v.dtype) for k, v in params.items()}
     out = [mixed_precision(functopt.adamw(1e-2), max_grad_norm=clip, fused=fused).step(
         grads, mixed_precision(functopt.adamw(1e-2)).init(params), params)
-        for clip in (1.0, GlobalNormClip(1.0))]
+        for clip in (1.0, NormClip(1.0))]
     assert float(out[0][1].metrics.grad_norm) > 1.0  # it clips
     assert_bitwise_equal(out[0], out[1])
 
 
 @pytest.mark.parametrize(("args", "error", "match"), [
-    ((0.0,), ValueError, r"GlobalNormClip: max_norm must be a finite number > 0, got 0\.0"),
+    ((0.0,), ValueError, r"NormClip: max_norm must be a finite number > 0, got 0\.0"),
     ((math.inf,), ValueError, r"max_norm must be a finite number > 0, got inf"),
     ((1.0, -1e-6), ValueError, r"eps must be a finite number >= 0, got -1e-06"),
     ((1.0, math.nan), ValueError, r"eps must be a finite number >= 0, got nan"),
@@ -170,7 +170,7 @@ def test_global_norm_clip_without_eps_is_the_plain_number_bitwise(fused: bool) -
 def test_global_norm_clip_refuses_bad_fields(args: tuple[Any, ...], error: type,
                                              match: str) -> None:
     with pytest.raises(error, match=match):
-        GlobalNormClip(*args)
+        NormClip(*args)
 
 
 def _one_step(**kwargs: Any) -> torch.Tensor:
@@ -198,7 +198,7 @@ def test_clip_grad_norm_sets_the_clip_of_the_following_steps() -> None:
     w = torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
     opt = FSDPadaptOptimizer(torch.optim.SGD([w], lr=1.0), max_norm=None)
     opt.clip_grad_norm(None, 0.5)
-    assert opt._max_grad_norm == GlobalNormClip(0.5, eps=LIGHTRFT_CLIP_EPS)
+    assert opt._max_grad_norm == NormClip(0.5, eps=LIGHTRFT_CLIP_EPS)
     w.grad = torch.tensor([3.0, 4.0], dtype=torch.bfloat16)
     opt.step()
     assert torch.equal(w.detach(), torch.tensor([-0.3, -0.4], dtype=torch.bfloat16))
@@ -249,7 +249,7 @@ def test_a_bf16_loop_equals_the_facade_with_lightrfts_clip_and_scale() -> None:
     ref_model = _model()
     ref = functopt.MixedPrecisionOptimizer(torch.optim.AdamW(ref_model.parameters(), lr=1e-2),
                                            loss_scale=static_loss_scale(1.0))
-    ref.clip_grad_norm(ref_model, GlobalNormClip(1.0, eps=1e-6))
+    ref.clip_grad_norm(ref_model, NormClip(1.0, eps=1e-6))
     norms = []
     for step in range(8):
         opt.backward(_loss(model, step))

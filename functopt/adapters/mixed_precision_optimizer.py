@@ -52,7 +52,7 @@ from functopt.precision.loss_scale import (
     dynamic_loss_scale,
 )
 from functopt.precision.master import float32_master
-from functopt.precision.stats import GlobalNormClip, GradStats, unpack_grad_stats
+from functopt.precision.stats import GradStats, NormClip, unpack_grad_stats
 from functopt.precision.step import (
     MixedPrecisionState,
     MixedPrecisionTransformation,
@@ -231,7 +231,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     (``max_norm=0`` or None: no clipping, the initial setting); the step computes the
     norm in its single statistics pass, so clipping costs no extra reduction. It returns
     None. A number clips by [`clip_by_global_norm`][functopt.clip_by_global_norm]'s rule,
-    $g \cdot c / \|g\|$ when $\|g\| > c$; ``GlobalNormClip(c, eps=1e-6)`` by LightRFT's,
+    $g \cdot c / \|g\|$ when $\|g\| > c$; ``NormClip(c, eps=1e-6)`` by LightRFT's,
     $g / \max(1, (\|g\| + 10^{-6}) / c)$. LightRFT's own step always clips at 1.0 by that
     rule; [`functopt.lightrft.FSDPadaptOptimizer`][functopt.lightrft.FSDPadaptOptimizer]
     keeps it on by default. ``clip_grad_norm(clip_grad)`` (one number: Megatron's
@@ -305,9 +305,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         transform: the update rule, e.g. ``functopt.adamw(1e-3)``, without clipping of its
             own (use ``clip_grad_norm``); or a factory ``(**group_options) -> transform``.
         loss_scale: the loss-scale rule: ``dynamic_loss_scale()`` (the default:
-            PyTorch's ``GradScaler`` rule; ``hysteresis=2, min_scale=1.0`` for Megatron's
-            and LightRFT's), ``static_loss_scale(s)``, or None for no scaling (usual for
-            bfloat16).
+            PyTorch's ``GradScaler`` rule; ``hysteresis=2, min_scale=1.0`` for Megatron's),
+            ``static_loss_scale(s)`` (LightRFT's ``FSDPadaptOptimizer``: 1.0), or None for
+            no scaling (usual for bfloat16).
         master_dtype: the precision of the master copy and of the update maths.
         fused: run the planner's fused kernels where the transform has them (see ``fused`` in
             [`mixed_precision`][functopt.precision.mixed_precision]); the step then also
@@ -531,7 +531,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._master_weights = float32_master(master_dtype)
         self._fused = fused
         self._count_zeros = count_zeros
-        self._max_grad_norm: float | GlobalNormClip | None = None
+        self._max_grad_norm: float | NormClip | None = None
         self._tx = self._build()
         if compile:  # each compiled group's params and gradients in one buffer
             self._tx.lay_out(self._tree(list(self._params)))
@@ -947,14 +947,14 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def clip_grad_norm(self, clip_grad: float, /) -> float: ...
 
     @typing.overload
-    def clip_grad_norm(self, model: Any, max_norm: float | GlobalNormClip | None) -> None: ...
+    def clip_grad_norm(self, model: Any, max_norm: float | NormClip | None) -> None: ...
 
     def clip_grad_norm(self, *args: Any, **kwargs: Any) -> float | None:
         """Clipping, with LightRFT's signature or Megatron-LM's (told apart by the arguments).
 
         - ``clip_grad_norm(model, max_norm)`` (LightRFT): the following ``step()`` calls
           clip the unscaled gradients to global L2 norm ``max_norm`` (a number:
-          [`clip_by_global_norm`][functopt.clip_by_global_norm]'s rule; a ``GlobalNormClip``,
+          [`clip_by_global_norm`][functopt.clip_by_global_norm]'s rule; a ``NormClip``,
           its own; in the step's one statistics pass); the setting stays until changed, 0 or None
           switches clipping off. ``model`` is not used. Returns None.
         - ``clip_grad_norm(clip_grad)`` (Megatron-LM, one number): now, computes the global
@@ -974,18 +974,18 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         lightrft(*args, **kwargs)
         return None
 
-    def _set_max_grad_norm(self, max_norm: float | GlobalNormClip | None) -> None:
-        if max_norm is not None and not isinstance(max_norm, GlobalNormClip) and (
+    def _set_max_grad_norm(self, max_norm: float | NormClip | None) -> None:
+        if max_norm is not None and not isinstance(max_norm, NormClip) and (
                 isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))):
             raise TypeError(
                 f"{_OWNER}.clip_grad_norm: max_norm must be a Python number or None, got "
-                f"{type(max_norm).__name__} (or a functopt.precision.GlobalNormClip).")
+                f"{type(max_norm).__name__} (or a functopt.precision.NormClip).")
         if isinstance(max_norm, (int, float)) and not (math.isfinite(max_norm) and max_norm >= 0):
             raise ValueError(
                 f"{_OWNER}.clip_grad_norm: max_norm must be a finite number >= 0 (0 switches "
                 f"clipping off), got {max_norm!r}."
             )
-        value = max_norm if isinstance(max_norm, GlobalNormClip) else float(max_norm) if max_norm else None
+        value = max_norm if isinstance(max_norm, NormClip) else float(max_norm) if max_norm else None
         if value != self._max_grad_norm:
             self._max_grad_norm = value
             self._tx = self._build()  # same state layout: only the step's closure changes

@@ -19,7 +19,7 @@ import torch
 
 from functopt.tree._ops import _leaf_stats
 
-__all__ = ["GlobalNormClip", "GradStats", "grad_stats", "unpack_grad_stats"]
+__all__ = ["GradStats", "NormClip", "grad_stats", "unpack_grad_stats"]
 
 # Layout of the packed tensor: [sum of squares, non-finite count, zero count].
 _SUMSQ, _NONFINITE, _ZEROS = 0, 1, 2
@@ -34,7 +34,7 @@ class GradStats(NamedTuple):
 
 
 @dataclass(frozen=True)
-class GlobalNormClip:
+class NormClip:
     r"""A clip by the global norm with ``eps`` added to the norm: LightRFT's rule.
 
     Given as ``max_grad_norm`` (to [`mixed_precision`][functopt.precision.mixed_precision]
@@ -58,9 +58,9 @@ class GlobalNormClip:
         ValueError: a field is out of its range.
 
     Examples:
-        >>> from functopt.precision import GlobalNormClip
-        >>> GlobalNormClip(1.0, eps=1e-6)
-        GlobalNormClip(max_norm=1.0, eps=1e-06)
+        >>> from functopt.precision import NormClip
+        >>> NormClip(1.0, eps=1e-6)
+        NormClip(max_norm=1.0, eps=1e-06)
     """
 
     max_norm: float
@@ -71,12 +71,12 @@ class GlobalNormClip:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(
-                    f"GlobalNormClip: {name} must be a Python number, got "
+                    f"NormClip: {name} must be a Python number, got "
                     f"{type(value).__name__}."
                 )
             if not math.isfinite(value) or (value < 0 if low is not None else value <= 0):
                 raise ValueError(
-                    f"GlobalNormClip: {name} must be a finite number "
+                    f"NormClip: {name} must be a finite number "
                     f"{'>= 0' if low is not None else '> 0'}, got {value!r}."
                 )
             object.__setattr__(self, name, float(value))
@@ -128,7 +128,7 @@ def unpack_grad_stats(packed: torch.Tensor) -> GradStats:
 
 
 def _clip_factor(packed: torch.Tensor,
-                 max_norm: float | torch.Tensor | GlobalNormClip) -> torch.Tensor:
+                 max_norm: float | torch.Tensor | NormClip) -> torch.Tensor:
     r"""The factor that clips gradients to global norm ``max_norm``, as a 0-d float64 tensor.
 
     $\min(1, \text{max\_norm} / \lVert g\rVert)$ from the packed (reduced) statistics,
@@ -136,11 +136,11 @@ def _clip_factor(packed: torch.Tensor,
     with a float64 factor). Exactly 1 when $\lVert g\rVert \le$ ``max_norm``. The sum
     is clamped to at least $\text{max\_norm}^2$ before the square root, so gradients of
     the factor stay finite when every gradient is zero (no $0 \cdot \infty$ under
-    ``torch.func.grad``). A [`GlobalNormClip`][functopt.precision.GlobalNormClip] with
+    ``torch.func.grad``). A [`NormClip`][functopt.precision.NormClip] with
     ``eps > 0`` gives its rule, the sum clamped likewise (to where the factor is 1).
     """
     sumsq = packed[_SUMSQ]
-    if isinstance(max_norm, GlobalNormClip):
+    if isinstance(max_norm, NormClip):
         if max_norm.eps:
             floor = max(max_norm.max_norm - max_norm.eps, 0.0) ** 2
             ratio = (torch.sqrt(torch.clamp(sumsq, min=floor)) + max_norm.eps) / max_norm.max_norm
@@ -152,10 +152,10 @@ def _clip_factor(packed: torch.Tensor,
     return torch.where(sumsq > limit, factor, torch.ones_like(factor))
 
 
-def _host_clip_factor(max_norm: float | torch.Tensor | GlobalNormClip, sumsq: float) -> float:
+def _host_clip_factor(max_norm: float | torch.Tensor | NormClip, sumsq: float) -> float:
     """`_clip_factor` on the host, from the reduced sum of squares as a Python float (the
     same float64 operations, so the same bits)."""
-    if isinstance(max_norm, GlobalNormClip):
+    if isinstance(max_norm, NormClip):
         if max_norm.eps:
             return 1.0 / max(1.0, (math.sqrt(sumsq) + max_norm.eps) / max_norm.max_norm)
         max_norm = max_norm.max_norm
