@@ -2,11 +2,22 @@
 
 The public surface is this module's ``__all__`` and the documented subpackages
 ``functopt.schedules``, ``functopt.tree``, ``functopt.precision``, ``functopt.distributed``,
-``functopt.fast``, ``functopt.contrib``, ``functopt.optim`` and ``functopt.testing``
-(the last imports hypothesis, so it is not imported here).
+``functopt.fast``, ``functopt.contrib``, ``functopt.optim``, ``functopt.lightrft``
+(LightRFT's optimizer names) and ``functopt.testing`` (which imports hypothesis, so it
+is not imported here).
 """
 
-from functopt import _serialization, contrib, distributed, fast, optim, precision, schedules, tree
+from functopt import (
+    _serialization,
+    contrib,
+    distributed,
+    fast,
+    lightrft,
+    optim,
+    precision,
+    schedules,
+    tree,
+)
 from functopt._apply import apply_updates, apply_updates_
 from functopt._base import (
     EmptyState,
@@ -221,6 +232,7 @@ __all__ = [
     "keep_params_nonnegative",
     "lamb",
     "lars",
+    "lightrft",
     "lion",
     "load_checkpoint",
     "masked",

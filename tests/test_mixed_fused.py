@@ -23,6 +23,7 @@ import torch
 import functopt
 from functopt.fast import FastPathWarning
 from functopt.precision import (
+    NormClip,
     dynamic_loss_scale,
     float32_master,
     kahan_summation,
@@ -140,7 +141,7 @@ def _grads(seed: int, step: int, params: dict[str, torch.Tensor], scale: torch.T
 
 
 def _opts(inner: str, master_dtype: torch.dtype, loss_scale: float | None,
-          clip: float | None, **kwargs: Any) -> tuple[Any, Any]:
+          clip: float | NormClip | None, **kwargs: Any) -> tuple[Any, Any]:
     common = dict(
         loss_scale=None if loss_scale is None else dynamic_loss_scale(init_scale=loss_scale),
         master_weights=float32_master(master_dtype), max_grad_norm=clip, **kwargs)
@@ -151,12 +152,16 @@ def _opts(inner: str, master_dtype: torch.dtype, loss_scale: float | None,
 CONFIGS = list(itertools.product(
     list(INNERS), [torch.float64, torch.float32], [torch.bfloat16, torch.float16],
     [None, 2.0 ** 10], [None, 1.0]))
+# LightRFT's clip rule (the norm plus 1e-6), under both loss-scale settings
+CONFIGS += [(inner, torch.float32, torch.bfloat16, ls, NormClip(1.0, eps=1e-6))
+            for inner in INNERS for ls in (None, 2.0 ** 10)]
 
 
 def _id(config: tuple[Any, ...]) -> str:
     inner, mdt, pdt, ls, clip = config
     return (f"{inner}-master_{str(mdt)[6:]}-{str(pdt)[6:]}-"
-            f"{'noscale' if ls is None else 'dynamic'}-{'noclip' if clip is None else 'clip'}")
+            f"{'noscale' if ls is None else 'dynamic'}-"
+            f"{'noclip' if clip is None else 'clip' if isinstance(clip, float) else 'clip_eps'}")
 
 
 @pytest.fixture

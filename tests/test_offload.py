@@ -7,6 +7,8 @@ On this CPU build offloading copies into host buffers without pinning; the DTens
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -143,9 +145,35 @@ def test_facade_offload_to_cpu_and_restore() -> None:
             opt.step()
         with pytest.raises(RuntimeError, match="restore_from_cpu"):
             opt.load_state_dict(before)  # (a state_dict() now would own the host buffers)
-        opt.restore_from_cpu()
-        opt.restore_from_cpu()  # a second call does nothing
+        opt.restore_from_cpu("cpu" if step % 2 else None)  # the params' device, or None
+        with pytest.raises(RuntimeError, match=r"restore_from_cpu: the state is not offloaded"):
+            opt.restore_from_cpu()  # a second call, without an offload between
         after = dict(functopt.tree._core.leaves_with_path(opt.state_dict()))
         assert_bitwise_equal(after, before)
     assert_bitwise_equal(opts[0].state_dict(), opts[1].state_dict())
     assert_bitwise_equal(dict(model.named_parameters()), dict(ref.named_parameters()))
+
+
+@pytest.mark.parametrize(("device_id", "error", "match"), [
+    ("meta", ValueError, r"device_id='meta', but the state came from cpu, where the params"),
+    (torch.device("meta"), ValueError, r"device_id=device\(type='meta'\), but the state came"),
+    (0, ValueError, r"device_id=0"),  # an accelerator index: none here, or not the params'
+    (1.5, TypeError, r"device_id must be a torch.device, a str, an int or None, got float"),
+    (True, TypeError, r"device_id must be a torch.device, a str, an int or None, got bool"),
+])
+def test_facade_restore_from_cpu_refuses_another_device(device_id: Any, error: type,
+                                                       match: str) -> None:
+    """The state goes back beside its params: another device raises, and the state stays
+    offloaded (a corrected call then restores it bitwise)."""
+    w = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    opt = functopt.MixedPrecisionOptimizer([("w", w)], functopt.adamw(1e-2))
+    w.grad = torch.full((3,), 0.5, dtype=torch.bfloat16)
+    opt.step()
+    before = opt.state_dict()
+    opt.offload_to_cpu()
+    with pytest.raises(error, match=match):
+        opt.restore_from_cpu(device_id)
+    with pytest.raises(RuntimeError, match=r"step: the optimizer state is offloaded"):
+        opt.step()
+    opt.restore_from_cpu("cpu")
+    assert_bitwise_equal(opt.state_dict(), before)

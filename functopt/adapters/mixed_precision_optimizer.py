@@ -41,7 +41,7 @@ from functopt.adapters._facade_groups import (
     _scaled,
 )
 from functopt.adapters.optimizer import _find_states, _lift
-from functopt.distributed.offloading import OffloadedState, offload, reload
+from functopt.distributed.offloading import OffloadedState, _restore_target, offload, reload
 from functopt.precision.loss_scale import (
     LossScale,
     _describe_rule,
@@ -52,7 +52,7 @@ from functopt.precision.loss_scale import (
     dynamic_loss_scale,
 )
 from functopt.precision.master import float32_master
-from functopt.precision.stats import GradStats, unpack_grad_stats
+from functopt.precision.stats import GradStats, NormClip, unpack_grad_stats
 from functopt.precision.step import (
     MixedPrecisionState,
     MixedPrecisionTransformation,
@@ -230,11 +230,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     global L2 norm the *following* ``step()`` calls clip the unscaled gradients to
     (``max_norm=0`` or None: no clipping, the initial setting); the step computes the
     norm in its single statistics pass, so clipping costs no extra reduction. It returns
-    None. Differences from LightRFT: its ``clip_grad_norm`` is a no-op and its step always
-    clips at 1.0 with the factor $\max(1, (\|g\| + 10^{-6}) / c)$; here nothing is
-    clipped until ``clip_grad_norm`` is called, and the rule is
-    [`clip_by_global_norm`][functopt.clip_by_global_norm]'s, $g \cdot c / \|g\|$ when
-    $\|g\| > c$ (no $10^{-6}$). ``clip_grad_norm(clip_grad)`` (one number: Megatron's
+    None. A number clips by [`clip_by_global_norm`][functopt.clip_by_global_norm]'s rule,
+    $g \cdot c / \|g\|$ when $\|g\| > c$; ``NormClip(c, eps=1e-6)`` by LightRFT's,
+    $g / \max(1, (\|g\| + 10^{-6}) / c)$. LightRFT's own step always clips at 1.0 by that
+    rule; [`functopt.lightrft.FSDPadaptOptimizer`][functopt.lightrft.FSDPadaptOptimizer]
+    keeps it on by default. ``clip_grad_norm(clip_grad)`` (one number: Megatron's
     signature) clips the current gradients now, by Megatron's rule, and returns their norm.
 
     **Megatron-LM's surface.** ``get_grad_norm()`` is the norm of the current gradients
@@ -305,9 +305,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         transform: the update rule, e.g. ``functopt.adamw(1e-3)``, without clipping of its
             own (use ``clip_grad_norm``); or a factory ``(**group_options) -> transform``.
         loss_scale: the loss-scale rule: ``dynamic_loss_scale()`` (the default:
-            PyTorch's ``GradScaler`` rule; ``hysteresis=2, min_scale=1.0`` for Megatron's
-            and LightRFT's), ``static_loss_scale(s)``, or None for no scaling (usual for
-            bfloat16).
+            PyTorch's ``GradScaler`` rule; ``hysteresis=2, min_scale=1.0`` for Megatron's),
+            ``static_loss_scale(s)`` (LightRFT's ``FSDPadaptOptimizer``: 1.0), or None for
+            no scaling (usual for bfloat16).
         master_dtype: the precision of the master copy and of the update maths.
         fused: run the planner's fused kernels where the transform has them (see ``fused`` in
             [`mixed_precision`][functopt.precision.mixed_precision]); the step then also
@@ -531,7 +531,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._master_weights = float32_master(master_dtype)
         self._fused = fused
         self._count_zeros = count_zeros
-        self._max_grad_norm: float | None = None
+        self._max_grad_norm: float | NormClip | None = None
         self._tx = self._build()
         if compile:  # each compiled group's params and gradients in one buffer
             self._tx.lay_out(self._tree(list(self._params)))
@@ -947,15 +947,15 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def clip_grad_norm(self, clip_grad: float, /) -> float: ...
 
     @typing.overload
-    def clip_grad_norm(self, model: Any, max_norm: float | None) -> None: ...
+    def clip_grad_norm(self, model: Any, max_norm: float | NormClip | None) -> None: ...
 
     def clip_grad_norm(self, *args: Any, **kwargs: Any) -> float | None:
         """Clipping, with LightRFT's signature or Megatron-LM's (told apart by the arguments).
 
         - ``clip_grad_norm(model, max_norm)`` (LightRFT): the following ``step()`` calls
-          clip the unscaled gradients to global L2 norm ``max_norm``
-          ([`clip_by_global_norm`][functopt.clip_by_global_norm]'s rule, inside the step's
-          one statistics pass); the setting stays until changed, ``max_norm`` 0 or None
+          clip the unscaled gradients to global L2 norm ``max_norm`` (a number:
+          [`clip_by_global_norm`][functopt.clip_by_global_norm]'s rule; a ``NormClip``,
+          its own; in the step's one statistics pass); the setting stays until changed, 0 or None
           switches clipping off. ``model`` is not used. Returns None.
         - ``clip_grad_norm(clip_grad)`` (Megatron-LM, one number): now, computes the global
           norm of the unscaled current gradients, scales the gradients in place by
@@ -974,20 +974,18 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         lightrft(*args, **kwargs)
         return None
 
-    def _set_max_grad_norm(self, max_norm: float | None) -> None:
-        if max_norm is not None and (
-            isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))
-        ):
+    def _set_max_grad_norm(self, max_norm: float | NormClip | None) -> None:
+        if max_norm is not None and not isinstance(max_norm, NormClip) and (
+                isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))):
             raise TypeError(
                 f"{_OWNER}.clip_grad_norm: max_norm must be a Python number or None, got "
-                f"{type(max_norm).__name__}."
-            )
-        if max_norm is not None and not (math.isfinite(max_norm) and max_norm >= 0):
+                f"{type(max_norm).__name__} (or a functopt.precision.NormClip).")
+        if isinstance(max_norm, (int, float)) and not (math.isfinite(max_norm) and max_norm >= 0):
             raise ValueError(
                 f"{_OWNER}.clip_grad_norm: max_norm must be a finite number >= 0 (0 switches "
                 f"clipping off), got {max_norm!r}."
             )
-        value = float(max_norm) if max_norm else None
+        value = max_norm if isinstance(max_norm, NormClip) else float(max_norm) if max_norm else None
         if value != self._max_grad_norm:
             self._max_grad_norm = value
             self._tx = self._build()  # same state layout: only the step's closure changes
@@ -1447,16 +1445,19 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         )
         self._state = self._offloaded.state
 
-    def restore_from_cpu(self) -> None:
-        """Move the state back to the devices it came from (Megatron-LM's name).
+    def restore_from_cpu(self, device_id: torch.device | str | int | None = None) -> None:
+        """Move the state back to ``device_id``, the device it came from (None: that one).
 
-        The inverse of ``offload_to_cpu``, bitwise (LightRFT's ``load_fsdp_optimizer``).
-        The host buffers stay allocated for the next ``offload_to_cpu``. A call while
-        not offloaded does nothing.
+        The inverse of ``offload_to_cpu``, bitwise (Megatron-LM's name; LightRFT's
+        ``load_fsdp_optimizer(optimizer, device_id)``). The host buffers stay allocated for
+        the next ``offload_to_cpu``. Raises ``ValueError`` for a ``device_id`` other than
+        the params' device, and ``RuntimeError`` when the state is not offloaded.
         """
+        owner = f"{_OWNER}.restore_from_cpu"
         if self._offloaded is None:
-            return
-        self._state = reload(self._offloaded)
+            raise RuntimeError(f"{owner}: the state is not offloaded (no offload_to_cpu() since "
+                               f"the last restore). Fix: call it once per offload_to_cpu().")
+        self._state = reload(self._offloaded, _restore_target(owner, self._offloaded, device_id))
         self._offloaded = None
 
     def _check_not_offloaded(self, method: str) -> None:

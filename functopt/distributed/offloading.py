@@ -227,3 +227,53 @@ def reload(offloaded: OffloadedState, device: torch.device | str | None = None, 
     state = [o if o is None or not is_dtensor(x) else _wrap(o, x)
              for o, x in zip(out, leaves, strict=True)]
     return _core.unflatten(treespec, state)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """``a`` and ``b`` name one device (an accelerator without index: its current one)."""
+    if a.type != b.type:
+        return False
+    if a.type == "cpu" or a.index == b.index:
+        return True
+    current = torch.accelerator.current_device_index() if torch.accelerator.is_available() else 0
+    return (a.index if a.index is not None else current) == (
+        b.index if b.index is not None else current)
+
+
+def _restore_target(owner: str, offloaded: OffloadedState,
+                    device_id: torch.device | str | int | None
+                   ) -> torch.device | None:
+    """The device ``reload`` should put ``offloaded`` on for a restore to ``device_id``.
+
+    A restore puts the state back beside the params it updates, so ``device_id`` must
+    name the device the state came from (None: that device). An int is an accelerator
+    index, as LightRFT's ``load_fsdp_optimizer(optimizer, device_id)`` takes it.
+
+    Raises:
+        TypeError: ``device_id`` is not a device, a str, an int or None.
+        ValueError: ``device_id`` names no available device, or another device than the
+            one the state came from.
+    """
+    if device_id is None:
+        return None
+    if isinstance(device_id, bool) or not isinstance(device_id, (torch.device, str, int)):
+        raise TypeError(
+            f"{owner}: device_id must be a torch.device, a str, an int or None, got "
+            f"{type(device_id).__name__}."
+        )
+    try:
+        target = torch.device(device_id)
+    except RuntimeError as err:  # an int without an accelerator
+        raise ValueError(
+            f"{owner}: device_id={device_id!r} names an accelerator, but none is available "
+            f"({err}). Fix: pass the device the state came from, or None."
+        ) from err
+    came = sorted({str(d) for d in offloaded.devices if d is not None and d.type != "cpu"})
+    sources = [torch.device(d) for d in came] or [torch.device("cpu")]
+    if any(not _same_device(d, target) for d in sources):
+        raise ValueError(
+            f"{owner}: device_id={device_id!r}, but the state came from {', '.join(map(str, sources))}, "
+            f"where the params it updates are. Fix: pass device_id={str(sources[0])!r} or None; "
+            f"to move the training to another device, build the optimizer there."
+        )
+    return target

@@ -29,7 +29,7 @@ from functopt.precision.master import (
     stochastic_rounding,
 )
 from functopt.precision.policy import Policy, get_policy
-from functopt.precision.stats import GradStats, grad_stats, unpack_grad_stats
+from functopt.precision.stats import GradStats, NormClip, grad_stats, unpack_grad_stats
 from functopt.precision.step import (
     MixedPrecisionState,
     MixedPrecisionTransformation,
@@ -47,6 +47,7 @@ __all__ = [
     "MasterWeights",
     "MixedPrecisionState",
     "MixedPrecisionTransformation",
+    "NormClip",
     "Policy",
     "StepMetrics",
     "dynamic_loss_scale",

@@ -75,7 +75,9 @@ from functopt.precision.stats import (
     _SUMSQ,
     _ZEROS,
     GradStats,
+    NormClip,
     _clip_factor,
+    _host_clip_factor,
     unpack_grad_stats,
 )
 from functopt.transforms.multi_steps import MultiSteps, MultiStepsState, Window
@@ -421,7 +423,7 @@ def _lowered(planner: _planner.Planner, treespec: Any, params: list[Any], stores
 def fused_mixed_step(
     planner: _planner.Planner, params: list[Any], stores: list[Any], views: list[Any],
     grads: list[Any], inner_state: Any, loss_scale: LossScaleState, *, treespec: Any,
-    scale_rule: LossScale, scaled: bool, max_grad_norm: float | torch.Tensor | None,
+    scale_rule: LossScale, scaled: bool, max_grad_norm: float | torch.Tensor | NormClip | None,
     group: dist.ProcessGroup | None, name: Callable[[int], str], count_zeros: bool,
     donate: bool, workspace: list[Any] | None = None, counted: Sequence[bool] | None = None,
     compiled: bool = False, scratch: dict[Any, Any] | None = None,
@@ -503,7 +505,7 @@ def fused_mixed_step(
 
 def _early_totals(lowered: _planner.Lowered, views: list[Any], wide: list[Any],
                   inner_leaves: list[Any], group: dist.ProcessGroup | None,
-                  max_grad_norm: float | torch.Tensor | None,
+                  max_grad_norm: float | torch.Tensor | NormClip | None,
                   multiplier: Callable[[], torch.Tensor | None]) -> dict[int, Any] | None:
     """This process's tree sums of the inner chain's rules that have them (Prodigy's), to
     be summed over the ranks in the statistics' one all-reduce, or None where they are
@@ -531,7 +533,7 @@ def _kernel_casts(grads: list[Any], wide: list[Any], multiplier: torch.Tensor | 
 
 
 def _host_bookkeeping(loss_scale: LossScaleState, rule: LossScale,
-                      max_grad_norm: float | torch.Tensor | None) -> bool:
+                      max_grad_norm: float | torch.Tensor | NormClip | None) -> bool:
     """Whether the step's scalars (loss scale, statistics, clip factor) are computed on the
     host (precision/_host.py): they are plain CPU tensors, the rule is a built-in one, and
     the scale is not nan (whose payload only the tensors would carry through)."""
@@ -544,7 +546,7 @@ def _host_kernel_step(
     planner: _planner.Planner, lowered: _planner.Lowered, params: list[Any],
     stores: list[Any], views: list[Any], grads: list[Any], wide: list[Any],
     inner_leaves: list[Any], loss_scale: LossScaleState, *, scale_rule: LossScale,
-    scaled: bool, max_grad_norm: float | torch.Tensor | None,
+    scaled: bool, max_grad_norm: float | torch.Tensor | NormClip | None,
     group: dist.ProcessGroup | None, name: Callable[[int], str], count_zeros: bool,
     donate: bool, counted: Sequence[bool] | None, scratch: dict[Any, Any] | None,
     metrics: Any, casts: dict[str, Any] | None = None, agreed: Agreement | None = None,
@@ -591,9 +593,7 @@ def _host_kernel_step(
     if scaled or max_grad_norm is not None:
         m = inv
         if max_grad_norm is not None:
-            # _clip_factor: max_norm / norm above the bound, in float64, else exactly 1
-            bound = float(max_grad_norm)
-            outer = bound / math.sqrt(sumsq) if sumsq > bound * bound else 1.0
+            outer = _host_clip_factor(max_grad_norm, sumsq)  # _clip_factor's bits
             m = m * outer
             sums = [s * outer * outer for s in sums]  # the inner clips see clipped grads
         multiplier = torch.scalar_tensor(m, dtype=torch.float64, device=device)
@@ -731,7 +731,7 @@ def fused_multi_step(
     split: _multi.Split, planner: _planner.Planner, params: list[Any], stores: list[Any],
     views: list[Any], grads: list[Any], state: Any, loss_scale: LossScaleState, *,
     treespec: Any, scale_rule: LossScale, scaled: bool,
-    max_grad_norm: float | torch.Tensor | None, group: dist.ProcessGroup | None,
+    max_grad_norm: float | torch.Tensor | NormClip | None, group: dist.ProcessGroup | None,
     name: Callable[[int], str], count_zeros: bool, donate: bool,
     workspace: list[Any] | None = None, counted: Sequence[bool] | None = None,
     compiled: bool = False, scratch: dict[Any, Any] | None = None,

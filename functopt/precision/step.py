@@ -87,7 +87,7 @@ from functopt.precision.loss_scale import (
     static_loss_scale,
 )
 from functopt.precision.master import MasterWeights, float32_master
-from functopt.precision.stats import GradStats, _clip_factor, unpack_grad_stats
+from functopt.precision.stats import GradStats, NormClip, _clip_factor, unpack_grad_stats
 from functopt.transforms import _common
 from functopt.tree import _core, _ops
 
@@ -201,7 +201,7 @@ def mixed_precision(
     *,
     loss_scale: LossScale | None = None,
     master_weights: MasterWeights | None = None,
-    max_grad_norm: float | torch.Tensor | None = None,
+    max_grad_norm: float | torch.Tensor | NormClip | None = None,
     process_group: dist.ProcessGroup | None = None,
     replicated: Replicated = None,
     agree_skip: bool | dist.ProcessGroup = False,
@@ -244,7 +244,8 @@ def mixed_precision(
             (usual for bfloat16).
         master_weights: how params are kept exact (default: a float32 master copy).
         max_grad_norm: clip the unscaled gradients to this global L2 norm, or None
-            (a positive number, or a 0-d tensor). ``metrics.grad_norm`` is the norm before
+            (a positive number, or a 0-d tensor; or a
+            [`NormClip`][functopt.precision.NormClip] for LightRFT's rule). ``metrics.grad_norm`` is the norm before
             clipping, as in Megatron-LM and ``torch.nn.utils.clip_grad_norm_``.
         process_group: the ranks the gradient statistics are summed over, with one
             ``all_reduce`` per step. ``None`` infers it from DTensor params (FSDP2): the
@@ -373,7 +374,7 @@ def mixed_precision(
     fast = fused and mw.plain_copy and not mw.needs_generator
     # init and lay_out lay the compiled groups out for the planner's state (not MultiSteps')
     laid_out = compile and fast and accumulated is None
-    if max_grad_norm is not None:
+    if max_grad_norm is not None and not isinstance(max_grad_norm, NormClip):
         _validate.check_range(owner, "max_grad_norm", max_grad_norm, low=0.0, low_open=True,
                               hint="Fix: pass a positive norm bound such as 1.0, or None "
                                    "for no clipping.")
