@@ -759,23 +759,25 @@ def zero1_reduce_scatter(grads: Any, *, process_group: dist.ProcessGroup | None 
             by_dtype.setdefault((g.device, g.dtype), []).append(i)
     out: list[Any] = [None] * len(leaves)
     for (device, dtype), indices in by_dtype.items():
-        bounds = {i: [slice_bounds(leaves[i].numel(), r, world) for r in range(world)]
-                  for i in indices}
-        width = max(sum(b[r][1] - b[r][0] for b in bounds.values()) for r in range(world))
-        buf = torch.zeros(world, width, dtype=dtype, device=device)
-        for r in range(world):
-            at = 0
-            for i in indices:
-                start, end = bounds[i][r]
-                buf[r, at:at + end - start] = leaves[i].detach().reshape(-1)[start:end]
-                at += end - start
+        # rank r's row holds its slice of every leaf, each at the leaf's offset and padded to
+        # the leaf's chunk c (rank 0's slice, the longest): a leaf's c-element rows are its
+        # chunks, so it is copied in with two copies, whatever the number of ranks
+        chunks = [-(-leaves[i].numel() // world) for i in indices]
+        buf = torch.zeros(world, sum(chunks), dtype=dtype, device=device)
+        at = 0
+        for i, c in zip(indices, chunks, strict=True):
+            flat, rows = leaves[i].detach().reshape(-1), leaves[i].numel() // max(c, 1)
+            buf[:rows, at:at + c] = flat[:rows * c].view(rows, c)
+            if rows * c < flat.numel():
+                buf[rows, at:at + flat.numel() - rows * c] = flat[rows * c:]
+            at += c
         if average:
             buf /= world
-        mine = torch.empty(width, dtype=dtype, device=device)
+        mine = torch.empty(buf.shape[1], dtype=dtype, device=device)
         _reduce_scatter(mine, buf.reshape(-1), group)
         at = 0
-        for i in indices:
-            start, end = bounds[i][rank]
+        for i, c in zip(indices, chunks, strict=True):
+            start, end = slice_bounds(leaves[i].numel(), rank, world)
             out[i] = mine[at:at + end - start]
-            at += end - start
+            at += c
     return _core.unflatten(treespec, out)
