@@ -12,9 +12,12 @@ the param's shape. All leaves' gathers are issued as one coalesced collective (t
 on the leaves' bytes, so params of several dtypes travel together.
 
 So the gather allocates the new params and nothing beside them: no packed send buffer, no
-receive buffer to copy out of. Its host work is a few Python operations per leaf (an
-allocation, the copy of this rank's slice, two views, the collective's entry) and none
-per rank: the step's Python time does not grow with the number of ranks.
+receive buffer to copy out of. (A backend may add temporaries of its own: gloo's coalesced
+all-gather, in torch 2.13, flattens the inputs and outputs into buffers it copies back
+from; NCCL's issues one in-place all-gather per tensor inside one group.) Its host work is
+a few Python operations per leaf (an allocation, the copy of this rank's slice, two views,
+the collective's entry) and none per rank: the step's Python time does not grow with the
+number of ranks.
 
 Every collective of the step is bounded: ``timeout`` seconds for each wait, after which
 (or when the backend reports a rank gone) the error names zero1's collective, the group's

@@ -222,7 +222,8 @@ def zero1(
     Each step makes exactly two collectives: one ``all_reduce`` of the packed gradient
     statistics (global norm, overflow, zero count) and one coalesced ``all_gather`` of the
     new slices (all leaves and dtypes together), which writes them straight into the new
-    params: the gather allocates nothing beside them. With ``fused=False``, params,
+    params: the gather allocates nothing beside them (the backend may: gloo's coalesced
+    all-gather uses temporaries of its own). With ``fused=False``, params,
     masters and inner state are bitwise those of ``mixed_precision`` on the whole params
     without clipping; with ``max_grad_norm`` the norm is summed in another order
     (last-bit differences). The fused kernels agree to rounding only: PyTorch's CPU kernel
