@@ -14,8 +14,8 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "zero1_ddp.py"
 def test_zero1_ddp_example_quick() -> None:
     out = torchrun(EXAMPLE, 2, "--quick")
     assert "world 2 (gloo, cpu), DDP" in out, out
-    comms = re.search(r"collectives per optimizer step: zero1 \[\(\('_allgather_base_', (\d+)\), "
-                      r"\('allreduce_', (\d+)\)\)\], zero1_overlapped \[\(\('_allgather_base_', "
+    comms = re.search(r"collectives per optimizer step: zero1 \[\(\('allgather_into_tensor_coalesced_', (\d+)\), "
+                      r"\('allreduce_', (\d+)\)\)\], zero1_overlapped \[\(\('allgather_into_tensor_coalesced_', "
                       r"(\d+)\), \('allreduce_', (\d+)\)\)\]", out)
     assert comms, out
     assert (int(comms.group(1)), int(comms.group(2)), int(comms.group(4))) == (1, 1, 1), out

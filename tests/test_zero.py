@@ -146,3 +146,31 @@ def test_attach_names_a_leaf_that_is_no_module_parameter() -> None:
         pending.attach(model)
     with pytest.raises(KeyError, match=r"no param at 'nope'"):
         pending.leaf("nope")
+
+
+# Law: every collective of the step is bounded by zero1's timeout and its error names it.
+# Rank 1 stops at a point of the step; rank 0 raises within the timeout (plus the step's own
+# work), far below the harness group's 20 s, with zero1's note: (where rank 1 stops, the
+# collective named, the note's words).
+STOPPED_RANKS = [
+    ("before the step", "all_reduce of the gradient statistics", "did not complete within"),
+    ("before the all-gather", "all_gather of the new params", "did not complete within"),
+    ("exits before the all-gather", "all_gather of the new params", None),
+]
+
+
+@pytest.mark.parametrize(("where", "collective", "words"), STOPPED_RANKS,
+                         ids=[row[0] for row in STOPPED_RANKS])
+def test_a_stopped_rank_raises_zero1s_error_within_the_timeout(
+        where: str, collective: str, words: str | None) -> None:
+    import functools
+    (waited, message), _ = harness.run_ranks(
+        functools.partial(zero_checks.stopped_rank_check, where=where), 2, timeout_s=60.0)
+    assert waited < zero_checks.TIMEOUT_S + 3.0, (waited, message)
+    if words is not None:  # a rank that hangs: the full timeout, then the timed-out note
+        assert waited >= zero_checks.TIMEOUT_S, (waited, message)
+    for part in (f"the {collective} of zero1's step (over 2 ranks: [0, 1])",
+                 words or "", "Fix:", "restart every rank"):
+        assert part in message, (part, message)
+    if words is not None:
+        assert f"timeout={zero_checks.TIMEOUT_S:g} s" in message, message

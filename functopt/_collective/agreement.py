@@ -22,12 +22,17 @@ replicated gradients would count them once per rank):
 Each collective the agreement waits for is bounded by its timeout: a rank that never
 reaches the step (it skipped ``step()``, or the optimizer steps on some ranks only) makes
 the others raise within it, saying so, rather than block for the process group's timeout.
+The same bound serves ZeRO-1's collectives (``functopt/distributed/zero.py``): an
+``Agreement`` carries the words of its errors (a ``Wording``), so a timed-out or
+failed collective names the step it belongs to and the argument that bounds it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -36,8 +41,9 @@ import torch.distributed as dist
 from functopt._collective.counting import _group_ranks, _non_member
 from functopt._collective.reduce import COLLECTIVE_FAILED, all_reduce_stats, raise_with_note
 
-__all__ = ["AGREE_TIMEOUT_S", "Agreement", "agreement", "check_agreement",
-           "reduce_stats", "spans", "threshold_verdict"]
+__all__ = ["AGREE_TIMEOUT_S", "SKIP_AGREEMENT", "Agreement", "Wording", "agreement",
+           "annotated", "check_agreement", "check_timeout", "reduce_stats", "spans",
+           "threshold_verdict", "wait_all"]
 
 AGREE_TIMEOUT_S = 600.0
 """The default bound on the agreement's collective, in seconds (NCCL's default timeout)."""
@@ -59,11 +65,26 @@ AGREEMENT_TIMED_OUT = (
 )
 
 
+
+class Wording(NamedTuple):
+    """The errors of a bounded collective: message templates with the fields ``what`` (the
+    collective), ``world`` (the group's size), ``ranks`` (its ranks) and ``timeout`` (s)."""
+
+    timed_out: str  # the collective did not complete within the bound
+    failed: str  # the backend raised (a rank died, or left the step)
+
+
+SKIP_AGREEMENT = Wording(AGREEMENT_TIMED_OUT, COLLECTIVE_FAILED)
+"""The words of the skip agreement of ``mixed_precision`` and ``MixedPrecisionOptimizer``."""
+
+
 class Agreement(NamedTuple):
-    """Where the skip decision is agreed, and how long its collective may take."""
+    """Where the skip decision is agreed, how long its collective may take, and what its
+    errors say."""
 
     group: dist.ProcessGroup  # the ranks that agree (a group of more than one rank)
     timeout: datetime.timedelta  # the bound on waiting for its collective
+    wording: Wording = SKIP_AGREEMENT
 
 
 def check_agreement(owner: str, agree_skip: Any, agree_timeout: Any) -> float | None:
@@ -90,21 +111,26 @@ def check_agreement(owner: str, agree_skip: Any, agree_timeout: Any) -> float | 
                 f"or pass agree_skip=True (or a group)."
             )
         return None
-    if agree_timeout is None:
-        return AGREE_TIMEOUT_S
-    seconds = (agree_timeout.total_seconds() if isinstance(agree_timeout, datetime.timedelta)
-               else agree_timeout)
+    return check_timeout(owner, "agree_timeout", agree_timeout, AGREE_TIMEOUT_S)
+
+
+def check_timeout(owner: str, name: str, value: Any, default: float) -> float:
+    """``value`` (seconds or a ``datetime.timedelta``; ``None``: ``default``) in seconds,
+    raising, naming the argument ``name``, unless it is finite and positive."""
+    if value is None:
+        return default
+    seconds = value.total_seconds() if isinstance(value, datetime.timedelta) else value
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (
             math.isfinite(seconds) and seconds > 0):
         raise ValueError(
-            f"{owner}: agree_timeout must be a finite number of seconds > 0 or a "
-            f"datetime.timedelta (default {AGREE_TIMEOUT_S:g} s), got {agree_timeout!r}."
+            f"{owner}: {name} must be a finite number of seconds > 0 or a "
+            f"datetime.timedelta (default {default:g} s), got {value!r}."
         )
     return float(seconds)
 
 
 def agreement(agree_skip: bool | dist.ProcessGroup, timeout_s: float | None,
-              ) -> Agreement | None:
+              wording: Wording = SKIP_AGREEMENT) -> Agreement | None:
     """The agreement of a step now: None without one (``agree_skip=False``, or
     ``torch.distributed`` not initialized, or a group of one rank)."""
     if agree_skip is False or timeout_s is None or not (
@@ -120,12 +146,13 @@ def agreement(agree_skip: bool | dist.ProcessGroup, timeout_s: float | None,
             f"is not in. Fix: step this optimizer only on the ranks of that group, or give "
             f"each rank a group it belongs to."
         )
-    return Agreement(group, datetime.timedelta(seconds=timeout_s))
+    return Agreement(group, datetime.timedelta(seconds=timeout_s), wording)
 
 
 def spans(group: dist.ProcessGroup | None, agreed: Agreement) -> bool:
     """Whether a sum over ``group`` reaches every rank of the agreement (agrees it)."""
-    return group is not None and _group_ranks(agreed.group) <= _group_ranks(group)
+    return group is not None and (group is agreed.group  # (no look-up of the ranks)
+                                  or _group_ranks(agreed.group) <= _group_ranks(group))
 
 
 def threshold_verdict(norm: torch.Tensor, found_inf: torch.Tensor, threshold: float,
@@ -173,15 +200,34 @@ def _bounded(tensor: torch.Tensor, group: dist.ProcessGroup, agreed: Agreement,
              what: str) -> torch.Tensor:
     """The sum of ``tensor`` over ``group``, waited for at most ``agreed.timeout``."""
     out = tensor.clone()
-    world = len(_group_ranks(group))
-    try:
+    bound = agreed._replace(group=group)
+    with annotated(bound, what):
         work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        assert work is not None
-        work.wait(timeout=agreed.timeout)
-    except RuntimeError as exc:  # gloo's and NCCL's errors (DistBackendError) keep their type
-        timed_out = "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
-        note = (AGREEMENT_TIMED_OUT.format(what=what, world=world,
-                                           timeout=agreed.timeout.total_seconds())
-                if timed_out else COLLECTIVE_FAILED.format(world=world))
-        raise_with_note(exc, note)
+    wait_all([work], bound, what)
     return out
+
+
+@contextlib.contextmanager
+def annotated(bound: Agreement, what: str) -> Iterator[None]:
+    """Re-raise a ``RuntimeError`` of the block (gloo's and NCCL's ``DistBackendError`` keep
+    their type) with ``bound.wording``'s note about the collective ``what``: its timed-out
+    note where the backend says it timed out, its failed note otherwise."""
+    try:
+        yield
+    except RuntimeError as exc:
+        timed_out = "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
+        template = bound.wording.timed_out if timed_out else bound.wording.failed
+        ranks = sorted(_group_ranks(bound.group))
+        shown = (str(ranks) if len(ranks) <= 8
+                 else f"[{', '.join(map(str, ranks[:4]))}, ..., {ranks[-1]}]")
+        raise_with_note(exc, template.format(what=what, world=len(ranks), ranks=shown,
+                                             timeout=bound.timeout.total_seconds()))
+
+
+def wait_all(works: list[Any], bound: Agreement, what: str) -> None:
+    """Wait for the handles ``works`` of collectives over ``bound.group``, each at most
+    ``bound.timeout``, their errors annotated as ``annotated`` words them."""
+    with annotated(bound, what):
+        for work in works:
+            if work is not None:
+                work.wait(timeout=bound.timeout)

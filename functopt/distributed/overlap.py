@@ -20,6 +20,7 @@ one ``all_gather`` per bucket.
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -27,17 +28,10 @@ import torch
 import torch.distributed as dist
 
 from functopt._base import GradientTransformation, Params
+from functopt._collective.agreement import wait_all
 from functopt._collective.counting import Replicated
-from functopt.distributed.zero import (
-    _all_gather_bytes,
-    _Layout,
-    _layout,
-    _pack,
-    _Plan,
-    _rewrap,
-    _unpack,
-    _zero1_parts,
-)
+from functopt.distributed._zero_gather import GATHER, start_gather
+from functopt.distributed.zero import _Plan, _rewrap, _zero1_parts
 from functopt.precision.loss_scale import LossScale
 from functopt.precision.master import MasterWeights
 from functopt.precision.step import MixedPrecisionState
@@ -48,9 +42,8 @@ __all__ = ["OverlappedZero1", "PendingParams", "zero1_overlapped"]
 
 class _Bucket(NamedTuple):
     leaves: list[int]  # indices into the params' leaves
-    layout: _Layout
-    out: torch.Tensor | None  # the gathered bytes (None: no group, nothing gathered)
-    work: Any  # the all_gather's handle (None when done or not needed)
+    full: list[Any]  # their new local tensors, filled by the all-gather in flight
+    works: list[Any]  # the all-gather's handles (empty: no group, nothing gathered)
 
 
 class PendingParams:
@@ -88,12 +81,10 @@ class PendingParams:
         if self._arrived[b]:
             return
         bucket = self._buckets[b]
-        bucket.work.wait()
-        assert bucket.out is not None
-        local = [self._plan.local[i] for i in bucket.leaves]
-        full = _unpack(bucket.out, local, bucket.layout, self._plan.world)
+        assert self._plan.limit is not None  # (a group: buckets in flight)
+        wait_all(bucket.works, self._plan.limit, GATHER)
         for i, t in zip(bucket.leaves, _rewrap([self._plan.leaves[i] for i in bucket.leaves],
-                                               full), strict=True):
+                                               bucket.full), strict=True):
             self._full[i] = t
         self._arrived[b] = True
 
@@ -218,6 +209,7 @@ def zero1_overlapped(
     master_weights: MasterWeights | None = None,
     max_grad_norm: float | torch.Tensor | None = None,
     fused: bool = True,
+    timeout: float | datetime.timedelta | None = None,
 ) -> OverlappedZero1:
     r"""[`zero1`][functopt.distributed.zero1] whose parameter all-gather runs while the next forward starts.
 
@@ -243,6 +235,8 @@ def zero1_overlapped(
         master_weights: as in ``zero1``.
         max_grad_norm: as in ``zero1``.
         fused: as in ``zero1``.
+        timeout: as in ``zero1``: bounds the statistics' all-reduce and each bucket's
+            wait (in ``wait()`` or a forward pre-hook).
 
     Returns:
         An [`OverlappedZero1`][functopt.distributed.OverlappedZero1].
@@ -271,7 +265,7 @@ def zero1_overlapped(
     init_fn, step_slices, buffers = _zero1_parts(
         "zero1_overlapped", inner, process_group=process_group, stats_group=stats_group,
         replicated=replicated, loss_scale=loss_scale, master_weights=master_weights,
-        max_grad_norm=max_grad_norm, fused=fused)
+        max_grad_norm=max_grad_norm, fused=fused, timeout=timeout)
 
     last: list[PendingParams] = []  # the previous step's params, which must have arrived
 
@@ -288,16 +282,13 @@ def zero1_overlapped(
         pl, new_leaves, new_state = step_slices(grads, state, params, **extra_args)
         buckets: list[_Bucket] = []
         for indices in _buckets(pl.local, pl.leaves, pl.world, bucket_bytes):
-            local = [pl.local[i] for i in indices]
-            layout = _layout(local, pl.world)
-            if pl.group is None:
-                buckets.append(_Bucket(indices, layout, None, None))
+            if pl.group is None or pl.limit is None:
+                buckets.append(_Bucket(indices, [], []))
                 continue
-            buf = _pack([new_leaves[i] for i in indices], layout, local[0].device)
-            out = torch.empty(pl.world * layout.buffer_bytes, dtype=torch.uint8,
-                              device=local[0].device)
-            work = _all_gather_bytes(out, buf, pl.group, async_op=True)
-            buckets.append(_Bucket(indices, layout, out, work))
+            full, works = start_gather([new_leaves[i] for i in indices],
+                                       [pl.local[i] for i in indices], pl.rank, pl.world,
+                                       pl.group, pl.limit)
+            buckets.append(_Bucket(indices, full, works))
         pending = PendingParams(pl, new_leaves, buckets)
         last[:] = [pending]
         return pending, new_state

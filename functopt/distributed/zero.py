@@ -33,9 +33,15 @@ One step makes two collectives, whatever the number of leaves and dtypes:
    (sum of squares, non-finite count, zero count; see
    [`global_grad_stats`][functopt.distributed.global_grad_stats]), so the norm, the clip
    factor, the overflow decision and the loss scale are global and equal on every rank;
-2. one ``all_gather`` of the new slices, packed as bytes into one buffer (each slice
-   aligned to 8 bytes, each rank's buffer padded to the longest), so params of several
-   dtypes still travel together.
+2. one coalesced ``all_gather`` of the new slices, written straight into the new params
+   (``functopt/distributed/_zero_gather.py``): no send or receive buffer beside them, and
+   params of several dtypes still travel together.
+
+Each collective is bounded by ``timeout`` (600 s by default): a rank that dies or hangs
+before it makes the others raise within the bound, naming the collective, the group's
+ranks, the timeout and the fix, rather than wait for the process group's timeout. The
+step's host work is a few Python operations per leaf, none per rank, so it does not grow
+with the number of ranks (``benchmarks/zero1.py``).
 
 Equality with the unsharded run (``mixed_precision`` with the same arguments on the whole
 params and gradients): the update is elementwise, so params, masters and inner state are
@@ -51,6 +57,7 @@ between ranks (not a ZeRO-1 setting) an element outside a rank's slice is never 
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -59,8 +66,10 @@ import torch
 import torch.distributed as dist
 
 from functopt._base import GradientTransformation, Params
+from functopt._collective.agreement import Agreement, check_timeout
 from functopt._collective.counting import Replicated, _entries
 from functopt._collective.dtensor import _rewrap_like, is_dtensor, local_tensor
+from functopt.distributed._zero_gather import ZERO1_TIMEOUT_S, ZERO1_WORDING, bound, gather
 from functopt.distributed._zero_state import Zero1State, mesh_of
 from functopt.distributed.checkpoint import _checked, _flat, _rebuild, _with_record
 from functopt.precision.loss_scale import LossScale
@@ -68,7 +77,7 @@ from functopt.precision.master import MasterWeights
 from functopt.precision.step import (
     MixedPrecisionState,
     MixedPrecisionTransformation,
-    mixed_precision,
+    _mixed_precision,
 )
 from functopt.tree import _core
 
@@ -79,9 +88,6 @@ __all__ = [
     "zero1_state_from_dict",
     "zero1_state_to_dict",
 ]
-
-_ALIGN = 8  # bytes: every dtype's item size divides it, so a byte slice views as its dtype
-
 
 def slice_bounds(numel: int, rank: int, world_size: int) -> tuple[int, int]:
     """``(start, end)`` of the elements of a flattened leaf of ``numel`` elements that ``rank`` owns.
@@ -176,99 +182,18 @@ class _Plan(NamedTuple):
     leaves: list[Any]  # the params as given (plain tensors, DTensors, None)
     treespec: _core.TreeSpec
     local: list[Any]  # each param's local tensor (its local shard for a DTensor)
-    layout: _Layout
-    mine: list[tuple[int, int, int] | None]  # this rank's (start, end, offset) per leaf
+    mine: list[tuple[int, int] | None]  # this rank's (start, end) per leaf
     group: dist.ProcessGroup | None  # the data-parallel group (None: one rank)
     rank: int
     world: int
     opt: MixedPrecisionTransformation  # the inner step on the slices
+    limit: Agreement | None  # the bound of the all-gather (None: one rank)
 
 
-class _Layout(NamedTuple):
-    """Where each leaf's slices lie: per leaf, per rank, (start, end, byte offset)."""
-
-    slices: list[list[tuple[int, int, int]] | None]  # None for a None param
-    buffer_bytes: int  # bytes of every rank's packed buffer (the longest, aligned)
-
-
-def _align(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-def _layout(leaves: list[Any], world: int) -> _Layout:
-    offsets = [0] * world
-    slices: list[list[tuple[int, int, int]] | None] = []
-    for p in leaves:
-        if p is None:
-            slices.append(None)
-            continue
-        per_rank = []
-        for r in range(world):
-            start, end = slice_bounds(p.numel(), r, world)
-            per_rank.append((start, end, offsets[r]))
-            offsets[r] += _align((end - start) * p.element_size())
-        slices.append(per_rank)
-    return _Layout(slices, max(offsets, default=0))
-
-
-def _slice(x: torch.Tensor | None, bounds: tuple[int, int, int] | None) -> torch.Tensor | None:
+def _slice(x: torch.Tensor | None, bounds: tuple[int, int] | None) -> torch.Tensor | None:
     if x is None or bounds is None:
         return None
     return x.detach().reshape(-1)[bounds[0]:bounds[1]]
-
-
-def _all_gather_bytes(out: torch.Tensor, buf: torch.Tensor, group: dist.ProcessGroup, *,
-                      async_op: bool = False) -> Any:
-    gather = getattr(dist, "all_gather_single", None)  # torch >= 2.13; the old name warns
-    if gather is None:  # pragma: no cover - older torch
-        gather = dist.all_gather_into_tensor
-    return gather(out, buf, group=group, async_op=async_op)
-
-
-def _pack(new_slices: list[Any], layout: _Layout, device: torch.device) -> torch.Tensor:
-    """This rank's new slices as one byte buffer of ``layout.buffer_bytes`` (8-byte aligned)."""
-    pieces = []
-    used = 0
-    for s, bounds in zip(new_slices, layout.slices, strict=True):
-        if bounds is None:
-            continue
-        raw = s.reshape(-1).view(torch.uint8)
-        pieces.append(raw)
-        pad = _align(raw.numel()) - raw.numel()
-        if pad:
-            pieces.append(raw.new_zeros(pad))
-        used += raw.numel() + pad
-    if used < layout.buffer_bytes:
-        pieces.append(torch.zeros(layout.buffer_bytes - used, dtype=torch.uint8, device=device))
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.uint8, device=device)
-
-
-def _unpack(out: torch.Tensor, old: list[Any], layout: _Layout, world: int) -> list[Any]:
-    """The full leaves from the gathered buffers of every rank (``out``, rank after rank)."""
-    rows = out.view(world, layout.buffer_bytes)
-    full = []
-    for p, bounds in zip(old, layout.slices, strict=True):
-        if p is None or bounds is None:
-            full.append(p)
-            continue
-        size = p.element_size()
-        parts = [rows[r, off:off + (end - start) * size].view(p.dtype)
-                 for r, (start, end, off) in enumerate(bounds)]
-        full.append(torch.cat(parts).reshape(p.shape))
-    return full
-
-
-def _gather(new_slices: list[Any], old: list[Any], layout: _Layout, rank: int, world: int,
-            group: dist.ProcessGroup | None) -> list[Any]:
-    """Every rank's new slices of every leaf, reassembled into full params: one all_gather."""
-    if group is None or world == 1:
-        return [None if p is None else s.reshape(p.shape)
-                for p, s in zip(old, new_slices, strict=True)]
-    device = next(p.device for p in old if p is not None)
-    buf = _pack(new_slices, layout, device)
-    out = torch.empty(world * layout.buffer_bytes, dtype=torch.uint8, device=device)
-    _all_gather_bytes(out, buf, group)
-    return _unpack(out, old, layout, world)
 
 
 def zero1(
@@ -281,6 +206,7 @@ def zero1(
     master_weights: MasterWeights | None = None,
     max_grad_norm: float | torch.Tensor | None = None,
     fused: bool = True,
+    timeout: float | datetime.timedelta | None = None,
 ) -> MixedPrecisionTransformation:
     r"""[`mixed_precision`][functopt.precision.mixed_precision] with its state sharded over the data-parallel ranks (ZeRO-1).
 
@@ -294,8 +220,10 @@ def zero1(
     are 1-D slices; ``metrics`` and ``loss_scale`` are global, equal on every rank.
 
     Each step makes exactly two collectives: one ``all_reduce`` of the packed gradient
-    statistics (global norm, overflow, zero count) and one ``all_gather`` of the new
-    slices (all leaves and dtypes in one byte buffer). With ``fused=False``, params,
+    statistics (global norm, overflow, zero count) and one coalesced ``all_gather`` of the
+    new slices (all leaves and dtypes together), which writes them straight into the new
+    params: the gather allocates nothing beside them (the backend may: gloo's coalesced
+    all-gather uses temporaries of its own). With ``fused=False``, params,
     masters and inner state are bitwise those of ``mixed_precision`` on the whole params
     without clipping; with ``max_grad_norm`` the norm is summed in another order
     (last-bit differences). The fused kernels agree to rounding only: PyTorch's CPU kernel
@@ -347,6 +275,12 @@ def zero1(
             bfloat16 and float16 slices).
         max_grad_norm: as in ``mixed_precision``: the global norm over all ranks' slices.
         fused: as in ``mixed_precision``: the planner's fused kernels on each slice.
+        timeout: how long each collective of the step (the statistics' all-reduce, the
+            all-gather) may wait for the other ranks, in seconds or a
+            ``datetime.timedelta`` (default 600 s, NCCL's default timeout). Past it, or
+            when the backend reports a rank gone, the step raises the backend's
+            ``RuntimeError`` with a note naming zero1's collective, the group's ranks, the
+            timeout and the fix. The wait holds the host until the collective completes.
 
     Returns:
         A [`MixedPrecisionTransformation`][functopt.precision.MixedPrecisionTransformation].
@@ -354,11 +288,14 @@ def zero1(
     Raises:
         TypeError: ``process_group`` or ``stats_group`` is not a process group (and
             ``mixed_precision``'s argument errors).
+        RuntimeError: at ``step``, a collective timed out or a rank is gone (see
+            ``timeout``).
         ValueError: a DTensor param is not on one 1-D mesh crossing the data-parallel
             group (FSDP2 params: their state is already sharded like them, use
             ``mixed_precision``), a plain param beside DTensor params without a
             ``replicated`` declaration, or a gradient has neither its param's (local) shape
-            nor the shape of this rank's slice.
+            nor the shape of this rank's slice; ``timeout`` is not a positive number of
+            seconds.
 
     Examples:
         >>> import torch, functopt
@@ -373,12 +310,12 @@ def zero1(
     init_fn, step_slices, buffers = _zero1_parts(
         "zero1", inner, process_group=process_group, stats_group=stats_group,
         replicated=replicated, loss_scale=loss_scale, master_weights=master_weights,
-        max_grad_norm=max_grad_norm, fused=fused)
+        max_grad_norm=max_grad_norm, fused=fused, timeout=timeout)
 
     def step_fn(grads: Any, state: MixedPrecisionState, params: Params,
                 **extra_args: Any) -> tuple[Params, MixedPrecisionState]:
         pl, new_leaves, new_state = step_slices(grads, state, params, **extra_args)
-        full = _gather(new_leaves, pl.local, pl.layout, pl.rank, pl.world, pl.group)
+        full = gather(new_leaves, pl.local, pl.rank, pl.world, pl.group, pl.limit)
         return _core.unflatten(pl.treespec, _rewrap(pl.leaves, full)), new_state
 
     return MixedPrecisionTransformation(init_fn, step_fn, buffers)
@@ -408,6 +345,7 @@ def _zero1_parts(
     master_weights: MasterWeights | None,
     max_grad_norm: float | torch.Tensor | None,
     fused: bool,
+    timeout: float | datetime.timedelta | None,
 ) -> _Parts:
     """``init``, the step up to the new slices (``(plan, new slices, state)``), and
     ``buffers`` of zero1: what zero1 and zero1_overlapped share; the gather is theirs."""
@@ -424,15 +362,21 @@ def _zero1_parts(
                 f"{owner}: {name} must be a torch.distributed.ProcessGroup or None, got "
                 f"{type(value).__name__}."
             )
+    timeout_s = check_timeout(owner, "timeout", timeout, ZERO1_TIMEOUT_S)
     # The declarations the inner step reads, per slice leaf, for the step in progress: who
     # counts which slice in the statistics (set by `plan` before every init and step).
     current: list[Any] = [None]
 
     def build(stats: dist.ProcessGroup | None) -> MixedPrecisionTransformation:
-        return mixed_precision(
+        # the statistics' all-reduce bounded by `timeout`: the skip agreement's bound, over
+        # the statistics' own group (which it spans: no collective is added)
+        return _mixed_precision(
             inner, loss_scale=loss_scale, master_weights=master_weights,
             max_grad_norm=max_grad_norm, process_group=stats,
-            replicated=None if stats is None else (lambda _slices: current[0]), fused=fused)
+            replicated=None if stats is None else (lambda _slices: current[0]),
+            agree_skip=False if stats is None else stats,
+            agree_timeout=None if stats is None else timeout_s, count_zeros=False,
+            donate=False, fused=fused, compile=False, wording=ZERO1_WORDING)
 
     # Built now to validate the arguments; the sharded step is built per group, lazily,
     # because the default group may be created after the optimizer.
@@ -487,9 +431,9 @@ def _zero1_parts(
             opt = cached[1]
         current[0] = _core.unflatten(treespec, entries)
         local = [None if p is None else local_tensor(p) for p in leaves]
-        layout = _layout(local, world)
-        mine = [None if b is None else b[rank] for b in layout.slices]
-        return _Plan(leaves, treespec, local, layout, mine, group, rank, world, opt)
+        mine = [None if p is None else slice_bounds(p.numel(), rank, world) for p in local]
+        limit = None if group is None else bound(group, timeout_s)
+        return _Plan(leaves, treespec, local, mine, group, rank, world, opt, limit)
 
     def init_fn(params: Params) -> MixedPrecisionState:
         pl = plan(params)
@@ -816,23 +760,25 @@ def zero1_reduce_scatter(grads: Any, *, process_group: dist.ProcessGroup | None 
             by_dtype.setdefault((g.device, g.dtype), []).append(i)
     out: list[Any] = [None] * len(leaves)
     for (device, dtype), indices in by_dtype.items():
-        bounds = {i: [slice_bounds(leaves[i].numel(), r, world) for r in range(world)]
-                  for i in indices}
-        width = max(sum(b[r][1] - b[r][0] for b in bounds.values()) for r in range(world))
-        buf = torch.zeros(world, width, dtype=dtype, device=device)
-        for r in range(world):
-            at = 0
-            for i in indices:
-                start, end = bounds[i][r]
-                buf[r, at:at + end - start] = leaves[i].detach().reshape(-1)[start:end]
-                at += end - start
+        # rank r's row holds its slice of every leaf, each at the leaf's offset and padded to
+        # the leaf's chunk c (rank 0's slice, the longest): a leaf's c-element rows are its
+        # chunks, so it is copied in with two copies, whatever the number of ranks
+        chunks = [-(-leaves[i].numel() // world) for i in indices]
+        buf = torch.zeros(world, sum(chunks), dtype=dtype, device=device)
+        at = 0
+        for i, c in zip(indices, chunks, strict=True):
+            flat, rows = leaves[i].detach().reshape(-1), leaves[i].numel() // max(c, 1)
+            buf[:rows, at:at + c] = flat[:rows * c].view(rows, c)
+            if rows * c < flat.numel():
+                buf[rows, at:at + flat.numel() - rows * c] = flat[rows * c:]
+            at += c
         if average:
             buf /= world
-        mine = torch.empty(width, dtype=dtype, device=device)
+        mine = torch.empty(buf.shape[1], dtype=dtype, device=device)
         _reduce_scatter(mine, buf.reshape(-1), group)
         at = 0
-        for i in indices:
-            start, end = bounds[i][rank]
+        for i, c in zip(indices, chunks, strict=True):
+            start, end = slice_bounds(leaves[i].numel(), rank, world)
             out[i] = mine[at:at + end - start]
-            at += end - start
+            at += c
     return _core.unflatten(treespec, out)

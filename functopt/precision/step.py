@@ -64,7 +64,13 @@ import torch.distributed as dist
 
 from functopt import _validate
 from functopt._base import GradientTransformation, Params, State, with_extra_args_support
-from functopt._collective.agreement import agreement, check_agreement, reduce_stats
+from functopt._collective.agreement import (
+    SKIP_AGREEMENT,
+    Wording,
+    agreement,
+    check_agreement,
+    reduce_stats,
+)
 from functopt._collective.counting import Replicated, _counting, _entries
 from functopt._collective.dtensor import _leaf_names
 from functopt._collective.reduce import _local_stats
@@ -334,6 +340,22 @@ def mixed_precision(
         >>> torch.equal(params["w"], state.master["w"].to(torch.bfloat16))
         True
     """
+    return _mixed_precision(
+        inner, loss_scale=loss_scale, master_weights=master_weights,
+        max_grad_norm=max_grad_norm, process_group=process_group, replicated=replicated,
+        agree_skip=agree_skip, agree_timeout=agree_timeout, count_zeros=count_zeros,
+        donate=donate, fused=fused, compile=compile, wording=SKIP_AGREEMENT)
+
+
+def _mixed_precision(
+    inner: GradientTransformation, *, loss_scale: LossScale | None,
+    master_weights: MasterWeights | None, max_grad_norm: float | torch.Tensor | None,
+    process_group: dist.ProcessGroup | None, replicated: Replicated,
+    agree_skip: bool | dist.ProcessGroup, agree_timeout: float | datetime.timedelta | None,
+    count_zeros: bool, donate: bool, fused: bool, compile: bool, wording: Wording,
+) -> MixedPrecisionTransformation:
+    """`mixed_precision`, whose bounded collectives' errors say ``wording`` (``zero1``
+    bounds its statistics' all-reduce with its own ``timeout`` and words it as its own)."""
     owner = "mixed_precision"
     if not isinstance(inner, GradientTransformation):
         hint = (
@@ -420,7 +442,7 @@ def mixed_precision(
                      counted: list[bool]) -> dict[str, Any]:
         return dict(treespec=treespec, scale_rule=scale_rule, scaled=loss_scale is not None,
                     max_grad_norm=max_grad_norm, group=group, name=name, counted=counted,
-                    agreed=agreement(agree_skip, agree_timeout_s), count_zeros=count_zeros,
+                    agreed=agreement(agree_skip, agree_timeout_s, wording), count_zeros=count_zeros,
                     donate=donate, compiled=compile,
                     workspace=buffers_here() if donate else None,
                     scratch=scratch_here() if donate else None)
@@ -558,7 +580,7 @@ def mixed_precision(
         # 3. The loss scale moves whatever happens.
         packed = reduce_stats(
             _local_stats(unscaled, name, state.loss_scale.scale.device, counted), group,
-            agreement(agree_skip, agree_timeout_s))
+            agreement(agree_skip, agree_timeout_s, wording))
         stats = unpack_grad_stats(packed)
         new_loss_scale = scale_rule.adjust(state.loss_scale, stats.found_inf)
         # 4. clip with the same statistics (optax's rule: only when the norm exceeds the bound).

@@ -3,7 +3,7 @@ docs/sharded-state.md ("Communication per step"), at 2 and 4 gloo ranks.
 
 Each check computes the prediction from the formula (collective count and the bytes each
 collective takes in and gives out, from the leaves' sizes, the ranks N and the groups:
-slices split like ``torch.chunk``, aligned to 8 bytes) and compares it with what the
+slices split like ``torch.chunk``) and compares it with what the
 step does: the count from ``CommDebugMode`` and the bytes from a dispatch mode recording
 every ``c10d`` operation's tensors. Nothing here reads functopt's own layout code.
 """
@@ -66,14 +66,16 @@ def _chunk_lengths(numel: int, world: int) -> list[int]:
     return parts + [0] * (world - len(parts))
 
 
-def _align8(n: int) -> int:
-    return -(-n // 8) * 8
+def _gather_parts(leaves: list[torch.Tensor], world: int) -> list[int]:
+    """s_l per leaf with elements: the longest rank's slice of it, in bytes (every rank
+    hands that many to the leaf's gather, padded; the sum over the leaves is S)."""
+    return [max(_chunk_lengths(p.numel(), world)) * p.element_size()
+            for p in leaves if p.numel()]
 
 
-def _gather_bytes(leaves: list[torch.Tensor], world: int) -> int:
-    """S: one rank's packed slices, the longest rank's, each slice aligned to 8 bytes."""
-    return max(sum(_align8(_chunk_lengths(p.numel(), world)[r] * p.element_size())
-                   for p in leaves) for r in range(world))
+def _coalesced_gather(parts: list[int], world: int) -> tuple[str, list[int]]:
+    """The one coalesced all-gather of these parts: each leaf's N s_l out, s_l in."""
+    return ("allgather_into_tensor_coalesced_", [world * s for s in parts] + parts)
 
 
 def _params() -> dict[str, torch.Tensor]:
@@ -114,19 +116,19 @@ def mixed_precision_over_a_mesh_is_one_all_reduce_of_24_bytes(rank: int, world: 
 
 @check
 def zero1_is_one_all_reduce_and_one_all_gather_of_s_bytes(rank: int, world: int) -> None:
-    """zero1: the stats all_reduce (24 bytes) and one all_gather taking S bytes and giving
-    N * S, S = max over ranks of the sum of 8-byte-aligned slices."""
+    """zero1: the stats all_reduce (24 bytes) and one coalesced all_gather taking s_l bytes
+    and giving N * s_l per leaf, s_l the longest rank's slice of leaf l; S = sum of s_l."""
     params = _params()
     opt = zero1(functopt.adamw(1e-3), max_grad_norm=1.0)
     state = opt.init(params)
     count, ops, _ = _measure(lambda: opt.step(_grads(params), state, params))
-    s = _gather_bytes(list(params.values()), world)
+    parts = _gather_parts(list(params.values()), world)
     assert count == 2, ops
-    assert ops == [("allreduce_", [STATS_BYTES]), ("_allgather_base_", [world * s, s])], (ops, s)
-    # S is an even share of the param bytes, plus at most one element and 7 bytes per leaf
+    assert ops == [("allreduce_", [STATS_BYTES]), _coalesced_gather(parts, world)], (ops, parts)
+    # S is an even share of the param bytes, plus at most one element per leaf
     total = sum(p.numel() * p.element_size() for p in params.values())
-    assert total / world <= s <= total / world + sum(p.element_size() + 7
-                                                     for p in params.values())
+    assert total / world <= sum(parts) <= total / world + sum(p.element_size()
+                                                              for p in params.values())
 
 
 @check
@@ -148,10 +150,10 @@ def zero1_overlapped_is_one_all_gather_per_bucket(rank: int, world: int) -> None
             used = 0
         buckets[-1].append(p)
         used += size
-    sizes = [_gather_bytes(b, world) for b in buckets]
+    parts = [_gather_parts(b, world) for b in buckets]
     assert count == 1 + len(buckets), ops
     assert ops[0] == ("allreduce_", [STATS_BYTES])
-    assert ops[1:] == [("_allgather_base_", [world * s, s]) for s in sizes], (ops, sizes)
+    assert ops[1:] == [_coalesced_gather(p, world) for p in parts], (ops, parts)
 
 
 @check

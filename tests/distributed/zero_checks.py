@@ -505,3 +505,47 @@ def zero1_tensor_parallel_reduce_scattered_grads(rank: int, world: int) -> None:
     partial = DTensor.from_local(torch.ones(2), mesh["tp"], [Partial()])
     with pytest.raises(ValueError, match=r"'p' is a Partial DTensor"):
         zero1_reduce_scatter({"p": partial}, process_group=dp_group)
+
+
+# ------------------------------------------------------------ bounded collectives
+# Each runs alone in a launch of its own: a timed-out collective stays pending in the
+# process group, which no later collective may meet.
+
+TIMEOUT_S = 2.0
+
+
+def stopped_rank_check(rank: int, world: int, where: str) -> tuple[float, str]:
+    """Rank 1 stops at ``where`` of the step: ``"before the step"`` (it never steps: rank
+    0 waits in the statistics' all-reduce), ``"before the all-gather"`` (it makes the
+    step's statistics all-reduce, then waits), or ``"exits before the all-gather"`` (it
+    makes the all-reduce and leaves: the harness destroys its process group and the
+    process exits). Rank 0 steps with ``timeout=TIMEOUT_S``; returns its wait, in seconds,
+    and the error's message with its notes."""
+    import datetime
+    import time
+
+    from functopt.distributed.zero import _zero1_parts
+
+    store = dist.distributed_c10d._get_default_store()
+    params = {k: v for k, v in _params().items() if v is not None}
+    grads = _grads(0, params)
+    if rank != 0:
+        if where != "before the step":  # this rank's part of the step, up to the gather
+            init_fn, step_slices, _ = _zero1_parts(
+                "zero1", functopt.adamw(1e-3), process_group=None, stats_group=None,
+                replicated=None, loss_scale=None, master_weights=None, max_grad_norm=None,
+                fused=True, timeout=TIMEOUT_S)
+            step_slices(grads, init_fn(params), params)
+        if where != "exits before the all-gather":
+            store.wait(["raised"], datetime.timedelta(seconds=60))
+        return 0.0, ""
+    opt = zero1(functopt.adamw(1e-3), timeout=TIMEOUT_S)
+    state = opt.init(params)
+    start = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError) as raised:
+            opt.step(grads, state, params)
+    finally:
+        store.set("raised", "1")
+    message = str(raised.value) + "\n".join(getattr(raised.value, "__notes__", []))
+    return time.monotonic() - start, message
