@@ -21,7 +21,6 @@ import torch
 
 from functopt import _validate
 from functopt._base import GradientTransformation
-from functopt.adapters import _missing_grads
 from functopt.adapters.optimizer import Optimizer
 from functopt.transforms.hyperparams import inject_hyperparams
 from functopt.tree import _ops
@@ -202,10 +201,6 @@ class TorchOptimizer(Optimizer):
 
     def _step_owner(self) -> str:
         return f"functopt.optim.{type(self).__name__}"
-
-    def _count_rule(self, group: dict[str, Any], plan: Any) -> int:
-        # torch's own rule for the class (the chain's counts say less: RMSprop's is unread)
-        return _missing_grads.torch_rule(type(self).__name__, group)
 
     def _kept_keys(self) -> frozenset[str]:
         # torch's fixed options and execution hints: checked here, kept in every group.
