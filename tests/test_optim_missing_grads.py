@@ -156,13 +156,13 @@ def test_a_restart_or_a_loaded_state_counts_from_there() -> None:
     for m, o in ((model, opt), (ref, torch_opt)):
         m.weight.grad = torch.ones_like(m.weight)
         o.step()  # the bias misses it
-    saved, torch_saved = copy.deepcopy(opt.state_dict()), copy.deepcopy(torch_opt.state_dict())
+    saved = copy.deepcopy(opt.state_dict())  # torch's layout: the bias has no entry
     for m, o in ((model, opt), (ref, torch_opt)):
         m.bias.grad = torch.ones_like(m.bias)
         o.step()
     _close([p.detach() for p in model.parameters()], [p.detach() for p in ref.parameters()])
-    opt.load_state_dict(saved)  # the bias has not stepped in the saved state
-    torch_opt.load_state_dict(torch_saved)
+    opt.load_state_dict(saved)
+    torch_opt.load_state_dict(saved)
     with torch.no_grad():
         for p, q in zip(model.parameters(), ref.parameters(), strict=True):
             p.copy_(q)

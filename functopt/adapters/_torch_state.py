@@ -283,34 +283,38 @@ def to_torch(layout: TorchLayout, keys: Mapping[str, str], group: Mapping[str, A
                 dtype, device = _scalar_place(key, group, p)
                 value = value.to(dtype=dtype, device=device, copy=True)
             torch_entry[key] = value
-        out.append({k: torch_entry[k] for k in (STEP, *layout.keys) if k in torch_entry})
+        ordered = {k: torch_entry[k] for k in (STEP, *layout.keys) if k in torch_entry}
+        out.append(ordered or None)  # (torch keeps no entry without state: SGD without momentum)
     return out
 
 
-def from_torch(owner: str, layout: TorchLayout, keys: Mapping[str, str],
-               expected: Mapping[str, Any], entry: Any,
-               fresh: Callable[[], Mapping[str, Any]]) -> Any:
+def from_torch(layout: TorchLayout, keys: Mapping[str, str], expected: Mapping[str, Any],
+               entry: Any, fresh: Callable[[], Mapping[str, Any]],
+               counts: dict[tuple[Any, ...], torch.Tensor]) -> Any:
     """A param's functopt entry (entry name -> tensor) from its torch entry; a param torch
     has no state for (never stepped) gets ``fresh()``, its state from init. ``expected``
-    is the param's entry as this optimizer holds it (its names, dtypes and devices)."""
+    is the param's entry as this optimizer holds it (its names, dtypes and devices);
+    ``counts`` the count tensors made so far (params of one count share them)."""
     if not isinstance(entry, Mapping):
         return entry  # (refused, naming it, by the codec's check)
     if not entry:
         return dict(fresh())
-    torch_keys = {key for key in keys.values()}
-    unknown = [k for k in entry if k not in torch_keys and k != STEP]
-    if unknown:
-        return dict(entry)  # the codec's check names the keys this optimizer does not keep
+    torch_keys = set(keys.values())
+    # (a key this optimizer does not keep stays as it is: the codec's check names it)
+    out: dict[str, Any] = {k: v for k, v in entry.items() if k not in torch_keys and k != STEP}
     if layout.step and STEP in entry:
         step = entry[STEP]
         count = int(step.item() if isinstance(step, torch.Tensor) else step)
     else:
         count = 1  # torch keeps state for a param that stepped
-    out: dict[str, Any] = {}
     for name, key in keys.items():
         if key == STEP:
             held = expected[name]
-            out[name] = torch.tensor(count, dtype=held.dtype, device=held.device)
+            made = counts.get((name, count, held.dtype, held.device))
+            if made is None:  # (one per name: a step updates each count in place)
+                made = counts[(name, count, held.dtype, held.device)] = torch.tensor(
+                    count, dtype=held.dtype, device=held.device)
+            out[name] = made
         elif key in entry and entry[key] is not None:
             out[name] = entry[key]
     return out
@@ -326,3 +330,72 @@ def looks_torch(entries: Sequence[Any], keys: Mapping[str, str]) -> bool:
             if given & (names - torch_keys):
                 return False
     return True
+
+
+def plan_keys(owner: str, cls: str, layout: TorchLayout, plan: Any) -> dict[str, str]:
+    """``entry_keys`` of a group's plan (``functopt.Optimizer``'s), made once per plan."""
+    cached: dict[str, str] | None = plan.__dict__.get("torch_keys")
+    if cached is None:
+        stored = set(plan.fields[0]) if plan.fields else set()
+        slots = {name: slot for name, slot in slot_names(plan.treespec, plan.pspec).items()
+                 if name in stored}
+        cached = plan.torch_keys = entry_keys(owner, cls, layout, slots)
+    return cached
+
+
+def state_dict(opt: Any, layout: TorchLayout) -> dict[str, Any]:
+    """torch.optim's ``state_dict()`` of ``opt`` (a ``functopt.optim`` class): its groups as
+    torch packs them (every key but ``params``, then the params' ids), and per param that
+    has state in torch's layout its torch entry; the state-dict hooks run as in torch."""
+    cls = type(opt).__name__
+    owner = f"functopt.optim.{cls}.state_dict"
+    for pre_hook in opt._optimizer_state_dict_pre_hooks.values():
+        pre_hook(opt)
+    ids: dict[int, int] = {}
+    groups: list[dict[str, Any]] = []
+    state: dict[int, Any] = {}
+    plans = opt._plans
+    for i, group in enumerate(opt.param_groups):
+        params = group["params"]
+        for p in params:
+            ids.setdefault(id(p), len(ids))
+        packed = {k: v for k, v in group.items() if k != "params"}
+        packed["params"] = [ids[id(p)] for p in params]
+        groups.append(packed)
+        plan = plans[i] if i < len(plans) else None
+        if plan is None or not params:  # frozen (or empty): no state, as torch's
+            continue
+        keys = plan_keys(owner, cls, layout, plan)
+        get = opt.state.get
+        made = to_torch(layout, keys, group, params, [get(p) for p in params])
+        for p, entry in zip(params, made, strict=True):
+            if entry is not None:
+                state[ids[id(p)]] = entry
+    saved: dict[str, Any] = {"state": dict(sorted(state.items())), "param_groups": groups}
+    for post_hook in opt._optimizer_state_dict_post_hooks.values():
+        result = post_hook(opt, saved)
+        if result is not None:
+            saved = result
+    return saved
+
+
+def loaded_entries(opt: Any, layout: TorchLayout, owner: str, group: dict[str, Any],
+                   plan: Any, config: Any, entries: list[Any],
+                   hyper: dict[str, Any]) -> list[Any]:
+    """The saved entries of a group in functopt's layout: torch's translated (a param torch
+    has no state for starts from init), functopt's own (a record ``config`` of the format,
+    or its paths) as saved."""
+    keys = plan_keys(owner, type(opt).__name__, layout, plan)
+    if config is not None or not any(entries) or not looks_torch(entries, keys):
+        return entries
+    fresh: list[Any] = []
+
+    def init(j: int) -> dict[str, Any]:
+        if not fresh:
+            fresh.extend(plan.fresh(opt._transform, opt._tree(group, group["params"]),
+                                    opt._init_hyper(hyper)))
+        return {name: fresh[k] for k, name in plan.entry_slots[j] if fresh[k] is not None}
+
+    counts: dict[tuple[Any, ...], torch.Tensor] = {}
+    return [from_torch(layout, keys, plan.fields[j], entry, lambda j=j: init(j), counts)
+            for j, entry in enumerate(entries)]

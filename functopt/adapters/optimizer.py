@@ -1002,7 +1002,8 @@ class Optimizer(torch.optim.Optimizer):
             plan = self._plan(i, new_group, placed=True)  # loaded tensors go where params are
             self._check_options(i, new_group, plan)
             self._check_multipliers(i, new_group, plan, flags)
-            self._hyperparams(i, new_group, plan)
+            hyper = self._hyperparams(i, new_group, plan)
+            entries = self._loaded_entries(owner, new_group, plan, config, entries, hyper)
             for j, (p, entry) in enumerate(zip(group["params"], entries, strict=True)):
                 new_state[p] = (_state_dict.check_entry(
                     owner, f"param {j} of param_groups[{i}]", plan.fields[j], entry,
@@ -1020,6 +1021,12 @@ class Optimizer(torch.optim.Optimizer):
         self._state_shared = True  # the loaded tensors may be the caller's own
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _loaded_entries(self, owner: str, group: dict[str, Any], plan: _Plan, config: Any,
+                        entries: list[Any], hyper: dict[str, Any]) -> list[Any]:
+        """The saved entries of a group's params in this optimizer's layout (``config``: the
+        group's saved configuration record, None if it has none)."""
+        return entries
 
     def __getstate__(self) -> dict[str, Any]:
         # Plans are rebuilt on the next step; the transform's closures travel as they are.
