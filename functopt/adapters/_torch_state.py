@@ -34,6 +34,7 @@ as in torch, unless the class makes every param's state at construction
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
@@ -124,9 +125,10 @@ class Counts:
         """Let params whose group leaves hold equal values share them; mark the group
         split when they still differ."""
         self.split.discard(index)
-        entries = [store.get(p) for p in params]
-        if not slots or not all(entries):
+        got = [store.get(p) for p in params]
+        if not slots or not all(got):
             return
+        entries: list[Any] = got
         first: dict[tuple[int, ...], Mapping[str, Any]] = {}
         for entry in entries:
             first.setdefault(_key(entry, slots), entry)
@@ -203,10 +205,10 @@ def slot_names(treespec: _core.TreeSpec, pspec: _core.TreeSpec) -> dict[str, str
         one_level = optree.treespec_one_level(spec)
         assert one_level is not None  # (spec is no leaf)
         kind = spec.type
-        named = kind is not None and hasattr(kind, "_fields")
+        name = kind.__name__ if kind is not None and hasattr(kind, "_fields") else None
         for child, entry in zip(spec.children(), _core.paths(one_level), strict=True):
             walk(child, f"{prefix}.{entry}" if prefix else entry,
-                 f"{kind.__name__}.{entry}" if named else slot)
+                 f"{name}.{entry}" if name else slot)
 
     walk(treespec, "", "")
     return out
@@ -242,7 +244,7 @@ def _scalar_place(key: str, group: Mapping[str, Any], param: torch.Tensor
     from torch.optim.optimizer import _get_scalar_dtype
 
     fused = bool(group.get("fused")) and key == STEP
-    dtype = _get_scalar_dtype(is_fused=fused or None)
+    dtype: torch.dtype = _get_scalar_dtype(is_fused=fused or None)  # type: ignore[no-untyped-call]
     on_device = bool(group.get("capturable")) or fused
     return dtype, (param.device if on_device else torch.device("cpu"))
 
@@ -397,5 +399,5 @@ def loaded_entries(opt: Any, layout: TorchLayout, owner: str, group: dict[str, A
         return {name: fresh[k] for k, name in plan.entry_slots[j] if fresh[k] is not None}
 
     counts: dict[tuple[Any, ...], torch.Tensor] = {}
-    return [from_torch(layout, keys, plan.fields[j], entry, lambda j=j: init(j), counts)
+    return [from_torch(layout, keys, plan.fields[j], entry, functools.partial(init, j), counts)
             for j, entry in enumerate(entries)]

@@ -1014,10 +1014,10 @@ class Optimizer(torch.optim.Optimizer):
         self._unstepped.clear()
         self._counts.split.clear()
         for i, group in enumerate(self.param_groups):  # equal counts share their tensors
-            plan = self._plans[i] if i < len(self._plans) else None
-            if plan is not None and not _param_groups.group_flags(
+            held = self._plans[i] if i < len(self._plans) else None
+            if held is not None and not _param_groups.group_flags(
                     owner, f"param_groups[{i}]", group).frozen:
-                self._counts.merge(i, self.state, group["params"], plan.group_slots)
+                self._counts.merge(i, self.state, group["params"], held.group_slots)
         self._state_shared = True  # the loaded tensors may be the caller's own
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)

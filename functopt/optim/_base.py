@@ -206,7 +206,7 @@ class TorchOptimizer(Optimizer):
     # Which leaf of the chain's state each of torch's per-param keys is (each class's own).
     _torch_layout: _torch_state.TorchLayout
 
-    @torch._disable_dynamo  # type: ignore[misc]
+    @torch._disable_dynamo  # type: ignore[attr-defined]
     def state_dict(self) -> dict[str, Any]:
         """torch.optim's state dict of this class: each param that has stepped has an entry
         with torch's keys (``step`` as torch stores it), each group torch's keys; it loads
