@@ -255,7 +255,7 @@ def to_torch(layout: TorchLayout, keys: Mapping[str, str], group: Mapping[str, A
     counts: dict[int, int] = {}  # id of a count tensor -> its value (read once)
     count_name = next((n for n, k in keys.items() if k == STEP), None)
     out: list[dict[str, Any] | None] = []
-    steps: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+    pending: list[tuple[int, int, tuple[torch.dtype, torch.device]]] = []
     for p, entry in zip(params, entries, strict=True):
         if not entry:
             out.append(None)
@@ -271,12 +271,7 @@ def to_torch(layout: TorchLayout, keys: Mapping[str, str], group: Mapping[str, A
             continue
         torch_entry: dict[str, Any] = {}
         if layout.step:
-            dtype, device = _scalar_place(STEP, group, p)
-            made = steps.get((count, dtype, device))
-            if made is None:
-                made = steps[(count, dtype, device)] = torch.tensor(float(count), dtype=dtype,
-                                                                    device=device)
-            torch_entry[STEP] = made.clone()  # torch adds to each param's step in place
+            pending.append((len(out), count, _scalar_place(STEP, group, p)))
         for name, key in keys.items():
             if key == STEP:
                 continue
@@ -287,6 +282,14 @@ def to_torch(layout: TorchLayout, keys: Mapping[str, str], group: Mapping[str, A
             torch_entry[key] = value
         ordered = {k: torch_entry[k] for k in (STEP, *layout.keys) if k in torch_entry}
         out.append(ordered or None)  # (torch keeps no entry without state: SGD without momentum)
+    # One step tensor per param (torch adds to each in place): views of one tensor per place.
+    places: dict[tuple[torch.dtype, torch.device], list[tuple[int, int]]] = {}
+    for k, count, place in pending:
+        places.setdefault(place, []).append((k, count))
+    for (dtype, device), rows in places.items():
+        made = torch.tensor([float(c) for _, c in rows], dtype=dtype, device=device).unbind(0)
+        for (k, _), step in zip(rows, made, strict=True):
+            out[k] = {STEP: step, **(out[k] or {})}
     return out
 
 
