@@ -256,6 +256,7 @@ def to_torch(layout: TorchLayout, keys: Mapping[str, str], group: Mapping[str, A
     count_name = next((n for n, k in keys.items() if k == STEP), None)
     out: list[dict[str, Any] | None] = []
     pending: list[tuple[int, int, tuple[torch.dtype, torch.device]]] = []
+    step_places: dict[torch.device, tuple[torch.dtype, torch.device]] = {}
     for p, entry in zip(params, entries, strict=True):
         if not entry:
             out.append(None)
@@ -271,7 +272,10 @@ def to_torch(layout: TorchLayout, keys: Mapping[str, str], group: Mapping[str, A
             continue
         torch_entry: dict[str, Any] = {}
         if layout.step:
-            pending.append((len(out), count, _scalar_place(STEP, group, p)))
+            place = step_places.get(p.device)
+            if place is None:
+                place = step_places[p.device] = _scalar_place(STEP, group, p)
+            pending.append((len(out), count, place))
         for name, key in keys.items():
             if key == STEP:
                 continue
