@@ -1,24 +1,27 @@
-"""Params without a gradient on some steps: exact as torch.optim, or an error.
+"""Params without a gradient on some steps under ``MixedPrecisionOptimizer`` over a torch
+optimizer: exact as torch.optim, or an error.
 
 torch.optim counts steps per param (``state[p]["step"]``) and skips a param whose
-``.grad`` is None. A functopt transform counts steps per group: a param without a gradient
-is left as it is, state included, but the group's count still advances when others step.
-So a param that missed steps and then steps again sees the group's count where torch.optim
-would use its own, and where the rule reads the count per param, the update differs:
+``.grad`` is None. ``functopt.Optimizer`` and the ``functopt.optim`` classes do the same
+(``_torch_state``). ``MixedPrecisionOptimizer`` runs a translated torch.optim optimizer's
+rule over all its params at once, with one count: a param without a gradient is left as
+it is, state included, but the count still advances when others step. So a param that
+missed steps and then steps again sees that count where torch.optim would use its own,
+and where the rule reads the count per param, the update differs:
 
 - ``ALL``: the count enters every step (Adam's bias corrections, NAdam's momentum
   schedule, RAdam's rectification, Adagrad with ``lr_decay``): a param whose own count is
-  not the group's differs.
+  not the optimizer's differs.
 - ``FIRST``: only the first step is special (SGD's dampened momentum takes its first
-  gradient undamped): a param that steps for the first time after the group has stepped
-  differs.
+  gradient undamped): a param that steps for the first time after the others have
+  stepped differs.
 - ``NONE``: the count enters no param's maths (plain or Nesterov momentum, RMSprop,
-  Adadelta, Rprop, Adagrad without ``lr_decay``, a schedule of the step): always exact.
+  Adadelta, Rprop, Adagrad without ``lr_decay``): always exact.
 
-``MissedSteps`` keeps, per group, the steps each param missed (only those that missed
-any), and raises before a step that would differ; a param that never gets a gradient again
-is never a difference. Nothing is done on a step where every param has a gradient and none
-missed one before.
+``MissedSteps`` keeps the steps each param missed (only those that missed any), and raises
+before a step that would differ; a param that never gets a gradient again is never a
+difference. Nothing is done on a step where every param has a gradient and none missed one
+before.
 """
 
 from __future__ import annotations
@@ -27,18 +30,9 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from functopt.tree import _core
-
 __all__: list[str] = []
 
 NONE, FIRST, ALL = 0, 1, 2
-
-# State classes (by name) that hold a count no param's maths reads: the step of a schedule,
-# which torch.optim's schedulers also take per optimizer step, not per param.
-_PER_STEP = frozenset({"InjectHyperparamsState", "ScaleByScheduleState",
-                       "AddDecayedWeightsState"})
-_FIRST_ONLY = frozenset({"DampenedTraceState"})
-
 
 def torch_rule(name: str, group: Mapping[str, Any]) -> int:
     """How torch.optim's class ``name`` reads its per-param step count in ``group``."""
@@ -52,30 +46,6 @@ def torch_rule(name: str, group: Mapping[str, Any]) -> int:
     return NONE  # RMSprop, Adadelta, Rprop
 
 
-def transform_rule(treespec: _core.TreeSpec, pspec: _core.TreeSpec) -> int:
-    """How a transform's state (of ``treespec``, whose per-param fields have the params'
-    structure ``pspec``) reads its counts: any state class with a ``count`` field not
-    known to be a schedule's counts as ``ALL``."""
-    rule = NONE
-
-    def walk(spec: _core.TreeSpec) -> None:
-        nonlocal rule
-        if spec == pspec or spec.is_leaf():
-            return
-        kind = spec.type
-        fields = getattr(kind, "_fields", ())
-        if "count" in fields and kind is not None:
-            if kind.__name__ in _FIRST_ONLY:
-                rule = max(rule, FIRST)
-            elif kind.__name__ not in _PER_STEP:
-                rule = ALL
-        for child in spec.children():
-            walk(child)
-
-    walk(treespec)
-    return rule
-
-
 MISSED_STEPS = (
     "{owner}: {where} has a gradient at this step, but had none at {missed} of the "
     "{steps} earlier steps of its transform. torch.optim counts steps per param (its step "
@@ -84,9 +54,6 @@ MISSED_STEPS = (
     "Fix: give the param a zero gradient on the steps where it has none (zero_grad("
     "set_to_none=False), or p.grad = torch.zeros_like(p)), or {separate}."
 )
-SEPARATE_GROUP = ("put the params that miss steps in a group of their own whose params all "
-                  "have or all lack a gradient at each step (a group without gradients does "
-                  "not step)")
 _WHY = {ALL: "its rule reads the count at every step (bias correction)",
         FIRST: "its rule takes a param's first step apart (undamped momentum)"}
 

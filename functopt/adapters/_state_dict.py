@@ -255,8 +255,7 @@ def check_entry(owner: str, where: str, expected: Mapping[str, Any], entry: Any,
         raise ValueError(
             f"{owner}: the state of {where} has unexpected keys {unknown} and lacks "
             f"{missing}; this optimizer keeps {sorted(expected)}. Fix: load a state dict "
-            f"saved by an optimizer built the same way (the same transform and groups; a "
-            f"torch.optim optimizer's state does not carry over)."
+            f"saved by an optimizer built the same way (the same transform and groups)."
         )
     loaded: dict[str, torch.Tensor] = {}
     for name, value in entry.items():

@@ -10,7 +10,6 @@ that belong to ``param``.
 from __future__ import annotations
 
 import copy
-import functools
 import itertools
 import math
 import operator
@@ -25,7 +24,7 @@ import torch
 from functopt import _validate
 from functopt._base import GradientTransformation, State
 from functopt._spec import Injected, describe
-from functopt.adapters import _group_init, _missing_grads, _param_groups, _state_dict
+from functopt.adapters import _group_init, _param_groups, _state_dict, _torch_state
 from functopt.fast._step import make_step
 from functopt.optimizers import recipe_of
 from functopt.transforms.combining import _check_transform
@@ -179,6 +178,7 @@ class _Plan:
                 own[j].append((i, name))
         self.entry_slots: list[list[tuple[int, str]]] = [
             sorted(group_slots + slots) for slots in own]
+        self.group_slots = group_slots  # each param keeps its own (see _torch_state)
         # Leaves that may be None in a state (None in the template): a None read from
         # optimizer.state anywhere else is a missing entry.
         self.nullable = [leaf is None for leaf in self.template]
@@ -271,14 +271,13 @@ class Optimizer(torch.optim.Optimizer):
     Parameters. ``params`` is what ``torch.optim`` takes: tensors, ``(name, tensor)`` pairs
     (``model.named_parameters()``), or group dicts. The transform sees a group's params as
     a list, or, when they are named, as a ``{name: param}`` dict (so masks and
-    ``partition`` labels can go by name). A param whose ``.grad`` is None gets a None
-    gradient (functopt leaves it and its state unchanged); as in ``torch.optim``, a group in
-    which no param has a gradient is not stepped at all (its counters do not move). Unlike
-    ``torch.optim``, which counts steps per param, a transform counts them per group: where
-    its state holds a count that per-param maths reads (Adam's bias correction), a step in
-    which a param that missed earlier steps has a gradient raises a ``ValueError`` naming
-    it, before anything is written (it would get the group's count, not its own). Give it
-    a zero gradient on the steps where it has none, or a group of its own.
+    ``partition`` labels can go by name). A param whose ``.grad`` is None is skipped, as in
+    ``torch.optim``: it and its state are left as they are, its step counts included, and a
+    group in which no param has a gradient is not stepped at all. Each param keeps its own
+    counts (torch.optim's ``state[p]["step"]``): params whose counts agree step as one run
+    of the transform, and a step whose params hold different counts runs the transform once
+    per count, over the params of that count, so Adam's bias correction of a param that
+    missed steps is torch.optim's.
 
     State. Every param of a group that is not frozen has an entry in ``optimizer.state``
     from the start (empty for a stateless transform, as torch.optim's SGD keeps
@@ -291,8 +290,8 @@ class Optimizer(torch.optim.Optimizer):
     group whose state was cleared (``optimizer.state.clear()``). It is kept in torch's
     layout: ``optimizer.state[param]`` maps the dotted path of each per-parameter state
     field to that param's tensor (``'inner_state.0.mu'``), and holds the group-level leaves
-    (``'count'``, ``'inner_state.0.count'``) too, the same tensor in every param of the
-    group, as torch.optim keeps ``step`` per param. Injected hyperparameters live in
+    (``'count'``, ``'inner_state.0.count'``) too, the param's own counts (one tensor shared
+    by the params whose counts agree), as torch.optim keeps ``step`` per param. Injected hyperparameters live in
     ``param_groups`` only. ``state_dict()`` is torch's, with each group's recipe recorded
     under ``"functopt"`` (the state format ``MixedPrecisionOptimizer`` shares;
     ``named_state_dict()`` keys it by names); ``load_state_dict`` refuses another recipe,
@@ -390,8 +389,8 @@ class Optimizer(torch.optim.Optimizer):
         self._unstepped: dict[int, _Plan] = {}
         self._state_shared = False  # state_dict()/load_state_dict() handed tensors over
         self._plans: list[_Plan | None] = []
-        # Per group, the steps each param had no gradient in (torch.optim counts per param).
-        self._missed = _missing_grads.MissedSteps()
+        # The groups whose params' counts differ (torch.optim counts steps per param).
+        self._counts = _torch_state.Counts()
         if isinstance(params, torch.Tensor):
             raise TypeError(
                 f"{owner}: params must be an iterable of tensors, (name, tensor) pairs or "
@@ -744,8 +743,6 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._missed.missed:
-            self._check_missed()
         with torch.no_grad():
             for index, group in enumerate(self.param_groups):
                 self._step_group(index, group)
@@ -903,9 +900,31 @@ class Optimizer(torch.optim.Optimizer):
         if not plan.allowed.issuperset(group):
             self._check_options(index, group, plan)
         state, entries = self._collect(index, group, plan, flags)
-        missed = self._missed
-        if entries is None:  # from init: one count for all again
-            missed.reset(index)
+        counts, slots = self._counts, plan.group_slots
+        runs = counts.classes(index, slots, entries, state, grads, missing)
+        if runs is None:  # one run over all params: they share their counts
+            if entries is None:
+                counts.split.discard(index)
+            self._run(index, group, plan, state, entries, grads)
+            return
+        # A run per count, over the params of that count (torch.optim counts per param).
+        for r, members in enumerate(runs):
+            if r:
+                state, entries = self._collect(index, group, plan, flags)
+            if entries is not None:
+                state = counts.leaves(state, slots, entries[members[0]])
+            kept = counts.kept(self.state, params, slots, members)
+            inside = set(members)
+            self._run(index, group, plan, state, entries,
+                      [g if j in inside else None for j, g in enumerate(grads)])
+            counts.restore(self.state, params, kept)
+        counts.merge(index, self.state, params, slots)
+
+    def _run(self, index: int, group: dict[str, Any], plan: _Plan, state: list[Any],
+             entries: list[Any] | None, grads: list[Any]) -> None:
+        """One run of the transform over the group's params with ``state`` (its leaves, read
+        from ``entries``, or from init with None), written back into ``optimizer.state``."""
+        params = group["params"]
         if plan.order is not None:  # the leaves in the tree's order
             params = [params[k] for k in plan.order]
             grads = [grads[k] for k in plan.order]
@@ -926,31 +945,9 @@ class Optimizer(torch.optim.Optimizer):
         self._scatter(group, plan, new_state, treespec,
                       None if entries is None or not donate else (state, entries))
         self._unstepped.pop(index, None)
-        missed.advance(index, missing)
-
-    def _check_missed(self) -> None:
-        """Raise, before any group steps, where a param that missed steps would step
-        otherwise than in torch.optim (a group whose state restarts from init is exact)."""
-        for index in list(self._missed.missed):
-            if index >= len(self.param_groups):
-                continue
-            group = self.param_groups[index]
-            params = group["params"]
-            plan = self._plans[index] if index < len(self._plans) else None
-            if plan is None or self._flags(index, group).frozen or not any(
-                    self.state.get(p) for p in params):
-                continue
-            self._missed.check(f"{self._step_owner()}.step", index, [p.grad for p in params],
-                               functools.partial(self._count_rule, group, plan),
-                               functools.partial(self._describe, group),
-                               _missing_grads.SEPARATE_GROUP)
 
     def _step_owner(self) -> str:
         return "functopt.Optimizer"
-
-    def _count_rule(self, group: dict[str, Any], plan: _Plan) -> int:
-        """How the group's transform reads its step counts (``_missing_grads``' rules)."""
-        return _missing_grads.transform_rule(plan.treespec, plan.pspec)
 
     # -- checkpoints ----------------------------------------------------------------------
 
@@ -1005,7 +1002,8 @@ class Optimizer(torch.optim.Optimizer):
             plan = self._plan(i, new_group, placed=True)  # loaded tensors go where params are
             self._check_options(i, new_group, plan)
             self._check_multipliers(i, new_group, plan, flags)
-            self._hyperparams(i, new_group, plan)
+            hyper = self._hyperparams(i, new_group, plan)
+            entries = self._loaded_entries(owner, new_group, plan, config, entries, hyper)
             for j, (p, entry) in enumerate(zip(group["params"], entries, strict=True)):
                 new_state[p] = (_state_dict.check_entry(
                     owner, f"param {j} of param_groups[{i}]", plan.fields[j], entry,
@@ -1014,24 +1012,35 @@ class Optimizer(torch.optim.Optimizer):
         self.state = new_state
         self.param_groups = new_groups
         self._unstepped.clear()
-        self._missed.reset()
+        self._counts.split.clear()
+        for i, group in enumerate(self.param_groups):  # equal counts share their tensors
+            held = self._plans[i] if i < len(self._plans) else None
+            if held is not None and not _param_groups.group_flags(
+                    owner, f"param_groups[{i}]", group).frozen:
+                self._counts.merge(i, self.state, group["params"], held.group_slots)
         self._state_shared = True  # the loaded tensors may be the caller's own
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _loaded_entries(self, owner: str, group: dict[str, Any], plan: _Plan, config: Any,
+                        entries: list[Any], hyper: dict[str, Any]) -> list[Any]:
+        """The saved entries of a group's params in this optimizer's layout (``config``: the
+        group's saved configuration record, None if it has none)."""
+        return entries
 
     def __getstate__(self) -> dict[str, Any]:
         # Plans are rebuilt on the next step; the transform's closures travel as they are.
         # A copy holds copies of the state tensors: it shares nothing with a state dict.
         return {**super().__getstate__(), "_transform": _HeldTransform(self._transform),
                 "_plans": [], "_fused": self._fused, "_state_shared": False, "_unstepped": {},
-                "_missed": copy.deepcopy(self._missed)}
+                "_counts": copy.deepcopy(self._counts)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         held = state.get("_transform")
         if isinstance(held, _HeldTransform):
             state = {**state, "_transform": held.transform}
         super().__setstate__(state)
-        self.__dict__.setdefault("_missed", _missing_grads.MissedSteps())
+        self.__dict__.setdefault("_counts", _torch_state.Counts())
 
 
 OPTIMIZER_NOT_PICKLABLE = (

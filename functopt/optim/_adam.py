@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from functopt.adapters._torch_state import TorchLayout
 from functopt.optim import _base, _chains
 
 __all__ = ["Adam", "AdamW", "Adamax", "NAdam", "RAdam"]
@@ -63,6 +64,12 @@ class Adam(_base.TorchOptimizer):
         >>> opt.param_groups[0]["lr"], opt.param_groups[0]["betas"], opt.param_groups[0]["amsgrad"]
         (0.1, (0.9, 0.999), False)
     """
+
+    # torch's per-param keys -> the chain's state slots (every count is torch's step)
+    _torch_layout = TorchLayout({
+        "exp_avg": ("ScaleByAdamState.mu", "ScaleByAmsgradState.mu"),
+        "exp_avg_sq": ("ScaleByAdamState.nu", "ScaleByAmsgradState.nu"),
+        "max_exp_avg_sq": ("ScaleByAmsgradState.nu_max",)})
 
     def __init__(
         self,
@@ -167,6 +174,11 @@ class NAdam(_base.TorchOptimizer):
         (0.002, 0.004)
     """
 
+    # torch's per-param keys -> the chain's state slots (every count is torch's step)
+    _torch_layout = TorchLayout({
+        "mu_product": ("ScaleByNadamState.mu_product",), "exp_avg": ("ScaleByNadamState.mu",),
+        "exp_avg_sq": ("ScaleByNadamState.nu",)}, scalars=frozenset({"mu_product"}))
+
     def __init__(
         self,
         params: Any,
@@ -225,6 +237,10 @@ class RAdam(_base.TorchOptimizer):
         tensor([-0.2000], requires_grad=True)
     """
 
+    # torch's per-param keys -> the chain's state slots (every count is torch's step)
+    _torch_layout = TorchLayout({"exp_avg": ("ScaleByAdamState.mu",),
+                                 "exp_avg_sq": ("ScaleByAdamState.nu",)})
+
     def __init__(
         self,
         params: Any,
@@ -279,6 +295,10 @@ class Adamax(_base.TorchOptimizer):
         Parameter containing:
         tensor([0.1000], requires_grad=True)
     """
+
+    # torch's per-param keys -> the chain's state slots (every count is torch's step)
+    _torch_layout = TorchLayout({"exp_avg": ("ScaleByAdamState.mu",),
+                                 "exp_inf": ("ScaleByAdamState.nu",)})
 
     def __init__(
         self,

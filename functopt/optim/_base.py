@@ -21,7 +21,7 @@ import torch
 
 from functopt import _validate
 from functopt._base import GradientTransformation
-from functopt.adapters import _missing_grads
+from functopt.adapters import _torch_state
 from functopt.adapters.optimizer import Optimizer
 from functopt.transforms.hyperparams import inject_hyperparams
 from functopt.tree import _ops
@@ -203,9 +203,23 @@ class TorchOptimizer(Optimizer):
     def _step_owner(self) -> str:
         return f"functopt.optim.{type(self).__name__}"
 
-    def _count_rule(self, group: dict[str, Any], plan: Any) -> int:
-        # torch's own rule for the class (the chain's counts say less: RMSprop's is unread)
-        return _missing_grads.torch_rule(type(self).__name__, group)
+    # Which leaf of the chain's state each of torch's per-param keys is (each class's own).
+    _torch_layout: _torch_state.TorchLayout
+
+    @torch._disable_dynamo  # type: ignore[attr-defined]
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's state dict of this class: each param that has stepped has an entry
+        with torch's keys (``step`` as torch stores it), each group torch's keys; it loads
+        into the torch.optim class of the same name, which then continues the run. The
+        state tensors are the live ones, not copies (the next step then writes new ones)."""
+        self._state_shared = True
+        return _torch_state.state_dict(self, self._torch_layout)
+
+    def _loaded_entries(self, owner: str, group: dict[str, Any], plan: Any, config: Any,
+                        entries: list[Any], hyper: dict[str, Any]) -> list[Any]:
+        # torch's layout (this class's state_dict(), or torch.optim's), or functopt's own
+        return _torch_state.loaded_entries(self, self._torch_layout, owner, group, plan,
+                                           config, entries, hyper)
 
     def _kept_keys(self) -> frozenset[str]:
         # torch's fixed options and execution hints: checked here, kept in every group.

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from functopt.adapters._torch_state import TorchLayout
 from functopt.optim import _base, _chains
 
 __all__ = ["SGD", "Adadelta", "Adagrad", "RMSprop", "Rprop"]
@@ -42,6 +43,10 @@ class SGD(_base.TorchOptimizer):
         Parameter containing:
         tensor([0.7100], requires_grad=True)
     """
+
+    # torch's per-param keys -> the chain's state slots (every count is torch's step)
+    _torch_layout = TorchLayout(
+        {"momentum_buffer": ("TraceState.trace", "DampenedTraceState.trace")}, step=False)
 
     def __init__(
         self,
@@ -109,6 +114,11 @@ class RMSprop(_base.TorchOptimizer):
         tensor([-0.0200], requires_grad=True)
     """
 
+    # torch's per-param keys -> the chain's state slots (every count is torch's step)
+    _torch_layout = TorchLayout({
+        "square_avg": ("ScaleByRmsState.nu", "ScaleByRStdDevState.nu"),
+        "momentum_buffer": ("TraceState.trace",), "grad_avg": ("ScaleByRStdDevState.mu",)})
+
     def __init__(
         self,
         params: Any,
@@ -165,6 +175,9 @@ class Adagrad(_base.TorchOptimizer):
         tensor([-0.1000], requires_grad=True)
     """
 
+    # torch's per-param keys -> the chain's state slots (every count is torch's step)
+    _torch_layout = TorchLayout({"sum": ("ScaleByRssState.sum_of_squares",)}, eager=True)
+
     # torch.optim.Adagrad fills every param's accumulator with the constructor's value; a
     # group's own initial_accumulator_value is kept in the group and read by nothing.
     _init_from_defaults = frozenset({"initial_accumulator_value"})
@@ -219,6 +232,10 @@ class Adadelta(_base.TorchOptimizer):
         tensor([-0.0141], requires_grad=True)
     """
 
+    # torch's per-param keys -> the chain's state slots (every count is torch's step)
+    _torch_layout = TorchLayout({"square_avg": ("ScaleByAdaDeltaState.e_g",),
+                                 "acc_delta": ("ScaleByAdaDeltaState.e_x",)})
+
     def __init__(
         self,
         params: Any,
@@ -270,6 +287,10 @@ class Rprop(_base.TorchOptimizer):
         Parameter containing:
         tensor([-0.2200], requires_grad=True)
     """
+
+    # torch's per-param keys -> the chain's state slots (every count is torch's step)
+    _torch_layout = TorchLayout({"prev": ("ScaleByRpropState.prev_updates",),
+                                 "step_size": ("ScaleByRpropState.step_sizes",)})
 
     def __init__(
         self,
