@@ -582,7 +582,11 @@ def _scale_by_shape(weight_dimension_numbers: WeightDimNumOrFn | None,
             if g is None or d is None:
                 out.append(g)
                 continue
-            _, _, fan_in, fan_out = _layout(g.shape, d, _core.paths(treespec)[i])
+            try:  # (the leaf's path only for the error: paths cost a walk of the tree)
+                _, _, fan_in, fan_out = _layout(g.shape, d, "")
+            except ValueError:
+                _layout(g.shape, d, _core.paths(treespec)[i])
+                raise
             if consistent_rms is not None:
                 factor: Any = math.sqrt(max(fan_in, fan_out)) * consistent_rms
             else:  # an empty matrix has no width to transfer: its (empty) update stays
