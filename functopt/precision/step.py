@@ -349,7 +349,7 @@ def mixed_precision(
 
 def _mixed_precision(
     inner: GradientTransformation, *, loss_scale: LossScale | None,
-    master_weights: MasterWeights | None, max_grad_norm: float | torch.Tensor | None,
+    master_weights: MasterWeights | None, max_grad_norm: float | torch.Tensor | NormClip | None,
     process_group: dist.ProcessGroup | None, replicated: Replicated,
     agree_skip: bool | dist.ProcessGroup, agree_timeout: float | datetime.timedelta | None,
     count_zeros: bool, donate: bool, fused: bool, compile: bool, wording: Wording,
