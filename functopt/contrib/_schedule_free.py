@@ -19,6 +19,7 @@ from functopt._base import (
 from functopt._spec import Leafwise, Select, describe, specified
 from functopt.contrib import _shared
 from functopt.optimizers import sgd
+from functopt.schedules import _common as _schedule_checks
 from functopt.schedules import warmup_constant_schedule
 from functopt.transforms import _common
 from functopt.transforms.adding import add_decayed_weights
@@ -288,6 +289,8 @@ def _warmup(owner: str, learning_rate: Any, warmup_steps: int | None,
     steps, the same values one step earlier.
     """
     _validate.check_flags(owner, warmup_from_zero=warmup_from_zero)
+    if warmup_steps is not None:
+        _schedule_checks.check_int(owner, "warmup_steps", warmup_steps, low=0)
     if warmup_steps is None or (warmup_steps == 0 and not warmup_from_zero):
         return learning_rate, learning_rate  # (schedulefree's warmup_steps=0: no warmup)
     averaging = warmup_constant_schedule(init_value=0.0, peak_value=learning_rate,
