@@ -159,6 +159,17 @@ class Sequence(Spec):
     children: tuple[Spec | None, ...]
     names: tuple[str, ...] | None = None
 
+    def states(self, state: Any) -> list[tuple[Spec | None, Any, str]] | None:
+        """Each child with its part of ``state`` and its label (its position or name), or
+        None when ``state`` does not hold one entry per child."""
+        if self.names is None:
+            parts, labels = list(state), [str(i) for i in range(len(state))]
+        else:
+            parts, labels = [state[name] for name in self.names], list(self.names)
+        if len(parts) != len(self.children):
+            return None
+        return list(zip(self.children, parts, labels, strict=True))
+
 
 @dataclass(frozen=True, eq=False)
 class Select(Spec):

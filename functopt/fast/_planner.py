@@ -497,16 +497,11 @@ class _Walk:
                 f"{where}: a transform without a spec (one written by hand or wrapped), which "
                 f"only its own update can compute")
         elif isinstance(spec, Sequence):
-            if spec.names is None:
-                children = list(idx)
-                labels = [str(i) for i in range(len(children))]
-            else:
-                children = [idx[name] for name in spec.names]
-                labels = list(spec.names)
-            if len(children) != len(spec.children):
-                raise _Mismatch(f"{where}: the state has {len(children)} entries for "
+            parts = spec.states(idx)
+            if parts is None:
+                raise _Mismatch(f"{where}: the state has {len(idx)} entries for "
                                 f"{len(spec.children)} transforms")
-            for child, sub, label in zip(spec.children, children, labels, strict=True):
+            for child, sub, label in parts:
                 self.walk(child, sub, sel, f"{where}[{label}]" if where else f"[{label}]")
         elif isinstance(spec, Select):
             chosen = set(sel)

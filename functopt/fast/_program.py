@@ -313,17 +313,12 @@ class _Compiler:
 
     def sequence(self, spec: Sequence, idx: Any, sel: tuple[int, ...], where: str,
                  ) -> list[Op]:
-        if spec.names is None:
-            children = list(idx)
-            labels = [str(i) for i in range(len(children))]
-        else:
-            children = [idx[name] for name in spec.names]
-            labels = list(spec.names)
-        if len(children) != len(spec.children):
-            raise _Refused(f"{where or '<root>'}: the state has {len(children)} entries for "
+        parts = spec.states(idx)
+        if parts is None:
+            raise _Refused(f"{where or '<root>'}: the state has {len(idx)} entries for "
                            f"{len(spec.children)} transforms")
         ops: list[Op] = []
-        for child, sub, label in zip(spec.children, children, labels, strict=True):
+        for child, sub, label in parts:
             ops += self.node(child, sub, sel, f"{where}[{label}]")
         return ops
 
