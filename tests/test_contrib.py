@@ -650,3 +650,24 @@ def test_update_batches_under_vmap_and_differentiates(entry: tuple[str, str, Any
         torch.testing.assert_close(batched[1][i], one[1], rtol=1e-12, atol=1e-14)
     d = torch.func.grad(lambda w: step(w, gb[0])[0].sum())(gw[0])
     assert d.shape == gw[0].shape and bool(torch.isfinite(d).all())
+
+
+@pytest.mark.parametrize("factory", [contrib.schedule_free_sgd, contrib.schedule_free_adamw])
+@pytest.mark.parametrize("warmup_from_zero", [True, False])
+def test_schedule_free_with_zero_warmup_steps_trains_as_without_warmup(
+        factory: Any, warmup_from_zero: bool) -> None:
+    # A warmup over no steps is no warmup, from either starting point: the run equals the
+    # one without warmup, and the params move.
+    def run(**kwargs: Any) -> dict[str, torch.Tensor]:
+        opt = factory(0.1, **kwargs)
+        params = {"w": torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64)}
+        state = opt.init(params)
+        for _ in range(3):
+            updates, state = opt.update({"w": params["w"] * 0.5}, state, params)
+            params = functopt.apply_updates(params, updates)
+        return params
+
+    start = torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64)
+    got = run(warmup_steps=0, warmup_from_zero=warmup_from_zero)
+    assert not torch.equal(got["w"], start)
+    assert_bitwise_equal(got, run())

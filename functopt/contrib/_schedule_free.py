@@ -286,13 +286,15 @@ def _warmup(owner: str, learning_rate: Any, warmup_steps: int | None,
     has rate 0, the averaging's first weight ``lr / W``. The schedulefree package's is
     ``lr * min((k + 1) / W, 1)`` at its step ``k`` (0 first) for both, which the averaging
     already reads; the base then reads the warmup from ``lr / W`` to ``lr`` over ``W - 1``
-    steps, the same values one step earlier.
+    steps, the same values one step earlier. ``W = 0`` is no warmup in both (a linear warmup
+    over no steps has no value to start from: read as optax's ``t / W`` it would hold the
+    rate at 0 forever, and the optimizer would never move).
     """
     _validate.check_flags(owner, warmup_from_zero=warmup_from_zero)
     if warmup_steps is not None:
         _schedule_checks.check_int(owner, "warmup_steps", warmup_steps, low=0)
-    if warmup_steps is None or (warmup_steps == 0 and not warmup_from_zero):
-        return learning_rate, learning_rate  # (schedulefree's warmup_steps=0: no warmup)
+    if warmup_steps is None or warmup_steps == 0:
+        return learning_rate, learning_rate
     averaging = warmup_constant_schedule(init_value=0.0, peak_value=learning_rate,
                                          warmup_steps=warmup_steps)
     if warmup_from_zero:
@@ -314,7 +316,7 @@ def schedule_free_sgd(
 ) -> GradientTransformation:
     r"""Schedule-free SGD: ``schedule_free(sgd(lr), lr, b1, ...)``.
 
-    With ``warmup_steps`` $W$ the learning rate warms up linearly from 0
+    With ``warmup_steps`` $W \ge 1$ the learning rate warms up linearly from 0
     (``warmup_constant_schedule``): the $t$-th update ($t$ from 1) moves $z$ with rate
     $\eta\min((t-1)/W, 1)$, so the first one does not move it, as in optax;
     ``warmup_from_zero=False`` uses $\eta\min(t/W, 1)$, the first update taking $\eta/W$,
@@ -362,8 +364,8 @@ def schedule_free_adamw(
     The base optimizer is ``chain(scale_by_rms(b2, eps, eps_in_sqrt=False,
     bias_correction=True), add_decayed_weights(weight_decay),
     scale_by_learning_rate(lr))``: Adam with $\beta_1 = 0$ without its zero first moment,
-    as in optax. With ``warmup_steps`` the learning rate warms up linearly from 0, and
-    ``warmup_from_zero=False`` starts it at ``lr / warmup_steps`` as the schedulefree
+    as in optax. With ``warmup_steps`` of 1 or more the learning rate warms up linearly
+    from 0 (0 steps: no warmup), and ``warmup_from_zero=False`` starts it at ``lr / warmup_steps`` as the schedulefree
     package does ([`schedule_free_sgd`][functopt.contrib.schedule_free_sgd] has the maths).
     See [`schedule_free`][functopt.contrib.schedule_free].
 
