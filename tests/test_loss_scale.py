@@ -159,3 +159,17 @@ TestLossScaleMachine.settings = settings(max_examples=40, stateful_step_count=30
 def test_errors(make, match) -> None:
     with pytest.raises(ValueError, match=match):
         make()
+
+
+@pytest.mark.parametrize("loss", [[torch.tensor(1.0)], (torch.tensor(1.0),), 1.0,
+                                  torch.tensor(3)], ids=["list", "tuple", "float", "int64"])
+def test_scale_loss_refuses_what_is_not_a_floating_loss_tensor(loss: object) -> None:
+    state = dynamic_loss_scale().init()
+    with pytest.raises(TypeError, match=r"scale_loss: loss must be a floating-point tensor"):
+        functopt.precision.scale_loss(loss, state)  # type: ignore[arg-type]
+
+
+def test_scale_loss_refuses_a_state_without_a_loss_scale() -> None:
+    state = functopt.sgd(0.1).init({"w": torch.ones(2)})
+    with pytest.raises(TypeError, match=r"scale_loss: state must be a MixedPrecisionState"):
+        functopt.precision.scale_loss(torch.tensor(1.0), state)  # type: ignore[arg-type]

@@ -156,6 +156,10 @@ def scale_loss(loss: torch.Tensor, state: MixedPrecisionState | LossScaleState) 
     A float16 loss is widened first (times ``2**16`` it would overflow float16); a float64
     loss stays float64, as ``GradScaler.scale`` leaves it.
 
+    Raises:
+        TypeError: ``loss`` is not a floating-point tensor (a list of losses, an integer
+            tensor), or ``state`` holds no loss scale.
+
     Examples:
         >>> import torch, functopt
         >>> opt = functopt.precision.mixed_precision(
@@ -164,6 +168,15 @@ def scale_loss(loss: torch.Tensor, state: MixedPrecisionState | LossScaleState) 
         >>> functopt.precision.scale_loss(torch.tensor(0.5, dtype=torch.float16), state)
         tensor(32768.)
     """
+    if not isinstance(loss, torch.Tensor) or not (loss.is_floating_point() or loss.is_complex()):
+        got = (f"a {loss.dtype} tensor" if isinstance(loss, torch.Tensor)
+               else f"{type(loss).__name__} {loss!r:.60}")
+        raise TypeError(f"scale_loss: loss must be a floating-point tensor, got {got}. Fix: "
+                        f"scale each loss separately (a list or tuple of losses: one call per "
+                        f"element), or pass the tensor the forward pass returned.")
+    if not isinstance(state, (MixedPrecisionState, LossScaleState)):
+        raise TypeError(f"scale_loss: state must be a MixedPrecisionState (the state of "
+                        f"mixed_precision) or a LossScaleState, got {type(state).__name__}.")
     ls = state.loss_scale if isinstance(state, MixedPrecisionState) else state
     wide = torch.promote_types(loss.dtype, torch.float32)
     return loss.to(wide) * ls.scale.to(wide)
