@@ -2,7 +2,7 @@ r"""The mixed-precision step: unscale, check, skip, clip, update a master copy, 
 
 A gradient transformation returns updates and leaves the write ``params + updates`` to the
 caller. That cannot keep low-precision params exact: ``p + (q - p)`` rounded to bfloat16 is
-not ``q`` rounded to bfloat16 when the update nearly cancels the value (DESIGN.md's case:
+not ``q`` rounded to bfloat16 when the update nearly cancels the value (for example a
 master ``-0.49991035`` plus ``0.49991038`` must give the bfloat16 of ``2.98e-08``, the delta
 path writes ``0.0``). So the mixed-precision step is one level up: it owns the master copy
 *and* the write, and returns new params. Inside it runs any ordinary
@@ -344,7 +344,7 @@ def mixed_precision(
         ...     functopt.sgd(1.0), loss_scale=functopt.static_loss_scale(4.0))
         >>> params = {"w": torch.tensor([-0.5], dtype=torch.bfloat16)}
         >>> state = opt.init(params)
-        >>> # DESIGN.md's case: a master just above -0.5 and an update that nearly cancels it
+        >>> # a master just above -0.5 and an update that nearly cancels it
         >>> state = state._replace(master={"w": torch.tensor([-0.49991035])})
         >>> grads = {"w": torch.tensor([-0.49991038 * 4])}  # scaled by 4
         >>> params, state = opt.step(grads, state, params)

