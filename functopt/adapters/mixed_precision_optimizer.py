@@ -57,6 +57,7 @@ from functopt.precision.step import (
     MixedPrecisionState,
     MixedPrecisionTransformation,
     StepMetrics,
+    check_loss,
     mixed_precision,
     scale_loss,
 )
@@ -782,10 +783,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """``(loss * loss_scale).backward(retain_graph=retain_graph)``, the product in float32."""
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(
-                f"{_OWNER}.backward: loss must be a tensor, got {type(loss).__name__}."
-            )
+        check_loss(f"{_OWNER}.backward", loss)
         torch.autograd.backward(scale_loss(loss, self._state), retain_graph=retain_graph)
 
     def step(  # type: ignore[override]  # torch types step() -> None; this one reports

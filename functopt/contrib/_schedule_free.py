@@ -365,8 +365,8 @@ def schedule_free_adamw(
     bias_correction=True), add_decayed_weights(weight_decay),
     scale_by_learning_rate(lr))``: Adam with $\beta_1 = 0$ without its zero first moment,
     as in optax. With ``warmup_steps`` of 1 or more the learning rate warms up linearly
-    from 0 (0 steps: no warmup), and ``warmup_from_zero=False`` starts it at ``lr / warmup_steps`` as the schedulefree
-    package does ([`schedule_free_sgd`][functopt.contrib.schedule_free_sgd] has the maths).
+    from 0 (0 steps: no warmup), and ``warmup_from_zero=False`` starts it at
+    ``lr / warmup_steps`` as the schedulefree package does ([`schedule_free_sgd`][functopt.contrib.schedule_free_sgd] has the maths).
     See [`schedule_free`][functopt.contrib.schedule_free].
 
     Examples:

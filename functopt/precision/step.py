@@ -150,6 +150,18 @@ class MixedPrecisionTransformation(NamedTuple):
     lay_out: Callable[[Params], Params] = _as_they_are
 
 
+def check_loss(owner: str, loss: Any) -> None:
+    """Raise a ``TypeError`` naming ``owner`` unless ``loss`` is a floating-point tensor."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"{owner}: loss must be a tensor, got {type(loss).__name__} "
+                        f"{loss!r:.60}. Fix: scale each loss separately (a list or tuple of "
+                        f"losses: one call per element), or pass the tensor the forward pass "
+                        f"returned.")
+    if not loss.is_floating_point():
+        raise TypeError(f"{owner}: loss must be a floating-point tensor, got a {loss.dtype} "
+                        f"tensor. Fix: compute the loss in a floating-point dtype.")
+
+
 def scale_loss(loss: torch.Tensor, state: MixedPrecisionState | LossScaleState) -> torch.Tensor:
     """``loss * scale``, computed in float32 or wider.
 
@@ -168,12 +180,7 @@ def scale_loss(loss: torch.Tensor, state: MixedPrecisionState | LossScaleState) 
         >>> functopt.precision.scale_loss(torch.tensor(0.5, dtype=torch.float16), state)
         tensor(32768.)
     """
-    if not isinstance(loss, torch.Tensor) or not (loss.is_floating_point() or loss.is_complex()):
-        got = (f"a {loss.dtype} tensor" if isinstance(loss, torch.Tensor)
-               else f"{type(loss).__name__} {loss!r:.60}")
-        raise TypeError(f"scale_loss: loss must be a floating-point tensor, got {got}. Fix: "
-                        f"scale each loss separately (a list or tuple of losses: one call per "
-                        f"element), or pass the tensor the forward pass returned.")
+    check_loss("scale_loss", loss)
     if not isinstance(state, (MixedPrecisionState, LossScaleState)):
         raise TypeError(f"scale_loss: state must be a MixedPrecisionState (the state of "
                         f"mixed_precision) or a LossScaleState, got {type(state).__name__}.")
