@@ -36,6 +36,9 @@ Cases (``--only`` takes a comma-separated list of these names):
   100 leaves (the ``--quick`` size with ``--quick``): the program engine's eager backend
   (a private switch) vs ``make_step(donate=True)`` vs the pure path, with
   ``clip_grad_norm_`` + AdamW(fused) beside them (``benchmarks/engine.py``).
+* ``traffic``: the bytes each form of a step reads and writes per param, counted by
+  ``functopt.fast.explain`` beside the same count over PyTorch's step, and the time each
+  implies at an H200's bandwidth (``benchmarks/traffic.py``; nothing is timed).
 * ``bandwidth``: the machine's streaming bandwidth and the time an AdamW step would take
   at that bound; % of the bound reached by each contender of ``adamw``, ``mixed`` and
   ``compile``.
@@ -73,9 +76,10 @@ import contenders as C  # noqa: E402
 import engine as E  # noqa: E402
 import harness as H  # noqa: E402
 import torch  # noqa: E402
+import traffic as T  # noqa: E402
 
 CASES = ("adamw", "mixed", "chains", "mixed_chains", "small", "leaves", "size", "memory",
-         "compile", "engine", "bandwidth")
+         "compile", "engine", "traffic", "bandwidth")
 PURE, FUSED, COMPILED = "functopt pure", "functopt fused", "functopt compiled"
 FOREACH, TORCH_FUSED, IDIOM = "torch foreach", "torch fused", "torch idiom"
 ADAPTER = "functopt.Optimizer"  # the torch.optim.Optimizer adapter, in the adamw case
@@ -543,7 +547,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     funcs = {"adamw": case_adamw, "mixed": case_mixed, "chains": case_chains,
              "mixed_chains": case_mixed_chains, "small": case_small, "leaves": case_leaves,
              "size": case_size, "memory": case_memory, "compile": case_compile,
-             "engine": case_engine}
+             "engine": case_engine, "traffic": T.case}
     results: dict[str, Any] = {}
     started = time.perf_counter()
     for name in CASES:

@@ -27,7 +27,7 @@ import functopt
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 CASES = {"adamw", "mixed", "chains", "mixed_chains", "small", "leaves", "size", "memory",
-         "compile", "engine", "bandwidth"}
+         "compile", "engine", "bandwidth", "traffic"}
 ADAMW_NAMES = {"functopt pure", "functopt fused", "torch foreach", "torch fused"}
 MIXED_NAMES = {"functopt pure", "functopt fused", "torch idiom"}
 COMPILE_NAMES = {"functopt compiled", "functopt compiled, lay_out",
@@ -111,6 +111,27 @@ def test_quick_run_times_the_program_engine_beside_todays_step(quick_report):
     for key in ("functopt program (eager)/functopt fused",
                 "functopt program (eager)/functopt pure"):
         assert _positive_finite(engine["ratios"][key]), key
+
+
+def test_quick_run_counts_every_forms_traffic(quick_report):
+    """The traffic case: every form counted (bytes per param positive and finite), the
+    implied time at 10M params consistent with the count, and the orderings the counts
+    exist to show: donating the gradients saves the kernel's gradient copy, and laying
+    Lion out for the compiled tier moves fewer bytes than separate tensors."""
+    report, stdout = quick_report
+    traffic = report["cases"]["traffic"]
+    assert traffic["check"]["passed"]
+    rows = {r["form"]: r for r in traffic["rows"]}
+    for form, r in rows.items():
+        assert _positive_finite(r["bytes_per_param"]), form
+        assert abs(r["h200_ms_at_10M"] - r["bytes_per_param"] * 1e7 / 4.8e12 * 1e3) < 1e-9
+        assert form in stdout
+    readme = rows["chain(clip_by_global_norm(1), adamw), make_step(donate=True)"]
+    assert rows["the same, donate_grads=True"]["bytes_per_param"] < readme["bytes_per_param"]
+    assert (rows["lion, make_step(compile=True, donate=True) after step.lay_out"]
+            ["bytes_per_param"]
+            < rows["lion, make_step(compile=True, donate=True), separate tensors"]
+            ["bytes_per_param"])
 
 
 def test_quick_run_reports_every_case_with_positive_finite_timings(quick_report):

@@ -237,7 +237,8 @@ def test_explain_says_what_the_mini_steps_run() -> None:
         "them; the mini-step's kernels: 1 call(s) (torch._fused_sgd_); the closing one "
         "steps the MultiSteps' inner transform on the accumulated gradients"), lines
     assert lines[1].startswith("closing mini-step: fused path: 2 kernel call(s) per step")
-    assert sorted(line.split(" on ")[0].strip() for line in lines[2:]) == [
+    assert lines[-1].startswith("memory traffic: ")
+    assert sorted(line.split(" on ")[0].strip() for line in lines[2:-1]) == [
         "torch._fused_adamw_ + weight decay", "torch._fused_sgd_"]
     summed = F.fast.explain(INSIDE["partition ms(adam), clip+sgd"][0](2), params).mini_steps
     assert summed is not None and "foreach running sum" in summed

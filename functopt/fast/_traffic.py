@@ -1,0 +1,288 @@
+"""The memory traffic of a fast step: the bytes each group of leaves reads and writes.
+
+An optimizer step does a few arithmetic operations per byte it moves, so on an accelerator
+its time is the bytes it moves divided by the memory bandwidth. ``explain`` reports the
+count per group and per param; it is counted, not measured:
+
+- from the plan for the groups PyTorch's kernels and the compiled tier step: the tensors
+  each kernel or compiled call reads and writes (params, gradients, each state slot), and
+  every copy the step makes on the way (gradients copied because the kernel unscales them
+  in place, copies of values and state a step that does not donate must not write, the
+  compiled tier's gathers into one buffer and its copies back, layout copies), plus the
+  norm and finiteness passes of folded clips and guards;
+- by running the step's eager operations on meta tensors (no data, no arithmetic) under
+  a dispatch mode that adds up the tensors each operation reads and writes, for the pure
+  path and the per-leaf tier, whose rules are plain PyTorch code.
+
+Only tensors of at least one dimension are counted: 0-d tensors (step counts, learning
+rates, a leaf's norm) are a few bytes per leaf, not per param. A clip is counted as a step
+that clips (the CPU leaves a clip whose factor is exactly 1 out of the kernel call: fewer
+bytes). An operation is counted as reading each tensor it takes and writing each tensor it
+returns or mutates, except that a copy, a fill and an ``out=`` argument only write their
+destination and a view moves nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from functopt._collective.dtensor import local_tensor
+from functopt.fast._layout import end_to_end
+
+__all__ = ["Traffic", "group_traffic", "pass_traffic", "perleaf_traffic", "pure_traffic"]
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes read and written by one step (of a group, a pass, or the whole step)."""
+
+    read: int = 0
+    written: int = 0
+
+    def __add__(self, other: Traffic) -> Traffic:
+        return Traffic(self.read + other.read, self.written + other.written)
+
+    @property
+    def total(self) -> int:
+        return self.read + self.written
+
+
+_NONE = Traffic()
+
+# operations that write a destination without reading it
+_WRITE_ONLY = frozenset({
+    "aten::copy_", "aten::_foreach_copy_", "aten::fill_", "aten::_foreach_fill_",
+    "aten::zero_", "aten::_foreach_zero_", "aten::_copy_from", "aten::_copy_from_and_resize",
+})
+
+
+# PyTorch's fused optimizer kernels: they write their gradients (unscaled) only when given
+# a grad_scale, whatever their schema declares
+_UNSCALING = frozenset({"aten::_fused_adam_", "aten::_fused_adamw_", "aten::_fused_sgd_",
+                        "aten::_fused_adagrad_"})
+
+# operations that return their input's memory under another shape, without declaring it
+_ALIASES = frozenset({"aten::_unsafe_view", "aten::_reshape_alias", "aten::lift_fresh"})
+
+
+def _bytes(x: Any) -> int:
+    """The counted bytes of a tensor, or of a list of tensors."""
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size() if x.dim() else 0
+    if isinstance(x, (list, tuple)):
+        return sum(_bytes(t) for t in x)
+    return 0
+
+
+class _Counter(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Adds up the bytes each dispatched operation reads and writes (see the module)."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.read = 0
+        self.written = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.is_view or func._schema.name in _ALIASES:
+            return out
+        schema = func._schema
+        write_only = schema.name in _WRITE_ONLY
+        unscaled = schema.name in _UNSCALING and kwargs.get("grad_scale") is None
+        for k, arg in enumerate(schema.arguments):
+            value = args[k] if k < len(args) else kwargs.get(arg.name)
+            size = _bytes(value)
+            if not size:
+                continue
+            mutated = arg.alias_info is not None and arg.alias_info.is_write and not (
+                unscaled and arg.name == "grads")
+            if mutated:
+                self.written += size
+            if not mutated or not (write_only or arg.name == "out"):
+                self.read += size
+        returns = out if len(schema.returns) > 1 else (out,)
+        for ret, value in zip(schema.returns, returns, strict=False):
+            if ret.alias_info is None:  # a new tensor (mutated arguments are counted above)
+                self.written += _bytes(value)
+        return out
+
+
+def _counted(run: Any) -> Traffic | str:
+    """The traffic of ``run()`` (on meta tensors), or why it could not be counted."""
+    counter = _Counter()
+    try:
+        with counter:
+            run()
+    except Exception as e:  # a rule that reads a value (.item()) has no meta run
+        return f"{type(e).__name__}: {e}".splitlines()[0][:200]
+    return Traffic(counter.read, counter.written)
+
+
+def _leaf(x: Any) -> torch.Tensor:
+    return local_tensor(x)
+
+
+def pass_traffic(structure: Any, grads: list[Any]) -> Traffic:
+    """The norm pass of the folded clips and the finiteness pass of the folded guards:
+    each reads every gradient it measures (the clip pass every counted gradient, a
+    float64-accumulated clip its members again, an accelerator's clip pass every
+    gradient again in float64 to rescue overflowed float32 norms)."""
+    read = 0
+    present = [i for i, g in enumerate(grads) if g is not None and _leaf(g).numel()]
+    if structure.clips:
+        read += sum(_bytes(_leaf(grads[i])) for i in present)
+        wide = {i for leaves in structure.clips
+                if any(_leaf(grads[j]).dtype == torch.float64 for j in leaves
+                       if grads[j] is not None) for i in leaves}
+        read += sum(_bytes(_leaf(grads[i])) for i in present if i in wide)
+        read += sum(_bytes(_leaf(grads[i])) for i in present
+                    if _leaf(grads[i]).device.type != "cpu")
+    if structure.guards:
+        read += sum(_bytes(_leaf(grads[i])) for i in present)
+    return Traffic(read, 0)
+
+
+def group_traffic(group: Any, values: list[Any], grads: list[Any], state_leaves: list[Any],
+                  *, scaled: bool, donate: bool, donate_grads: bool) -> Traffic:
+    """The bytes one kernel or compiled group moves per step; ``scaled``: its gradients are
+    multiplied first (a folded clip's factor)."""
+    kind = group.plan.kernel
+    if kind == "zero":
+        return _NONE
+    if kind == "compiled":
+        return _compiled(group, values, grads, state_leaves, donate)
+    ps = [_leaf(values[i]) for i in group.leaves]
+    gs = [_leaf(grads[i]) for i in group.leaves]
+    slots = _kernel_slots(group, state_leaves)
+    read = written = 0
+    if not donate:  # the values and state are copied, the kernel writes the copies
+        copied = _bytes(ps) + sum(_bytes(column) for column in slots)
+        read += copied
+        written += copied
+    widened = scaled and group.dtype == torch.float64
+    for g, p in zip(gs, ps, strict=True):
+        g_bytes = _bytes(g)
+        # a gradient laid out unlike its value, or one the kernel scales and the caller
+        # keeps, is copied; a float64 group multiplies its copies by the factor itself
+        if (g.stride() != p.stride() and p.numel() > 1) or (scaled and not donate_grads):
+            read += g_bytes
+            written += g_bytes
+        if widened:
+            read += g_bytes
+            written += g_bytes
+    state = sum(_bytes(column) for column in slots)
+    read += _bytes(ps) + _bytes(gs) + state
+    written += _bytes(ps) + state + (_bytes(gs) if scaled and not widened else 0)
+    return Traffic(read, written)
+
+
+def _kernel_slots(group: Any, state_leaves: list[Any]) -> list[list[torch.Tensor]]:
+    """The state columns one kernel call reads and writes."""
+    plan = group.plan
+    names: list[tuple[str, str]] = []
+    if plan.kernel in ("adamw", "adam"):
+        names = [("adam", "mu"), ("adam", "nu")]
+        if plan.adam.kind == "scale_by_amsgrad":
+            names.append(("adam", "nu_max"))
+    elif plan.trace is not None:
+        names = [("trace", "trace")]
+    return [[_leaf(state_leaves[k]) for k in group.slots(op, slot)] for op, slot in names]
+
+
+def _compiled(group: Any, values: list[Any], grads: list[Any], state_leaves: list[Any],
+              donate: bool) -> Traffic:
+    """A compiled group: the gathers into one buffer per tensor kind, the one compiled call
+    (reads the gradients, values and slots, writes values and slots) and the copies back."""
+    keep = [j for j, i in enumerate(group.leaves) if _leaf(values[i]).numel()]
+    if not keep:
+        return _NONE
+    idx = [group.leaves[j] for j in keep]
+    ps = [_leaf(values[i]) for i in idx]
+    gs = [_leaf(grads[i]) for i in idx]
+    read = written = 0
+    relaid = [g for g, p in zip(gs, ps, strict=True)
+              if g.stride() != p.stride() and p.numel() > 1]  # copied into the value's layout
+    read += _bytes(relaid)
+    written += _bytes(relaid)
+    if (len(gs) > 1) if relaid else end_to_end(gs) is None:  # gathered into one buffer
+        read += _bytes(gs)
+        written += _bytes(gs)
+    columns = [ps]
+    for j, op in enumerate(group.plan.ops):
+        for name in op.slots:
+            columns.append([_leaf(state_leaves[group.plans[jj].ops[j].slots[name]])
+                            for jj in keep])
+    for column in columns:
+        size = _bytes(column)
+        laid_out = end_to_end(column) is not None
+        if not (laid_out and donate):  # gathered (or cloned) into a buffer
+            read += size
+            written += size
+        if donate and not laid_out:  # and copied back
+            read += size
+            written += size
+        read += size
+        written += size
+    read += _bytes(gs)
+    return Traffic(read, written)
+
+
+def _meta(x: Any) -> Any:
+    """A meta tensor laid out as ``x`` (its local shard), other leaves as they are."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    t = _leaf(x)
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def pure_traffic(tx: Any, params: Any, state: Any, grads: list[Any], *,
+                 donate: bool) -> Traffic | str:
+    """The pure path of a fast step on meta tensors: ``tx.update``, then the updates added
+    with one ``foreach`` add per (device, dtype) group (in place when donated); or why it
+    could not be counted."""
+    from functopt.fast import _step  # (the step's own apply)
+    from functopt.tree import _core
+
+    leaves, treespec = _core.flatten(params)
+    if any(type(x) is not torch.Tensor for x in leaves if isinstance(x, torch.Tensor)):
+        return "the params are not plain tensors (a DTensor, say)"
+    p_leaves = [_meta(x) for x in leaves]
+    p = _core.unflatten(treespec, p_leaves)
+    s_leaves, s_spec = _core.flatten(state)
+    s = _core.unflatten(s_spec, [_meta(x) for x in s_leaves])
+    g = _core.unflatten(treespec, [_meta(x) for x in grads])
+
+    def run() -> None:
+        updates, _ = tx.update(g, s, p)
+        _step._grouped_apply(p_leaves, treespec, updates, donate)
+
+    return _counted(run)
+
+
+def perleaf_traffic(groups: list[tuple[Any, bool]], values: list[Any], grads: list[Any],
+                    state_leaves: list[Any], treespec: Any, *,
+                    donate: bool) -> Traffic | str:
+    """The per-leaf tier's groups (each with whether a folded clip scales its gradients)
+    on meta tensors: their rules' own updates and the ``foreach`` apply; or why they could
+    not be counted."""
+    from functopt.fast import _perleaf
+
+    if any(op.rebuild is not None for g, _ in groups for op in g.plan.ops):
+        return "a rule inside inject_hyperparams (its rule is built at each step)"
+    vs = [_meta(x) for x in values]
+    gs = [_meta(x) for x in grads]
+    ss = [_meta(x) for x in state_leaves]
+    one = torch.ones((), dtype=torch.float64, device="meta")
+
+    def run() -> None:
+        _perleaf.run_groups([(g, one if scaled else None, None) for g, scaled in groups],
+                            vs, gs, ss, list(vs),
+                            list(ss), treespec=treespec, donate=donate, env=None)
+
+    return _counted(run)
