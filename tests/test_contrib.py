@@ -125,7 +125,8 @@ def _defaults(fn: Any) -> list[tuple[str, Any]]:
 # functopt's own options, keyword-only and after optax's, whose default is optax's behaviour
 # (the ones that reproduce the authors' packages: tests/test_contrib_ports.py)
 EXTRA_OPTIONS: dict[str, dict[str, Any]] = {
-    "muon": {"ns_dtype": None}, "scale_by_muon": {"ns_dtype": None},
+    "muon": {"ns_dtype": None},
+    "scale_by_muon": {"ns_dtype": None, "bias_correction": True, "clamp_norm": False},
     "prodigy": {"bias_correction": True}, "dadapt_adamw": {"bias_correction": True},
     "schedule_free_sgd": {"warmup_from_zero": True},
     "schedule_free_adamw": {"warmup_from_zero": True},
@@ -347,9 +348,9 @@ def test_muon_dimension_numbers_batch_the_other_axes(seed: int, reduction: int) 
 def _newton_schulz_transcribed(m: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # Muon's iteration written out from the paper, every operation in ``dtype``: divide by
     # the Frobenius norm (+ eps), then five quintic steps on the side with the smaller Gram
-    # matrix
-    a, b, c = (torch.tensor(x, dtype=torch.float64).to(dtype) for x in (3.4445, -4.7750,
-                                                                        2.0315))
+    # matrix, each step's two products taken with their multiply-adds fused (one rounding
+    # per product, as torch.optim.Muon computes it)
+    a, b, c = 3.4445, -4.7750, 2.0315
     x = m.to(dtype)
     tall = x.shape[0] > x.shape[1]
     if tall:
@@ -357,7 +358,7 @@ def _newton_schulz_transcribed(m: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     x = x / (torch.linalg.matrix_norm(x) + torch.tensor(1e-8, dtype=dtype))
     for _ in range(5):
         gram = x @ x.T
-        x = a * x + (b * gram + c * (gram @ gram)) @ x
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x.T if tall else x
 
 

@@ -32,12 +32,15 @@ NAMES = ["Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "NAdam", "RAdam", "Adamax
 ENTRIES = {entry.optim_cls.__name__: entry for entry in optim_db
            if entry.optim_cls.__name__ in NAMES}
 STEPS = 10
+CLASSES = [name for name in optim.__all__ if isinstance(getattr(optim, name), type)]
 
 
 def test_every_name_is_in_optim_db() -> None:
+    # (Muon, for matrices only, and muon_split have their own tests:
+    # tests/test_optim_muon.py)
     assert sorted(ENTRIES) == sorted(NAMES)
-    assert sorted(optim.__all__) == sorted(NAMES)
-    for name in NAMES:
+    assert sorted(optim.__all__) == sorted([*NAMES, "Muon", "muon_split"])
+    for name in CLASSES:
         assert issubclass(getattr(optim, name), torch.optim.Optimizer)
 
 
@@ -367,13 +370,22 @@ def test_grad_scaler_drives_it_as_torch_optim() -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", optim.__all__)
+# functopt's own options: keyword only, after torch's
+EXTRA_OPTIONS: dict[str, dict[str, Any]] = {"Muon": {"ns_dtype": torch.bfloat16}}
+
+
+@pytest.mark.parametrize("name", CLASSES)
 def test_signatures_and_defaults_are_torchs(name: str) -> None:
     # A straight swap keeps every default (AdamW's weight_decay=1e-2, not optax's 1e-4).
     import inspect
 
-    ours = inspect.signature(getattr(optim, name)).parameters
+    ours = dict(inspect.signature(getattr(optim, name)).parameters)
     theirs = inspect.signature(getattr(torch.optim, name)).parameters
+    extras = EXTRA_OPTIONS.get(name, {})
+    assert list(ours)[len(theirs):] == list(extras)
+    for key, default in extras.items():
+        assert ours[key].kind == ours[key].KEYWORD_ONLY, key
+        assert ours.pop(key).default == default, key
     assert list(ours) == list(theirs)
     for key, parameter in theirs.items():
         assert ours[key].kind == parameter.kind, key

@@ -240,11 +240,11 @@ def test_batched_newton_schulz_is_within_the_law_of_per_matrix(dtype: torch.dtyp
     g = torch.Generator().manual_seed(5)
     mats = [torch.randn(33, 17, generator=g, dtype=dtype) for _ in range(4)]
     dims = [DN()] * len(mats)
-    coeffs = torch.tensor(_muon._DEFAULT_NS_COEFFS, dtype=torch.float64)
-    single = [_muon._update_of(x, DN(), dtype, coeffs, 5, "frobenius", 1e-8, False, None)
+    rows = [tuple(_muon._DEFAULT_NS_COEFFS)] * 5
+    single = [_muon._update_of(x, DN(), dtype, rows, "frobenius", 1e-8, False, None, False)
               for x in mats]
-    batched = _muon._updates_batched(mats, dims, [dtype] * len(mats), coeffs, 5, "frobenius",
-                                     1e-8, False, None)
+    batched = _muon._updates_batched(mats, dims, [dtype] * len(mats), rows, "frobenius",
+                                     1e-8, False, None, False)
     rel = 1e-12 if dtype == torch.float64 else 3 * torch.finfo(dtype).eps
     for s, b in zip(single, batched, strict=True):
         assert float((s - b).abs().max()) <= rel * float(s.abs().max())

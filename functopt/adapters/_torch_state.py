@@ -168,6 +168,7 @@ def _equal(a: Mapping[str, Any], b: Mapping[str, Any], slots: Slots) -> bool:
 # -- torch's layout -----------------------------------------------------------------------
 
 STEP = "step"
+CONSTANT = ""  # (the key of a constant slot: torch stores nothing under it)
 _COUNT = "count"
 
 
@@ -185,12 +186,16 @@ class TorchLayout:
         eager: torch makes every param's state at construction (an entry for every param,
             stepped or not).
         scalars: keys of 0-d values torch keeps in its scalar dtype, as it keeps ``step``.
+        constants: slots of the chain's state that torch keeps nothing for because they
+            never change (Muon's Newton-Schulz coefficients): not saved, and taken from
+            init on load.
     """
 
     keys: Mapping[str, tuple[str, ...]]
     step: bool = True
     eager: bool = False
     scalars: frozenset[str] = frozenset()
+    constants: frozenset[str] = frozenset()
 
 
 def slot_names(treespec: _core.TreeSpec, pspec: _core.TreeSpec) -> dict[str, str]:
@@ -231,6 +236,8 @@ def entry_keys(owner: str, cls: str, layout: TorchLayout,
             out[name] = by_slot[slot]
         elif slot.rsplit(".", 1)[-1] == _COUNT:
             out[name] = STEP
+        elif slot in layout.constants:
+            out[name] = CONSTANT
         elif not name.startswith("hyperparams."):
             raise ValueError(UNMAPPED.format(owner=owner, slot=slot, name=name, cls=cls))
     return out
@@ -277,7 +284,7 @@ def to_torch(layout: TorchLayout, keys: Mapping[str, str], group: Mapping[str, A
                 place = step_places[p.device] = _scalar_place(STEP, group, p)
             pending.append((len(out), count, place))
         for name, key in keys.items():
-            if key == STEP:
+            if key in (STEP, CONSTANT):
                 continue
             value = entry[name]
             if key in layout.scalars:
@@ -324,6 +331,8 @@ def from_torch(layout: TorchLayout, keys: Mapping[str, str], expected: Mapping[s
                 made = counts[(name, count, held.dtype, held.device)] = torch.tensor(
                     count, dtype=held.dtype, device=held.device)
             out[name] = made
+        elif key == CONSTANT:
+            out[name] = fresh()[name]
         elif key in entry and entry[key] is not None:
             out[name] = entry[key]
     return out

@@ -124,7 +124,7 @@ def _layout(shape: Sequence[int], dims: MuonDimensionNumbers,
             (math.prod(shape[a] for a in batch), fan_in, fan_out), fan_in, fan_out)
 
 
-def _newton_schulz_step(x: torch.Tensor, c: torch.Tensor, first: bool,
+def _newton_schulz_step(x: torch.Tensor, c: tuple[float, float, float], first: bool,
                         preconditioning: str) -> torch.Tensor:
     # One quintic step f(X) = c0 X + (c1 A + c2 A^2) X with A = X X^T. On the first step,
     # 'aol' rescales the rows by the root of A's absolute row sums and 'schatten' the whole
@@ -137,24 +137,28 @@ def _newton_schulz_step(x: torch.Tensor, c: torch.Tensor, first: bool,
         norm = torch.linalg.matrix_norm(a, ord="fro", keepdim=True)
         s = torch.rsqrt(torch.clamp(norm, min=_FIRST_STEP_EPS))
         x, a = x * s, a * (s * s)
-    b = c[1] * a + c[2] * (a @ a)
-    out: torch.Tensor = c[0] * x + b @ x
-    return out
+    # b A + c A A and a X + B X as fused multiply-adds (one rounding each in a narrow dtype,
+    # as torch.optim.Muon's bfloat16 iteration rounds)
+    b = torch.baddbmm(a, a, a, beta=c[1], alpha=c[2])
+    return torch.baddbmm(x, b, x, beta=c[0])
 
 
-def _orthogonalize(x: torch.Tensor, coeffs: torch.Tensor, ns_steps: int, preconditioning: str,
-                   eps: Any) -> torch.Tensor:
-    """Newton-Schulz on a (batch, m, n) stack, in ``x``'s dtype (callers widen first)."""
-    transposed = x.shape[-2] > x.shape[-1]
-    if transposed:  # f(X) = f(X^T)^T: iterate on the side with the smaller Gram matrix
+def _orthogonalize(x: torch.Tensor, rows: Sequence[tuple[float, float, float]],
+                   preconditioning: str, eps: Any, clamp_norm: bool) -> torch.Tensor:
+    """Newton-Schulz on a (batch, m, n) stack, one step per row of coefficients, in ``x``'s
+    dtype (callers widen first); the norm divided by is ``norm + eps``, or
+    ``max(norm, eps)`` with ``clamp_norm``."""
+    # f(X) = f(X^T)^T: iterate on the side with the smaller Gram matrix, and a square
+    # matrix as it is stored (its rows contiguous), as torch.optim.Muon iterates a weight
+    m, n = x.shape[-2:]
+    transposed = m > n or (m == n and not x.is_contiguous() and x.mT.is_contiguous())
+    if transposed:
         x = x.mT
     eps_t = _common.scalar(eps, x.dtype)
-    if preconditioning == "frobenius":
-        x = x / (torch.linalg.matrix_norm(x, ord="fro", keepdim=True) + eps_t)
-    elif preconditioning == "spectral":
-        x = x / (torch.linalg.matrix_norm(x, ord=2, keepdim=True) + eps_t)
-    c = coeffs.to(x.dtype)
-    rows = [c] * ns_steps if c.dim() == 1 else list(c)
+    if preconditioning in ("frobenius", "spectral"):
+        norm = torch.linalg.matrix_norm(x, ord="fro" if preconditioning == "frobenius" else 2,
+                                        keepdim=True)
+        x = x / (torch.clamp(norm, min=eps_t) if clamp_norm else norm + eps_t)
     for i, row in enumerate(rows):
         x = _newton_schulz_step(x, row, i == 0, preconditioning)
     return x.mT if transposed else x
@@ -220,6 +224,8 @@ def scale_by_muon(
     preconditioning: Preconditioning = "frobenius",
     weight_dimension_numbers: WeightDimNumOrFn | None = None,
     ns_dtype: torch.dtype | None = None,
+    bias_correction: bool = True,
+    clamp_norm: bool = False,
 ) -> GradientTransformation:
     r"""Rescale updates by Muon: orthogonalise the (Nesterov) momentum of each matrix.
 
@@ -233,6 +239,12 @@ def scale_by_muon(
     is smaller. ``ns_coeffs`` is one triple $(a, b, c)$ for every step or one triple per
     step (then at most ``ns_steps`` of them, and each row is one step, as in optax). With
     ``adaptive``, $u_t$ is scaled by $\langle \hat m_t, u_t\rangle$ (the dual norm).
+    ``bias_correction=False`` drops the corrections ($\hat m_t = m_t$, or
+    $\beta m_t + (1-\beta) g_t$ with ``nesterov``), and ``clamp_norm=True`` divides by
+    $\max(\lVert X\rVert, \epsilon)$ instead of $\lVert X\rVert + \epsilon$: both as
+    ``torch.optim.Muon`` and Keller Jordan's ``muon.py`` compute (which add or clamp, in
+    that order); the Newton-Schulz input is normalised either way, so the corrections
+    change only the weight of the gradient against the momentum under ``nesterov``.
 
     ``weight_dimension_numbers`` says which axes of each leaf form the matrix (see
     [`MuonDimensionNumbers`][functopt.contrib.MuonDimensionNumbers]); without it every leaf
@@ -272,6 +284,8 @@ def scale_by_muon(
             that are not updated here), or ``updates -> such a tree``.
         ns_dtype: the dtype of the Newton-Schulz iteration (default None: the momentum's
             compute dtype, float32 or wider), e.g. ``torch.bfloat16``.
+        bias_correction: divide the momentum by $1 - \beta^t$ (optax's Muon).
+        clamp_norm: normalise by $\max(\lVert X\rVert, \epsilon)$ (torch.optim.Muon).
 
     Returns:
         A [`GradientTransformation`][functopt.GradientTransformation] with
@@ -293,12 +307,18 @@ def scale_by_muon(
         Grishina et al., *Accelerating Newton-Schulz Iteration for Orthogonalization via
         Chebyshev-type Polynomials*, 2025.
     """
-    _validate.check_flags("scale_by_muon", nesterov=nesterov, adaptive=adaptive)
+    _validate.check_flags("scale_by_muon", nesterov=nesterov, adaptive=adaptive,
+                          bias_correction=bias_correction, clamp_norm=clamp_norm)
     owner = "scale_by_muon"
     if not isinstance(ns_steps, int) or isinstance(ns_steps, bool) or ns_steps < 1:
         raise ValueError(f"{owner}: ns_steps must be an int >= 1, got {ns_steps!r}. "
                          f"Fix: 5 is usual.")
     coeffs = _ns_coefficients(owner, ns_coeffs, ns_steps)
+    # the coefficients of each step as Python numbers (the state keeps them as a tensor)
+    listed = coeffs.tolist()
+    rows: list[tuple[float, float, float]] = [
+        (float(a), float(b), float(c))
+        for a, b, c in ([listed] * ns_steps if coeffs.dim() == 1 else listed)]
     _common.check_betas(owner, beta=beta)
     _validate.check_range(owner, "eps", eps, low=0.0)
     _validate.check_dtype(owner, "mu_dtype", mu_dtype)
@@ -320,8 +340,11 @@ def scale_by_muon(
         _common.check_state_present(owner, treespec, grads, mu=mus)
         dims = _resolve_dims(weight_dimension_numbers, updates, grads, treespec)
         count = _common.safe_increment(state.count)
-        bc = _common.bias_correction(beta, count)
-        bc_next = _common.bias_correction(beta, _common.safe_increment(count))
+        bc: Any = None
+        bc_next: Any = None
+        if bias_correction:
+            bc = _common.bias_correction(beta, count)
+            bc_next = _common.bias_correction(beta, _common.safe_increment(count))
         names = _leaf_names(treespec)
         present = [i for i, g in enumerate(grads) if g is not None]
         for i in present:  # checked here, before any collective
@@ -346,14 +369,14 @@ def scale_by_muon(
 
         def orthogonalize(mu_hat: torch.Tensor, d: MuonDimensionNumbers,
                           dtype: torch.dtype) -> torch.Tensor:
-            return _update_of(mu_hat, d, dtype, state.ns_coeffs, ns_steps, preconditioning,
-                              eps, adaptive, ns_dtype)
+            return _update_of(mu_hat, d, dtype, rows, preconditioning, eps, adaptive, ns_dtype,
+                              clamp_norm)
 
         if grouped:
             for i, u in zip(plain, _updates_batched(
                     [out[i] for i in plain], [dims[i] for i in plain],
-                    [grads[i].dtype for i in plain], state.ns_coeffs, ns_steps,
-                    preconditioning, eps, adaptive, ns_dtype), strict=True):
+                    [grads[i].dtype for i in plain], rows, preconditioning, eps, adaptive,
+                    ns_dtype, clamp_norm), strict=True):
                 out[i] = u
         else:
             for i in plain:
@@ -380,24 +403,30 @@ def scale_by_muon(
     return specified(GradientTransformation(init_fn, update_fn), PerLeaf(
         "scale_by_muon", {"ns_steps": ns_steps, "beta": beta, "eps": eps, "nesterov": nesterov,
                           "adaptive": adaptive, "preconditioning": preconditioning,
-                          "ns_dtype": ns_dtype},
+                          "ns_dtype": ns_dtype, "bias_correction": bias_correction,
+                          "clamp_norm": clamp_norm},
         slots=("mu",), grouped=grouped_fn))
 
 
 def _momentum(grads: list[torch.Tensor], mus: list[torch.Tensor], beta: Numeric, bc: Any,
               bc_next: Any, nesterov: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per leaf: the (Nesterov) bias-corrected momentum in the widened dtype, and the new
-    momentum in its own dtype."""
+    """Per leaf: the (Nesterov) bias-corrected momentum (uncorrected with ``bc`` None) in
+    the widened dtype, and the new momentum in its own dtype."""
     hats, news = [], []
     for g, mu in zip(grads, mus, strict=True):
         wide = g.to(_common.compute_dtype(g.dtype, mu.dtype))
         mu_t = _common.scalar(beta, wide.dtype) * mu.to(wide.dtype) + _common.scalar(
             1 - beta, wide.dtype) * wide
-        if nesterov:
+        if nesterov and bc is None:
+            mu_hat = (_common.scalar(beta, wide.dtype) * mu_t
+                      + _common.scalar(1 - beta, wide.dtype) * wide)
+        elif nesterov:
             mu_hat = (_common.scalar(beta, wide.dtype) * mu_t
                       / _common.scalar(bc_next, wide.dtype)
                       + _common.scalar(1 - beta, wide.dtype) * wide
                       / _common.scalar(bc, wide.dtype))
+        elif bc is None:
+            mu_hat = mu_t
         else:
             mu_hat = mu_t / _common.scalar(bc, wide.dtype)
         hats.append(mu_hat)
@@ -427,10 +456,14 @@ def _momentum_grouped(grads: list[Any], mus: list[Any], beta: Numeric, bc: Any, 
         fresh = torch._foreach_mul([grads[j].to(dtype) for j in idx], s(1 - beta))
         mu_t = torch._foreach_add(torch._foreach_mul([mus[j].to(dtype) for j in idx], beta_t),
                                   fresh)
-        if nesterov:
+        if nesterov and bc is None:
+            mu_hat = torch._foreach_add(torch._foreach_mul(mu_t, beta_t), fresh)
+        elif nesterov:
             mu_hat = torch._foreach_add(
                 torch._foreach_div(torch._foreach_mul(mu_t, beta_t), s(bc_next)),
                 torch._foreach_div(fresh, s(bc)))
+        elif bc is None:
+            mu_hat = mu_t
         else:
             mu_hat = torch._foreach_div(mu_t, s(bc))
         for j, hat, new in zip(idx, mu_hat, mu_t, strict=True):
@@ -440,8 +473,9 @@ def _momentum_grouped(grads: list[Any], mus: list[Any], beta: Numeric, bc: Any, 
 
 
 def _updates_batched(mu_hats: list[torch.Tensor], dims: list[Any], dtypes: list[torch.dtype],
-                     coeffs: torch.Tensor, ns_steps: int, preconditioning: str, eps: Any,
-                     adaptive: bool, ns_dtype: torch.dtype | None) -> list[torch.Tensor]:
+                     rows: Sequence[tuple[float, float, float]], preconditioning: str,
+                     eps: Any, adaptive: bool, ns_dtype: torch.dtype | None,
+                     clamp_norm: bool) -> list[torch.Tensor]:
     """`_update_of` for many plain matrices: those whose (batch, m, n) views have the same
     (m, n), layout, dtype and device are stacked along the batch, up to ``_BATCH_BYTES``
     of them, and iterated together (one set of batched matrix products per batch instead
@@ -468,8 +502,8 @@ def _updates_batched(mu_hats: list[torch.Tensor], dims: list[Any], dtypes: list[
                 batch = torch.cat([x.mT for x in stack]).mT
             else:
                 batch = torch.cat(stack)
-            result = _orthogonalize(_in_dtype(batch, ns_dtype), coeffs, ns_steps,
-                                    preconditioning, eps)
+            result = _orthogonalize(_in_dtype(batch, ns_dtype), rows, preconditioning, eps,
+                                    clamp_norm)
             for k, part in zip(chunk, torch.split(result, [x.shape[0] for x in stack]),
                                strict=True):
                 orthos[idx[k]] = part
@@ -514,13 +548,14 @@ def _finish(ortho: torch.Tensor, order: Sequence[int], shape: Sequence[int],
 
 
 def _update_of(mu_hat: torch.Tensor, d: MuonDimensionNumbers, dtype: torch.dtype,
-               coeffs: torch.Tensor, ns_steps: int, preconditioning: str, eps: Any,
-               adaptive: bool, ns_dtype: torch.dtype | None) -> torch.Tensor:
+               rows: Sequence[tuple[float, float, float]], preconditioning: str, eps: Any,
+               adaptive: bool, ns_dtype: torch.dtype | None,
+               clamp_norm: bool) -> torch.Tensor:
     """The update of one whole (plain) momentum matrix, in ``dtype``."""
     order, flat_shape, _, _ = _layout(mu_hat.shape, d, "")
     permuted = mu_hat.permute(order)
-    ortho = _orthogonalize(_in_dtype(permuted.reshape(flat_shape), ns_dtype), coeffs,
-                           ns_steps, preconditioning, eps)
+    ortho = _orthogonalize(_in_dtype(permuted.reshape(flat_shape), ns_dtype), rows,
+                           preconditioning, eps, clamp_norm)
     return _finish(ortho, order, permuted.shape, mu_hat, dtype, adaptive)
 
 

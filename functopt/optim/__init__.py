@@ -6,7 +6,9 @@ configuration of torch's own optimizer test database, and rejecting its construc
 inputs with the same exception types), and is a ``torch.optim.Optimizer`` (a
 [`functopt.Optimizer`][functopt.Optimizer]) that runs a functopt chain: ``opt.transform``
 is that chain, for inspection (``functopt.fast.explain``) or for use on its own. Adam,
-AdamW and SGD take PyTorch's fused kernels; the others run the pure per-leaf chain.
+AdamW and SGD take PyTorch's fused kernels; Muon runs on the per-leaf tier (the iteration
+batched over same-shape matrices; [`muon_split`][functopt.optim.muon_split] splits a model
+as Muon's authors do); the others run the pure per-leaf chain.
 
 Examples:
     >>> import torch, functopt
@@ -21,6 +23,7 @@ Examples:
 """
 
 from functopt.optim._adam import Adam, Adamax, AdamW, NAdam, RAdam
+from functopt.optim._muon import Muon, muon_split
 from functopt.optim._sgd import SGD, Adadelta, Adagrad, RMSprop, Rprop
 
 __all__ = [
@@ -30,8 +33,10 @@ __all__ = [
     "Adam",
     "AdamW",
     "Adamax",
+    "Muon",
     "NAdam",
     "RAdam",
     "RMSprop",
     "Rprop",
+    "muon_split",
 ]

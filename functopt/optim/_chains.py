@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from functopt._base import GradientTransformation, identity
+from functopt.contrib._muon import MuonDimensionNumbers, _scale_by_shape, scale_by_muon
 from functopt.transforms.accumulation import dampened_trace, trace
 from functopt.transforms.adding import add_decayed_weights
 from functopt.transforms.combining import chain
@@ -140,3 +143,21 @@ def rprop(
     return chain(*_stages(maximize, None, scale_by_rprop(
         learning_rate, eta_minus=etas[0], eta_plus=etas[1], min_step_size=step_sizes[0],
         max_step_size=step_sizes[1])), scale(-1.0))
+
+
+def muon(
+    learning_rate: Any, momentum: Any, weight_decay: Any = None, *, nesterov: bool = True,
+    ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315), eps: float = 1e-7,
+    ns_steps: int = 5, adjust_lr_fn: str | None = None,
+    ns_dtype: torch.dtype | None = torch.bfloat16,
+) -> GradientTransformation:
+    """torch.optim.Muon: ``(out, in)`` matrices, no bias correction, the norm clamped at
+    eps, the decoupled weight decay at the unadjusted learning rate."""
+    dims = MuonDimensionNumbers(reduction_axis=1, output_axis=0)
+    return chain(
+        scale_by_muon(ns_coeffs=ns_coefficients, ns_steps=ns_steps, beta=momentum, eps=eps,
+                      nesterov=nesterov, weight_dimension_numbers=dims, ns_dtype=ns_dtype,
+                      bias_correction=False, clamp_norm=True),
+        _scale_by_shape(dims, 0.2 if adjust_lr_fn == "match_rms_adamw" else None),
+        *([] if weight_decay is None else [add_decayed_weights(weight_decay)]),
+        scale_by_learning_rate(learning_rate))
