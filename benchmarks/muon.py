@@ -15,8 +15,13 @@ steps under ``torch.no_grad()``:
   per-leaf tier's CPU batches capped at ``cap`` bytes (``0``: every matrix alone, ``inf``:
   every same-shape matrix in one batch);
 * ``tier bf16``: the same at the default cap with ``ns_dtype=torch.bfloat16``;
-* ``torch.optim.Muon``: torch's class (its Newton-Schulz in bfloat16; other maths differ:
-  no bias correction, its own learning-rate adjustment), a yardstick of cost only.
+* ``functopt.optim.Muon``: the drop-in for torch's class (Newton-Schulz in bfloat16, the
+  default), and ``functopt.optim.Muon f32`` with ``ns_dtype=None``;
+* ``torch.optim.Muon``: torch's class (its Newton-Schulz in bfloat16; other maths than
+  ``contrib.muon``'s: no bias correction, its own learning-rate adjustment).
+
+``functopt.optim.Muon`` is checked against ``torch.optim.Muon`` after the timed steps (the
+same steps, to bfloat16 rounding).
 
 The pure and tier contenders are checked equal after the timed steps (bitwise but for the
 batched products' rounding: relative 1e-5 in float32).
@@ -95,13 +100,16 @@ class _Functopt(Contender):
 class _TorchMuon(Contender):
     name = "torch.optim.Muon"
 
-    def __init__(self, shapes: Sequence[tuple[int, int]]) -> None:
+    def __init__(self, shapes: Sequence[tuple[int, int]], cls: Any = None, name: str = "",
+                 **options: Any) -> None:
         super().__init__()
+        self.name = name or self.name
         params, grads = _problem(shapes)
         self.params = [torch.nn.Parameter(p) for p in params]
         for p, g in zip(self.params, grads, strict=True):
             p.grad = g
-        self.opt = torch.optim.Muon(self.params, lr=0.02, weight_decay=0.0)
+        self.opt = (cls or torch.optim.Muon)(self.params, lr=0.02, weight_decay=0.0,
+                                             **options)
 
     def step(self) -> None:
         self.opt.step()
@@ -140,6 +148,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         cs += [_Functopt(f"tier {c}", shapes, fast=True, cap=_cap(c))
                for c in args.caps.split(",")]
         cs.append(_Functopt("tier bf16", shapes, fast=True, ns_dtype=torch.bfloat16))
+        cs.append(_TorchMuon(shapes, functopt.optim.Muon, "functopt.optim.Muon"))
+        cs.append(_TorchMuon(shapes, functopt.optim.Muon, "functopt.optim.Muon f32",
+                             ns_dtype=None))
         if not args.no_torch:
             cs.append(_TorchMuon(shapes))
         timings, inner = harness.time_interleaved(cs, repeats=args.repeats, warmup=1,
@@ -149,8 +160,20 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"medians of {args.repeats}")
         for c in cs:
             t = timings[c.name]
-            print(f"  {c.name:18s} {t['median_s'] * 1e3:9.1f} ms  (IQR {t['iqr_s'] * 1e3:7.1f})"
-                  f"  {t['median_s'] / base:5.2f}x pure")
+            line = (f"  {c.name:24s} {t['median_s'] * 1e3:9.1f} ms  (IQR "
+                    f"{t['iqr_s'] * 1e3:7.1f})  {t['median_s'] / base:5.2f}x pure")
+            if not args.no_torch:
+                line += f"  {t['median_s'] / timings['torch.optim.Muon']['median_s']:5.2f}x torch"
+            print(line)
+        if not args.no_torch:
+            ours, theirs = (next(c for c in cs if c.name == n).result()
+                            for n in ("functopt.optim.Muon", "torch.optim.Muon"))
+            # the same steps from the same start; bfloat16 roundings compound over them
+            worst = max(float((a - b).abs().max() / b.abs().max())
+                        for a, b in zip(ours, theirs, strict=True))
+            if worst > 1e-2:
+                print(f"  CHECK FAILED: functopt.optim.Muon differs from torch's by {worst:.2e}")
+                failed = True
         ref = cs[0].result()
         for c in cs[1:]:
             if not isinstance(c, _Functopt) or c.name == "tier bf16":

@@ -415,11 +415,10 @@ def _momentum(grads: list[torch.Tensor], mus: list[torch.Tensor], beta: Numeric,
     hats, news = [], []
     for g, mu in zip(grads, mus, strict=True):
         wide = g.to(_common.compute_dtype(g.dtype, mu.dtype))
-        mu_t = _common.scalar(beta, wide.dtype) * mu.to(wide.dtype) + _common.scalar(
-            1 - beta, wide.dtype) * wide
+        # m + (1 - beta) (g - m): one pass, rounded as torch.optim.Muon's lerp_
+        mu_t = torch.lerp(mu.to(wide.dtype), wide, _common.scalar(1 - beta, wide.dtype))
         if nesterov and bc is None:
-            mu_hat = (_common.scalar(beta, wide.dtype) * mu_t
-                      + _common.scalar(1 - beta, wide.dtype) * wide)
+            mu_hat = torch.lerp(wide, mu_t, _common.scalar(beta, wide.dtype))
         elif nesterov:
             mu_hat = (_common.scalar(beta, wide.dtype) * mu_t
                       / _common.scalar(bc_next, wide.dtype)
@@ -452,16 +451,17 @@ def _momentum_grouped(grads: list[Any], mus: list[Any], beta: Numeric, bc: Any, 
         def s(value: Any, dtype: torch.dtype = dtype, device: Any = device) -> torch.Tensor:
             return torch.as_tensor(_common.scalar(value, dtype), dtype=dtype, device=device)
 
-        beta_t = s(beta)
-        fresh = torch._foreach_mul([grads[j].to(dtype) for j in idx], s(1 - beta))
-        mu_t = torch._foreach_add(torch._foreach_mul([mus[j].to(dtype) for j in idx], beta_t),
-                                  fresh)
+        wide = [grads[j].to(dtype) for j in idx]
+        # (the weights as a list of 0-d tensors: a 0-d tensor as the Scalar weight would be
+        # read back to the host)
+        mu_t = torch._foreach_lerp([mus[j].to(dtype) for j in idx], wide,
+                                   [s(1 - beta)] * len(idx))
         if nesterov and bc is None:
-            mu_hat = torch._foreach_add(torch._foreach_mul(mu_t, beta_t), fresh)
+            mu_hat = torch._foreach_lerp(wide, mu_t, [s(beta)] * len(idx))
         elif nesterov:
             mu_hat = torch._foreach_add(
-                torch._foreach_div(torch._foreach_mul(mu_t, beta_t), s(bc_next)),
-                torch._foreach_div(fresh, s(bc)))
+                torch._foreach_div(torch._foreach_mul(mu_t, s(beta)), s(bc_next)),
+                torch._foreach_div(torch._foreach_mul(wide, s(1 - beta)), s(bc)))
         elif bc is None:
             mu_hat = mu_t
         else:
