@@ -4,9 +4,9 @@ The count ``explain`` reports (from the plan for PyTorch's kernels, from a run o
 tensors for the eager tiers) is held to a count of the tensors a real CPU step reads and
 writes, taken here by a dispatch mode that sees every operation: a tensor is written when
 its contents changed or it is a new result, read when an operation takes it (a copy's or
-fill's destination excepted). Only tensors at least as large as the smallest leaf are
-counted on both sides for the kernel tier (the per-leaf norms stacked for a clip are a few
-bytes, which the plan leaves out).
+fill's destination and an ``out=`` argument excepted). Only tensors at least as large as
+the smallest leaf are counted on both sides for the kernel tier (the per-leaf norms
+stacked for a clip are a few bytes, which the plan leaves out).
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ class _Touched(TorchDispatchMode):
             value = args[k] if k < len(args) else kwargs.get(arg.name)
             items = value if isinstance(value, (list, tuple)) else [value]
             for t in items:
-                if isinstance(t, torch.Tensor) and not (destination and arg.name in mutable):
+                if isinstance(t, torch.Tensor) and not (
+                        (destination or arg.name == "out") and arg.name in mutable):
                     self.read += self._size(t)
         for t, old in zip(inputs, before, strict=True):
             if old is not None and not torch.equal(t, old) and not (

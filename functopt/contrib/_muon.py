@@ -159,9 +159,34 @@ def _orthogonalize(x: torch.Tensor, rows: Sequence[tuple[float, float, float]],
         norm = torch.linalg.matrix_norm(x, ord="fro" if preconditioning == "frobenius" else 2,
                                         keepdim=True)
         x = x / (torch.clamp(norm, min=eps_t) if clamp_norm else norm + eps_t)
-    for i, row in enumerate(rows):
-        x = _newton_schulz_step(x, row, i == 0, preconditioning)
+    if preconditioning in ("frobenius", "spectral") and _plain(x):
+        x = _newton_schulz_into_buffers(x, rows)
+    else:
+        for i, row in enumerate(rows):
+            x = _newton_schulz_step(x, row, i == 0, preconditioning)
     return x.mT if transposed else x
+
+
+def _plain(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a plain tensor outside autograd and ``torch.func``'s transforms, so
+    that the iteration's products may be written into buffers (``out=``)."""
+    return (type(x) is torch.Tensor and not x.requires_grad
+            and not torch._C._functorch.is_functorch_wrapped_tensor(x))
+
+
+def _newton_schulz_into_buffers(x: torch.Tensor,
+                                rows: Sequence[tuple[float, float, float]]) -> torch.Tensor:
+    """`_newton_schulz_step` once per row (no first-step rescaling), each product written
+    into buffers allocated once per call: the same operations, so the same bits, without
+    fresh memory per product (on the CPU, each new page costs a fault on first touch)."""
+    b, m, _ = x.shape
+    gram, update = (x.new_empty((b, m, m)) for _ in range(2))
+    buffers = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(2)]
+    for i, c in enumerate(rows):
+        torch.bmm(x, x.mT, out=gram)
+        torch.baddbmm(gram, gram, gram, beta=c[1], alpha=c[2], out=update)
+        x = torch.baddbmm(x, update, x, beta=c[0], out=buffers[i % 2])
+    return x
 
 
 def _resolve_dims(weight_dimension_numbers: Any, updates: Any, grads: list[Any],

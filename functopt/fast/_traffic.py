@@ -19,7 +19,7 @@ rates, a leaf's norm) are a few bytes per leaf, not per param. A clip is counted
 that clips (the CPU leaves a clip whose factor is exactly 1 out of the kernel call: fewer
 bytes). An operation is counted as reading each tensor it takes and writing each tensor it
 returns or mutates, except that a copy, a fill and an ``out=`` argument only write their
-destination and a view moves nothing.
+destination, and a view or an allocation moves nothing.
 """
 
 from __future__ import annotations
@@ -65,6 +65,10 @@ _WRITE_ONLY = frozenset({
 _UNSCALING = frozenset({"aten::_fused_adam_", "aten::_fused_adamw_", "aten::_fused_sgd_",
                         "aten::_fused_adagrad_"})
 
+# operations that allocate a tensor without reading or writing any data
+_ALLOCATIONS = frozenset({"aten::empty", "aten::empty_like", "aten::new_empty",
+                          "aten::empty_strided", "aten::new_empty_strided"})
+
 # operations that return their input's memory under another shape, without declaring it
 _ALIASES = frozenset({"aten::_unsafe_view", "aten::_reshape_alias", "aten::lift_fresh"})
 
@@ -90,7 +94,7 @@ class _Counter(TorchDispatchMode):  # type: ignore[no-untyped-call]
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func.is_view or func._schema.name in _ALIASES:
+        if func.is_view or func._schema.name in _ALIASES or func._schema.name in _ALLOCATIONS:
             return out
         schema = func._schema
         write_only = schema.name in _WRITE_ONLY
