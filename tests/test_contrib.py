@@ -672,3 +672,27 @@ def test_schedule_free_with_zero_warmup_steps_trains_as_without_warmup(
     got = run(warmup_steps=0, warmup_from_zero=warmup_from_zero)
     assert not torch.equal(got["w"], start)
     assert_bitwise_equal(got, run())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("shape", [(3, 8, 8), (2, 5, 12), (1, 12, 5)], ids=str)
+def test_newton_schulz_into_buffers_is_the_step_loop_bitwise(
+        dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
+    # outside autograd the iteration writes its products into buffers; under autograd (and
+    # torch.func) it runs the plain step loop: the same bits either way
+    from functopt.contrib import _muon
+
+    rows = [(3.4445, -4.775, 2.0315)] * 4 + [(3.0, -3.2, 1.2)]
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+    x = x / torch.linalg.matrix_norm(x, keepdim=True)
+    if shape[1] > shape[2]:
+        x = x.mT
+    loop = x
+    for i, row in enumerate(rows):
+        loop = _muon._newton_schulz_step(loop, row, i == 0, "frobenius")
+    assert_bitwise_equal(_muon._newton_schulz_into_buffers(x, rows), loop)
+    # and the dispatch: a tensor that requires grad takes the loop, and is differentiable
+    assert _muon._plain(x) and not _muon._plain(x.clone().requires_grad_())
+    y = x.detach().clone().requires_grad_()
+    _muon._orthogonalize(y, rows, "frobenius", 1e-7, True).sum().backward()
+    assert y.grad is not None and bool(torch.isfinite(y.grad).all())
