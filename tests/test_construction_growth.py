@@ -2,14 +2,15 @@
 (``functopt.optim``, ``functopt.Optimizer``, ``MixedPrecisionOptimizer`` over a torch
 optimizer).
 
-The law is a ratio, not a speed: twice the params (1-element ones, so that the time is the
-per-param bookkeeping, not the arithmetic) take under three times as long, for the
-constructor and for a fresh optimizer's ``state_dict()`` (its first call included). A piece
-of work per param that walks every param (quadratic) makes the ratio about 4 on every
-measurement. Timing on a shared machine is noisy (torch.optim's own ``state_dict()`` shows
-ratios from 2 to 4 between runs), so the two sizes are timed in turn, each time is the
-least of a few repeats with the garbage collector paused (other processes only ever add
-time), and a ratio of 3 or more is measured again, up to three times in all.
+The law is a ratio, not a speed: four times the params (1-element ones, so that the time is
+the per-param bookkeeping, not the arithmetic) take under eight times as long, for the
+constructor and for a fresh optimizer's ``state_dict()`` (its first call included). Linear
+work makes the ratio about 4 and a piece of work per param that walks every param
+(quadratic) about 16: eight sits a factor of two from each. Timing on a shared machine is
+noisy (torch.optim's own ``state_dict()`` shows ratios from 2 to 4 between runs at twice
+the params), so the two sizes are timed in turn, each time is the least of a few repeats
+with the garbage collector paused (other processes only ever add time), and a ratio of 8
+or more is measured again, up to three times in all.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import torch
 import functopt
 from functopt import optim
 
-SMALL, LARGE = 10_000, 20_000
+SMALL, LARGE = 5_000, 20_000
+BOUND = 8  # linear: 4, quadratic: 16
 REPEATS, ATTEMPTS = 3, 3
 
 Make = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
@@ -71,7 +73,7 @@ def test_construction_and_state_dict_grow_linearly(name: str) -> None:
     for _ in range(ATTEMPTS):
         times = _least(make, params)
         ratios = {what: t[LARGE] / t[SMALL] for what, t in times.items()}
-        if all(r < 3 for r in ratios.values()):
+        if all(r < BOUND for r in ratios.values()):
             return
     raise AssertionError(f"{name}: {LARGE} params take {ratios} times as long as {SMALL} "
                          f"(times in s: {times})")
