@@ -138,6 +138,35 @@ def test_unknown_group_keys_raise_at_construction_and_at_step():
     _train(model, opt, steps=1)  # the scheduler's own keys (initial_lr, max_lr, ...) are fine
 
 
+def test_a_string_under_a_key_no_option_has_is_a_label_kept_as_torch_keeps_it():
+    # torch keeps any key in a group; a string (a group's "name") is a label no step reads,
+    # kept through steps and state dicts, in functopt.Optimizer and functopt.optim alike
+    model = _model()
+    ps = list(model.parameters())
+    opt = Optimizer([{"params": ps[:1], "name": "weight"}, {"params": ps[1:]}],
+                    functopt.adamw(1e-3))
+    _train(model, opt, steps=1)
+    assert opt.param_groups[0]["name"] == "weight"
+    drop_in = functopt.optim.AdamW([{"params": ps[:1], "name": "weight"},
+                                    {"params": ps[1:], "name": "bias"}])
+    _train(model, drop_in, steps=2)
+    saved = drop_in.state_dict()
+    assert [g["name"] for g in saved["param_groups"]] == ["weight", "bias"]
+    torch_side = torch.optim.AdamW([{"params": ps[:1], "name": "a"}, {"params": ps[1:]}])
+    torch_side.load_state_dict(saved)
+    assert [g.get("name") for g in torch_side.param_groups] == ["weight", "bias"]
+    back = functopt.optim.AdamW([{"params": ps[:1]}, {"params": ps[1:]}])
+    back.load_state_dict(torch_side.state_dict())
+    _train(model, back, steps=1)
+    assert [g["name"] for g in back.param_groups] == ["weight", "bias"]
+    # a string under a torch option's key is an option that would be ignored: refused
+    with pytest.raises(ValueError, match="sets 'adjust_lr_fn', but the transform has no"):
+        functopt.optim.AdamW([{"params": ps, "adjust_lr_fn": "original"}])
+    # and a number under an unknown key is still refused (a misspelt hyperparameter)
+    with pytest.raises(ValueError, match="sets 'weight_deacy', which the transform does not"):
+        functopt.optim.AdamW([{"params": ps, "weight_deacy": 0.1}])
+
+
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize(("recipe", "key", "value", "message"), [
     (lambda: functopt.adamw(1e-3), "betas", (1.0, 0.999), "b1 must be in \\[0, 1\\)"),

@@ -398,7 +398,8 @@ TORCH_OPTIONS = frozenset({
     "lr", "betas", "momentum", "weight_decay", "eps", "dampening", "nesterov", "amsgrad",
     "maximize", "foreach", "fused", "capturable", "differentiable", "alpha", "centered",
     "lr_decay", "initial_accumulator_value", "rho", "lambd", "t0", "etas", "step_sizes",
-    "momentum_decay", "decoupled_weight_decay",
+    "momentum_decay", "decoupled_weight_decay", "ns_coefficients", "ns_steps",
+    "adjust_lr_fn", "beta2_decay", "d",
 })
 HOW_TO_INJECT = (
     "Fix: pass a recipe, whose hyperparameters the groups hold under torch's names "
@@ -408,11 +409,22 @@ HOW_TO_INJECT = (
 )
 
 
+def is_label(key: str, value: Any, renamed: Collection[str] = (),
+             foreign: Collection[str] = ()) -> bool:
+    """Whether a group key is a label, kept as torch keeps it and read by no step: a string
+    under a key that names no torch option (``"name"``: ``"encoder"``). A string under a
+    torch option's key (``adjust_lr_fn``) is an option, which a group may not set in vain.
+    """
+    return (isinstance(value, str) and key not in TORCH_OPTIONS and key not in renamed
+            and key not in foreign)
+
+
 def check_group_keys(owner: str, where: str, group: Mapping[str, Any],
                      allowed: Collection[str], exposed: Mapping[str, tuple[str, ...]],
                      recipe: str | None, arguments: Collection[str] = ()) -> None:
     """Raise on the first key of ``group`` outside ``allowed`` (the keys a step reads, the
-    flags and the schedulers' records), which would be ignored: naming torch's name for a
+    flags and the schedulers' records) that is not a label (`is_label`), which would be
+    ignored: naming torch's name for a
     hyperparameter set under the recipe's (``learning_rate`` for ``lr``), what a foreign
     torch key is in the recipe (``FOREIGN_GROUP_KEYS``), how to inject a torch option, and
     what the groups do hold. ``exposed`` maps the group keys of the transform's
@@ -422,11 +434,11 @@ def check_group_keys(owner: str, where: str, group: Mapping[str, Any],
         >>> check_group_keys("opt", "param_groups[0]", {"params": [], "lr": 0.1},
         ...                  {"params", "lr"}, {"lr": ("learning_rate",)}, "sgd")
     """
+    renamed = {name: k for k, names in exposed.items() for name in names if name != k}
+    foreign = FOREIGN_GROUP_KEYS.get(recipe or "", {})
     for key in group:
-        if key in allowed:
+        if key in allowed or is_label(key, group[key], renamed, foreign):
             continue
-        renamed = {name: k for k, names in exposed.items() for name in names if name != k}
-        foreign = FOREIGN_GROUP_KEYS.get(recipe or "", {})
         others = f", the factory's arguments {sorted(arguments)}" if arguments else ""
         reads = (f"its groups hold the transform's hyperparameters {sorted(exposed)}{others}, "
                  f"besides params, param_names, {list(FLAG_KEYS)} and the schedulers' own "
@@ -444,5 +456,5 @@ def check_group_keys(owner: str, where: str, group: Mapping[str, Any],
                 f"from the groups ({reads}), so the value would be ignored. Remove it, or "
                 f"build the transform with it. {HOW_TO_INJECT}")
         raise ValueError(f"{start}, which the transform does not read ({reads}), so the value "
-                         f"would be ignored. Fix: remove it (keep notes outside the param "
-                         f"groups).")
+                         f"would be ignored. Fix: remove it (a string, such as a group's "
+                         f"'name', is kept as a label).")
