@@ -6,7 +6,9 @@ The law is a ratio, not a speed: four times the params (1-element ones, so that 
 the per-param bookkeeping, not the arithmetic) take under eight times as long, for the
 constructor and for a fresh optimizer's ``state_dict()`` (its first call included). Linear
 work makes the ratio about 4 and a piece of work per param that walks every param
-(quadratic) about 16: eight sits a factor of two from each. Timing on a shared machine is
+(quadratic) about 16: eight sits a factor of two from each, and bounds the growth's
+exponent below 1.5 (a ratio of 3 at twice the params bounds it below 1.58, where the same
+noise on the ratio weighs twice as much on the exponent). Timing on a shared machine is
 noisy (torch.optim's own ``state_dict()`` shows ratios from 2 to 4 between runs at twice
 the params), so the two sizes are timed in turn, each time is the least of a few repeats
 with the garbage collector paused (other processes only ever add time), and a ratio of 8
