@@ -278,6 +278,24 @@ def test_hints_are_accepted_and_differentiable_is_refused() -> None:
         optim.AdamW([p], differentiable=True)
 
 
+@pytest.mark.parametrize("name", ["Adam", "AdamW", "NAdam", "RAdam", "Adamax", "RMSprop",
+                                  "Adadelta", "Rprop"])
+def test_capturable_on_the_cpu_raises_at_the_step_as_torch_does(name: str) -> None:
+    # a CUDA graph cannot record a CPU step: torch's AssertionError, with its message
+    p, q = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    ours, theirs = getattr(optim, name)([p], capturable=True), \
+        getattr(torch.optim, name)([q], capturable=True)
+    ours.step()  # no gradient: nothing steps, nothing to refuse (torch's too)
+    theirs.step()
+    p.grad, q.grad = torch.ones(2), torch.ones(2)
+    with pytest.raises(AssertionError) as torch_error:
+        theirs.step()
+    with pytest.raises(AssertionError, match="param 0 of param_groups\\[0\\] is on cpu") as error:
+        ours.step()
+    assert str(error.value).startswith(str(torch_error.value))
+    assert torch.equal(p.detach(), torch.ones(2))  # refused before it moved anything
+
+
 def test_state_dict_round_trip_and_copies() -> None:
     ps = [torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))]
     opt = optim.RMSprop(ps, lr=0.01, momentum=0.5, centered=True)

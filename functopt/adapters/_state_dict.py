@@ -449,7 +449,9 @@ def saved_groups(owner: str, state_dict: Mapping[str, Any],
     """Pair each of ``groups`` (an optimizer's param_groups) with its saved group and the
     saved entries of its params, in the group's order: from torch's view (int ids), from
     the named format, or from what ``set_optimizer_state_dict`` passes (names as ids). The
-    saved group is a copy without ``params`` and ``param_names``.
+    saved group is a copy without ``params``, and without ``param_names`` where the group
+    names its own params (a group without names takes the saved ones, as torch's load
+    does).
 
     Raises:
         ValueError: the dict has no ``state``/``param_groups``, another number of groups or
@@ -485,8 +487,27 @@ def saved_groups(owner: str, state_dict: Mapping[str, Any],
         order = saved_order(owner, i, len(ids), group.get("param_names"), saved_names)
         entries = [state.get(ids[k]) or {} for k in order]
         rest = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
+        if "param_names" in saved and "param_names" not in group:
+            rest["param_names"] = saved["param_names"]  # an unnamed group takes the names
         out.append((rest, entries))
     return out
+
+
+def packed_state(per_param: Mapping[Any, Any], state: Mapping[Any, Any]) -> dict[Any, Any]:
+    """A state dict's ``state``: the params' entries ``per_param`` by id, then every key of
+    the optimizer's ``state`` that is no tensor, as it is (torch.optim keeps what code such
+    as a state-dict hook stores there)."""
+    out = dict(sorted(per_param.items()))
+    out.update((k, v) for k, v in state.items() if not isinstance(k, torch.Tensor))
+    return out
+
+
+def unpacked_extras(state_dict: Mapping[str, Any]) -> dict[Any, Any]:
+    """The keys of a state dict's ``state`` that no saved group lists as a param's, as they
+    are: what ``packed_state`` kept of the optimizer's own keys, for ``load_state_dict``
+    to put back (as torch.optim's does)."""
+    ids = {k for group in state_dict["param_groups"] for k in group["params"]}
+    return {k: v for k, v in state_dict["state"].items() if k not in ids}
 
 
 def check_config(owner: str, index: int, saved: Any, current: Mapping[str, Any],

@@ -41,6 +41,7 @@ from typing import Any
 import optree
 import torch
 
+from functopt.adapters import _state_dict
 from functopt.tree import _core
 
 __all__: list[str] = []
@@ -389,7 +390,8 @@ def state_dict(opt: Any, layout: TorchLayout) -> dict[str, Any]:
         for p, entry in zip(params, made, strict=True):
             if entry is not None:
                 state[ids[id(p)]] = entry
-    saved: dict[str, Any] = {"state": dict(sorted(state.items())), "param_groups": groups}
+    saved: dict[str, Any] = {"state": _state_dict.packed_state(state, opt.state),
+                             "param_groups": groups}
     for post_hook in opt._optimizer_state_dict_post_hooks.values():
         result = post_hook(opt, saved)
         if result is not None:

@@ -123,6 +123,29 @@ def _unaliased(state: MixedPrecisionState, params: list[torch.Tensor]) -> MixedP
     return unaliased
 
 
+
+class _StateView(defaultdict):  # type: ignore[type-arg]
+    """``MixedPrecisionOptimizer.state``: each param's entry of the step's state, and the
+    keys that are no tensor, which code such as a state-dict hook stores there; those are
+    kept in ``own`` (the optimizer's), as torch.optim keeps them in its ``state``."""
+
+    def __init__(self, own: dict[Any, Any]) -> None:
+        super().__init__(dict)
+        self._own = own
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if not isinstance(key, torch.Tensor):
+            self._own[key] = value
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: Any) -> None:
+        self._own.pop(key, None)
+        super().__delitem__(key)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        self._own.pop(key, None)
+        return super().pop(key, *default)
+
 class MixedPrecisionOptimizer(torch.optim.Optimizer):
     r"""A LightRFT/Megatron-style mixed-precision optimizer over ``nn.Parameter`` objects.
 
@@ -1164,14 +1187,17 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     @property
     def state(self) -> defaultdict[torch.Tensor, dict[str, Any]]:
         """Each param's entry of the state (see *Checkpoints*): a view, rebuilt at each read;
-        the tensors are the live state. Frozen params have empty entries."""
+        the tensors are the live state. Frozen params have empty entries. A key that is no
+        tensor (what a state-dict hook stores) is kept, saved and loaded, as torch's."""
         if "_state" not in self.__dict__:  # during torch's __init__
             return defaultdict(dict)
         entries = self._layout().entries(self._state)
-        view: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+        own = self.__dict__.setdefault("_own_keys", {})
+        view = _StateView(own)
         view.update({p: {} for p in self._frozen})
         view.update({p: entries[name] for p, name in zip(self._params, self._names,
                                                            strict=True)})
+        view.update(own)
         return view
 
     @state.setter
@@ -1216,6 +1242,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         instead of updating these in place, so a dict taken before a step keeps its
         values (later steps update the optimizer's own tensors in place again).
         """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         self._state_shared = True
         if self._offloaded is not None:  # the dict holds the host buffers: never reuse them
             self._offload_buffers = None
@@ -1233,7 +1261,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                               if k not in ("params", "param_names")},
                            "params": ids, "param_names": names,
                            _state_dict.CONFIG_KEY: self._config(plan)})
-        return {"state": state, "param_groups": groups}
+        saved = {"state": _state_dict.packed_state(state, self.state), "param_groups": groups}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, saved)
+            if result is not None:
+                saved = result
+        return saved
 
     def named_state_dict(self) -> dict[str, Any]:
         """The state dict keyed by param names: functopt's state format, the layout
@@ -1276,9 +1309,19 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._check_not_offloaded("load_state_dict")
         self._check_train_mode("load_state_dict")
         owner = f"{_OWNER}.load_state_dict"
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         if isinstance(state_dict, Mapping) and "state" not in state_dict:
             self._load_nested(state_dict)
-            return
+        else:
+            self._load_torch_layout(owner, state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load_torch_layout(self, owner: str, state_dict: Mapping[str, Any]) -> None:
+        """Load ``state_dict()``'s layout (``load_state_dict`` ran the hooks)."""
         pairs = _state_dict.saved_groups(owner, state_dict, self.param_groups)
         saved_groups = []
         entries: dict[str, Any] = {}
@@ -1304,6 +1347,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         groups = self._check_groups(saved_groups)
         state = self._layout().tree(owner, self._state, self._lifted_entries(entries))
         self._install(state, groups)
+        self.__dict__["_own_keys"] = {k: v for k, v in
+                                      _state_dict.unpacked_extras(state_dict).items()
+                                      if not isinstance(k, torch.Tensor)}
 
     def _load_nested(self, state_dict: Mapping[str, Any]) -> None:
         """Load the nested layout of the format before 2 (``_state_dict.from_nested``)."""

@@ -829,7 +829,10 @@ class Optimizer(torch.optim.Optimizer):
             group[_state_dict.CONFIG_KEY] = {
                 "format": _state_dict.FORMAT,
                 "transform": None if plan is None else plan.signature}
-        saved["state"] = dict(sorted(saved["state"].items()))
+        ids = {pid for group in saved["param_groups"] for pid in group["params"]}
+        saved["state"] = {**dict(sorted(((k, v) for k, v in saved["state"].items() if k in ids),
+                                        key=lambda item: item[0])),
+                          **{k: v for k, v in saved["state"].items() if k not in ids}}
         return saved
 
     def named_state_dict(self) -> dict[str, Any]:
@@ -985,7 +988,8 @@ class Optimizer(torch.optim.Optimizer):
                 _state_dict.check_config(owner, i, config, {"transform": ours})
             new_group = dict(saved)
             # The group's params and names stay this optimizer's (they shape the
-            # transform's tree); the saved entries were matched to them by name.
+            # transform's tree; an unnamed group takes the saved names, as torch's load
+            # does); the saved entries were matched to them by name.
             new_group["params"] = group["params"]
             if "param_names" in group:
                 new_group["param_names"] = group["param_names"]
@@ -1009,6 +1013,7 @@ class Optimizer(torch.optim.Optimizer):
                     owner, f"param {j} of param_groups[{i}]", plan.fields[j], entry,
                     cast=True, copy=False) if any(entries) else {})
             new_groups.append(new_group)
+        new_state.update(_state_dict.unpacked_extras(state_dict))
         self.state = new_state
         self.param_groups = new_groups
         self._unstepped.clear()

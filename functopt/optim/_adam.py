@@ -174,6 +174,8 @@ class NAdam(_base.TorchOptimizer):
         (0.002, 0.004)
     """
 
+    _capturable_words = ("params, mu_products and state_steps", True)
+
     # torch's per-param keys -> the chain's state slots (every count is torch's step)
     _torch_layout = TorchLayout({
         "mu_product": ("ScaleByNadamState.mu_product",), "exp_avg": ("ScaleByNadamState.mu",),

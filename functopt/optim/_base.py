@@ -203,6 +203,10 @@ class TorchOptimizer(Optimizer):
     def _step_owner(self) -> str:
         return f"functopt.optim.{type(self).__name__}"
 
+    # How the torch class words its refusal of capturable=True on the CPU: what must be on
+    # a supported device, and whether its list of those names XLA.
+    _capturable_words: tuple[str, bool] = ("params and state_steps", True)
+
     # Which leaf of the chain's state each of torch's per-param keys is (each class's own).
     _torch_layout: _torch_state.TorchLayout
 
@@ -272,6 +276,9 @@ class TorchOptimizer(Optimizer):
         checked: dict[int, list[Any]] = self.__dict__.setdefault("_checked", {})
         for i, group in enumerate(self.param_groups):
             get = group.get
+            if get("capturable") and not torch.compiler.is_compiling():
+                _check_capturable(f"functopt.optim.{type(self).__name__}.step", i, group,
+                                  *self._capturable_words)
             values = list(map(get, watched, itertools.repeat(_UNSET)))
             last = checked.get(i)
             if last is not None and all(map(operator.is_, last, values)):
@@ -304,6 +311,22 @@ class TorchOptimizer(Optimizer):
         super().__setstate__(state)
         if "_transform" not in self.__dict__:
             self._transform = _built(*self._recipe)
+
+
+def _check_capturable(owner: str, index: int, group: dict[str, Any], what: str,
+                      xla: bool) -> None:
+    """torch.optim's refusal of ``capturable=True`` for a param with a gradient on a device a
+    CUDA graph cannot record (the CPU): its AssertionError and message (``what`` the class's
+    words, ``xla`` whether its list names XLA), at the step."""
+    from torch.optim.optimizer import _get_capturable_supported_devices
+    supported = list(_get_capturable_supported_devices(supports_xla=xla))
+    for j, p in enumerate(group["params"]):
+        if p.grad is not None and p.device.type not in supported:
+            raise AssertionError(
+                f"If capturable=True, {what} must be on supported devices: "
+                f"{supported}. ({owner}: param {j} of param_groups[{index}] is on "
+                f"{p.device}. Fix: pass capturable=False, the default, for params there.)"
+            )
 
 
 def _built(factory: Callable[..., GradientTransformation], hyperparams: dict[str, Any],

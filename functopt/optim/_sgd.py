@@ -232,6 +232,8 @@ class Adadelta(_base.TorchOptimizer):
         tensor([-0.0141], requires_grad=True)
     """
 
+    _capturable_words = ("params and state_steps", False)
+
     # torch's per-param keys -> the chain's state slots (every count is torch's step)
     _torch_layout = TorchLayout({"square_avg": ("ScaleByAdaDeltaState.e_g",),
                                  "acc_delta": ("ScaleByAdaDeltaState.e_x",)})
