@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import functopt
-from functopt.adapters import MixedPrecisionOptimizer
+from functopt.adapters import MixedPrecisionOptimizer, _param_groups
 from functopt.precision import (
     LossScaleWarning,
     dynamic_loss_scale,
@@ -385,6 +385,30 @@ def test_state_classes_cover_every_namedtuple_the_package_defines() -> None:
 
 # ------------------------------------------------------------- pickling functopt.Optimizer
 
+@pytest.mark.filterwarnings("ignore::functopt.fast.FastPathWarning")
+@pytest.mark.parametrize("name", list(_param_groups.RECIPE_GROUP_KEYS))
+def test_a_functopt_optimizer_over_a_recipe_pickles_and_goes_on_as_the_original(
+        name: str) -> None:
+    import pickle
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = functopt.Optimizer(model.parameters(), getattr(functopt, name)(1e-2))
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.ones(1, 3)).square().sum().backward()
+        opt.step()
+    twin_model, twin = pickle.loads(pickle.dumps((model, opt)))
+    assert twin.param_groups[0].keys() == opt.param_groups[0].keys()
+    for m, o in ((model, opt), (twin_model, twin)):
+        for _ in range(2):
+            o.zero_grad()
+            m(torch.ones(1, 3)).square().sum().backward()
+            o.step()
+    for p, q in zip(model.parameters(), twin_model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
 def test_pickling_a_functopt_optimizer_says_why_and_what_to_do_deepcopy_works() -> None:
     import copy
     import pickle
@@ -393,7 +417,8 @@ def test_pickling_a_functopt_optimizer_says_why_and_what_to_do_deepcopy_works() 
 
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
-    opt = functopt.Optimizer(model.parameters(), functopt.adamw(1e-2))
+    opt = functopt.Optimizer(model.parameters(), functopt.chain(  # no recipe: closures only
+        functopt.scale_by_adam(), functopt.scale(-1e-2)))
     model(torch.ones(1, 3)).sum().backward()
     opt.step()
     with pytest.raises(TypeError) as info:
@@ -402,6 +427,10 @@ def test_pickling_a_functopt_optimizer_says_why_and_what_to_do_deepcopy_works() 
     assert message.startswith("functopt.Optimizer cannot be pickled")
     assert "Can't pickle local object" in message and "state_dict()" in message
     assert optimizer_module.OPTIMIZER_NOT_PICKLABLE.split("{")[0] in message
+    # a recipe given a schedule as a lambda: its call cannot be stored either
+    scheduled = functopt.Optimizer(model.parameters(), functopt.adamw(lambda c: 1e-2))
+    with pytest.raises(TypeError, match=r"functopt\.Optimizer cannot be pickled"):
+        pickle.dumps(scheduled)
     twin = copy.deepcopy(opt)  # an in-process copy still works, and steps alike
     twin_params = list(twin.param_groups[0]["params"])
     assert all(p is not q for p, q in zip(twin_params, model.parameters(), strict=True))

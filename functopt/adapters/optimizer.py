@@ -382,6 +382,8 @@ class Optimizer(torch.optim.Optimizer):
         if issubclass(torch_class, torch.optim.Optimizer):
             raise TypeError(TORCH_OPTIMIZER.format(name=torch_class.__name__))
         self._transform = _lift(_check_transform(owner, "transform", transform))
+        # the recipe's call that built it, which a pickle stores in place of its closures
+        self._source = recipe_of(transform)
         _validate.check_flags(owner, fused=fused)
         self._fused = fused
         # Groups whose state is still the one add_param_group made (no step yet): a step
@@ -1036,36 +1038,45 @@ class Optimizer(torch.optim.Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         # Plans are rebuilt on the next step; the transform's closures travel as they are.
         # A copy holds copies of the state tensors: it shares nothing with a state dict.
-        return {**super().__getstate__(), "_transform": _HeldTransform(self._transform),
-                "_plans": [], "_fused": self._fused, "_state_shared": False, "_unstepped": {},
-                "_counts": copy.deepcopy(self._counts)}
+        state = {**super().__getstate__(), "_plans": [], "_fused": self._fused,
+                 "_state_shared": False, "_unstepped": {},
+                 "_counts": copy.deepcopy(self._counts)}
+        state["_transform"] = _HeldTransform(self._transform, self.__dict__.get("_source"))
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         held = state.get("_transform")
         if isinstance(held, _HeldTransform):
-            state = {**state, "_transform": held.transform}
+            state = {**state, "_transform": held.transform, "_source": held.source}
         super().__setstate__(state)
         self.__dict__.setdefault("_counts", _torch_state.Counts())
 
 
 OPTIMIZER_NOT_PICKLABLE = (
     "functopt.Optimizer cannot be pickled: its transform is made of functions local to the "
-    "transform's factory (functopt.adamw(...) returns closures), and pickle stores functions "
-    "by their importable name ({error}). torch.optim optimizers pickle because their rule is "
-    "a class. Fix: save opt.state_dict() with torch.save, and to resume build the optimizer "
-    "again with the same transform and call load_state_dict (the usual checkpoint); "
-    "copy.deepcopy(opt) makes an in-process copy."
+    "transform's factory (a chain or a transform of your own returns closures), and pickle "
+    "stores functions by their importable name ({error}); a recipe's optimizer pickles as "
+    "the recipe's call, when its arguments pickle (not a lambda schedule). Fix: save "
+    "opt.state_dict() with torch.save, and to resume build the optimizer again with the same "
+    "transform and call load_state_dict (the usual checkpoint); copy.deepcopy(opt) makes an "
+    "in-process copy."
 )
+
+_PICKLING_ERRORS = (pickle.PicklingError, AttributeError, TypeError)
 
 
 class _HeldTransform:
     """The transform inside a copied or pickled Optimizer's state: deep copies share it (a
-    transform is immutable: two functions and a spec); pickling it says why it cannot."""
+    transform is immutable: two functions and a spec). A pickle stores the transform as it
+    is if it pickles, else the recipe's call that built it (``source``: the recipe is a
+    module-level function, its arguments plain values), which unpickling makes again; a
+    transform that is neither raises, saying why."""
 
-    __slots__ = ("transform",)
+    __slots__ = ("source", "transform")
 
-    def __init__(self, transform: GradientTransformation) -> None:
+    def __init__(self, transform: GradientTransformation, source: Any = None) -> None:
         self.transform = transform
+        self.source = source
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _HeldTransform:
         return self
@@ -1073,9 +1084,25 @@ class _HeldTransform:
     def __reduce__(self) -> tuple[Any, ...]:
         try:
             pickle.dumps(self.transform)
-        except (pickle.PicklingError, AttributeError, TypeError) as error:
+        except _PICKLING_ERRORS as error:
+            if self.source is not None:
+                call = (self.source.factory, self.source._args, self.source._kwargs)
+                try:
+                    pickle.dumps(call)
+                except _PICKLING_ERRORS:
+                    pass
+                else:
+                    return (_remade, call)
             raise TypeError(OPTIMIZER_NOT_PICKLABLE.format(error=error)) from None
         return (_HeldTransform, (self.transform,))
+
+
+def _remade(factory: Callable[..., GradientTransformation], args: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> _HeldTransform:
+    """The held transform of an unpickled Optimizer: its recipe's call made again, lifted as
+    the constructor lifts it."""
+    given = factory(*args, **kwargs)
+    return _HeldTransform(_lift(given), recipe_of(given))
 
 
 def _placement(params: list[torch.Tensor]) -> tuple[tuple[torch.dtype, torch.device], ...]:
