@@ -336,6 +336,13 @@ def test_end_of_warmup_is_exactly_peak():
 def test_zero_warmup_starts_at_peak():
     schedule = fs.warmup_cosine_decay_schedule(0.5, 1.0, warmup_steps=0, decay_steps=10)
     assert schedule(0) == 1.0
+    # optax's warmup_constant_schedule joins its warmup and the constant at warmup_steps:
+    # with none, the peak from the first step (not the init value forever)
+    constant = fs.warmup_constant_schedule(0.5, 1.0, warmup_steps=0)
+    assert [constant(t) for t in (0, 1, 100)] == [1.0, 1.0, 1.0]
+    assert float(constant(torch.tensor(3, dtype=torch.int32))) == 1.0
+    expo = fs.warmup_exponential_decay_schedule(0.5, 1.0, 0, 5, 0.5)
+    assert expo(0) == 1.0 and close(expo(5), 0.5)
 
 
 def test_join_boundaries_restart_the_count():

@@ -147,7 +147,8 @@ def warmup_constant_schedule(init_value: Value, peak_value: Value, warmup_steps:
     Args:
         init_value: value at step 0.
         peak_value: value from step ``warmup_steps`` on.
-        warmup_steps: length of the warmup.
+        warmup_steps: length of the warmup (0: ``peak_value`` from the first step, as
+            optax's).
 
     Returns:
         A schedule ``step -> value``.
@@ -160,4 +161,5 @@ def warmup_constant_schedule(init_value: Value, peak_value: Value, warmup_steps:
     """
     owner = "warmup_constant_schedule"
     _common.check_int(owner, "warmup_steps", warmup_steps, low=0)
-    return polynomial(owner, init_value, peak_value, 1, warmup_steps)
+    warmup = polynomial(owner, init_value, peak_value, 1, warmup_steps)  # (checks the values)
+    return warmup if warmup_steps > 0 else constant_schedule(peak_value)
