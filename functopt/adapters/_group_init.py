@@ -26,7 +26,9 @@ def differs(built: dict[str, torch.Tensor], group: dict[str, Any]) -> bool:
         held = built.get(name)
         if held is None or value is held:
             continue
-        if value.requires_grad or not torch.equal(value.detach(), held):
+        if value.requires_grad or value.is_meta or held.is_meta:
+            return True  # (meta params: no values to compare, the group's make the state)
+        if not torch.equal(value.detach(), held):
             return True
     return False
 

@@ -273,8 +273,8 @@ def to_torch(layout: TorchLayout, keys: Mapping[str, str], group: Mapping[str, A
         if count_name is not None:
             held = entry[count_name]
             count = counts.get(id(held), -1)
-            if count < 0:
-                count = counts[id(held)] = int(held)
+            if count < 0:  # (a count on the meta device is construction's: no step yet)
+                count = counts[id(held)] = 0 if held.is_meta else int(held)
         if count == 0 and not layout.eager:
             out.append(None)
             continue

@@ -80,6 +80,17 @@ def _python_value(t: torch.Tensor) -> Any:
     return t if t.requires_grad else t.item()
 
 
+def _readable(transform: GradientTransformation, hyper: dict[str, Any]) -> dict[str, Any]:
+    """The injected hyperparameters ``hyper``, or, where they are on the meta device (params
+    of a model built there, to be materialised with ``to_empty``) and so hold no values, the
+    same hyperparameters initialised over no params (on the CPU)."""
+    if not any(isinstance(t, torch.Tensor) and t.is_meta for t in hyper.values()):
+        return hyper
+    with torch.no_grad():
+        host = transform.init({})
+    return dict(host.hyperparams) if isinstance(host, InjectHyperparamsState) else hyper
+
+
 NO_TRANSFORM = (
     "functopt.Optimizer: expected a functopt transform after the params, got {given}. "
     "functopt.Optimizer drives a transform; torch.optim's hyperparameters (lr, betas, "
@@ -432,10 +443,11 @@ class Optimizer(torch.optim.Optimizer):
             plan = self._plan(index, group)
             if not self.defaults:
                 given = self.__dict__.get("_given_defaults", {})
+                values = _readable(self._transform, plan.hyper)
                 self.defaults.update({
                     key: given[key] if key in given else (
-                        tuple(_python_value(plan.hyper[n]) for n in names) if len(names) > 1
-                        else _python_value(plan.hyper[names[0]]))
+                        tuple(_python_value(values[n]) for n in names) if len(names) > 1
+                        else _python_value(values[names[0]]))
                     for key, names in plan.exposed.items()
                 })
             for key, value in self.defaults.items():
