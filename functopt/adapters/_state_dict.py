@@ -493,13 +493,18 @@ def saved_groups(owner: str, state_dict: Mapping[str, Any],
     return out
 
 
-def packed_state(per_param: Mapping[Any, Any], state: Mapping[Any, Any]) -> dict[Any, Any]:
-    """A state dict's ``state``: the params' entries ``per_param`` by id, then every key of
-    the optimizer's ``state`` that is no tensor, as it is (torch.optim keeps what code such
-    as a state-dict hook stores there)."""
-    out = dict(sorted(per_param.items()))
-    out.update((k, v) for k, v in state.items() if not isinstance(k, torch.Tensor))
+def packed_state(per_param: Mapping[Any, Any], extras: Mapping[Any, Any]) -> dict[Any, Any]:
+    """A state dict's ``state``: the params' entries ``per_param`` in the order of their ids,
+    then ``extras`` as they are: the keys of the optimizer's ``state`` that are no param,
+    which torch.optim keeps (what code such as a state-dict hook stores there)."""
+    out = dict(sorted(per_param.items(), key=lambda item: item[0]))
+    out.update(extras)
     return out
+
+
+def own_keys(state: Mapping[Any, Any]) -> dict[Any, Any]:
+    """The keys of an optimizer's ``state`` that are no param, with their values."""
+    return {k: v for k, v in state.items() if not isinstance(k, torch.Tensor)}
 
 
 def unpacked_extras(state_dict: Mapping[str, Any]) -> dict[Any, Any]:

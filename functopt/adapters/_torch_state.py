@@ -390,7 +390,7 @@ def state_dict(opt: Any, layout: TorchLayout) -> dict[str, Any]:
         for p, entry in zip(params, made, strict=True):
             if entry is not None:
                 state[ids[id(p)]] = entry
-    saved: dict[str, Any] = {"state": _state_dict.packed_state(state, opt.state),
+    saved: dict[str, Any] = {"state": _state_dict.packed_state(state, _state_dict.own_keys(opt.state)),
                              "param_groups": groups}
     for post_hook in opt._optimizer_state_dict_post_hooks.values():
         result = post_hook(opt, saved)

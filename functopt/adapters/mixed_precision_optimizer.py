@@ -123,7 +123,6 @@ def _unaliased(state: MixedPrecisionState, params: list[torch.Tensor]) -> MixedP
     return unaliased
 
 
-
 class _StateView(defaultdict):  # type: ignore[type-arg]
     """``MixedPrecisionOptimizer.state``: each param's entry of the step's state, and the
     keys that are no tensor, which code such as a state-dict hook stores there; those are
@@ -145,6 +144,7 @@ class _StateView(defaultdict):  # type: ignore[type-arg]
     def pop(self, key: Any, *default: Any) -> Any:
         self._own.pop(key, None)
         return super().pop(key, *default)
+
 
 class MixedPrecisionOptimizer(torch.optim.Optimizer):
     r"""A LightRFT/Megatron-style mixed-precision optimizer over ``nn.Parameter`` objects.
@@ -1261,7 +1261,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                               if k not in ("params", "param_names")},
                            "params": ids, "param_names": names,
                            _state_dict.CONFIG_KEY: self._config(plan)})
-        saved = {"state": _state_dict.packed_state(state, self.state), "param_groups": groups}
+        saved = {"state": _state_dict.packed_state(state, self.__dict__.get("_own_keys", {})), "param_groups": groups}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, saved)
             if result is not None:
@@ -1347,9 +1347,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         groups = self._check_groups(saved_groups)
         state = self._layout().tree(owner, self._state, self._lifted_entries(entries))
         self._install(state, groups)
-        self.__dict__["_own_keys"] = {k: v for k, v in
-                                      _state_dict.unpacked_extras(state_dict).items()
-                                      if not isinstance(k, torch.Tensor)}
+        self.__dict__["_own_keys"] = _state_dict.unpacked_extras(state_dict)
 
     def _load_nested(self, state_dict: Mapping[str, Any]) -> None:
         """Load the nested layout of the format before 2 (``_state_dict.from_nested``)."""

@@ -843,10 +843,10 @@ class Optimizer(torch.optim.Optimizer):
             group[_state_dict.CONFIG_KEY] = {
                 "format": _state_dict.FORMAT,
                 "transform": None if plan is None else plan.signature}
-        ids = {pid for group in saved["param_groups"] for pid in group["params"]}
-        saved["state"] = {**dict(sorted(((k, v) for k, v in saved["state"].items() if k in ids),
-                                        key=lambda item: item[0])),
-                          **{k: v for k, v in saved["state"].items() if k not in ids}}
+        # (torch's own state_dict() packed the keys that are no param, and its hooks ran)
+        extras = _state_dict.unpacked_extras(saved)
+        saved["state"] = _state_dict.packed_state(
+            {k: v for k, v in saved["state"].items() if k not in extras}, extras)
         return saved
 
     def named_state_dict(self) -> dict[str, Any]:
