@@ -101,6 +101,59 @@ class Contender:
         return []
 
 
+class OptimizerOver(Contender):
+    """A ``torch.optim.Optimizer`` class over params with their gradients set once."""
+
+    def __init__(self, name: str, params: list[torch.Tensor], grads: list[torch.Tensor],
+                 cls: Any, **options: Any) -> None:
+        super().__init__()
+        self.name = name
+        self.params = [torch.nn.Parameter(p) for p in params]
+        for p, g in zip(self.params, grads, strict=True):
+            p.grad = g
+        self.opt = cls(self.params, **options)
+
+    def step(self) -> None:
+        self.opt.step()
+        self.steps += 1
+
+    def result(self) -> list[torch.Tensor]:
+        return [p.detach() for p in self.params]
+
+    def tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {"params": [p.detach() for p in self.params]}
+
+
+class TransformOver(Contender):
+    """A functopt transform over a dict of params, stepped by its pure update (``fast``
+    False) or by ``functopt.fast.make_step(tx, donate=True)``."""
+
+    def __init__(self, name: str, params: list[torch.Tensor], grads: list[torch.Tensor],
+                 tx: Any, *, fast: bool) -> None:
+        super().__init__()
+        self.name = name
+        self.params = {f"p{i}": p for i, p in enumerate(params)}
+        self.grads = {f"p{i}": g for i, g in enumerate(grads)}
+        self.tx = tx
+        self.state = tx.init(self.params)
+        self.run = functopt.fast.make_step(tx, donate=True) if fast else None
+
+    def step(self) -> None:
+        with torch.no_grad():
+            if self.run is None:
+                u, self.state = self.tx.update(self.grads, self.state, self.params)
+                self.params = functopt.apply_updates(self.params, u)
+            else:
+                self.params, self.state = self.run(self.grads, self.state, self.params)
+        self.steps += 1
+
+    def result(self) -> list[torch.Tensor]:
+        return list(self.params.values())
+
+    def tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {"params": list(self.params.values()), "grads": list(self.grads.values())}
+
+
 def _params_are_rounded_masters(params: list[torch.Tensor], master: list[torch.Tensor]) -> bool:
     return all(torch.equal(p, m.to(p.dtype)) for p, m in zip(params, master, strict=True))
 

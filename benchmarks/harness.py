@@ -52,6 +52,14 @@ def machine_facts() -> dict[str, Any]:
     }
 
 
+
+def begin(threads: int | None) -> None:
+    """Set torch's thread count (when given) and print the machine facts, one line."""
+    if threads:
+        torch.set_num_threads(threads)
+    print(" | ".join(f"{k}: {v}" for k, v in machine_facts().items()))
+
+
 def summarize(samples: Sequence[float]) -> dict[str, Any]:
     """Median, quartiles and IQR of per-step times in seconds (inclusive quartiles)."""
     xs = sorted(samples)

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import harness
-from contenders import Contender
+from contenders import Contender, OptimizerOver, TransformOver
 
 import functopt
 from functopt import contrib
@@ -62,64 +62,29 @@ def _problem(shapes: Sequence[tuple[int, int]], seed: int = 0) -> tuple[list[Any
     return params, grads
 
 
-class _Functopt(Contender):
+class _Functopt(TransformOver):
+    """``contrib.muon(0.02)``, pure or on the per-leaf tier with its CPU batches capped."""
+
     def __init__(self, name: str, shapes: Sequence[tuple[int, int]], *, fast: bool,
                  cap: float | None = None, ns_dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.name = name
-        params, grads = _problem(shapes)
-        self.params = {f"w{i}": p for i, p in enumerate(params)}
-        self.grads = {f"w{i}": g for i, g in enumerate(grads)}
-        self.tx = contrib.muon(0.02, ns_dtype=ns_dtype)
-        self.state = self.tx.init(self.params)
-        self.fast, self.cap = fast, cap
-        self.run = functopt.fast.make_step(self.tx, donate=True) if fast else None
+        super().__init__(name, *_problem(shapes), contrib.muon(0.02, ns_dtype=ns_dtype),
+                         fast=fast)
+        self.cap = cap
 
     def step(self) -> None:
-        with torch.no_grad():
-            if self.run is None:
-                u, self.state = self.tx.update(self.grads, self.state, self.params)
-                self.params = functopt.apply_updates(self.params, u)
-            else:
-                default = _muon._BATCH_BYTES["cpu"]
-                if self.cap is not None:
-                    _muon._BATCH_BYTES["cpu"] = int(min(self.cap, 1 << 62))
-                try:
-                    self.params, self.state = self.run(self.grads, self.state, self.params)
-                finally:
-                    _muon._BATCH_BYTES["cpu"] = default
-        self.steps += 1
-
-    def result(self) -> list[torch.Tensor]:
-        return list(self.params.values())
-
-    def tensors(self) -> dict[str, list[torch.Tensor]]:
-        return {"params": list(self.params.values()), "grads": list(self.grads.values())}
+        default = _muon._BATCH_BYTES["cpu"]
+        if self.run is not None and self.cap is not None:
+            _muon._BATCH_BYTES["cpu"] = int(min(self.cap, 1 << 62))
+        try:
+            super().step()
+        finally:
+            _muon._BATCH_BYTES["cpu"] = default
 
 
-class _TorchMuon(Contender):
-    name = "torch.optim.Muon"
-
-    def __init__(self, shapes: Sequence[tuple[int, int]], cls: Any = None, name: str = "",
-                 **options: Any) -> None:
-        super().__init__()
-        self.name = name or self.name
-        params, grads = _problem(shapes)
-        self.params = [torch.nn.Parameter(p) for p in params]
-        for p, g in zip(self.params, grads, strict=True):
-            p.grad = g
-        self.opt = (cls or torch.optim.Muon)(self.params, lr=0.02, weight_decay=0.0,
-                                             **options)
-
-    def step(self) -> None:
-        self.opt.step()
-        self.steps += 1
-
-    def result(self) -> list[torch.Tensor]:
-        return [p.detach() for p in self.params]
-
-    def tensors(self) -> dict[str, list[torch.Tensor]]:
-        return {"params": [p.detach() for p in self.params]}
+def _torch_muon(shapes: Sequence[tuple[int, int]], cls: Any = None,
+                name: str = "torch.optim.Muon", **options: Any) -> Contender:
+    return OptimizerOver(name, *_problem(shapes), cls or torch.optim.Muon, lr=0.02,
+                         weight_decay=0.0, **options)
 
 
 def _cap(text: str) -> float:
@@ -137,10 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--no-torch", action="store_true", help="leave torch.optim.Muon out")
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    facts = harness.machine_facts()
-    print(" | ".join(f"{k}: {v}" for k, v in facts.items()))
+    harness.begin(args.threads)
     failed = False
     for key in args.only.split(","):
         shapes = PROBLEMS[key]
@@ -148,11 +110,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         cs += [_Functopt(f"tier {c}", shapes, fast=True, cap=_cap(c))
                for c in args.caps.split(",")]
         cs.append(_Functopt("tier bf16", shapes, fast=True, ns_dtype=torch.bfloat16))
-        cs.append(_TorchMuon(shapes, functopt.optim.Muon, "functopt.optim.Muon"))
-        cs.append(_TorchMuon(shapes, functopt.optim.Muon, "functopt.optim.Muon f32",
+        cs.append(_torch_muon(shapes, functopt.optim.Muon, "functopt.optim.Muon"))
+        cs.append(_torch_muon(shapes, functopt.optim.Muon, "functopt.optim.Muon f32",
                              ns_dtype=None))
         if not args.no_torch:
-            cs.append(_TorchMuon(shapes))
+            cs.append(_torch_muon(shapes))
         timings, inner = harness.time_interleaved(cs, repeats=args.repeats, warmup=1,
                                                   block_s=0.2, max_block_s=5.0)
         base = timings["pure"]["median_s"]

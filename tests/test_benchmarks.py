@@ -386,3 +386,24 @@ def test_device_cuda_without_a_gpu_is_a_clear_error() -> None:
         capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 2, proc.stderr
     assert "--device cuda: this torch has no CUDA device" in proc.stderr
+
+
+def test_adafactor_benchmark_checks_the_drop_in_against_torch(capsys: Any) -> None:
+    adafactor = _bench_module("adafactor")
+    assert adafactor.main(["--only", "small", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    for name in ("functopt.optim.Adafactor", "torch.optim.Adafactor", "torch foreach",
+                 "functopt.adafactor pure", "functopt.adafactor tier"):
+        assert name in out
+    assert "CHECK FAILED" not in out
+
+
+def test_adafactor_benchmark_fails_when_the_drop_in_differs(capsys: Any,
+                                                            monkeypatch: Any) -> None:
+    adafactor = _bench_module("adafactor")
+    # a drop-in with another learning rate is another computation: the check must see it
+    real = functopt.optim.Adafactor
+    monkeypatch.setattr(functopt.optim, "Adafactor",
+                        lambda params, **kw: real(params, lr=0.1, **kw))
+    assert adafactor.main(["--only", "small", "--repeats", "1"]) == 1
+    assert "CHECK FAILED: functopt.optim.Adafactor" in capsys.readouterr().out

@@ -20,7 +20,7 @@ import functopt
 from functopt import optim
 
 NAMES = ["Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "NAdam", "RAdam", "Adamax",
-         "Adadelta", "Rprop", "Muon"]
+         "Adadelta", "Rprop", "Muon", "Adafactor"]
 
 
 def _maker(name: str) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:

@@ -1,7 +1,7 @@
 """functopt.optim against torch.optim, on torch's own optimizer test database (optim_db).
 
 Golden values come from torch.optim itself: for every configuration that
-``torch.testing._internal.common_optimizers.optim_db`` lists for the ten optimizers, the
+``torch.testing._internal.common_optimizers.optim_db`` lists for the eleven optimizers, the
 functopt class and torch's class train the same float64 params for 10 steps (past RAdam's
 switch to the rectified step at t = 6) and must agree to 1e-10 of the largest param. Every
 constructor error input of optim_db must raise the same exception type (or warning) with
@@ -28,7 +28,7 @@ import functopt
 from functopt import optim
 
 NAMES = ["Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "NAdam", "RAdam", "Adamax",
-         "Adadelta", "Rprop"]
+         "Adadelta", "Rprop", "Adafactor"]
 ENTRIES = {entry.optim_cls.__name__: entry for entry in optim_db
            if entry.optim_cls.__name__ in NAMES}
 STEPS = 10
@@ -417,3 +417,18 @@ def _same_default(a: object, b: object) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and bool((a == b).all())
     return a == b
+
+
+@pytest.mark.parametrize("name", [n for n in CLASSES if n not in ("SGD", "Adagrad")])
+def test_a_sparse_gradient_is_refused_with_torchs_error(name: str) -> None:
+    # (torch's SGD and Adagrad step sparse gradients; the others raise at the step)
+    messages = []
+    for cls in (getattr(optim, name), getattr(torch.optim, name)):
+        p = torch.nn.Parameter(torch.ones(3, 2))
+        opt = cls([p], lr=0.1)
+        p.grad = torch.ones(3, 2).to_sparse()
+        with pytest.raises(RuntimeError) as raised:
+            opt.step()
+        messages.append(str(raised.value))
+    ours, theirs = messages
+    assert ours.startswith(theirs) and "param 0 of param_groups[0]" in ours

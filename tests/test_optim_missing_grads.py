@@ -34,7 +34,8 @@ COUNTED = [("Adam", {"lr": 0.1}), ("AdamW", {"lr": 0.1}), ("NAdam", {"lr": 0.1})
            ("Adam", {"lr": 0.1, "amsgrad": True, "weight_decay": 0.1}),
            ("AdamW", {"lr": 0.1, "maximize": True}),
            ("NAdam", {"lr": 0.1, "decoupled_weight_decay": True, "weight_decay": 0.1}),
-           ("RAdam", {"lr": 0.1, "weight_decay": 0.1})]
+           ("RAdam", {"lr": 0.1, "weight_decay": 0.1}),
+           ("Adafactor", {"lr": 0.1}), ("Adafactor", {"weight_decay": 0.1, "maximize": True})]
 # rules that read no count
 UNCOUNTED = [("SGD", {"lr": 0.1}), ("SGD", {"lr": 0.1, "momentum": 0.9}),
              ("SGD", {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.1}),

@@ -1,6 +1,6 @@
 """``functopt.optim`` state dicts are torch.optim's, both ways.
 
-The law: for every configuration torch's ``optim_db`` lists for the ten classes (and a few
+The law: for every configuration torch's ``optim_db`` lists for the eleven classes (and a few
 more rows), a run of 3 steps on one side (functopt.optim or torch.optim), its
 ``state_dict()`` saved and loaded with ``torch.save``/``torch.load`` (``weights_only``)
 into the other side, and 3 more steps there, equals an uninterrupted 6-step run of the
@@ -30,7 +30,7 @@ from functopt import optim
 pytestmark = pytest.mark.usefixtures("float64_default")
 
 NAMES = ["Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "NAdam", "RAdam", "Adamax",
-         "Adadelta", "Rprop"]
+         "Adadelta", "Rprop", "Adafactor"]
 ENTRIES = {e.optim_cls.__name__: e for e in optim_db if e.optim_cls.__name__ in NAMES}
 # rows optim_db does not list
 EXTRA = [("AdamW", {"amsgrad": True, "maximize": True}), ("RMSprop", {"momentum": 0.5}),

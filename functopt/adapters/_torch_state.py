@@ -287,7 +287,9 @@ def to_torch(layout: TorchLayout, keys: Mapping[str, str], group: Mapping[str, A
         for name, key in keys.items():
             if key in (STEP, CONSTANT):
                 continue
-            value = entry[name]
+            value = entry.get(name)
+            if value is None:  # (a leaf the param has no state for: Adafactor's factors)
+                continue
             if key in layout.scalars:
                 dtype, device = _scalar_place(key, group, p)
                 value = value.to(dtype=dtype, device=device, copy=True)

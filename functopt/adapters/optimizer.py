@@ -887,6 +887,14 @@ class Optimizer(torch.optim.Optimizer):
         known[index] = (raw, flags)
         return flags
 
+    def _refuse_layout(self, group: dict[str, Any], j: int, grad: torch.Tensor) -> None:
+        """Raise for the sparse (or other non-strided) gradient of the group's j-th param."""
+        raise TypeError(
+            f"functopt.Optimizer: {self._describe(group, j)} has a {grad.layout} gradient; "
+            f"functopt transforms take dense gradients. Fix: use a dense embedding "
+            f"(sparse=False), or call grad.to_dense() before the step."
+        )
+
     def _step_group(self, index: int, group: dict[str, Any]) -> None:
         flags = self._flags(index, group)
         params = group["params"]
@@ -901,12 +909,7 @@ class Optimizer(torch.optim.Optimizer):
                 missing.append(j)
             else:
                 if g.layout is not strided:
-                    raise TypeError(
-                        f"functopt.Optimizer: {self._describe(group, j)} has a {g.layout} "
-                        f"gradient; functopt transforms take dense gradients. Fix: use a "
-                        f"dense embedding (sparse=False), or call grad.to_dense() before the "
-                        f"step."
-                    )
+                    self._refuse_layout(group, j, g)
                 stepped = True
         if not stepped:  # as in torch.optim: a group without gradients is not stepped
             return

@@ -8,7 +8,8 @@ inputs with the same exception types), and is a ``torch.optim.Optimizer`` (a
 is that chain, for inspection (``functopt.fast.explain``) or for use on its own. Adam,
 AdamW and SGD take PyTorch's fused kernels; Muon runs on the per-leaf tier (the iteration
 batched over same-shape matrices; [`muon_split`][functopt.optim.muon_split] splits a model
-as Muon's authors do); the others run the pure per-leaf chain.
+as Muon's authors do); the others, torch's Adafactor among them, run the pure per-leaf
+chain.
 
 Examples:
     >>> import torch, functopt
@@ -22,6 +23,7 @@ Examples:
     ['amsgrad', 'betas', 'capturable', 'decoupled_weight_decay']
 """
 
+from functopt.optim._adafactor import Adafactor
 from functopt.optim._adam import Adam, Adamax, AdamW, NAdam, RAdam
 from functopt.optim._muon import Muon, muon_split
 from functopt.optim._sgd import SGD, Adadelta, Adagrad, RMSprop, Rprop
@@ -29,6 +31,7 @@ from functopt.optim._sgd import SGD, Adadelta, Adagrad, RMSprop, Rprop
 __all__ = [
     "SGD",
     "Adadelta",
+    "Adafactor",
     "Adagrad",
     "Adam",
     "AdamW",

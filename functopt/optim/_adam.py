@@ -66,6 +66,7 @@ class Adam(_base.TorchOptimizer):
     """
 
     # torch's per-param keys -> the chain's state slots (every count is torch's step)
+    _sparse_words = "Adam does not support sparse gradients, please consider SparseAdam instead"
     _torch_layout = TorchLayout({
         "exp_avg": ("ScaleByAdamState.mu", "ScaleByAmsgradState.mu"),
         "exp_avg_sq": ("ScaleByAdamState.nu", "ScaleByAmsgradState.nu"),
@@ -177,6 +178,7 @@ class NAdam(_base.TorchOptimizer):
     _capturable_words = ("params, mu_products and state_steps", True)
 
     # torch's per-param keys -> the chain's state slots (every count is torch's step)
+    _sparse_words = "NAdam does not support sparse gradients"
     _torch_layout = TorchLayout({
         "mu_product": ("ScaleByNadamState.mu_product",), "exp_avg": ("ScaleByNadamState.mu",),
         "exp_avg_sq": ("ScaleByNadamState.nu",)}, scalars=frozenset({"mu_product"}))
@@ -240,6 +242,7 @@ class RAdam(_base.TorchOptimizer):
     """
 
     # torch's per-param keys -> the chain's state slots (every count is torch's step)
+    _sparse_words = "RAdam does not support sparse gradients"
     _torch_layout = TorchLayout({"exp_avg": ("ScaleByAdamState.mu",),
                                  "exp_avg_sq": ("ScaleByAdamState.nu",)})
 
@@ -299,6 +302,7 @@ class Adamax(_base.TorchOptimizer):
     """
 
     # torch's per-param keys -> the chain's state slots (every count is torch's step)
+    _sparse_words = "Adamax does not support sparse gradients"
     _torch_layout = TorchLayout({"exp_avg": ("ScaleByAdamState.mu",),
                                  "exp_inf": ("ScaleByAdamState.nu",)})
 

@@ -111,6 +111,7 @@ _RANGES: dict[str, tuple[float, float, bool]] = {  # key: (low, high, high open)
     "alpha": (0.0, 1.0, False), "rho": (0.0, 1.0, False), "lr_decay": (0.0, math.inf, False),
     "momentum_decay": (0.0, math.inf, False),
     "initial_accumulator_value": (0.0, math.inf, False),
+    "beta2_decay": (-math.inf, 0.0, False), "d": (1.0, math.inf, False),
 }
 
 
@@ -133,13 +134,18 @@ def check_group(owner: str, where: str, group: dict[str, Any]) -> None:
         value = group.get(key)
         if value is None or (isinstance(value, torch.Tensor) and _ops._recording()):
             continue  # (a recorded step cannot read a tensor: the warm-up steps checked it)
-        v = float(value) if isinstance(value, (int, float, torch.Tensor)) else math.nan
-        if not (low <= v <= high) or (high_open and v == high):
-            raise ValueError(
-                f"{owner}: {where}[{key!r}] is {value!r}; expected a number in [{low:g}, "
-                f"{high:g}]. Fix: write a valid value (a scheduler writes only 'lr' and "
-                f"'momentum' or 'betas')."
-            )
+        # (Adafactor's eps is a pair, its first item None or a number)
+        pair = key == "eps" and isinstance(value, tuple)
+        for item in value if pair else (value,):
+            if item is None and pair:
+                continue
+            v = float(item) if isinstance(item, (int, float, torch.Tensor)) else math.nan
+            if not (low <= v <= high) or (high_open and v == high):
+                raise ValueError(
+                    f"{owner}: {where}[{key!r}] is {value!r}; expected a number in [{low:g}, "
+                    f"{high:g}]. Fix: write a valid value (a scheduler writes only 'lr' and "
+                    f"'momentum' or 'betas')."
+                )
     betas = group.get("betas")
     if betas is not None:
         ok = isinstance(betas, (tuple, list)) and len(betas) == 2 and all(
@@ -153,6 +159,7 @@ class TorchOptimizer(Optimizer):
     """A functopt.Optimizer with torch.optim's fixed options kept in its param groups."""
 
     _owner = "functopt.optim"
+    _differentiable_key = True  # torch's class has a differentiable option (Muon's has not)
 
     def __init__(
         self,
@@ -184,7 +191,8 @@ class TorchOptimizer(Optimizer):
         # optimizer is unpickled (its closures cannot be pickled).
         self._recipe = (factory, dict(hyperparams), dict(flags))
         transform = _built(factory, hyperparams, flags)
-        self._fixed = {**fixed, "differentiable": False}
+        # (kept in the groups of the classes whose torch signature has it)
+        self._fixed = {**fixed, "differentiable": False} if self._differentiable_key else fixed
         # A tensor lr stays the caller's tensor in the groups, as torch.optim keeps it: a
         # scheduler fills it in place, and a recorded step (a CUDA graph) reads it there.
         lr = hyperparams.get("learning_rate")
@@ -206,6 +214,19 @@ class TorchOptimizer(Optimizer):
     # How the torch class words its refusal of capturable=True on the CPU: what must be on
     # a supported device, and whether its list of those names XLA.
     _capturable_words: tuple[str, bool] = ("params and state_steps", True)
+
+    # torch's refusal of a sparse gradient at the step (its RuntimeError's message), for the
+    # classes whose torch twin refuses them; None: functopt.Optimizer's TypeError.
+    _sparse_words: str | None = None
+
+    def _refuse_layout(self, group: dict[str, Any], j: int, grad: torch.Tensor) -> None:
+        if self._sparse_words is None or grad.layout is not torch.sparse_coo:
+            super()._refuse_layout(group, j, grad)
+        raise RuntimeError(
+            f"{self._sparse_words} ({self._step_owner()}: {self._describe(group, j)} has a "
+            f"sparse gradient. Fix: use a dense embedding (sparse=False), or call "
+            f"grad.to_dense() before the step.)"
+        )
 
     # Which leaf of the chain's state each of torch's per-param keys is (each class's own).
     _torch_layout: _torch_state.TorchLayout

@@ -66,6 +66,8 @@ class Muon(_base.TorchOptimizer):
         True
     """
 
+    _differentiable_key = False
+    _sparse_words = "Muon does not support sparse gradients"
     _torch_layout = TorchLayout({"momentum_buffer": ("MuonState.mu",)}, step=False,
                                 constants=frozenset({"MuonState.ns_coeffs"}))
 

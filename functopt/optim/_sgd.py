@@ -115,6 +115,7 @@ class RMSprop(_base.TorchOptimizer):
     """
 
     # torch's per-param keys -> the chain's state slots (every count is torch's step)
+    _sparse_words = "RMSprop does not support sparse gradients"
     _torch_layout = TorchLayout({
         "square_avg": ("ScaleByRmsState.nu", "ScaleByRStdDevState.nu"),
         "momentum_buffer": ("TraceState.trace",), "grad_avg": ("ScaleByRStdDevState.mu",)})
@@ -235,6 +236,7 @@ class Adadelta(_base.TorchOptimizer):
     _capturable_words = ("params and state_steps", False)
 
     # torch's per-param keys -> the chain's state slots (every count is torch's step)
+    _sparse_words = "Adadelta does not support sparse gradients"
     _torch_layout = TorchLayout({"square_avg": ("ScaleByAdaDeltaState.e_g",),
                                  "acc_delta": ("ScaleByAdaDeltaState.e_x",)})
 
@@ -291,6 +293,7 @@ class Rprop(_base.TorchOptimizer):
     """
 
     # torch's per-param keys -> the chain's state slots (every count is torch's step)
+    _sparse_words = "Rprop does not support sparse gradients"
     _torch_layout = TorchLayout({"prev": ("ScaleByRpropState.prev_updates",),
                                  "step_size": ("ScaleByRpropState.step_sizes",)})
 
