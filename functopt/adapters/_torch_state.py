@@ -337,7 +337,10 @@ def from_torch(layout: TorchLayout, keys: Mapping[str, str], expected: Mapping[s
         elif key == CONSTANT:
             out[name] = fresh()[name]
         elif key in entry and entry[key] is not None:
-            out[name] = entry[key]
+            value = entry[key]
+            # (torch's SGD keeps a sparse momentum buffer for a sparse gradient: the same
+            # values, held dense here)
+            out[name] = value.to_dense() if getattr(value, "is_sparse", False) else value
     return out
 
 

@@ -887,8 +887,9 @@ class Optimizer(torch.optim.Optimizer):
         known[index] = (raw, flags)
         return flags
 
-    def _refuse_layout(self, group: dict[str, Any], j: int, grad: torch.Tensor) -> None:
-        """Raise for the sparse (or other non-strided) gradient of the group's j-th param."""
+    def _dense_grad(self, group: dict[str, Any], j: int, grad: torch.Tensor) -> torch.Tensor:
+        """The sparse (or other non-strided) gradient of the group's j-th param as the step
+        takes it: refused here (a drop-in whose torch class steps it makes it dense)."""
         raise TypeError(
             f"functopt.Optimizer: {self._describe(group, j)} has a {grad.layout} gradient; "
             f"functopt transforms take dense gradients. Fix: use a dense embedding "
@@ -909,7 +910,7 @@ class Optimizer(torch.optim.Optimizer):
                 missing.append(j)
             else:
                 if g.layout is not strided:
-                    self._refuse_layout(group, j, g)
+                    grads[j] = self._dense_grad(group, j, g)
                 stepped = True
         if not stepped:  # as in torch.optim: a group without gradients is not stepped
             return

@@ -216,17 +216,32 @@ class TorchOptimizer(Optimizer):
     _capturable_words: tuple[str, bool] = ("params and state_steps", True)
 
     # torch's refusal of a sparse gradient at the step (its RuntimeError's message), for the
-    # classes whose torch twin refuses them; None: functopt.Optimizer's TypeError.
+    # classes whose torch twin refuses them; None: the class steps them (SGD, Adagrad).
     _sparse_words: str | None = None
 
-    def _refuse_layout(self, group: dict[str, Any], j: int, grad: torch.Tensor) -> None:
-        if self._sparse_words is None or grad.layout is not torch.sparse_coo:
-            super()._refuse_layout(group, j, grad)
-        raise RuntimeError(
-            f"{self._sparse_words} ({self._step_owner()}: {self._describe(group, j)} has a "
-            f"sparse gradient. Fix: use a dense embedding (sparse=False), or call "
-            f"grad.to_dense() before the step.)"
-        )
+    def _dense_grad(self, group: dict[str, Any], j: int, grad: torch.Tensor) -> torch.Tensor:
+        if grad.layout is not torch.sparse_coo:
+            return super()._dense_grad(group, j, grad)
+        where = f"({self._step_owner()}: {self._describe(group, j)} has a sparse gradient."
+        if self._sparse_words is not None:
+            raise RuntimeError(f"{self._sparse_words} {where} Fix: use a dense embedding "
+                               f"(sparse=False), or call grad.to_dense() before the step.)")
+        refusal = self._sparse_refusal(group)
+        if refusal is not None:
+            raise RuntimeError(f"{refusal[0]} {where} Fix: {refusal[1]})")
+        # torch steps the entries the gradient holds; a dense gradient that is 0 elsewhere
+        # leaves the others as they are (duplicate indices summed, as torch coalesces them).
+        # Which params have had a sparse gradient, and its sparse dims: torch's state for
+        # them is sparse where it sums gradients (SGD's momentum buffer), and the state dict
+        # gives it so (torch's sparse step adds a dense buffer to a sparse gradient nowhere).
+        seen: dict[int, int] = self.__dict__.setdefault("_sparse_seen", {})
+        seen[id(group["params"][j])] = grad.sparse_dim()
+        return grad.coalesce().to_dense()
+
+    def _sparse_refusal(self, group: dict[str, Any]) -> tuple[str, str] | None:
+        """torch's message and the fix, where the class refuses a sparse gradient for the
+        group's options (SGD's and Adagrad's fused kernels, Adagrad's weight decay)."""
+        return None
 
     # Which leaf of the chain's state each of torch's per-param keys is (each class's own).
     _torch_layout: _torch_state.TorchLayout

@@ -92,6 +92,34 @@ class SGD(_base.TorchOptimizer):
                          lowerable=not maximize and damp == 0 and not no_buffer, fused=fused,
                          differentiable=differentiable)
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim.SGD's state dict; the momentum buffer of a param that has had sparse
+        gradients is sparse, as torch keeps it (torch's Nesterov step adds it to the sparse
+        gradient, which a dense buffer cannot be)."""
+        saved = super().state_dict()
+        seen: dict[int, int] = self.__dict__.get("_sparse_seen", {})
+        if seen:
+            ids: dict[int, int] = {}
+            for group in self.param_groups:
+                for p in group["params"]:
+                    ids.setdefault(id(p), len(ids))
+            for key, dims in seen.items():
+                entry = saved["state"].get(ids.get(key, -1))
+                if entry is not None and "momentum_buffer" in entry:
+                    entry["momentum_buffer"] = entry["momentum_buffer"].to_sparse(dims)
+        return saved
+
+    def _sparse_refusal(self, group: dict[str, Any]) -> tuple[str, str] | None:
+        # (a sparse gradient is stepped as torch steps it, but by the fused kernel)
+        if group.get("fused"):
+            return ("`_fused_sgd` does not support sparse gradients",
+                    "build the optimizer without fused=True for sparse gradients")
+        wd = group.get("weight_decay")
+        if wd is not None and float(wd) != 0:  # (torch adds the param to the sparse gradient)
+            return ("add(sparse, dense) is not supported. Use add(dense, sparse) instead.",
+                    "weight_decay=0 for the group of the sparse params")
+        return None
+
 
 class RMSprop(_base.TorchOptimizer):
     r"""``torch.optim.RMSprop`` as a functopt chain.
@@ -213,6 +241,16 @@ class Adagrad(_base.TorchOptimizer):
             fixed["weight_decay"] = weight_decay
         super().__init__(params, _chains.adagrad, hyper, {"maximize": maximize}, fixed,
                          lowerable=False, fused=fused, differentiable=differentiable)
+
+    def _sparse_refusal(self, group: dict[str, Any]) -> tuple[str, str] | None:
+        if group.get("fused"):
+            return ("`fused` does not support sparse grad or complex param",
+                    "build the optimizer without fused=True for sparse gradients")
+        wd = group.get("weight_decay")
+        if wd is not None and float(wd) != 0:
+            return ("weight_decay option is not compatible with sparse gradients",
+                    "weight_decay=0 for the group of the sparse params")
+        return None
 
 
 class Adadelta(_base.TorchOptimizer):
