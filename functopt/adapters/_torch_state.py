@@ -290,6 +290,8 @@ def to_torch(layout: TorchLayout, keys: Mapping[str, str], group: Mapping[str, A
             value = entry.get(name)
             if value is None:  # (a leaf the param has no state for: Adafactor's factors)
                 continue
+            if p.is_complex() and value.shape == (*p.shape, 2):
+                value = torch.view_as_complex(value)  # (torch keeps a complex param's state so)
             if key in layout.scalars:
                 dtype, device = _scalar_place(key, group, p)
                 value = value.to(dtype=dtype, device=device, copy=True)
@@ -339,8 +341,12 @@ def from_torch(layout: TorchLayout, keys: Mapping[str, str], expected: Mapping[s
         elif key in entry and entry[key] is not None:
             value = entry[key]
             # (torch's SGD keeps a sparse momentum buffer for a sparse gradient: the same
-            # values, held dense here)
-            out[name] = value.to_dense() if getattr(value, "is_sparse", False) else value
+            # values, held dense here; a complex param's state is held as real pairs)
+            if getattr(value, "is_sparse", False):
+                value = value.to_dense()
+            if isinstance(value, torch.Tensor) and value.is_complex():
+                value = torch.view_as_real(value)
+            out[name] = value
     return out
 
 

@@ -114,6 +114,7 @@ class _Plan:
                  recipe: str | None, kept: frozenset[str]) -> None:
         self.key = key
         self.placement: tuple[tuple[torch.dtype, torch.device], ...] = ()  # set by _plan
+        self.complex = False  # some param is complex: the transform steps its real pairs
         self.signature = recipe  # the recipe with its fixed arguments, saved in state dicts
         self.recipe = None if recipe is None else recipe.split("(", 1)[0]
         self.template, self.treespec = _core.flatten(template)
@@ -288,7 +289,8 @@ class Optimizer(torch.optim.Optimizer):
     counts (torch.optim's ``state[p]["step"]``): params whose counts agree step as one run
     of the transform, and a step whose params hold different counts runs the transform once
     per count, over the params of that count, so Adam's bias correction of a param that
-    missed steps is torch.optim's.
+    missed steps is torch.optim's. A complex param is stepped as its ``torch.view_as_real``
+    pairs, as torch.optim steps it (the transform sees a real tensor with a last dim of 2).
 
     State. Every param of a group that is not frozen has an entry in ``optimizer.state``
     from the start (empty for a stateless transform, as torch.optim's SGD keeps
@@ -463,8 +465,8 @@ class Optimizer(torch.optim.Optimizer):
             self._plans[index] = None
             return
         plan.made_from = self._init_hyper(hyper)
-        self._scatter(group, plan, plan.fresh(self._transform, self._tree(group, group["params"]),
-                                              plan.made_from))
+        self._scatter(group, plan, plan.fresh(
+            self._transform, self._tree(group, self._real(group["params"])), plan.made_from))
         self._unstepped[index] = plan
 
     def _kept_keys(self) -> frozenset[str]:
@@ -517,7 +519,7 @@ class Optimizer(torch.optim.Optimizer):
                     f"the transform sees the group as a {{name: param}} dict. Fix: give each "
                     f"param its own name (model.named_parameters() does)."
                 )
-            ptree = self._tree(group, params)
+            ptree = self._tree(group, self._real(params))
             with torch.no_grad():
                 template = self._transform.init(ptree)
             order = _core.flatten(self._tree(group, list(range(len(params)))))[0]
@@ -527,7 +529,29 @@ class Optimizer(torch.optim.Optimizer):
                                               _recipe_of_injected(self._transform, hyper),
                                               self._kept_keys())
             plan.placement = _placement(params)
+            plan.complex = any(p.is_complex() for p in params)
         return plan
+
+    def _real(self, params: list[Any]) -> list[Any]:
+        """``params`` with each complex one as its ``torch.view_as_real`` pairs (what the
+        transform steps, as torch.optim steps complex params), one view per param kept
+        while it views the param's storage."""
+        if not any(isinstance(p, torch.Tensor) and p.is_complex() for p in params):
+            return params
+        views: dict[int, tuple[Any, torch.Tensor]] = self.__dict__.setdefault(
+            "_real_views", {})
+        out = []
+        for p in params:
+            if not (isinstance(p, torch.Tensor) and p.is_complex()):
+                out.append(p)
+                continue
+            held = views.get(id(p))
+            if held is None or held[0] is not p or held[1].data_ptr() != p.data_ptr() or (
+                    held[1].shape[:-1] != p.shape):
+                with torch.no_grad():
+                    held = views[id(p)] = (p, torch.view_as_real(p))
+            out.append(held[1])
+        return out
 
     # -- state: optimizer.state <-> the transform's pytree --------------------------------
 
@@ -650,7 +674,7 @@ class Optimizer(torch.optim.Optimizer):
         if not any(entries) or (unstepped is not None and (
                 unstepped is not plan
                 or _group_init.differs(plan.made_from, self._init_hyper(hyper)))):
-            template = plan.fresh(self._transform, self._tree(group, params),
+            template = plan.fresh(self._transform, self._tree(group, self._real(params)),
                                   self._init_hyper(hyper))
             return [hyper[name] if kind == _HYPER else leaf
                     for (kind, _, name), leaf in zip(plan.leaves, template, strict=True)], None
@@ -946,6 +970,11 @@ class Optimizer(torch.optim.Optimizer):
         """One run of the transform over the group's params with ``state`` (its leaves, read
         from ``entries``, or from init with None), written back into ``optimizer.state``."""
         params = group["params"]
+        if plan.complex:  # (their real pairs: as torch.optim steps complex params)
+            self._check_complex(group, grads)
+            params = self._real(params)
+            grads = [torch.view_as_real(g) if g is not None and g.is_complex() else g
+                     for g in grads]
         if plan.order is not None:  # the leaves in the tree's order
             params = [params[k] for k in plan.order]
             grads = [grads[k] for k in plan.order]
@@ -966,6 +995,11 @@ class Optimizer(torch.optim.Optimizer):
         self._scatter(group, plan, new_state, treespec,
                       None if entries is None or not donate else (state, entries))
         self._unstepped.pop(index, None)
+
+    def _check_complex(self, group: dict[str, Any], grads: list[Any]) -> None:
+        """Raise where the optimizer does not step the group's complex params that have a
+        gradient (``grads``, in the group's order); here every transform steps their real
+        pairs."""
 
     def _step_owner(self) -> str:
         return "functopt.Optimizer"

@@ -309,6 +309,7 @@ class Adafactor(_base.TorchOptimizer):
 
     _differentiable_key = False
     _sparse_words = "Adafactor does not support sparse gradients"
+    _complex_words = "Adafactor does not support complex parameters"
     _torch_layout = TorchLayout({"row_var": ("TorchAdafactorState.row_var",),
                                  "col_var": ("TorchAdafactorState.col_var",),
                                  "variance": ("TorchAdafactorState.variance",)})

@@ -238,6 +238,20 @@ class TorchOptimizer(Optimizer):
         seen[id(group["params"][j])] = grad.sparse_dim()
         return grad.coalesce().to_dense()
 
+    # torch's refusal of a complex param at the step (its RuntimeError's message), for the
+    # classes whose torch twin refuses them (Adafactor, Muon); None: stepped as real pairs.
+    _complex_words: str | None = None
+
+    def _check_complex(self, group: dict[str, Any], grads: list[Any]) -> None:
+        if self._complex_words is None:
+            return
+        for j, (p, g) in enumerate(zip(group["params"], grads, strict=True)):
+            if g is not None and p.is_complex():
+                raise RuntimeError(
+                    f"{self._complex_words} ({self._step_owner()}: {self._describe(group, j)} "
+                    f"is {str(p.dtype).removeprefix('torch.')}. Fix: optimize its real pairs "
+                    f"(torch.view_as_real) or use another optimizer for it.)")
+
     def _sparse_refusal(self, group: dict[str, Any]) -> tuple[str, str] | None:
         """torch's message and the fix, where the class refuses a sparse gradient for the
         group's options (SGD's and Adagrad's fused kernels, Adagrad's weight decay)."""

@@ -68,6 +68,7 @@ class Muon(_base.TorchOptimizer):
 
     _differentiable_key = False
     _sparse_words = "Muon does not support sparse gradients"
+    _complex_words = "Muon does not support complex parameters"
     _torch_layout = TorchLayout({"momentum_buffer": ("MuonState.mu",)}, step=False,
                                 constants=frozenset({"MuonState.ns_coeffs"}))
 
