@@ -103,3 +103,30 @@ def test_an_unnamed_group_takes_the_saved_param_names(name: str) -> None:
     unnamed.load_state_dict(named.state_dict())
     assert unnamed.state_dict()["param_groups"][0]["param_names"] == ["weight", "bias"]
     assert unnamed.param_groups[0]["param_names"] == ["weight", "bias"]
+
+
+def _facade() -> tuple[functopt.MixedPrecisionOptimizer, torch.nn.Parameter]:
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = functopt.MixedPrecisionOptimizer([p], functopt.adam(0.1))
+    p.grad = torch.ones(3)
+    opt.step()
+    return opt, p
+
+
+def test_the_facades_state_view_takes_a_tensor_written_over_one_and_refuses_other_writes(
+) -> None:
+    opt, p = _facade()
+    entry = opt.state[p]
+    name = next(k for k, v in entry.items() if isinstance(v, torch.Tensor) and v.shape == (3,))
+    entry[name] = torch.full((3,), 7.0)  # (what a framework's move to a device does)
+    assert torch.equal(opt.state[p][name], torch.full((3,), 7.0))  # it reached the live state
+    for write in (lambda: entry.__setitem__("new", torch.ones(3)),
+                  lambda: entry.__setitem__(name, torch.ones(4)),
+                  lambda: entry.pop(name), lambda: entry.update({name: 1}),
+                  lambda: opt.state.__setitem__(p, {}), lambda: opt.state.pop(p),
+                  lambda: opt.state.__delitem__(p)):
+        with pytest.raises(TypeError, match="view of the step's state"):
+            write()
+    assert name in opt.state[p]
+    other = torch.nn.Parameter(torch.ones(1))  # a tensor that is no param of it reads empty
+    assert dict(opt.state[other]) == {} and other not in opt.state

@@ -133,17 +133,58 @@ class _StateView(defaultdict):  # type: ignore[type-arg]
         self._own = own
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        if not isinstance(key, torch.Tensor):
-            self._own[key] = value
+        if isinstance(key, torch.Tensor):
+            raise TypeError(_VIEW_WRITE)
+        self._own[key] = value
         super().__setitem__(key, value)
 
+    def __missing__(self, key: Any) -> Any:
+        # (as torch's defaultdict reads an empty entry for a tensor that is no param here,
+        # without storing it: the view is rebuilt at each read)
+        if isinstance(key, torch.Tensor):
+            return _Entry()
+        return super().__missing__(key)
+
     def __delitem__(self, key: Any) -> None:
+        if isinstance(key, torch.Tensor):
+            raise TypeError(_VIEW_WRITE)
         self._own.pop(key, None)
         super().__delitem__(key)
 
     def pop(self, key: Any, *default: Any) -> Any:
+        if isinstance(key, torch.Tensor):
+            raise TypeError(_VIEW_WRITE)
         self._own.pop(key, None)
         return super().pop(key, *default)
+
+
+_VIEW_WRITE = (
+    f"{_OWNER}: optimizer.state is a view of the step's state, rebuilt at each read: a "
+    f"write into a param's entry would be lost. Fix: change the state with "
+    f"load_state_dict(...) (edit the dict state_dict() returns), or write into the tensors "
+    f"an entry holds (opt.state[p]['key'].copy_(...)), which are the live state."
+)
+
+
+class _Entry(dict):  # type: ignore[type-arg]
+    """A param's entry of `_StateView`: its tensors are the live state. A tensor written
+    over one of the same shape is copied into it (a framework that moves the state to the
+    params' device writes each tensor back; the live state stays where the step keeps it);
+    any other change raises."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        held = self.get(key)
+        if not (isinstance(held, torch.Tensor) and isinstance(value, torch.Tensor)
+                and value.shape == held.shape):
+            raise TypeError(_VIEW_WRITE)
+        if value is not held:
+            with torch.no_grad():
+                held.copy_(value)
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(_VIEW_WRITE)
+
+    __delitem__ = update = pop = popitem = setdefault = clear = _refuse
 
 
 class MixedPrecisionOptimizer(torch.optim.Optimizer):
@@ -1194,9 +1235,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         entries = self._layout().entries(self._state)
         own = self.__dict__.setdefault("_own_keys", {})
         view = _StateView(own)
-        view.update({p: {} for p in self._frozen})
-        view.update({p: entries[name] for p, name in zip(self._params, self._names,
-                                                           strict=True)})
+        view.update({p: _Entry() for p in self._frozen})
+        view.update({p: _Entry(entries[name]) for p, name in zip(self._params, self._names,
+                                                                 strict=True)})
         view.update(own)
         return view
 
