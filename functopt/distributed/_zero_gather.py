@@ -64,18 +64,28 @@ def bound(group: dist.ProcessGroup, timeout_s: float) -> Agreement:
     return Agreement(group, datetime.timedelta(seconds=timeout_s), ZERO1_WORDING)
 
 
-def _gather_into(out: torch.Tensor, part: torch.Tensor, group: dist.ProcessGroup) -> None:
+def _gather_into(out: torch.Tensor, part: torch.Tensor, group: dist.ProcessGroup, *,
+                 async_op: bool = False) -> Any:
     gather = getattr(dist, "all_gather_single", None)  # torch >= 2.13; the old name warns
     if gather is None:  # pragma: no cover - older torch
         gather = dist.all_gather_into_tensor
-    gather(out, part, group=group)
+    return gather(out, part, group=group, async_op=async_op)
 
 
 def start_gather(new_slices: list[Any], local: list[Any], rank: int, world: int,
-                 group: dist.ProcessGroup, limit: Agreement) -> tuple[list[Any], list[Any]]:
+                 group: dist.ProcessGroup, limit: Agreement, *, alone: bool = True,
+                 ) -> tuple[list[Any], list[Any]]:
     """Start gathering every rank's ``new_slices`` (1-D, rank ``rank``'s of each leaf of
     ``local``) into new tensors shaped like ``local``: ``(new tensors, handles)``; the new
-    tensors hold the gathered values once the handles are waited for (``wait_all``)."""
+    tensors hold the gathered values once the handles are waited for (``wait_all``).
+
+    ``alone``: no other gather of this kind is in flight on the group until this one is
+    waited for. Where several are (``zero1_overlapped``'s buckets) and the leaves are on
+    the CPU, each leaf is its own asynchronous all-gather instead of one coalesced call:
+    gloo's coalesced all-gathers (torch 2.13) corrupt the heap when two run at once on
+    its worker threads (glibc aborts with ``malloc(): unaligned tcache chunk detected``;
+    reproduced within a few thousand steps of two ranks), where its plain all-gathers do
+    not."""
     full: list[Any] = []
     parts: list[tuple[torch.Tensor, torch.Tensor]] = []
     for p, s in zip(local, new_slices, strict=True):
@@ -94,6 +104,11 @@ def start_gather(new_slices: list[Any], local: list[Any], rank: int, world: int,
         size = p.element_size()
         parts.append((raw, raw[rank * c * size:(rank + 1) * c * size]))
         full.append(padded[:n].view(p.shape))
+    if not parts:
+        return full, []
+    if not alone and parts[0][0].device.type == "cpu":
+        with annotated(limit, GATHER):
+            return full, [_gather_into(out, part, group, async_op=True) for out, part in parts]
     with annotated(limit, GATHER), _coalescing_manager(group, async_ops=True) as coalesced:
         for out, part in parts:
             _gather_into(out, part, group)

@@ -4,7 +4,8 @@ r"""ZeRO-1 whose parameter all-gather overlaps the next forward (Megatron's ``ov
 the new slices: every rank waits for all params before it returns them.
 [`zero1_overlapped`][functopt.distributed.zero1_overlapped] makes the same step but only
 *starts* the gather: the leaves are packed into buckets of about ``bucket_bytes`` per rank
-(in the params' order), one asynchronous ``all_gather`` per bucket is launched, and the
+(in the params' order), one asynchronous ``all_gather`` per bucket is launched (per leaf
+on CPU tensors: gloo's coalesced all-gathers are unsafe several at once), and the
 step returns a [`PendingParams`][functopt.distributed.PendingParams] instead of the
 params. Its ``wait()`` gives the params (bitwise those of ``zero1``); its ``attach(module)``
 installs forward pre-hooks that wait, module by module, only for the buckets holding that
@@ -15,7 +16,7 @@ to arrive than the layers before it take to run.
 
 The arithmetic is ``zero1``'s, the gather only cut into pieces, so params, masters and
 state are bitwise those of ``zero1``; the collectives per step are one ``all_reduce`` and
-one ``all_gather`` per bucket.
+one ``all_gather`` per bucket (per leaf on gloo).
 """
 
 from __future__ import annotations
@@ -217,7 +218,8 @@ def zero1_overlapped(
     [`zero1_state_to_dict`][functopt.distributed.zero1_state_to_dict], full or
     reduce-scattered gradients), except that ``step`` returns a
     [`PendingParams`][functopt.distributed.PendingParams] in place of the params: the
-    all-gathers of the new slices, one per bucket of about ``bucket_bytes`` per rank, are
+    all-gathers of the new slices, one per bucket of about ``bucket_bytes`` per rank (one
+    per leaf on CPU tensors, which gloo carries), are
     in flight. ``pending.attach(model)`` makes each submodule's forward wait for its own
     params and copy them in; ``pending.wait()`` returns them all. Results are bitwise
     ``zero1``'s.
@@ -287,7 +289,7 @@ def zero1_overlapped(
                 continue
             full, works = start_gather([new_leaves[i] for i in indices],
                                        [pl.local[i] for i in indices], pl.rank, pl.world,
-                                       pl.group, pl.limit)
+                                       pl.group, pl.limit, alone=False)
             buckets.append(_Bucket(indices, full, works))
         pending = PendingParams(pl, new_leaves, buckets)
         last[:] = [pending]

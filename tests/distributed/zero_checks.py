@@ -413,7 +413,8 @@ def _zero1_tensor_parallel(world: int, tp: int) -> None:
 def zero1_overlapped_equals_zero1(rank: int, world: int) -> None:
     """zero1_overlapped: the same step with the gather cut into buckets and left in flight.
     wait() and the forward pre-hooks of attach() give params bitwise zero1's, the state is
-    bitwise zero1's, and a step makes one all_reduce and one all_gather per bucket."""
+    bitwise zero1's, and a step makes one all_reduce and, on gloo, one all_gather per leaf
+    of its buckets."""
     from functopt.distributed import zero1_overlapped
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3),
@@ -437,7 +438,7 @@ def zero1_overlapped_equals_zero1(rank: int, world: int) -> None:
             new = pending.wait() if step != 1 else None
         counts = {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()}
         assert sum(v for k, v in counts.items() if "allreduce" in k) == 1, counts
-        assert sum(v for k, v in counts.items() if "allgather" in k) == expected_buckets, counts
+        assert sum(v for k, v in counts.items() if "allgather" in k) == len(leaves), counts
         ref_params, ref_state = ref.step(grads, ref_state, ref_params)
         if step == 1:  # through the module: each layer's forward waits for its params
             handles = pending.attach(model)
