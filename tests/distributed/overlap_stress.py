@@ -5,6 +5,7 @@ the process)."""
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import torch
@@ -35,9 +36,17 @@ def main(steps: int) -> None:
     dist.all_gather(gathered, total)
     if rank == 0:
         print(f"steps {steps}, ranks agree: {all(torch.equal(x, gathered[0]) for x in gathered)}")
+
+
+def teardown() -> None:
+    """With ``main``'s optimizer, state and handles gone (it returned), free any cycle among
+    them, let every rank leave the last collective, then destroy the group: left to
+    interpreter shutdown, gloo's worker threads can outlive what they use and abort."""
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(int(sys.argv[1]))
+    teardown()
