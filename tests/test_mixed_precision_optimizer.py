@@ -741,6 +741,8 @@ def test_zeros_are_counted_only_when_asked(fused: bool) -> None:
         flags = {} if count is None else {"count_zeros": count}
         opt = MixedPrecisionOptimizer([("w", w)], functopt.adamw(0.1), loss_scale=None,
                                       fused=fused, **flags)
+        # before the first step too: -1 where nothing is counted, 0 counted so far
+        assert int(opt.count_zeros()) == (0 if count else -1)
         w.grad = torch.tensor([0.0, 0.5, 0.0, 0.0], dtype=torch.bfloat16)
         assert opt.step()
         results[count] = (int(opt.count_zeros()), _nested(opt)["master"]["w"].clone())

@@ -138,14 +138,14 @@ def agreement(agree_skip: bool | dist.ProcessGroup, timeout_s: float | None,
         return None
     group = dist.group.WORLD if agree_skip is True else agree_skip
     assert isinstance(group, dist.ProcessGroup)
+    if dist.get_rank(group) < 0:  # (a group of one other rank too)
+        raise ValueError(
+            f"functopt: the step's agree_skip is a process group this rank "
+            f"({dist.get_rank()}) is not in. Fix: step this optimizer only on the ranks of "
+            f"that group, or give each rank a group it belongs to."
+        )
     if len(_group_ranks(group)) < 2:
         return None
-    if dist.get_rank(group) < 0:
-        raise ValueError(
-            f"mixed_precision: agree_skip is a process group this rank ({dist.get_rank()}) "
-            f"is not in. Fix: step this optimizer only on the ranks of that group, or give "
-            f"each rank a group it belongs to."
-        )
     return Agreement(group, datetime.timedelta(seconds=timeout_s), wording)
 
 

@@ -213,12 +213,14 @@ def select_tree(found_inf: torch.Tensor, old: Any, new: Any, *, name: str = "sta
     return _common.select_tree(found_inf, old, new, owner="select_tree", name=name)
 
 
-def _zero_metrics(device: torch.device) -> StepMetrics:
+def _zero_metrics(device: torch.device, count_zeros: bool) -> StepMetrics:
+    """The metrics before any step: nothing measured; ``num_zeros`` -1 where zeros are not
+    counted, as every step then reports."""
     return StepMetrics(
         grad_norm=torch.zeros((), dtype=torch.float32, device=device),
         found_inf=torch.zeros((), dtype=torch.bool, device=device),
         skipped_steps=torch.zeros((), dtype=torch.int32, device=device),
-        num_zeros=torch.zeros((), dtype=torch.int64, device=device),
+        num_zeros=torch.full((), 0 if count_zeros else -1, dtype=torch.int64, device=device),
     )
 
 
@@ -518,7 +520,7 @@ def _mixed_precision(
             loss_scale=scale_rule.init(device),
             master=_core.unflatten(treespec, store),
             inner_state=inner_state,
-            metrics=_zero_metrics(device),
+            metrics=_zero_metrics(device, count_zeros),
             key=torch.zeros((), dtype=torch.int64),
         )
 
