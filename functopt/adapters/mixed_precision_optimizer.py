@@ -1229,7 +1229,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def state(self) -> defaultdict[torch.Tensor, dict[str, Any]]:
         """Each param's entry of the state (see *Checkpoints*): a view, rebuilt at each read;
         the tensors are the live state. Frozen params have empty entries. A key that is no
-        tensor (what a state-dict hook stores) is kept, saved and loaded, as torch's."""
+        tensor (what a state-dict hook stores) is kept, saved and loaded, as torch's. A
+        tensor written into an entry over one of the same shape is copied into the live
+        state; any other write under a param raises (it would be lost)."""
         if "_state" not in self.__dict__:  # during torch's __init__
             return defaultdict(dict)
         entries = self._layout().entries(self._state)

@@ -14,7 +14,6 @@ from functopt.optim import _base, _chains
 from functopt.transforms import _common
 from functopt.transforms.combining import chain
 from functopt.transforms.factored import _BATCH_ELEMENTS, _BATCH_ELEMENTS_ELSEWHERE
-from functopt.tree import _core
 
 __all__ = ["Adafactor"]
 
@@ -207,9 +206,10 @@ def scale_by_torch_adafactor(
         grads, treespec = _common.flatten_updates(updates)
         _common.check_params_structure(owner, treespec, params)
         ps = _common.flatten_params(params)[0]
-        rows = _core_leaves(treespec, state.row_var)
-        cols = _core_leaves(treespec, state.col_var)
-        variances = _core_leaves(treespec, state.variance)
+        rows = _common.state_like(treespec, state.row_var, name="state.row_var", like=grads)
+        cols = _common.state_like(treespec, state.col_var, name="state.col_var", like=grads)
+        variances = _common.state_like(treespec, state.variance, name="state.variance",
+                                       like=grads)
         count = _common.safe_increment(state.count)
         t = count.to(torch.float64)
         weight = t ** _common.scalar(beta2_decay, torch.float64)
@@ -261,15 +261,6 @@ def _chunked(batches: Iterable[list[int]], grads: list[Any]) -> list[list[int]]:
             size += n
         out.append(run)
     return out
-
-
-def _core_leaves(treespec: Any, tree: Any) -> list[Any]:
-    leaves, spec = _core.flatten(tree)
-    if spec != treespec:
-        raise ValueError(f"functopt.optim.Adafactor: a state field has the structure {spec}, "
-                         f"but the updates have {treespec}. Fix: make the state with "
-                         f"init of these params.")
-    return leaves
 
 
 class Adafactor(_base.TorchOptimizer):
