@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The device checks of a session that is lent a GPU, in one command: the CUDA tests (the
 # captured step as a real CUDA graph, held to the pure path), then the benchmark suite on
-# CUDA (the GPU table of docs/performance.md). The machine has its own PyTorch and no
+# CUDA (the GPU table of docs/performance.md, with the GPU's measured streaming bandwidth and
+# the share of it each step reaches: its bandwidth case). The machine has its own PyTorch and no
 # network; prepare its one missing package here first, then run this there with `.whl`
 # carried:
 #

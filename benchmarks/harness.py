@@ -198,17 +198,21 @@ def peak_step_bytes(step: Callable[[], Any]) -> int:
     return int(max([0, *itertools.accumulate(e.nbytes() for e in events)]))
 
 
-def bandwidth(numel: int, repeats: int) -> dict[str, Any]:
+def bandwidth(numel: int, repeats: int, device: Any = "cpu") -> dict[str, Any]:
     """Streaming bandwidth of float32 adds, counting 12 bytes/element (2 reads, 1 write).
 
     ``add_out``: ``torch.add(a, b, out=c)`` into a buffer written before (so no page
     faults; the write-allocate read of ``c`` is not counted, as it is not counted for AdamW).
     ``add_inplace``: ``a.add_(b)``. ``add_fresh``: ``a + b`` into a new tensor each time,
-    page faults of the fresh pages included (what an out-of-place step pays on CPU).
+    page faults of the fresh pages included (what an out-of-place step pays on CPU; on a
+    GPU the caching allocator hands back the same memory). On a CUDA ``device`` the clock
+    is read after a synchronisation on both sides of each operation.
     """
-    a = torch.rand(numel)
-    b = torch.rand(numel)
-    c = torch.empty(numel)
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a = torch.rand(numel, device=device)
+    b = torch.rand(numel, device=device)
+    c = torch.empty(numel, device=device)
     ops: dict[str, Callable[[], Any]] = {
         "add_out": lambda: torch.add(a, b, out=c),
         "add_inplace": lambda: a.add_(b),
@@ -221,8 +225,10 @@ def bandwidth(numel: int, repeats: int) -> dict[str, Any]:
         op()  # warm the pages and the thread pool
     for r in range(repeats):
         for name, op in (ops.items() if r % 2 == 0 else reversed(list(ops.items()))):
+            sync()
             t0 = time.perf_counter()
             res = op()
+            sync()
             times[name].append(time.perf_counter() - t0)
             del res
         a.mul_(0.5)  # keep the in-place operand bounded
