@@ -83,11 +83,6 @@ class Leafwise(Spec):
     # add the groups' and ranks' sums in between
     sums: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
     finish: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
-    # ``update`` written into the updates' own tensors, ``inplace(updates, state, params)
-    # -> new_state``, the same bits as ``update``: the per-leaf tier calls it on updates
-    # that an earlier rule of the step made (plain float32 / float64 tensors that are
-    # none of the gradients, params or state), sparing a fresh tensor per leaf
-    inplace: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.hyper.items())

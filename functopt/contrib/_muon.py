@@ -632,13 +632,15 @@ def _scale_by_shape(weight_dimension_numbers: WeightDimNumOrFn | None,
         del params
         return EmptyState()
 
-    def factors(updates: Updates) -> tuple[list[Any], list[Any], _core.TreeSpec]:
+    def update_fn(updates: Updates, state: EmptyState, params: Params | None = None,
+                  **extra_args: Any) -> tuple[Updates, EmptyState]:
+        del params, extra_args
         grads, treespec = _common.flatten_updates(updates)
         dims = _resolve_dims(weight_dimension_numbers, updates, grads, treespec)
         out: list[Any] = []
         for i, (g, d) in enumerate(zip(grads, dims, strict=True)):
             if g is None or d is None:
-                out.append(None)
+                out.append(g)
                 continue
             try:  # (the leaf's path only for the error: paths cost a walk of the tree)
                 _, _, fan_in, fan_out = _layout(g.shape, d, "")
@@ -646,29 +648,15 @@ def _scale_by_shape(weight_dimension_numbers: WeightDimNumOrFn | None,
                 _layout(g.shape, d, _core.paths(treespec)[i])
                 raise
             if consistent_rms is not None:
-                out.append(math.sqrt(max(fan_in, fan_out)) * consistent_rms)
+                factor: Any = math.sqrt(max(fan_in, fan_out)) * consistent_rms
             else:  # an empty matrix has no width to transfer: its (empty) update stays
-                out.append(math.sqrt(max(1.0, fan_out / fan_in)) if fan_in else 1.0)
-        return grads, out, treespec
-
-    def update_fn(updates: Updates, state: EmptyState, params: Params | None = None,
-                  **extra_args: Any) -> tuple[Updates, EmptyState]:
-        del params, extra_args
-        grads, fs, treespec = factors(updates)
-        return _common.unflatten(treespec, [
-            g if f is None else _common.scaled(g, f) for g, f in zip(grads, fs, strict=True)
-        ]), state
-
-    def inplace_fn(updates: Updates, state: EmptyState, params: Params | None = None) -> Any:
-        del params
-        for g, f in zip(*factors(updates)[:2], strict=True):
-            if f is not None:
-                g.mul_(f)  # (a float32 or float64 g: ``scaled``'s product)
-        return state
+                factor = math.sqrt(max(1.0, fan_out / fan_in)) if fan_in else 1.0
+            out.append(_common.scaled(g, factor))
+        return _common.unflatten(treespec, out), state
 
     # a per-leaf factor of the leaf's shape: not elementwise over leaves laid end to end
     return specified(GradientTransformation(init_fn, update_fn), PerLeaf(
-        "muon_shape_factor", {"consistent_rms": consistent_rms}, inplace=inplace_fn))
+        "muon_shape_factor", {"consistent_rms": consistent_rms}))
 
 
 def muon(

@@ -21,9 +21,7 @@ still makes one pair of all-to-alls):
   ratio's and block RMS clipping's: their norms in ``torch._foreach_norm`` calls), else
   its own ``update``;
 - an elementwise rule after it (the shape factor, decay, the learning rate) runs its own
-  ``update``, on the group's leaves together, or its in-place form (``Leafwise.inplace``,
-  the same bits) where the updates are tensors an earlier rule of the step made (none of
-  the gradients, values or state entries: a fresh tensor per leaf and rule spared);
+  ``update``, on the group's leaves together;
 - the updates are added to the values with one ``foreach`` add (in place when donated).
 
 Each rule is called on the params' tree with ``None`` at the leaves outside its groups, so
@@ -52,7 +50,6 @@ entry that is not a tensor on its leaf's device.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,37 +177,28 @@ def run_groups(batch: list[tuple[Any, torch.Tensor | None, torch.Tensor | None]]
                 together.setdefault((r.group.plan.ops[j].node,
                                      None if guard is None else guard.index), []).append(r)
         for members in together.values():
-            _call(members, j, placed, state_leaves, new_leaves, treespec, env,
-                  lambda: _storages(grads, values, state_leaves, new_leaves))
+            _call(members, j, placed, state_leaves, new_leaves, treespec, env)
     for r in runs:
         _apply(r, values, new_values, donate)
 
 
 def _call(members: list[_Run], j: int, placed: dict[int, Any], state_leaves: list[Any],
-          new_leaves: list[Any], treespec: _core.TreeSpec, env: Any,
-          foreign: Any) -> None:
+          new_leaves: list[Any], treespec: _core.TreeSpec, env: Any) -> None:
     """The ``j``-th rule of the groups ``members`` (one transform), called once on all
     their leaves; their updates become its output. A rule inside ``inject_hyperparams``
     is taken from the inner transform built with this step's values (``env.spec_of``), as
-    the pure ``inject_hyperparams`` builds it. A rule with an in-place form runs it where
-    the updates are this step's own tensors (``_owned``; ``foreign()`` gives the storages
-    of the gradients, values and state)."""
+    the pure ``inject_hyperparams`` builds it."""
     op = members[0].group.plan.ops[j]
     if op.rebuild is not None:
         spec = env.spec_of(op.rebuild)
-        op = dataclasses.replace(op, fn=spec.update, grouped=getattr(spec, "grouped", None),
-                                 inplace=spec.inplace)
+        op = dataclasses.replace(op, fn=spec.update, grouped=getattr(spec, "grouped", None))
     skip = members[0].skip
     leaves = {i: u for r in members for i, u in zip(r.group.leaves, r.updates, strict=True)}
     index_leaves, index_spec = _core.flatten(op.state_at)
     state = _core.unflatten(index_spec, [state_leaves[k] for k in index_leaves])
-    params = _tree(treespec, {i: placed[i] for i in leaves})
-    if op.inplace is not None and _owned(list(leaves.values()), foreign()):
-        out = _tree(treespec, leaves)
-        new = op.inplace(out, state, params)
-    else:
-        update = op.grouped if op.grouped is not None else op.fn
-        out, new = update(_tree(treespec, leaves), state, params)
+    update = op.grouped if op.grouped is not None else op.fn
+    out, new = update(_tree(treespec, leaves), state,
+                      _tree(treespec, {i: placed[i] for i in leaves}))
     flat = treespec.flatten_up_to(out)
     written: list[tuple[int, Any]] = []
     for r in members:
@@ -229,33 +217,6 @@ def _call(members: list[_Run], j: int, placed: dict[int, Any], state_leaves: lis
     for k, v in written:
         new_leaves[k] = v if skip is None or not isinstance(v, torch.Tensor) else (
             _where(skip, state_leaves[k], v))
-
-
-def _storages(*trees: list[Any]) -> set[int]:
-    """The storages (their addresses) of the tensors in ``trees`` (lists of leaves)."""
-    return {local_tensor(t).untyped_storage().data_ptr()
-            for leaves in trees for t in leaves if isinstance(t, torch.Tensor)}
-
-
-def _owned(updates: list[Any], foreign: set[int]) -> bool:
-    """Whether a rule may write into ``updates``: plain float32 / float64 tensors outside
-    autograd and ``torch.func``, none in a storage of ``foreign``, no two overlapping (the
-    views of one batched result are disjoint)."""
-    spans = []
-    for u in updates:
-        if u is None:
-            continue
-        if (type(u) is not torch.Tensor or u.dtype not in (torch.float32, torch.float64)
-                or u.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(u)):
-            return False
-        if u.numel() == 0:
-            continue
-        if u.untyped_storage().data_ptr() in foreign:
-            return False
-        end = sum((n - 1) * st for n, st in zip(u.shape, u.stride(), strict=True)) + 1
-        spans.append((u.data_ptr(), u.data_ptr() + end * u.element_size()))
-    spans.sort()
-    return all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
 
 
 def _apply(r: _Run, values: list[Any], new_values: list[Any], donate: bool) -> None:

@@ -302,8 +302,6 @@ class _Op:
     # a rule with tree sums (Leafwise.sums / .finish): its update's two halves
     sums: Any = None
     finish: Any = None
-    # its update written into updates the per-leaf tier made (Leafwise.inplace)
-    inplace: Any = None
 
     def __repr__(self) -> str:
         return self.kind
@@ -811,7 +809,7 @@ class _Walk:
                     fn=spec.update, state_at=idx if hasattr(idx, "_fields") else None,
                     injected=bool(self.placeholders), rebuild=rebuild,
                     perleaf=isinstance(spec, PerLeaf), sums=spec.sums,
-                    finish=spec.finish, inplace=spec.inplace,
+                    finish=spec.finish,
                     grouped=spec.grouped if isinstance(spec, PerLeaf) else None))
 
 

@@ -91,23 +91,10 @@ def add_decayed_weights(
         out: torch.Tensor = (g + _common.scaled(p, rate)).to(g.dtype)
         return out
 
-    def decay_in_place(g: torch.Tensor, p: torch.Tensor, rate: Any) -> torch.Tensor:
-        # (a float32 or float64 g: the in-place sums round as ``decay``'s)
-        if isinstance(rate, (int, float)):
-            return g.add_(p, alpha=rate)
-        return g.add_(_common.scaled(p, rate))
-
     def update_fn(
         updates: Updates, state: Any, params: Params | None = None, **extra_args: Any
     ) -> tuple[Updates, Any]:
         del extra_args
-        return decayed(updates, state, params, decay)
-
-    def inplace_fn(updates: Updates, state: Any, params: Params | None = None) -> Any:
-        return decayed(updates, state, params, decay_in_place)[1]
-
-    def decayed(updates: Updates, state: Any, params: Params | None,
-                decay: Callable[..., torch.Tensor]) -> tuple[Updates, Any]:
         _common.check_state(owner, state, AddDecayedWeightsState if is_schedule else EmptyState)
         leaves, treespec = _common.flatten_updates(updates)
         # Checked even for a zero decay, so that a chain missing its params fails at once.
@@ -136,6 +123,5 @@ def add_decayed_weights(
         return _common.unflatten(treespec, new), new_state
 
     tx = specified(GradientTransformation(init_fn, update_fn),
-                   Leafwise("add_decayed_weights", {"weight_decay": weight_decay},
-                            inplace=inplace_fn))
+                   Leafwise("add_decayed_weights", {"weight_decay": weight_decay}))
     return tx if mask is None else masked(tx, mask)

@@ -52,23 +52,7 @@ def scale(step_size: Numeric) -> GradientTransformation:
     """
     _validate.check_number("scale", "step_size", step_size)
     return specified(_scale_by(lambda: step_size),
-                     Leafwise("scale", {"step_size": step_size},
-                              inplace=_scale_in_place(lambda: step_size)))
-
-
-def _scale_in_place(factor: Callable[[], Numeric]) -> Callable[..., Any]:
-    """``_scale_by(factor)``'s update written into the updates (float32 or float64 leaves,
-    whose ``scaled`` product is the in-place one, bit for bit)."""
-
-    def inplace_fn(updates: Updates, state: Any, params: Params | None = None) -> Any:
-        del params
-        value = factor()
-        for g in _common.flatten_updates(updates)[0]:
-            if g is not None:
-                g.mul_(_common.scalar(value, g.dtype))
-        return state
-
-    return inplace_fn
+                     Leafwise("scale", {"step_size": step_size}))
 
 
 def _scale_by(factor: Callable[[], Numeric]) -> GradientTransformation:
@@ -168,19 +152,15 @@ def scale_by_learning_rate(
     _validate.check_number("scale_by_learning_rate", "learning_rate", learning_rate,
                            allow_callable=True)
     sign = -1 if flip_sign else 1
-    hyper = {"learning_rate": learning_rate, "flip_sign": flip_sign}
+    spec = Leafwise("scale_by_learning_rate",
+                    {"learning_rate": learning_rate, "flip_sign": flip_sign})
     if callable(learning_rate) and not isinstance(learning_rate, torch.Tensor):
         schedule = learning_rate
         return specified(scale_by_schedule(lambda count: sign * _common.schedule_value(
-            "scale_by_learning_rate", "learning_rate", schedule, count)),
-            Leafwise("scale_by_learning_rate", hyper))
-
-    def factor() -> Any:  # a tensor's negation taken at every update: its value then
-        return sign * learning_rate
-
-    spec = Leafwise("scale_by_learning_rate", hyper, inplace=_scale_in_place(factor))
+            "scale_by_learning_rate", "learning_rate", schedule, count)), spec)
     if isinstance(learning_rate, torch.Tensor):
-        return specified(_scale_by(factor), spec)
+        # negated at every update: the value of the tensor then, written in place or not
+        return specified(_scale_by(lambda: sign * learning_rate), spec)
     return specified(scale(sign * learning_rate), spec)
 
 
