@@ -209,7 +209,6 @@ def bandwidth(numel: int, repeats: int, device: Any = "cpu") -> dict[str, Any]:
     is read after a synchronisation on both sides of each operation.
     """
     device = torch.device(device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     a = torch.rand(numel, device=device)
     b = torch.rand(numel, device=device)
     c = torch.empty(numel, device=device)
@@ -225,10 +224,10 @@ def bandwidth(numel: int, repeats: int, device: Any = "cpu") -> dict[str, Any]:
         op()  # warm the pages and the thread pool
     for r in range(repeats):
         for name, op in (ops.items() if r % 2 == 0 else reversed(list(ops.items()))):
-            sync()
+            _sync()
             t0 = time.perf_counter()
             res = op()
-            sync()
+            _sync()
             times[name].append(time.perf_counter() - t0)
             del res
         a.mul_(0.5)  # keep the in-place operand bounded
