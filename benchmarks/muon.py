@@ -18,10 +18,15 @@ steps under ``torch.no_grad()``:
 * ``functopt.optim.Muon``: the drop-in for torch's class (Newton-Schulz in bfloat16, the
   default), and ``functopt.optim.Muon f32`` with ``ns_dtype=None``;
 * ``torch.optim.Muon``: torch's class (its Newton-Schulz in bfloat16; other maths than
-  ``contrib.muon``'s: no bias correction, its own learning-rate adjustment).
+  ``contrib.muon``'s: no bias correction, its own learning-rate adjustment);
+* ``Keller f32``: the loop researchers copy, Keller Jordan's Muon (the algorithm of
+  https://github.com/KellerJordan/Muon, transcribed here) with its Newton-Schulz in
+  float32: the yardstick for ``functopt.optim.Muon f32``. Its Nesterov momentum is taken
+  out of place, as torch's, since every contender keeps its gradients between steps.
 
 ``functopt.optim.Muon`` is checked against ``torch.optim.Muon`` after the timed steps (the
-same steps, to bfloat16 rounding).
+same steps, to bfloat16 rounding), and ``functopt.optim.Muon f32`` against ``Keller f32``
+(the same maths in float32 but for where the norm's ``eps`` enters: relative 1e-4).
 
 The pure and tier contenders are checked equal after the timed steps (bitwise but for the
 batched products' rounding: relative 1e-5 in float32).
@@ -81,6 +86,45 @@ class _Functopt(TransformOver):
             _muon._BATCH_BYTES["cpu"] = default
 
 
+class KellerMuon(torch.optim.Optimizer):
+    """Keller Jordan's Muon step with its Newton-Schulz iteration in float32."""
+
+    def __init__(self, params: Any, lr: float = 0.02, weight_decay: float = 0.0,
+                 momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5) -> None:
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay,
+                                  "momentum": momentum, "nesterov": nesterov,
+                                  "ns_steps": ns_steps})
+
+    @staticmethod
+    def orthogonalize(g: torch.Tensor, steps: int) -> torch.Tensor:
+        a, b, c = (3.4445, -4.7750, 2.0315)
+        x = g.float()
+        tall = x.size(-2) > x.size(-1)
+        if tall:
+            x = x.mT
+        x = x / (x.norm() + 1e-7)
+        for _ in range(steps):
+            gram = x @ x.mT
+            poly = b * gram + c * gram @ gram
+            x = a * x + poly @ x
+        return x.mT if tall else x
+
+    @torch.no_grad()
+    def step(self) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - group["momentum"])
+                u = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+                u = self.orthogonalize(u, group["ns_steps"])
+                u *= max(1, p.size(-2) / p.size(-1)) ** 0.5
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(u.reshape(p.shape), alpha=-group["lr"])
+
+
 def _torch_muon(shapes: Sequence[tuple[int, int]], cls: Any = None,
                 name: str = "torch.optim.Muon", **options: Any) -> Contender:
     return OptimizerOver(name, *_problem(shapes), cls or torch.optim.Muon, lr=0.02,
@@ -113,6 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cs.append(_torch_muon(shapes, functopt.optim.Muon, "functopt.optim.Muon"))
         cs.append(_torch_muon(shapes, functopt.optim.Muon, "functopt.optim.Muon f32",
                              ns_dtype=None))
+        cs.append(_torch_muon(shapes, KellerMuon, "Keller f32"))
         if not args.no_torch:
             cs.append(_torch_muon(shapes))
         timings, inner = harness.time_interleaved(cs, repeats=args.repeats, warmup=1,
@@ -126,15 +171,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{t['iqr_s'] * 1e3:7.1f})  {t['median_s'] / base:5.2f}x pure")
             if not args.no_torch:
                 line += f"  {t['median_s'] / timings['torch.optim.Muon']['median_s']:5.2f}x torch"
+            line += f"  {t['median_s'] / timings['Keller f32']['median_s']:5.2f}x Keller f32"
             print(line)
+        # the same steps from the same start; bfloat16 roundings compound over them
+        pairs = [("functopt.optim.Muon f32", "Keller f32", 1e-4)]
         if not args.no_torch:
+            pairs.append(("functopt.optim.Muon", "torch.optim.Muon", 1e-2))
+        for mine, yardstick, bound in pairs:
             ours, theirs = (next(c for c in cs if c.name == n).result()
-                            for n in ("functopt.optim.Muon", "torch.optim.Muon"))
-            # the same steps from the same start; bfloat16 roundings compound over them
+                            for n in (mine, yardstick))
             worst = max(float((a - b).abs().max() / b.abs().max())
                         for a, b in zip(ours, theirs, strict=True))
-            if worst > 1e-2:
-                print(f"  CHECK FAILED: functopt.optim.Muon differs from torch's by {worst:.2e}")
+            if worst > bound:
+                print(f"  CHECK FAILED: {mine} differs from {yardstick} by {worst:.2e}")
                 failed = True
         ref = cs[0].result()
         for c in cs[1:]:

@@ -407,3 +407,27 @@ def test_adafactor_benchmark_fails_when_the_drop_in_differs(capsys: Any,
                         lambda params, **kw: real(params, lr=0.1, **kw))
     assert adafactor.main(["--only", "small", "--repeats", "1"]) == 1
     assert "CHECK FAILED: functopt.optim.Adafactor" in capsys.readouterr().out
+
+
+def test_muon_keller_yardstick_is_the_drop_ins_float32_maths() -> None:
+    """benchmarks/muon.py's float32 yardstick (Keller Jordan's loop, transcribed) and
+    ``functopt.optim.Muon(ns_dtype=None)`` are two writings of one step: they agree to
+    float32 rounding over steps on wide and tall matrices, and a changed coefficient of the
+    yardstick's iteration would show."""
+    muon = _bench_module("muon")
+    g = torch.Generator().manual_seed(0)
+    start = [torch.randn(s, generator=g) * 0.02 for s in ((16, 8), (8, 24), (12, 12))]
+    grads = [torch.randn(p.shape, generator=g) for p in start]
+    ours = [torch.nn.Parameter(p.clone()) for p in start]
+    theirs = [torch.nn.Parameter(p.clone()) for p in start]
+    a = functopt.optim.Muon(ours, lr=0.02, weight_decay=0.1, ns_dtype=None)
+    b = muon.KellerMuon(theirs, lr=0.02, weight_decay=0.1)
+    for _ in range(3):
+        for p, q, gr in zip(ours, theirs, grads, strict=True):
+            p.grad, q.grad = gr.clone(), gr.clone()
+        a.step()
+        b.step()
+    for p, q, p0 in zip(ours, theirs, start, strict=True):
+        moved = float((q.detach() - p0).abs().max())
+        assert moved > 1e-3  # the step did something
+        assert float((p.detach() - q.detach()).abs().max()) <= 1e-5 * moved
