@@ -40,6 +40,7 @@ from functopt.adapters._facade_groups import (
     _same,
     _scaled,
 )
+from functopt.adapters._megatron import MegatronSurface
 from functopt.adapters.optimizer import _find_states, _lift
 from functopt.distributed.offloading import OffloadedState, _restore_target, offload, reload
 from functopt.precision.loss_scale import (
@@ -187,7 +188,7 @@ class _Entry(dict):  # type: ignore[type-arg]
     __delitem__ = update = pop = popitem = setdefault = clear = _refuse
 
 
-class MixedPrecisionOptimizer(torch.optim.Optimizer):
+class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
     r"""A LightRFT/Megatron-style mixed-precision optimizer over ``nn.Parameter`` objects.
 
     The calls of a training loop, and what they do:
@@ -307,8 +308,13 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     skips a step whose norm exceeds it (counted in ``metrics.skipped_steps`` like an
     overflow); ``return_grad_stats=True`` makes ``step()`` return Megatron's
     ``(ok, grad_norm, num_zeros)``; ``reload_model_params(state_dict=None)``; a param's
-    ``.main_grad`` (Megatron's float32 accumulation buffer) is read instead of its
-    ``.grad`` when it has one.
+    ``.decoupled_grad`` (Megatron's precision-aware optimizer) or ``.main_grad`` (its
+    float32 accumulation buffer) is read instead of its ``.grad`` when it has one;
+    ``scale_loss(loss)`` for the pipeline schedules' ``grad_scale_func`` (the loss's
+    dtype kept); ``get_parameters()``, ``get_main_grads_for_grad_norm()``,
+    ``get_grad_stats_parallel_group()``, and a step in Megatron's two halves,
+    ``prepare_grads()`` (the agreed overflow verdict; an overflowed step is skipped there)
+    and ``step_with_ready_grads()`` (functopt/adapters/_megatron.py).
 
     **Schedule-free.** With a ``schedule_free`` transform
     ([`schedule_free_adamw`][functopt.contrib.schedule_free_adamw], ...), ``eval()`` puts
@@ -836,11 +842,15 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         return dict(zip(self._names, leaves, strict=True))
 
     def _grads(self) -> list[torch.Tensor | None]:
-        # Megatron-LM accumulates into a float32 .main_grad: read it where there is one.
+        # Megatron-LM's precision-aware optimizer hands its gradients over in
+        # .decoupled_grad, and its buffers accumulate into a float32 .main_grad: read the
+        # first of them a param has, else .grad.
         out = []
         for p in self._params:
-            main = getattr(p, "main_grad", None)
-            out.append(main if main is not None else p.grad)
+            found = getattr(p, "decoupled_grad", None)
+            if found is None:
+                found = getattr(p, "main_grad", None)
+            out.append(found if found is not None else p.grad)
         return out
 
     # -- the training loop ------------------------------------------------------------
@@ -986,7 +996,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         backward accumulates into: they are zeroed in place unless ``set_to_none=True``.
         Frozen params included, as ``torch.optim`` clears every param of its groups. A
         ``.main_grad`` (Megatron-LM's accumulation buffer, usually a view into one flat
-        buffer) is zeroed in place, never set to None.
+        buffer) is zeroed in place, never set to None; a ``.decoupled_grad`` (Megatron's
+        precision-aware optimizer's) is cleared as ``.grad`` is.
         """
         if set_to_none is None:
             set_to_none = not self._compile
@@ -994,16 +1005,18 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             main = getattr(p, "main_grad", None)
             if isinstance(main, torch.Tensor):
                 main.zero_()
-            if p.grad is None:
-                continue
-            if set_to_none:
-                p.grad = None
-            else:
-                if p.grad.grad_fn is not None:
-                    p.grad.detach_()
+            for attr in ("grad", "decoupled_grad"):
+                grad = getattr(p, attr, None)
+                if grad is None:
+                    continue
+                if set_to_none:
+                    setattr(p, attr, None)
+                    continue
+                if grad.grad_fn is not None:
+                    grad.detach_()
                 else:
-                    p.grad.requires_grad_(False)
-                p.grad.zero_()
+                    grad.requires_grad_(False)
+                grad.zero_()
 
     @typing.overload
     def clip_grad_norm(self, clip_grad: float, /) -> float: ...

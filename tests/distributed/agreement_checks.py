@@ -155,6 +155,32 @@ def tensor_parallel_slices_equal_one_process(rank: int, world: int) -> None:
 
 
 @check
+def megatron_halves_and_norm_grads_under_tensor_parallel_slices(rank: int, world: int,
+                                                                 ) -> None:
+    """Megatron's calls on the declared slices: ``get_grad_stats_parallel_group()`` is the
+    group given; the squares of ``get_main_grads_for_grad_norm()`` (``w``'s slice on every
+    rank, the replicated ``b`` on one) summed over it are ``get_grad_norm()`` squared, as
+    Megatron's ``get_grad_norm_fp32`` sums them; ``prepare_grads()`` with a nan on rank 1
+    only is True on every rank."""
+    params = _params(rank, world, sliced=True)
+    opt = _facade(params, process_group=dist.group.WORLD,
+                  replicated={"w": False, "b": True})
+    assert opt.get_grad_stats_parallel_group() is dist.group.WORLD
+    _set_grads(params, 0, rank, world, sliced=True, nan_on=None)
+    grads = opt.get_main_grads_for_grad_norm()
+    assert len(grads) == (2 if rank == 0 else 1), len(grads)
+    squares = sum((g.double() ** 2).sum() for g in grads)
+    dist.all_reduce(squares)
+    assert float(squares.sqrt()) == pytest.approx(float(opt.get_grad_norm()), rel=1e-6)
+    assert opt.prepare_grads() is False
+    assert opt.step_with_ready_grads() is True
+    _set_grads(params, 1, rank, world, sliced=True, nan_on=1)
+    scale = opt.loss_scale
+    assert opt.prepare_grads() is True
+    assert opt.loss_scale == scale / 2
+
+
+@check
 def replicated_grads_norm_of_one_process_skip_agreed(rank: int, world: int) -> None:
     """DDP-style params, the same gradients on every rank, no declaration: the norm is one
     process's (the agreement sums no squares), the result too; a nan on rank 1 alone skips
