@@ -37,7 +37,7 @@ def _facade(model: torch.nn.Module, **options: Any) -> functopt.MixedPrecisionOp
 
 def _loss(model: torch.nn.Module, step: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(100 + step)
-    x = torch.randn(8, 4, generator=g).to(torch.bfloat16)
+    x = torch.randn(8, 4, generator=g).to(next(model.parameters()).dtype)
     return model(x).float().pow(2).mean()
 
 
@@ -187,3 +187,194 @@ def test_a_decoupled_grad_is_read_and_cleared_as_megatrons() -> None:
             if not set_to_none:
                 assert torch.equal(p.decoupled_grad, q.decoupled_grad)
                 assert not p.decoupled_grad.any()
+
+
+# ----------------------------------------------------- from_optimizer_config (0.16.1)
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from megatron.core import optimizer as megatron
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+
+def _megatron_groups(model: torch.nn.Module, config: Any) -> list[dict[str, Any]]:
+    """megatron-core's own ``_get_param_groups`` (it all-gathers the group keys: one rank)."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        return megatron._get_param_groups([model], config, None)
+    finally:
+        dist.destroy_process_group()
+
+
+def _transformer_like(dtype: torch.dtype = torch.bfloat16) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8),
+                               torch.nn.Linear(8, 2)).to(dtype)
+
+
+def test_from_optimizer_config_groups_are_megatrons() -> None:
+    config = megatron.OptimizerConfig(lr=1e-3, min_lr=1e-5, bf16=True, weight_decay=0.1)
+    model = _transformer_like()
+    theirs = _megatron_groups(model, config)
+    opt = functopt.MixedPrecisionOptimizer.from_optimizer_config(config, model)
+    assert len(opt.param_groups) == len(theirs) == 2
+    keys = ("wd_mult", "lr_mult", "is_decoupled_lr", "max_lr", "min_lr",
+            "is_expert_parallel", "default_config")
+    for ours, ref in zip(opt.param_groups, theirs, strict=True):
+        assert [id(p) for p in ours["params"]] == [id(p) for p in ref["params"]]
+        assert {k: ours.get(k, 1.0) for k in keys} == {k: ref[k] for k in keys}
+        assert ours["lr"] == 1e-3 and ours["weight_decay"] == 0.1
+        assert ours["betas"] == (config.adam_beta1, config.adam_beta2)
+
+
+def test_from_optimizer_config_steps_as_megatrons_loop() -> None:
+    """Megatron's loop: its ``OptimizerParamScheduler`` writing every group's lr and
+    weight decay, the bf16 step of ``Float16OptimizerWithFloat16Params`` over
+    ``torch.optim.AdamW`` (what megatron-core builds without Transformer Engine or Apex),
+    transcribed: float32 main params, the norm and its clip ``clip_grad / (norm + 1e-6)``,
+    the AdamW step, the copy into the bf16 params."""
+    # (an eps near the clipped gradients' size, so that Adam's update sees the clip)
+    config = megatron.OptimizerConfig(lr=1e-2, min_lr=1e-4, bf16=True, weight_decay=0.1,
+                                      clip_grad=0.05, adam_eps=1e-2)
+    ours, ref_model = _transformer_like(), _transformer_like()
+    opt = functopt.MixedPrecisionOptimizer.from_optimizer_config(config, ours)
+    groups = _megatron_groups(ref_model, config)
+    mains = {id(p): p.detach().float().clone().requires_grad_() for p in ref_model.parameters()}
+    ref = torch.optim.AdamW([{**g, "params": [mains[id(p)] for p in g["params"]]}
+                             for g in groups], lr=config.lr, weight_decay=config.weight_decay,
+                            betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+
+    def schedule(o: Any) -> OptimizerParamScheduler:
+        return OptimizerParamScheduler(
+            o, init_lr=0.0, max_lr=config.lr, min_lr=config.min_lr, lr_warmup_steps=2,
+            lr_decay_steps=8, lr_decay_style="cosine", start_wd=0.1, end_wd=0.2,
+            wd_incr_steps=8, wd_incr_style="linear")
+
+    ours_schedule, ref_schedule = schedule(opt), schedule(ref)
+    clipped = 0
+    for step in range(6):
+        for model in (ours, ref_model):
+            _loss(model, step).backward()
+        with torch.no_grad():
+            for p in ref_model.parameters():
+                mains[id(p)].grad = p.grad.float()
+            norm = torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(m.grad) for m in mains.values()]))
+            coeff = config.clip_grad / (float(norm) + 1e-6)
+            if coeff < 1.0:
+                clipped += 1
+                for m in mains.values():
+                    m.grad.mul_(coeff)
+        ref.step()
+        with torch.no_grad():
+            for p in ref_model.parameters():
+                p.copy_(mains[id(p)])
+        ok, grad_norm, zeros = opt.step()
+        assert ok and zeros is None
+        assert grad_norm == pytest.approx(float(norm), rel=1e-6)
+        for sched in (ours_schedule, ref_schedule):
+            sched.step(1)
+        opt.zero_grad()
+        ref_model.zero_grad()
+    masters = opt.named_state_dict()["state"]
+    for (name, p), q in zip(ours.named_parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(masters[name]["master"], mains[id(q)].detach(),
+                                   rtol=1e-5, atol=1e-7)
+        p, q = p.detach().float(), q.detach().float()
+        assert float((p - q).abs().max()) <= 2 ** -7 * float(q.abs().max())
+    assert clipped == 6
+    assert opt.param_groups[1]["weight_decay"] == 0.0  # the scheduler's wd * wd_mult
+
+
+def test_from_optimizer_config_loss_scales_are_megatrons_scalers() -> None:
+    model = _transformer_like(torch.float16)
+    fp16 = megatron.OptimizerConfig(lr=1e-3, fp16=True, initial_loss_scale=2.0**10,
+                                    min_loss_scale=256.0, loss_scale_window=2, hysteresis=2,
+                                    clip_grad=0.0)
+    opt = functopt.MixedPrecisionOptimizer.from_optimizer_config(fp16, model)
+    seen = []
+    for step, overflow in enumerate([True, True, False, False, True, True, True, True]):
+        _loss(model, step).backward()
+        if overflow:
+            model[0].weight.grad[0, 0] = float("inf")
+        opt.step()
+        opt.zero_grad()
+        seen.append(opt.loss_scale)
+    # DynamicGradScaler: hysteresis 2 absorbs the first overflow after a growth, backs off at
+    # the second; two finite steps grow (and reset the hysteresis); never below min_scale
+    assert seen == [1024.0, 512.0, 512.0, 1024.0, 1024.0, 512.0, 256.0, 256.0]
+    static = megatron.OptimizerConfig(lr=1e-3, fp16=True, loss_scale=128.0)
+    assert functopt.MixedPrecisionOptimizer.from_optimizer_config(
+        static, _transformer_like(torch.float16)).loss_scale == 128.0
+    bf16 = megatron.OptimizerConfig(lr=1e-3, bf16=True)
+    assert functopt.MixedPrecisionOptimizer.from_optimizer_config(
+        bf16, _transformer_like()).loss_scale == 1.0
+
+
+def test_from_optimizer_config_sgd_is_torch_sgd() -> None:
+    config = megatron.SGDOptimizerConfig(lr=0.1, sgd_momentum=0.5, weight_decay=0.0,
+                                         clip_grad=0.0)
+    ours, ref = _transformer_like(torch.float32), _transformer_like(torch.float32)
+    opt = functopt.MixedPrecisionOptimizer.from_optimizer_config(config, ours)
+    theirs = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.5)
+    for step in range(3):
+        for model in (ours, ref):
+            _loss(model, step).backward()
+        assert opt.step()[0]
+        theirs.step()
+        opt.zero_grad()
+        theirs.zero_grad()
+    for p, q in zip(ours.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("use_distributed_optimizer", True), ("optimizer_cpu_offload", True),
+    ("decoupled_lr", 1e-4), ("timers", print), ("optimizer", "muon"),
+    ("apply_wd_to_qk_layernorm", True)])
+def test_from_optimizer_config_refuses_what_it_cannot_honour(field: str, value: Any) -> None:
+    config = megatron.OptimizerConfig(lr=1e-3, bf16=True)
+    setattr(config, field, value)  # (past __post_init__'s checks of other fields)
+    with pytest.raises(ValueError, match=rf"config\.{field}="):
+        functopt.MixedPrecisionOptimizer.from_optimizer_config(config, _transformer_like())
+
+
+def test_from_optimizer_config_refuses_an_expert_param_and_a_bad_config() -> None:
+    model = _transformer_like()
+    model[0].weight.allreduce = False  # Megatron's mark of an expert-parallel param
+    with pytest.raises(ValueError, match=r"'0\.weight' is an expert-parallel param"):
+        functopt.MixedPrecisionOptimizer.from_optimizer_config(
+            megatron.OptimizerConfig(lr=1e-3, bf16=True), model)
+    with pytest.raises(ValueError, match=r"config\.lr is None"):
+        functopt.MixedPrecisionOptimizer.from_optimizer_config(
+            megatron.OptimizerConfig(bf16=True), _transformer_like())
+    with pytest.raises(TypeError, match=r"must be a megatron\.core\.optimizer\.OptimizerConfig"):
+        functopt.MixedPrecisionOptimizer.from_optimizer_config({"lr": 1e-3},
+                                                               _transformer_like())
+
+
+def test_torch_optimizer_groups_with_megatrons_multipliers_are_honoured() -> None:
+    """``MixedPrecisionOptimizer(torch.optim.AdamW(groups with lr_mult / wd_mult))``: the
+    facade multiplies them in, as torch.optim.AdamW with lr * lr_mult and weight decay
+    * wd_mult steps."""
+    ours, ref = _transformer_like(torch.float32), _transformer_like(torch.float32)
+    opt = functopt.MixedPrecisionOptimizer(torch.optim.AdamW(
+        [{"params": ours[0].parameters(), "lr_mult": 2.0},
+         {"params": [*ours[1].parameters(), *ours[2].parameters()], "wd_mult": 0.0}],
+        lr=1e-2, weight_decay=0.5), loss_scale=None)
+    theirs = torch.optim.AdamW(
+        [{"params": ref[0].parameters(), "lr": 2e-2},
+         {"params": [*ref[1].parameters(), *ref[2].parameters()], "weight_decay": 0.0}],
+        lr=1e-2, weight_decay=0.5)
+    for step in range(3):
+        for model in (ours, ref):
+            _loss(model, step).backward()
+        assert opt.step()
+        theirs.step()
+        opt.zero_grad()
+        theirs.zero_grad()
+    for p, q in zip(ours.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)

@@ -153,6 +153,9 @@ _READ["Adagrad"] = {"params", "param_names", "lr", "lr_decay", "initial_accumula
                     "eps", "weight_decay", "maximize", "differentiable", *_HINTS}
 
 
+_MULTIPLIERS = ("lr_mult", "wd_mult")
+
+
 def translate(
     owner: str, optimizer: torch.optim.Optimizer, bookkeeping: frozenset[str]
 ) -> list[tuple[dict[str, Any], Callable[..., GradientTransformation]]]:
@@ -182,7 +185,8 @@ def translate(
         )
     out = []
     for i, group in enumerate(optimizer.param_groups):
-        unread = sorted(k for k in group if k not in _READ[name] and k not in bookkeeping)
+        unread = sorted(k for k in group if k not in _READ[name] and k not in bookkeeping
+                        and k not in _MULTIPLIERS)
         if unread:
             raise ValueError(
                 f"{owner}: param_groups[{i}] of the {name} optimizer sets {unread}, which the "
@@ -206,6 +210,8 @@ def translate(
             "params": params if names is None else list(zip(names, params, strict=True)),
             **options,
             **{k: group[k] for k in bookkeeping if k in group},
+            # Megatron's multipliers, read by the facade itself
+            **{k: group[k] for k in _MULTIPLIERS if k in group},
         }
         out.append((spec, factory))
     return out

@@ -11,6 +11,7 @@ declarations, and takes steps only through the facade's own ``step()``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,31 @@ from functopt.tree import _core
 __all__ = ["MegatronSurface"]
 
 _OWNER = "MixedPrecisionOptimizer"
+_FROM = f"{_OWNER}.from_optimizer_config"
+
+# OptimizerConfig's fields the builder reads (megatron-core 0.16.1), and those Megatron
+# itself reads only under an option the builder refuses or that only check other fields
+_READ = frozenset({
+    "lr", "min_lr", "weight_decay", "fp16", "bf16", "optimizer", "loss_scale",
+    "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis", "adam_beta1",
+    "adam_beta2", "adam_eps", "decoupled_weight_decay", "sgd_momentum", "clip_grad",
+    "log_num_zeros_in_grad", "grad_norm_skip_threshold"})
+_INERT = frozenset({
+    "params_dtype", "main_grads_dtype", "main_params_dtype", "exp_avg_dtype",
+    "exp_avg_sq_dtype", "store_param_remainders", "optimizer_offload_fraction",
+    "use_torch_optimizer_for_cpu_offload", "overlap_cpu_optimizer_d2h_h2d", "pin_cpu_grads",
+    "pin_cpu_params", "barrier_with_L1_time", "muon_momentum", "muon_split_qkv",
+    "muon_use_nesterov", "muon_scale_mode", "muon_fp32_matmul_prec", "muon_num_ns_steps",
+    "muon_tp_mode", "muon_extra_scale_factor"})
+_FIXES = {
+    "use_distributed_optimizer": "functopt.distributed.zero1 shards the optimizer state",
+    "optimizer_cpu_offload": "call offload_to_cpu() / restore_from_cpu() between steps",
+    "timers": "functopt's step has no timed phases; set timers=None",
+    "decoupled_lr": "give the embedding and output-layer params a group of their own with "
+                    "its own lr",
+    "decoupled_min_lr": "give the embedding and output-layer params a group of their own",
+    "apply_wd_to_qk_layernorm": "pass your own param groups (wd_mult per group)",
+}
 
 
 class MegatronSurface:
@@ -51,6 +77,102 @@ class MegatronSurface:
         def _stats(self, grads: list[torch.Tensor | None]) -> GradStats: ...
 
         def step(self, closure: Any = None) -> Any: ...
+
+        def clip_grad_norm(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    @classmethod
+    def from_optimizer_config(cls, megatron_config: Any, params: Any, **options: Any,
+                              ) -> Any:
+        """The facade Megatron's ``get_megatron_optimizer(config, model_chunks)`` would build.
+
+        ``config`` is a megatron-core ``OptimizerConfig`` (or ``AdamOptimizerConfig``,
+        ``SGDOptimizerConfig``; megatron-core 0.16.1's fields). ``params``: a module or a
+        list of modules (Megatron's model chunks), whose params that require grad are
+        grouped as Megatron's default groups them (biases and 1-D params without weight
+        decay: ``wd_mult=0``), or any ``params`` the constructor takes (your groups).
+        What is read, as megatron-core 0.16.1 reads it:
+
+        - ``optimizer="adam"``: ``torch.optim.AdamW`` (``torch.optim.Adam`` with
+          ``decoupled_weight_decay=False``) of ``lr``, ``weight_decay``,
+          ``(adam_beta1, adam_beta2)``, ``adam_eps``; ``"sgd"``: ``torch.optim.SGD`` of
+          ``lr``, ``weight_decay``, ``momentum=sgd_momentum``; translated as
+          ``MixedPrecisionOptimizer(torch_optimizer)`` translates them. Each group also
+          records ``max_lr=lr`` and ``min_lr`` for Megatron's ``OptimizerParamScheduler``.
+        - the loss scale, with ``fp16`` or ``bf16``: ``loss_scale`` set, a static scale;
+          otherwise with ``fp16``, ``dynamic_loss_scale(init_scale=initial_loss_scale,
+          growth_interval=loss_scale_window, hysteresis=hysteresis,
+          min_scale=min_loss_scale)`` (Megatron's ``DynamicGradScaler``); else none.
+        - ``clip_grad`` > 0: clipping at every step by Megatron's rule,
+          ``clip_grad / (norm + 1e-6)`` ([`NormClip`][functopt.precision.NormClip]).
+        - ``log_num_zeros_in_grad``: ``count_zeros``; ``grad_norm_skip_threshold`` where
+          the config has it. ``step()`` returns Megatron's ``(ok, grad_norm, num_zeros)``.
+
+        ``options`` go to the constructor (``process_group``, ``replicated``, ``fused``,
+        ...). A field the facade cannot honour with a value other than its default (the
+        distributed optimizer, CPU offload, the precision-aware optimizer, fp8,
+        ``decoupled_lr``, timers, another ``optimizer``) raises, naming it and the fix.
+
+        Raises:
+            TypeError: ``config`` is not a dataclass of Megatron's fields.
+            ValueError: a field that cannot be honoured, or ``lr`` unset.
+        """
+        config = megatron_config
+        if not dataclasses.is_dataclass(type(config)) or not hasattr(config, "optimizer"):
+            raise TypeError(f"{_FROM}: config must be a megatron.core.optimizer."
+                            f"OptimizerConfig, got {type(config).__name__}.")
+        for field in dataclasses.fields(config):
+            if field.name in _READ or field.name in _INERT:
+                continue
+            value = getattr(config, field.name)
+            default = field.default if field.default is not dataclasses.MISSING else (
+                field.default_factory() if field.default_factory is not dataclasses.MISSING
+                else dataclasses.MISSING)
+            if value != default:
+                fix = _FIXES.get(field.name, "leave it at its default")
+                raise ValueError(f"{_FROM}: config.{field.name}={value!r} is not honoured "
+                                 f"by the facade (default {default!r}). Fix: {fix}.")
+        if config.lr is None:
+            raise ValueError(f"{_FROM}: config.lr is None. Fix: set the learning rate.")
+        groups = _megatron_groups(params, config)
+        if config.optimizer == "adam":
+            adam = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
+            torch_optimizer: torch.optim.Optimizer = adam(
+                groups, lr=config.lr, weight_decay=config.weight_decay,
+                betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+        elif config.optimizer == "sgd":
+            torch_optimizer = torch.optim.SGD(groups, lr=config.lr,
+                                              weight_decay=config.weight_decay,
+                                              momentum=config.sgd_momentum)
+        else:
+            raise ValueError(f"{_FROM}: config.optimizer={config.optimizer!r} is not one "
+                             f"the facade builds (megatron-core builds 'adam' and 'sgd'). "
+                             f"Fix: build the facade from your own functopt transform.")
+        from functopt.precision.loss_scale import dynamic_loss_scale, static_loss_scale
+        from functopt.precision.stats import NormClip
+
+        rule = None
+        if config.fp16 or config.bf16:
+            if config.loss_scale:
+                rule = static_loss_scale(float(config.loss_scale))
+            elif config.fp16:
+                window = config.loss_scale_window
+                if window != int(window):
+                    raise ValueError(f"{_FROM}: config.loss_scale_window={window!r} is not a "
+                                     f"whole number of steps. Fix: an integer.")
+                rule = dynamic_loss_scale(
+                    init_scale=float(config.initial_loss_scale), growth_factor=2.0,
+                    backoff_factor=0.5, growth_interval=int(window),
+                    hysteresis=config.hysteresis, min_scale=float(config.min_loss_scale))
+        options.setdefault("count_zeros", bool(config.log_num_zeros_in_grad))
+        options.setdefault("return_grad_stats", True)
+        threshold = getattr(config, "grad_norm_skip_threshold", None)
+        if threshold is not None:
+            options.setdefault("grad_norm_skip_threshold", float(threshold))
+        build: Any = cls  # (the facade, whose constructor this mixin does not declare)
+        facade = build(torch_optimizer, loss_scale=rule, **options)
+        if config.clip_grad > 0.0:
+            facade.clip_grad_norm(None, NormClip(float(config.clip_grad), eps=1e-6))
+        return facade
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the current loss scale, in ``loss``'s dtype and shape.
@@ -159,3 +281,41 @@ class MegatronSurface:
         ``grad_norm_skip_threshold``: call ``prepare_grads()`` first)."""
         result = self.step()
         return bool(result[0] if isinstance(result, tuple) else result)
+
+
+def _megatron_groups(params: Any, config: Any) -> Any:
+    """Megatron's default param groups of modules (megatron-core 0.16.1's
+    ``_get_param_groups`` with its standard overrides: weight decay off, ``wd_mult=0``, for
+    biases and 1-D params), each with the records Megatron's scheduler and logging read;
+    any other ``params`` as given, those records added to group dicts that lack them."""
+    records = {"wd_mult": 1.0, "lr_mult": 1.0, "is_decoupled_lr": False,
+               "max_lr": config.lr, "min_lr": config.min_lr}
+    chunks = [params] if isinstance(params, torch.nn.Module) else None
+    if chunks is None and isinstance(params, (list, tuple)) and params and all(
+            isinstance(m, torch.nn.Module) for m in params):
+        chunks = list(params)
+    if chunks is None:
+        if isinstance(params, (list, tuple)) and params and all(
+                isinstance(g, dict) for g in params):
+            return [{**records, **g} for g in params]
+        return params
+    decay: list[tuple[str, torch.nn.Parameter]] = []
+    no_decay: list[tuple[str, torch.nn.Parameter]] = []
+    for k, chunk in enumerate(chunks):
+        prefix = f"{k}." if len(chunks) > 1 else ""
+        for name, p in chunk.named_parameters():
+            if not p.requires_grad:
+                continue
+            if not getattr(p, "allreduce", True):
+                raise ValueError(
+                    f"{_FROM}: {prefix + name!r} is an expert-parallel param "
+                    f"(allreduce=False), whose statistics Megatron reduces over the expert "
+                    f"groups. Fix: build the facade from your own groups and declare how "
+                    f"the expert params are held (process_group=, replicated=).")
+            (no_decay if name.endswith(".bias") or p.ndim == 1 else decay).append(
+                (prefix + name, p))
+    groups = [{"params": decay, **records, "is_expert_parallel": False,
+               "default_config": True},
+              {"params": no_decay, **records, "wd_mult": 0.0, "is_expert_parallel": False,
+               "default_config": True}]
+    return [g for g in groups if g["params"]]

@@ -270,7 +270,8 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
     ``param_groups``; RMSprop and Adagrad have no fused kernel (the step says so with a
     ``FastPathWarning``; ``fused=False`` runs the pure path without it); any other class, an optimizer that has already stepped, or a group
     key the translation does not read raises. Params keep the torch optimizer's
-    ``param_names``, else are numbered.
+    ``param_names``, else are numbered; its groups' ``lr_mult`` and ``wd_mult`` are read
+    as below.
 
     Three group options are read by the optimizer itself, not passed to the factory:
 
@@ -314,7 +315,9 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
     dtype kept); ``get_parameters()``, ``get_main_grads_for_grad_norm()``,
     ``get_grad_stats_parallel_group()``, and a step in Megatron's two halves,
     ``prepare_grads()`` (the agreed overflow verdict; an overflowed step is skipped there)
-    and ``step_with_ready_grads()`` (functopt/adapters/_megatron.py).
+    and ``step_with_ready_grads()``; and ``from_optimizer_config(config, model)``, the
+    facade Megatron's ``get_megatron_optimizer`` builds from an ``OptimizerConfig``
+    (functopt/adapters/_megatron.py).
 
     **Schedule-free.** With a ``schedule_free`` transform
     ([`schedule_free_adamw`][functopt.contrib.schedule_free_adamw], ...), ``eval()`` puts
