@@ -314,21 +314,28 @@ def test_from_optimizer_config_loss_scales_are_megatrons_scalers() -> None:
         bf16, _transformer_like()).loss_scale == 1.0
 
 
+def _assert_steps_alike(opt: functopt.MixedPrecisionOptimizer, theirs: torch.optim.Optimizer,
+                        ours: torch.nn.Module, ref: torch.nn.Module) -> None:
+    """Three steps of each optimizer on its model's loss: the params agree to rounding."""
+    for step in range(3):
+        for model in (ours, ref):
+            _loss(model, step).backward()
+        result = opt.step()
+        assert result[0] if isinstance(result, tuple) else result
+        theirs.step()
+        opt.zero_grad()
+        theirs.zero_grad()
+    for p, q in zip(ours.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
 def test_from_optimizer_config_sgd_is_torch_sgd() -> None:
     config = megatron.SGDOptimizerConfig(lr=0.1, sgd_momentum=0.5, weight_decay=0.0,
                                          clip_grad=0.0)
     ours, ref = _transformer_like(torch.float32), _transformer_like(torch.float32)
     opt = functopt.MixedPrecisionOptimizer.from_optimizer_config(config, ours)
     theirs = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.5)
-    for step in range(3):
-        for model in (ours, ref):
-            _loss(model, step).backward()
-        assert opt.step()[0]
-        theirs.step()
-        opt.zero_grad()
-        theirs.zero_grad()
-    for p, q in zip(ours.parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    _assert_steps_alike(opt, theirs, ours, ref)
 
 
 @pytest.mark.parametrize(("field", "value"), [
@@ -369,12 +376,4 @@ def test_torch_optimizer_groups_with_megatrons_multipliers_are_honoured() -> Non
         [{"params": ref[0].parameters(), "lr": 2e-2},
          {"params": [*ref[1].parameters(), *ref[2].parameters()], "weight_decay": 0.0}],
         lr=1e-2, weight_decay=0.5)
-    for step in range(3):
-        for model in (ours, ref):
-            _loss(model, step).backward()
-        assert opt.step()
-        theirs.step()
-        opt.zero_grad()
-        theirs.zero_grad()
-    for p, q in zip(ours.parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    _assert_steps_alike(opt, theirs, ours, ref)
