@@ -377,3 +377,44 @@ def test_torch_optimizer_groups_with_megatrons_multipliers_are_honoured() -> Non
          {"params": [*ref[1].parameters(), *ref[2].parameters()], "weight_decay": 0.0}],
         lr=1e-2, weight_decay=0.5)
     _assert_steps_alike(opt, theirs, ours, ref)
+
+
+def test_groups_saved_in_another_order_load_by_their_params_names() -> None:
+    """Megatron rebuilds its groups in an order of its own between runs: a checkpoint
+    loads into groups listed in another order, each group taking the values and state of
+    the saved group naming its params; the run continues bitwise."""
+    def build(order: str) -> tuple[torch.nn.Sequential, functopt.MixedPrecisionOptimizer]:
+        model = _transformer_like()
+        groups = {"a": {"params": list(model[0].named_parameters(prefix="0")), "lr": 1e-2},
+                  "b": {"params": list(model[2].named_parameters(prefix="2")), "lr": 3e-2,
+                        "weight_decay": 0.0},
+                  "c": {"params": list(model[1].named_parameters(prefix="1")), "lr": 2e-2}}
+        return model, functopt.MixedPrecisionOptimizer(
+            torch.optim.AdamW([groups[k] for k in order], weight_decay=0.1),
+            loss_scale=functopt.dynamic_loss_scale(init_scale=2.0**10))
+
+    first, opt = build("abc")
+    for step in range(2):
+        opt.backward(_loss(first, step))
+        assert opt.step()
+        opt.zero_grad()
+    opt.param_groups[1]["lr"] = 5e-3  # group "b": a value only the checkpoint holds
+    saved = opt.state_dict()
+    second, resumed = build("cab")
+    resumed.load_state_dict(saved)
+    assert [g["lr"] for g in resumed.param_groups] == [2e-2, 1e-2, 5e-3]
+    assert [g["weight_decay"] for g in resumed.param_groups] == [0.1, 0.1, 0.0]
+    for p, q in zip(first.parameters(), second.parameters(), strict=True):
+        assert torch.equal(p, q)  # set from the loaded masters
+    for step in range(2, 4):
+        for model, o in ((first, opt), (second, resumed)):
+            o.backward(_loss(model, step))
+            assert o.step()
+            o.zero_grad()
+        for p, q in zip(first.parameters(), second.parameters(), strict=True):
+            assert torch.equal(p, q)
+    _, other = build("abc")
+    regrouped = opt.state_dict()
+    regrouped["param_groups"][0]["param_names"] = ["0.weight", "2.bias"]
+    with pytest.raises(ValueError, match=r"names its params"):
+        other.load_state_dict(regrouped)

@@ -444,10 +444,41 @@ def saved_order(owner: str, index: int, count: int, names: Any, saved: Any) -> l
     return [position[name] for name in names]
 
 
+def _group_names(group: Mapping[str, Any], saved: bool) -> frozenset[str] | None:
+    """The names of a group's params (a saved group's ids where DCP gives names), or None."""
+    names = group.get("param_names")
+    if names is None and saved:
+        ids = list(group.get("params", ()))
+        if ids and all(isinstance(k, str) for k in ids):
+            names = ids
+    return None if names is None else frozenset(names)
+
+
+def group_order(groups: list[dict[str, Any]], saved: Any) -> list[int]:
+    """For each of ``groups``, the position of its saved group in ``saved``: the one naming
+    the same params (Megatron reorders its groups between runs), where every group on both
+    sides names its params and the name sets pair up one to one; else the same position
+    (matched by position, and by name within each group)."""
+    same = list(range(len(groups)))
+    if not isinstance(saved, list) or len(saved) != len(groups) or not all(
+            isinstance(g, Mapping) for g in saved):
+        return same
+    mine = [_group_names(g, saved=False) for g in groups]
+    theirs = [_group_names(g, saved=True) for g in saved]
+    if mine == theirs or None in mine or None in theirs or len(set(theirs)) != len(theirs):
+        return same
+    where = {names: k for k, names in enumerate(theirs)}
+    if not all(names in where for names in mine):
+        return same
+    return [where[names] for names in mine]
+
+
 def saved_groups(owner: str, state_dict: Mapping[str, Any],
                  groups: list[dict[str, Any]]) -> list[tuple[dict[str, Any], list[Any]]]:
-    """Pair each of ``groups`` (an optimizer's param_groups) with its saved group and the
-    saved entries of its params, in the group's order: from torch's view (int ids), from
+    """Pair each of ``groups`` (an optimizer's param_groups) with its saved group (the one
+    naming the same params, whatever the groups' order, where both sides name them; else
+    the one at its position) and the saved entries of its params, in the group's order:
+    from torch's view (int ids), from
     the named format, or from what ``set_optimizer_state_dict`` passes (names as ids). The
     saved group is a copy without ``params``, and without ``param_names`` where the group
     names its own params (a group without names takes the saved ones, as torch's load
@@ -474,6 +505,7 @@ def saved_groups(owner: str, state_dict: Mapping[str, Any],
         )
     out = []
     state = state_dict["state"]
+    saved_list = [saved_list[k] for k in group_order(groups, saved_list)]
     for i, (group, saved) in enumerate(zip(groups, saved_list, strict=True)):
         ids = list(saved["params"])
         if len(ids) != len(group["params"]):

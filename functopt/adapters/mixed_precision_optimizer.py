@@ -124,6 +124,22 @@ def _unaliased(state: MixedPrecisionState, params: list[torch.Tensor]) -> MixedP
     return unaliased
 
 
+_PARTITION = "inner_state.inner_states."  # the state path of each group's transform state
+
+
+def _relabelled(entry: Mapping[str, Any], order: list[int]) -> dict[str, Any]:
+    """A saved param entry with each group's partition state moved to the group that holds
+    those params here (``order[i]``: the saved position of group ``i``)."""
+    label = {f"{_PARTITION}{saved}.": f"{_PARTITION}{i}." for i, saved in enumerate(order)}
+    out = {}
+    for key, value in entry.items():
+        if key.startswith(_PARTITION):
+            head = key[:key.index(".", len(_PARTITION)) + 1]
+            key = label.get(head, head) + key[len(head):]
+        out[key] = value
+    return out
+
+
 class _StateView(defaultdict):  # type: ignore[type-arg]
     """``MixedPrecisionOptimizer.state``: each param's entry of the step's state, and the
     keys that are no tensor, which code such as a state-dict hook stores there; those are
@@ -1352,7 +1368,9 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
         """Load a state saved by ``state_dict()``; params with a master copy are set from it.
 
         Entries are matched to params by name (``param_names``; DCP's layout keys them by
-        name), so the groups may list their params in another order; names that differ
+        name), so the groups may list their params in another order, and the groups may
+        come in another order (each takes the values and state of the saved group naming
+        its params, as Megatron reorders its groups between runs); names that differ
         raise. The optimizer keeps copies of the given tensors (moved to the params'
         devices), so the dict can be reused or changed afterwards without touching the
         optimizer. The saved group values replace the groups' own. A state dict of the
@@ -1404,6 +1422,9 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
                 entries.update(zip(group["param_names"], group_entries, strict=True))
             saved_groups.append(saved)
         groups = self._check_groups(saved_groups)
+        order = _state_dict.group_order(self.param_groups, state_dict["param_groups"])
+        if self._partitioned and order != sorted(order):
+            entries = {name: _relabelled(entry, order) for name, entry in entries.items()}
         state = self._layout().tree(owner, self._state, self._lifted_entries(entries))
         self._install(state, groups)
         self.__dict__["_own_keys"] = _state_dict.unpacked_extras(state_dict)
