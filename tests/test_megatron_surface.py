@@ -418,3 +418,47 @@ def test_groups_saved_in_another_order_load_by_their_params_names() -> None:
     regrouped["param_groups"][0]["param_names"] = ["0.weight", "2.bias"]
     with pytest.raises(ValueError, match=r"names its params"):
         other.load_state_dict(regrouped)
+
+
+def test_a_decoupled_lr_group_peaks_at_it_under_megatrons_scheduler() -> None:
+    """``is_decoupled_lr=True`` with ``decoupled_lr`` / ``decoupled_min_lr`` (on the factory
+    path and the torch optimizer's): Megatron's ``OptimizerParamScheduler`` drives that
+    group between them, the others between the scheduler's own bounds."""
+    def scheduled(opt: Any) -> list[list[float]]:
+        sched = OptimizerParamScheduler(
+            opt, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=2, lr_decay_steps=6,
+            lr_decay_style="linear", start_wd=0.1, end_wd=0.1, wd_incr_steps=6,
+            wd_incr_style="constant")
+        seen = []
+        for _ in range(7):
+            sched.step(1)
+            seen.append([g["lr"] for g in opt.param_groups])
+        return seen
+
+    def groups(model: torch.nn.Module) -> list[dict[str, Any]]:
+        return [{"params": list(model[0].named_parameters(prefix="0"))},
+                {"params": list(model[2].named_parameters(prefix="2")),
+                 "is_decoupled_lr": True, "decoupled_lr": 4e-2, "decoupled_min_lr": 2e-3}]
+
+    model = _transformer_like()
+    torch_path = functopt.MixedPrecisionOptimizer(torch.optim.AdamW(groups(model), lr=1e-2))
+    model = _transformer_like()
+    factory_path = functopt.MixedPrecisionOptimizer(
+        groups(model), lambda learning_rate=1e-2: functopt.adamw(learning_rate))
+    for opt in (torch_path, factory_path):
+        assert opt.param_groups[1]["max_lr"] == 4e-2 and opt.param_groups[1]["min_lr"] == 2e-3
+        seen = scheduled(opt)
+        assert max(lr for lr, _ in seen) == pytest.approx(1e-2)
+        assert max(lr for _, lr in seen) == pytest.approx(4e-2)
+        assert seen[-1] == pytest.approx([1e-3, 2e-3])
+
+
+def test_decoupled_lr_without_its_flag_or_beside_another_max_lr_is_refused() -> None:
+    model = _transformer_like()
+    with pytest.raises(ValueError, match="not is_decoupled_lr=True"):
+        functopt.MixedPrecisionOptimizer(torch.optim.AdamW(
+            [{"params": model.parameters(), "decoupled_lr": 4e-2}], lr=1e-2))
+    with pytest.raises(ValueError, match=r"decoupled_lr=0\.04 and max_lr=0\.01"):
+        functopt.MixedPrecisionOptimizer(torch.optim.AdamW(
+            [{"params": model.parameters(), "is_decoupled_lr": True, "decoupled_lr": 4e-2,
+              "max_lr": 1e-2}], lr=1e-2))

@@ -24,7 +24,10 @@ _OWNER = "MixedPrecisionOptimizer"
 # Keys a param group may hold that no transform reads (schedulers' and Megatron-LM's
 # records): the one set functopt.Optimizer allows too. Any other key the transform does not
 # read is an error, never ignored.
-BOOKKEEPING_KEYS = _param_groups.SCHEDULER_GROUP_KEYS
+# the scheduler's records, and Megatron's decoupled learning rate of a group (read by the
+# facade into the group's max_lr / min_lr: functopt/adapters/_megatron.py)
+BOOKKEEPING_KEYS = _param_groups.SCHEDULER_GROUP_KEYS | {"decoupled_lr",
+                                                          "decoupled_min_lr"}
 _OWN_KEYS = ("params", "param_names", *_param_groups.FLAG_KEYS)
 _UNSET = object()
 

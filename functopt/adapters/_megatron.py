@@ -58,6 +58,54 @@ _FIXES = {
 }
 
 
+def decoupled_records(index: int, book: dict[str, Any]) -> dict[str, Any]:
+    """A group's bookkeeping keys with Megatron's decoupled learning rate read: a group
+    with ``is_decoupled_lr=True`` and ``decoupled_lr`` (``decoupled_min_lr``) peaks at it
+    (ends at it) under Megatron's scheduler, which reads a group's ``max_lr`` and
+    ``min_lr`` (megatron-core 0.16.1 builds such groups with those records)."""
+    if "decoupled_lr" not in book and "decoupled_min_lr" not in book:
+        return book
+    where = f"{_OWNER}: param group {index}"
+    if book.get("is_decoupled_lr") is not True:
+        raise ValueError(
+            f"{where} sets decoupled_lr / decoupled_min_lr but not is_decoupled_lr=True, so "
+            f"they would change nothing. Fix: is_decoupled_lr=True on the embedding and "
+            f"output-layer group they are for, or leave them out.")
+    out = dict(book)
+    for key, record in (("decoupled_lr", "max_lr"), ("decoupled_min_lr", "min_lr")):
+        if key not in book:
+            continue
+        value = book[key]
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{where}: {key} must be a number >= 0, got {value!r}.")
+        if record in book and book[record] != value:
+            raise ValueError(
+                f"{where} sets {key}={value!r} and {record}={book[record]!r}; the scheduler "
+                f"reads {record}, which {key} sets. Fix: give one of them.")
+        out[record] = value
+    return out
+
+
+def check_expert_groups(groups: list[Any], process_group: Any, replicated: Any) -> None:
+    """Refuse expert-parallel groups whose gradient statistics nothing sums: their params
+    hold other values on each rank, so each rank would clip by its own norm and the ranks'
+    dense params would diverge."""
+    if process_group is not None or replicated is not None or not (
+            dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    for i, group in enumerate(groups):
+        if not group.frozen and group.options.get("is_expert_parallel") is True:
+            raise ValueError(
+                f"{_OWNER}: param group {i} is expert-parallel (is_expert_parallel=True): "
+                f"each rank holds other experts, so the global norm and the overflow check "
+                f"must sum their statistics over the ranks, and no process_group says over "
+                f"which. Fix: pass process_group= (the ranks of one model replica's "
+                f"statistics, Megatron's expert tensor x pipeline group with the dense "
+                f"model-parallel group: often the default group) and replicated= (each "
+                f"param's replication: the dense ones over their data-parallel group, the "
+                f"expert ones over their expert data-parallel group).")
+
+
 class MegatronSurface:
     """Megatron-LM's ``MegatronOptimizer`` methods, over the facade's own state."""
 

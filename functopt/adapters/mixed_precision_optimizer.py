@@ -40,7 +40,7 @@ from functopt.adapters._facade_groups import (
     _same,
     _scaled,
 )
-from functopt.adapters._megatron import MegatronSurface
+from functopt.adapters._megatron import MegatronSurface, check_expert_groups, decoupled_records
 from functopt.adapters.optimizer import _find_states, _lift
 from functopt.distributed.offloading import OffloadedState, _restore_target, offload, reload
 from functopt.precision.loss_scale import (
@@ -271,7 +271,12 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
     (a plain recipe too) gets one state per group, through ``partition``, so each group's
     values are its own. A key that no transform reads raises at construction and at
     ``step()`` (``momentum`` on an AdamW), except the records of torch's schedulers (``initial_lr``, ...) and of
-    Megatron's groups (``max_lr``, ``min_lr``, ...): ``BOOKKEEPING_KEYS``.
+    Megatron's groups (``max_lr``, ``min_lr``, ...): ``BOOKKEEPING_KEYS``. Of those,
+    Megatron's ``decoupled_lr`` / ``decoupled_min_lr`` (with ``is_decoupled_lr=True``)
+    become the group's ``max_lr`` / ``min_lr``, which Megatron's scheduler reads; a group
+    with ``is_expert_parallel=True`` on more than one rank needs ``process_group`` and
+    ``replicated`` (its params differ from rank to rank, so their statistics must be
+    summed), else the constructor raises.
     ``add_param_group`` after construction raises: master copies and state are made
     then. Megatron's ``OptimizerParamScheduler`` writes ``lr * lr_mult`` into
     ``group['lr']`` itself, so leave ``lr_mult``/``wd_mult`` out of the groups with it
@@ -567,6 +572,7 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
         self.grad_norm_skip_threshold = grad_norm_skip_threshold
         self._return_grad_stats = return_grad_stats
         groups = _param_groups.collect(_OWNER, params)
+        check_expert_groups(groups, process_group, replicated)
         if all(group.frozen for group in groups):
             raise ValueError(
                 f"{_OWNER}: every param group is frozen, so there is nothing to optimize. "
@@ -585,7 +591,8 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
         kept: list[dict[str, Any]] = []  # each group's bookkeeping keys
         for i, group in enumerate(groups):
             options = {k: v for k, v in group.options.items() if k not in BOOKKEEPING_KEYS}
-            kept.append({k: v for k, v in group.options.items() if k in BOOKKEEPING_KEYS})
+            kept.append(decoupled_records(i, {k: v for k, v in group.options.items()
+                                              if k in BOOKKEEPING_KEYS}))
             factory = factories[i] if factories is not None else (
                 None if fixed is not None else transform)
             if fixed is not None and not group.frozen and not self._fixed_injected:

@@ -181,6 +181,29 @@ def megatron_halves_and_norm_grads_under_tensor_parallel_slices(rank: int, world
 
 
 @check
+def expert_parallel_groups_sum_their_statistics(rank: int, world: int) -> None:
+    """A group marked ``is_expert_parallel`` (each rank its own experts: ``w``'s rows) with
+    no process group is refused (each rank would clip by its own norm); declared, the norm
+    is the whole tensors' norm, as in one process."""
+    params = _params(rank, world, sliced=True)
+
+    def groups() -> list[dict[str, Any]]:
+        return [{"params": [("w", params["w"])], "is_expert_parallel": True},
+                {"params": [("b", params["b"])]}]
+
+    with pytest.raises(ValueError, match=r"param group 0 is expert-parallel"):
+        functopt.MixedPrecisionOptimizer(groups(), functopt.adamw(1e-2))
+    opt = functopt.MixedPrecisionOptimizer(groups(), functopt.adamw(1e-2),
+                                           process_group=dist.group.WORLD,
+                                           replicated={"w": False, "b": True})
+    _set_grads(params, 0, rank, world, sliced=True, nan_on=None)
+    ref = _full(0)
+    whole = torch.cat([ref["w"].flatten(), ref["b"]]).to(torch.bfloat16) * 1024.0
+    assert float(opt.get_grad_norm()) == pytest.approx(
+        float((whole.float() / opt.loss_scale).norm()), rel=1e-6)
+
+
+@check
 def replicated_grads_norm_of_one_process_skip_agreed(rank: int, world: int) -> None:
     """DDP-style params, the same gradients on every rank, no declaration: the norm is one
     process's (the agreement sums no squares), the result too; a nan on rank 1 alone skips
