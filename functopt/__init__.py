@@ -42,7 +42,7 @@ from functopt._serialization import (
     save_checkpoint,
     state_classes,
 )
-from functopt.adapters import MixedPrecisionOptimizer, Optimizer
+from functopt.adapters import ChainedOptimizer, MixedPrecisionOptimizer, Optimizer, ProxyDict
 from functopt.optimizers import (
     adadelta,
     adafactor,
@@ -169,6 +169,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AddDecayedWeightsState",
     "ApplyIfFiniteState",
+    "ChainedOptimizer",
     "DampenedTraceState",
     "EmaState",
     "EmptyState",
@@ -185,6 +186,7 @@ __all__ = [
     "Optimizer",
     "Params",
     "PartitionState",
+    "ProxyDict",
     "ScalarOrSchedule",
     "ScaleByAdaDeltaState",
     "ScaleByAdamState",

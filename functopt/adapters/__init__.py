@@ -7,7 +7,8 @@ underneath. [`Optimizer`][functopt.Optimizer] is a ``torch.optim.Optimizer`` tha
 a functopt transform, so LR schedulers, closures, hooks and ``GradScaler`` work with it.
 """
 
+from functopt.adapters._chained import ChainedOptimizer, ProxyDict
 from functopt.adapters.mixed_precision_optimizer import MixedPrecisionOptimizer
 from functopt.adapters.optimizer import Optimizer
 
-__all__ = ["MixedPrecisionOptimizer", "Optimizer"]
+__all__ = ["ChainedOptimizer", "MixedPrecisionOptimizer", "Optimizer", "ProxyDict"]

@@ -315,13 +315,19 @@ class MegatronSurface:
         verdict costs a statistics pass (and its all-reduce) of its own, beside the one of
         the step that follows; ``step()`` alone makes one.
         """
-        stats = self._stats(self._grads())
-        _, found = threshold_verdict(stats.norm, stats.found_inf, math.inf,
-                                     self._distributed["process_group"], *self._agree)
+        _, found = self._verdict()
         if bool(found):
             self.step()
             return True
         return False
+
+    def _verdict(self) -> tuple[GradStats, torch.Tensor]:
+        """The statistics of the current gradients and their overflow verdict, agreed as
+        the step agrees it."""
+        stats = self._stats(self._grads())
+        _, found = threshold_verdict(stats.norm, stats.found_inf, math.inf,
+                                     self._distributed["process_group"], *self._agree)
+        return stats, found
 
     def step_with_ready_grads(self) -> bool:
         """The second half of Megatron's step: ``step()`` on the current gradients, True

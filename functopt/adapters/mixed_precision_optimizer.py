@@ -506,6 +506,9 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
     # train mode
     _train_params: list[torch.Tensor] | None = None
     _constructing = False
+    # the step without the clip of clip_grad_norm (a ChainedOptimizer's), and the clipped
+    # step it was built beside
+    _unclipped: tuple[MixedPrecisionTransformation, MixedPrecisionTransformation] | None = None
 
     def __init__(
         self,
@@ -849,12 +852,12 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
                 return False
         return _core.structure(fresh) != _core.structure(self._state.inner_state)
 
-    def _build(self, *, donate: bool = True) -> MixedPrecisionTransformation:
+    def _build(self, *, donate: bool = True, clip: bool = True) -> MixedPrecisionTransformation:
         return mixed_precision(
             self._inner,
             loss_scale=self._loss_scale_rule,
             master_weights=self._master_weights,
-            max_grad_norm=self._max_grad_norm,
+            max_grad_norm=self._max_grad_norm if clip else None,
             fused=self._fused,
             count_zeros=self._count_zeros,
             # This object owns its state and writes the params in place anyway: the fused
@@ -908,6 +911,11 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
             LossScaleWarning: on a skipped step that left a dynamic loss scale collapsed
                 (see [`loss_scale_collapsed`][functopt.precision.loss_scale_collapsed]).
         """
+        return self._step(closure, clip=True)
+
+    def _step(self, closure: Callable[[], Any] | None, *, clip: bool) -> bool | StepResult:
+        """``step()``; without the clip set by ``clip_grad_norm`` where ``clip`` is False
+        (a ``ChainedOptimizer`` clips by the norm of all its optimizers' gradients)."""
         self._check_not_offloaded("step")
         self._check_train_mode("step")
         if closure is not None:
@@ -938,7 +946,14 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
             old = list(self._params)  # (no detach per param: six ops per step here)
             # After state_dict() the live state is shared with the caller's dict: this one
             # step writes new tensors, so the dict keeps its values.
-            tx = self._build(donate=False) if self._state_shared else self._tx
+            if self._state_shared:
+                tx = self._build(donate=False, clip=clip)
+            elif clip or self._max_grad_norm is None:
+                tx = self._tx
+            else:  # built once per build of the clipped step
+                if self._unclipped is None or self._unclipped[0] is not self._tx:
+                    self._unclipped = (self._tx, self._build(clip=False))
+                tx = self._unclipped[1]
             new_params, new_state = tx.step(self._tree(grads), self._state,
                                             self._tree(old))
             # The one host sync. A skipped step returns the old params bitwise, so there
@@ -995,17 +1010,20 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
                 self._tree(unscaled), self._distributed["process_group"],
                 replicated=self._distributed["replicated"]))
 
-    def _skip_for_norm(self, stats: GradStats) -> None:
+    def _skip_for_norm(self, stats: GradStats, *, overflow: bool = False) -> None:
+        """Skip this step without running it: for a norm over the threshold (the loss scale
+        moves as on a finite step), or with ``overflow`` as on an overflow (a
+        ``ChainedOptimizer`` whose other optimizer overflowed)."""
         state = self._state
         m = state.metrics
-        finite = torch.zeros((), dtype=torch.bool, device=m.found_inf.device)
+        found = torch.full((), overflow, dtype=torch.bool, device=m.found_inf.device)
         rule = self._loss_scale_rule
         self._state = state._replace(
             loss_scale=state.loss_scale if rule is None else rule.adjust(state.loss_scale,
-                                                                         finite),
+                                                                         found),
             metrics=StepMetrics(
                 grad_norm=stats.norm.to(m.grad_norm.dtype),
-                found_inf=finite,
+                found_inf=found,
                 skipped_steps=m.skipped_steps + 1,
                 num_zeros=stats.num_zeros.to(m.num_zeros.dtype) if self._count_zeros
                 else m.num_zeros),
