@@ -971,8 +971,9 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
         self._remember(grads)
         if not took and self._loss_scale_rule is not None and self._loss_scale_rule.dynamic:
             # A second host read, on skipped steps only.
-            # 3: past torch.optim's step wrapper (profile_hook_step), to the caller
-            _warn_if_collapsed(new_state.loss_scale, stacklevel=3)
+            # 4: past step() and torch.optim's step wrapper (profile_hook_step), to the
+            # caller (a ChainedOptimizer's step: past its step_with_ready_grads)
+            _warn_if_collapsed(new_state.loss_scale, stacklevel=4)
         return self._result(took)
 
     def _remember(self, grads: list[torch.Tensor | None]) -> None:
