@@ -36,6 +36,7 @@ from functopt._base import (
     stateless_with_tree_map,
     with_extra_args_support,
 )
+from functopt._rank_checkpoint import load_rank_checkpoint, save_rank_checkpoint
 from functopt._serialization import (
     load_checkpoint,
     safe_globals,
@@ -237,6 +238,7 @@ __all__ = [
     "lightrft",
     "lion",
     "load_checkpoint",
+    "load_rank_checkpoint",
     "masked",
     "nadam",
     "nadamw",
@@ -249,6 +251,7 @@ __all__ = [
     "rprop",
     "safe_globals",
     "save_checkpoint",
+    "save_rank_checkpoint",
     "scale",
     "scale_by_adadelta",
     "scale_by_adam",
