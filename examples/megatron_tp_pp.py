@@ -31,6 +31,16 @@ The first trains ``--steps`` steps, saving after steps 3 and 6, and writes its l
 write. The third loads the newest complete checkpoint (step 3: the save of step 6 has no
 completion record), trains the steps after it and compares its losses with the first
 run's: equal, bitwise (the same ranks, batches and order of sums). Rank 0 prints.
+
+The same model in the data-parallel x TP layout (each rank both stages, the rows split over
+two replicas of the TP pair, the gradients summed in float32 into ``.main_grad`` over the
+DP group, the slices and experts declared replicated over it):
+
+    torchrun --standalone --nproc-per-node 4 examples/megatron_tp_pp.py --dir D \
+        --layout dp-tp --compare A
+
+gives the norm by hand, the skip on every rank, and the first run's losses within
+``TOLERANCE`` (the batch split changes the roundings).
 """
 
 from __future__ import annotations
@@ -55,6 +65,9 @@ from fsdp_tp_train import global_batch
 
 VOCAB, WIDTH, SEQ, ROWS = 32, 16, 8, 8
 TP, PP = 2, 2
+# the dp-tp run against the tp-pp run: bfloat16 gradients of half the rows summed in
+# float32, against those of all the rows (measured 3e-4; without the DP sum, 1.5e-2)
+TOLERANCE = 2e-3
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -143,12 +156,19 @@ class Stage(torch.nn.Module):
         return self.head(self.norm(x)) if self.stage == 1 else x
 
 
+class Whole(torch.nn.Sequential):
+    """Both stages on one rank (the data-parallel x TP layout), the same params as theirs."""
+
+    def __init__(self, tp_group: Any, tp_rank: int) -> None:
+        super().__init__(*(Stage(stage, tp_group, tp_rank) for stage in range(PP)))
+
+
 def batch(step: int) -> torch.Tensor:
     """The token sequences of ``step`` (the rule of the FSDP x TP example's data)."""
     return global_batch(step, ROWS, SEQ, VOCAB)
 
 
-def groups_of(model: Stage) -> list[dict[str, Any]]:
+def groups_of(model: torch.nn.Module) -> list[dict[str, Any]]:
     """Megatron's groups: matrices; biases and norms without decay; the experts."""
     matrices, flat, experts = [], [], []
     for name, p in model.named_parameters():
@@ -158,11 +178,14 @@ def groups_of(model: Stage) -> list[dict[str, Any]]:
             {"params": experts, "is_expert_parallel": True, "lr_mult": 0.5}]
 
 
-def replication(model: Stage, tp_group: Any) -> dict[str, Any]:
-    """Each param's repetition over the ranks: the slices and experts are this rank's own,
-    the rest (norms, row-parallel biases, embedding, head) whole on both TP ranks."""
-    own = ("up_w", "up_b", "down_w", "expert_w")
-    return {name: (False if name.rsplit(".", 1)[-1] in own else tp_group)
+OWN = ("up_w", "up_b", "down_w", "expert_w")  # the TP slices and the experts
+
+
+def replication(model: torch.nn.Module, own: Any, rest: Any) -> dict[str, Any]:
+    """Each param's repetition over the ranks: ``own`` for the slices and experts (the
+    params another TP rank holds other values of), ``rest`` for the others (norms,
+    row-parallel biases, embedding, head: whole on every TP rank)."""
+    return {name: (own if name.rsplit(".", 1)[-1] in OWN else rest)
             for name, _ in model.named_parameters()}
 
 
@@ -193,7 +216,7 @@ def train_step(model: Stage, opt: functopt.MixedPrecisionOptimizer, step: int, r
         loss = loss.detach()
     if step == nan_at and rank == 3:
         model.block.expert_w.grad[0, 0] = float("nan")  # one element of one rank's shard
-    by_hand = reference_norm(model, opt, rank % TP)
+    by_hand = reference_norm(model, opt, rank % TP, 0)
     ok, norm, _ = opt.step()
     opt.zero_grad()
     losses = torch.stack([loss.float(), torch.zeros(())])
@@ -201,14 +224,44 @@ def train_step(model: Stage, opt: functopt.MixedPrecisionOptimizer, step: int, r
     return ok, norm, float(losses[0]) / TP, by_hand
 
 
-def reference_norm(model: Stage, opt: functopt.MixedPrecisionOptimizer, tp_rank: int) -> float:
-    """The global norm by hand: each rank's slices and experts, the TP-replicated params
-    on TP rank 0 only, squares summed over the world."""
-    own = ("up_w", "up_b", "down_w", "expert_w")
+def dp_tp_step(model: Whole, opt: functopt.MixedPrecisionOptimizer, step: int, rank: int,
+               nan_at: int | None, dp_group: Any) -> tuple[bool, float | None, float, float]:
+    """One data-parallel x TP step: this DP rank's half of the rows, the gradients summed
+    in float32 over the DP group into ``.main_grad`` and averaged (as Megatron's DDP
+    does), then the facade's step. Returns what ``train_step`` returns."""
+    dp_rank, dp = rank // TP, dist.get_world_size(dp_group)
+    rows = batch(step).chunk(dp)[dp_rank]
+    logits = model(rows[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB),
+                                             rows[:, 1:].reshape(-1))
+    opt.backward(loss)
+    if step == nan_at and rank == 3:
+        model[1].block.expert_w.grad[0, 0] = float("nan")  # reaches its DP peer's too
+    for p in model.parameters():
+        assert p.grad is not None
+        p.main_grad = p.grad.float()
+        p.grad = None
+        dist.all_reduce(p.main_grad, group=dp_group)
+        p.main_grad /= dp
+    by_hand = reference_norm(model, opt, rank % TP, dp_rank)
+    ok, norm, _ = opt.step()
+    opt.zero_grad()
+    losses = loss.detach().reshape(1)
+    dist.all_reduce(losses)  # each DP rank's loss on each of its TP ranks
+    return ok, norm, float(losses[0]) / (TP * dp), by_hand
+
+
+def reference_norm(model: torch.nn.Module, opt: functopt.MixedPrecisionOptimizer,
+                   tp_rank: int, dp_rank: int) -> float:
+    """The global norm by hand, squares summed over the world: each TP rank's slices and
+    experts, the TP-replicated params on TP rank 0, on DP rank 0 only."""
     total = torch.zeros((), dtype=torch.float64)
     for name, p in model.named_parameters():
-        if p.grad is not None and (name.rsplit(".", 1)[-1] in own or tp_rank == 0):
-            total += (p.grad.double() / opt.loss_scale).pow(2).sum()
+        grad = getattr(p, "main_grad", None)
+        grad = p.grad if grad is None else grad
+        counted = dp_rank == 0 and (tp_rank == 0 or name.rsplit(".", 1)[-1] in OWN)
+        if grad is not None and counted:
+            total += (grad.double() / opt.loss_scale).pow(2).sum()
     dist.all_reduce(total)
     return math.sqrt(float(total))
 
@@ -223,23 +276,34 @@ def main() -> bool:
                         help="rank 1 is killed at the save of this step")
     parser.add_argument("--resume", default=None,
                         help="the uninterrupted run's --dir: resume from --dir, compare")
+    parser.add_argument("--layout", choices=("tp-pp", "dp-tp"), default="tp-pp",
+                        help="dp-tp: both stages on every rank, the rows split over two "
+                             "data-parallel replicas of the TP pair")
+    parser.add_argument("--compare", default=None,
+                        help="a tp-pp run's --dir whose losses a dp-tp run must match")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != TP * PP:
         raise SystemExit(f"run on {TP * PP} ranks (torchrun --nproc-per-node {TP * PP})")
-    stage, tp_rank = divmod(rank, TP)
+    outer, tp_rank = divmod(rank, TP)  # the stage (tp-pp) or the DP rank (dp-tp)
     tp_groups = [dist.new_group([s * TP + t for t in range(TP)]) for s in range(PP)]
-    tp_group = tp_groups[stage]
-    model = Stage(stage, tp_group, tp_rank).to(torch.bfloat16)
+    dp_groups = [dist.new_group([s * TP + t for s in range(PP)]) for t in range(TP)]
+    tp_group, dp_group = tp_groups[outer], dp_groups[tp_rank]
+    model: torch.nn.Module
+    if args.layout == "tp-pp":
+        model = Stage(outer, tp_group, tp_rank).to(torch.bfloat16)
+        replicated = replication(model, False, tp_group)
+    else:  # the slices and experts repeat over the DP group, the rest on every rank
+        model = Whole(tp_group, tp_rank).to(torch.bfloat16)
+        replicated = replication(model, dp_group, True)
     opt = functopt.MixedPrecisionOptimizer(
         groups_of(model),
         lambda learning_rate=3e-2, weight_decay=0.1: functopt.adamw(
             learning_rate, weight_decay=weight_decay),
         loss_scale=functopt.dynamic_loss_scale(init_scale=2.0**12),
-        return_grad_stats=True, process_group=dist.group.WORLD,
-        replicated=replication(model, tp_group))
+        return_grad_stats=True, process_group=dist.group.WORLD, replicated=replicated)
     opt.clip_grad_norm(None, 1.0)
     saves = {int(s) for s in args.save_at.split(",") if s}
     first = 0
@@ -255,7 +319,11 @@ def main() -> bool:
     verdicts = []
     worst = 0.0  # the norms' largest relative difference from the hand count
     for step in range(first, args.steps):
-        ok, norm, loss, by_hand = train_step(model, opt, step, rank, args.nan_at)
+        if isinstance(model, Whole):
+            ok, norm, loss, by_hand = dp_tp_step(model, opt, step, rank, args.nan_at,
+                                                 dp_group)
+        else:
+            ok, norm, loss, by_hand = train_step(model, opt, step, rank, args.nan_at)
         oks = torch.tensor([float(ok)])
         dist.all_reduce(oks)
         if step == args.nan_at:
@@ -283,6 +351,12 @@ def main() -> bool:
         same = all(theirs[k] == v for k, v in losses.items())
         verdicts.append((f"losses of steps {min(losses)}-{max(losses)} equal the "
                          f"uninterrupted run's", same))
+    if args.compare is not None and rank == 0:
+        theirs = {int(k): v for k, v in json.loads(
+            (Path(args.compare) / "losses.json").read_text()).items()}
+        gap = max(abs(v - theirs[k]) / theirs[k] for k, v in losses.items())
+        verdicts.append((f"losses equal the TP x PP run's within {TOLERANCE:g} (largest "
+                         f"relative difference {gap:.1e})", gap <= TOLERANCE))
     if args.resume is None and rank == 0:
         (out / "losses.json").write_text(json.dumps(losses))
     for what, held in verdicts:

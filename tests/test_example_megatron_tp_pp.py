@@ -1,7 +1,7 @@
 """examples/megatron_tp_pp.py under torchrun: Megatron-style TP x PP on 4 CPU ranks (gloo),
 plain tensors, the facade with Megatron's groups; a nan on one rank's shard skips every
 rank; a rank killed mid-save; the run resumed from the checkpoint before, its losses the
-uninterrupted run's."""
+uninterrupted run's; the same model data-parallel x TP, with the TP x PP run's losses."""
 
 from __future__ import annotations
 
@@ -47,3 +47,12 @@ def test_killed_mid_save_resumes_from_the_checkpoint_before(tmp_path: Path) -> N
     ours, theirs = _losses(resumed), _losses(first)
     assert sorted(ours) == [4, 5, 6, 7]
     assert all(theirs[k] == v for k, v in ours.items()), (ours, theirs)
+
+    # the same model in the data-parallel x TP layout, against the uninterrupted run
+    dp_tp = harness.torchrun(EXAMPLE, 4, "--dir", str(tmp_path / "d"), "--layout", "dp-tp",
+                             "--compare", str(tmp_path / "a"), timeout_s=180.0)
+    assert "verdict: a nan on rank 3's shard skipped the step on every rank: True" in dp_tp
+    assert "verdict: the norm over every stage is the hand count's" in dp_tp, dp_tp
+    assert "verdict: losses equal the TP x PP run's within 0.002" in dp_tp, dp_tp
+    assert dp_tp.count(": True") == 3, dp_tp
+    assert sorted(_losses(dp_tp)) == list(range(8))
