@@ -197,14 +197,15 @@ with warnings.catch_warnings():
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 
-def _megatron_groups(model: torch.nn.Module, config: Any) -> list[dict[str, Any]]:
+def _megatron_groups(model: torch.nn.Module, config: Any,
+                     overrides: Any = None) -> list[dict[str, Any]]:
     """megatron-core's own ``_get_param_groups`` (it all-gathers the group keys: one rank)."""
     import torch.distributed as dist
 
     assert not dist.is_initialized()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        return megatron._get_param_groups([model], config, None)
+        return megatron._get_param_groups([model], config, overrides)
     finally:
         dist.destroy_process_group()
 
@@ -340,8 +341,7 @@ def test_from_optimizer_config_sgd_is_torch_sgd() -> None:
 
 @pytest.mark.parametrize(("field", "value"), [
     ("use_distributed_optimizer", True), ("optimizer_cpu_offload", True),
-    ("decoupled_lr", 1e-4), ("timers", print), ("optimizer", "muon"),
-    ("apply_wd_to_qk_layernorm", True)])
+    ("timers", print), ("optimizer", "muon")])
 def test_from_optimizer_config_refuses_what_it_cannot_honour(field: str, value: Any) -> None:
     config = megatron.OptimizerConfig(lr=1e-3, bf16=True)
     setattr(config, field, value)  # (past __post_init__'s checks of other fields)
@@ -349,12 +349,96 @@ def test_from_optimizer_config_refuses_what_it_cannot_honour(field: str, value: 
         functopt.MixedPrecisionOptimizer.from_optimizer_config(config, _transformer_like())
 
 
-def test_from_optimizer_config_refuses_an_expert_param_and_a_bad_config() -> None:
-    model = _transformer_like()
-    model[0].weight.allreduce = False  # Megatron's mark of an expert-parallel param
-    with pytest.raises(ValueError, match=r"'0\.weight' is an expert-parallel param"):
+class _Attention(torch.nn.Module):
+    """Names as Megatron's attention: q/k LayerNorms, an embedding and an output layer
+    marked ``is_embedding_or_output_parameter``, an expert (``allreduce=False``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = torch.nn.Embedding(6, 4)
+        self.q_layernorm = torch.nn.LayerNorm(4)
+        self.k_layernorm = torch.nn.LayerNorm(4)
+        self.linear_qkv = torch.nn.Linear(4, 12)
+        self.expert = torch.nn.Linear(4, 4)
+        self.output_layer = torch.nn.Linear(4, 6, bias=False)
+        for p in (self.embedding.weight, self.output_layer.weight):
+            p.is_embedding_or_output_parameter = True
+        for p in self.expert.parameters():
+            p.allreduce = False
+
+
+def _keys() -> dict[str, Any]:
+    """Overrides by each kind of ParamKey, overlapping (the qkv bias matches two)."""
+    return {
+        megatron.ParamKey(name="*.bias"): {"wd_mult": 0.0},
+        megatron.ParamKey(name="linear_qkv.*"): {"max_lr": 5e-3, "min_lr": 1e-5},
+        megatron.ParamKey(attr="is_embedding_or_output_parameter"): {"lr_mult": 0.5},
+        megatron.ParamKey(predicate=megatron.ParamPredicate(
+            name="wide", fn=lambda p: p.ndim == 2 and p.shape[0] == 12)):
+            {"start_wd": 0.01, "end_wd": 0.2},
+        megatron.ParamKey(with_name_predicate=megatron.ParamWithNamePredicate(
+            name="qk_norms", fn=lambda p, name: "layernorm" in name)): {},
+    }
+
+
+@pytest.mark.parametrize(("fields", "overrides"), [
+    ({}, None),
+    ({"apply_wd_to_qk_layernorm": True}, None),
+    ({"decoupled_lr": 2e-2}, None),
+    ({"decoupled_lr": 2e-2, "decoupled_min_lr": 1e-4, "apply_wd_to_qk_layernorm": True},
+     None),
+    ({}, {}),
+    ({}, "keys"),
+], ids=["standard", "qk-layernorm", "decoupled-lr", "decoupled-both", "empty", "keys"])
+def test_from_optimizer_config_groups_by_overrides_as_megatron(fields: dict[str, Any],
+                                                              overrides: Any) -> None:
+    """megatron-core 0.16.1's ``_get_param_groups``, with its standard overrides and with
+    ``config_overrides`` of every kind of key: the same groups, in the same order, with the
+    same params and fields."""
+    config = megatron.OptimizerConfig(lr=1e-3, min_lr=1e-5, bf16=True, **fields)
+    overrides = _keys() if overrides == "keys" else overrides
+    model = _Attention().to(torch.bfloat16)
+    theirs = _megatron_groups(model, config, overrides)
+    opt = functopt.MixedPrecisionOptimizer.from_optimizer_config(config, model, overrides)
+    assert len(opt.param_groups) == len(theirs) >= 2
+    for ours, ref in zip(opt.param_groups, theirs, strict=True):
+        assert [id(p) for p in ours["params"]] == [id(p) for p in ref["params"]]
+        # (multipliers of 1 are left out of the facade's groups; the scheduler reads
+        # group.get("wd_mult", 1.0))
+        assert {k: ours.get(k, 1.0) if k.endswith("_mult") else ours[k]
+                for k in ref if k != "params"} == {
+            k: v for k, v in ref.items() if k != "params"}
+        assert ours["lr"] == 1e-3
+
+
+def test_from_optimizer_config_refuses_overrides_it_cannot_honour() -> None:
+    config = megatron.OptimizerConfig(lr=1e-3, bf16=True)
+    both = {megatron.ParamKey(name="*.bias"): {"wd_mult": 0.0},
+            megatron.ParamKey(name="linear_qkv.*"): {"wd_mult": 0.5}}
+    with pytest.raises(ValueError, match="Conflicting overrides for wd_mult"):
+        _megatron_groups(_Attention(), config, both)
+    with pytest.raises(ValueError, match=r"'linear_qkv\.bias' matches overrides that set "
+                                         r"wd_mult to 0\.0 and to 0\.5"):
+        functopt.MixedPrecisionOptimizer.from_optimizer_config(config, _Attention(), both)
+    with pytest.raises(TypeError, match="has no matches"):
         functopt.MixedPrecisionOptimizer.from_optimizer_config(
-            megatron.OptimizerConfig(lr=1e-3, bf16=True), model)
+            config, _Attention(), {"*.bias": {"wd_mult": 0.0}})
+    with pytest.raises(TypeError, match="without 'params'"):
+        functopt.MixedPrecisionOptimizer.from_optimizer_config(
+            config, _Attention(), {megatron.ParamKey(name="*.bias"): {"params": []}})
+    with pytest.raises(ValueError, match="config_overrides group the params of modules"):
+        functopt.MixedPrecisionOptimizer.from_optimizer_config(
+            config, list(_Attention().parameters()), {})
+    with pytest.raises(ValueError, match=r"sets \['optimizer'\], which the translation"):
+        functopt.MixedPrecisionOptimizer.from_optimizer_config(
+            config, _Attention(), {megatron.ParamKey(name="*.bias"): {"optimizer": "sgd"}})
+    decoupled = megatron.OptimizerConfig(lr=1e-3, bf16=True, decoupled_lr=1e-2)
+    with pytest.raises(ValueError, match="which config_overrides replaces"):
+        functopt.MixedPrecisionOptimizer.from_optimizer_config(decoupled, _Attention(), {})
+
+
+def test_from_optimizer_config_refuses_a_bad_config() -> None:
     with pytest.raises(ValueError, match=r"config\.lr is None"):
         functopt.MixedPrecisionOptimizer.from_optimizer_config(
             megatron.OptimizerConfig(bf16=True), _transformer_like())
@@ -462,3 +546,35 @@ def test_decoupled_lr_without_its_flag_or_beside_another_max_lr_is_refused() -> 
         functopt.MixedPrecisionOptimizer(torch.optim.AdamW(
             [{"params": model.parameters(), "is_decoupled_lr": True, "decoupled_lr": 4e-2,
               "max_lr": 1e-2}], lr=1e-2))
+
+
+def test_a_wd_mult_under_megatrons_scheduler_raises_and_its_fix_decays_once() -> None:
+    """megatron-core 0.16.1's scheduler writes ``weight_decay = wd * wd_mult``; the facade
+    multiplies a group's weight decay by its ``wd_mult``: both would decay by 0.25 wd."""
+    config = megatron.OptimizerConfig(lr=0.1, min_lr=0.1, weight_decay=0.2)
+
+    def schedule(opt: Any) -> OptimizerParamScheduler:
+        return OptimizerParamScheduler(
+            opt, init_lr=0.1, max_lr=0.1, min_lr=0.1, lr_warmup_steps=0, lr_decay_steps=10,
+            lr_decay_style="constant", start_wd=0.2, end_wd=0.2, wd_incr_steps=10,
+            wd_incr_style="constant")
+
+    model = torch.nn.Linear(2, 2, bias=False)
+    halved = {megatron.ParamKey(name="weight"): {"wd_mult": 0.5}}
+    opt = functopt.MixedPrecisionOptimizer.from_optimizer_config(config, model, halved)
+    schedule(opt)  # (its constructor writes every group's lr and weight decay)
+    model.weight.grad = torch.zeros(2, 2)
+    with pytest.raises(ValueError, match=r"wd_mult=0\.5 and its weight_decay was changed "
+                                         r"to 0\.1.*start_wd / end_wd"):
+        opt.step()
+
+    # the fix the error names: the group's own start_wd / end_wd, wd_mult left at 1
+    model = torch.nn.Linear(2, 2, bias=False)
+    torch.nn.init.ones_(model.weight)
+    own = {megatron.ParamKey(name="weight"): {"start_wd": 0.1, "end_wd": 0.1}}
+    opt = functopt.MixedPrecisionOptimizer.from_optimizer_config(config, model, own)
+    schedule(opt)
+    model.weight.grad = torch.zeros(2, 2)
+    assert opt.step()[0]
+    # AdamW with a zero gradient: only the decay, lr * 0.1 once
+    torch.testing.assert_close(model.weight.detach(), torch.full((2, 2), 1 - 0.1 * 0.1))

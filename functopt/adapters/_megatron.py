@@ -12,7 +12,9 @@ declarations, and takes steps only through the facade's own ``step()``.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import optree
@@ -39,7 +41,8 @@ _READ = frozenset({
     "lr", "min_lr", "weight_decay", "fp16", "bf16", "optimizer", "loss_scale",
     "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis", "adam_beta1",
     "adam_beta2", "adam_eps", "decoupled_weight_decay", "sgd_momentum", "clip_grad",
-    "log_num_zeros_in_grad", "grad_norm_skip_threshold"})
+    "log_num_zeros_in_grad", "grad_norm_skip_threshold", "decoupled_lr", "decoupled_min_lr",
+    "apply_wd_to_qk_layernorm"})
 _INERT = frozenset({
     "params_dtype", "main_grads_dtype", "main_params_dtype", "exp_avg_dtype",
     "exp_avg_sq_dtype", "store_param_remainders", "optimizer_offload_fraction",
@@ -51,10 +54,6 @@ _FIXES = {
     "use_distributed_optimizer": "functopt.distributed.zero1 shards the optimizer state",
     "optimizer_cpu_offload": "call offload_to_cpu() / restore_from_cpu() between steps",
     "timers": "functopt's step has no timed phases; set timers=None",
-    "decoupled_lr": "give the embedding and output-layer params a group of their own with "
-                    "its own lr",
-    "decoupled_min_lr": "give the embedding and output-layer params a group of their own",
-    "apply_wd_to_qk_layernorm": "pass your own param groups (wd_mult per group)",
 }
 
 
@@ -129,16 +128,25 @@ class MegatronSurface:
         def clip_grad_norm(self, *args: Any, **kwargs: Any) -> Any: ...
 
     @classmethod
-    def from_optimizer_config(cls, megatron_config: Any, params: Any, **options: Any,
-                              ) -> Any:
+    def from_optimizer_config(cls, megatron_config: Any, params: Any,
+                              config_overrides: Any = None, **options: Any) -> Any:
         """The facade Megatron's ``get_megatron_optimizer(config, model_chunks)`` would build.
 
         ``config`` is a megatron-core ``OptimizerConfig`` (or ``AdamOptimizerConfig``,
         ``SGDOptimizerConfig``; megatron-core 0.16.1's fields). ``params``: a module or a
         list of modules (Megatron's model chunks), whose params that require grad are
-        grouped as Megatron's default groups them (biases and 1-D params without weight
-        decay: ``wd_mult=0``), or any ``params`` the constructor takes (your groups).
-        What is read, as megatron-core 0.16.1 reads it:
+        grouped as megatron-core's ``_get_param_groups`` groups them, or any ``params``
+        the constructor takes (your groups). The groups of modules: each param takes the
+        overrides of every key of ``config_overrides`` (``{ParamKey: ParamGroupOverride}``:
+        any key with a ``matches(param, name)`` method, a dict of group fields) that
+        matches it, merged (two values for one field raise); params with the same merged
+        overrides and the same expert flag (``allreduce=False``: ``is_expert_parallel``)
+        share a group, the groups without overrides first. Without ``config_overrides``,
+        Megatron's standard ones: ``wd_mult=0`` for biases and 1-D params (with
+        ``apply_wd_to_qk_layernorm``, all but the q/k LayerNorms'), and with
+        ``decoupled_lr`` its ``max_lr`` (and ``decoupled_min_lr``'s ``min_lr``) for the
+        params marked ``is_embedding_or_output_parameter``. What else is read, as
+        megatron-core 0.16.1 reads it:
 
         - ``optimizer="adam"``: ``torch.optim.AdamW`` (``torch.optim.Adam`` with
           ``decoupled_weight_decay=False``) of ``lr``, ``weight_decay``,
@@ -156,13 +164,17 @@ class MegatronSurface:
           the config has it. ``step()`` returns Megatron's ``(ok, grad_norm, num_zeros)``.
 
         ``options`` go to the constructor (``process_group``, ``replicated``, ``fused``,
-        ...). A field the facade cannot honour with a value other than its default (the
-        distributed optimizer, CPU offload, the precision-aware optimizer, fp8,
-        ``decoupled_lr``, timers, another ``optimizer``) raises, naming it and the fix.
+        ...; expert params on more than one rank need the first two). A field the facade
+        cannot honour with a value other than its default (the distributed optimizer, CPU
+        offload, the precision-aware optimizer, fp8, timers, another ``optimizer``)
+        raises, naming it and the fix; so does ``decoupled_lr`` beside
+        ``config_overrides``, which megatron-core would ignore.
 
         Raises:
-            TypeError: ``config`` is not a dataclass of Megatron's fields.
-            ValueError: a field that cannot be honoured, or ``lr`` unset.
+            TypeError: ``config`` is not a dataclass of Megatron's fields, or a key of
+                ``config_overrides`` has no ``matches`` method.
+            ValueError: a field that cannot be honoured, ``lr`` unset, or two overrides
+                of one param that disagree.
         """
         config = megatron_config
         if not dataclasses.is_dataclass(type(config)) or not hasattr(config, "optimizer"):
@@ -181,7 +193,7 @@ class MegatronSurface:
                                  f"by the facade (default {default!r}). Fix: {fix}.")
         if config.lr is None:
             raise ValueError(f"{_FROM}: config.lr is None. Fix: set the learning rate.")
-        groups = _megatron_groups(params, config)
+        groups = _megatron_groups(params, config, config_overrides)
         if config.optimizer == "adam":
             adam = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
             torch_optimizer: torch.optim.Optimizer = adam(
@@ -337,11 +349,55 @@ class MegatronSurface:
         return bool(result[0] if isinstance(result, tuple) else result)
 
 
-def _megatron_groups(params: Any, config: Any) -> Any:
-    """Megatron's default param groups of modules (megatron-core 0.16.1's
-    ``_get_param_groups`` with its standard overrides: weight decay off, ``wd_mult=0``, for
-    biases and 1-D params), each with the records Megatron's scheduler and logging read;
-    any other ``params`` as given, those records added to group dicts that lack them."""
+def _standard_overrides(config: Any) -> list[tuple[Any, dict[str, Any]]]:
+    """megatron-core 0.16.1's ``get_standard_config_overrides``: (matcher, override)."""
+    def no_decay(p: torch.nn.Parameter, name: str) -> bool:
+        if config.apply_wd_to_qk_layernorm:
+            return (p.ndim == 1 or name.endswith(".bias")) and not (
+                "q_layernorm." in name or "k_layernorm." in name)
+        return fnmatch.fnmatch(name, "*.bias") or p.ndim == 1
+
+    def decoupled(p: torch.nn.Parameter, name: str) -> bool:
+        return bool(getattr(p, "is_embedding_or_output_parameter", False))
+
+    overrides: list[tuple[Any, dict[str, Any]]] = [(no_decay, {"wd_mult": 0.0})]
+    if config.decoupled_lr is not None:
+        peak = {"max_lr": config.decoupled_lr}
+        if config.decoupled_min_lr is not None:
+            peak["min_lr"] = config.decoupled_min_lr
+        overrides.append((decoupled, peak))
+    return overrides
+
+
+def _given_overrides(config: Any, config_overrides: Any) -> list[tuple[Any, dict[str, Any]]]:
+    """The user's ``{ParamKey: ParamGroupOverride}`` as (matcher, override) pairs."""
+    if not isinstance(config_overrides, Mapping):
+        raise TypeError(f"{_FROM}: config_overrides must be a dict of ParamKey -> "
+                        f"ParamGroupOverride (a dict), got {type(config_overrides).__name__}.")
+    if config.decoupled_lr is not None or config.decoupled_min_lr is not None:
+        raise ValueError(
+            f"{_FROM}: config.decoupled_lr / decoupled_min_lr are read only into the "
+            f"standard overrides, which config_overrides replaces (megatron-core would "
+            f"ignore the fields). Fix: put {{'max_lr': ..., 'min_lr': ...}} under a key of "
+            f"your config_overrides, or pass config_overrides=None.")
+    pairs = []
+    for key, override in config_overrides.items():
+        if not callable(getattr(key, "matches", None)):
+            raise TypeError(f"{_FROM}: the config_overrides key {key!r} has no "
+                            f"matches(param, name) method. Fix: a megatron.core.optimizer."
+                            f"ParamKey.")
+        if not isinstance(override, Mapping) or "params" in override:
+            raise TypeError(f"{_FROM}: the override under {key!r} must be a dict of group "
+                            f"fields without 'params', got {override!r}.")
+        pairs.append((key.matches, dict(override)))
+    return pairs
+
+
+def _megatron_groups(params: Any, config: Any, config_overrides: Any = None) -> Any:
+    """Megatron's param groups of modules (megatron-core 0.16.1's ``_get_param_groups``:
+    params keyed by their merged overrides and expert flag, the groups without overrides
+    first), each with the records Megatron's scheduler and logging read; any other
+    ``params`` as given, those records added to group dicts that lack them."""
     records = {"wd_mult": 1.0, "lr_mult": 1.0, "is_decoupled_lr": False,
                "max_lr": config.lr, "min_lr": config.min_lr}
     chunks = [params] if isinstance(params, torch.nn.Module) else None
@@ -349,27 +405,42 @@ def _megatron_groups(params: Any, config: Any) -> Any:
             isinstance(m, torch.nn.Module) for m in params):
         chunks = list(params)
     if chunks is None:
+        if config_overrides is not None:
+            raise ValueError(f"{_FROM}: config_overrides group the params of modules; "
+                             f"your own groups carry their fields themselves. Fix: pass "
+                             f"the model chunks, or leave config_overrides out.")
         if isinstance(params, (list, tuple)) and params and all(
                 isinstance(g, dict) for g in params):
             return [{**records, **g} for g in params]
         return params
-    decay: list[tuple[str, torch.nn.Parameter]] = []
-    no_decay: list[tuple[str, torch.nn.Parameter]] = []
+    overrides = (_standard_overrides(config) if config_overrides is None
+                 else _given_overrides(config, config_overrides))
+    keyed: dict[tuple[Any, bool], list[tuple[str, torch.nn.Parameter]]] = {}
     for k, chunk in enumerate(chunks):
         prefix = f"{k}." if len(chunks) > 1 else ""
         for name, p in chunk.named_parameters():
             if not p.requires_grad:
                 continue
-            if not getattr(p, "allreduce", True):
-                raise ValueError(
-                    f"{_FROM}: {prefix + name!r} is an expert-parallel param "
-                    f"(allreduce=False), whose statistics Megatron reduces over the expert "
-                    f"groups. Fix: build the facade from your own groups and declare how "
-                    f"the expert params are held (process_group=, replicated=).")
-            (no_decay if name.endswith(".bias") or p.ndim == 1 else decay).append(
-                (prefix + name, p))
-    groups = [{"params": decay, **records, "is_expert_parallel": False,
-               "default_config": True},
-              {"params": no_decay, **records, "wd_mult": 0.0, "is_expert_parallel": False,
-               "default_config": True}]
-    return [g for g in groups if g["params"]]
+            merged: dict[str, Any] = {}
+            matched = False
+            for matches, override in overrides:
+                if not matches(p, name):
+                    continue
+                matched = True
+                for field, value in override.items():
+                    if field in merged and merged[field] != value:
+                        raise ValueError(
+                            f"{_FROM}: param {prefix + name!r} matches overrides that set "
+                            f"{field} to {merged[field]!r} and to {value!r}. Fix: make "
+                            f"the keys of config_overrides agree on it.")
+                    merged[field] = value
+            override_key = tuple(sorted(merged.items())) if matched else None
+            expert = not getattr(p, "allreduce", True)
+            keyed.setdefault((override_key, expert), []).append((prefix + name, p))
+    groups = []
+    for override_key, expert in sorted(keyed, key=lambda k: (k[0] is not None, k[0])):
+        override = dict(override_key or ())
+        groups.append({"params": keyed[override_key, expert], **records,
+                       "is_expert_parallel": expert,
+                       "default_config": not any("lr" in f for f in override), **override})
+    return groups

@@ -285,11 +285,11 @@ FOREIGN_GROUP_KEYS: dict[str, dict[str, str]] = {
 
 # Keys that torch's and the training stacks' schedulers keep in the groups for themselves
 # (LRScheduler's initial_lr, OneCycleLR's max/min lr and momenta, SWALR's swa_lr) and
-# Megatron-LM's param-group fields (its OptimizerParamScheduler reads max_lr and min_lr):
-# allowed in every group of both adapters, never read by a transform.
+# Megatron-LM's param-group fields (its OptimizerParamScheduler reads max_lr, min_lr,
+# start_wd and end_wd): allowed in every group of both adapters, never read by a transform.
 SCHEDULER_GROUP_KEYS = frozenset({
     "initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum", "swa_lr",
-    "is_expert_parallel", "is_decoupled_lr", "default_config",
+    "is_expert_parallel", "is_decoupled_lr", "default_config", "start_wd", "end_wd",
 })
 
 

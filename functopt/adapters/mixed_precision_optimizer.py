@@ -278,9 +278,11 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
     ``replicated`` (its params differ from rank to rank, so their statistics must be
     summed), else the constructor raises.
     ``add_param_group`` after construction raises: master copies and state are made
-    then. Megatron's ``OptimizerParamScheduler`` writes ``lr * lr_mult`` into
-    ``group['lr']`` itself, so leave ``lr_mult``/``wd_mult`` out of the groups with it
-    (the facade multiplies them in, as torch's schedulers need).
+    then. Megatron's ``OptimizerParamScheduler`` (megatron-core 0.16.1) writes
+    ``weight_decay`` already multiplied by ``wd_mult`` and does not read ``lr_mult``; the
+    facade multiplies both in, so a ``wd_mult`` other than 0 or 1 whose group's
+    ``weight_decay`` is written after construction raises (give the group its own
+    ``start_wd`` / ``end_wd`` instead).
 
     **From a torch.optim optimizer.** ``MixedPrecisionOptimizer(torch.optim.AdamW(
     model.parameters(), lr=1e-4), ...)`` (LightRFT's ``FSDPadaptOptimizer`` form) reads the
@@ -303,8 +305,9 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
       (a schedule is multiplied at every step). A multiplier of 1 leaves the call as it
       was; a multiplier other than 1 needs a factory with that argument. So the
       effective learning rate is $\eta \cdot$ ``lr_mult`` and the effective weight decay
-      $\lambda \cdot$ ``wd_mult``, as in Megatron, where the scheduler writes
-      ``lr * lr_mult`` into each group.
+      $\lambda \cdot$ ``wd_mult``. A written ``lr`` is multiplied too (as torch's
+      schedulers need); a written ``weight_decay`` with a ``wd_mult`` other than 0 or 1
+      raises, since Megatron's scheduler writes it multiplied already.
     - ``frozen=True``: the group's params are left out of the step altogether: they get
       no state (no master copy, no transform state, no entry in ``state_dict()``), are
       never written, even if they have gradients, and their gradients count neither in
@@ -794,6 +797,19 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
             mults = (flags.lr_mult, flags.wd_mult)
             multiplier = {name: (key, mult) for (key, name), mult in
                           zip(_param_groups.MULTIPLIED, mults, strict=True)}
+            decay = values.get("weight_decay", _UNSET)
+            if flags.wd_mult not in (0.0, 1.0) and flags.wd_mult == plan.mults[1] and (
+                    decay is not _UNSET and not _same(plan.built.get("weight_decay", decay),
+                                                      decay)):
+                raise ValueError(
+                    f"{_OWNER}: {where} has wd_mult={flags.wd_mult!r} and its weight_decay "
+                    f"was changed to {decay!r} after the last step. The facade multiplies "
+                    f"the group's weight_decay by wd_mult, and Megatron's "
+                    f"OptimizerParamScheduler (megatron-core 0.16.1) writes weight_decay "
+                    f"already multiplied by wd_mult, so which one is meant cannot be told "
+                    f"and the decay could be multiplied twice. Fix: leave wd_mult at 1 (or "
+                    f"0) and write the multiplied decay, e.g. with Megatron's scheduler give "
+                    f"the group start_wd / end_wd times the multiplier, which it reads.")
             found = None
             for name, value in values.items():
                 if name in plan.injected:
