@@ -9,7 +9,9 @@ facade's own ``step()``. The two-rank checks are in tests/distributed/agreement_
 
 from __future__ import annotations
 
+import re
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -578,3 +580,36 @@ def test_a_wd_mult_under_megatrons_scheduler_raises_and_its_fix_decays_once() ->
     assert opt.step()[0]
     # AdamW with a zero gradient: only the decay, lr * 0.1 once
     torch.testing.assert_close(model.weight.detach(), torch.full((2, 2), 1 - 0.1 * 0.1))
+
+
+def _megatron_public_names() -> set[str]:
+    """What megatron-core's ``megatron.core.optimizer`` defines and exports (classes and
+    functions of its own modules), and the public methods of its optimizers."""
+    import inspect
+
+    from megatron.core.optimizer import clip_grads, grad_scaler
+    from megatron.core.optimizer import optimizer as classes
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    names = set()
+    for module_name, value in [*vars(megatron).items(), *vars(clip_grads).items(),
+                               *vars(grad_scaler).items()]:
+        defined = getattr(value, "__module__", "") or ""
+        if not module_name.startswith("_") and (inspect.isclass(value) or inspect.isfunction(
+                value)) and defined.startswith("megatron.core.optimizer"):
+            names.add(module_name)
+    for cls in (classes.MegatronOptimizer, classes.MixedPrecisionOptimizer,
+                classes.Float16OptimizerWithFloat16Params, classes.FP32Optimizer,
+                classes.ChainedOptimizer, DistributedOptimizer):
+        names.update(n for n in vars(cls) if not n.startswith("_"))
+    return names
+
+
+def test_coming_from_megatron_names_every_public_name_of_megatron_core() -> None:
+    page = (Path(__file__).resolve().parents[1] / "docs" / "coming-from-megatron.md"
+            ).read_text()
+    names = _megatron_public_names()
+    assert {"get_megatron_optimizer", "ParamKey", "save_parameter_state",
+            "step_with_ready_grads"} <= names  # (the enumeration finds them)
+    missing = sorted(n for n in names if not re.search(rf"`[^`]*\b{re.escape(n)}\b", page))
+    assert not missing, f"docs/coming-from-megatron.md does not name {missing}"
