@@ -130,11 +130,22 @@ def test_groups_with_their_own_lr_beta2_decay_d_and_weight_decay_match_torch() -
     assert [sorted(g) for g in opt.param_groups] == [sorted(g) for g in ref.param_groups]
 
 
-@pytest.mark.parametrize(("key", "value"), [("eps", (1e-3, 1e-3)), ("maximize", True)])
-def test_fixed_options_cannot_differ_between_groups(key: str, value: Any) -> None:
-    a, b = torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(2))
-    with pytest.raises(ValueError, match=f"fixes '{key}' for all groups"):
-        optim.Adafactor([{"params": [a]}, {"params": [b], key: value}])
+@pytest.mark.parametrize(("key", "value"), [("eps", (1e-3, 10.0)), ("maximize", True)])
+def test_groups_with_their_own_eps_or_maximize_match_torch(key: str, value: Any) -> None:
+    shapes, layouts = [(4, 3), (5,), (2, 3, 4)], ["plain"] * 3
+
+    def groups(ps: list[torch.nn.Parameter]) -> list[dict[str, Any]]:
+        return [{"params": ps[:1]}, {"params": ps[1:], key: value}]
+
+    ours, theirs = _params(shapes, layouts), _params(shapes, layouts)
+    _train(optim.Adafactor(groups(ours)), ours, steps=4)
+    _train(torch.optim.Adafactor(groups(theirs)), theirs, steps=4)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    alone = _params(shapes, layouts)
+    _train(optim.Adafactor(alone), alone, steps=4)
+    assert torch.equal(alone[0], ours[0])
+    assert not torch.equal(alone[1], ours[1])
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [

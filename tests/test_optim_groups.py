@@ -3,8 +3,9 @@
 Law: for every class and each numeric hyperparameter torch.optim lets a group set, an
 optimizer of two groups, the second setting its own value, trains as torch.optim's over 3
 steps in float64, and its second group is bitwise the one-group optimizer built with that
-value. The options functopt fixes for all groups (they choose the chain's stages) raise
-when a group sets another value, naming the key and the fix.
+value. The options that choose the chain's stages (``amsgrad``, ``maximize``, ...) may
+differ per group too: such a group runs its own chain, trains as torch.optim's, and is
+bitwise the one-group optimizer built with its options.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ GROUP_VALUES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "Adadelta": ({"lr": 0.1}, {"lr": 0.3, "rho": 0.5, "eps": 1e-3, "weight_decay": 0.1}),
     "Rprop": ({"lr": 0.1}, {"lr": 0.5}),
 }
-# class: {option functopt fixes for all groups: a value other than the default}
-FIXED: dict[str, dict[str, Any]] = {
+# class: {option that chooses the chain's stages: a value other than the default}
+OPTIONS: dict[str, dict[str, Any]] = {
     "SGD": {"dampening": 0.2, "nesterov": True, "maximize": True},
     "Adam": {"amsgrad": True, "maximize": True, "decoupled_weight_decay": True},
     "AdamW": {"amsgrad": True, "maximize": True},
@@ -47,8 +48,11 @@ FIXED: dict[str, dict[str, Any]] = {
     "RMSprop": {"centered": True, "maximize": True},
     "Adagrad": {"maximize": True},
     "Adadelta": {"maximize": True},
-    "Rprop": {"etas": (0.4, 1.5), "step_sizes": (1e-3, 1.0), "maximize": True},
+    "Rprop": {"etas": (0.4, 1.5), "step_sizes": (1e-3, 0.11), "maximize": True},
 }
+# constructor kwargs an option needs beside the class's usual ones
+NEEDS: dict[str, dict[str, Any]] = {"nesterov": {"momentum": 0.9},
+                                    "decoupled_weight_decay": {"weight_decay": 0.1}}
 STEPS = 3
 
 
@@ -178,43 +182,103 @@ def test_a_functopt_optimizer_group_starts_from_its_values() -> None:
     assert a.item() == -0.5 and b.item() == -0.01
 
 
-def _fixed_rows() -> list[Any]:
+def _option_rows() -> list[Any]:
     return [pytest.param(name, key, value, id=f"{name}-{key}")
-            for name, options in FIXED.items() for key, value in options.items()]
+            for name, options in OPTIONS.items() for key, value in options.items()]
 
 
-@pytest.mark.parametrize(("name", "key", "value"), _fixed_rows())
-def test_a_fixed_option_set_per_group_raises(name: str, key: str, value: Any) -> None:
-    kwargs = dict(GROUP_VALUES[name][0])
-    if key == "nesterov":
-        kwargs["momentum"] = 0.9
-    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
-    groups = [{"params": [a]}, {"params": [b], key: value}]
-    getattr(torch.optim, name)(groups, **kwargs)  # torch takes it
-    cls = getattr(optim, name)
-    with pytest.raises(ValueError, match=f"param group 1 has {key}=.*fixes '{key}' for all "
-                                         f"groups.*Fix: build a separate optimizer"):
-        cls(groups, **kwargs)
-    opt = cls([{"params": [a]}], **kwargs)
-    with pytest.raises(ValueError, match=f"fixes '{key}'"):
-        opt.add_param_group({"params": [b], key: value})
-    assert len(opt.param_groups) == 1
-    opt.param_groups[0][key] = value
+@pytest.mark.parametrize(("name", "key", "value"), _option_rows())
+def test_a_group_option_trains_as_torch(name: str, key: str, value: Any) -> None:
+    kwargs = {**GROUP_VALUES[name][0], **NEEDS.get(key, {})}
+    groups: list[dict[str, Any]] = [{}, {key: value}]
+    expected = _train(lambda ps: getattr(torch.optim, name)(ps, **kwargs), groups)
+    got = _train(lambda ps: getattr(optim, name)(ps, **kwargs), groups)
+    for g, e in zip(got, expected, strict=True):
+        assert (g - e).abs().max().item() <= 1e-14 * max(1.0, e.abs().max().item()), (name, key)
+    # the first group is the constructor's chain, the second the one of its own options
+    alone = _train(lambda ps: getattr(optim, name)(ps, **kwargs))
+    assert torch.equal(got[0], alone[0]), (name, key)
+    alone = _train(lambda ps: getattr(optim, name)(ps, **{**kwargs, key: value}))
+    assert torch.equal(got[1], alone[1]), (name, key)
+    assert not torch.equal(got[1], _train(lambda ps: getattr(optim, name)(ps, **kwargs))[1])
+
+    def added(ps: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        opt = getattr(optim, name)([ps[0]], **kwargs)
+        opt.add_param_group(ps[1])
+        return opt
+
+    for g, e in zip(_train(added, groups), expected, strict=True):
+        assert (g - e).abs().max().item() <= 1e-14 * max(1.0, e.abs().max().item()), (name, key)
+
+
+@pytest.mark.parametrize(("name", "key", "value"), _option_rows())
+def test_a_group_option_changed_after_its_first_step_raises(name: str, key: str,
+                                                           value: Any) -> None:
+    kwargs = {**GROUP_VALUES[name][0], **NEEDS.get(key, {})}
+    a = torch.nn.Parameter(torch.ones(2))
+    opt = getattr(optim, name)([a], **kwargs)
     a.grad = torch.ones(2)
-    with pytest.raises(ValueError, match=f"fixes '{key}'"):
+    opt.step()
+    before = a.detach().clone()
+    old = opt.param_groups[0][key]
+    opt.param_groups[0][key] = value
+    with pytest.raises(ValueError, match=rf"param_groups\[0\] changed {key}=.* after its "
+                                         rf"first step.*Fix: set them when the group is added"):
         opt.step()
+    assert torch.equal(a.detach(), before)
+    opt.param_groups[0][key] = old  # back to the options its state was made for
+    opt.step()
+    assert not torch.equal(a.detach(), before)
+
+
+def test_a_group_option_the_constructor_rejects_raises_naming_the_group() -> None:
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    with pytest.raises(TypeError, match=r"param_groups\[1\] holds \{'amsgrad': 'yes'\}.*"
+                                        r"amsgrad"):
+        optim.Adam([{"params": [a]}, {"params": [b], "amsgrad": "yes"}])
+    opt = optim.Rprop([a])
+    with pytest.raises(ValueError, match=r"param_groups\[1\] holds \{'etas'"):
+        opt.add_param_group({"params": [b], "etas": (2.0, 0.5)})
+    assert len(opt.param_groups) == 1
 
 
 @pytest.mark.parametrize(("name", "key", "value"), [
     ("SGD", "momentum", 0.9), ("RMSprop", "momentum", 0.5), ("Adam", "weight_decay", 0.1),
     ("Adagrad", "weight_decay", 0.1), ("Adadelta", "weight_decay", 0.1)])
-def test_a_later_group_needing_a_stage_the_constructor_left_out_raises(
+def test_a_later_group_needing_a_stage_the_constructor_left_out_trains_as_torch(
         name: str, key: str, value: Any) -> None:
-    # 0 in the constructor and every group: the chain has no such stage (as torch skips the
-    # maths), so a group added later with another value cannot be honoured
-    a, b = torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(1))
-    opt = getattr(optim, name)([a], lr=0.1)
-    with pytest.raises(ValueError, match=f"param group 1 has {key}={value}, but this "
-                                         f"optimizer was built with {key}=0.*Fix:"):
-        opt.add_param_group({"params": [b], key: value})
-    assert len(opt.param_groups) == 1
+    # 0 in the constructor and every group: the constructor's chain has no such stage (as
+    # torch skips the maths); a group added later with another value gets a chain with it
+    def make(module: Any) -> Any:
+        def build(ps: list[dict[str, Any]]) -> torch.optim.Optimizer:
+            opt = getattr(module, name)([ps[0]], lr=0.1)
+            opt.add_param_group(ps[1])
+            return opt
+        return build
+
+    groups: list[dict[str, Any]] = [{}, {key: value}]
+    expected = _train(make(torch.optim), groups)
+    got = _train(make(optim), groups)
+    for g, e in zip(got, expected, strict=True):
+        assert (g - e).abs().max().item() <= 1e-14 * max(1.0, e.abs().max().item())
+    assert not torch.equal(got[1], _train(lambda ps: getattr(optim, name)(ps, lr=0.1))[1])
+
+
+def test_an_optimizer_with_a_group_option_pickles_and_continues_bitwise() -> None:
+    import pickle
+
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    opt = optim.AdamW([{"params": [a]}, {"params": [b], "amsgrad": True, "maximize": True}],
+                      lr=0.1)
+    for t in range(2):
+        a.grad, b.grad = torch.full((3,), 0.3 * (t + 1)), torch.full((2,), -0.2 * (t + 1))
+        opt.step()
+    copy = pickle.loads(pickle.dumps(opt))
+    qa, qb = (g["params"][0] for g in copy.param_groups)
+    assert copy.param_groups[1]["amsgrad"] is True
+    for o, (x, y) in ((opt, (a, b)), (copy, (qa, qb))):
+        x.grad, y.grad = torch.full((3,), 0.5), torch.full((2,), 0.5)
+        o.step()
+    assert torch.equal(a, qa) and torch.equal(b, qb)
+    assert sorted(copy.state_dict()["state"][1]) == ["exp_avg", "exp_avg_sq", "max_exp_avg_sq",
+                                                     "step"]

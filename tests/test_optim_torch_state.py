@@ -183,14 +183,36 @@ def test_a_torch_checkpoint_with_differing_counts_steps_each_param_at_its_own() 
     _close(qs, rs)
 
 
+def test_a_state_dict_of_other_options_continues_with_them() -> None:
+    # torch's load_state_dict takes the saved groups' options (amsgrad=True here) with the
+    # state: so does functopt's, the group running the chain of those options
+    ps, rs = _params(), _params()
+    theirs = torch.optim.Adam(ps, lr=0.1, amsgrad=True)
+    _steps(theirs, ps, 1)
+    ref = torch.optim.Adam(rs, lr=0.1)
+    ref.load_state_dict(theirs.state_dict())
+    ours = optim.Adam(qs := _params(), lr=0.1)
+    ours.load_state_dict(_through_file(theirs.state_dict()))
+    assert ours.param_groups[0]["amsgrad"] is True
+    with torch.no_grad():
+        for q, r, p in zip(qs, rs, ps, strict=True):
+            q.copy_(p)
+            r.copy_(p)
+    _steps(ours, qs, 3)
+    _steps(ref, rs, 3)
+    _close(qs, rs)
+
+
 def test_a_state_dict_of_other_keys_raises_naming_them() -> None:
     ps = _params()
     theirs = torch.optim.Adam(ps, lr=0.1, amsgrad=True)
     _steps(theirs, ps, 1)
+    saved = theirs.state_dict()
+    saved["param_groups"][0]["amsgrad"] = False  # the entries then hold a key too many
     ours = optim.Adam(_params(), lr=0.1)
     with pytest.raises(ValueError, match=r"param 0 of param_groups\[0\] has unexpected keys "
                                          r"\['max_exp_avg_sq'\] and lacks \[\]"):
-        ours.load_state_dict(theirs.state_dict())
+        ours.load_state_dict(saved)
 
 
 def _fixture_grads(model: torch.nn.Module, t: int) -> None:

@@ -423,7 +423,7 @@ def loaded_entries(opt: Any, layout: TorchLayout, owner: str, group: dict[str, A
 
     def init(j: int) -> dict[str, Any]:
         if not fresh:
-            fresh.extend(plan.fresh(opt._transform, opt._tree(group, group["params"]),
+            fresh.extend(plan.fresh(plan.transform, opt._tree(group, group["params"]),
                                     opt._init_hyper(hyper)))
         return {name: fresh[k] for k, name in plan.entry_slots[j] if fresh[k] is not None}
 

@@ -113,6 +113,7 @@ class _Plan:
     def __init__(self, key: Any, template: State, ptree: Any, order: list[int],
                  recipe: str | None, kept: frozenset[str]) -> None:
         self.key = key
+        self.transform: GradientTransformation  # the group's (set by _plan)
         self.placement: tuple[tuple[torch.dtype, torch.device], ...] = ()  # set by _plan
         self.complex = False  # some param is complex: the transform steps its real pairs
         self.signature = recipe  # the recipe with its fixed arguments, saved in state dicts
@@ -374,6 +375,8 @@ class Optimizer(torch.optim.Optimizer):
         [0, 0, 4, 4]
     """
 
+    _differentiable_default = False  # (functopt.optim: the constructor's differentiable)
+
     # the training params kept by eval() (schedule-free), restored by train(); None in
     # train mode
     _train_params: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -412,8 +415,11 @@ class Optimizer(torch.optim.Optimizer):
                 f"group dicts, got a single tensor of shape {tuple(params.shape)}. Fix: wrap "
                 f"it in a list, or pass model.parameters()."
             )
-        # Filled from the first group's injected hyperparameters (add_param_group).
-        super().__init__(params, defaults={})
+        # Filled from the first group's injected hyperparameters (add_param_group);
+        # torch.optim's add_param_group takes non-leaf params where defaults say
+        # differentiable (a subclass's _differentiable_default).
+        super().__init__(params, defaults={"differentiable": True}
+                         if self._differentiable_default else {})
 
     @property
     def transform(self) -> GradientTransformation:
@@ -443,7 +449,7 @@ class Optimizer(torch.optim.Optimizer):
                 "functopt.Optimizer", f"param_groups[{index}]", group
             )
             plan = self._plan(index, group)
-            if not self.defaults:
+            if not self.defaults.keys() - {"differentiable"}:  # (the first group)
                 given = self.__dict__.get("_given_defaults", {})
                 values = _readable(self._transform, plan.hyper)
                 self.defaults.update({
@@ -466,12 +472,28 @@ class Optimizer(torch.optim.Optimizer):
             return
         plan.made_from = self._init_hyper(hyper)
         self._scatter(group, plan, plan.fresh(
-            self._transform, self._tree(group, self._real(group["params"])), plan.made_from))
+            plan.transform, self._tree(group, self._real(group["params"])), plan.made_from))
         self._unstepped[index] = plan
 
     def _kept_keys(self) -> frozenset[str]:
         """Group keys this optimizer keeps beyond the transform's (torch's fixed options)."""
         return frozenset()
+
+    def _group_transform(self, index: int, group: dict[str, Any]) -> GradientTransformation:
+        """The transform the group's state belongs to and its steps run (the one given;
+        ``functopt.optim`` builds one per combination of its fixed options)."""
+        return self._transform
+
+    def _group_fused(self, transform: GradientTransformation) -> bool:
+        """Whether ``transform``'s steps take a fused kernel where it has one."""
+        return self._fused
+
+    def _changed_transform(self, index: int, group: dict[str, Any], plan: _Plan) -> Exception:
+        """The error for a group whose transform changed after its state was made."""
+        return ValueError(
+            f"functopt.Optimizer: param_groups[{index}] now runs another transform than the "
+            f"one its state was made for. Fix: clear the group's state (optimizer.state) to "
+            f"restart it.")
 
     # Injected hyperparameters whose value when a group's state is created is the one the
     # transform was built with, not the group's (torch.optim.Adagrad's accumulator).
@@ -509,6 +531,12 @@ class Optimizer(torch.optim.Optimizer):
         while len(self._plans) <= index:
             self._plans.append(None)
         plan = self._plans[index]
+        transform = self._group_transform(index, group)
+        if plan is not None and plan.transform is not transform:
+            # another combination of options: a state made for the old one cannot step
+            if index not in self._unstepped and any(self.state.get(p) for p in params):
+                raise self._changed_transform(index, group, plan)
+            plan = None
         if plan is not None and placed and plan.placement != _placement(params):
             plan = None
         if plan is None or plan.key != key:
@@ -521,13 +549,14 @@ class Optimizer(torch.optim.Optimizer):
                 )
             ptree = self._tree(group, self._real(params))
             with torch.no_grad():
-                template = self._transform.init(ptree)
+                template = transform.init(ptree)
             order = _core.flatten(self._tree(group, list(range(len(params)))))[0]
             hyper = (template.hyperparams if isinstance(template, InjectHyperparamsState)
                      else {})
             plan = self._plans[index] = _Plan(key, template, ptree, order,
-                                              _recipe_of_injected(self._transform, hyper),
+                                              _recipe_of_injected(transform, hyper),
                                               self._kept_keys())
+            plan.transform = transform
             plan.placement = _placement(params)
             plan.complex = any(p.is_complex() for p in params)
         return plan
@@ -587,7 +616,7 @@ class Optimizer(torch.optim.Optimizer):
         """Check the group's values as the factory checks its arguments (a value out of
         range, b1 = 1 or a negative momentum, raises the factory's error), on every path: the
         transform is built once from them as Python numbers."""
-        spec = describe(self._transform)
+        spec = describe(plan.transform)
         if not isinstance(spec, Injected):
             return
         probe: dict[str, Any] = dict(plan.hyper)
@@ -674,7 +703,7 @@ class Optimizer(torch.optim.Optimizer):
         if not any(entries) or (unstepped is not None and (
                 unstepped is not plan
                 or _group_init.differs(plan.made_from, self._init_hyper(hyper)))):
-            template = plan.fresh(self._transform, self._tree(group, self._real(params)),
+            template = plan.fresh(plan.transform, self._tree(group, self._real(params)),
                                   self._init_hyper(hyper))
             return [hyper[name] if kind == _HYPER else leaf
                     for (kind, _, name), leaf in zip(plan.leaves, template, strict=True)], None
@@ -783,9 +812,19 @@ class Optimizer(torch.optim.Optimizer):
                 loss = closure()
         with torch.no_grad():
             for index, group in enumerate(self.param_groups):
-                self._step_group(index, group)
+                if self._differentiable(index, group):
+                    with torch.enable_grad():
+                        self._step_group(index, group)
+                else:
+                    self._step_group(index, group)
         self._state_shared = False
         return loss
+
+    def _differentiable(self, index: int, group: dict[str, Any]) -> bool:
+        """Whether the group steps under autograd (``torch.optim``'s
+        ``differentiable=True``: the pure update, the params written in place in the
+        graph)."""
+        return False
 
     # -- schedule-free: train / eval ------------------------------------------------------
 
@@ -982,11 +1021,25 @@ class Optimizer(torch.optim.Optimizer):
         # grouped adds. The step may update the gathered state where it is (donation),
         # unless a state dict handed those tensors out since the last step: then this one
         # step writes new state tensors, and the params are copied into.
+        if torch.is_grad_enabled():  # (differentiable: the pure update, in the graph)
+            tree = plan.transform.update(_core.unflatten(plan.pspec, grads),
+                                         _core.unflatten(plan.treespec, state),
+                                         _core.unflatten(plan.pspec, params))
+            for p, u in zip(params, plan.pspec.flatten_up_to(tree[0]), strict=True):
+                if u is not None:
+                    p.add_(u)
+            new_state, treespec = _core.flatten(tree[1])
+            self._scatter(group, plan, new_state, treespec)
+            self._unstepped.pop(index, None)
+            return
         donate = not self._state_shared
         steppers = self.__dict__.setdefault("_steppers", {})
-        if donate not in steppers:  # one step function each: they cache their plans
-            steppers[donate] = make_step(self._transform, donate=donate, fused=self._fused)
-        new, new_state, treespec = steppers[donate]._step_flat(
+        transform = plan.transform
+        stepper = steppers.get((transform, donate))
+        if stepper is None:  # one step function each: they cache their plans
+            stepper = steppers[transform, donate] = make_step(
+                transform, donate=donate, fused=self._group_fused(transform))
+        new, new_state, treespec = stepper._step_flat(
             params, grads, plan.pspec, state, plan.treespec)
         if not donate:
             for p, n in zip(params, new, strict=True):

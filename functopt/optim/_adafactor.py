@@ -277,8 +277,9 @@ class Adafactor(_base.TorchOptimizer):
     $g^2$, no relative step).
 
     ``lr``, ``beta2_decay``, ``d`` and ``weight_decay`` live in ``param_groups``
-    (schedulers move them; a ``weight_decay`` of 0 in the constructor and every group is
-    fixed and has no stage); ``eps`` and ``maximize`` are fixed for all groups. The state
+    (schedulers move them; a ``weight_decay`` of 0 in the constructor and every group has
+    no stage); a group may set its own ``eps`` and ``maximize`` (it runs its own
+    chain). The state
     dict is torch's (``step``, and ``row_var`` and ``col_var`` or ``variance`` per param):
     it loads into ``torch.optim.Adafactor``, and torch's loads here. The rule runs with
     ``foreach`` operations over runs of leaves (each run small enough to stay in cache on

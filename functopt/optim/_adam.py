@@ -47,13 +47,13 @@ class Adam(_base.TorchOptimizer):
     moment, corrected afterwards: ``scale_by_amsgrad(correct_after_max=True)``);
     ``maximize=True`` negates the gradient first (``scale(-1)``). Those three run the pure
     path. ``foreach``, ``fused`` and ``capturable`` are hints (``fused=True`` where there is
-    no kernel warns); ``differentiable=True`` is not supported.
+    no kernel warns); with ``differentiable=True`` the pure chain steps in the autograd
+    graph, as torch's does.
 
     ``lr``, ``betas``, ``eps`` and ``weight_decay`` live in ``param_groups`` (schedulers
-    move them, groups may set their own); ``amsgrad``, ``maximize`` and
-    ``decoupled_weight_decay`` are fixed for all groups, and with ``weight_decay=0`` in the
-    constructor and in every group, so is the weight decay (the chain then has no decay
-    stage, which keeps the fused kernel).
+    move them, groups may set their own); a group may set its own ``amsgrad``,
+    ``maximize`` and ``decoupled_weight_decay`` too (it runs its own chain). With ``weight_decay=0`` in the constructor and in
+    every group the chain has no decay stage, which keeps the fused kernel.
 
     Examples:
         >>> import torch, functopt

@@ -4,13 +4,16 @@ A ``functopt.optim`` class is a [`functopt.Optimizer`][functopt.Optimizer] over 
 built from torch's keyword arguments. The numeric hyperparameters are injected
 (``inject_hyperparams``), so they live in ``param_groups`` under torch's names and
 schedulers move them. The options that choose the chain's stages (``amsgrad``,
-``maximize``, ``nesterov``, ...) are *fixed*: they are stored in every param group, as
-torch stores them, and a group that sets or later changes one to another value raises,
+``maximize``, ``nesterov``, ...) are stored in every param group, as torch stores them; a
+group that sets its own gets its own chain, built by the class's constructor from the
+constructor's arguments with the group's options in their place. A group's options are
+read until its first step: its state belongs to its chain, so a later change raises
 instead of being silently ignored.
 """
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 import operator
@@ -139,7 +142,8 @@ def check_group(owner: str, where: str, group: dict[str, Any]) -> None:
         for item in value if pair else (value,):
             if item is None and pair:
                 continue
-            v = float(item) if isinstance(item, (int, float, torch.Tensor)) else math.nan
+            v = (float(item.detach()) if isinstance(item, torch.Tensor)
+                 else float(item) if isinstance(item, (int, float)) else math.nan)
             if not (low <= v <= high) or (high_open and v == high):
                 raise ValueError(
                     f"{owner}: {where}[{key!r}] is {value!r}; expected a number in [{low:g}, "
@@ -155,11 +159,27 @@ def check_group(owner: str, where: str, group: dict[str, Any]) -> None:
                              f"numbers in [0, 1). Fix: write e.g. (0.9, 0.999).")
 
 
+class _Built(Exception):
+    """What a constructor run for a group's options only built (`TorchOptimizer._variant`)."""
+
+    def __init__(self, transform: GradientTransformation, fused: bool) -> None:
+        super().__init__()
+        self.transform, self.fused = transform, fused
+
+
 class TorchOptimizer(Optimizer):
-    """A functopt.Optimizer with torch.optim's fixed options kept in its param groups."""
+    """A functopt.Optimizer with torch.optim's options kept in its param groups: a group
+    whose options differ from the constructor's runs its own chain."""
 
     _owner = "functopt.optim"
     _differentiable_key = True  # torch's class has a differentiable option (Muon's has not)
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> TorchOptimizer:
+        self = super().__new__(cls)
+        # The constructor's arguments but the params, by name (defaults filled in): a
+        # group's own options are built into a chain from them (see _variant).
+        self.__dict__["_given"] = _arguments(cls, args, kwargs)
+        return self
 
     def __init__(
         self,
@@ -174,13 +194,10 @@ class TorchOptimizer(Optimizer):
         differentiable: bool,
     ) -> None:
         owner = f"functopt.optim.{type(self).__name__}"
-        if differentiable:
-            raise NotImplementedError(
-                f"{owner}: differentiable=True is not supported: the step writes the params "
-                f"in place under no_grad. Fix: differentiate through the functional "
-                f"transform instead (opt.transform.update under torch.func), or use "
-                f"torch.optim with differentiable=True."
-            )
+        if differentiable and fused:
+            raise RuntimeError(f"`fused` does not support `differentiable` ({owner}: the fused "
+                               f"kernels write in place outside autograd. Fix: leave fused "
+                               f"unset with differentiable=True.)")
         if isinstance(params, torch.Tensor):
             raise TypeError(
                 f"{owner}: params argument given to the optimizer should be an iterable of "
@@ -189,18 +206,28 @@ class TorchOptimizer(Optimizer):
             )
         # Module-level factory and plain values: enough to rebuild the transform when the
         # optimizer is unpickled (its closures cannot be pickled).
-        self._recipe = (factory, dict(hyperparams), dict(flags))
         transform = _built(factory, hyperparams, flags)
+        if self.__dict__.get("_building"):  # a group's chain only: see _variant
+            raise _Built(transform, lowerable if fused is None else bool(fused))
+        self._recipe = (factory, dict(hyperparams), dict(flags))
+        # The group dicts given, without their params: a group's own chain is built as
+        # this one was, from the same group values.
+        self._skeleton = [{k: v for k, v in item.items() if k != "params"}
+                          for item in (params if isinstance(params, list) else [])
+                          if isinstance(item, dict)]
         # (kept in the groups of the classes whose torch signature has it)
-        self._fixed = {**fixed, "differentiable": False} if self._differentiable_key else fixed
+        self._fixed = ({**fixed, "differentiable": differentiable} if self._differentiable_key
+                       else fixed)
         # A tensor lr stays the caller's tensor in the groups, as torch.optim keeps it: a
         # scheduler fills it in place, and a recorded step (a CUDA graph) reads it there.
         lr = hyperparams.get("learning_rate")
-        if isinstance(lr, torch.Tensor) and not lr.requires_grad:
+        if isinstance(lr, torch.Tensor) and (differentiable or not lr.requires_grad):
             self._given_defaults = {"lr": lr}
         # fused=None: the fused kernel where the planner has one, the pure path (no warning)
         # elsewhere, as torch picks foreach. fused=True where there is no kernel warns.
-        super().__init__(params, transform, fused=lowerable if fused is None else bool(fused))
+        self._differentiable_default = differentiable
+        super().__init__(params, transform, fused=(lowerable and not differentiable)
+                         if fused is None else bool(fused))
         self.defaults.update(self._fixed)
 
     @property
@@ -210,6 +237,16 @@ class TorchOptimizer(Optimizer):
 
     def _step_owner(self) -> str:
         return f"functopt.optim.{type(self).__name__}"
+
+    def _differentiable(self, index: int, group: dict[str, Any]) -> bool:
+        if not group.get("differentiable"):
+            return False
+        if group.get("foreach"):
+            raise AssertionError(
+                f"_foreach ops don't support autograd ({self._step_owner()}: param_groups"
+                f"[{index}] has foreach=True and differentiable=True. Fix: leave foreach "
+                f"unset.)")
+        return True
 
     # How the torch class words its refusal of capturable=True on the CPU: what must be on
     # a supported device, and whether its list of those names XLA.
@@ -280,21 +317,16 @@ class TorchOptimizer(Optimizer):
         return frozenset({*self.__dict__.get("_fixed", {}), *HINTS})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """``torch.optim.Optimizer.add_param_group``; the fixed options must match."""
+        """``torch.optim.Optimizer.add_param_group``; a group with options of its own (the
+        ones that choose the chain's stages) gets its own chain."""
         owner = f"functopt.optim.{type(self).__name__}.add_param_group"
         if not isinstance(param_group, dict):
             raise TypeError(f"{owner}: expected a dict such as {{'params': [...], 'lr': 0.1}}, "
                             f"got {type(param_group).__name__}.")
         group = dict(param_group)
-        fixed = self.__dict__.get("_fixed", {})
-        given = {key: group.pop(key) for key in list(group) if key in fixed}
-        self._check_fixed(owner, f"param group {len(self.param_groups)}", given)
-        saved = {key: self.defaults.pop(key) for key in fixed if key in self.defaults}
-        try:
-            super().add_param_group(group)
-        finally:
-            self.defaults.update(saved)
-        self.param_groups[-1].update({**fixed, **{k: given[k] for k in HINTS if k in given}})
+        for key, value in self.__dict__.get("_fixed", {}).items():
+            group.setdefault(key, value)  # (before the group's chain is chosen)
+        super().add_param_group(group)
         try:
             check_group(owner, f"param group {len(self.param_groups) - 1}",
                         self.param_groups[-1])
@@ -302,27 +334,88 @@ class TorchOptimizer(Optimizer):
             self.param_groups.pop()
             raise
 
-    def _check_fixed(self, owner: str, where: str, values: dict[str, Any]) -> None:
-        for key, value in values.items():
-            expected = self._fixed[key]
-            if key in HINTS or _same(value, expected):
-                continue
+    def _group_transform(self, index: int, group: dict[str, Any]) -> GradientTransformation:
+        """The chain of the group's options: the constructor's, or one built for them."""
+        fixed = self._fixed
+        keys = self.__dict__.get("_option_keys")
+        if keys is None:
+            keys = self._option_keys = tuple(k for k in fixed
+                                             if k not in HINTS and k != "differentiable")
+        values = [group.get(k, fixed[k]) for k in keys]
+        # (the groups hold the very objects they were given: identity is the fast check)
+        resolved: list[tuple[list[Any], GradientTransformation]] = self.__dict__.setdefault(
+            "_resolved", [])
+        for seen, transform in resolved:
+            if all(map(operator.is_, seen, values)):
+                return transform
+        options = {k: v for k, v in zip(keys, values, strict=True) if not _same(v, fixed[k])}
+        transform = self._variant(index, options) if options else self._transform
+        if len(resolved) >= 16:
+            del resolved[0]
+        resolved.append((values, transform))
+        return transform
+
+    def _variant(self, index: int, options: dict[str, Any]) -> GradientTransformation:
+        """The chain the class's constructor builds from its arguments with ``options``
+        (a group's) in their place: the constructor's own checks and choice of stages."""
+        variants: dict[str, tuple[GradientTransformation, bool, dict[str, Any]]] = (
+            self.__dict__.setdefault("_variants", {}))
+        key = repr(sorted(options.items()))
+        if key in variants:
+            return variants[key][0]
+        owner = f"functopt.optim.{type(self).__name__}"
+        given = self.__dict__.get("_given")
+        # the class's constructor, or the nearest one that takes every option (AdamW's
+        # decoupled_weight_decay is an argument of Adam's)
+        init = next((c.__init__ for c in type(self).__mro__
+                     if issubclass(c, TorchOptimizer) and c is not TorchOptimizer
+                     and set(options) <= set(inspect.signature(c.__init__).parameters)),
+                    None)
+        if given is None or init is None:
             raise ValueError(
-                f"{owner}: {where} has {key}={value!r}, but this optimizer was built with "
-                f"{key}={expected!r}. functopt.optim fixes {key!r} for all groups (it chooses "
-                f"the stages of the chain). Fix: build a separate optimizer for the params "
-                f"that need {key}={value!r}, or set it in the constructor."
-            )
+                f"{owner}: param_groups[{index}] sets {options}, which functopt cannot build "
+                f"a chain for (no constructor of this class takes them all). Fix: build a "
+                f"separate optimizer for these params.")
+        names = inspect.signature(init).parameters
+        kwargs = {k: v for k, v in {**given, **options}.items() if k in names}
+        probe = type(self).__new__(type(self))
+        probe.__dict__["_building"] = True
+        try:
+            init(probe, [dict(g) for g in self.__dict__.get("_skeleton", [])], **kwargs)
+        except _Built as built:
+            variants[key] = (built.transform, built.fused, options)
+            return built.transform
+        except (ValueError, TypeError) as error:
+            raise type(error)(f"{owner}: param_groups[{index}] holds {options}, which the "
+                              f"constructor rejects: {error}") from None
+        raise AssertionError(f"{owner}'s constructor built no chain")  # pragma: no cover
+
+    def _group_fused(self, transform: GradientTransformation) -> bool:
+        for made, fused, _ in self.__dict__.get("_variants", {}).values():
+            if made is transform:
+                return bool(fused)
+        return self._fused
+
+    def _changed_transform(self, index: int, group: dict[str, Any], plan: Any) -> Exception:
+        before: dict[str, Any] = dict(self._fixed)
+        for made, _, options in self.__dict__.get("_variants", {}).values():
+            if made is plan.transform:
+                before.update(options)
+        changed = ", ".join(f"{k}={before[k]!r} -> {group.get(k, self._fixed[k])!r}"
+                            for k in self._option_keys
+                            if not _same(group.get(k, self._fixed[k]), before[k]))
+        return ValueError(
+            f"functopt.optim.{type(self).__name__}.step: param_groups[{index}] changed "
+            f"{changed} after its first step. These options choose the group's chain, and "
+            f"its state is that chain's. Fix: set them when the group is added (in the "
+            f"constructor or add_param_group), or build a separate optimizer for these "
+            f"params.")
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """``torch.optim.Optimizer.step``: update every param group (after ``closure``)."""
-        fixed = self._fixed
-        watched = self.__dict__.get("_watched")
-        if watched is None:  # the fixed options, then the keys check_group reads
-            watched = self._watched = (*(k for k in fixed if k not in HINTS), *_CHECKED_KEYS)
+        watched = _CHECKED_KEYS
         # Per group, the values last checked: a group that holds the very same objects
-        # again (numbers, tuples, bools, None) is not checked again; a tensor value always
-        # is.
+        # again (numbers, tuples, None) is not checked again; a tensor value always is.
         checked: dict[int, list[Any]] = self.__dict__.setdefault("_checked", {})
         for i, group in enumerate(self.param_groups):
             get = group.get
@@ -334,14 +427,6 @@ class TorchOptimizer(Optimizer):
             if last is not None and all(map(operator.is_, last, values)):
                 continue
             checked.pop(i, None)
-            # The groups hold the very objects stored at construction: identity is the fast
-            # check, equality the exact one.
-            for k in watched[:len(watched) - len(_CHECKED_KEYS)]:
-                if get(k, fixed[k]) is not fixed[k]:
-                    self._check_fixed(f"functopt.optim.{type(self).__name__}.step",
-                                      f"param_groups[{i}]",
-                                      {k: group[k] for k in fixed if k in group})
-                    break
             check_group(f"functopt.optim.{type(self).__name__}.step", f"param_groups[{i}]",
                         group)
             if all(v is _UNSET or _immutable(v) for v in values):
@@ -349,7 +434,9 @@ class TorchOptimizer(Optimizer):
         return self._step(closure)  # (not super().step: torch hooks that one too)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "_fixed": self._fixed, "_recipe": self._recipe}
+        return {**super().__getstate__(), "_fixed": self._fixed, "_recipe": self._recipe,
+                "_given": self.__dict__.get("_given"),
+                "_skeleton": self.__dict__.get("_skeleton", [])}
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # Pickle without the transform's closures; __setstate__ rebuilds it from the recipe.
@@ -384,6 +471,21 @@ def _built(factory: Callable[..., GradientTransformation], hyperparams: dict[str
     """The chain with ``hyperparams`` injected and ``flags`` (the options that choose its
     stages, a number such as SGD's ``dampening`` too) fixed: a flag is no group value."""
     return inject_hyperparams(factory, static_args=tuple(flags))(**hyperparams, **flags)
+
+
+def _arguments(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """``cls``'s constructor arguments by name, its defaults filled in, but ``self`` and
+    the params (None where they do not bind: the constructor raises then)."""
+    if not args and not kwargs:
+        return None
+    signature = inspect.signature(cls.__init__)  # type: ignore[misc]
+    try:
+        bound = signature.bind(None, *args, **kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    skip = list(signature.parameters)[:2]
+    return {k: v for k, v in bound.arguments.items() if k not in skip}
 
 
 def _rebuild(cls: type[TorchOptimizer]) -> TorchOptimizer:

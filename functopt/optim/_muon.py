@@ -35,9 +35,9 @@ class Muon(_base.TorchOptimizer):
     ``foreach`` ops, the iteration batched over same-shape matrices).
 
     ``lr``, ``weight_decay`` and ``momentum`` live in ``param_groups`` (schedulers move
-    them; a ``weight_decay`` of 0 in the constructor and every group is fixed and has no
-    stage); ``nesterov``, ``ns_coefficients``, ``eps``, ``ns_steps`` and ``adjust_lr_fn``
-    are fixed for all groups. The state dict is torch's (``momentum_buffer`` per param, no
+    them; a ``weight_decay`` of 0 in the constructor and every group has no stage); a group
+    may set its own ``nesterov``, ``ns_coefficients``, ``eps``, ``ns_steps`` and
+    ``adjust_lr_fn`` (it runs its own chain). The state dict is torch's (``momentum_buffer`` per param, no
     ``step``): it loads into ``torch.optim.Muon``, and torch's loads here.
 
     ``ns_dtype`` (keyword only, not in torch's signature) is the dtype of the iteration:

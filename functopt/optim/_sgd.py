@@ -28,9 +28,10 @@ class SGD(_base.TorchOptimizer):
     fused SGD kernel. With ``dampening`` the momentum is
     [`functopt.dampened_trace`][functopt.dampened_trace] (no kernel); ``maximize=True``
     negates the gradient first (no kernel). ``lr``, ``weight_decay`` and ``momentum`` live
-    in ``param_groups``; ``dampening``, ``nesterov`` and ``maximize`` are fixed for all
-    groups, and so is ``momentum`` when it is 0 in the constructor and in every group (the
-    chain then keeps no momentum buffer, as torch).
+    in ``param_groups``; a group may set its own ``dampening``, ``nesterov`` and
+    ``maximize`` (it runs its own chain). A
+    ``momentum`` of 0 in the constructor and in every group has no stage (the chain keeps
+    no momentum buffer, as torch).
 
     Examples:
         >>> import torch, functopt
@@ -128,8 +129,8 @@ class RMSprop(_base.TorchOptimizer):
     with eps outside the root, [trace(momentum)], scale_by_learning_rate)``: the momentum
     accumulates the scaled gradient before the learning rate, as torch. ``lr``, ``alpha``,
     ``eps``, ``weight_decay`` and ``momentum`` live in ``param_groups`` (a zero
-    ``momentum`` or ``weight_decay`` in the constructor and every group is fixed, and has
-    no stage); ``centered`` and ``maximize`` are fixed.
+    ``momentum`` or ``weight_decay`` in the constructor and every group has no stage); a
+    group may set its own ``centered`` and ``maximize``.
 
     Examples:
         >>> import torch, functopt
@@ -315,8 +316,8 @@ class Rprop(_base.TorchOptimizer):
 
     ``chain([scale(-1)], scale_by_rprop(lr, *etas, *step_sizes), scale(-1))``
     ([`functopt.rprop`][functopt.rprop]). ``lr`` is the initial step size (read when a
-    group's state is created, as in torch); ``etas``, ``step_sizes`` and ``maximize`` are
-    fixed for all groups.
+    group's state is created, as in torch); a group may set its own ``etas``,
+    ``step_sizes`` and ``maximize``.
 
     Examples:
         >>> import torch, functopt
