@@ -19,6 +19,11 @@ from functopt import optim
 
 pytestmark = pytest.mark.usefixtures("float64_default")
 
+# The params and gradients are of order 1: an entry of a gradient that cancels to nearly 0
+# (Adam's update barely moves with its gradient) keeps an absolute rounding of a few ulps
+# of 1, so its bound is absolute; a wrong derivative is off by orders more.
+_ATOL = 1e-13
+
 # class, constructor kwargs
 CASES: list[tuple[str, dict[str, Any]]] = [
     ("Adam", {}), ("Adam", {"amsgrad": True, "weight_decay": 0.1}), ("AdamW", {}),
@@ -78,7 +83,7 @@ def test_a_step_and_its_gradients_equal_torch(name: str, kwargs: dict[str, Any])
     for a, b in zip(mine, ref, strict=True):
         assert (a is None) == (b is None)
         if a is not None:
-            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=_ATOL)
 
 
 @pytest.mark.parametrize("name", ["Adam", "AdamW", "RAdam"])
@@ -121,3 +126,50 @@ def test_without_differentiable_the_step_stays_outside_the_graph() -> None:
     p.grad = g1.detach()
     opt.step()
     assert p.grad_fn is None and opt.param_groups[0]["differentiable"] is False
+
+
+def _db_configs() -> list[Any]:
+    from torch.testing._internal.common_optimizers import optim_db
+
+    rows = []
+    for entry in optim_db:
+        name = entry.optim_cls.__name__
+        if not hasattr(optim, name) or name in ("Muon", "Adafactor"):  # (no such option)
+            continue
+        for config in entry.optim_inputs_func(device="cpu"):
+            kwargs = dict(config.kwargs)
+            if config.params is not None or any(kwargs.get(k) for k in
+                                                ("foreach", "fused", "capturable")):
+                continue
+            rows.append(pytest.param(name, kwargs, id=f"{name}-{config.desc}"))
+    return rows
+
+
+@pytest.mark.parametrize(("name", "kwargs"), _db_configs())
+def test_every_optim_db_configuration_steps_differentiably(name: str,
+                                                            kwargs: dict[str, Any]) -> None:
+    # torch's own test database: each configuration's step, with differentiable=True,
+    # passes gradcheck and equals torch's differentiable step (values; the param's
+    # gradient where torch's runs it: not through SGD's detached first momentum buffer)
+    kwargs = {"lr": 0.1, **kwargs}
+    lr = kwargs.pop("lr")
+    if isinstance(lr, torch.Tensor):
+        lr = lr.to(torch.float64)
+    w, g1, _ = _inputs()
+    assert torch.autograd.gradcheck(
+        lambda w, g1: _steps(optim, name, kwargs, w, [g1], lr=lr)[0], (w, g1))
+    ours = _steps(optim, name, kwargs, w, [g1], lr=lr)[0]
+    try:
+        theirs = _steps(torch.optim, name, kwargs, w, [g1], lr=lr)[0]
+    except TypeError as error:  # torch's in-place ops take no tensor lr there
+        assert isinstance(lr, torch.Tensor), error
+        return
+    torch.testing.assert_close(ours, theirs, rtol=1e-13, atol=1e-14)
+    if name == "SGD" and kwargs.get("momentum"):
+        return
+    mine = torch.autograd.grad(ours.square().sum(), (w, g1), allow_unused=True)
+    ref = torch.autograd.grad(theirs.square().sum(), (w, g1), allow_unused=True)
+    for a, b in zip(mine, ref, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=_ATOL)
