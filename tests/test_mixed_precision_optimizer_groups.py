@@ -279,6 +279,36 @@ def test_a_group_edit_within_the_layout_rebuilds_and_equals_torch() -> None:
     _close(model, ref)
 
 
+@pytest.mark.parametrize("case", list(TORCH_CASES))
+def test_a_functopt_optim_optimizer_is_translated_as_torchs(case: str) -> None:
+    # functopt.optim's classes make their state at construction: not stepped yet, so the
+    # facade takes them, and steps them bitwise as the torch class of the same name
+    def swapped(ps: list[dict]) -> torch.optim.Optimizer:
+        made = TORCH_CASES[case](ps)
+        return getattr(functopt.optim, type(made).__name__)(
+            ps, **{k: v for k, v in made.defaults.items() if k in {
+                "lr", "betas", "weight_decay", "momentum", "nesterov", "alpha", "centered",
+                "lr_decay", "initial_accumulator_value"}})
+
+    models = []
+    for make in (TORCH_CASES[case], swapped):
+        model = _model()
+        opt = MixedPrecisionOptimizer(make(_groups(model)), loss_scale=None,
+                                      fused=case not in PURE_PATH)
+        for t in range(4):
+            _loss(model, t).backward()
+            opt.step()
+            opt.zero_grad()
+        models.append(model)
+    assert _bitwise(*models)
+    assert not _bitwise(models[0], _model())
+    stepped = swapped(_groups(model := _model()))
+    _loss(model, 0).backward()
+    stepped.step()
+    with pytest.raises(ValueError, match=r"optimizer has state \(it has stepped\)"):
+        MixedPrecisionOptimizer(stepped)
+
+
 def test_translation_refuses_what_it_cannot_translate() -> None:
     model = _model()
     with pytest.raises(TypeError, match=r"cannot translate torch.optim.adamax.Adamax"):

@@ -176,8 +176,17 @@ def translate(
     if name not in _READ or not (cls is torch_class or ours):
         raise TypeError(CANNOT_TRANSLATE.format(owner=owner,
                                                 name=f"{cls.__module__}.{cls.__qualname__}"))
-    # (Adagrad makes its state at construction, with step 0: not stepped yet.)
-    if any(entry and float(entry.get("step", 1)) > 0 for entry in optimizer.state.values()):
+    # (Adagrad makes its state at construction, with step 0: not stepped yet; so does every
+    # functopt.optim class, in functopt's layout: stepped is a group that left the state
+    # its construction made, or one loaded.)
+    if ours:
+        fresh = optimizer.__dict__.get("_unstepped", {})
+        stepped = any(i not in fresh and any(optimizer.state.get(p) for p in g["params"])
+                      for i, g in enumerate(optimizer.param_groups))
+    else:
+        stepped = any(entry and float(entry.get("step", 1)) > 0
+                      for entry in optimizer.state.values())
+    if stepped:
         raise ValueError(
             f"{owner}: the {name} optimizer has state (it has stepped); its state does not "
             f"carry over into functopt's. Fix: build the torch optimizer and hand it over "
