@@ -71,12 +71,18 @@ def test_two_steps_pass_gradcheck(name: str, kwargs: dict[str, Any]) -> None:
 @pytest.mark.parametrize(("name", "kwargs"), _ids())
 def test_a_step_and_its_gradients_equal_torch(name: str, kwargs: dict[str, Any]) -> None:
     w, g1, _ = _inputs()
-    ours = _steps(optim, name, kwargs, w, [g1])[0]
-    theirs = _steps(torch.optim, name, kwargs, w, [g1])[0]
+    _equal_to_torch(name, kwargs, w, g1, _steps(torch.optim, name, kwargs, w, [g1])[0])
+
+
+def _equal_to_torch(name: str, kwargs: dict[str, Any], w: torch.Tensor, g1: torch.Tensor,
+                    theirs: torch.Tensor, lr: Any = 0.1) -> None:
+    """functopt's step from ``w`` with ``g1`` is torch's step ``theirs``, and so are the
+    param's gradients with respect to ``w`` and ``g1``."""
+    ours = _steps(optim, name, kwargs, w, [g1], lr=lr)[0]
     torch.testing.assert_close(ours, theirs, rtol=1e-13, atol=1e-14)
     if name == "SGD" and kwargs.get("momentum"):
         # torch.optim.SGD's first momentum buffer is a detached copy of the gradient, so
-        # its step is not differentiated through it; functopt's is (gradcheck above)
+        # its step is not differentiated through it; functopt's is (gradcheck)
         return
     mine = torch.autograd.grad(ours.square().sum(), (w, g1), allow_unused=True)
     ref = torch.autograd.grad(theirs.square().sum(), (w, g1), allow_unused=True)
@@ -158,18 +164,9 @@ def test_every_optim_db_configuration_steps_differentiably(name: str,
     w, g1, _ = _inputs()
     assert torch.autograd.gradcheck(
         lambda w, g1: _steps(optim, name, kwargs, w, [g1], lr=lr)[0], (w, g1))
-    ours = _steps(optim, name, kwargs, w, [g1], lr=lr)[0]
     try:
         theirs = _steps(torch.optim, name, kwargs, w, [g1], lr=lr)[0]
     except TypeError as error:  # torch's in-place ops take no tensor lr there
         assert isinstance(lr, torch.Tensor), error
         return
-    torch.testing.assert_close(ours, theirs, rtol=1e-13, atol=1e-14)
-    if name == "SGD" and kwargs.get("momentum"):
-        return
-    mine = torch.autograd.grad(ours.square().sum(), (w, g1), allow_unused=True)
-    ref = torch.autograd.grad(theirs.square().sum(), (w, g1), allow_unused=True)
-    for a, b in zip(mine, ref, strict=True):
-        assert (a is None) == (b is None)
-        if a is not None:
-            torch.testing.assert_close(a, b, rtol=1e-12, atol=_ATOL)
+    _equal_to_torch(name, kwargs, w, g1, theirs, lr=lr)

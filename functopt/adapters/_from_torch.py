@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from functopt._base import GradientTransformation
+from functopt.adapters.optimizer import Optimizer
 from functopt.transforms.hyperparams import inject_hyperparams
 
 __all__: list[str] = []
@@ -179,10 +180,8 @@ def translate(
     # (Adagrad makes its state at construction, with step 0: not stepped yet; so does every
     # functopt.optim class, in functopt's layout: stepped is a group that left the state
     # its construction made, or one loaded.)
-    if ours:
-        fresh = optimizer.__dict__.get("_unstepped", {})
-        stepped = any(i not in fresh and any(optimizer.state.get(p) for p in g["params"])
-                      for i, g in enumerate(optimizer.param_groups))
+    if isinstance(optimizer, Optimizer):
+        stepped = any(optimizer._stepped(i, g) for i, g in enumerate(optimizer.param_groups))
     else:
         stepped = any(entry and float(entry.get("step", 1)) > 0
                       for entry in optimizer.state.values())

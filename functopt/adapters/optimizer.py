@@ -497,6 +497,11 @@ class Optimizer(torch.optim.Optimizer):
         """Whether ``transform``'s steps take a fused kernel where it has one."""
         return self._fused
 
+    def _stepped(self, index: int, group: dict[str, Any]) -> bool:
+        """Whether the group's state is no longer the one add_param_group made (a step, or
+        a load, changed it)."""
+        return index not in self._unstepped and any(self.state.get(p) for p in group["params"])
+
     def _changed_transform(self, index: int, group: dict[str, Any], plan: _Plan) -> Exception:
         """The error for a group whose transform changed after its state was made."""
         return ValueError(
@@ -543,7 +548,7 @@ class Optimizer(torch.optim.Optimizer):
         transform = self._group_transform(index, group)
         if plan is not None and plan.transform is not transform:
             # another combination of options: a state made for the old one cannot step
-            if index not in self._unstepped and any(self.state.get(p) for p in params):
+            if self._stepped(index, group):
                 raise self._changed_transform(index, group, plan)
             plan = None
         if plan is not None and placed and plan.placement != _placement(params):

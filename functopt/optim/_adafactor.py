@@ -278,14 +278,14 @@ class Adafactor(_base.TorchOptimizer):
 
     ``lr``, ``beta2_decay``, ``d`` and ``weight_decay`` live in ``param_groups``
     (schedulers move them; a ``weight_decay`` of 0 in the constructor and every group has
-    no stage); a group may set its own ``eps`` and ``maximize`` (it runs its own
-    chain). The state
-    dict is torch's (``step``, and ``row_var`` and ``col_var`` or ``variance`` per param):
-    it loads into ``torch.optim.Adafactor``, and torch's loads here. The rule runs with
-    ``foreach`` operations over runs of leaves (each run small enough to stay in cache on
-    the CPU), in place on its own temporaries, and reads one value back to the host per
-    step (whether some matrix meets the floor of its variance estimate); under autograd it
-    makes every tensor anew, so gradients flow through ``opt.transform``'s update.
+    no stage); a group may set its own ``eps`` and ``maximize`` (it runs its own chain).
+    The state dict is torch's (``step``, and ``row_var`` and ``col_var`` or ``variance``
+    per param): it loads into ``torch.optim.Adafactor``, and torch's loads here. The rule
+    runs with ``foreach`` operations over runs of leaves (each run small enough to stay in
+    cache on the CPU), in place on its own temporaries, and reads one value back to the
+    host per step (whether some matrix meets the floor of its variance estimate); under
+    autograd it makes every tensor anew, so gradients flow through ``opt.transform``'s
+    update.
 
     Examples:
         >>> import torch, functopt

@@ -52,8 +52,9 @@ class Adam(_base.TorchOptimizer):
 
     ``lr``, ``betas``, ``eps`` and ``weight_decay`` live in ``param_groups`` (schedulers
     move them, groups may set their own); a group may set its own ``amsgrad``,
-    ``maximize`` and ``decoupled_weight_decay`` too (it runs its own chain). With ``weight_decay=0`` in the constructor and in
-    every group the chain has no decay stage, which keeps the fused kernel.
+    ``maximize`` and ``decoupled_weight_decay`` too (it runs its own chain). With
+    ``weight_decay=0`` in the constructor and in every group the chain has no decay stage,
+    which keeps the fused kernel.
 
     Examples:
         >>> import torch, functopt

@@ -207,8 +207,11 @@ class TorchOptimizer(Optimizer):
         # Module-level factory and plain values: enough to rebuild the transform when the
         # optimizer is unpickled (its closures cannot be pickled).
         transform = _built(factory, hyperparams, flags)
+        # fused=None: the fused kernel where the planner has one, the pure path (no warning)
+        # elsewhere, as torch picks foreach. fused=True where there is no kernel warns.
+        kernel = (lowerable and not differentiable) if fused is None else bool(fused)
         if self.__dict__.get("_building"):  # a group's chain only: see _variant
-            raise _Built(transform, lowerable if fused is None else bool(fused))
+            raise _Built(transform, kernel)
         self._recipe = (factory, dict(hyperparams), dict(flags))
         # The group dicts given, without their params: a group's own chain is built as
         # this one was, from the same group values.
@@ -223,11 +226,8 @@ class TorchOptimizer(Optimizer):
         lr = hyperparams.get("learning_rate")
         if isinstance(lr, torch.Tensor) and (differentiable or not lr.requires_grad):
             self._given_defaults = {"lr": lr}
-        # fused=None: the fused kernel where the planner has one, the pure path (no warning)
-        # elsewhere, as torch picks foreach. fused=True where there is no kernel warns.
         self._differentiable_default = differentiable
-        super().__init__(params, transform, fused=(lowerable and not differentiable)
-                         if fused is None else bool(fused))
+        super().__init__(params, transform, fused=kernel)
         self.defaults.update(self._fixed)
 
     @property
