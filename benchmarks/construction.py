@@ -3,9 +3,9 @@
 For each size (a number of 1-element params) and each class, builds the functopt.optim
 optimizer and the torch.optim one over the same params ``--repeats`` times and reports the
 median wall time of the constructor and of ``state_dict()``. Both must grow linearly with
-the number of params; the ratio to torch is printed beside them. functopt makes every
-param's state at construction (torch.optim makes it at the first step), so its
-constructor does the work of torch's first step too.
+the number of params; the ratio to torch is printed beside them. Both make a param's
+state when it is first needed (the first step; functopt also on a read of
+``optimizer.state``), Adagrad in its constructor.
 
 Usage: ``python benchmarks/construction.py [--sizes 8000,100000] [--classes AdamW,SGD]
 [--repeats 3] [--json PATH]``.

@@ -202,6 +202,9 @@ class Injected(Spec):
     names: tuple[str, ...]
     schedules: Mapping[str, Callable[[Any], Any]]
     values_at: Callable[[Any, dict[str, Any]], dict[str, Any]]
+    # the hyperparameters ``init`` puts in its state when its count is on ``device`` (None:
+    # only ``init`` itself says)
+    initial: Callable[[Any], dict[str, Any]] | None = None
 
 
 class SpecifiedTransformation(GradientTransformation):

@@ -141,3 +141,24 @@ def test_adafactor_and_muon_refuse_a_complex_param_at_the_step_as_torch(name: st
         messages.append(str(raised.value))
     ours, theirs = messages
     assert ours.startswith(theirs) and "param 0 of param_groups[0]" in ours
+
+
+@pytest.mark.parametrize("name", ["Adam", "AdamW", "SGD", "Adagrad"])
+@pytest.mark.parametrize("first", [True, False], ids=["complex-first", "complex-second"])
+def test_fused_refuses_a_complex_param_as_torch_at_the_step(name: str, first: bool) -> None:
+    made = {}
+    for module in (torch.optim, optim):
+        ps = _params()[:2] if first else _params()[1::-1]
+        for p in ps:
+            p.grad = torch.ones_like(p)
+        opt = getattr(module, name)(ps, lr=0.1, fused=True)
+        with pytest.raises(RuntimeError) as raised:
+            opt.step()
+        made[module] = str(raised.value)
+        assert all(torch.equal(p, q) for p, q in zip(ps, _params()[:2] if first
+                                                     else _params()[1::-1], strict=True))
+    # every param with a gradient is checked, not only the first; torch's words for a
+    # complex param after the first are its kernel's (SGD) or a shorter message
+    assert f"param {0 if first else 1} of param_groups[0] is complex128" in made[optim]
+    if first:
+        assert made[optim].startswith(made[torch.optim])

@@ -282,3 +282,38 @@ def test_an_optimizer_with_a_group_option_pickles_and_continues_bitwise() -> Non
     assert torch.equal(a, qa) and torch.equal(b, qb)
     assert sorted(copy.state_dict()["state"][1]) == ["exp_avg", "exp_avg_sq", "max_exp_avg_sq",
                                                      "step"]
+
+
+@pytest.mark.parametrize("name", ["Rprop", "Adadelta"])
+def test_a_zero_weight_decay_on_a_class_without_it_is_kept_and_steps_as_torch(
+        name: str) -> None:
+    # code written for several torch.optim classes sets weight_decay=0.0 on a bias group
+    made = {}
+    for module in (torch.optim, optim):
+        g = torch.Generator().manual_seed(0)
+        w, b = (torch.nn.Parameter(torch.randn(3, 2, generator=g, dtype=torch.float64))
+                for _ in range(2))
+        groups = [{"params": [w]}, {"params": [b], "weight_decay": 0.0}]
+        if name == "Rprop":
+            opt = getattr(module, name)(groups, lr=0.1)
+        else:
+            opt = getattr(module, name)(groups, lr=0.1, weight_decay=0.1)
+        for t in range(3):
+            for p in (w, b):
+                p.grad = torch.sin(p.detach() * (t + 1))
+            opt.step()
+        made[module] = (w.detach(), b.detach(), opt.param_groups[1]["weight_decay"])
+    assert torch.equal(made[optim][0], made[torch.optim][0])
+    assert torch.equal(made[optim][1], made[torch.optim][1])
+    assert made[optim][2] == made[torch.optim][2] == 0.0
+
+
+def test_a_nonzero_weight_decay_on_a_class_without_it_still_raises() -> None:
+    w = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(ValueError, match="'weight_decay'"):
+        optim.Rprop([{"params": [w], "weight_decay": 0.1}])
+    opt = optim.Rprop([{"params": [w], "weight_decay": 0.0}])
+    opt.param_groups[0]["weight_decay"] = 0.01
+    w.grad = torch.ones(2)
+    with pytest.raises(ValueError, match="'weight_decay'"):
+        opt.step()

@@ -177,9 +177,9 @@ def translate(
     if name not in _READ or not (cls is torch_class or ours):
         raise TypeError(CANNOT_TRANSLATE.format(owner=owner,
                                                 name=f"{cls.__module__}.{cls.__qualname__}"))
-    # (Adagrad makes its state at construction, with step 0: not stepped yet; so does every
-    # functopt.optim class, in functopt's layout: stepped is a group that left the state
-    # its construction made, or one loaded.)
+    # (Adagrad makes its state at construction, with step 0: not stepped yet. A
+    # functopt.optim group has stepped once it left the state add_param_group planned, or
+    # was loaded.)
     if isinstance(optimizer, Optimizer):
         stepped = any(optimizer._stepped(i, g) for i, g in enumerate(optimizer.param_groups))
     else:

@@ -419,6 +419,14 @@ def is_label(key: str, value: Any, renamed: Collection[str] = (),
             and key not in foreign)
 
 
+def _asks_nothing(key: str, value: Any) -> bool:
+    """Whether a group value asks for nothing, so that a transform without the option
+    honours it as it is: a weight decay of 0 (torch's default, which code written for
+    several torch.optim classes sets on groups of any class)."""
+    return key == "weight_decay" and isinstance(value, (int, float)) and (
+        not isinstance(value, bool)) and value == 0
+
+
 def check_group_keys(owner: str, where: str, group: Mapping[str, Any],
                      allowed: Collection[str], exposed: Mapping[str, tuple[str, ...]],
                      recipe: str | None, arguments: Collection[str] = ()) -> None:
@@ -437,7 +445,8 @@ def check_group_keys(owner: str, where: str, group: Mapping[str, Any],
     renamed = {name: k for k, names in exposed.items() for name in names if name != k}
     foreign = FOREIGN_GROUP_KEYS.get(recipe or "", {})
     for key in group:
-        if key in allowed or is_label(key, group[key], renamed, foreign):
+        if key in allowed or is_label(key, group[key], renamed, foreign) or (
+                _asks_nothing(key, group[key])):
             continue
         others = f", the factory's arguments {sorted(arguments)}" if arguments else ""
         reads = (f"its groups hold the transform's hyperparameters {sorted(exposed)}{others}, "

@@ -385,6 +385,8 @@ def state_dict(opt: Any, layout: TorchLayout) -> dict[str, Any]:
     groups: list[dict[str, Any]] = []
     state: dict[int, Any] = {}
     plans = opt._plans
+    pending = opt._pending  # groups whose state is still to be made: none yet, as in torch
+    store = opt.__dict__["_store"]  # (opt.state would make it)
     for i, group in enumerate(opt.param_groups):
         params = group["params"]
         for p in params:
@@ -393,15 +395,15 @@ def state_dict(opt: Any, layout: TorchLayout) -> dict[str, Any]:
         packed["params"] = [ids[id(p)] for p in params]
         groups.append(packed)
         plan = plans[i] if i < len(plans) else None
-        if plan is None or not params:  # frozen (or empty): no state, as torch's
+        if plan is None or not params or i in pending:  # frozen, empty or unstepped
             continue
         keys = plan_keys(owner, cls, layout, plan)
-        get = opt.state.get
+        get = store.get
         made = to_torch(layout, keys, group, params, [get(p) for p in params])
         for p, entry in zip(params, made, strict=True):
             if entry is not None:
                 state[ids[id(p)]] = entry
-    saved: dict[str, Any] = {"state": _state_dict.packed_state(state, _state_dict.own_keys(opt.state)),
+    saved: dict[str, Any] = {"state": _state_dict.packed_state(state, _state_dict.own_keys(store)),
                              "param_groups": groups}
     for post_hook in opt._optimizer_state_dict_post_hooks.values():
         result = post_hook(opt, saved)

@@ -110,16 +110,45 @@ TORCH_OPTIMIZER = (
 
 
 class _Plan:
-    """How one group's transform state maps onto ``optimizer.state`` and ``param_groups``."""
+    """How one group's transform state maps onto ``optimizer.state`` and ``param_groups``.
 
-    def __init__(self, key: Any, template: State, ptree: Any, order: list[int],
-                 recipe: str | None, kept: frozenset[str]) -> None:
+    Made in two parts: the group-level part (the injected hyperparameters, the group keys,
+    the checks' caches) when the group is added, and the per-param layout (``lay_out``,
+    from a ``transform.init`` of the group's params) when its state is first made: at the
+    first step, or when ``optimizer.state`` is first read, as torch.optim makes its state
+    lazily."""
+
+    def __init__(self, key: Any, transform: GradientTransformation,
+                 hyper: dict[str, torch.Tensor], recipe: str | None,
+                 kept: frozenset[str]) -> None:
         self.key = key
-        self.transform: GradientTransformation  # the group's (set by _plan)
-        self.placement: tuple[tuple[torch.dtype, torch.device], ...] = ()  # set by _plan
-        self.complex = False  # some param is complex: the transform steps its real pairs
+        self.transform = transform  # the group's
         self.signature = recipe  # the recipe with its fixed arguments, saved in state dicts
         self.recipe = None if recipe is None else recipe.split("(", 1)[0]
+        self.hyper: dict[str, torch.Tensor] = dict(hyper)
+        self.exposed = _param_groups.recipe_group_keys("functopt.Optimizer", self.recipe,
+                                                       list(self.hyper))
+        # The keys a group may hold: everything else is a value no step would read.
+        self.allowed = frozenset({"params", "param_names", *_param_groups.FLAG_KEYS,
+                                  *_param_groups.SCHEDULER_GROUP_KEYS, *self.exposed, *kept})
+        self.cache: dict[str, tuple[Any, torch.Tensor]] = {}
+        self.checked: dict[str, Any] = {}  # injected name -> the group value last validated
+        # The last step's hyperparameters: (the group values they came from, the
+        # multipliers, the tensors the step read). A step whose group holds the very same
+        # immutable values takes them as they are (nothing converted, checked or multiplied
+        # again); any other value (a new number, a tensor, a list) goes the whole way.
+        self.last_hyper: tuple[list[Any], tuple[float, float], dict[str, Any]] | None = None
+        # The hyperparameters the group's state was made from by add_param_group.
+        self.made_from: dict[str, Any] = {}
+        self.laid_out = False
+
+    def lay_out(self, template: State, ptree: Any, order: list[int],
+                params: list[torch.Tensor]) -> None:
+        """The per-param part: where each leaf of ``template`` (the transform's init over
+        ``ptree``, the group's params as the tree holds them) lives in ``optimizer.state``.
+        ``order``: per leaf of the params' tree, the index of its param in the group."""
+        self.placement = _placement(params)
+        self.complex = any(p.is_complex() for p in params)  # (stepped as real pairs)
         self.template, self.treespec = _core.flatten(template)
         pspec = self.pspec = _core.structure(ptree)
         # per leaf of the params' tree, the index of its param in the group (a named group's
@@ -132,8 +161,7 @@ class _Plan:
         self.leaves: list[tuple[int, int, str]] = []
 
         # Paths are built node by node (each node's entries once), not from every leaf's
-        # accessor: a state holds several leaves per param, and its plan is made at
-        # construction.
+        # accessor: a state holds several leaves per param.
         def walk(spec: _core.TreeSpec, prefix: str) -> None:
             if spec == pspec:  # a field with the params' structure: one leaf per param
                 field = prefix or "<root>"
@@ -152,7 +180,6 @@ class _Plan:
                     walk(child, f"{prefix}.{entry}" if prefix else entry)
 
         walk(self.treespec, "")
-        self.hyper: dict[str, torch.Tensor] = {}
         group_leaves: dict[str, Any] = {}
         fields: list[dict[str, Any]] = [{} for _ in order]
         for (kind, j, name), leaf in zip(self.leaves, self.template, strict=True):
@@ -170,18 +197,14 @@ class _Plan:
             )
         # Entry name -> template leaf, for the entry of the group's j-th param.
         self.fields = [{**group_leaves, **f} for f in fields]
-        self.exposed = _param_groups.recipe_group_keys("functopt.Optimizer", self.recipe,
-                                                       list(self.hyper))
-        # The keys a group may hold: everything else is a value no step would read.
-        self.allowed = frozenset({"params", "param_names", *_param_groups.FLAG_KEYS,
-                                  *_param_groups.SCHEDULER_GROUP_KEYS, *self.exposed, *kept})
-        self.cache: dict[str, tuple[Any, torch.Tensor]] = {}
-        self.checked: dict[str, Any] = {}  # injected name -> the group value last validated
-        # The last step's hyperparameters: (the group values they came from, the
-        # multipliers, the tensors the step read). A step whose group holds the very same
-        # immutable values takes them as they are (nothing converted, checked or multiplied
-        # again); any other value (a new number, a tensor, a list) goes the whole way.
-        self.last_hyper: tuple[list[Any], tuple[float, float], dict[str, Any]] | None = None
+        # The hyperparameters are now the template's, on its device: a value converted for
+        # the group-level part (on the device of params since moved, the meta device of a
+        # model built there) is converted again.
+        self.cache.clear()
+        self.last_hyper = None
+        if any(isinstance(v, torch.Tensor) and k in self.hyper
+               and v.device != self.hyper[k].device for k, v in self.made_from.items()):
+            self.made_from = {}
         # Per param, the (leaf index, entry name) pairs of its optimizer.state entry, in
         # the order of the state's leaves: the group-level leaves and its own fields.
         # (one pass over the leaves: a param's fields are the leaves whose j is its index)
@@ -213,8 +236,7 @@ class _Plan:
                             for (kind, _, _), leaf in zip(self.leaves, self.template,
                                                           strict=True))
         self.template_taken = False
-        # The hyperparameters the group's state was made from by add_param_group.
-        self.made_from: dict[str, Any] = {}
+        self.laid_out = True
 
     def fresh(self, transform: GradientTransformation, ptree: Any,
               hyper: dict[str, torch.Tensor]) -> list[Any]:
@@ -407,6 +429,8 @@ class Optimizer(torch.optim.Optimizer):
         # Groups whose state is still the one add_param_group made (no step yet): a step
         # makes it again if the params moved to another dtype or device since.
         self._unstepped: dict[int, _Plan] = {}
+        # Groups (by index) whose state is still to be made (see the ``state`` property).
+        self._pending: dict[int, dict[str, Any]] = {}
         self._state_shared = False  # state_dict()/load_state_dict() handed tensors over
         self._plans: list[_Plan | None] = []
         # The groups whose params' counts differ (torch.optim counts steps per param).
@@ -457,7 +481,7 @@ class Optimizer(torch.optim.Optimizer):
             flags = _param_groups.group_flags(
                 "functopt.Optimizer", f"param_groups[{index}]", group
             )
-            plan = self._plan(index, group)
+            plan = self._plan(index, group, laid_out=False)
             if not self.defaults.keys() - {"differentiable"}:  # (the first group)
                 given = self.__dict__.get("_given_defaults", {})
                 values = _readable(self._transform, plan.hyper)
@@ -480,9 +504,47 @@ class Optimizer(torch.optim.Optimizer):
             self._plans[index] = None
             return
         plan.made_from = self._init_hyper(hyper)
-        self._scatter(group, plan, plan.fresh(
-            plan.transform, self._tree(group, self._real(group["params"])), plan.made_from))
-        self._unstepped[index] = plan
+        # The state is made when it is first needed (_made_state): at the first step, or
+        # when optimizer.state is first read.
+        self._pending[index] = group
+        if self._eager_state:
+            self._made_state()
+
+    # Whether a group's state is made when the group is added (torch.optim.Adagrad makes its
+    # state in its constructor), not when it is first needed.
+    _eager_state = False
+
+    @property
+    def state(self) -> defaultdict[torch.Tensor, Any]:
+        """``torch.optim.Optimizer.state``: per param, its entry of the transform's state.
+        A group's entries are made when this is first read (or at the group's first step)."""
+        if self.__dict__.get("_pending"):
+            self._made_state()
+        store: defaultdict[torch.Tensor, Any] = self.__dict__["_store"]
+        return store
+
+    @state.setter
+    def state(self, value: defaultdict[torch.Tensor, Any]) -> None:
+        self.__dict__["_store"] = value
+
+    def _made_state(self) -> None:
+        """Make the state of every group whose state is still to be made (``_pending``)."""
+        pending = self.__dict__.get("_pending")
+        if not pending:
+            return
+        with _collector_paused():  # (see add_param_group)
+            while pending:
+                index, group = pending.popitem()
+                groups = self.param_groups
+                if index >= len(groups) or groups[index] is not group:
+                    continue  # (the group was removed from param_groups since)
+                plan = self._plan(index, group, placed=True)
+                if not plan.made_from:
+                    plan.made_from = self._init_hyper(plan.hyper)
+                self._scatter(group, plan, plan.fresh(
+                    plan.transform, self._tree(group, self._real(group["params"])),
+                    plan.made_from))
+                self._unstepped[index] = plan
 
     def _kept_keys(self) -> frozenset[str]:
         """Group keys this optimizer keeps beyond the transform's (torch's fixed options)."""
@@ -500,7 +562,9 @@ class Optimizer(torch.optim.Optimizer):
     def _stepped(self, index: int, group: dict[str, Any]) -> bool:
         """Whether the group's state is no longer the one add_param_group made (a step, or
         a load, changed it)."""
-        return index not in self._unstepped and any(self.state.get(p) for p in group["params"])
+        if index in self._pending or index in self._unstepped:
+            return False
+        return any(self.state.get(p) for p in group["params"])
 
     def _changed_transform(self, index: int, group: dict[str, Any], plan: _Plan) -> Exception:
         """The error for a group whose transform changed after its state was made."""
@@ -534,11 +598,13 @@ class Optimizer(torch.optim.Optimizer):
         names = group.get("param_names")
         return list(leaves) if names is None else dict(zip(names, leaves, strict=True))
 
-    def _plan(self, index: int, group: dict[str, Any], placed: bool = False) -> _Plan:
+    def _plan(self, index: int, group: dict[str, Any], placed: bool = False,
+              laid_out: bool = True) -> _Plan:
         """The group's plan, made again if its params (or names) changed; with ``placed``,
         also if they moved to other dtypes or devices (the template, the state a restart
         takes, follows the params as torch.optim's lazily created state does; checked only
-        where a template is about to be used, as reading every param's device costs)."""
+        where a template is about to be used, as reading every param's device costs). With
+        ``laid_out`` False, the group-level part may be all there is (see ``_Plan``)."""
         params = group["params"]
         names = group.get("param_names")
         key = (tuple(map(id, params)), None if names is None else tuple(names))
@@ -551,8 +617,10 @@ class Optimizer(torch.optim.Optimizer):
             if self._stepped(index, group):
                 raise self._changed_transform(index, group, plan)
             plan = None
-        if plan is not None and placed and plan.placement != _placement(params):
+        if plan is not None and placed and plan.laid_out and (
+                plan.placement != _placement(params)):
             plan = None
+        template = None
         if plan is None or plan.key != key:
             if names is not None and len(set(names)) != len(names):
                 dup = sorted({n for n in names if names.count(n) > 1})
@@ -561,19 +629,28 @@ class Optimizer(torch.optim.Optimizer):
                     f"the transform sees the group as a {{name: param}} dict. Fix: give each "
                     f"param its own name (model.named_parameters() does)."
                 )
-            ptree = self._tree(group, self._real(params))
-            with torch.no_grad():
-                template = transform.init(ptree)
-            order = _core.flatten(self._tree(group, list(range(len(params)))))[0]
-            hyper = (template.hyperparams if isinstance(template, InjectHyperparamsState)
-                     else {})
-            plan = self._plans[index] = _Plan(key, template, ptree, order,
+            spec = describe(transform)
+            initial = spec.initial if isinstance(spec, Injected) else None
+            if initial is not None:  # the hyperparameters alone, without an init
+                hyper = initial(_first_device(params, names))
+            else:
+                template = self._template(transform, group)
+                hyper = (template.hyperparams if isinstance(template, InjectHyperparamsState)
+                         else {})
+            plan = self._plans[index] = _Plan(key, transform, hyper,
                                               _recipe_of_injected(transform, hyper),
                                               self._kept_keys())
-            plan.transform = transform
-            plan.placement = _placement(params)
-            plan.complex = any(p.is_complex() for p in params)
+        if template is not None or (laid_out and not plan.laid_out):
+            if template is None:
+                template = self._template(transform, group)
+            order = _core.flatten(self._tree(group, list(range(len(params)))))[0]
+            plan.lay_out(template, self._tree(group, self._real(params)), order, params)
         return plan
+
+    def _template(self, transform: GradientTransformation, group: dict[str, Any]) -> State:
+        """``transform.init`` over the group's params."""
+        with torch.no_grad():
+            return transform.init(self._tree(group, self._real(group["params"])))
 
     def _real(self, params: list[Any]) -> list[Any]:
         """``params`` with each complex one as its ``torch.view_as_real`` pairs (what the
@@ -1133,6 +1210,7 @@ class Optimizer(torch.optim.Optimizer):
                     cast=True, copy=False) if any(entries) else {})
             new_groups.append(new_group)
         new_state.update(_state_dict.unpacked_extras(state_dict))
+        self._pending.clear()  # (every group's state is the loaded one)
         self.state = new_state
         self.param_groups = new_groups
         self._unstepped.clear()
@@ -1156,7 +1234,7 @@ class Optimizer(torch.optim.Optimizer):
         # Plans are rebuilt on the next step; the transform's closures travel as they are.
         # A copy holds copies of the state tensors: it shares nothing with a state dict.
         state = {**super().__getstate__(), "_plans": [], "_fused": self._fused,
-                 "_state_shared": False, "_unstepped": {},
+                 "_state_shared": False, "_unstepped": {}, "_pending": {},
                  "_counts": copy.deepcopy(self._counts)}
         state["_transform"] = _HeldTransform(self._transform, self.__dict__.get("_source"))
         return state
@@ -1165,7 +1243,12 @@ class Optimizer(torch.optim.Optimizer):
         held = state.get("_transform")
         if isinstance(held, _HeldTransform):
             state = {**state, "_transform": held.transform, "_source": held.source}
+        state = dict(state)
+        store = state.pop("state", None)
+        if store is None:
+            store = state.pop("_store", defaultdict(dict))
         super().__setstate__(state)
+        self.state = store
         self.__dict__.setdefault("_counts", _torch_state.Counts())
 
 
@@ -1234,6 +1317,15 @@ def _collector_paused() -> Iterator[None]:
         yield
     finally:
         gc.enable()
+
+
+def _first_device(params: list[Any], names: list[str] | None) -> torch.device:
+    """The device of the first param of the group's tree (a named group's dict flattens by
+    sorted name), where a transform's init puts its counts."""
+    if not params:
+        return torch.device("cpu")
+    first = params[0] if names is None else params[names.index(min(names))]
+    return first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
 
 
 def _placement(params: list[torch.Tensor]) -> tuple[tuple[torch.dtype, torch.device], ...]:

@@ -2016,14 +2016,19 @@ def check_state_donation(values: list[Any], name: Callable[[int], str], slots: l
     params, a mixed step's masters, named by ``name``): where
     two share it (a transform's ``init`` that gave one tensor to two fields, a state loaded
     with such ties), writing one overwrites the other, which the pure step reads as it was."""
-    paths = _core.paths(state_spec)
-    rows = [(f"param {name(i)!r}", v) for i, v in enumerate(values)]
-    rows += [(f"state entry {paths[k] or 'state'!r}", state_leaves[k]) for k in slots]
-    pair = overlap([x if isinstance(x, torch.Tensor) else None for _, x in rows],
-                   lambda i: rows[i][0], "tensor")
+    tensors = [*values, *(state_leaves[k] for k in slots)]
+    given = len(values)
+
+    def named(i: int) -> str:  # (paths only for a message: a state has many leaves)
+        if i < given:
+            return f"param {name(i)!r}"
+        return f"state entry {_core.paths(state_spec)[slots[i - given]] or 'state'!r}"
+
+    pair = overlap([x if isinstance(x, torch.Tensor) else None for x in tensors], named,
+                   "tensor")
     if pair is not None:
         raise ValueError(
-            f"{rows[pair[0]][0]} and {rows[pair[1]][0]} share memory, so a donated step "
+            f"{named(pair[0])} and {named(pair[1])} share memory, so a donated step "
             f"would write one over the other (the pure step reads each as it was). Fix: give "
             f"each state entry its own tensor (functopt.tree.map(torch.clone, state) copies "
             f"a state; a transform's init must not put one tensor in two fields), or step "

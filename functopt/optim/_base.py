@@ -252,6 +252,11 @@ class TorchOptimizer(Optimizer):
     # a supported device, and whether its list of those names XLA.
     _capturable_words: tuple[str, bool] = ("params and state_steps", True)
 
+    # torch's refusal of fused=True for a complex param after the first param with a
+    # gradient (its RuntimeError's message), for the classes that check only the first
+    # one's device and dtype (SGD, Adagrad); None: every param's.
+    _fused_words: str | None = None
+
     # torch's refusal of a sparse gradient at the step (its RuntimeError's message), for the
     # classes whose torch twin refuses them; None: the class steps them (SGD, Adagrad).
     _sparse_words: str | None = None
@@ -417,11 +422,18 @@ class TorchOptimizer(Optimizer):
         # Per group, the values last checked: a group that holds the very same objects
         # again (numbers, tuples, None) is not checked again; a tensor value always is.
         checked: dict[int, list[Any]] = self.__dict__.setdefault("_checked", {})
+        # The groups with fused=True whose params were checked for the fused kernels, as
+        # torch.optim checks them once.
+        fused_checked: set[int] = self.__dict__.setdefault("_fused_checked", set())
         for i, group in enumerate(self.param_groups):
             get = group.get
             if get("capturable") and not torch.compiler.is_compiling():
                 _check_capturable(f"functopt.optim.{type(self).__name__}.step", i, group,
                                   *self._capturable_words)
+            if get("fused") and i not in fused_checked and not torch.compiler.is_compiling():
+                if _check_fused(f"functopt.optim.{type(self).__name__}.step", i, group,
+                                self._fused_words):
+                    fused_checked.add(i)
             values = list(map(get, watched, itertools.repeat(_UNSET)))
             last = checked.get(i)
             if last is not None and all(map(operator.is_, last, values)):
@@ -464,6 +476,36 @@ def _check_capturable(owner: str, index: int, group: dict[str, Any], what: str,
                 f"{supported}. ({owner}: param {j} of param_groups[{index}] is on "
                 f"{p.device}. Fix: pass capturable=False, the default, for params there.)"
             )
+
+
+def _check_fused(owner: str, index: int, group: dict[str, Any], later: str | None) -> bool:
+    """torch.optim's refusal of ``fused=True`` for a param with a gradient that is not a
+    floating-point tensor on a device with fused kernels (a complex param): its
+    RuntimeError and message, at the step; with ``later`` (the class's words for the params
+    after the first, which torch checks for complex only), the first param with a gradient
+    gets that message. Whether a param with a gradient was checked."""
+    from torch.optim.optimizer import (  # type: ignore[attr-defined]
+        _get_fused_kernels_supported_devices,
+    )
+    supported = _get_fused_kernels_supported_devices()
+    checked = False
+    for j, p in enumerate(group["params"]):
+        if p.grad is None:
+            continue
+        if checked and later is not None:
+            refused, words = p.is_complex(), later
+        else:
+            refused = not (p.device.type in supported and torch.is_floating_point(p))
+            words = (f"`fused=True` requires all the params to be floating point Tensors of "
+                     f"supported devices: {supported} but {p.dtype} and {p.device.type}")
+        checked = True
+        if refused:
+            raise RuntimeError(
+                f"{words} ({owner}: param {j} of param_groups[{index}] is "
+                f"{str(p.dtype).removeprefix('torch.')} on {p.device.type}. Fix: leave fused "
+                f"unset for these params; functopt steps complex params as their real pairs "
+                f"without it.)")
+    return checked
 
 
 def _built(factory: Callable[..., GradientTransformation], hyperparams: dict[str, Any],

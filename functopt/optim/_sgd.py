@@ -45,6 +45,7 @@ class SGD(_base.TorchOptimizer):
         tensor([0.7100], requires_grad=True)
     """
 
+    _fused_words = "`fused` does not support sparse grad or complex param"
     # torch's per-param keys -> the chain's state slots (every count is torch's step)
     _torch_layout = TorchLayout(
         {"momentum_buffer": ("TraceState.trace", "DampenedTraceState.trace")}, step=False)
@@ -207,6 +208,8 @@ class Adagrad(_base.TorchOptimizer):
 
     # torch's per-param keys -> the chain's state slots (every count is torch's step)
     _torch_layout = TorchLayout({"sum": ("ScaleByRssState.sum_of_squares",)}, eager=True)
+    _eager_state = True  # (torch's constructor makes every param's state)
+    _fused_words = "`fused` does not support sparse grad or complex param"
 
     # torch.optim.Adagrad fills every param's accumulator with the constructor's value; a
     # group's own initial_accumulator_value is kept in the group and read by nothing.

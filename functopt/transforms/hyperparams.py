@@ -287,8 +287,11 @@ def inject_hyperparams(
         def build(hyperparams: dict[str, Any]) -> GradientTransformation:
             return inner_factory(**other, **hyperparams)
 
+        def initial(device: torch.device) -> dict[str, torch.Tensor]:
+            return values_at(torch.zeros((), dtype=torch.int32, device=device), numeric)
+
         return specified(GradientTransformation(init_fn, update_fn), Injected(
             build, tuple(sorted(numeric)) + tuple(sorted(schedules)), dict(schedules),
-            values_at))
+            values_at, initial))
 
     return wrapped_factory
