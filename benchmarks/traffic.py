@@ -25,6 +25,7 @@ import torch
 import functopt
 from functopt import contrib
 from functopt.fast import _traffic, explain, make_step
+from functopt.precision import mixed_precision
 
 H200_BYTES_PER_S = 4.8e12
 PARAMS = 10_000_000
@@ -60,6 +61,44 @@ def _laid_out_lion() -> dict[str, Any]:
     return {"form": "lion, make_step(compile=True, donate=True) after step.lay_out",
             "bytes_per_param": got.bytes_per_param, "path": "fused",
             "reason": got.traffic_reason}
+
+
+def _mixed(name: str, step: Any, params: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """``explain``'s count for a mixed-precision step (bfloat16 params)."""
+    params = step.lay_out({k: p.bfloat16() for k, p in params.items()})
+    got = step.explain(params, step.init(params))
+    return {"form": name, "bytes_per_param": got.bytes_per_param,
+            "path": "fused" if got.fast else "pure", "reason": got.traffic_reason}
+
+
+def _torch_idiom(params: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """PyTorch's mixed-precision idiom over bfloat16 params, counted over one real step:
+    float32 masters with float32 main grads (the bfloat16 gradients cast into them),
+    ``clip_grad_norm_``, ``AdamW(fused=True)`` on the masters, the masters copied into the
+    params."""
+    low = [p.bfloat16() for p in params.values()]
+    masters = [torch.nn.Parameter(p.float()) for p in low]
+    opt = torch.optim.AdamW(masters, 1e-3, fused=True)
+    grads = [torch.randn_like(p) for p in low]
+
+    def step() -> None:
+        for m, g in zip(masters, grads, strict=True):
+            if m.grad is None:
+                m.grad = torch.empty_like(m)
+            m.grad.copy_(g)
+        torch.nn.utils.clip_grad_norm_(masters, 1.0)
+        opt.step()
+        with torch.no_grad():
+            torch._foreach_copy_(low, masters)
+
+    for _ in range(2):
+        step()
+    with torch.no_grad():
+        got = _traffic._counted(step)
+    assert not isinstance(got, str), got
+    return {"form": "PyTorch's idiom: f32 main grads, clip_grad_norm_, AdamW(fused), copy",
+            "bytes_per_param": got.total / sum(p.numel() for p in low), "path": "torch",
+            "reason": None}
 
 
 def _torch(name: str, make: Any, clip: float | None, params: dict[str, torch.Tensor],
@@ -124,6 +163,16 @@ def rows() -> list[dict[str, Any]]:
                   donate=True),
         _torch("torch.optim.Muon, 8 matrices 512x512",
                lambda ps: torch.optim.Muon(ps, 0.02), None, _tree((512, 512), 8)),
+        _mixed("mixed_precision(adamw, max_grad_norm=1, donate=True), bf16 params",
+               mixed_precision(functopt.adamw(1e-3), max_grad_norm=1.0, donate=True),
+               params),
+        _mixed("the same, no max_grad_norm",
+               mixed_precision(functopt.adamw(1e-3), donate=True), params),
+        _mixed("the same, not donated",
+               mixed_precision(functopt.adamw(1e-3)), params),
+        _mixed("mixed_precision(adamw, compile=True, donate=True) after lay_out",
+               mixed_precision(functopt.adamw(1e-3), compile=True, donate=True), params),
+        _torch_idiom(params),
         _functopt("adafactor, make_step(donate=True)", functopt.adafactor(1e-3), params,
                   donate=True),
         _torch("torch.optim.Adafactor(foreach=False)",

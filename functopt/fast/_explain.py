@@ -129,8 +129,9 @@ def explain(tx: GradientTransformation | MultiSteps, params: Any, state: Any = N
     """Say which path a fast step of ``tx`` takes on these params, per group of leaves.
 
     Args:
-        tx: the transform (the inner one of a mixed-precision step: pass its masters, or
-            float32 params of the same shapes, as ``params``).
+        tx: the transform (a mixed-precision step explains itself, its casts and
+            writes included: ``step.explain(params)`` of
+            [`mixed_precision`][functopt.precision.mixed_precision]'s result).
         params: the params the step will see.
         state: the state (default: ``tx.init(params)``).
         grads: the gradients (default: every param has one, laid out like it).
@@ -238,6 +239,14 @@ def explain(tx: GradientTransformation | MultiSteps, params: Any, state: Any = N
     traffic, total = _step_traffic(tx, params, state, lowered, structure, leaves,
                                    grad_leaves, state_leaves, treespec, donate=donate,
                                    donate_grads=donate_grads)
+    return _explanation(lowered, structure, paths, grad_leaves, traffic, total, mini_steps)
+
+
+def _explanation(lowered: _planner.Lowered, structure: _planner.Structure, paths: list[str],
+                 grad_leaves: list[Any], traffic: dict[int, _traffic.Traffic],
+                 total: _traffic.Traffic | str, mini_steps: str | None = None,
+                 ) -> Explanation:
+    """The explanation of a lowering with its traffic (per group by index, and in all)."""
     groups = tuple(
         GroupPath(kernel=_KERNELS[g.plan.kernel], device=g.device, dtype=g.dtype,
                   leaves=tuple(paths[i] for i in g.leaves), clip=g.plan.clip is not None,
@@ -258,6 +267,22 @@ def explain(tx: GradientTransformation | MultiSteps, params: Any, state: Any = N
                                       if g.plan.kernel == "compiled"
                                       for op in g.plan.ops if op.sums is not None}),
                        mini_steps=mini_steps)
+
+
+def mixed_explanation(lowered: _planner.Lowered, structure: _planner.Structure,
+                      treespec: Any, params: list[Any], stores: list[Any], views: list[Any],
+                      grads: list[Any], inner_leaves: list[Any], *, multiplied: bool,
+                      count_zeros: bool, donate: bool) -> Explanation:
+    """The explanation of a mixed-precision step lowered by the planner
+    (``MixedPrecisionTransformation.explain``), its traffic the whole step's."""
+    paths = _core.paths(treespec)
+    if not lowered.fast:
+        return _explanation(lowered, structure, paths, grads, {},
+                            "the pure mixed-precision path is not counted")
+    traffic, total = _traffic.mixed_traffic(
+        lowered, params, views, grads, inner_leaves, multiplied=multiplied,
+        count_zeros=count_zeros, donate=donate, stores=stores, treespec=treespec)
+    return _explanation(lowered, structure, paths, grads, traffic, total)
 
 
 def _step_traffic(tx: GradientTransformation, params: Any, state: Any,

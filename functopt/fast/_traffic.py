@@ -33,7 +33,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from functopt._collective.dtensor import local_tensor
 from functopt.fast._layout import end_to_end
 
-__all__ = ["Traffic", "group_traffic", "pass_traffic", "perleaf_traffic", "pure_traffic"]
+__all__ = ["Traffic", "group_traffic", "mixed_traffic", "pass_traffic", "perleaf_traffic",
+           "pure_traffic"]
 
 
 @dataclass(frozen=True)
@@ -290,3 +291,96 @@ def perleaf_traffic(groups: list[tuple[Any, bool]], values: list[Any], grads: li
                             list(ss), treespec=treespec, donate=donate, env=None)
 
     return _counted(run)
+
+
+def mixed_traffic(lowered: Any, params: list[Any], views: list[Any], grads: list[Any],
+                  state_leaves: list[Any], *, multiplied: bool, count_zeros: bool,
+                  donate: bool, stores: list[Any], treespec: Any,
+                  ) -> tuple[dict[int, Traffic], Traffic | str]:
+    """The mixed-precision step on the planner's groups (``functopt/precision/_fused.py``):
+    per group (by index) and for the whole step, or why the step's could not be counted.
+
+    ``views``: the values the groups update (the masters, or the params that are their own);
+    ``stores``: per leaf, its master or None; ``multiplied``: the kernels unscale or clip
+    (a loss scale or ``max_grad_norm``). The step's passes: each gradient cast to its
+    value's dtype (read the gradient, write the cast), one read of every cast for the
+    statistics (and of the gradients as given for the zero count), the groups on the
+    casts, then each param written from its new master (read the master, write the
+    param), which the compiled tier's call does itself."""
+    present = [i for i, (g, v) in enumerate(zip(grads, views, strict=True))
+               if g is not None and v is not None]
+    wide: list[Any] = [None] * len(grads)
+    total = _NONE
+    for i in present:
+        g, v = _leaf(grads[i]), _leaf(views[i])
+        if g.dtype == v.dtype:
+            wide[i] = g
+            continue
+        total = total + Traffic(_bytes(g), g.numel() * v.element_size() if g.dim() else 0)
+        wide[i] = torch.empty(g.shape, dtype=v.dtype, device="meta")
+    if donate:  # a compiled group's casts are laid end to end (precision's `_flat_casts`)
+        for group in lowered.groups:
+            idx = [i for i in group.leaves if wide[i] is not None and wide[i].numel()]
+            if group.plan.kernel == "compiled" and idx and all(
+                    wide[i] is not _leaf(grads[i]) for i in idx):
+                flat = torch.empty(sum(wide[i].numel() for i in idx),
+                                   dtype=wide[idx[0]].dtype, device="meta")
+                for i, view in zip(idx, _scatter_meta(flat, [wide[i] for i in idx]),
+                                   strict=True):
+                    wide[i] = view
+    total = total + Traffic(sum(_bytes(wide[i]) for i in present), 0)  # the statistics
+    if count_zeros:
+        total = total + Traffic(sum(_bytes(_leaf(grads[i])) for i in present), 0)
+    clipped = multiplied or bool(lowered.structure.clips)
+    for i in present:  # a gradient the caller keeps, which a kernel would scale: copied
+        if wide[i] is _leaf(grads[i]) and clipped:
+            total = total + Traffic(_bytes(wide[i]), _bytes(wide[i]))
+    traffic: dict[int, Traffic] = {}
+    perleaf = []
+    written: set[int] = set()
+    for k, g in enumerate(lowered.groups):
+        scaled = multiplied or g.plan.clip is not None
+        if g.plan.kernel == "perleaf":
+            perleaf.append((g, scaled))
+            continue
+        traffic[k] = group_traffic(g, views, wide, state_leaves, scaled=scaled,
+                                   donate=donate, donate_grads=True)
+        if g.plan.kernel == "compiled":
+            low = _compiled_low(g, params, stores, views, donate)
+            if low is not None:
+                traffic[k] = traffic[k] + low
+                written.update(g.leaves)
+        total = total + traffic[k]
+    for i in present:  # the params from their new masters
+        if stores[i] is not None and i not in written:
+            total = total + Traffic(_bytes(_leaf(views[i])), _bytes(_leaf(params[i])))
+    if not perleaf:
+        return traffic, total
+    eager = perleaf_traffic(perleaf, views, wide, state_leaves, treespec, donate=donate)
+    return traffic, eager if isinstance(eager, str) else total + eager
+
+
+def _scatter_meta(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    out, start = [], 0
+    for t in like:
+        out.append(flat[start:start + t.numel()].view(t.shape))
+        start += t.numel()
+    return out
+
+
+def _compiled_low(group: Any, params: list[Any], stores: list[Any], views: list[Any],
+                  donate: bool) -> Traffic | None:
+    """The low-precision params a compiled group's call writes itself (every leaf with a
+    master, all of one dtype), or None where the step writes them after it."""
+    idx = [i for i in group.leaves if _leaf(views[i]).numel()]
+    if not idx or any(stores[i] is None for i in idx):
+        return None
+    lows = [_leaf(params[i]) for i in idx]
+    if len({t.dtype for t in lows}) != 1 or any(  # (precision's `_lows`)
+            t.stride() != _leaf(views[i]).stride() and t.numel() > 1
+            for t, i in zip(lows, idx, strict=True)):
+        return None
+    size = _bytes(lows)
+    if donate and end_to_end(lows) is None:  # written into one buffer, then copied out
+        return Traffic(size, 2 * size)
+    return Traffic(0, size)

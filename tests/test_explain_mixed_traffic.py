@@ -1,0 +1,90 @@
+"""The mixed-precision step's ``explain``: its path per group of leaves, and its memory
+traffic against what a real step touches.
+
+``MixedPrecisionTransformation.explain`` counts the step from its plan: the gradient casts,
+the statistics pass, the planner's kernels on the masters and the writes of the params from
+them. The count is held to a dispatch-mode count of the tensors a real CPU step reads and
+writes (tests/touched.py), over bfloat16 params with float32 masters, a float32 param that
+is its own master, loss scaling, clipping inside and outside the inner chain, the zero count
+and both donation modes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from touched import Touched
+
+import functopt
+from functopt.precision import mixed_precision
+
+SMALLEST = 64  # (the per-leaf norms and the packed statistics are a few bytes)
+
+
+def _tree(with_float32: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    params = {"w": torch.randn(48, 32).bfloat16(), "v": torch.randn(32, 48).bfloat16()}
+    if with_float32:
+        params["b"] = torch.randn(64)
+    grads = {k: (torch.randn(p.shape) * 10).to(p.dtype) for k, p in params.items()}
+    return {"params": params, "grads": grads}
+
+
+_STEPS = {
+    "adamw": lambda donate: mixed_precision(functopt.adamw(1e-3, weight_decay=0.1),
+                                            donate=donate),
+    "adamw_scaled_clipped": lambda donate: mixed_precision(
+        functopt.adamw(1e-3), loss_scale=functopt.dynamic_loss_scale(init_scale=2.0 ** 4),
+        max_grad_norm=1.0, donate=donate),
+    "inner_clip_sgd": lambda donate: mixed_precision(
+        functopt.chain(functopt.clip_by_global_norm(1.0),
+                       functopt.sgd(0.1, momentum=0.9)), donate=donate),
+    "count_zeros": lambda donate: mixed_precision(functopt.adamw(1e-3), count_zeros=True,
+                                                  donate=donate),
+}
+
+
+def _touched(step: Any, tree: dict[str, Any]) -> tuple[int, int, Any]:
+    params = {k: p.clone() for k, p in tree["params"].items()}
+    state = step.init(params)
+    for _ in range(2):  # (buffers and plans are made in the first steps)
+        params, state = step.step({k: g.clone() for k, g in tree["grads"].items()}, state,
+                                  params)
+    # (other gradients than the last step's: a cast into its buffer then changes it)
+    grads = {k: g * 0.5 for k, g in tree["grads"].items()}
+    explained = step.explain(params, state, grads)
+    with Touched(SMALLEST) as touched:
+        step.step(grads, state, params)
+    return touched.read, touched.written, explained
+
+
+@pytest.mark.parametrize("name", sorted(_STEPS))
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("with_float32", [False, True], ids=["bf16", "bf16+f32"])
+def test_mixed_step_traffic_is_what_the_step_touches(name: str, donate: bool,
+                                                     with_float32: bool) -> None:
+    tree = _tree(with_float32)
+    read, written, explained = _touched(_STEPS[name](donate), tree)
+    assert explained.fast, explained.reason
+    assert (explained.bytes_read, explained.bytes_written) == (read, written)
+    assert explained.elements == sum(p.numel() for p in tree["params"].values())
+
+
+def test_the_donated_kernel_step_moves_44_bytes_per_bfloat16_param() -> None:
+    # the cast (read 2, write 4), the statistics (read 4), the kernel (read master, cast and
+    # two moments: 16; write master and moments: 12), the param from its master (read 4,
+    # write 2)
+    got = _STEPS["adamw"](True).explain(_tree(False)["params"])
+    assert got.bytes_per_param == 44.0
+    assert [g.kernel for g in got.groups] == ["torch._fused_adamw_"]
+    undonated = _STEPS["adamw"](False).explain(_tree(False)["params"])
+    assert undonated.bytes_per_param == 44.0 + 24.0  # masters and moments copied first
+
+
+def test_a_step_off_the_fused_path_says_why_and_counts_nothing() -> None:
+    step = mixed_precision(functopt.adamw(1e-3), fused=False)
+    got = step.explain(_tree(False)["params"])
+    assert not got.fast and got.reason == "fused=False"
+    assert got.bytes_per_param is None and "not counted" in str(got)
