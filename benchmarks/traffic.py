@@ -71,6 +71,19 @@ def _mixed(name: str, step: Any, params: dict[str, torch.Tensor]) -> dict[str, A
             "path": "fused" if got.fast else "pure", "reason": got.traffic_reason}
 
 
+def _on_an_accelerator(row: Any) -> dict[str, Any]:
+    """A row counted with the compiled mixed step's path off the CPU (it reads the bf16
+    gradients itself; ``functopt/fast/_compiled.py``, ``READ_GIVEN_ON_CPU``)."""
+    from functopt.fast import _compiled
+
+    before = _compiled.READ_GIVEN_ON_CPU
+    _compiled.READ_GIVEN_ON_CPU = True
+    try:
+        return dict(row())
+    finally:
+        _compiled.READ_GIVEN_ON_CPU = before
+
+
 def _torch_idiom(params: dict[str, torch.Tensor]) -> dict[str, Any]:
     """PyTorch's mixed-precision idiom over bfloat16 params, counted over one real step:
     float32 masters with float32 main grads (the bfloat16 gradients cast into them),
@@ -170,8 +183,11 @@ def rows() -> list[dict[str, Any]]:
                mixed_precision(functopt.adamw(1e-3), donate=True), params),
         _mixed("the same, not donated",
                mixed_precision(functopt.adamw(1e-3)), params),
-        _mixed("mixed_precision(adamw, compile=True, donate=True) after lay_out",
+        _mixed("mixed_precision(adamw, compile=True, donate=True) after lay_out, CPU",
                mixed_precision(functopt.adamw(1e-3), compile=True, donate=True), params),
+        _on_an_accelerator(lambda: _mixed(
+            "the same on an accelerator (the call reads the bf16 gradients itself)",
+            mixed_precision(functopt.adamw(1e-3), compile=True, donate=True), params)),
         _torch_idiom(params),
         _functopt("adafactor, make_step(donate=True)", functopt.adafactor(1e-3), params,
                   donate=True),

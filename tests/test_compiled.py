@@ -369,16 +369,23 @@ def _mixed_adamw() -> functopt.GradientTransformation:
     return functopt.adamw(1e-2, weight_decay=0.1)
 
 
-@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize(("donate", "given"), [(False, False), (True, False), (True, True)],
+                         ids=["kept", "donated", "donated-given"])
 @pytest.mark.parametrize("make_inner", [
     _lion, _mixed_clip_nadam, _mixed_adamw,
     pytest.param(_late_clip, marks=_SLOW)], ids=["lion", "clip_nadam", "adamw", "late_clip"])
-def test_mixed_precision_rides_the_compiled_tier(donate: bool, make_inner: Any) -> None:
+def test_mixed_precision_rides_the_compiled_tier(donate: bool, given: bool, make_inner: Any,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """mixed_precision(inner, compile=True): bf16 params with float32 masters laid end to end
     by init, a clip, a dynamic loss scale and an overflow step: equal to the pure mixed
     step (float32 masters to a few ulps; here the same arithmetic), params their masters
     rounded, no lost-fast-path warning. The call writes the bf16 params itself (in place
-    when donated), and a donating step casts the gradients into one buffer per group."""
+    when donated); a donating step casts the gradients into one buffer per group, or,
+    with ``given`` (an accelerator's path, forced here on the CPU), the call reads the
+    bf16 gradients as given and casts them itself."""
+    from functopt.fast import _compiled
+
+    monkeypatch.setattr(_compiled, "READ_GIVEN_ON_CPU", given)
     gen = torch.Generator().manual_seed(8)
     params = {"w": torch.randn(8, 4, generator=gen).bfloat16(),
               "conv": torch.randn(2, 3, 2, 2, generator=gen).bfloat16().to(
@@ -411,7 +418,9 @@ def test_mixed_precision_rides_the_compiled_tier(donate: bool, make_inner: Any) 
                                        atol=0.0)
             assert torch.equal(p_fast[k], s_fast.master[k].to(torch.bfloat16))
     assert int(s_fast.metrics.skipped_steps) == int(s_pure.metrics.skipped_steps) == 1
-    if donate:  # the float32 casts of the group's gradients: views of one buffer
+    if given:  # the call reads the bf16 gradients and casts them itself: no casts kept
+        assert fast_tx.buffers() == []
+    elif donate:  # the float32 casts of the group's gradients: views of one buffer
         assert len({b.untyped_storage().data_ptr() for b in fast_tx.buffers()}) == 1
 
 

@@ -88,3 +88,23 @@ def test_a_step_off_the_fused_path_says_why_and_counts_nothing() -> None:
     got = step.explain(_tree(False)["params"])
     assert not got.fast and got.reason == "fused=False"
     assert got.bytes_per_param is None and "not counted" in str(got)
+
+
+def test_the_compiled_step_off_the_cpu_reads_the_bfloat16_gradients_itself(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # On the CPU the gradients are cast first (6 bytes per param) and the statistics read
+    # the casts (4); the one call reads the casts (4), the master and two moments (12) and
+    # writes master, moments (12) and the bf16 param (2): 40 bytes. Off the CPU the
+    # statistics and the call read the bf16 gradients themselves (2 each): 30 bytes.
+    from functopt.fast import _compiled
+
+    step = mixed_precision(functopt.adamw(1e-3), compile=True, donate=True)
+    params = step.lay_out({k: p.clone() for k, p in _tree(False)["params"].items()})
+    got = step.explain(params, step.init(params))
+    assert [g.kernel for g in got.groups] == ["compiled"]
+    assert got.bytes_per_param == 40.0
+    monkeypatch.setattr(_compiled, "READ_GIVEN_ON_CPU", True)  # (an accelerator's path)
+    assert step.explain(params, step.init(params)).bytes_per_param == 30.0
+    # a group of bf16 and float32 params is cast (one dtype per gathered buffer)
+    mixed = step.lay_out({k: p.clone() for k, p in _tree(True)["params"].items()})
+    assert step.explain(mixed, step.init(mixed)).bytes_per_param > 30.0

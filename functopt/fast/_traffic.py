@@ -303,17 +303,24 @@ def mixed_traffic(lowered: Any, params: list[Any], views: list[Any], grads: list
     ``views``: the values the groups update (the masters, or the params that are their own);
     ``stores``: per leaf, its master or None; ``multiplied``: the kernels unscale or clip
     (a loss scale or ``max_grad_norm``). The step's passes: each gradient cast to its
-    value's dtype (read the gradient, write the cast), one read of every cast for the
-    statistics (and of the gradients as given for the zero count), the groups on the
-    casts, then each param written from its new master (read the master, write the
-    param), which the compiled tier's call does itself."""
+    value's dtype (read the gradient, write the cast) unless its compiled group's call
+    reads it as given, one read of every cast (or gradient so read) for the statistics
+    (and of the gradients as given for the zero count), the groups on them, then each
+    param written from its new master (read the master, write the param), which the
+    compiled tier's call does itself."""
+    from functopt.fast._compiled import reads_as_given
+
     present = [i for i, (g, v) in enumerate(zip(grads, views, strict=True))
                if g is not None and v is not None]
+    given = {i for group in lowered.groups if reads_as_given(group, grads, views)
+             for i in group.leaves}
+    compiled = {i for group in lowered.groups if group.plan.kernel == "compiled"
+                for i in group.leaves}
     wide: list[Any] = [None] * len(grads)
     total = _NONE
     for i in present:
         g, v = _leaf(grads[i]), _leaf(views[i])
-        if g.dtype == v.dtype:
+        if g.dtype == v.dtype or i in given:
             wide[i] = g
             continue
         total = total + Traffic(_bytes(g), g.numel() * v.element_size() if g.dim() else 0)
@@ -321,7 +328,7 @@ def mixed_traffic(lowered: Any, params: list[Any], views: list[Any], grads: list
     if donate:  # a compiled group's casts are laid end to end (precision's `_flat_casts`)
         for group in lowered.groups:
             idx = [i for i in group.leaves if wide[i] is not None and wide[i].numel()]
-            if group.plan.kernel == "compiled" and idx and all(
+            if group.plan.kernel == "compiled" and idx and not (given & set(idx)) and all(
                     wide[i] is not _leaf(grads[i]) for i in idx):
                 flat = torch.empty(sum(wide[i].numel() for i in idx),
                                    dtype=wide[idx[0]].dtype, device="meta")
@@ -333,7 +340,7 @@ def mixed_traffic(lowered: Any, params: list[Any], views: list[Any], grads: list
         total = total + Traffic(sum(_bytes(_leaf(grads[i])) for i in present), 0)
     clipped = multiplied or bool(lowered.structure.clips)
     for i in present:  # a gradient the caller keeps, which a kernel would scale: copied
-        if wide[i] is _leaf(grads[i]) and clipped:
+        if wide[i] is _leaf(grads[i]) and clipped and i not in compiled:
             total = total + Traffic(_bytes(wide[i]), _bytes(wide[i]))
     traffic: dict[int, Traffic] = {}
     perleaf = []

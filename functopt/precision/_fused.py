@@ -8,7 +8,9 @@ chain, an injected recipe), and the masters are plain copies
 and the masters' bytes:
 
 1. one cast of the gradients to the masters' precision (``torch._foreach_copy_``, into
-   the previous step's buffers when the step is donated);
+   the previous step's buffers when the step is donated), but for the groups whose
+   compiled call reads the low-precision gradients itself (off the CPU:
+   ``_compiled.reads_as_given``);
 2. one read of the casts: each leaf's norm (``torch._foreach_norm``), times
    ``1 / loss_scale``, gives the statistics and the sums of squares of every clip of the
    inner chain, and one all-reduce of them packed together makes them global (the zero
@@ -220,8 +222,17 @@ def _sum_of_squares(groups: list[tuple[list[int], torch.Tensor]], leaves: list[i
     return torch.stack([square[i] for i in order]).sum().to(device)
 
 
-def _widened(grads: list[Any], views: list[Any], workspace: list[Any] | None) -> list[Any]:
-    """Each gradient's local shard in its view's dtype: itself, or a cast.
+def _given_reads(lowered: _planner.Lowered, grads: list[Any], views: list[Any]) -> set[int]:
+    """The leaves whose compiled group reads their gradients as given, in their
+    low-precision dtype (`_compiled.reads_as_given`)."""
+    return {i for group in lowered.groups
+            if _compiled.reads_as_given(group, grads, views) for i in group.leaves}
+
+
+def _widened(grads: list[Any], views: list[Any], workspace: list[Any] | None,
+             given: set[int] | None = None) -> list[Any]:
+    """Each gradient's local shard in its view's dtype: itself, or a cast; as given at the
+    leaves of ``given`` (a compiled call casts them).
 
     The casts are grouped by (device, dtype to dtype) into one ``foreach`` copy each,
     which runs several times faster on the CPU than a ``.to()`` per leaf. With a
@@ -238,7 +249,7 @@ def _widened(grads: list[Any], views: list[Any], workspace: list[Any] | None) ->
         if g is None or v is None:
             continue
         local = local_tensor(g)
-        if local.dtype == v.dtype:
+        if local.dtype == v.dtype or (given and i in given):
             out[i] = local
             continue
         wide = None if workspace is None else workspace[i]
@@ -335,7 +346,7 @@ def _flat_casts(groups: list[Any], grads: list[Any], views: list[Any],
     if len(workspace) != len(grads):
         workspace[:] = [None] * len(grads)
     for group in groups:
-        if group.plan.kernel != "compiled":
+        if group.plan.kernel != "compiled" or _compiled.reads_as_given(group, grads, views):
             continue
         idx = [i for i in group.leaves if local_tensor(views[i]).numel()]
         values = [local_tensor(views[i]) for i in idx]
@@ -454,10 +465,12 @@ def fused_mixed_step(
     if lowered.reason is not None:
         return lowered.reason
     # the gradients in the precision of the values they update (a cast is a new tensor);
-    # a compiled group's casts go into one buffer, which its call then reads in place
+    # a compiled group's call reads them as given and casts them itself where it can,
+    # else its casts go into one buffer, which its call then reads in place
+    given = _given_reads(lowered, grads, views) if compiled else None
     if workspace is not None and compiled:
         _flat_casts(lowered.groups, grads, views, workspace)
-    wide = _widened(grads, views, workspace) if casts is None or workspace is None else (
+    wide = _widened(grads, views, workspace, given) if casts is None or workspace is None else (
         _recalled_casts(casts, grads, views, workspace))
     device = loss_scale.scale.device
     if _host_bookkeeping(loss_scale, scale_rule, max_grad_norm):
@@ -495,7 +508,7 @@ def fused_mixed_step(
     # skipped (a non-finite gradient makes the norm non-finite, which skips the step)
     finite = [~stats.found_inf] * len(structure.guards)
     result = _kernel_step(planner, lowered, params, stores, views, grads,
-                          _kernel_casts(grads, wide, multiplier, structure), inner_leaves,
+                          _kernel_casts(grads, wide, multiplier, lowered), inner_leaves,
                           donate, scratch, multiplier=multiplier, found_inf=stats.found_inf,
                           sums=sums, finite=finite, totals=totals)
     if isinstance(result, str):
@@ -524,12 +537,16 @@ def _early_totals(lowered: _planner.Lowered, views: list[Any], wide: list[Any],
 
 
 def _kernel_casts(grads: list[Any], wide: list[Any], multiplier: torch.Tensor | None,
-                  structure: _planner.Structure) -> list[Any]:
+                  lowered: _planner.Lowered) -> list[Any]:
     """The gradients the kernels read. They unscale in place: a gradient that needed no
-    cast is the caller's, never written, so it is copied when it will be scaled."""
-    return [w if w is None or w is not local_tensor(g) or (
-        multiplier is None and not structure.clips) else w.clone()
-            for g, w in zip(grads, wide, strict=True)]
+    cast is the caller's, never written, so it is copied when it will be scaled (a
+    compiled call scales out of place: its gradients are read as they are)."""
+    if multiplier is None and not lowered.structure.clips:
+        return wide
+    compiled = {i for group in lowered.groups if group.plan.kernel == "compiled"
+                for i in group.leaves}
+    return [w if w is None or w is not local_tensor(g) or i in compiled else w.clone()
+            for i, (g, w) in enumerate(zip(grads, wide, strict=True))]
 
 
 def _host_bookkeeping(loss_scale: LossScaleState, rule: LossScale,
@@ -603,7 +620,7 @@ def _host_kernel_step(
     finite = [torch.scalar_tensor(not found, dtype=torch.bool, device=device)] * len(
         structure.guards) if structure.guards else []
     result = _kernel_step(planner, lowered, params, stores, views, grads,
-                          _kernel_casts(grads, wide, multiplier, structure), inner_leaves,
+                          _kernel_casts(grads, wide, multiplier, lowered), inner_leaves,
                           donate, scratch, multiplier=multiplier,
                           found_inf=found_inf if found else None, sums=sums, finite=finite,
                           keep_dtypes=not found, casts=casts, totals=totals)
