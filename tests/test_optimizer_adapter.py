@@ -502,7 +502,7 @@ def test_bad_params_and_transforms():
         Optimizer([{"params": _leaves(), "learning_rate": 0.1}], tx)
     with pytest.raises(ValueError, match=r"\['betas'\] must be a 2-tuple \(b1, b2\)"):
         Optimizer([{"params": _leaves(), "betas": 0.9}], tx)
-    with pytest.raises(TypeError, match=r"\['lr'\] .* must be a number or a 0-d tensor"):
+    with pytest.raises(TypeError, match=r"\['lr'\] .* must be a number or a one-element tensor"):
         Optimizer([{"params": _leaves(), "lr": "0.1"}], tx)
 
     def clashing(learning_rate=0.1, lr=0.2):

@@ -734,14 +734,15 @@ class Optimizer(torch.optim.Optimizer):
         cached = plan.cache.get(name)
         if cached is not None and cached[0] is value:
             return cached[1]
-        if isinstance(value, torch.Tensor) and value.dim() == 0:
-            # Not cached: schedulers update a tensor lr in place.
-            return value.to(dtype=held.dtype, device=held.device)
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            # Not cached: schedulers update a tensor lr in place. (A one-element tensor of
+            # any shape, as torch.optim takes an lr.)
+            return value.reshape(()).to(dtype=held.dtype, device=held.device)
         if not _is_number(value):
             raise TypeError(
                 f"functopt.Optimizer: param_groups[{index}][{key!r}] (the transform's "
-                f"{name!r}) must be a number or a 0-d tensor, got {type(value).__name__} "
-                f"{value!r}."
+                f"{name!r}) must be a number or a one-element tensor, got "
+                f"{type(value).__name__} {value!r}."
             )
         tensor = torch.scalar_tensor(value, dtype=held.dtype, device=held.device)
         plan.cache[name] = (value, tensor)

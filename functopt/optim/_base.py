@@ -204,6 +204,11 @@ class TorchOptimizer(Optimizer):
                 f"Tensors or dicts, but got {torch.typename(params)}. Fix: wrap it in a list, "
                 f"or pass model.parameters()."
             )
+        # A one-element lr of any shape, as torch takes it: its 0-d view is injected (the
+        # groups keep the caller's tensor, which a scheduler may fill in place).
+        given_lr = hyperparams.get("learning_rate")
+        if isinstance(given_lr, torch.Tensor) and given_lr.dim() and given_lr.numel() == 1:
+            hyperparams = {**hyperparams, "learning_rate": given_lr.reshape(())}
         # Module-level factory and plain values: enough to rebuild the transform when the
         # optimizer is unpickled (its closures cannot be pickled).
         transform = _built(factory, hyperparams, flags)
@@ -223,9 +228,9 @@ class TorchOptimizer(Optimizer):
                        else fixed)
         # A tensor lr stays the caller's tensor in the groups, as torch.optim keeps it: a
         # scheduler fills it in place, and a recorded step (a CUDA graph) reads it there.
-        lr = hyperparams.get("learning_rate")
-        if isinstance(lr, torch.Tensor) and (differentiable or not lr.requires_grad):
-            self._given_defaults = {"lr": lr}
+        if isinstance(given_lr, torch.Tensor) and (
+                differentiable or not given_lr.requires_grad):
+            self._given_defaults = {"lr": given_lr}
         self._differentiable_default = differentiable
         super().__init__(params, transform, fused=kernel)
         self.defaults.update(self._fixed)
@@ -443,7 +448,45 @@ class TorchOptimizer(Optimizer):
                         group)
             if all(v is _UNSET or _immutable(v) for v in values):
                 checked[i] = values
+        if "fused" in self._fixed and (self.__dict__.get("grad_scale") is not None
+                                       or self.__dict__.get("found_inf") is not None):
+            return self._scaled_step(closure)
         return self._step(closure)  # (not super().step: torch hooks that one too)
+
+    def _scaled_step(self, closure: Callable[[], Any] | None) -> Any:
+        """``step`` with ``optimizer.grad_scale`` / ``optimizer.found_inf`` set, as a
+        ``GradScaler`` sets them on a fused torch optimizer: a nonzero ``found_inf`` skips
+        the step (params, state and step counts as they were), else the gradients are
+        divided by ``grad_scale`` in place, as torch's fused kernels unscale them, and the
+        step runs. torch's other implementations refuse the attributes: so do non-fused
+        groups here."""
+        owner = f"functopt.optim.{type(self).__name__}.step"
+        for i, group in enumerate(self.param_groups):
+            if not group.get("fused"):
+                raise AssertionError(
+                    f"Expected grad_scale and found_inf to be None ({owner}: param_groups[{i}] "
+                    f"is not fused, and only the fused implementation reads "
+                    f"optimizer.grad_scale and optimizer.found_inf. Fix: pass fused=True, or "
+                    f"delete the attributes and let GradScaler unscale the gradients.)")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        found_inf = self.__dict__.get("found_inf")
+        if found_inf is not None and bool(found_inf):
+            return loss
+        grad_scale = self.__dict__.get("grad_scale")
+        if grad_scale is not None:
+            grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        grads.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+            with torch.no_grad():
+                for (device, _), tensors in grads.items():
+                    torch._foreach_div_(tensors, grad_scale.to(device).reshape(()))
+        self._step(None)
+        return loss
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "_fixed": self._fixed, "_recipe": self._recipe,
