@@ -115,7 +115,8 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict[str,
 @pytest.fixture(scope="module", params=[1, 4], ids=lambda w: f"load_on_{w}ranks")
 def loaded(request: pytest.FixtureRequest, saved) -> list[dict[str, str | None]]:
     path, save_results = saved
-    if any(r["functional"] or r["facade"] or r["facade_dsd"] for r in save_results):
+    if any(r["functional"] or r["facade"] or r["facade_dsd"] or r["facade_parameter_state"]
+           for r in save_results):
         pytest.skip("the 2-rank save failed (see test_save)")
     assert os.path.isdir(os.path.join(path, "functional"))
     return harness.run_ranks(
@@ -128,6 +129,7 @@ def _failures(results: list[dict[str, str | None]], name: str) -> str:
 
 
 @pytest.mark.parametrize("name", ["functional", "facade", "facade_dsd",
+                                  "facade_parameter_state",
                                   "state_from_dict_sharding_errors", "offload_dtensor_state",
                                   "facade_offload_fsdp"])
 def test_save_on_2_ranks(saved, name: str) -> None:
@@ -135,7 +137,8 @@ def test_save_on_2_ranks(saved, name: str) -> None:
     assert not failures, failures
 
 
-@pytest.mark.parametrize("name", ["functional", "facade", "facade_dsd"])
+@pytest.mark.parametrize("name", ["functional", "facade", "facade_dsd",
+                                  "facade_parameter_state"])
 def test_load_and_train_on(loaded, name: str) -> None:
     failures = _failures(loaded, name)
     assert not failures, failures

@@ -613,3 +613,41 @@ def test_coming_from_megatron_names_every_public_name_of_megatron_core() -> None
             "step_with_ready_grads"} <= names  # (the enumeration finds them)
     missing = sorted(n for n in names if not re.search(rf"`[^`]*\b{re.escape(n)}\b", page))
     assert not missing, f"docs/coming-from-megatron.md does not name {missing}"
+
+
+def _trained(model: torch.nn.Module, opt: functopt.MixedPrecisionOptimizer,
+             steps: range) -> None:
+    for step in steps:
+        opt.zero_grad()
+        opt.backward(_loss(model, step))
+        opt.step()
+
+
+def test_parameter_state_saved_to_one_file_resumes_the_run_bitwise(tmp_path: Path) -> None:
+    # DistributedOptimizer.save_parameter_state / load_parameter_state (megatron-core
+    # 0.16.1, megatron/core/optimizer/distrib_optimizer.py: its CUDA-only code gathers the
+    # state to data-parallel rank 0 into one file, which load_parameter_state reads there
+    # and scatters); the two-rank run is in tests/distributed/checkpoint_checks.py
+    model, reference = _model(), _model()
+    opt, ref_opt = _facade(model), _facade(reference)
+    _trained(model, opt, range(3))
+    _trained(reference, ref_opt, range(6))
+    path = tmp_path / "parameter_state.pt"
+    opt.save_parameter_state(path)
+    saved = torch.load(path, weights_only=True)
+    assert set(saved["state"]) == {name for name, _ in model.named_parameters()}
+    resumed = _model(seed=1)  # other values: the masters in the file set the params
+    new_opt = _facade(resumed)
+    new_opt.load_parameter_state(path)
+    assert [p.tolist() for p in resumed.parameters()] == [p.tolist() for p in model.parameters()]
+    _trained(resumed, new_opt, range(3, 6))
+    for p, q in zip(resumed.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert new_opt.loss_scale == ref_opt.loss_scale
+    # the file is named_state_dict()'s layout: it loads that way on one process too
+    other = _facade(_model(seed=2))
+    other.load_named_state_dict(saved)
+    assert torch.equal(other.named_state_dict()["state"]["0.weight"]["master"],
+                       opt.named_state_dict()["state"]["0.weight"]["master"])
+    with pytest.raises(ValueError, match="update_legacy_format=True"):
+        new_opt.load_parameter_state(path, update_legacy_format=True)

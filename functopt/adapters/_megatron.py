@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import math
+import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -126,6 +127,10 @@ class MegatronSurface:
         def step(self, closure: Any = None) -> Any: ...
 
         def clip_grad_norm(self, *args: Any, **kwargs: Any) -> Any: ...
+
+        def named_state_dict(self) -> dict[str, Any]: ...
+
+        def load_named_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
     @classmethod
     def from_optimizer_config(cls, megatron_config: Any, params: Any,
@@ -252,6 +257,74 @@ class MegatronSurface:
         check_loss(f"{_OWNER}.scale_loss", loss)
         return scale_loss(loss, self._state).to(loss.dtype)
 
+    def save_parameter_state(self, filename: str | os.PathLike[str],
+                             group: dist.ProcessGroup | None = None) -> None:
+        """Megatron's ``DistributedOptimizer.save_parameter_state``: the optimizer's whole
+        state (each param's master and inner state, DTensor shards gathered into whole
+        tensors, on the CPU; the shared loss scale and counters; the groups), written to
+        ``filename`` by rank 0 of ``group``, the data-parallel group whose ranks hold the
+        same state (default: the default process group, when one is initialized). Every
+        rank of the params' meshes takes part (each gather is a collective).
+
+        The file is ``named_state_dict()``'s layout with whole tensors:
+        [`load_parameter_state`][functopt.MixedPrecisionOptimizer.load_parameter_state]
+        loads it on any number of ranks and any sharding, and
+        ``load_named_state_dict(torch.load(filename))`` on one process.
+        """
+        saved = self.named_state_dict()
+        state: dict[Any, Any] = {}
+        for name, entry in saved["state"].items():
+            state[name] = ({k: _whole(v) for k, v in entry.items()}
+                           if isinstance(entry, dict) else _whole(entry))
+        if _rank_of(group) == 0:
+            torch.save({"state": state, "param_groups": saved["param_groups"]}, filename)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier(group)
+
+    def load_parameter_state(self, filename: str | os.PathLike[str], *,
+                             update_legacy_format: bool = False,
+                             group: dist.ProcessGroup | None = None) -> None:
+        """Megatron's ``DistributedOptimizer.load_parameter_state``: the state
+        [`save_parameter_state`][functopt.MixedPrecisionOptimizer.save_parameter_state]
+        wrote, read by rank 0 of ``group`` (the other ranks need not see the file) and
+        sent to its ranks tensor by tensor, each laid out as this optimizer's own state
+        (a DTensor entry as its shard of the mesh), then loaded as
+        ``load_named_state_dict`` loads (params with a master are set from it).
+
+        Raises:
+            ValueError: ``update_legacy_format=True``: the file has one format, no legacy
+                one to update.
+        """
+        owner = f"{_OWNER}.load_parameter_state"
+        if update_legacy_format:
+            raise ValueError(
+                f"{owner}: update_legacy_format=True updates Megatron's older file formats; "
+                f"save_parameter_state writes one format. Fix: leave it False.")
+        distributed = dist.is_available() and dist.is_initialized()
+        reader = _rank_of(group) == 0
+        loaded: Any = (torch.load(filename, map_location="cpu", weights_only=True) if reader
+                       else None)
+        template = self.named_state_dict()["state"]
+        skeleton: Any
+        if distributed:
+            described = [_described(loaded) if reader else None]
+            dist.broadcast_object_list(described, src=_source(group), group=group)
+            skeleton = described[0]
+        else:
+            skeleton = _described(loaded)
+        state: dict[Any, Any] = {}
+        for name, entry in skeleton["state"].items():
+            like = template.get(name, {})
+            if not isinstance(entry, dict):
+                state[name] = _received(loaded["state"][name] if reader else None, entry,
+                                        None, group, distributed)
+                continue
+            state[name] = {k: _received(loaded["state"][name][k] if reader else None, v,
+                                        like.get(k) if isinstance(like, dict) else None,
+                                        group, distributed)
+                           for k, v in entry.items()}
+        self.load_named_state_dict({"state": state, "param_groups": skeleton["param_groups"]})
+
     def get_parameters(self) -> list[torch.Tensor]:
         """The params the step updates, in group order (frozen groups left out, as
         Megatron leaves params that do not require grad out of its groups)."""
@@ -347,6 +420,66 @@ class MegatronSurface:
         ``grad_norm_skip_threshold``: call ``prepare_grads()`` first)."""
         result = self.step()
         return bool(result[0] if isinstance(result, tuple) else result)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """A tensor of the parameter-state file, described for the ranks that do not read it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _whole(value: Any) -> Any:
+    """A state entry's value as saved: a whole tensor on the CPU (a DTensor gathered)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.full_tensor().cpu()
+    return value.detach().cpu() if isinstance(value, torch.Tensor) else value
+
+
+def _rank_of(group: dist.ProcessGroup | None) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(group)
+
+
+def _source(group: dist.ProcessGroup | None) -> int:
+    """The global rank of ``group``'s rank 0 (the reader)."""
+    return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+def _described(loaded: Any) -> Any:
+    """The loaded file with each tensor of its entries replaced by its `_Shape`."""
+    def describe(v: Any) -> Any:
+        return _Shape(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v
+
+    return {"param_groups": loaded["param_groups"], "state": {
+        name: ({k: describe(v) for k, v in entry.items()} if isinstance(entry, dict)
+               else describe(entry))
+        for name, entry in loaded["state"].items()}}
+
+
+def _received(value: Any, described: Any, like: Any, group: dist.ProcessGroup | None,
+              distributed: bool) -> Any:
+    """One value of the file on this rank: a tensor sent from the reader (``value`` there)
+    and laid out as ``like``, this optimizer's entry (its DTensor shard, its device); any
+    other value as described."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(described, _Shape):
+        return described
+    device = local_tensor(like).device if isinstance(like, torch.Tensor) else torch.device("cpu")
+    if distributed:
+        full = (value.to(device) if value is not None
+                else torch.empty(described.shape, dtype=described.dtype, device=device))
+        dist.broadcast(full, src=_source(group), group=group)
+    else:
+        full = value.to(device)
+    if isinstance(like, DTensor) and tuple(like.shape) == described.shape:
+        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+    return full
 
 
 def _standard_overrides(config: Any) -> list[tuple[Any, dict[str, Any]]]:

@@ -193,6 +193,16 @@ def save_all(rank: int, world: int, path: str) -> dict[str, str | None]:
         dcp.save({"model": get_model_state_dict(model), "optim": osd},
                  checkpoint_id=os.path.join(path, "facade_dsd"))
 
+    def facade_parameter_state() -> None:  # Megatron's one file, written by rank 0
+        model = _shard(_mlp(torch.bfloat16), mesh)
+        opt = _facade(model)
+        _facade_steps(model, opt, range(SAVE_STEPS))
+        opt.save_parameter_state(os.path.join(path, "parameter_state.pt"))
+        if rank == 0:
+            whole = torch.load(os.path.join(path, "parameter_state.pt"), weights_only=True)
+            shapes = {k: tuple(v.shape) for k, v in _full_params().items()}
+            assert {k: tuple(e["master"].shape) for k, e in whole["state"].items()} == shapes
+
     def state_from_dict_sharding_errors() -> None:
         template = {"m": distribute_tensor(torch.zeros(4), mesh, [Shard(0)])}
         with pytest.raises(ValueError, match=r"'m' is a DTensor with placements \(Replicate"):
@@ -203,6 +213,7 @@ def save_all(rank: int, world: int, path: str) -> dict[str, str | None]:
             fdist.state_from_dict({"m": torch.zeros(4)}, template)
 
     return harness.run_named({"functional": functional, "facade": facade, "facade_dsd": facade_dsd,
+                 "facade_parameter_state": facade_parameter_state,
                  "state_from_dict_sharding_errors": state_from_dict_sharding_errors,
                  "offload_dtensor_state": offload_dtensor_state,
                  "facade_offload_fsdp": facade_offload_fsdp})
@@ -256,8 +267,21 @@ def load_all(rank: int, world: int, path: str) -> dict[str, str | None]:
         _assert_state(opt._state, ref_opt._state)  # masters, moments, loss scale, counters
         _assert_tree(dict(model.named_parameters()), dict(ref_model.named_parameters()))
 
+    def facade_parameter_state() -> None:  # read by rank 0, sent to the others
+        model = _shard(_mlp(torch.bfloat16), mesh)
+        for p in model.parameters():  # the file (the masters), not the init, sets them
+            with torch.no_grad():
+                p.zero_()
+        opt = _facade(model)
+        opt.load_parameter_state(os.path.join(path, "parameter_state.pt"))
+        assert opt.loss_scale == ref_loss_scale_after_save
+        _facade_steps(model, opt, range(SAVE_STEPS, total))
+        _assert_state(opt._state, ref_opt._state)
+        _assert_tree(dict(model.named_parameters()), dict(ref_model.named_parameters()))
+
     ref_loss_scale_after_save = _after_save_loss_scale()
-    return harness.run_named({"functional": functional, "facade": facade, "facade_dsd": facade_dsd})
+    return harness.run_named({"functional": functional, "facade": facade, "facade_dsd": facade_dsd,
+                              "facade_parameter_state": facade_parameter_state})
 
 
 def _after_save_loss_scale() -> float:
