@@ -25,5 +25,8 @@ print('torch', torch.__version__, torch.cuda.get_device_name())" || exit 2
 # the CUDA cases (and the compiled one, marked slow); the CPU cases of these files too
 timeout 240 python3 -m pytest -q -m "slow or not slow" -o addopts="--strict-markers" \
   tests/test_capture.py 2>&1 | tee "$out/tests.log"
+# the compiled mixed step reading the bf16 gradients itself (its path off the CPU)
+timeout 180 python3 -m pytest -q -o addopts="--strict-markers" tests/test_compiled.py \
+  -k on_cuda 2>&1 | tee -a "$out/tests.log"
 timeout 420 python3 benchmarks/run.py --device cuda --json "$out/bench.json" 2>&1 \
   | tee "$out/bench.log"

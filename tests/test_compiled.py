@@ -424,6 +424,32 @@ def test_mixed_precision_rides_the_compiled_tier(donate: bool, given: bool, make
         assert len({b.untyped_storage().data_ptr() for b in fast_tx.buffers()}) == 1
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_compiled_mixed_step_reads_the_bfloat16_gradients_itself() -> None:
+    """Off the CPU the compiled mixed step's call reads the bf16 gradients as given (no
+    float32 casts kept; ``explain`` counts 30 bytes per param for AdamW) and equals the pure
+    mixed step (benchmarks/gpu_check.sh runs it)."""
+    gen = torch.Generator().manual_seed(3)
+    params = {k: torch.randn(64, 32, generator=gen).bfloat16().cuda() for k in ("w", "v")}
+    inner = _mixed_adamw()
+    fast_tx = functopt.precision.mixed_precision(inner, compile=True, donate=True)
+    pure_tx = functopt.precision.mixed_precision(inner, fused=False)
+    p_fast = fast_tx.lay_out({k: v.clone() for k, v in params.items()})
+    p_pure = {k: v.clone() for k, v in params.items()}
+    s_fast, s_pure = fast_tx.init(p_fast), pure_tx.init(p_pure)
+    assert fast_tx.explain(p_fast, s_fast).bytes_per_param == 30.0
+    for _ in range(3):
+        grads = {k: torch.randn(v.shape, generator=gen).to(v.dtype).cuda()
+                 for k, v in params.items()}
+        with torch.no_grad():
+            p_fast, s_fast = fast_tx.step(grads, s_fast, p_fast)
+        p_pure, s_pure = pure_tx.step(grads, s_pure, p_pure)
+    for k in params:
+        torch.testing.assert_close(s_fast.master[k], s_pure.master[k], rtol=4e-7, atol=0.0)
+        assert torch.equal(p_fast[k], s_fast.master[k].to(torch.bfloat16))
+    assert fast_tx.buffers() == []
+
+
 def test_each_group_compiles_its_own_code() -> None:
     """Dynamo keeps compiled graphs per code object and runs a function uncompiled past its
     recompile limit (8): every group's function has a code object of its own, so many
