@@ -1251,6 +1251,7 @@ class Optimizer(torch.optim.Optimizer):
         super().__setstate__(state)
         self.state = store
         self.__dict__.setdefault("_counts", _torch_state.Counts())
+        self.__dict__.setdefault("_pending", {})
 
 
 OPTIMIZER_NOT_PICKLABLE = (
