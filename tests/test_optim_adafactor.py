@@ -273,3 +273,40 @@ def test_the_floor_checked_on_every_leaf_gives_the_same_bits() -> None:
     for k in params:
         assert torch.equal(checked[k], every[k]), k
     assert bool(checked["m"][1].eq(0).all()) and bool(checked["m"].isfinite().all())
+
+
+@settings(max_examples=25, deadline=None)
+@given(shapes=_SHAPES, options=_OPTIONS, data=st.data())
+def test_the_drop_in_step_is_the_pure_update_and_apply_bitwise(
+        shapes: list[tuple[int, ...]], options: dict[str, Any], data: st.DataObject) -> None:
+    # The drop-in adds each run's updates into its params as the rule goes (runs of a few
+    # elements here, so that there are several): the same bits as the class's transform's
+    # pure update followed by the additions, over three steps (params of the same layouts
+    # on both sides: a norm's order of additions follows the layout).
+    from functopt.optim import _adafactor
+
+    layouts = data.draw(st.lists(st.sampled_from(["plain", "transposed", "strided"]),
+                                 min_size=len(shapes), max_size=len(shapes)))
+    cap = data.draw(st.sampled_from([1, 16, 1 << 20]))
+    before = dict(_adafactor._RUN_ELEMENTS)
+    _adafactor._RUN_ELEMENTS["cpu"] = cap
+    try:
+        ps = _params(shapes, layouts)
+        opt = optim.Adafactor(ps, **options)
+        params = [p.detach() for p in _params(shapes, layouts)]
+        tx = opt.transform
+        state = tx.init(params)
+        for t in range(3):
+            g = torch.Generator().manual_seed(100 + t)
+            grads = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in ps]
+            for p, grad in zip(ps, grads, strict=True):
+                p.grad = grad.clone()
+            opt.step()
+            with torch.no_grad():
+                updates, state = tx.update(grads, state, params)
+            torch._foreach_add_(params, functopt.tree.flatten(updates)[0])
+            for p, q in zip(ps, params, strict=True):
+                assert torch.equal(p.detach(), q), t
+    finally:
+        _adafactor._RUN_ELEMENTS.clear()
+        _adafactor._RUN_ELEMENTS.update(before)

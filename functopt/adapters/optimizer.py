@@ -25,8 +25,11 @@ import torch
 
 from functopt import _validate
 from functopt._base import GradientTransformation, State
+from functopt._collective.dtensor import _leaf_names
 from functopt._spec import Injected, describe
 from functopt.adapters import _group_init, _param_groups, _state_dict, _torch_state
+from functopt.fast import _planner
+from functopt.fast._step import _check as _step_checks
 from functopt.fast._step import make_step
 from functopt.optimizers import recipe_of
 from functopt.transforms.combining import _check_transform
@@ -1125,6 +1128,9 @@ class Optimizer(torch.optim.Optimizer):
             self._unstepped.pop(index, None)
             return
         donate = not self._state_shared
+        if self._in_place_argument is not None:
+            self._run_in_place(index, group, plan, state, entries, grads, params, donate)
+            return
         steppers = self.__dict__.setdefault("_steppers", {})
         transform = plan.transform
         stepper = steppers.get((transform, donate))
@@ -1138,6 +1144,29 @@ class Optimizer(torch.optim.Optimizer):
                 if n is not p:
                     p.copy_(n)
         self._scatter(group, plan, new_state, treespec,
+                      None if entries is None or not donate else (state, entries))
+        self._unstepped.pop(index, None)
+
+    # The extra argument with which the transform's update adds each run of its updates
+    # into the params itself (a drop-in whose rule does: Adafactor's), or None.
+    _in_place_argument: str | None = None
+
+    def _run_in_place(self, index: int, group: dict[str, Any], plan: _Plan, state: list[Any],
+                      entries: list[Any] | None, grads: list[Any], params: list[Any],
+                      donate: bool) -> None:
+        """`_run` for a transform whose update adds its updates into the params as it goes
+        (``_in_place_argument``): the pure path's checks, then the update, which steps
+        the params with the very additions the pure path's apply makes."""
+        pspec = plan.pspec
+        grad_tree, param_tree = _core.unflatten(pspec, grads), _core.unflatten(pspec, params)
+        param_leaves, treespec, _ = _step_checks(grad_tree, param_tree)
+        _planner.check_donation(param_leaves, _leaf_names(treespec))
+        argument = self._in_place_argument
+        assert argument is not None  # (the caller's check)
+        _, new_tree = plan.transform.update(grad_tree, _core.unflatten(plan.treespec, state),
+                                            param_tree, **{argument: True})
+        new_state, new_spec = _core.flatten(new_tree)
+        self._scatter(group, plan, new_state, new_spec,
                       None if entries is None or not donate else (state, entries))
         self._unstepped.pop(index, None)
 

@@ -13,9 +13,20 @@ from functopt.adapters._torch_state import TorchLayout
 from functopt.optim import _base, _chains
 from functopt.transforms import _common
 from functopt.transforms.combining import chain
-from functopt.transforms.factored import _BATCH_ELEMENTS, _BATCH_ELEMENTS_ELSEWHERE
+from functopt.transforms.factored import _BATCH_ELEMENTS_ELSEWHERE
 
 __all__ = ["Adafactor"]
+
+# The extra argument with which the drop-in's step asks the rule to add each run's updates
+# into its params as it goes (`Adafactor`).
+IN_PLACE = "apply_updates_in_place"
+
+# The most elements in one run of leaves on the CPU: its passes (about a dozen, over the
+# gradients, the params and the update) stay in cache. Measured on two threads of an AVX2
+# CPU with the drop-in's in-place step (medians of 11; torch's loop beside it): 2**18 53 ms,
+# 2**19 48, 2**20 47, 2**21 49 (torch 45) on 50 matrices of 512x512 and 50 vectors; 17.7,
+# 15.9, 15.7 and 15.8 ms (torch 14.9) on a small transformer's 3.2M params.
+_RUN_ELEMENTS = {"cpu": 1 << 20}
 
 
 class TorchAdafactorState(NamedTuple):
@@ -199,7 +210,9 @@ def scale_by_torch_adafactor(
                   **extra_args: Any) -> tuple[Updates, TorchAdafactorState]:
         owner = "functopt.optim.Adafactor"
         _common.check_state(owner, state, TorchAdafactorState)
-        del extra_args
+        # (the drop-in's step: each run's updates added into its params while they are in
+        # cache, see Adafactor; the updates are returned all the same)
+        in_place = bool(extra_args.get(IN_PLACE, False))
         if params is None:
             raise ValueError(f"{owner}: update needs the params (Adafactor scales each update "
                              f"by its param's RMS). Fix: pass params to update.")
@@ -228,12 +241,18 @@ def scale_by_torch_adafactor(
             if by_leaf or is_dtensor(g) or is_dtensor(ps[j]):
                 out[j], new[0][j], new[1][j], new[2][j] = _leaf(
                     g, ps[j], rows[j], cols[j], variances[j], scalars)
+                if in_place:
+                    with torch.no_grad():
+                        ps[j].add_(out[j])
             else:
                 batches.setdefault((g.device, g.dtype, ps[j].dtype), []).append(j)
         for idx in _chunked(batches.values(), grads):
             made = _grouped([grads[j] for j in idx], [ps[j] for j in idx],
                             [rows[j] for j in idx], [cols[j] for j in idx],
                             [variances[j] for j in idx], scalars)
+            if in_place:
+                with torch.no_grad():
+                    torch._foreach_add_([ps[j] for j in idx], made[0])
             for k, j in enumerate(idx):
                 out[j], new[0][j], new[1][j], new[2][j] = (x[k] for x in made)
         return _common.unflatten(treespec, out), TorchAdafactorState(
@@ -243,13 +262,13 @@ def scale_by_torch_adafactor(
 
 
 def _chunked(batches: Iterable[list[int]], grads: list[Any]) -> list[list[int]]:
-    """Each batch cut into runs of at most ``_BATCH_ELEMENTS`` elements on the CPU (a run
+    """Each batch cut into runs of at most ``_RUN_ELEMENTS`` elements on the CPU (a run
     whose passes stay in cache: one pass over many large leaves goes to memory each time,
     slower than leaf by leaf), whole elsewhere (where a pass costs a kernel launch)."""
     out: list[list[int]] = []
     for idx in batches:
         g = grads[idx[0]]
-        cap = _BATCH_ELEMENTS.get(g.device.type, _BATCH_ELEMENTS_ELSEWHERE)
+        cap = _RUN_ELEMENTS.get(g.device.type, _BATCH_ELEMENTS_ELSEWHERE)
         run: list[int] = []
         size = 0
         for j in idx:
@@ -282,8 +301,8 @@ class Adafactor(_base.TorchOptimizer):
     The state dict is torch's (``step``, and ``row_var`` and ``col_var`` or ``variance``
     per param): it loads into ``torch.optim.Adafactor``, and torch's loads here. The rule
     runs with ``foreach`` operations over runs of leaves (each run small enough to stay in
-    cache on the CPU), in place on its own temporaries, and reads one value back to the
-    host per step (whether some matrix meets the floor of its variance estimate); under
+    cache on the CPU), in place on its own temporaries, adds each run's updates into its
+    params as soon as they are made, and reads one value back to the host per step (whether some matrix meets the floor of its variance estimate); under
     autograd it makes every tensor anew, so gradients flow through ``opt.transform``'s
     update.
 
@@ -300,6 +319,10 @@ class Adafactor(_base.TorchOptimizer):
     """
 
     _differentiable_key = False
+    # The rule adds each run's updates into its params (a run of leaves small enough to
+    # stay in cache on the CPU) as torch's loop adds each param's, instead of all of them
+    # after the rule: the same additions, one pass over memory fewer.
+    _in_place_argument = IN_PLACE
     _sparse_words = "Adafactor does not support sparse gradients"
     _complex_words = "Adafactor does not support complex parameters"
     _torch_layout = TorchLayout({"row_var": ("TorchAdafactorState.row_var",),
