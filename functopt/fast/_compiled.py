@@ -316,6 +316,13 @@ def reads_as_given(group: Any, grads: list[Any], values: list[Any]) -> bool:
                                     for i in present)
 
 
+def given_reads(lowered: Any, grads: list[Any], values: list[Any]) -> set[int]:
+    """The leaves whose compiled group's call reads a mixed step's gradients as given
+    (`reads_as_given`)."""
+    return {i for group in lowered.groups if reads_as_given(group, grads, values)
+            for i in group.leaves}
+
+
 def _own_code(fn: Any) -> Any:
     # A code object of its own per group: Dynamo keeps its compiled graphs per code object,
     # with a limit of recompiles (8 by default) past which it runs the function uncompiled;

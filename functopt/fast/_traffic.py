@@ -31,6 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from functopt._collective.dtensor import local_tensor
+from functopt.fast import _compiled as _tier
 from functopt.fast._layout import end_to_end
 
 __all__ = ["Traffic", "group_traffic", "mixed_traffic", "pass_traffic", "perleaf_traffic",
@@ -308,12 +309,9 @@ def mixed_traffic(lowered: Any, params: list[Any], views: list[Any], grads: list
     (and of the gradients as given for the zero count), the groups on them, then each
     param written from its new master (read the master, write the param), which the
     compiled tier's call does itself."""
-    from functopt.fast._compiled import reads_as_given
-
     present = [i for i, (g, v) in enumerate(zip(grads, views, strict=True))
                if g is not None and v is not None]
-    given = {i for group in lowered.groups if reads_as_given(group, grads, views)
-             for i in group.leaves}
+    given = _tier.given_reads(lowered, grads, views)
     compiled = {i for group in lowered.groups if group.plan.kernel == "compiled"
                 for i in group.leaves}
     wide: list[Any] = [None] * len(grads)
@@ -332,7 +330,8 @@ def mixed_traffic(lowered: Any, params: list[Any], views: list[Any], grads: list
                     wide[i] is not _leaf(grads[i]) for i in idx):
                 flat = torch.empty(sum(wide[i].numel() for i in idx),
                                    dtype=wide[idx[0]].dtype, device="meta")
-                for i, view in zip(idx, _scatter_meta(flat, [wide[i] for i in idx]),
+                for i, view in zip(idx, _tier._scatter(flat, [_leaf(views[i])
+                                                                  for i in idx]),
                                    strict=True):
                     wide[i] = view
     total = total + Traffic(sum(_bytes(wide[i]) for i in present), 0)  # the statistics
@@ -367,25 +366,16 @@ def mixed_traffic(lowered: Any, params: list[Any], views: list[Any], grads: list
     return traffic, eager if isinstance(eager, str) else total + eager
 
 
-def _scatter_meta(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    out, start = [], 0
-    for t in like:
-        out.append(flat[start:start + t.numel()].view(t.shape))
-        start += t.numel()
-    return out
-
-
 def _compiled_low(group: Any, params: list[Any], stores: list[Any], views: list[Any],
                   donate: bool) -> Traffic | None:
-    """The low-precision params a compiled group's call writes itself (every leaf with a
-    master, all of one dtype), or None where the step writes them after it."""
+    """The low-precision params a compiled group's call writes itself (when the compiled
+    tier's `_lows` says it does), or None where the step writes them after it."""
     idx = [i for i in group.leaves if _leaf(views[i]).numel()]
-    if not idx or any(stores[i] is None for i in idx):
+    if not idx:
         return None
-    lows = [_leaf(params[i]) for i in idx]
-    if len({t.dtype for t in lows}) != 1 or any(  # (precision's `_lows`)
-            t.stride() != _leaf(views[i]).stride() and t.numel() > 1
-            for t, i in zip(lows, idx, strict=True)):
+    low = [p if s is not None else None for p, s in zip(params, stores, strict=True)]
+    lows = _tier._lows(low, idx, [_leaf(views[i]) for i in idx])
+    if lows is None:
         return None
     size = _bytes(lows)
     if donate and end_to_end(lows) is None:  # written into one buffer, then copied out

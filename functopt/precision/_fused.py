@@ -222,13 +222,6 @@ def _sum_of_squares(groups: list[tuple[list[int], torch.Tensor]], leaves: list[i
     return torch.stack([square[i] for i in order]).sum().to(device)
 
 
-def _given_reads(lowered: _planner.Lowered, grads: list[Any], views: list[Any]) -> set[int]:
-    """The leaves whose compiled group reads their gradients as given, in their
-    low-precision dtype (`_compiled.reads_as_given`)."""
-    return {i for group in lowered.groups
-            if _compiled.reads_as_given(group, grads, views) for i in group.leaves}
-
-
 def _widened(grads: list[Any], views: list[Any], workspace: list[Any] | None,
              given: set[int] | None = None) -> list[Any]:
     """Each gradient's local shard in its view's dtype: itself, or a cast; as given at the
@@ -467,7 +460,7 @@ def fused_mixed_step(
     # the gradients in the precision of the values they update (a cast is a new tensor);
     # a compiled group's call reads them as given and casts them itself where it can,
     # else its casts go into one buffer, which its call then reads in place
-    given = _given_reads(lowered, grads, views) if compiled else None
+    given = _compiled.given_reads(lowered, grads, views) if compiled else None
     if workspace is not None and compiled:
         _flat_casts(lowered.groups, grads, views, workspace)
     wide = _widened(grads, views, workspace, given) if casts is None or workspace is None else (
