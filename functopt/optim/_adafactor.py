@@ -302,9 +302,9 @@ class Adafactor(_base.TorchOptimizer):
     per param): it loads into ``torch.optim.Adafactor``, and torch's loads here. The rule
     runs with ``foreach`` operations over runs of leaves (each run small enough to stay in
     cache on the CPU), in place on its own temporaries, adds each run's updates into its
-    params as soon as they are made, and reads one value back to the host per step (whether some matrix meets the floor of its variance estimate); under
-    autograd it makes every tensor anew, so gradients flow through ``opt.transform``'s
-    update.
+    params as soon as they are made, and reads one value back to the host per step
+    (whether some matrix meets the floor of its variance estimate); under autograd it
+    makes every tensor anew, so gradients flow through ``opt.transform``'s update.
 
     Examples:
         >>> import torch, functopt

@@ -331,15 +331,16 @@ def _recalled_writes(casts: dict[str, Any], params: list[Any], stores: list[Any]
 
 
 def _flat_casts(groups: list[Any], grads: list[Any], views: list[Any],
-                workspace: list[Any]) -> None:
+                workspace: list[Any], given: set[int]) -> None:
     """Lay the gradient casts of each compiled group (whose gradients all need one) in
     ``workspace`` as views of one buffer, in the group's order and its values' layout, so
     that `_widened` casts into them and the group's call reads them without gathering.
-    Buffers laid out so at an earlier step are kept."""
+    Buffers laid out so at an earlier step are kept; the groups of ``given`` (whose calls
+    read their gradients as given) have none."""
     if len(workspace) != len(grads):
         workspace[:] = [None] * len(grads)
     for group in groups:
-        if group.plan.kernel != "compiled" or _compiled.reads_as_given(group, grads, views):
+        if group.plan.kernel != "compiled" or any(i in given for i in group.leaves):
             continue
         idx = [i for i in group.leaves if local_tensor(views[i]).numel()]
         values = [local_tensor(views[i]) for i in idx]
@@ -461,8 +462,8 @@ def fused_mixed_step(
     # a compiled group's call reads them as given and casts them itself where it can,
     # else its casts go into one buffer, which its call then reads in place
     given = _compiled.given_reads(lowered, grads, views) if compiled else None
-    if workspace is not None and compiled:
-        _flat_casts(lowered.groups, grads, views, workspace)
+    if workspace is not None and given is not None:
+        _flat_casts(lowered.groups, grads, views, workspace, given)
     wide = _widened(grads, views, workspace, given) if casts is None or workspace is None else (
         _recalled_casts(casts, grads, views, workspace))
     device = loss_scale.scale.device
