@@ -108,3 +108,11 @@ def test_the_compiled_step_off_the_cpu_reads_the_bfloat16_gradients_itself(
     # a group of bf16 and float32 params is cast (one dtype per gathered buffer)
     mixed = step.lay_out({k: p.clone() for k, p in _tree(True)["params"].items()})
     assert step.explain(mixed, step.init(mixed)).bytes_per_param > 30.0
+
+
+def test_a_multisteps_inner_transform_explains_its_closing_step_and_counts_nothing() -> None:
+    inner = functopt.MultiSteps(functopt.adamw(1e-3), 2).gradient_transformation()
+    got = mixed_precision(inner, donate=True).explain(_tree(False)["params"])
+    assert got.fast and [g.kernel for g in got.groups] == ["torch._fused_adamw_"]
+    assert got.mini_steps is not None and got.mini_steps.startswith("MultiSteps")
+    assert got.bytes_per_param is None and "mini-steps are not counted" in str(got)

@@ -55,6 +55,7 @@ read is free and each 0-d kernel costs microseconds; see ``precision/_host.py``.
 from __future__ import annotations
 
 import datetime
+import functools
 import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -75,10 +76,10 @@ from functopt._collective.counting import Replicated, _counting, _entries
 from functopt._collective.dtensor import _leaf_names
 from functopt._collective.reduce import _local_stats
 from functopt.fast import _multi, _planner
-from functopt.fast._explain import Explanation, mixed_explanation
+from functopt.fast._explain import Explanation
 from functopt.fast._planner import CaptureError
 from functopt.fast._step import differentiated
-from functopt.precision import _host
+from functopt.precision import _explain, _host
 from functopt.precision._fused import (
     _lowered,
     flat_init,
@@ -135,12 +136,6 @@ def _as_they_are(params: Params) -> Params:
     return params
 
 
-def _not_explained(params: Params, state: Any = None, grads: Any = None) -> Explanation:
-    raise TypeError("this MixedPrecisionTransformation was not made by mixed_precision(), "
-                    "which explains its step. Fix: build it with "
-                    "functopt.precision.mixed_precision(...).")
-
-
 class MixedPrecisionTransformation(NamedTuple):
     """``init(params) -> state`` and ``step(grads, state, params) -> (params, state)``.
 
@@ -168,7 +163,7 @@ class MixedPrecisionTransformation(NamedTuple):
     step: Callable[..., tuple[Params, MixedPrecisionState]]
     buffers: Callable[[], list[torch.Tensor]] = _no_buffers
     lay_out: Callable[[Params], Params] = _as_they_are
-    explain: Callable[..., Explanation] = _not_explained
+    explain: Callable[..., Explanation] = _explain.not_explained
 
 
 def check_loss(owner: str, loss: Any) -> None:
@@ -683,34 +678,10 @@ def _mixed_precision(
             lay_out_params(planner, treespec, leaves, mw, inner, _leaf_names(treespec))
         return params
 
-    def explain_fn(params: Params, state: MixedPrecisionState | None = None,
-                   grads: Any = None) -> Explanation:
-        param_leaves, treespec = _core.flatten(params)
-        _core.check_tensors(param_leaves, treespec, name="params", floating=True)
-        if state is None:
-            state = init_fn(params)
-        grad_leaves = param_leaves if grads is None else _core.flatten_like(
-            treespec, grads, name="grads", reference="params")
-        store = _core.flatten_like(treespec, state.master, name="state.master",
-                                   reference="params")
-        view = [None if p is None else mw.view(p, s)
-                for p, s in zip(param_leaves, store, strict=True)]
-        reason = ("fused=False" if not fused else
-                  "the master weights are not plain copies (stochastic rounding)"
-                  if not fast else
-                  "a MultiSteps inner transform (its mini-steps are not explained here)"
-                  if accumulated is not None else None)
-        if reason is not None:
-            return Explanation(fast=False, reason=reason, groups=(), clips=0,
-                               traffic_reason="the pure mixed-precision path is not counted")
-        structure, inner_leaves, lowered = _lowered(
-            planner, treespec, param_leaves, store, view, grad_leaves, state.inner_state,
-            _leaf_names(treespec), donate, compile)
-        return mixed_explanation(
-            lowered, structure, treespec, param_leaves, store, view, grad_leaves,
-            inner_leaves, multiplied=loss_scale is not None or max_grad_norm is not None,
-            count_zeros=count_zeros, donate=donate)
-
+    explain_fn = functools.partial(
+        _explain.explained, init=init_fn, planner=planner, master_weights=mw,
+        accumulated=accumulated, fused=fused, fast=fast, donate=donate, compile=compile,
+        multiplied=loss_scale is not None or max_grad_norm is not None, count_zeros=count_zeros)
     return MixedPrecisionTransformation(init_fn, step_fn, buffers, lay_out_fn, explain_fn)
 
 
