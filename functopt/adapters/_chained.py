@@ -10,7 +10,7 @@ skip decision, one gradient norm and one clip for all of them. Here each optimiz
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -290,13 +290,32 @@ class ChainedOptimizer:
         dicts = [opt.state_dict() for opt in self.chained_optimizers]
         return dicts[0] if len(dicts) == 1 else dicts
 
+    def sharded_state_dict(self, model_sharded_state_dict: Any, is_loading: bool = False,
+                           metadata: Mapping[str, Any] | None = None) -> Any:
+        """Each optimizer's ``sharded_state_dict``, as megatron-core's chain combines them:
+        one optimizer's alone; several in a dict by position, each one's keys prefixed
+        ``chained_<i>.`` unless ``metadata["chained_optim_avoid_prefix"]`` is true."""
+        dicts = [opt.sharded_state_dict(model_sharded_state_dict, is_loading, metadata)
+                 for opt in self.chained_optimizers]
+        if len(dicts) == 1:
+            return dicts[0]
+        if not (metadata or {}).get("chained_optim_avoid_prefix", False):
+            from functopt.adapters._megatron_sharded import add_prefix
+
+            for i, d in enumerate(dicts):
+                add_prefix(d, f"chained_{i}.")
+        return dict(enumerate(dicts))
+
     def load_state_dict(self, state_dict: Any) -> None:
-        """Load what ``state_dict()`` returned.
+        """Load what ``state_dict()`` returned, or what ``dist_checkpointing.load`` gave
+        for ``sharded_state_dict()`` (several optimizers' dicts keyed by position).
 
         Raises:
             ValueError: another number of state dicts than optimizers.
         """
         dicts = [state_dict] if len(self.chained_optimizers) == 1 else state_dict
+        if isinstance(dicts, Mapping) and set(dicts) == set(range(len(dicts))):
+            dicts = [dicts[i] for i in range(len(dicts))]
         if not isinstance(dicts, (list, tuple)) or len(dicts) != len(self.chained_optimizers):
             raise ValueError(
                 f"{_OWNER}.load_state_dict: expected a list of "

@@ -325,6 +325,29 @@ class MegatronSurface:
                            for k, v in entry.items()}
         self.load_named_state_dict({"state": state, "param_groups": skeleton["param_groups"]})
 
+    def sharded_state_dict(self, model_sharded_state_dict: Any, is_loading: bool = False,
+                           metadata: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Megatron's ``sharded_state_dict``: ``state_dict()`` for megatron-core's
+        ``dist_checkpointing``, each param's entries sharded as the model's sharded state
+        dict shards the param (functopt/adapters/_megatron_sharded.py says how).
+
+        Save with ``dist_checkpointing.save(optimizer.sharded_state_dict(model_sd), dir)``;
+        load with ``optimizer.load_state_dict(dist_checkpointing.load(
+        optimizer.sharded_state_dict(model_sd, is_loading=True), dir))``, on any layout
+        whose model sharded state dict names the same global tensors. ``is_loading``
+        changes nothing: the state it templates exists from construction. ``metadata``
+        takes the keys megatron-core passes, which choose among its distributed
+        optimizer's formats; the facade has one.
+
+        Raises:
+            ValueError: a param the optimizer steps has no sharded tensor in
+                ``model_sharded_state_dict``; a state entry of a split param is neither of
+                its local shape nor a scalar; an unknown ``metadata`` key.
+        """
+        from functopt.adapters._megatron_sharded import sharded_state_dict
+
+        return sharded_state_dict(self, model_sharded_state_dict, metadata)
+
     def get_parameters(self) -> list[torch.Tensor]:
         """The params the step updates, in group order (frozen groups left out, as
         Megatron leaves params that do not require grad out of its groups)."""
