@@ -156,7 +156,7 @@ def _failures(results: list[dict[str, str | None]], name: str) -> str:
 
 @pytest.mark.parametrize("name", [
     "torn_functional_raises_on_every_rank", "torn_zero1_raises_on_every_rank",
-    "intact_loads_bitwise", "one_changed_element_on_one_rank_raises_on_every_rank",
+    "torn_adapters_raise_on_every_rank", "intact_loads_bitwise", "one_changed_element_on_one_rank_raises_on_every_rank",
     "swapped_elements_raise", "error_on_one_rank_raises_on_every_rank",
     "saved_without_record_loads", "placements_reshard_and_verify"])
 def test_on_2_ranks(launched, name: str) -> None:

@@ -579,6 +579,61 @@ def check_config(owner: str, index: int, saved: Any, current: Mapping[str, Any],
         )
 
 
+# -- the integrity record of a sharded state dict ---------------------------------------
+
+INTEGRITY_KEY = "integrity"  # in the first group's CONFIG_KEY record: the checksums
+
+
+def _flat(state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The dict's tensors keyed by param name and state path (the same keys whatever the
+    number of ranks, so a record of N ranks is checked on M)."""
+    names: dict[Any, str] = {}
+    for group in state_dict["param_groups"]:
+        ids = group["params"]
+        names.update(zip(ids, map(str, group.get("param_names", ids)), strict=True))
+    flat: dict[str, torch.Tensor] = {}
+    for pid, entry in state_dict["state"].items():
+        name = names.get(pid, repr(pid))
+        if isinstance(entry, Mapping):
+            flat.update((f"{name}/{k}", v) for k, v in entry.items()
+                        if isinstance(v, torch.Tensor))
+        elif isinstance(entry, torch.Tensor):
+            flat[name] = entry
+    return flat
+
+
+def seal(state_dict: dict[str, Any]) -> None:
+    """Add the integrity record (``functopt/distributed/_integrity.py``) of a state dict
+    whose state holds DTensor shards to its first group's ``CONFIG_KEY`` record: one
+    ``all_reduce`` over the default group, so ``state_dict()`` of such an optimizer is a
+    collective, as DCP's save around it is. A dict of plain tensors gets none (there is no
+    other rank's file to tear it)."""
+    from functopt.distributed import _integrity
+    flat = _flat(state_dict)
+    groups = state_dict["param_groups"]
+    if groups and isinstance(groups[0].get(CONFIG_KEY), dict) and _integrity._sharded(flat):
+        groups[0][CONFIG_KEY][INTEGRITY_KEY] = _integrity.make_record(flat).tolist()
+
+
+def check_seal(owner: str, state_dict: Mapping[str, Any]) -> None:
+    """Raise, on every rank alike, when a sealed state dict's tensors do not match its
+    record: a torn checkpoint (ranks' files of different saves) or one changed after the
+    save. A dict without a record is not checked."""
+    from functopt.distributed import _integrity
+
+    groups = state_dict.get("param_groups")
+    config = groups[0].get(CONFIG_KEY) if groups and isinstance(groups[0], Mapping) else None
+    record = config.get(INTEGRITY_KEY) if isinstance(config, Mapping) else None
+    if record is None:
+        return
+    flat = _flat(state_dict)
+    given = (torch.tensor(record, dtype=torch.int64)
+             if isinstance(record, list) and all(isinstance(v, int) for v in record)
+             else record)
+    _integrity.check_record(owner, flat, given, collective=_integrity._sharded(flat),
+                            owned=frozenset(), error=None)
+
+
 def recipe_signature(tx: Any, hyper: Mapping[str, torch.Tensor]) -> str | None:
     """What recipe a transform is, with its fixed non-numeric arguments
     (``"adamw(mu_dtype=None, nesterov=False)"``), or None if it is none: a plain recipe, or

@@ -1358,6 +1358,11 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
         The tensors are the live state, not copies; the next step then writes new tensors
         instead of updating these in place, so a dict taken before a step keeps its
         values (later steps update the optimizer's own tensors in place again).
+
+        With DTensor state (FSDP2) the first group's record also holds the dict's
+        integrity record (``"integrity"``), which ``load_state_dict`` checks, so a torn
+        distributed checkpoint raises on every rank: both calls are then collectives
+        over the default group (docs/sharded-state.md, *A torn checkpoint raises at load*).
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
@@ -1383,6 +1388,7 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
             result = post_hook(self, saved)
             if result is not None:
                 saved = result
+        _state_dict.seal(saved)
         return saved
 
     def named_state_dict(self) -> dict[str, Any]:
@@ -1428,6 +1434,8 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
         self._check_not_offloaded("load_state_dict")
         self._check_train_mode("load_state_dict")
         owner = f"{_OWNER}.load_state_dict"
+        if isinstance(state_dict, Mapping) and "state" in state_dict:
+            _state_dict.check_seal(owner, state_dict)
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             if result is not None:

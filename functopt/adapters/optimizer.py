@@ -988,7 +988,9 @@ class Optimizer(torch.optim.Optimizer):
 
         The next step then writes new state tensors instead of updating these in place, so
         a state dict taken before a step keeps its values (later steps update in place
-        again).
+        again). With DTensor state (FSDP2) the first group's ``"functopt"`` record holds
+        the dict's integrity record, which ``load_state_dict`` checks: both calls are then
+        collectives over the default group (docs/sharded-state.md).
         """
         self._state_shared = True
         saved = super().state_dict()
@@ -1005,6 +1007,7 @@ class Optimizer(torch.optim.Optimizer):
         extras = _state_dict.unpacked_extras(saved)
         saved["state"] = _state_dict.packed_state(
             {k: v for k, v in saved["state"].items() if k not in extras}, extras)
+        _state_dict.seal(saved)
         return saved
 
     def named_state_dict(self) -> dict[str, Any]:
@@ -1193,6 +1196,8 @@ class Optimizer(torch.optim.Optimizer):
             raise TypeError(f"{owner}: expected the dict optimizer.state_dict() returns, got "
                             f"{type(state_dict).__name__}.")
         state_dict = dict(state_dict)
+        if "state" in state_dict and "param_groups" in state_dict:
+            _state_dict.check_seal(owner, state_dict)
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             if result is not None:

@@ -25,10 +25,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+import functopt
 from distributed import harness
 from distributed import zero_checkpoint_checks as zc
-from distributed.checkpoint_checks import _full_params, _functional_steps, _transform
-from distributed.checks import _assert_tree, _mesh
+from distributed.checkpoint_checks import (
+    _facade,
+    _facade_steps,
+    _full_params,
+    _functional_steps,
+    _transform,
+)
+from distributed.checks import _assert_tree, _mesh, _mlp, _shard
 from functopt import distributed as fdist
 from functopt.distributed._integrity import RECORD_KEY
 
@@ -70,6 +77,19 @@ def _template() -> tuple[Any, dict[str, Any]]:
     return template, {"opt": fdist.state_to_dict(template, params)}
 
 
+def _adapter_steps(model: torch.nn.Module, opt: Any, steps: range) -> None:
+    if isinstance(opt, functopt.MixedPrecisionOptimizer):
+        _facade_steps(model, opt, steps)
+        return
+    for step in steps:
+        for name, p in model.named_parameters():
+            g = torch.Generator().manual_seed(1000 * step + sum(map(ord, name)))
+            full = torch.randn(p.shape, generator=g).to(p.dtype)
+            p.grad = distribute_tensor(full, p.device_mesh, p.placements)
+        opt.step()
+        opt.zero_grad()
+
+
 def run_all(rank: int, world: int, path: str) -> dict[str, str | None]:
     intact = os.path.join(path, "intact")
 
@@ -87,6 +107,29 @@ def run_all(rank: int, world: int, path: str) -> dict[str, str | None]:
                    for k, v in master.items()), "the checkpoint is not the mix it should be"
         with pytest.raises(ValueError, match=TORN + r".*'master\.0\.weight'"):
             fdist.state_from_dict(loaded["opt"], template)
+
+    def torn_adapters_raise_on_every_rank() -> None:
+        """The facade and functopt.Optimizer as DCP ``Stateful`` objects on FSDP2, saved and
+        loaded as the docs show."""
+        mesh = _mesh(world)
+        builders = {"facade": _facade,
+                    "optimizer": lambda m: functopt.Optimizer(m.parameters(),
+                                                              functopt.adamw(1e-2))}
+        for name, build in builders.items():
+            where = os.path.join(path, f"torn_{name}")
+            model3, model6 = (_shard(_mlp(torch.bfloat16), mesh),
+                              _shard(_mlp(torch.bfloat16), mesh))
+            opt3, opt6 = build(model3), build(model6)
+            _adapter_steps(model3, opt3, range(SAVED))
+            _adapter_steps(model6, opt6, range(LATER))
+            _torn_save(where, {"optim": opt3}, {"optim": opt6})
+            opt = build(_shard(_mlp(torch.bfloat16), mesh))
+            with pytest.raises(ValueError, match=TORN + r".*'0(\.weight)?/"):
+                dcp.load({"optim": opt}, checkpoint_id=where)
+            intact = os.path.join(path, f"intact_{name}")
+            dcp.save({"optim": opt3}, checkpoint_id=intact)
+            dcp.load({"optim": opt}, checkpoint_id=intact)  # intact: loads, as saved
+            _assert_tree(opt.state_dict()["state"], opt3.state_dict()["state"])
 
     def torn_zero1_raises_on_every_rank() -> None:
         where = os.path.join(path, "torn_zero1")
@@ -182,7 +225,7 @@ def run_all(rank: int, world: int, path: str) -> dict[str, str | None]:
 
     return harness.run_named({f.__name__: f for f in (
         torn_functional_raises_on_every_rank, torn_zero1_raises_on_every_rank,
-        intact_loads_bitwise, one_changed_element_on_one_rank_raises_on_every_rank,
+        torn_adapters_raise_on_every_rank, intact_loads_bitwise, one_changed_element_on_one_rank_raises_on_every_rank,
         swapped_elements_raise, error_on_one_rank_raises_on_every_rank,
         saved_without_record_loads, placements_reshard_and_verify)})
 
