@@ -392,6 +392,54 @@ def check_multipliers(owner: str, where: str, flags: GroupFlags,
             )
 
 
+def times(value: Any, mult: float) -> Any:
+    """A group's number or tensor times its multiplier (a multiplier of 1 leaves it as it
+    is); any other value is left for the hyperparameter checks to refuse."""
+    if mult == 1.0 or isinstance(value, bool) or not isinstance(
+            value, (int, float, torch.Tensor)):
+        return value
+    return value * mult
+
+
+LR_RECORDS = ("initial_lr", "max_lr", "min_lr")
+"""The learning rates schedulers keep in a group and compute its lr from: torch's
+``initial_lr``, and the ``max_lr`` / ``min_lr`` that megatron-core 0.16.1's
+``OptimizerParamScheduler`` reads (``get_lr``, megatron/core/optimizer_param_scheduler.py)
+without ever reading ``lr_mult``."""
+
+
+def scaled_lr_records(lr_mult: float, group: Mapping[str, Any]) -> dict[str, Any]:
+    """``group``'s `LR_RECORDS` that are numbers, times ``lr_mult``: the group's lr and the
+    lrs a scheduler computes it from are scaled alike, so that the scheduler's writes keep
+    the multiplier.
+
+    Examples:
+        >>> scaled_lr_records(2.0, {"max_lr": 0.1, "min_lr": 0.01, "lr": 0.1})
+        {'max_lr': 0.2, 'min_lr': 0.02}
+    """
+    return {k: times(group[k], lr_mult) for k in LR_RECORDS
+            if k in group and not isinstance(group[k], torch.Tensor)}
+
+
+def check_unchanged_multipliers(owner: str, where: str, flags: GroupFlags,
+                                folded: tuple[float, float]) -> None:
+    """Raise if the group's multipliers are no longer the ``folded`` ones, those its values
+    were multiplied by at construction: a new one would change nothing.
+
+    Examples:
+        >>> check_unchanged_multipliers("opt", "param_groups[0]", GroupFlags(2.0, 1.0, False),
+        ...                             (2.0, 1.0))
+    """
+    if (flags.lr_mult, flags.wd_mult) != folded:
+        raise ValueError(
+            f"{owner}: {where} changed lr_mult / wd_mult to {flags.lr_mult!r} / "
+            f"{flags.wd_mult!r} after construction (they were {folded[0]!r} / "
+            f"{folded[1]!r}). The multipliers act once, when the group is added: its lr and "
+            f"weight_decay hold their products and are what its step uses, so a new "
+            f"multiplier would change nothing. Fix: write the group's lr / weight_decay "
+            f"instead, and leave lr_mult / wd_mult as they were.")
+
+
 # Option names of torch.optim's optimizers. A group that sets one the transform does not
 # read would be silently ignored; that is an error instead, with the way to inject it.
 TORCH_OPTIONS = frozenset({
