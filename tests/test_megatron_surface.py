@@ -511,21 +511,24 @@ def test_groups_saved_in_another_order_load_by_their_params_names() -> None:
         other.load_state_dict(regrouped)
 
 
+def _scheduled_lrs(opt: Any) -> list[list[float]]:
+    """Each group's lr over seven steps of Megatron's scheduler: warmup to 1e-2, linear
+    decay to 1e-3."""
+    sched = OptimizerParamScheduler(
+        opt, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=2, lr_decay_steps=6,
+        lr_decay_style="linear", start_wd=0.1, end_wd=0.1, wd_incr_steps=6,
+        wd_incr_style="constant")
+    seen = []
+    for _ in range(7):
+        sched.step(1)
+        seen.append([g["lr"] for g in opt.param_groups])
+    return seen
+
+
 def test_a_decoupled_lr_group_peaks_at_it_under_megatrons_scheduler() -> None:
     """``is_decoupled_lr=True`` with ``decoupled_lr`` / ``decoupled_min_lr`` (on the factory
     path and the torch optimizer's): Megatron's ``OptimizerParamScheduler`` drives that
     group between them, the others between the scheduler's own bounds."""
-    def scheduled(opt: Any) -> list[list[float]]:
-        sched = OptimizerParamScheduler(
-            opt, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=2, lr_decay_steps=6,
-            lr_decay_style="linear", start_wd=0.1, end_wd=0.1, wd_incr_steps=6,
-            wd_incr_style="constant")
-        seen = []
-        for _ in range(7):
-            sched.step(1)
-            seen.append([g["lr"] for g in opt.param_groups])
-        return seen
-
     def groups(model: torch.nn.Module) -> list[dict[str, Any]]:
         return [{"params": list(model[0].named_parameters(prefix="0"))},
                 {"params": list(model[2].named_parameters(prefix="2")),
@@ -538,7 +541,7 @@ def test_a_decoupled_lr_group_peaks_at_it_under_megatrons_scheduler() -> None:
         groups(model), lambda learning_rate=1e-2: functopt.adamw(learning_rate))
     for opt in (torch_path, factory_path):
         assert opt.param_groups[1]["max_lr"] == 4e-2 and opt.param_groups[1]["min_lr"] == 2e-3
-        seen = scheduled(opt)
+        seen = _scheduled_lrs(opt)
         assert max(lr for lr, _ in seen) == pytest.approx(1e-2)
         assert max(lr for _, lr in seen) == pytest.approx(4e-2)
         assert seen[-1] == pytest.approx([1e-3, 2e-3])
@@ -553,6 +556,40 @@ def test_decoupled_lr_without_its_flag_or_beside_another_max_lr_is_refused() -> 
         functopt.MixedPrecisionOptimizer(torch.optim.AdamW(
             [{"params": model.parameters(), "is_decoupled_lr": True, "decoupled_lr": 4e-2,
               "max_lr": 1e-2}], lr=1e-2))
+
+
+_ADAPTERS = {
+    "torch_optimizer": lambda groups: functopt.MixedPrecisionOptimizer(
+        torch.optim.AdamW(groups, lr=1e-2)),
+    "factory": lambda groups: functopt.MixedPrecisionOptimizer(
+        groups, lambda learning_rate=1e-2: functopt.adamw(learning_rate)),
+    "functopt.Optimizer": lambda groups: functopt.Optimizer(groups, functopt.adamw(1e-2)),
+}
+
+
+@pytest.mark.parametrize("adapter", sorted(_ADAPTERS))
+def test_megatrons_group_flags_are_honoured_or_refused(adapter: str) -> None:
+    """``is_decoupled_lr=True`` with the group's own ``max_lr`` / ``min_lr`` (the groups
+    megatron-core's builders made before 0.16.1) peaks and ends at them under Megatron's
+    scheduler; without a decoupled lr it would change nothing and raises; a flag that is
+    not a bool raises."""
+    build = _ADAPTERS[adapter]
+
+    def groups(model: torch.nn.Module, **flags: Any) -> list[dict[str, Any]]:
+        return [{"params": list(model[0].named_parameters(prefix="0"))},
+                {"params": list(model[2].named_parameters(prefix="2")), **flags}]
+
+    seen = _scheduled_lrs(build(groups(_transformer_like(torch.float32), is_decoupled_lr=True,
+                                       max_lr=4e-2, min_lr=2e-3)))
+    assert max(lr for _, lr in seen) == pytest.approx(4e-2)
+    assert seen[-1] == pytest.approx([1e-3, 2e-3])
+    with pytest.raises(ValueError, match=r"param_groups\[1\] sets is_decoupled_lr=True but "
+                                         r"holds no decoupled learning rate.*Fix: give"):
+        build(groups(_transformer_like(torch.float32), is_decoupled_lr=True))
+    for key, value in (("is_decoupled_lr", 1), ("is_expert_parallel", "yes")):
+        with pytest.raises(TypeError, match=rf"param_groups\[1\] sets {key}={value!r} "
+                                            rf"\({type(value).__name__}\); expected True"):
+            build(groups(_transformer_like(torch.float32), **{key: value}))
 
 
 def _overrides(lr_mult: Any) -> dict[Any, dict[str, Any]]:

@@ -421,6 +421,32 @@ def scaled_lr_records(lr_mult: float, group: Mapping[str, Any]) -> dict[str, Any
             if k in group and not isinstance(group[k], torch.Tensor)}
 
 
+def check_megatron_flags(owner: str, where: str, group: Mapping[str, Any]) -> None:
+    """Raise on Megatron's group flags where they would be ignored: ``is_expert_parallel``
+    and ``is_decoupled_lr`` that are not bools, and ``is_decoupled_lr=True`` on a group
+    that holds no decoupled learning rate (``decoupled_lr``, or the ``max_lr`` Megatron's
+    scheduler reads), which its scheduler would run on its own ``max_lr`` / ``min_lr``.
+
+    Examples:
+        >>> check_megatron_flags("opt", "param_groups[0]",
+        ...                      {"is_decoupled_lr": True, "max_lr": 0.02})
+    """
+    for key in ("is_expert_parallel", "is_decoupled_lr"):
+        if key in group and not isinstance(group[key], bool):
+            raise TypeError(
+                f"{owner}: {where} sets {key}={group[key]!r} "
+                f"({type(group[key]).__name__}); expected True or False (Megatron's flag). "
+                f"Fix: pass a bool.")
+    if group.get("is_decoupled_lr") is True and not (
+            "decoupled_lr" in group or "max_lr" in group):
+        raise ValueError(
+            f"{owner}: {where} sets is_decoupled_lr=True but holds no decoupled learning "
+            f"rate, so Megatron's OptimizerParamScheduler would run it on its own max_lr / "
+            f"min_lr and the flag would change nothing (megatron-core 0.16.1 reads a "
+            f"group's max_lr / min_lr, never is_decoupled_lr). Fix: give the group its "
+            f"peak as max_lr (and its floor as min_lr), or leave is_decoupled_lr out.")
+
+
 def check_unchanged_multipliers(owner: str, where: str, flags: GroupFlags,
                                 folded: tuple[float, float]) -> None:
     """Raise if the group's multipliers are no longer the ``folded`` ones, those its values

@@ -272,7 +272,9 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
     ``step()`` (``momentum`` on an AdamW), except the records of torch's schedulers (``initial_lr``, ...) and of
     Megatron's groups (``max_lr``, ``min_lr``, ...): ``BOOKKEEPING_KEYS``. Of those,
     Megatron's ``decoupled_lr`` / ``decoupled_min_lr`` (with ``is_decoupled_lr=True``)
-    become the group's ``max_lr`` / ``min_lr``, which Megatron's scheduler reads; a group
+    become the group's ``max_lr`` / ``min_lr``, which Megatron's scheduler reads
+    (``is_decoupled_lr=True`` without either of them or a ``max_lr`` raises, and so do
+    flags that are not bools); a group
     with ``is_expert_parallel=True`` on more than one rank needs ``process_group`` and
     ``replicated`` (its params differ from rank to rank, so their statistics must be
     summed), else the constructor raises.
@@ -601,6 +603,7 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
         self._plans: list[_Plan] = []
         kept: list[dict[str, Any]] = []  # each group's bookkeeping keys
         for i, group in enumerate(groups):
+            _param_groups.check_megatron_flags(_OWNER, f"param_groups[{i}]", group.options)
             options = {k: v for k, v in group.options.items() if k not in BOOKKEEPING_KEYS}
             book = decoupled_records(i, {k: v for k, v in group.options.items()
                                          if k in BOOKKEEPING_KEYS})

@@ -303,7 +303,11 @@ class Optimizer(torch.optim.Optimizer):
     construction, at ``load_state_dict`` and at the step (``group["foo"] = 1``,
     ``momentum`` for a recipe without momentum, torch.optim.Adafactor's ``d`` for
     ``functopt.adafactor``, whose key is ``clipping_threshold``); the keys schedulers keep
-    for themselves (``initial_lr``, OneCycleLR's ``max_lr``, ...) are allowed. Only the
+    for themselves (``initial_lr``, OneCycleLR's ``max_lr``, ...) are allowed, and
+    Megatron's flags where they are honoured: ``is_decoupled_lr=True`` with the group's
+    ``max_lr`` (which Megatron's scheduler reads; without it the flag raises), and
+    ``is_expert_parallel`` on one process (on more, it raises: this optimizer sums no
+    statistics over ranks, ``MixedPrecisionOptimizer`` does). Only the
     hyperparameters of ``transform`` itself are exposed; those injected deeper (inside a
     ``chain`` or a ``partition``) stay in ``optimizer.state``. The groups are plain dicts,
     so ``torch.compile(opt.step)`` traces them.
@@ -502,6 +506,7 @@ class Optimizer(torch.optim.Optimizer):
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
             self._check_options(index, group, plan)
+            self._check_megatron_flags(index, group)
             self._check_multipliers(index, group, plan, flags)
             self._fold(index, group, plan, flags)
             hyper = self._hyperparams(index, group, plan)  # type-checks the values now
@@ -597,6 +602,23 @@ class Optimizer(torch.optim.Optimizer):
     ) -> None:
         _param_groups.check_multipliers("functopt.Optimizer", f"param_groups[{index}]", flags,
                                         plan.hyper)
+
+    @staticmethod
+    def _check_megatron_flags(index: int, group: dict[str, Any]) -> None:
+        """Megatron's flags honoured or refused: ``is_decoupled_lr`` as both adapters
+        check it; an expert-parallel group on more than one rank raises, since this
+        optimizer sums no statistics over ranks and its experts differ from rank to rank."""
+        where = f"param_groups[{index}]"
+        _param_groups.check_megatron_flags("functopt.Optimizer", where, group)
+        if group.get("is_expert_parallel") is True and torch.distributed.is_available() and (
+                torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+            raise ValueError(
+                f"functopt.Optimizer: {where} is expert-parallel (is_expert_parallel=True): "
+                f"each rank holds other experts, so a global norm or overflow check must sum "
+                f"their statistics over the ranks, and functopt.Optimizer sums none. Fix: "
+                f"use functopt.MixedPrecisionOptimizer with process_group= and replicated= "
+                f"(its statistics over the ranks), or leave the key out where no stage "
+                f"reads statistics across params.")
 
     def _fold(self, index: int, group: dict[str, Any], plan: _Plan,
               flags: _param_groups.GroupFlags) -> None:
