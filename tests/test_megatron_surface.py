@@ -511,6 +511,87 @@ def test_groups_saved_in_another_order_load_by_their_params_names() -> None:
         other.load_state_dict(regrouped)
 
 
+def test_megatron_groups_resume_from_a_checkpoint_of_another_group_order() -> None:
+    """megatron-core's groups (wd_mult 0 and 0.5, a decoupled lr, an lr_mult) under its
+    scheduler: a checkpoint loads into the same groups listed in reverse (as Megatron may
+    rebuild them), each group taking the values and state of the saved group naming its
+    params, and the run goes on bitwise as the uninterrupted one. A saved group's
+    multipliers come with its values (their products), so loading into groups built with
+    others is no change of multiplier."""
+    config = megatron.OptimizerConfig(lr=1e-2, min_lr=1e-4, weight_decay=0.05, clip_grad=0.0)
+
+    def build(reverse: bool, lr_mult: float = 2.0) -> tuple[torch.nn.Module, Any, Any]:
+        model = _Attention()
+        names = {id(p): n for n, p in model.named_parameters()}
+        groups = [{**g, "params": [(names[id(p)], p) for p in g["params"]]} for g in
+                  _megatron_groups(model, config, _overrides({"lr_mult": lr_mult}))]
+        opt = functopt.MixedPrecisionOptimizer(torch.optim.AdamW(
+            groups[::-1] if reverse else groups, lr=config.lr,
+            weight_decay=config.weight_decay), loss_scale=None)
+        return model, opt, OptimizerParamScheduler(
+            opt, init_lr=1e-3, max_lr=config.lr, min_lr=config.min_lr, lr_warmup_steps=2,
+            lr_decay_steps=8, lr_decay_style="cosine", start_wd=0.02, end_wd=0.1,
+            wd_incr_steps=8, wd_incr_style="linear")
+
+    def run(model: torch.nn.Module, opt: Any, sched: Any, steps: range) -> None:
+        for step in steps:
+            g = torch.Generator().manual_seed(step)
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=g)
+            assert opt.step()
+            sched.step(1)
+
+    def by_name(opt: Any) -> dict[str, tuple[float, float, float]]:
+        return {n: (g["lr"], g["weight_decay"], g.get("lr_mult", 1.0))
+                for g in opt.param_groups for n in g["param_names"]}
+
+    whole = build(reverse=False)
+    run(*whole, range(6))
+    first = build(reverse=False)
+    run(*first, range(3))
+    saved, sched_saved = first[1].state_dict(), first[2].state_dict()
+    for lr_mult in (2.0, 1.0):  # (1.0: built with other multipliers than saved)
+        resumed = build(reverse=True, lr_mult=lr_mult)
+        resumed[0].load_state_dict(first[0].state_dict())  # (float32: the params are the
+        resumed[1].load_state_dict(saved)                   # masters, loaded with the model)
+        resumed[2].load_state_dict(sched_saved)
+        assert by_name(resumed[1]) == by_name(first[1])
+        run(*resumed, range(3, 6))
+        for p, q in zip(whole[0].parameters(), resumed[0].parameters(), strict=True):
+            assert torch.equal(p, q)
+        assert by_name(resumed[1]) == by_name(whole[1])
+
+
+def test_functopt_optimizer_groups_load_by_their_params_names_in_another_order() -> None:
+    """functopt.Optimizer, the same law: groups listed in reverse take the saved values
+    (the multipliers' products) and state of the saved group naming their params, and
+    step bitwise as the optimizer that saved them."""
+    def build(reverse: bool) -> tuple[torch.nn.Module, functopt.Optimizer]:
+        model = _transformer_like(torch.float32)
+        groups = [{"params": list(model[0].named_parameters(prefix="0")), "lr_mult": 2.0},
+                  {"params": list(model[1].named_parameters(prefix="1")), "wd_mult": 0.0},
+                  {"params": list(model[2].named_parameters(prefix="2")), "wd_mult": 0.5}]
+        return model, functopt.Optimizer(groups[::-1] if reverse else groups,
+                                         functopt.adamw(1e-2, weight_decay=0.1))
+
+    (first, opt), (second, resumed) = build(reverse=False), build(reverse=True)
+    for step in range(2):
+        _loss(first, step).backward()
+        opt.step()
+        opt.zero_grad()
+    second.load_state_dict(first.state_dict())
+    resumed.load_state_dict(opt.state_dict())
+    assert [(g["lr"], g["weight_decay"]) for g in resumed.param_groups] == [
+        (1e-2, 0.05), (1e-2, 0.0), (2e-2, 0.1)]
+    for step in range(2, 4):
+        for model, o in ((first, opt), (second, resumed)):
+            _loss(model, step).backward()
+            o.step()
+            o.zero_grad()
+    assert all(torch.equal(p, q) for p, q in zip(first.parameters(), second.parameters(),
+                                                 strict=True))
+
+
 def _scheduled_lrs(opt: Any) -> list[list[float]]:
     """Each group's lr over seven steps of Megatron's scheduler: warmup to 1e-2, linear
     decay to 1e-3."""

@@ -1406,7 +1406,8 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
         its params, as Megatron reorders its groups between runs); names that differ
         raise. The optimizer keeps copies of the given tensors (moved to the params'
         devices), so the dict can be reused or changed afterwards without touching the
-        optimizer. The saved group values replace the groups' own. A state dict of the
+        optimizer. The saved group values replace the groups' own (with the saved
+        ``lr_mult`` / ``wd_mult``, whose products they hold). A state dict of the
         format before 2 (nested dicts keyed by field names: ``"loss_scale"``,
         ``"master"``, ``"inner_state"``, ...) still loads.
 
@@ -1556,6 +1557,7 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
                 f"{len(self.param_groups)} dicts (one per param group of this optimizer). "
                 f"Fix: build the optimizer with the param groups of the one that saved it."
             )
+        mults = []
         for plan, group in zip(self._plans, saved, strict=True):
             if group.get("frozen", False) != plan.frozen:
                 raise ValueError(
@@ -1565,6 +1567,10 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
                 )
             if not plan.frozen:
                 plan.check_keys(where, f"param_groups[{plan.index}]", group)
+            flags = _param_groups.group_flags(where, f"param_groups[{plan.index}]", group)
+            mults.append((flags.lr_mult, flags.wd_mult))
+        for plan, folded in zip(self._plans, mults, strict=True):
+            plan.mults = folded  # (the saved values hold the saved multipliers' products)
         return saved
 
     def __getstate__(self) -> dict[str, Any]:
