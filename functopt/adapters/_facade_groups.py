@@ -128,7 +128,7 @@ class _Plan:
         # the multipliers, folded into the group's values here (plain numbers; see fold)
         self.mults = (group.lr_mult, group.wd_mult)
         self.injected: dict[str, torch.Tensor] = {}  # injected name -> its state tensor
-        self.written: dict[str, Any] = {}  # injected name -> value last written (times mult)
+        self.written: dict[str, Any] = {}  # injected name -> value last written
         self.keys: dict[str, tuple[str, ...]] = {}  # group key -> argument names
         self.recipe: str | None = None  # the recipe a fixed transform injects into, if one
         self.allowed: frozenset[str] = frozenset()  # every key a group may hold

@@ -28,8 +28,8 @@ class ParamGroup(NamedTuple):
     names: list[str]
     params: list[torch.Tensor]
     options: dict[str, Any]  # every key but params, param_names, lr_mult, wd_mult, frozen
-    lr_mult: float = 1.0  # the group's learning rate is the transform's times this
-    wd_mult: float = 1.0  # the group's weight decay is the transform's times this
+    lr_mult: float = 1.0  # folded into the group's learning rate when it is added
+    wd_mult: float = 1.0  # folded into the group's weight decay when it is added
     frozen: bool = False  # no state, no update, outside the global norm and skip decision
 
 
