@@ -229,7 +229,8 @@ def test_from_optimizer_config_groups_are_megatrons() -> None:
     for ours, ref in zip(opt.param_groups, theirs, strict=True):
         assert [id(p) for p in ours["params"]] == [id(p) for p in ref["params"]]
         assert {k: ours.get(k, 1.0) for k in keys} == {k: ref[k] for k in keys}
-        assert ours["lr"] == 1e-3 and ours["weight_decay"] == 0.1
+        # the group holds the decay its step uses (Megatron's scheduler writes the same)
+        assert ours["lr"] == 1e-3 and ours["weight_decay"] == 0.1 * ref["wd_mult"]
         assert ours["betas"] == (config.adam_beta1, config.adam_beta2)
 
 
@@ -407,11 +408,15 @@ def test_from_optimizer_config_groups_by_overrides_as_megatron(fields: dict[str,
     for ours, ref in zip(opt.param_groups, theirs, strict=True):
         assert [id(p) for p in ours["params"]] == [id(p) for p in ref["params"]]
         # (multipliers of 1 are left out of the facade's groups; the scheduler reads
-        # group.get("wd_mult", 1.0))
+        # group.get("wd_mult", 1.0)). megatron-core keeps lr_mult as a record its
+        # scheduler never reads; the facade folds it into the lrs the scheduler reads.
+        lr_mult = ref["lr_mult"]
         assert {k: ours.get(k, 1.0) if k.endswith("_mult") else ours[k]
                 for k in ref if k != "params"} == {
-            k: v for k, v in ref.items() if k != "params"}
-        assert ours["lr"] == 1e-3
+            k: v * lr_mult if k in ("max_lr", "min_lr") else v
+            for k, v in ref.items() if k != "params"}
+        assert ours["lr"] == 1e-3 * lr_mult
+        assert ours["weight_decay"] == config.weight_decay * ref["wd_mult"]
 
 
 def test_from_optimizer_config_refuses_overrides_it_cannot_honour() -> None:
@@ -506,21 +511,105 @@ def test_groups_saved_in_another_order_load_by_their_params_names() -> None:
         other.load_state_dict(regrouped)
 
 
+def test_megatron_groups_resume_from_a_checkpoint_of_another_group_order() -> None:
+    """megatron-core's groups (wd_mult 0 and 0.5, a decoupled lr, an lr_mult) under its
+    scheduler: a checkpoint loads into the same groups listed in reverse (as Megatron may
+    rebuild them), each group taking the values and state of the saved group naming its
+    params, and the run goes on bitwise as the uninterrupted one. A saved group's
+    multipliers come with its values (their products), so loading into groups built with
+    others is no change of multiplier."""
+    config = megatron.OptimizerConfig(lr=1e-2, min_lr=1e-4, weight_decay=0.05, clip_grad=0.0)
+
+    def build(reverse: bool, lr_mult: float = 2.0) -> tuple[torch.nn.Module, Any, Any]:
+        model = _Attention()
+        names = {id(p): n for n, p in model.named_parameters()}
+        groups = [{**g, "params": [(names[id(p)], p) for p in g["params"]]} for g in
+                  _megatron_groups(model, config, _overrides({"lr_mult": lr_mult}))]
+        opt = functopt.MixedPrecisionOptimizer(torch.optim.AdamW(
+            groups[::-1] if reverse else groups, lr=config.lr,
+            weight_decay=config.weight_decay), loss_scale=None)
+        return model, opt, OptimizerParamScheduler(
+            opt, init_lr=1e-3, max_lr=config.lr, min_lr=config.min_lr, lr_warmup_steps=2,
+            lr_decay_steps=8, lr_decay_style="cosine", start_wd=0.02, end_wd=0.1,
+            wd_incr_steps=8, wd_incr_style="linear")
+
+    def run(model: torch.nn.Module, opt: Any, sched: Any, steps: range) -> None:
+        for step in steps:
+            g = torch.Generator().manual_seed(step)
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=g)
+            assert opt.step()
+            sched.step(1)
+
+    def by_name(opt: Any) -> dict[str, tuple[float, float, float]]:
+        return {n: (g["lr"], g["weight_decay"], g.get("lr_mult", 1.0))
+                for g in opt.param_groups for n in g["param_names"]}
+
+    whole = build(reverse=False)
+    run(*whole, range(6))
+    first = build(reverse=False)
+    run(*first, range(3))
+    saved, sched_saved = first[1].state_dict(), first[2].state_dict()
+    for lr_mult in (2.0, 1.0):  # (1.0: built with other multipliers than saved)
+        resumed = build(reverse=True, lr_mult=lr_mult)
+        resumed[0].load_state_dict(first[0].state_dict())  # (float32: the params are the
+        resumed[1].load_state_dict(saved)                   # masters, loaded with the model)
+        resumed[2].load_state_dict(sched_saved)
+        assert by_name(resumed[1]) == by_name(first[1])
+        run(*resumed, range(3, 6))
+        for p, q in zip(whole[0].parameters(), resumed[0].parameters(), strict=True):
+            assert torch.equal(p, q)
+        assert by_name(resumed[1]) == by_name(whole[1])
+
+
+def test_functopt_optimizer_groups_load_by_their_params_names_in_another_order() -> None:
+    """functopt.Optimizer, the same law: groups listed in reverse take the saved values
+    (the multipliers' products) and state of the saved group naming their params, and
+    step bitwise as the optimizer that saved them."""
+    def build(reverse: bool) -> tuple[torch.nn.Module, functopt.Optimizer]:
+        model = _transformer_like(torch.float32)
+        groups = [{"params": list(model[0].named_parameters(prefix="0")), "lr_mult": 2.0},
+                  {"params": list(model[1].named_parameters(prefix="1")), "wd_mult": 0.0},
+                  {"params": list(model[2].named_parameters(prefix="2")), "wd_mult": 0.5}]
+        return model, functopt.Optimizer(groups[::-1] if reverse else groups,
+                                         functopt.adamw(1e-2, weight_decay=0.1))
+
+    (first, opt), (second, resumed) = build(reverse=False), build(reverse=True)
+    for step in range(2):
+        _loss(first, step).backward()
+        opt.step()
+        opt.zero_grad()
+    second.load_state_dict(first.state_dict())
+    resumed.load_state_dict(opt.state_dict())
+    assert [(g["lr"], g["weight_decay"]) for g in resumed.param_groups] == [
+        (1e-2, 0.05), (1e-2, 0.0), (2e-2, 0.1)]
+    for step in range(2, 4):
+        for model, o in ((first, opt), (second, resumed)):
+            _loss(model, step).backward()
+            o.step()
+            o.zero_grad()
+    assert all(torch.equal(p, q) for p, q in zip(first.parameters(), second.parameters(),
+                                                 strict=True))
+
+
+def _scheduled_lrs(opt: Any) -> list[list[float]]:
+    """Each group's lr over seven steps of Megatron's scheduler: warmup to 1e-2, linear
+    decay to 1e-3."""
+    sched = OptimizerParamScheduler(
+        opt, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=2, lr_decay_steps=6,
+        lr_decay_style="linear", start_wd=0.1, end_wd=0.1, wd_incr_steps=6,
+        wd_incr_style="constant")
+    seen = []
+    for _ in range(7):
+        sched.step(1)
+        seen.append([g["lr"] for g in opt.param_groups])
+    return seen
+
+
 def test_a_decoupled_lr_group_peaks_at_it_under_megatrons_scheduler() -> None:
     """``is_decoupled_lr=True`` with ``decoupled_lr`` / ``decoupled_min_lr`` (on the factory
     path and the torch optimizer's): Megatron's ``OptimizerParamScheduler`` drives that
     group between them, the others between the scheduler's own bounds."""
-    def scheduled(opt: Any) -> list[list[float]]:
-        sched = OptimizerParamScheduler(
-            opt, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=2, lr_decay_steps=6,
-            lr_decay_style="linear", start_wd=0.1, end_wd=0.1, wd_incr_steps=6,
-            wd_incr_style="constant")
-        seen = []
-        for _ in range(7):
-            sched.step(1)
-            seen.append([g["lr"] for g in opt.param_groups])
-        return seen
-
     def groups(model: torch.nn.Module) -> list[dict[str, Any]]:
         return [{"params": list(model[0].named_parameters(prefix="0"))},
                 {"params": list(model[2].named_parameters(prefix="2")),
@@ -533,7 +622,7 @@ def test_a_decoupled_lr_group_peaks_at_it_under_megatrons_scheduler() -> None:
         groups(model), lambda learning_rate=1e-2: functopt.adamw(learning_rate))
     for opt in (torch_path, factory_path):
         assert opt.param_groups[1]["max_lr"] == 4e-2 and opt.param_groups[1]["min_lr"] == 2e-3
-        seen = scheduled(opt)
+        seen = _scheduled_lrs(opt)
         assert max(lr for lr, _ in seen) == pytest.approx(1e-2)
         assert max(lr for _, lr in seen) == pytest.approx(4e-2)
         assert seen[-1] == pytest.approx([1e-3, 2e-3])
@@ -550,36 +639,153 @@ def test_decoupled_lr_without_its_flag_or_beside_another_max_lr_is_refused() -> 
               "max_lr": 1e-2}], lr=1e-2))
 
 
-def test_a_wd_mult_under_megatrons_scheduler_raises_and_its_fix_decays_once() -> None:
-    """megatron-core 0.16.1's scheduler writes ``weight_decay = wd * wd_mult``; the facade
-    multiplies a group's weight decay by its ``wd_mult``: both would decay by 0.25 wd."""
-    config = megatron.OptimizerConfig(lr=0.1, min_lr=0.1, weight_decay=0.2)
+_ADAPTERS = {
+    "torch_optimizer": lambda groups: functopt.MixedPrecisionOptimizer(
+        torch.optim.AdamW(groups, lr=1e-2)),
+    "factory": lambda groups: functopt.MixedPrecisionOptimizer(
+        groups, lambda learning_rate=1e-2: functopt.adamw(learning_rate)),
+    "functopt.Optimizer": lambda groups: functopt.Optimizer(groups, functopt.adamw(1e-2)),
+}
 
-    def schedule(opt: Any) -> OptimizerParamScheduler:
+
+@pytest.mark.parametrize("adapter", sorted(_ADAPTERS))
+def test_megatrons_group_flags_are_honoured_or_refused(adapter: str) -> None:
+    """``is_decoupled_lr=True`` with the group's own ``max_lr`` / ``min_lr`` (the groups
+    megatron-core's builders made before 0.16.1) peaks and ends at them under Megatron's
+    scheduler; without a decoupled lr it would change nothing and raises; a flag that is
+    not a bool raises."""
+    build = _ADAPTERS[adapter]
+
+    def groups(model: torch.nn.Module, **flags: Any) -> list[dict[str, Any]]:
+        return [{"params": list(model[0].named_parameters(prefix="0"))},
+                {"params": list(model[2].named_parameters(prefix="2")), **flags}]
+
+    seen = _scheduled_lrs(build(groups(_transformer_like(torch.float32), is_decoupled_lr=True,
+                                       max_lr=4e-2, min_lr=2e-3)))
+    assert max(lr for _, lr in seen) == pytest.approx(4e-2)
+    assert seen[-1] == pytest.approx([1e-3, 2e-3])
+    with pytest.raises(ValueError, match=r"param_groups\[1\] sets is_decoupled_lr=True but "
+                                         r"holds no decoupled learning rate.*Fix: give"):
+        build(groups(_transformer_like(torch.float32), is_decoupled_lr=True))
+    for key, value in (("is_decoupled_lr", 1), ("is_expert_parallel", "yes")):
+        with pytest.raises(TypeError, match=rf"param_groups\[1\] sets {key}={value!r} "
+                                            rf"\({type(value).__name__}\); expected True"):
+            build(groups(_transformer_like(torch.float32), **{key: value}))
+
+
+def _overrides(lr_mult: Any) -> dict[Any, dict[str, Any]]:
+    """Overrides of every kind of group the scheduler drives: wd_mult 0, 0.5 and 1 (the
+    params no key matches), a decoupled lr (the max_lr / min_lr megatron-core's standard
+    overrides give the embedding and output layer), and an lr multiplier on the expert
+    weights (``lr_mult(override)``)."""
+    return {
+        megatron.ParamKey(name="*.bias"): {"wd_mult": 0.0},
+        megatron.ParamKey(name="linear_qkv.weight"): {"wd_mult": 0.5},
+        megatron.ParamKey(attr="is_embedding_or_output_parameter"):
+            {"max_lr": 3e-2, "min_lr": 2e-3},
+        megatron.ParamKey(name="expert.weight"): lr_mult,
+    }
+
+
+@pytest.mark.parametrize("path", ["from_optimizer_config", "torch_optimizer"])
+@pytest.mark.parametrize("wd_incr_style", ["linear", "cosine"])
+def test_megatrons_scheduler_drives_the_groups_as_megatron_core(path: str,
+                                                              wd_incr_style: str) -> None:
+    """megatron-core 0.16.1's ``OptimizerParamScheduler`` (warmup from a nonzero
+    ``init_lr``, cosine decay, a growing weight decay) over the facade and over what
+    megatron-core steps, ``torch.optim.AdamW`` of its ``_get_param_groups``: every param's
+    group holds the same lr and weight decay at every step, and the params agree. The
+    facade's ``lr_mult=2`` group runs as megatron-core's group whose ``max_lr`` /
+    ``min_lr`` are twice the config's (its scheduler never reads ``lr_mult``); a group's
+    ``wd_mult`` is applied once, by the scheduler, as in megatron-core."""
+    config = megatron.OptimizerConfig(lr=1e-2, min_lr=1e-4, weight_decay=0.05, clip_grad=0.0)
+    ours, ref = _Attention(), _Attention()
+    twice = {"max_lr": 2 * config.lr, "min_lr": 2 * config.min_lr}
+    if path == "from_optimizer_config":
+        opt = functopt.MixedPrecisionOptimizer.from_optimizer_config(
+            config, ours, _overrides({"lr_mult": 2.0}))
+    else:  # megatron-core's own groups, handed to torch.optim.AdamW and then the facade
+        opt = functopt.MixedPrecisionOptimizer(torch.optim.AdamW(
+            _megatron_groups(ours, config, _overrides({"lr_mult": 2.0})), lr=config.lr,
+            weight_decay=config.weight_decay), loss_scale=None, return_grad_stats=True)
+    theirs = torch.optim.AdamW(_megatron_groups(ref, config, _overrides(twice)),
+                               lr=config.lr, weight_decay=config.weight_decay)
+
+    def schedule(o: Any) -> OptimizerParamScheduler:
         return OptimizerParamScheduler(
-            opt, init_lr=0.1, max_lr=0.1, min_lr=0.1, lr_warmup_steps=0, lr_decay_steps=10,
-            lr_decay_style="constant", start_wd=0.2, end_wd=0.2, wd_incr_steps=10,
-            wd_incr_style="constant")
+            o, init_lr=1e-3, max_lr=config.lr, min_lr=config.min_lr, lr_warmup_steps=3,
+            lr_decay_steps=10, lr_decay_style="cosine", start_wd=0.02, end_wd=0.1,
+            wd_incr_steps=10, wd_incr_style=wd_incr_style)
 
-    model = torch.nn.Linear(2, 2, bias=False)
-    halved = {megatron.ParamKey(name="weight"): {"wd_mult": 0.5}}
-    opt = functopt.MixedPrecisionOptimizer.from_optimizer_config(config, model, halved)
-    schedule(opt)  # (its constructor writes every group's lr and weight decay)
-    model.weight.grad = torch.zeros(2, 2)
-    with pytest.raises(ValueError, match=r"wd_mult=0\.5 and its weight_decay was changed "
-                                         r"to 0\.1.*start_wd / end_wd"):
+    def values(o: Any, model: torch.nn.Module) -> list[tuple[float, float]]:
+        by_param = {id(p): (g["lr"], g["weight_decay"]) for g in o.param_groups
+                    for p in (q[1] if isinstance(q, tuple) else q for q in g["params"])}
+        return [by_param[id(p)] for p in model.parameters()]
+
+    schedules = schedule(opt), schedule(theirs)
+    seen = set()
+    for step in range(12):
+        assert values(opt, ours) == values(theirs, ref)
+        seen.update(values(theirs, ref))
+        g = torch.Generator().manual_seed(step)
+        for p, q in zip(ours.parameters(), ref.parameters(), strict=True):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        assert opt.step()[0]
+        theirs.step()
+        for sched in schedules:
+            sched.step(1)
+    for p, q in zip(ours.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+    lrs, decays = {lr for lr, _ in seen}, {wd for _, wd in seen}
+    assert max(lrs) == pytest.approx(3e-2) and 2 * config.lr in lrs  # decoupled, lr_mult
+    assert 0.0 in decays and any(0 < wd < 0.1 * 0.5 for wd in decays)  # wd_mult 0 and 0.5
+
+
+def test_multipliers_under_a_torch_scheduler_are_torchs_groups_of_the_products() -> None:
+    """``lr_mult`` / ``wd_mult`` under ``torch.optim.lr_scheduler``: the facade runs as
+    torch.optim.AdamW whose groups hold ``lr * lr_mult`` and ``weight_decay * wd_mult``
+    (the scheduler anneals each group from its own lr to the common ``eta_min``)."""
+    ours, ref = _transformer_like(torch.float32), _transformer_like(torch.float32)
+    opt = functopt.MixedPrecisionOptimizer(torch.optim.AdamW(
+        [{"params": ours[0].parameters(), "lr_mult": 2.0, "wd_mult": 0.5},
+         {"params": ours[1].parameters(), "wd_mult": 0.0},
+         {"params": ours[2].parameters()}], lr=1e-2, weight_decay=0.2), loss_scale=None)
+    theirs = torch.optim.AdamW(
+        [{"params": ref[0].parameters(), "lr": 2e-2, "weight_decay": 0.1},
+         {"params": ref[1].parameters(), "weight_decay": 0.0},
+         {"params": ref[2].parameters()}], lr=1e-2, weight_decay=0.2)
+    schedules = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=6, eta_min=1e-3)
+                 for o in (opt, theirs)]
+    for step in range(6):
+        assert [(g["lr"], g["weight_decay"]) for g in opt.param_groups] == [
+            (g["lr"], g["weight_decay"]) for g in theirs.param_groups]
+        for model in (ours, ref):
+            _loss(model, step).backward()
+        assert opt.step()
+        theirs.step()
+        opt.zero_grad()
+        theirs.zero_grad()
+        for sched in schedules:
+            sched.step()
+    for p, q in zip(ours.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    assert [g.get("lr_mult", 1.0) for g in opt.param_groups] == [2.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("key", ["lr_mult", "wd_mult"])
+def test_a_multiplier_changed_after_construction_is_refused(key: str) -> None:
+    model = _transformer_like(torch.float32)
+    opt = functopt.MixedPrecisionOptimizer(torch.optim.AdamW(
+        [{"params": model.parameters(), "lr_mult": 2.0, "wd_mult": 0.5}], lr=1e-2),
+        loss_scale=None)
+    opt.param_groups[0][key] = 4.0
+    _loss(model, 0).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"param_groups\[0\] changed lr_mult / wd_mult .*"
+                                         r"act once, when the group is added.*write the group's lr"):
         opt.step()
-
-    # the fix the error names: the group's own start_wd / end_wd, wd_mult left at 1
-    model = torch.nn.Linear(2, 2, bias=False)
-    torch.nn.init.ones_(model.weight)
-    own = {megatron.ParamKey(name="weight"): {"start_wd": 0.1, "end_wd": 0.1}}
-    opt = functopt.MixedPrecisionOptimizer.from_optimizer_config(config, model, own)
-    schedule(opt)
-    model.weight.grad = torch.zeros(2, 2)
-    assert opt.step()[0]
-    # AdamW with a zero gradient: only the decay, lr * 0.1 once
-    torch.testing.assert_close(model.weight.detach(), torch.full((2, 2), 1 - 0.1 * 0.1))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
 
 
 def _megatron_public_names() -> set[str]:

@@ -199,7 +199,8 @@ def test_a_written_lr_is_used_by_the_next_step_exactly() -> None:
 
 def test_group_values_edited_in_place_reach_the_next_step() -> None:
     # A step whose groups hold the very values of the last one skips reading them, unless
-    # a value can change in place: a tensor (here under a multiplier) or a list.
+    # a value can change in place: a tensor or a list. (A written lr is the step's own: the
+    # group's lr_mult was folded into its lr at construction, not into what is written.)
     w = torch.nn.Parameter(torch.zeros(2, dtype=F64))
     opt = MixedPrecisionOptimizer(
         [{"params": [("w", w)], "lr_mult": 2.0}],
@@ -207,11 +208,11 @@ def test_group_values_edited_in_place_reach_the_next_step() -> None:
             learning_rate=learning_rate), loss_scale=None)
     lr = torch.tensor(1.0, dtype=F64)
     opt.param_groups[0]["lr"] = lr
-    for expected in ([-2.0, 4.0], [-2.5, 5.0], [-3.0, 6.0]):
+    for expected in ([-1.0, 2.0], [-1.25, 2.5], [-1.5, 3.0]):
         w.grad = torch.tensor([1.0, -2.0], dtype=F64)
         assert opt.step()
         assert w.tolist() == expected
-        lr.fill_(0.25)  # the next step reads 0.25 * lr_mult
+        lr.fill_(0.25)  # the next step reads 0.25
     model, reference = _model(), _model()
     opt = MixedPrecisionOptimizer(model.parameters(), functopt.inject_hyperparams(
         functopt.adam)(learning_rate=0.01), loss_scale=None)

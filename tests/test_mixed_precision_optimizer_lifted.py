@@ -183,8 +183,8 @@ def test_a_group_value_is_read_and_a_key_no_step_reads_raises() -> None:
 
 
 def test_lr_mult_multiplies_a_plain_recipes_lr() -> None:
-    """A group with lr_mult=4 steps as a group with four times the lr (bitwise: 0.25 * 4
-    and 1.0 are the same float)."""
+    """A group with lr_mult=4 holds four times the recipe's lr, and steps as a group of
+    that lr (bitwise: 0.25 * 4 and 1.0 are the same float)."""
     a, b = _mlp(torch.bfloat16), _mlp(torch.bfloat16)
     opt_a = MixedPrecisionOptimizer([{"params": a.parameters(), "lr_mult": 4.0}],
                                     functopt.sgd(0.25), loss_scale=None)
@@ -194,7 +194,7 @@ def test_lr_mult_multiplies_a_plain_recipes_lr() -> None:
             _loss(m, t, torch.bfloat16).backward()
             o.step()
             o.zero_grad()
-    assert opt_a.param_groups[0]["lr"] == 0.25
+    assert opt_a.param_groups[0]["lr"] == 1.0 and opt_a.param_groups[0]["lr_mult"] == 4.0
     assert all(_same(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 

@@ -428,7 +428,7 @@ def test_lr_mult_on_a_plain_recipe_multiplies_its_lr():
     _train(a, opt_a, steps=3)
     _train(b, opt_b, steps=3)
     assert _max_diff(a, b) < 1e-15
-    assert opt_a.param_groups[0]["lr"] == 0.01  # the group keeps the scheduler's value
+    assert opt_a.param_groups[0]["lr"] == 0.01 * 3.0  # the group holds the lr it steps with
 
 
 @settings(max_examples=20, deadline=None)

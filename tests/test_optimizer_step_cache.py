@@ -144,13 +144,20 @@ def test_a_tensor_lr_changed_in_place_is_read_at_every_step(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(OURS))
-def test_a_multiplier_set_after_steps_takes_effect(name: str) -> None:
+def test_a_multiplier_set_after_steps_is_refused_and_a_written_lr_takes_effect(
+        name: str) -> None:
     params, opt = _stepped(OURS[name])
     before = [p.detach().clone() for p in params]
-    opt.param_groups[0]["lr_mult"] = 0.0  # AdamW's decay scales with lr: nothing moves
-    opt.step()
+    lr = opt.param_groups[0]["lr"]
+    opt.param_groups[0]["lr_mult"] = 0.0  # it would change nothing: the lr holds products
+    with pytest.raises(ValueError, match=r"changed lr_mult / wd_mult to 0\.0 / 1\.0"):
+        opt.step()
     assert all(torch.equal(a, b) for a, b in zip(params, before, strict=True))
     opt.param_groups[0]["lr_mult"] = 1.0
+    opt.param_groups[0]["lr"] = 0.0  # AdamW's decay scales with lr: nothing moves
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, before, strict=True))
+    opt.param_groups[0]["lr"] = lr
     opt.step()
     assert not any(torch.equal(a, b) for a, b in zip(params, before, strict=True))
 
@@ -216,9 +223,9 @@ def test_load_state_dict_then_step_as_in_torch(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(OURS))
 def test_unchanged_group_values_are_not_read_on_the_host_again(
         name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # With multipliers, the step's learning rate and weight decay are products the adapter
-    # makes; kept from step to step, the planner's memo of host reads holds them (on an
-    # accelerator each .item() is a synchronisation).
+    # The group's values (here with the multipliers folded in when it was added), kept
+    # from step to step: the planner's memo of host reads holds them (on an accelerator
+    # each .item() is a synchronisation).
     params = _params()
     opt = OURS[name]([{"params": params, "lr_mult": 2.0, "wd_mult": 0.5}])
     reads = []
@@ -237,9 +244,9 @@ def test_unchanged_group_values_are_not_read_on_the_host_again(
     assert reads == []
     opt.param_groups[0]["lr"] = 3e-2  # a new value: read at the next step, once
     opt.step()
-    # the products made again with it: the lr and the weight decay times their multipliers
-    # (host tensors here, which the kernels take as floats)
-    assert len(reads) == 2
+    # the new lr alone, used as written (a host tensor here, which the kernels take as a
+    # float); the weight decay is the memo's
+    assert len(reads) == 1
 
 
 # -- optimizer.state between steps: updated in place, read anew at every step -------------

@@ -100,14 +100,16 @@ def test_optimizer_multipliers_equal_torch_adamw_with_multiplied_groups():
         opt.step()
         ref_opt.step()
     _close(ours, ref)
-    # The groups hold the unmultiplied values; the multipliers stay as given.
-    assert [g["lr"] for g in opt.param_groups] == [LR] * 3
-    assert [g["weight_decay"] for g in opt.param_groups] == [WD] * 3
+    # The groups hold the products, the values their steps use; the multipliers stay as
+    # given, as records.
+    assert [g["lr"] for g in opt.param_groups] == [LR * lm for lm, _ in MULTS]
+    assert [g["weight_decay"] for g in opt.param_groups] == [WD * wm for _, wm in MULTS]
     assert [(g["lr_mult"], g["wd_mult"]) for g in opt.param_groups] == MULTS
 
 
 def test_optimizer_step_lr_keeps_the_ratio():
-    """StepLR scales group["lr"]; the step multiplies it, so the groups keep their ratio."""
+    """StepLR scales each group's lr, which holds the product, from its own: the groups
+    keep their ratio, as torch's groups of those lrs do."""
     ours, ref = _params(), _params()
     opt = Optimizer(_groups(ours), _injected_adamw())
     ref_opt = _torch_adamw(_torch_groups(ref))
@@ -122,18 +124,24 @@ def test_optimizer_step_lr_keeps_the_ratio():
         sched.step()
         ref_sched.step()
         for group, ref_group in zip(opt.param_groups, ref_opt.param_groups, strict=True):
-            assert group["lr"] == pytest.approx(LR * 0.5 ** ((step + 1) // 2), rel=1e-12)
-            assert ref_group["lr"] == pytest.approx(group["lr"] * group["lr_mult"], rel=1e-12)
+            assert group["lr"] == pytest.approx(
+                LR * group["lr_mult"] * 0.5 ** ((step + 1) // 2), rel=1e-12)
+            assert ref_group["lr"] == pytest.approx(group["lr"], rel=1e-12)
     _close(ours, ref)
 
 
-def test_optimizer_multiplier_edited_between_steps_takes_effect():
+def test_optimizer_multiplier_edited_between_steps_is_refused_and_a_written_lr_is_used():
     ours, ref = _params(), _params()
     opt = Optimizer(_groups(ours), _injected_adamw())
     ref_opt = _torch_adamw(_torch_groups(ref))
     for step in range(6):
         if step == 3:
             opt.param_groups[1]["lr_mult"] = 0.25
+            with pytest.raises(ValueError, match=r"param_groups\[1\] changed lr_mult / "
+                                                 r"wd_mult to 0\.25 / 0\.0 .*Fix: write"):
+                opt.step()
+            opt.param_groups[1]["lr_mult"] = 3.0
+            opt.param_groups[1]["lr"] = LR * 0.25
             ref_opt.param_groups[1]["lr"] = LR * 0.25
         grads = _grads(ours, step)
         _set_grads(ours, grads)

@@ -84,13 +84,9 @@ def _scaled(factory: Any, index: int, options: dict[str, Any], option: str, key:
     )
 
 
-def _call_factory(factory: Any, index: int, options: dict[str, Any], given: list[str],
-                  lr_mult: float, wd_mult: float) -> GradientTransformation:
-    """``factory(**options)`` with the multipliers applied, checked."""
-    options = dict(options)
-    for (key, option), mult in zip(_param_groups.MULTIPLIED, (lr_mult, wd_mult), strict=True):
-        if mult != 1.0:  # 1.0 leaves the factory's call as it was
-            options[option] = _scaled(factory, index, options, option, key, mult)
+def _call_factory(factory: Any, index: int, options: dict[str, Any],
+                  given: list[str]) -> GradientTransformation:
+    """``factory(**options)``, checked."""
     try:
         tx = factory(**options)
     except TypeError as error:
@@ -129,9 +125,10 @@ class _Plan:
             for name, parameter in _signature(factory).items():
                 if name not in self.built and _numeric(parameter.default):
                     self.built[name] = parameter.default
-        self.mults = (group.lr_mult, group.wd_mult)  # the multipliers built with
+        # the multipliers, folded into the group's values here (plain numbers; see fold)
+        self.mults = (group.lr_mult, group.wd_mult)
         self.injected: dict[str, torch.Tensor] = {}  # injected name -> its state tensor
-        self.written: dict[str, Any] = {}  # injected name -> value last written (times mult)
+        self.written: dict[str, Any] = {}  # injected name -> value last written
         self.keys: dict[str, tuple[str, ...]] = {}  # group key -> argument names
         self.recipe: str | None = None  # the recipe a fixed transform injects into, if one
         self.allowed: frozenset[str] = frozenset()  # every key a group may hold
@@ -139,11 +136,27 @@ class _Plan:
         # keys are known
         self.pending: dict[str, Any] = {}
         self.transform: GradientTransformation | None = None
+        if factory is not None:  # (a fixed transform's: once its state shows its values)
+            self.fold()
+
+    def fold(self, injected: dict[str, torch.Tensor] | None = None) -> None:
+        """Multiply the group's learning rate and weight decay by its ``lr_mult`` and
+        ``wd_mult``, once: the group holds the products, the values its step uses. The
+        value multiplied is the group's own, else the factory's default (a schedule's
+        value is multiplied at every step), else (a fixed transform) the one ``injected``
+        holds."""
+        for (key, option), mult in zip(_param_groups.MULTIPLIED, self.mults, strict=True):
+            if mult == 1.0:
+                continue
+            options = dict(self.built)
+            if option not in options and injected is not None and option in injected:
+                held = injected[option]
+                options[option] = held if held.requires_grad else held.item()
+            self.built[option] = _scaled(self.factory, self.index, options, option, key, mult)
 
     def build(self) -> GradientTransformation:
         # (An injected argument's value in the state, not this one, is what the step uses.)
-        self.transform = _call_factory(self.factory, self.index, self.built, self.given,
-                                       *self.mults)
+        self.transform = _call_factory(self.factory, self.index, self.built, self.given)
         return self.transform
 
     def expose(self, hyperparams: dict[str, torch.Tensor] | None,

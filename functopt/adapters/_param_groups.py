@@ -28,8 +28,8 @@ class ParamGroup(NamedTuple):
     names: list[str]
     params: list[torch.Tensor]
     options: dict[str, Any]  # every key but params, param_names, lr_mult, wd_mult, frozen
-    lr_mult: float = 1.0  # the group's learning rate is the transform's times this
-    wd_mult: float = 1.0  # the group's weight decay is the transform's times this
+    lr_mult: float = 1.0  # folded into the group's learning rate when it is added
+    wd_mult: float = 1.0  # folded into the group's weight decay when it is added
     frozen: bool = False  # no state, no update, outside the global norm and skip decision
 
 
@@ -390,6 +390,80 @@ def check_multipliers(owner: str, where: str, flags: GroupFlags,
                 f"schedule is not injected), or build the transform with "
                 f"functopt.inject_hyperparams(factory)(...)."
             )
+
+
+def times(value: Any, mult: float) -> Any:
+    """A group's number or tensor times its multiplier (a multiplier of 1 leaves it as it
+    is); any other value is left for the hyperparameter checks to refuse."""
+    if mult == 1.0 or isinstance(value, bool) or not isinstance(
+            value, (int, float, torch.Tensor)):
+        return value
+    return value * mult
+
+
+LR_RECORDS = ("initial_lr", "max_lr", "min_lr")
+"""The learning rates schedulers keep in a group and compute its lr from: torch's
+``initial_lr``, and the ``max_lr`` / ``min_lr`` that megatron-core 0.16.1's
+``OptimizerParamScheduler`` reads (``get_lr``, megatron/core/optimizer_param_scheduler.py)
+without ever reading ``lr_mult``."""
+
+
+def scaled_lr_records(lr_mult: float, group: Mapping[str, Any]) -> dict[str, Any]:
+    """``group``'s `LR_RECORDS` that are numbers, times ``lr_mult``: the group's lr and the
+    lrs a scheduler computes it from are scaled alike, so that the scheduler's writes keep
+    the multiplier.
+
+    Examples:
+        >>> scaled_lr_records(2.0, {"max_lr": 0.1, "min_lr": 0.01, "lr": 0.1})
+        {'max_lr': 0.2, 'min_lr': 0.02}
+    """
+    return {k: times(group[k], lr_mult) for k in LR_RECORDS
+            if k in group and not isinstance(group[k], torch.Tensor)}
+
+
+def check_megatron_flags(owner: str, where: str, group: Mapping[str, Any]) -> None:
+    """Raise on Megatron's group flags where they would be ignored: ``is_expert_parallel``
+    and ``is_decoupled_lr`` that are not bools, and ``is_decoupled_lr=True`` on a group
+    that holds no decoupled learning rate (``decoupled_lr``, or the ``max_lr`` Megatron's
+    scheduler reads), which its scheduler would run on its own ``max_lr`` / ``min_lr``.
+
+    Examples:
+        >>> check_megatron_flags("opt", "param_groups[0]",
+        ...                      {"is_decoupled_lr": True, "max_lr": 0.02})
+    """
+    for key in ("is_expert_parallel", "is_decoupled_lr"):
+        if key in group and not isinstance(group[key], bool):
+            raise TypeError(
+                f"{owner}: {where} sets {key}={group[key]!r} "
+                f"({type(group[key]).__name__}); expected True or False (Megatron's flag). "
+                f"Fix: pass a bool.")
+    if group.get("is_decoupled_lr") is True and not (
+            "decoupled_lr" in group or "max_lr" in group):
+        raise ValueError(
+            f"{owner}: {where} sets is_decoupled_lr=True but holds no decoupled learning "
+            f"rate, so Megatron's OptimizerParamScheduler would run it on its own max_lr / "
+            f"min_lr and the flag would change nothing (megatron-core 0.16.1 reads a "
+            f"group's max_lr / min_lr, never is_decoupled_lr). Fix: give the group its "
+            f"peak as max_lr (and its floor as min_lr), or leave is_decoupled_lr out.")
+
+
+def check_unchanged_multipliers(owner: str, where: str, flags: GroupFlags,
+                                folded: tuple[float, float]) -> None:
+    """Raise if the group's multipliers are no longer the ``folded`` ones, those its values
+    were multiplied by at construction: a new one would change nothing.
+
+    Examples:
+        >>> check_unchanged_multipliers("opt", "param_groups[0]", GroupFlags(2.0, 1.0, False),
+        ...                             (2.0, 1.0))
+    """
+    if (flags.lr_mult, flags.wd_mult) != folded:
+        raise ValueError(
+            f"{owner}: {where} changed lr_mult / wd_mult to {flags.lr_mult!r} / "
+            f"{flags.wd_mult!r} after construction (they were {folded[0]!r} / "
+            f"{folded[1]!r}). The multipliers act once, when the group is added: its lr and "
+            f"weight_decay hold their products and are what its step uses, so a new "
+            f"multiplier would change nothing. Fix: write the group's lr / weight_decay "
+            f"instead, and leave lr_mult / wd_mult as they were.")
 
 
 # Option names of torch.optim's optimizers. A group that sets one the transform does not

@@ -38,7 +38,6 @@ from functopt.adapters._facade_groups import (
     _hyper_tensor,
     _Plan,
     _same,
-    _scaled,
 )
 from functopt.adapters._megatron import MegatronSurface, check_expert_groups, decoupled_records
 from functopt.adapters.optimizer import _find_states, _lift
@@ -273,16 +272,14 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
     ``step()`` (``momentum`` on an AdamW), except the records of torch's schedulers (``initial_lr``, ...) and of
     Megatron's groups (``max_lr``, ``min_lr``, ...): ``BOOKKEEPING_KEYS``. Of those,
     Megatron's ``decoupled_lr`` / ``decoupled_min_lr`` (with ``is_decoupled_lr=True``)
-    become the group's ``max_lr`` / ``min_lr``, which Megatron's scheduler reads; a group
+    become the group's ``max_lr`` / ``min_lr``, which Megatron's scheduler reads
+    (``is_decoupled_lr=True`` without either of them or a ``max_lr`` raises, and so do
+    flags that are not bools); a group
     with ``is_expert_parallel=True`` on more than one rank needs ``process_group`` and
     ``replicated`` (its params differ from rank to rank, so their statistics must be
     summed), else the constructor raises.
     ``add_param_group`` after construction raises: master copies and state are made
-    then. Megatron's ``OptimizerParamScheduler`` (megatron-core 0.16.1) writes
-    ``weight_decay`` already multiplied by ``wd_mult`` and does not read ``lr_mult``; the
-    facade multiplies both in, so a ``wd_mult`` other than 0 or 1 whose group's
-    ``weight_decay`` is written after construction raises (give the group its own
-    ``start_wd`` / ``end_wd`` instead).
+    then.
 
     **From a torch.optim optimizer.** ``MixedPrecisionOptimizer(torch.optim.AdamW(
     model.parameters(), lr=1e-4), ...)`` (LightRFT's ``FSDPadaptOptimizer`` form) reads the
@@ -298,16 +295,26 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
 
     Three group options are read by the optimizer itself, not passed to the factory:
 
-    - ``lr_mult`` and ``wd_mult`` (numbers $\ge 0$, default 1; Megatron's names): the
-      group's transform is built as ``transform(**options, learning_rate=lr * lr_mult,
-      weight_decay=wd * wd_mult)``, where ``lr`` and ``wd`` are the group's own
-      ``learning_rate``/``weight_decay`` options, or else the factory's defaults for them
-      (a schedule is multiplied at every step). A multiplier of 1 leaves the call as it
-      was; a multiplier other than 1 needs a factory with that argument. So the
-      effective learning rate is $\eta \cdot$ ``lr_mult`` and the effective weight decay
-      $\lambda \cdot$ ``wd_mult``. A written ``lr`` is multiplied too (as torch's
-      schedulers need); a written ``weight_decay`` with a ``wd_mult`` other than 0 or 1
-      raises, since Megatron's scheduler writes it multiplied already.
+    - ``lr_mult`` and ``wd_mult`` (numbers $\ge 0$, default 1; Megatron's names) act
+      once, at construction: the group's ``lr`` becomes ``lr * lr_mult`` and its
+      ``weight_decay`` ``weight_decay * wd_mult`` (the group's own values, else the
+      factory's defaults or the recipe's; a schedule is multiplied at every step), and so
+      do the lrs a scheduler computes the group's lr from (``initial_lr``, ``max_lr``,
+      ``min_lr``). From then on a group's ``lr`` and ``weight_decay`` are what its step
+      uses, as in ``torch.optim`` and in the torch optimizer megatron-core steps; the
+      multipliers stay in the group as records (Megatron's scheduler reads ``wd_mult``,
+      its checkpoints match groups by both), and changing one later raises (write ``lr``
+      / ``weight_decay`` instead). So ``torch.optim.lr_scheduler`` anneals each group from
+      its own product, as torch's groups of those lrs; megatron-core 0.16.1's
+      ``OptimizerParamScheduler``, which writes ``lr`` from the group's ``max_lr`` /
+      ``min_lr`` and never reads ``lr_mult``, and writes ``weight_decay`` times
+      ``wd_mult``, gives every group the values megatron-core's optimizer would use, a
+      group with ``lr_mult`` those of megatron-core's group whose ``max_lr`` / ``min_lr``
+      are the products (tests/test_megatron_surface.py). A scheduler that writes a
+      group's lr from numbers of its own (OneCycleLR's ``max_lr``, Megatron's scheduler
+      for a group without ``max_lr`` / ``min_lr``) sets it, multiplier or not, as in
+      ``torch.optim``. A multiplier other than 1 needs the option: a factory with that
+      argument, or a transform that injects it.
     - ``frozen=True``: the group's params are left out of the step altogether: they get
       no state (no master copy, no transform state, no entry in ``state_dict()``), are
       never written, even if they have gradients, and their gradients count neither in
@@ -596,9 +603,11 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
         self._plans: list[_Plan] = []
         kept: list[dict[str, Any]] = []  # each group's bookkeeping keys
         for i, group in enumerate(groups):
+            _param_groups.check_megatron_flags(_OWNER, f"param_groups[{i}]", group.options)
             options = {k: v for k, v in group.options.items() if k not in BOOKKEEPING_KEYS}
-            kept.append(decoupled_records(i, {k: v for k, v in group.options.items()
-                                              if k in BOOKKEEPING_KEYS}))
+            book = decoupled_records(i, {k: v for k, v in group.options.items()
+                                         if k in BOOKKEEPING_KEYS})
+            kept.append({**book, **_param_groups.scaled_lr_records(group.lr_mult, book)})
             factory = factories[i] if factories is not None else (
                 None if fixed is not None else transform)
             if fixed is not None and not group.frozen and not self._fixed_injected:
@@ -664,6 +673,7 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
                     _param_groups.check_multipliers(
                         _OWNER, f"param_groups[{plan.index}]", _param_groups.GroupFlags(
                             group.lr_mult, group.wd_mult, group.frozen), plan.injected)
+                    plan.fold(plan.injected)
             flags = {k: v for k, v in (("lr_mult", group.lr_mult), ("wd_mult", group.wd_mult),
                                        ("frozen", group.frozen))
                      if v != (k != "frozen" and 1.0)}
@@ -777,7 +787,12 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
     def _sync_groups(self) -> None:
         state = self._state
         rebuild = False
-        before = [(dict(plan.built), plan.mults) for plan in self._plans]
+        before = [dict(plan.built) for plan in self._plans]
+        for plan, group in zip(self._plans, self.param_groups, strict=True):
+            if not plan.frozen:  # (before any group's values are written)
+                where = f"param_groups[{plan.index}]"
+                _param_groups.check_unchanged_multipliers(
+                    _OWNER, where, _param_groups.group_flags(_OWNER, where, group), plan.mults)
         for plan, group in zip(self._plans, self.param_groups, strict=True):
             where = f"param_groups[{plan.index}]"
             flags = _param_groups.group_flags(_OWNER, where, group)
@@ -794,43 +809,19 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
                 plan.check_keys(_OWNER, where, group)
             values = _param_groups.group_arguments(
                 _OWNER, where, plan.keys, {k: group[k] for k in group if k in readable})
-            mults = (flags.lr_mult, flags.wd_mult)
-            multiplier = {name: (key, mult) for (key, name), mult in
-                          zip(_param_groups.MULTIPLIED, mults, strict=True)}
-            decay = values.get("weight_decay", _UNSET)
-            if flags.wd_mult not in (0.0, 1.0) and flags.wd_mult == plan.mults[1] and (
-                    decay is not _UNSET and not _same(plan.built.get("weight_decay", decay),
-                                                      decay)):
-                raise ValueError(
-                    f"{_OWNER}: {where} has wd_mult={flags.wd_mult!r} and its weight_decay "
-                    f"was changed to {decay!r} after the last step. The facade multiplies "
-                    f"the group's weight_decay by wd_mult, and Megatron's "
-                    f"OptimizerParamScheduler (megatron-core 0.16.1) writes weight_decay "
-                    f"already multiplied by wd_mult, so which one is meant cannot be told "
-                    f"and the decay could be multiplied twice. Fix: leave wd_mult at 1 (or "
-                    f"0) and write the multiplied decay, e.g. with Megatron's scheduler give "
-                    f"the group start_wd / end_wd times the multiplier, which it reads.")
             found = None
             for name, value in values.items():
                 if name in plan.injected:
-                    key, mult = multiplier.get(name, ("", 1.0))
-                    target = value if mult == 1.0 else _scaled(
-                        plan.factory, plan.index, {name: value}, name, key, mult)
-                    if not _same(plan.written.get(name, _UNSET), target):
+                    if not _same(plan.written.get(name, _UNSET), value):
                         found = self._group_state(state, plan.index) if found is None else found
                         found = found._replace(hyperparams={
                             **found.hyperparams,
-                            name: _hyper_tensor(where, name, target, plan.injected[name])})
-                        plan.written[name] = target
+                            name: _hyper_tensor(where, name, value, plan.injected[name])})
+                        plan.written[name] = value
                     plan.built[name] = value
                 elif not _same(plan.built.get(name, _UNSET), value):
                     plan.built[name] = value
                     rebuild = True
-            if plan.factory is None:  # (a factory's multiplied arguments: _scaled)
-                _param_groups.check_multipliers(_OWNER, where, flags, plan.injected)
-            if mults != plan.mults:
-                plan.mults = mults
-                rebuild = rebuild or plan.factory is not None
             if found is not None:
                 state = self._with_group_state(state, plan.index, found)
         if rebuild:
@@ -838,10 +829,10 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
             if self._changes_layout(inner):
                 changed = sorted({
                     f"param_groups[{plan.index}][{k!r}]"
-                    for plan, (built, _) in zip(self._plans, before, strict=True)
+                    for plan, built in zip(self._plans, before, strict=True)
                     for k in plan.built if not _same(built.get(k, _UNSET), plan.built[k])})
-                for plan, (built, mults) in zip(self._plans, before, strict=True):
-                    plan.built, plan.mults = built, mults
+                for plan, built in zip(self._plans, before, strict=True):
+                    plan.built = built
                 self._compose()  # the transforms as they were
                 raise ValueError(
                     f"{_OWNER}: the new values of {changed} change the layout of the "
@@ -1421,7 +1412,8 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
         its params, as Megatron reorders its groups between runs); names that differ
         raise. The optimizer keeps copies of the given tensors (moved to the params'
         devices), so the dict can be reused or changed afterwards without touching the
-        optimizer. The saved group values replace the groups' own. A state dict of the
+        optimizer. The saved group values replace the groups' own (with the saved
+        ``lr_mult`` / ``wd_mult``, whose products they hold). A state dict of the
         format before 2 (nested dicts keyed by field names: ``"loss_scale"``,
         ``"master"``, ``"inner_state"``, ...) still loads.
 
@@ -1573,6 +1565,7 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
                 f"{len(self.param_groups)} dicts (one per param group of this optimizer). "
                 f"Fix: build the optimizer with the param groups of the one that saved it."
             )
+        mults = []
         for plan, group in zip(self._plans, saved, strict=True):
             if group.get("frozen", False) != plan.frozen:
                 raise ValueError(
@@ -1582,6 +1575,10 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
                 )
             if not plan.frozen:
                 plan.check_keys(where, f"param_groups[{plan.index}]", group)
+            flags = _param_groups.group_flags(where, f"param_groups[{plan.index}]", group)
+            mults.append((flags.lr_mult, flags.wd_mult))
+        for plan, folded in zip(self._plans, mults, strict=True):
+            plan.mults = folded  # (the saved values hold the saved multipliers' products)
         return saved
 
     def __getstate__(self) -> dict[str, Any]:

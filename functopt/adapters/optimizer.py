@@ -140,7 +140,7 @@ class _Plan:
         # multipliers, the tensors the step read). A step whose group holds the very same
         # immutable values takes them as they are (nothing converted, checked or multiplied
         # again); any other value (a new number, a tensor, a list) goes the whole way.
-        self.last_hyper: tuple[list[Any], tuple[float, float], dict[str, Any]] | None = None
+        self.last_hyper: tuple[list[Any], dict[str, Any]] | None = None
         # The hyperparameters the group's state was made from by add_param_group.
         self.made_from: dict[str, Any] = {}
         self.laid_out = False
@@ -303,7 +303,11 @@ class Optimizer(torch.optim.Optimizer):
     construction, at ``load_state_dict`` and at the step (``group["foo"] = 1``,
     ``momentum`` for a recipe without momentum, torch.optim.Adafactor's ``d`` for
     ``functopt.adafactor``, whose key is ``clipping_threshold``); the keys schedulers keep
-    for themselves (``initial_lr``, OneCycleLR's ``max_lr``, ...) are allowed. Only the
+    for themselves (``initial_lr``, OneCycleLR's ``max_lr``, ...) are allowed, and
+    Megatron's flags where they are honoured: ``is_decoupled_lr=True`` with the group's
+    ``max_lr`` (which Megatron's scheduler reads; without it the flag raises), and
+    ``is_expert_parallel`` on one process (on more, it raises: this optimizer sums no
+    statistics over ranks, ``MixedPrecisionOptimizer`` does). Only the
     hyperparameters of ``transform`` itself are exposed; those injected deeper (inside a
     ``chain`` or a ``partition``) stay in ``optimizer.state``. The groups are plain dicts,
     so ``torch.compile(opt.step)`` traces them.
@@ -342,16 +346,21 @@ class Optimizer(torch.optim.Optimizer):
     the order; names that differ raise, naming them.
 
     Multipliers and frozen groups. A group may set ``lr_mult`` and ``wd_mult`` (numbers
-    $\ge 0$, default 1; Megatron's names): the step then runs the transform with the
-    injected ``learning_rate`` $=$ ``group["lr"] * lr_mult`` and ``weight_decay`` $=$
-    ``group["weight_decay"] * wd_mult``, while ``group["lr"]`` keeps the value a scheduler
-    wrote. A ``torch.optim.lr_scheduler`` scales ``group["lr"]`` (from its
-    ``initial_lr``), so the effective rates keep the groups' ratios. Megatron's
-    ``OptimizerParamScheduler`` (and loops that write ``group["lr"] = lr * lr_mult``
-    themselves) already multiply by ``lr_mult`` when writing ``group["lr"]``; with them the
-    multiplier would count twice, so leave ``lr_mult``/``wd_mult`` out of the groups (or at
-    1) there. A multiplier other than 1 needs the transform to inject ``learning_rate``
-    (``weight_decay``); one given as a schedule to ``inject_hyperparams`` is not multiplied.
+    $\ge 0$, default 1; Megatron's names). They act once, when the group is added: its
+    ``lr`` becomes ``lr * lr_mult`` and its ``weight_decay`` ``weight_decay * wd_mult``
+    (its own values, else the defaults; a tensor is multiplied into a new tensor), and so
+    do the lrs schedulers compute a group's lr from (``initial_lr``, ``max_lr``,
+    ``min_lr``). From then on the group's values are what its steps use, as in
+    ``torch.optim``; the multipliers stay as records, and changing one later raises
+    (write ``lr`` / ``weight_decay`` instead). So a ``torch.optim.lr_scheduler`` anneals
+    each group from its own product, as torch's groups of those lrs, and megatron-core
+    0.16.1's ``OptimizerParamScheduler``, which writes ``lr`` from a group's ``max_lr`` /
+    ``min_lr`` without reading ``lr_mult`` and ``weight_decay`` already times
+    ``wd_mult`` (megatron/core/optimizer_param_scheduler.py, ``step``), applies each
+    multiplier once. A scheduler that writes a group's lr from numbers of its own
+    (OneCycleLR's ``max_lr``) sets it, as in torch.optim. A multiplier other than 1 needs
+    the transform to inject ``learning_rate`` (``weight_decay``); one given as a schedule
+    to ``inject_hyperparams`` is not multiplied.
     A group with ``frozen=True`` is left out of the transform: its params get no state
     (no entry in ``optimizer.state`` or the state dict) and are never updated, even if
     they have gradients (they need not require grad). ``frozen`` may be changed between
@@ -396,8 +405,8 @@ class Optimizer(torch.optim.Optimizer):
         >>> net(torch.ones(1, 2)).sum().backward()
         >>> opt.step()
         >>> scheduler.step()
-        >>> [group["lr"] for group in opt.param_groups]  # the step uses 0.05 * 10 for [1]
-        [0.05, 0.05, 0.05]
+        >>> [group["lr"] for group in opt.param_groups]  # [1]: 0.1 * 10, halved
+        [0.05, 0.5, 0.05]
         >>> [len(entry) for entry in opt.state_dict()["state"].values()]  # frozen: empty
         [0, 0, 4, 4]
     """
@@ -497,7 +506,9 @@ class Optimizer(torch.optim.Optimizer):
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
             self._check_options(index, group, plan)
+            self._check_megatron_flags(index, group)
             self._check_multipliers(index, group, plan, flags)
+            self._fold(index, group, plan, flags)
             hyper = self._hyperparams(index, group, plan)  # type-checks the values now
         except Exception:
             self.param_groups.pop()
@@ -591,6 +602,36 @@ class Optimizer(torch.optim.Optimizer):
     ) -> None:
         _param_groups.check_multipliers("functopt.Optimizer", f"param_groups[{index}]", flags,
                                         plan.hyper)
+
+    @staticmethod
+    def _check_megatron_flags(index: int, group: dict[str, Any]) -> None:
+        """Megatron's flags honoured or refused: ``is_decoupled_lr`` as both adapters
+        check it; an expert-parallel group on more than one rank raises, since this
+        optimizer sums no statistics over ranks and its experts differ from rank to rank."""
+        where = f"param_groups[{index}]"
+        _param_groups.check_megatron_flags("functopt.Optimizer", where, group)
+        if group.get("is_expert_parallel") is True and torch.distributed.is_available() and (
+                torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+            raise ValueError(
+                f"functopt.Optimizer: {where} is expert-parallel (is_expert_parallel=True): "
+                f"each rank holds other experts, so a global norm or overflow check must sum "
+                f"their statistics over the ranks, and functopt.Optimizer sums none. Fix: "
+                f"use functopt.MixedPrecisionOptimizer with process_group= and replicated= "
+                f"(its statistics over the ranks), or leave the key out where no stage "
+                f"reads statistics across params.")
+
+    def _fold(self, index: int, group: dict[str, Any], plan: _Plan,
+              flags: _param_groups.GroupFlags) -> None:
+        """Multiply the new group's learning rate and weight decay by its ``lr_mult`` and
+        ``wd_mult``, once, and its schedulers' lrs (``LR_RECORDS``) by ``lr_mult``: the
+        group holds the products, the values its steps use."""
+        for (_, name), mult in zip(_param_groups.MULTIPLIED, (flags.lr_mult, flags.wd_mult),
+                                   strict=True):
+            for key, names in plan.exposed.items():
+                if names == (name,) and key in group:
+                    group[key] = _param_groups.times(group[key], mult)
+        group.update(_param_groups.scaled_lr_records(flags.lr_mult, group))
+        self.__dict__.setdefault("_folded", {})[index] = (flags.lr_mult, flags.wd_mult)
 
     def _check_options(self, index: int, group: dict[str, Any], plan: _Plan) -> None:
         _param_groups.check_group_keys("functopt.Optimizer", f"param_groups[{index}]", group,
@@ -751,27 +792,19 @@ class Optimizer(torch.optim.Optimizer):
         plan.cache[name] = (value, tensor)
         return tensor
 
-    def _step_hyperparams(self, index: int, group: dict[str, Any], plan: _Plan,
-                          flags: _param_groups.GroupFlags) -> dict[str, Any]:
-        """The injected hyperparameters a step reads: the group's values as tensors, the
-        learning rate and weight decay times the group's multipliers (the group keeps the
-        scheduler's value). A group that holds the very values of the last step (the same
-        Python numbers and tuples, and multipliers) gets the tensors that step read: they
-        were converted and checked then."""
+    def _step_hyperparams(self, index: int, group: dict[str, Any],
+                          plan: _Plan) -> dict[str, Any]:
+        """The injected hyperparameters a step reads: the group's values as tensors. A
+        group that holds the very values of the last step (the same Python numbers and
+        tuples) gets the tensors that step read: they were converted and checked then."""
         raw = [group[key] for key in plan.exposed]
-        mults = (flags.lr_mult, flags.wd_mult)
         last = plan.last_hyper
-        if last is not None and last[1] == mults and len(last[0]) == len(raw) and all(
+        if last is not None and len(last[0]) == len(raw) and all(
                 map(operator.is_, last[0], raw)):
-            return last[2]  # (read only: the callers take the tensors out)
+            return last[1]  # (read only: the callers take the tensors out)
         hyper = self._hyperparams(index, group, plan)
-        for name, mult in zip(("learning_rate", "weight_decay"), mults, strict=True):
-            if mult != 1.0:
-                if name not in hyper:  # the group was edited after add_param_group
-                    self._check_multipliers(index, group, plan, flags)
-                hyper[name] = hyper[name] * mult
         # (a tensor value may be changed in place, a list item by item: read them anew)
-        plan.last_hyper = (raw, mults, dict(hyper)) if all(map(_immutable, raw)) else None
+        plan.last_hyper = (raw, dict(hyper)) if all(map(_immutable, raw)) else None
         return hyper
 
     def _gather(
@@ -789,7 +822,7 @@ class Optimizer(torch.optim.Optimizer):
         params = group["params"]
         get = self.state.get
         entries: list[Any] = [get(p) for p in params]
-        hyper = self._step_hyperparams(index, group, plan, flags)
+        hyper = self._step_hyperparams(index, group, plan)
         # No state (cleared, or a stateless transform), or the state add_param_group made
         # for params that have moved since: start from init, on the params as they are now.
         # So does a state made for values the group no longer holds at its first step (a
@@ -905,6 +938,8 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for index, group in enumerate(self.param_groups):  # (before any group steps)
+            self._flags(index, group)
         with torch.no_grad():
             for index, group in enumerate(self.param_groups):
                 if self._differentiable(index, group):
@@ -1044,7 +1079,11 @@ class Optimizer(torch.optim.Optimizer):
         if last is not None and all(map(operator.is_, last[0], raw)):
             flags: _param_groups.GroupFlags = last[1]
             return flags
-        flags = _param_groups.group_flags("functopt.Optimizer", f"param_groups[{index}]", group)
+        where = f"param_groups[{index}]"
+        flags = _param_groups.group_flags("functopt.Optimizer", where, group)
+        folded = self.__dict__.setdefault("_folded", {})
+        _param_groups.check_unchanged_multipliers("functopt.Optimizer", where, flags,
+                                                  folded.setdefault(index, flags[:2]))
         known[index] = (raw, flags)
         return flags
 
@@ -1225,6 +1264,8 @@ class Optimizer(torch.optim.Optimizer):
             if "param_names" in group:
                 new_group["param_names"] = group["param_names"]
             flags = _param_groups.group_flags(owner, f"param_groups[{i}]", new_group)
+            # (the saved values hold the products of the saved multipliers)
+            self.__dict__.setdefault("_folded", {})[i] = (flags.lr_mult, flags.wd_mult)
             if flags.frozen:
                 if any(entries):
                     raise ValueError(

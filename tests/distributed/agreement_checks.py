@@ -193,6 +193,8 @@ def expert_parallel_groups_sum_their_statistics(rank: int, world: int) -> None:
 
     with pytest.raises(ValueError, match=r"param group 0 is expert-parallel"):
         functopt.MixedPrecisionOptimizer(groups(), functopt.adamw(1e-2))
+    with pytest.raises(ValueError, match=r"param_groups\[0\] is expert-parallel .*sums none"):
+        functopt.Optimizer(groups(), functopt.adamw(1e-2))  # (it reduces nothing)
     opt = functopt.MixedPrecisionOptimizer(groups(), functopt.adamw(1e-2),
                                            process_group=dist.group.WORLD,
                                            replicated={"w": False, "b": True})
