@@ -107,6 +107,45 @@ def test_optimizer_multipliers_equal_torch_adamw_with_multiplied_groups():
     assert [(g["lr_mult"], g["wd_mult"]) for g in opt.param_groups] == MULTS
 
 
+@pytest.mark.parametrize("adapter", ["optimizer", "facade"])
+def test_a_checkpoint_of_format_2_loads_with_its_multipliers_folded(adapter):
+    """Groups saved in format 2 held the lr / weight_decay their steps multiplied by
+    lr_mult / wd_mult; they load holding the products, and the run continues as it would
+    have (format 3 groups hold the products already)."""
+    def build(params):
+        if adapter == "optimizer":
+            return Optimizer(_groups(params), _injected_adamw())
+        return MixedPrecisionOptimizer(_groups(params), _adamw_factory, loss_scale=None)
+
+    ours = _params()
+    opt = build(ours)
+    for step in range(3):
+        _set_grads(ours, _grads(ours, step))
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    old = copy.deepcopy(saved)
+    for group in old["param_groups"]:
+        lr_mult, wd_mult = group.get("lr_mult", 1.0), group.get("wd_mult", 1.0)
+        group["lr"] /= lr_mult
+        group["weight_decay"] = group["weight_decay"] / wd_mult if wd_mult else WD
+        group["functopt"]["format"] = 2
+    results = []
+    for given in (saved, old):
+        params = [p.detach().clone().requires_grad_() for p in ours]
+        again = build(params)
+        again.load_state_dict(given)
+        assert [g["lr"] for g in again.param_groups] == [g["lr"] for g in opt.param_groups]
+        assert [g["weight_decay"] for g in again.param_groups] == [
+            g["weight_decay"] for g in opt.param_groups]
+        _set_grads(params, _grads(params, 3))
+        again.step()
+        results.append(params)
+    _set_grads(ours, _grads(ours, 3))
+    opt.step()
+    for params in results:
+        assert all(torch.equal(a, b) for a, b in zip(params, ours, strict=True))
+
+
 def test_optimizer_step_lr_keeps_the_ratio():
     """StepLR scales each group's lr, which holds the product, from its own: the groups
     keep their ratio, as torch's groups of those lrs do."""

@@ -211,8 +211,8 @@ def test_a_later_format_and_a_shared_leaf_that_differs_raise() -> None:
                                    "v": torch.nn.Parameter(torch.ones(3))}, functopt.adam(0.1))
     saved = copy.deepcopy(opt.state_dict())
     saved["param_groups"][0]["functopt"]["format"] = _state_dict.FORMAT + 1
-    with pytest.raises(ValueError, match=r"functopt's state format 3, this version reads up "
-                                         r"to 2"):
+    with pytest.raises(ValueError, match=rf"functopt's state format {_state_dict.FORMAT + 1}, "
+                                         rf"this version reads up to {_state_dict.FORMAT}"):
         opt.load_state_dict(saved)
     saved["param_groups"][0]["functopt"]["format"] = _state_dict.FORMAT
     saved["state"][1]["loss_scale.scale"] = torch.tensor(2.0)

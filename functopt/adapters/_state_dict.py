@@ -1,13 +1,13 @@
 """The one state codec of the adapters: optimizer state as dicts of tensors keyed by
 parameter names and state paths, and back.
 
-**The format** (``FORMAT`` 2), shared by ``functopt.Optimizer`` and
+**The format** (``FORMAT`` 3; 2 is read too), shared by ``functopt.Optimizer`` and
 ``MixedPrecisionOptimizer``, is the layout of
 ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``::
 
     {"state": {param_name: {state_path: tensor, ...}, ...},
      "param_groups": [{"params": [param_name, ...], <the group's keys>,
-                       "functopt": {"format": 2, <the configuration the state needs>}}]}
+                       "functopt": {"format": 3, <the configuration the state needs>}}]}
 
 ``state_path`` is the dotted path of a state leaf with the param's own entry left out
 (``'inner_state.0.mu'``, ``'master'``); a leaf that belongs to no one param (a step count,
@@ -231,7 +231,7 @@ def named_to_torch(owner: str, named: Mapping[str, Any]) -> dict[str, Any]:
 
 # -- the named format (FORMAT 2) --------------------------------------------------------
 
-FORMAT = 2
+FORMAT = 3  # 3: a group's lr / weight_decay hold their lr_mult / wd_mult
 CONFIG_KEY = "functopt"  # each saved group's record of the configuration its state needs
 
 
@@ -518,10 +518,31 @@ def saved_groups(owner: str, state_dict: Mapping[str, Any],
             saved_names = ids  # DCP passes the names as the ids
         order = saved_order(owner, i, len(ids), group.get("param_names"), saved_names)
         entries = [state.get(ids[k]) or {} for k in order]
-        rest = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
+        rest = _folded({k: v for k, v in saved.items() if k not in ("params", "param_names")})
         if "param_names" in saved and "param_names" not in group:
             rest["param_names"] = saved["param_names"]  # an unnamed group takes the names
         out.append((rest, entries))
+    return out
+
+
+def _folded(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved group of format 2, whose ``lr`` / ``weight_decay`` (and schedulers' lrs) did
+    not hold their ``lr_mult`` / ``wd_mult`` (its step multiplied them in), with the
+    products in their place, as the groups of format 3 hold them; any other group as it is
+    (torch's own groups hold what their steps use)."""
+    config = saved.get(CONFIG_KEY)
+    if not (isinstance(config, Mapping) and config.get("format") == 2):
+        return saved
+    from functopt.adapters._param_groups import LR_RECORDS, times
+
+    lr_mult, wd_mult = saved.get("lr_mult", 1.0), saved.get("wd_mult", 1.0)
+    out = dict(saved)
+    for key in ("lr", *LR_RECORDS):
+        if key in out and not isinstance(lr_mult, bool) and isinstance(lr_mult, (int, float)):
+            out[key] = times(out[key], float(lr_mult))
+    if "weight_decay" in out and not isinstance(wd_mult, bool) and isinstance(
+            wd_mult, (int, float)):
+        out["weight_decay"] = times(out["weight_decay"], float(wd_mult))
     return out
 
 
