@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from functopt._collective.counting import _group_ranks, _non_member
-from functopt._collective.reduce import COLLECTIVE_FAILED, all_reduce_stats, raise_with_note
+from functopt._collective.stats import COLLECTIVE_FAILED, all_reduce_stats, raise_with_note
 
 __all__ = ["AGREE_TIMEOUT_S", "SKIP_AGREEMENT", "Agreement", "Wording", "agreement",
            "annotated", "check_agreement", "check_timeout", "reduce_stats", "spans",

@@ -69,7 +69,7 @@ from functopt._collective.dtensor import (
     is_dtensor,
     local_tensor,
 )
-from functopt._collective.reduce import all_reduce_stats
+from functopt._collective.stats import all_reduce_stats
 from functopt._spec import (
     FiniteGuard,
     GlobalNormClip,

@@ -44,7 +44,7 @@ from functopt import _validate
 from functopt._apply import apply_updates
 from functopt._base import GradientTransformation, Params, State, Updates
 from functopt._collective.dtensor import _infer_group, _leaf_names, _rewrap_like, local_tensor
-from functopt._collective.reduce import all_reduce_stats
+from functopt._collective.stats import all_reduce_stats
 from functopt.fast import _capture, _compiled, _engine, _inside, _multi, _multi_injected, _planner
 from functopt.fast._capture import CapturedStep, _state_names
 from functopt.fast._planner import CaptureError

@@ -718,10 +718,10 @@ def _scaled(unscaled: list[Any], grads: list[Any], multiplier: torch.Tensor) -> 
 
 def _unscaled_stats(unscaled: list[Any], name: Callable[[int], str], device: torch.device,
                     counted: Sequence[bool] | None, count_zeros: bool) -> torch.Tensor:
-    """The pure step's packed statistics of the unscaled gradients (``_local_stats``) with
+    """The pure step's packed statistics of the unscaled gradients (``local_stats``) with
     its arithmetic but without its two extra passes: each leaf's float32 (float64) norm
     squared in float64, from one ``foreach`` norm per group, summed over the leaves as
-    ``_local_stats`` sums them (rows, then a sum over the leaves: the same sums); the
+    ``local_stats`` sums them (rows, then a sum over the leaves: the same sums); the
     zero count of the unscaled gradients when asked (0 otherwise, which the metrics
     replace by -1); the non-finite count 0: a non-finite gradient makes the norm
     non-finite, which `unpack_grad_stats` reads as the same overflow."""
