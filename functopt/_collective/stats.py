@@ -92,18 +92,20 @@ def local_grad_stats(grads: Any, device: torch.device | None = None, *,
 
 
 def local_stats(leaves: Sequence[Any], name: Callable[[int], str],
-                 device: torch.device | None, counted: Sequence[bool] | None = None,
-                 ) -> torch.Tensor:
-    """`local_grad_stats` on flattened leaves; ``name(i)`` words errors about leaf ``i``;
-    ``counted[i]``: whether this rank counts leaf ``i`` (default: by DTensor placements
-    over the whole mesh, plain tensors always)."""
+                 device: torch.device | None, counted: Sequence[bool] | None = None, *,
+                 owner: str = "local_grad_stats") -> torch.Tensor:
+    """`local_grad_stats` on flattened leaves, the definition of the packed statistics:
+    one ``_leaf_stats`` row per counted leaf, the rows summed over the leaves. ``name(i)``
+    words errors about leaf ``i``, ``owner`` the function named in them; ``counted[i]``:
+    whether this rank counts leaf ``i`` (default: by DTensor placements over the whole
+    mesh, plain tensors always)."""
     parts = []
     for i, g in enumerate(leaves):
         if g is None:
             continue
         if not isinstance(g, torch.Tensor):
             raise TypeError(
-                f"local_grad_stats: grads leaf {name(i)!r} is a {type(g).__name__}; expected a "
+                f"{owner}: grads leaf {name(i)!r} is a {type(g).__name__}; expected a "
                 f"tensor, a DTensor or None."
             )
         if not (counted[i] if counted is not None

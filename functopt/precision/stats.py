@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from functopt.tree._ops import _leaf_stats
+from functopt._collective.stats import local_stats
 
 __all__ = ["GradStats", "NormClip", "grad_stats", "unpack_grad_stats"]
 
@@ -92,7 +92,10 @@ def grad_stats(grads: Sequence[torch.Tensor | None], device: torch.device | None
     of every gradient, 20-35x the time of the float32 reduction on CPU). The counts are
     exact (up to $2^{53}$ elements).
     The packed result is a float64 tensor of shape ``(3,)``, ready for a single
-    ``all_reduce(SUM)``. ``None`` leaves are skipped.
+    ``all_reduce(SUM)``. ``None`` leaves are skipped; a DTensor contributes its local
+    shard where this rank counts it, as in
+    [`local_grad_stats`][functopt.distributed.local_grad_stats], of which this is the
+    view on a list.
 
     Examples:
         >>> import torch
@@ -101,10 +104,7 @@ def grad_stats(grads: Sequence[torch.Tensor | None], device: torch.device | None
         >>> unpack_grad_stats(packed)
         GradStats(norm=tensor(5.), found_inf=tensor(False), num_zeros=tensor(1))
     """
-    parts = [_leaf_stats(g) for g in grads if g is not None]
-    if not parts:
-        return torch.zeros(3, dtype=torch.float64, device=device)
-    return torch.stack(parts).sum(dim=0)
+    return local_stats(list(grads), "grads[{}]".format, device, owner="grad_stats")
 
 
 def unpack_grad_stats(packed: torch.Tensor) -> GradStats:
