@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from functopt import distributed as fdist
 from functopt._collective import stats
 from functopt.precision import grad_stats
-from functopt.testing import assert_bitwise_equal
+from functopt.testing import assert_bitwise_equal, clone_tree
 from functopt.testing import strategies as fst
 from functopt.tree import _core, _ops
 
@@ -171,12 +171,15 @@ def test_zero_count_is_the_definition(drawn) -> None:
 @given(_leaves())
 def test_public_entry_points_are_views_of_local_stats(drawn) -> None:
     leaves, _ = drawn
+    before = clone_tree(leaves)
     rows = [_ops._leaf_stats(x) for x in leaves if x is not None]
     want = torch.stack(rows).sum(dim=0) if rows else torch.zeros(3, dtype=torch.float64)
+    assert want.dtype == torch.float64 and want.shape == (3,)
     assert_bitwise_equal(stats.local_stats(leaves, str, _CPU), want)
     assert_bitwise_equal(grad_stats(leaves), want)
     assert_bitwise_equal(fdist.local_grad_stats(leaves), want)
     assert_bitwise_equal(fdist.global_grad_stats(leaves), want)
+    assert_bitwise_equal(leaves, before)  # pure
 
 
 def test_parts_and_sums_round_trip_without_a_group() -> None:

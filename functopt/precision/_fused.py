@@ -99,24 +99,6 @@ from functopt.tree import _core
 _CLIPS = 3
 
 
-def fused_stats(grads: list[Any], wide: list[Any], name: Callable[[int], str],
-                inv_scale: torch.Tensor, device: torch.device, count_zeros: bool,
-                clips: list[list[int]], counted: Sequence[bool] | None = None,
-                ) -> torch.Tensor:
-    """The packed ``[sum of squares, non-finite flag, zero count, clip sums...]`` of the
-    unscaled gradients this rank counts, from one ``foreach`` norm per (device, dtype)
-    group.
-
-    ``wide`` holds the gradients in the precision of the values they update (local
-    shards); each is reduced in float32, or float64 when it is float64, as the pure path
-    reduces its unscaled gradients. ``grads`` (the gradients as given) decide which leaves
-    this rank counts, unless ``counted`` (one bool per leaf) says it; ``clips`` lists the
-    leaves each clip of the inner chain measures.
-    """
-    return _packed(_local_sums(grads, wide, name, inv_scale, device, count_zeros, clips,
-                               counted), len(clips), device)
-
-
 # (sum of squares, zero count, one sum of squares per clip), each a 0-d float64 tensor or
 # None where no leaf is counted (or zeros are not)
 _Sums = tuple[torch.Tensor | None, torch.Tensor | None, list[torch.Tensor | None]]
@@ -126,10 +108,16 @@ def _local_sums(grads: list[Any], wide: list[Any], name: Callable[[int], str],
                 inv_scale: torch.Tensor | Callable[[], torch.Tensor], device: torch.device,
                 count_zeros: bool, clips: list[list[int]], counted: Sequence[bool] | None,
                 host_inv: float | None = None) -> _Sums:
-    """`fused_stats`' entries before they are packed (``inv_scale``: the 0-d tensor, or a
-    function that makes it when it is needed). ``host_inv``: ``inv_scale``'s value, whose
-    products with the norms of plain CPU tensors are then taken on the host
-    (`_host_square_groups`)."""
+    """The sum of squares, zero count and clip sums of the unscaled gradients this rank
+    counts, from one ``foreach`` norm per (device, dtype) group (`_packed` lays them out).
+
+    ``wide`` holds the gradients in the precision of the values they update (local
+    shards); each is reduced in float32, or float64 when it is float64, as the pure path
+    reduces its unscaled gradients, times ``inv_scale`` (the 0-d tensor, or a function that
+    makes it when it is needed). ``grads`` (the gradients as given) decide which leaves
+    this rank counts, unless ``counted`` (one bool per leaf) says it; ``clips`` lists the
+    leaves each clip of the inner chain measures. ``host_inv``: ``inv_scale``'s value,
+    whose products with the norms of plain CPU tensors are then taken on the host."""
     if counted is None:
         counted = counted_leaves(grads, name)
     counted = [c and w is not None for c, w in zip(counted, wide, strict=True)]
@@ -146,9 +134,9 @@ def _local_sums(grads: list[Any], wide: list[Any], name: Callable[[int], str],
     return total, zeros, sums
 
 
-def _packed(sums: _Sums, clips: int, device: torch.device) -> torch.Tensor:
+def _packed(sums: _Sums, device: torch.device) -> torch.Tensor:
     total, zeros, clip_sums = sums
-    packed = torch.zeros(_CLIPS + clips, dtype=torch.float64, device=device)
+    packed = torch.zeros(_CLIPS + len(clip_sums), dtype=torch.float64, device=device)
     if total is not None:
         packed[_SUMSQ] = total
     for j, s in enumerate(clip_sums):
@@ -414,8 +402,8 @@ def fused_mixed_step(
                                  counted=counted, scratch=scratch, metrics=metrics,
                                  casts=casts, agreed=agreed)
     inv_scale = _inverse(loss_scale)
-    local = fused_stats(grads, wide, name, inv_scale, device, count_zeros, structure.clips,
-                        counted)
+    local = _packed(_local_sums(grads, wide, name, inv_scale, device, count_zeros,
+                                structure.clips, counted), device)
     totals = _early_totals(lowered, views, wide, inner_leaves, group, max_grad_norm,
                            lambda: inv_scale.to(torch.float64) if scaled else None)
     if totals:
@@ -522,7 +510,7 @@ def _host_kernel_step(
         sums = [torch.zeros((), dtype=torch.float64, device=device) if x is None else x
                 for x in clip_sums]
     else:
-        local_packed = _packed(local, len(structure.clips), device)
+        local_packed = _packed(local, device)
         totals = _early_totals(lowered, views, wide, inner_leaves, group, max_grad_norm,
                                lambda: torch.scalar_tensor(inv, dtype=torch.float64,
                                                            device=device) if scaled else None)
