@@ -48,6 +48,17 @@ from functopt.tree._ops import _leaf_stats
 __all__ = ["all_reduce_stats", "global_grad_stats", "local_grad_stats"]
 
 
+# The packed layout: [sum of squares, non-finite count, zero count, ...] (a step lays its
+# other statistics after these three).
+SUMSQ, NONFINITE, ZEROS = 0, 1, 2
+
+
+def norm_and_overflow(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 norm of packed (reduced) statistics, and whether they overflowed: a
+    non-finite element, or a norm that overflows float32."""
+    norm = torch.sqrt(packed[SUMSQ]).to(torch.float32)
+    return norm, (packed[NONFINITE] > 0) | ~torch.isfinite(norm)
+
 def local_grad_stats(grads: Any, device: torch.device | None = None, *,
                      group: dist.ProcessGroup | None = None,
                      replicated: Replicated = None) -> torch.Tensor:

@@ -11,7 +11,7 @@ One entry point, `execute_leaves`, on the flat leaves of the params, gradients a
    the local shards of DTensor leaves, each replicated value counted on one rank) and
    leaves it pending; the first op that reads a pending result resolves every pending one
    together, with one packed all-reduce when there is a process group (given, or inferred
-   from the DTensor leaves' mesh) through ``functopt/_collective/reduce.py``. So a step
+   from the DTensor leaves' mesh) through ``functopt/_collective/stats.py``. So a step
    makes ``program.barriers`` collectives on a mesh and none on one process;
 4. adds the updates to the params (`Write`): one ``foreach`` add per (device, dtype) group,
    in place when donated.

@@ -61,6 +61,8 @@ from functopt import _validate
 from functopt._collective.agreement import Agreement, reduce_stats
 from functopt._collective.dtensor import _rewrap_like, local_tensor
 from functopt._collective.stats import (
+    SUMSQ,
+    ZEROS,
     counted_leaves,
     pack_sums,
     square_groups,
@@ -83,8 +85,6 @@ from functopt.precision.loss_scale import (
     host_adjust,
 )
 from functopt.precision.stats import (
-    _SUMSQ,
-    _ZEROS,
     GradStats,
     NormClip,
     _clip_factor,
@@ -96,7 +96,7 @@ from functopt.tree import _core
 
 # The packed statistics: grad_stats' three entries, then one sum of squares per clip of
 # the inner chain (one all-reduce for all of them).
-_CLIPS = 3
+_CLIPS = ZEROS + 1
 
 
 # (sum of squares, zero count, one sum of squares per clip), each a 0-d float64 tensor or
@@ -138,13 +138,13 @@ def _packed(sums: _Sums, device: torch.device) -> torch.Tensor:
     total, zeros, clip_sums = sums
     packed = torch.zeros(_CLIPS + len(clip_sums), dtype=torch.float64, device=device)
     if total is not None:
-        packed[_SUMSQ] = total
+        packed[SUMSQ] = total
     for j, s in enumerate(clip_sums):
         if s is not None:
             packed[_CLIPS + j] = s
     if zeros is not None:
-        packed[_ZEROS] = zeros
-    # packed[_NONFINITE] stays 0: a non-finite gradient makes the sum of squares
+        packed[ZEROS] = zeros
+    # packed[NONFINITE] stays 0: a non-finite gradient makes the sum of squares
     # non-finite, which unpack_grad_stats reads as an overflow (as a norm overflow).
     return packed
 
