@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from functopt import distributed as fdist
@@ -55,28 +55,23 @@ def _square(x: torch.Tensor, multiplier: torch.Tensor | None = None, *, rescue: 
     return out
 
 
-@given(_leaves(), st.sampled_from([None, 1.0, 2.0 ** -14, 0.3, 3e38]), st.booleans())
-def test_leaf_squares_are_the_definition(drawn, multiplier, wide) -> None:
+@given(_leaves(), st.sampled_from([None, 1.0, 2.0 ** -14, 0.3, 3e38]),
+       st.sampled_from([None, torch.float64, "rescue"]))
+@example(([torch.full((2,), 3e38), torch.full((3,), 3e38).bfloat16()], [True, True]), None,
+         "rescue")
+def test_square_groups_are_the_definition(drawn, multiplier, how) -> None:
+    # (huge finite values overflow a float32 norm: the rescue measures it in float64)
     leaves, counted = drawn
-    m = None if multiplier is None else torch.scalar_tensor(multiplier, dtype=torch.float32)
-    accumulate = torch.float64 if wide else None
-    got = stats.leaf_squares(leaves, counted, m, accumulate=accumulate)
-    for x, c, s in zip(leaves, counted, got, strict=True):
-        assert (s is None) == (not c)
-        if s is not None:
-            assert_bitwise_equal(s, _square(x, m, accumulate=accumulate))
-
-
-@given(st.lists(st.tuples(st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
-                          st.integers(0, 4), st.booleans()), min_size=1, max_size=6))
-def test_rescue_measures_an_overflowed_norm_in_float64(specs) -> None:
-    # float32 norms above ~1.8e19 overflow their square's float32 accumulation; the rescue
-    # measures those leaves again (finite ones only), as clip_by_global_norm does
-    leaves = [torch.full((n,), 3e38 if big else 0.5).to(dtype) for dtype, n, big in specs]
-    counted = [True] * len(leaves)
-    got = stats.leaf_squares(leaves, counted, rescue=True)
-    for x, s in zip(leaves, got, strict=True):
-        assert_bitwise_equal(s, _square(x, rescue=True))
+    m = None if multiplier is None or how == "rescue" else torch.scalar_tensor(
+        multiplier, dtype=torch.float32)
+    options = {"rescue": True} if how == "rescue" else {"accumulate": how}
+    measured = []
+    for idx, squares in stats.square_groups(leaves, counted, m, **options):
+        assert len({(leaves[i].device, leaves[i].dtype) for i in idx}) == 1
+        measured += idx
+        for i, s in zip(idx, squares, strict=True):
+            assert_bitwise_equal(s, _square(leaves[i], m, **options))
+    assert sorted(measured) == [i for i, c in enumerate(counted) if c]
 
 
 _SPECIAL = st.sampled_from([0.0, -0.0, math.inf, -math.inf, math.nan, 1e-30, 3e38, -2.5])

@@ -140,6 +140,17 @@ def counted_leaves(grads: Sequence[Any], name: Callable[[int], str]) -> list[boo
 Squares = list[tuple[list[int], torch.Tensor]]
 
 
+def _grouped(tensors: Sequence[Any], counted: Sequence[bool], *, empty: bool = True,
+             ) -> dict[tuple[torch.device, torch.dtype], list[int]]:
+    """The indices of the counted tensors (not None; not empty unless ``empty``), by
+    (device, dtype)."""
+    found: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, (t, c) in enumerate(zip(tensors, counted, strict=True)):
+        if c and t is not None and (empty or t.numel()):
+            found.setdefault((t.device, t.dtype), []).append(i)
+    return found
+
+
 def square_groups(tensors: Sequence[Any], counted: Sequence[bool],
                   multiplier: torch.Tensor | None = None, *, host: float | None = None,
                   rescue: bool = False, accumulate: torch.dtype | None = None) -> Squares:
@@ -161,12 +172,8 @@ def square_groups(tensors: Sequence[Any], counted: Sequence[bool],
     accelerator for every leaf, selected on the device (no synchronisation; one more read
     of the gradients). The mixed step does not rescue: it counts such a norm as an
     overflow."""
-    found: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, (t, c) in enumerate(zip(tensors, counted, strict=True)):
-        if c and t is not None:
-            found.setdefault((t.device, t.dtype), []).append(i)
     groups = []
-    for (where, dtype), idx in found.items():
+    for (where, dtype), idx in _grouped(tensors, counted).items():
         acc = accumulate or (torch.float64 if dtype == torch.float64 else torch.float32)
         norms_of = torch._foreach_norm([tensors[i] for i in idx], 2,
                                        dtype=None if dtype == acc else acc)
@@ -195,17 +202,6 @@ def square_groups(tensors: Sequence[Any], counted: Sequence[bool],
                                   squares)
         groups.append((idx, squares))
     return groups
-
-
-def leaf_squares(tensors: Sequence[Any], counted: Sequence[bool],
-                 multiplier: torch.Tensor | None = None, **options: Any) -> list[Any]:
-    """`square_groups` per leaf: each counted tensor's squared norm as a 0-d float64
-    tensor, None elsewhere."""
-    out: list[Any] = [None] * len(tensors)
-    for idx, squares in square_groups(tensors, counted, multiplier, **options):
-        for j, i in enumerate(idx):
-            out[i] = squares[j]
-    return out
 
 
 def sum_squares(groups: Squares, leaves: Sequence[int] | None,
@@ -252,18 +248,12 @@ def nonfinite_counts(grads: Sequence[Any], counted: Sequence[bool],
     that hold an inf or a nan, from one ``foreach`` max-norm per (device, dtype) group
     (exact: the largest magnitude of finite values is finite, and inf and nan propagate;
     an empty shard holds nothing non-finite, and its max-norm has no identity)."""
+    tensors: list[Any] = [None if g is None else local_tensor(g) for g in grads]
     bad: list[Any] = [None] * len(grads)
-    found: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    at: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, (g, c) in enumerate(zip(grads, counted, strict=True)):
-        local = None if g is None or not c else local_tensor(g)
-        if local is not None and local.numel():
-            found.setdefault((local.device, local.dtype), []).append(local)
-            at.setdefault((local.device, local.dtype), []).append(i)
-    for key, members in found.items():
-        flags = ~torch.isfinite(torch.stack(torch._foreach_norm(members, float("inf"))))
-        for j, i in enumerate(at[key]):
-            bad[i] = flags[j]
+    for idx in _grouped(tensors, counted, empty=False).values():
+        norms = torch._foreach_norm([tensors[i] for i in idx], float("inf"))
+        for i, flag in zip(idx, ~torch.isfinite(torch.stack(norms)), strict=True):
+            bad[i] = flag
     out = []
     for leaves in guards:
         mine = [bad[i].to(device) for i in leaves if bad[i] is not None]
@@ -289,8 +279,10 @@ def unscaled_stats(unscaled: Sequence[Any], counted: Sequence[bool], device: tor
     summed over the leaves as `local_stats` sums them; the non-finite count 0: a
     non-finite gradient makes the norm non-finite, which `unpack_grad_stats` reads as the
     same overflow."""
-    squares = leaf_squares(
-        unscaled, [c and u is not None for c, u in zip(counted, unscaled, strict=True)])
+    squares: list[Any] = [None] * len(unscaled)
+    for idx, sq in square_groups(unscaled, counted):
+        for j, i in enumerate(idx):
+            squares[i] = sq[j]
     none = torch.zeros((), dtype=torch.float64, device=device)
     rows = [torch.stack([s.to(device), none, (u.numel() - torch.count_nonzero(u)).to(
         device=device, dtype=torch.float64) if count_zeros else none])
