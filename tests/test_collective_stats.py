@@ -16,6 +16,7 @@ import math
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from functopt import distributed as fdist
 from functopt._collective import stats
@@ -139,6 +140,28 @@ def test_nonfinite_counts_are_the_definition(drawn, data) -> None:
         want = sum(1 for i in leaves_of if counted[i] and not bool(
             torch.isfinite(leaves[i]).all()))
         assert_bitwise_equal(count, torch.tensor(float(want), dtype=torch.float64))
+
+
+class _Norms(TorchDispatchMode):
+    """Counts the ``foreach`` norm calls (one read of a group's gradients each)."""
+
+    calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func is torch.ops.aten._foreach_norm.Scalar
+        return func(*args, **(kwargs or {}))
+
+
+def test_each_statistic_reads_a_group_once_and_an_unasked_one_reads_nothing() -> None:
+    # float32 and float64 leaves: two groups; a clip over a float64 leaf measures every
+    # leaf in float64 only (not also in float32)
+    leaves, counted = [torch.ones(3), torch.ones(2, dtype=torch.float64), torch.ones(())], [True] * 3
+    for measure, runs, reads in ((stats.clip_sums, [], 0), (stats.nonfinite_counts, [], 0),
+                                 (stats.clip_sums, [[0, 1, 2]], 2),
+                                 (stats.nonfinite_counts, [[0, 1, 2], [1]], 2)):
+        with _Norms() as norms:
+            assert len(measure(leaves, counted, runs, _CPU)) == len(runs)
+        assert norms.calls == reads, (measure.__name__, runs)
 
 
 @given(_leaves(), st.booleans())

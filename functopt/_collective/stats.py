@@ -248,6 +248,8 @@ def nonfinite_counts(grads: Sequence[Any], counted: Sequence[bool],
     that hold an inf or a nan, from one ``foreach`` max-norm per (device, dtype) group
     (exact: the largest magnitude of finite values is finite, and inf and nan propagate;
     an empty shard holds nothing non-finite, and its max-norm has no identity)."""
+    if not guards:
+        return []
     tensors: list[Any] = [None if g is None else local_tensor(g) for g in grads]
     bad: list[Any] = [None] * len(grads)
     for idx in _grouped(tensors, counted, empty=False).values():
