@@ -1,9 +1,9 @@
 """functopt.distributed on plain tensors, in one process (no process group needed).
 
 The multi-rank behaviour (DTensor shards, replicated leaves, one collective, FSDP2) is in
-``tests/test_distributed_fsdp.py``; here: the local statistics are bitwise those of
-``functopt.precision.grad_stats``, plain tensors make no collective, inputs stay untouched,
-and the errors that need no process group.
+``tests/test_distributed_fsdp.py``, the local statistics against their definition in
+``tests/test_collective_stats.py``; here: plain tensors make no collective, and the errors
+that need no process group.
 """
 
 from __future__ import annotations
@@ -16,21 +16,9 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import functopt
 from functopt import distributed as fdist
-from functopt.precision import grad_stats
-from functopt.testing import assert_bitwise_equal, clone_tree
+from functopt.testing import assert_bitwise_equal
 from functopt.testing import strategies as fst
 from functopt.tree import _core
-
-
-@given(fst.params_and_gradients(grad_kind="any", allow_none=True))
-def test_local_grad_stats_is_grad_stats_on_plain_tensors(pair) -> None:
-    _, grads = pair
-    before = clone_tree(grads)
-    leaves, _ = _core.flatten(grads)
-    packed = fdist.local_grad_stats(grads)
-    assert_bitwise_equal(packed, grad_stats(leaves))
-    assert packed.dtype == torch.float64 and packed.shape == (3,)
-    assert_bitwise_equal(grads, before)  # pure
 
 
 @given(fst.params_and_gradients(grad_kind="any", allow_none=True))

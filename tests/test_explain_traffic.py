@@ -74,12 +74,14 @@ def test_kernel_tier_traffic_is_what_the_step_touches(name: str, donate: bool,
 
 def test_kernel_tier_traffic_counts_the_scaling_of_float64_gradients() -> None:
     # a float64 group multiplies its gradient copies by the clip's factor itself (the
-    # kernels take the factor in float32): one more read and write of each gradient
+    # kernels take the factor in float32): one more read of each gradient than twice a
+    # float32 group's bytes (its clip's norm pass reads each gradient once, in float64)
     tx = _KERNELS["clip_adamw"]()
     read, written, wide = _touched(tx, _tree(torch.float64), donate=True, smallest=64)
     assert (wide.bytes_read, wide.bytes_written) == (read, written)
     narrow = explain(tx, _tree()["params"], donate=True)
-    assert wide.bytes_per_param == 2 * narrow.bytes_per_param + 16
+    assert wide.bytes_read / wide.elements == 2 * narrow.bytes_read / narrow.elements + 8
+    assert wide.bytes_written == 2 * narrow.bytes_written
 
 
 def test_kernel_tier_traffic_counts_the_layout_copies_of_gradients() -> None:

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 import functopt
 from functopt import _serialization
-from functopt._collective import reduce as reduce_module
+from functopt._collective import stats as stats_module
 from functopt.precision import dynamic_loss_scale, mixed_precision, static_loss_scale
 from functopt.testing import bitwise_equal
 
@@ -495,7 +495,7 @@ def test_a_rank_that_dies_mid_step_makes_the_other_fail_clearly(stuck, tmp_path)
     assert float(elapsed) < 15.0, message  # detected, not waited out
     assert "all_reduce of the gradient statistics" in notes and "over 2 ranks" in notes
     assert "restart every rank from the last checkpoint" in notes
-    assert reduce_module.COLLECTIVE_FAILED.startswith("functopt: the all_reduce")
+    assert stats_module.COLLECTIVE_FAILED.startswith("functopt: the all_reduce")
 
 
 # ------------------------------------------- a state dict taken while the state is offloaded

@@ -174,46 +174,6 @@ def test_fused_step_on_the_host_is_the_tensor_step(case, donate, monkeypatch) ->
             assert _same_tensor(x, y), (k, i, x, y)
 
 
-_SPECIAL = st.sampled_from([0.0, -0.0, math.inf, -math.inf, math.nan, 1e-30, 3e38, -2.5])
-
-
-@given(
-    st.lists(st.tuples(st.sampled_from([torch.bfloat16, torch.float16, torch.float32,
-                                        torch.float64]),
-                       st.integers(0, 5), st.booleans(),
-                       st.one_of(st.floats(-1e3, 1e3, width=32), _SPECIAL)),
-             min_size=1, max_size=9),
-    st.one_of(st.floats(0.0, 2.0**126, width=32), st.sampled_from([0.0, math.inf, 2.0**-149])),
-)
-def test_host_square_groups_are_the_tensor_ones(leaves, inv) -> None:
-    # per leaf (dtype, size, counted, a value put in it): each group's squares and the sums
-    # `_sum_of_squares` makes of them, bitwise those of `_square_groups` (nan and inf
-    # norms, an overflow of the product, a zero or subnormal multiplier included)
-    gen = torch.Generator().manual_seed(len(leaves))
-    tensors, counted = [], []
-    for dtype, size, count, value in leaves:
-        t = (torch.randn(size, generator=gen, dtype=torch.float64) * 1e2).to(dtype)
-        if size:
-            t[0] = value
-        tensors.append(t)
-        counted.append(count)
-    want = _fused._square_groups(tensors, counted,
-                                 torch.scalar_tensor(inv, dtype=torch.float32))
-    got = _fused._host_square_groups(tensors, counted, inv)
-    assert sorted(i for idx, _ in got for i in idx) == sorted(
-        i for idx, _ in want for i in idx)
-    square = {i: sq[j] for idx, sq in want for j, i in enumerate(idx)}
-    for idx, sq in got:
-        assert _same_tensor(sq, torch.stack([square[i] for i in idx]))
-    cpu = torch.device("cpu")
-    for leaves_of in (None, [i for i, c in enumerate(counted) if c][::-1], [0]):
-        a = _fused._sum_of_squares(want, leaves_of, cpu)
-        b = _fused._sum_of_squares(got, leaves_of, cpu)
-        assert (a is None) == (b is None)
-        if a is not None and b is not None:
-            assert _same_tensor(a, b)
-
-
 def test_on_host_takes_plain_cpu_tensors_only() -> None:
     cpu = torch.zeros(())
     assert _host.on_host(cpu, torch.ones(3))

@@ -39,7 +39,13 @@ import torch
 import torch.distributed as dist
 
 from functopt._collective.counting import _group_ranks, _non_member
-from functopt._collective.reduce import COLLECTIVE_FAILED, all_reduce_stats, raise_with_note
+from functopt._collective.stats import (
+    COLLECTIVE_FAILED,
+    NONFINITE,
+    all_reduce_stats,
+    norm_and_overflow,
+    raise_with_note,
+)
 
 __all__ = ["AGREE_TIMEOUT_S", "SKIP_AGREEMENT", "Agreement", "Wording", "agreement",
            "annotated", "check_agreement", "check_timeout", "reduce_stats", "spans",
@@ -47,10 +53,6 @@ __all__ = ["AGREE_TIMEOUT_S", "SKIP_AGREEMENT", "Agreement", "Wording", "agreeme
 
 AGREE_TIMEOUT_S = 600.0
 """The default bound on the agreement's collective, in seconds (NCCL's default timeout)."""
-
-# layout of the packed statistics (functopt.precision.stats): [sum of squares, non-finite
-# count, zero count, ...]
-_SUMSQ, _NONFINITE = 0, 1
 
 AGREEMENT_TIMED_OUT = (
     "functopt: the {what} that agrees the skip decision of the mixed-precision step "
@@ -185,14 +187,11 @@ def reduce_stats(local: torch.Tensor, group: dist.ProcessGroup | None,
                                                    "gradient statistics")
     if spans(group, agreed):
         return packed
-    # this rank's verdict, as unpack_grad_stats reads it: a non-finite element, or a norm
-    # that overflows float32
-    norm = torch.sqrt(packed[_SUMSQ]).to(torch.float32)
-    found = (packed[_NONFINITE] > 0) | ~torch.isfinite(norm)
+    _, found = norm_and_overflow(packed)  # (this rank's verdict, as unpack_grad_stats')
     verdict = _bounded(found.to(torch.float64).reshape(1), agreed.group, agreed,
                        "all_reduce of the overflow verdict")
     out = packed.clone() if packed is local else packed
-    out[_NONFINITE] = verdict[0]
+    out[NONFINITE] = verdict[0]
     return out
 
 

@@ -28,7 +28,7 @@ from functopt._base import GradientTransformation, Params
 from functopt._collective.agreement import check_agreement, threshold_verdict
 from functopt._collective.counting import Replicated
 from functopt._collective.dtensor import local_tensor
-from functopt._collective.reduce import global_grad_stats
+from functopt._collective.stats import global_grad_stats
 from functopt._spec import Injected, describe
 from functopt.adapters import _from_torch, _missing_grads, _param_groups, _state_dict
 from functopt.adapters._facade_groups import (

@@ -29,7 +29,7 @@ private low layer ``functopt._collective`` and are re-exported here.
 """
 
 from functopt._collective.dtensor import counted_here, infer_group, is_dtensor, local_tensor
-from functopt._collective.reduce import all_reduce_stats, global_grad_stats, local_grad_stats
+from functopt._collective.stats import all_reduce_stats, global_grad_stats, local_grad_stats
 from functopt.distributed.checkpoint import state_from_dict, state_to_dict
 from functopt.distributed.offloading import OffloadedState, offload, reload
 from functopt.distributed.overlap import OverlappedZero1, PendingParams, zero1_overlapped

@@ -11,7 +11,7 @@ One entry point, `execute_leaves`, on the flat leaves of the params, gradients a
    the local shards of DTensor leaves, each replicated value counted on one rank) and
    leaves it pending; the first op that reads a pending result resolves every pending one
    together, with one packed all-reduce when there is a process group (given, or inferred
-   from the DTensor leaves' mesh) through ``functopt/_collective/reduce.py``. So a step
+   from the DTensor leaves' mesh) through ``functopt/_collective/stats.py``. So a step
    makes ``program.barriers`` collectives on a mesh and none on one process;
 4. adds the updates to the params (`Write`): one ``foreach`` add per (device, dtype) group,
    in place when donated.
@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from functopt._collective import stats
 from functopt._collective.dtensor import (
     _infer_group,
     _leaf_names,
@@ -41,9 +42,7 @@ from functopt._collective.dtensor import (
     is_dtensor,
     local_tensor,
 )
-from functopt._collective.reduce import all_reduce_stats
 from functopt._spec import Spec, describe
-from functopt.fast import _planner
 from functopt.fast._program import (
     Gate,
     Map,
@@ -131,8 +130,8 @@ def _resolve(run: _Run) -> None:
         run.results.update(pending)
         return
     tuples = {k: v if isinstance(v, tuple) else (v,) for k, v in pending.items()}
-    summed = all_reduce_stats(torch.stack(_planner.pack_tree_sums(tuples)), run.group)
-    for k, found in _planner.unpack_tree_sums(tuples, list(summed.unbind())).items():
+    summed = stats.all_reduce_parts(stats.pack_sums(tuples), run.group)
+    for k, found in stats.unpack_sums(tuples, summed).items():
         run.results[k] = found if isinstance(pending[k], tuple) else found[0]
 
 
@@ -210,35 +209,9 @@ def _reduce(run: _Run, op: Reduce) -> None:
     chosen = set(op.sel)
     tensors = [local_tensor(u) if i in chosen and u is not None else None
                for i, u in enumerate(run.updates)]
-    run.pending[op.out] = (_sum_of_squares if op.kind == "sumsq" else _nonfinite)(
-        tensors, run.counted, run.device)
-
-
-def _sum_of_squares(tensors: list[Any], counted: list[bool], device: torch.device,
-                    ) -> torch.Tensor:
-    """The float64 sum of squares ``global_norm`` takes: each leaf's norm accumulated in
-    float32 (float64 when any leaf measured is float64), squared in float64."""
-    wide = any(t is not None and t.dtype == torch.float64 for t in tensors)
-    squares = _planner.leaf_squares(tensors, counted, None, rescue=not wide,
-                                    accumulate=torch.float64 if wide else None)
-    parts = [s for s in squares if s is not None]
-    if not parts:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    return torch.stack(parts).sum().to(device)
-
-
-def _nonfinite(tensors: list[Any], counted: list[bool], device: torch.device) -> torch.Tensor:
-    """The float64 count of leaves holding an inf or a nan: one ``foreach`` max-norm per
-    (device, dtype) group (inf and nan propagate, finite values stay finite)."""
-    groups: dict[Any, list[torch.Tensor]] = {}
-    for t, c in zip(tensors, counted, strict=True):
-        if c and t is not None and t.numel():
-            groups.setdefault((t.device, t.dtype), []).append(t)
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for members in groups.values():
-        norms = torch.stack(torch._foreach_norm(members, float("inf")))
-        total = total + (~torch.isfinite(norms)).sum().to(device=device, dtype=torch.float64)
-    return total
+    # (the leaves in index order: the order global_norm adds their squares in)
+    measure = stats.clip_sums if op.kind == "sumsq" else stats.nonfinite_counts
+    run.pending[op.out] = measure(tensors, run.counted, [sorted(chosen)], run.device)[0]
 
 
 def _scale(run: _Run, op: Scale) -> None:
@@ -335,7 +308,7 @@ def execute_leaves(program: Program, treespec: _core.TreeSpec, param_leaves: lis
     device = next((local_tensor(g).device for g in grad_leaves if g is not None),
                   torch.device("cpu"))
     run = _Run(program, treespec, list(param_leaves), list(grad_leaves), list(state_leaves),
-               _planner.counted_leaves(grad_leaves, name), group, device)
+               stats.counted_leaves(grad_leaves, name), group, device)
     with torch.no_grad():
         _bind(run)
         _ops(run, program.ops)

@@ -61,15 +61,14 @@ from typing import Any
 import torch
 
 from functopt._base import GradientTransformation
+from functopt._collective import stats
 from functopt._collective.dtensor import (
-    _counted_here,
     _infer_group,
     _leaf_names,
     _rewrap_like,
     is_dtensor,
     local_tensor,
 )
-from functopt._collective.reduce import all_reduce_stats
 from functopt._spec import (
     FiniteGuard,
     GlobalNormClip,
@@ -88,7 +87,6 @@ from functopt.fast._layout import overlapping
 from functopt.transforms import _common
 from functopt.transforms.multi_steps import Accumulated
 from functopt.tree import _core, _ops
-from functopt.tree._ops import _safe_norm
 
 __all__ = ["Lowered", "Structure", "lower", "match", "run", "walk"]
 
@@ -1264,12 +1262,6 @@ class Result:
         return _core.unflatten(self.spec, self.leaves)
 
 
-def counted_leaves(grads: list[Any], name: Callable[[int], str]) -> list[bool]:
-    """Per leaf, whether this rank counts it in a sum over the ranks (False for None)."""
-    return [g is not None and _counted_here(g, functools.partial(name, i))
-            for i, g in enumerate(grads)]
-
-
 def zero_nans(structure: Structure, grads: list[Any],
               ) -> tuple[list[Any], list[tuple[int, Any, bool]]]:
     """The gradients after the chain's leading ``zero_nans`` (in chain order; new tensors
@@ -1302,104 +1294,6 @@ def found_nan(flags: list[tuple[int, Any, bool]], reduced: list[torch.Tensor],
             if isinstance(old, torch.Tensor):
                 flag = flag.to(old.device)
         out.append((k, flag))
-    return out
-
-
-def clip_sums(structure: Structure, grads: list[Any], counted: list[bool],
-              device: torch.device) -> list[torch.Tensor]:
-    """Per clip, this rank's sum of squares (float64) of the gradients it measures: one
-    ``foreach`` norm per (device, dtype) group of leaves."""
-    if not structure.clips:
-        return []
-    tensors = [None if g is None else local_tensor(g) for g in grads]
-    sq = leaf_squares(tensors, counted, None, rescue=True)
-    # a clip that measures a float64 leaf accumulates every leaf in float64, as global_norm
-    # does (a float32 accumulation of its float32 leaves would round its factor to float32)
-    wide = [any(t is not None and t.dtype == torch.float64 for t in (tensors[i] for i in leaves))
-            for leaves in structure.clips]
-    sq64 = sq
-    if any(wide):
-        members = {i for leaves, w in zip(structure.clips, wide, strict=True) if w
-                   for i in leaves}
-        sq64 = leaf_squares(tensors, [c and i in members for i, c in enumerate(counted)],
-                            None, accumulate=torch.float64)
-    out = []
-    for leaves, w in zip(structure.clips, wide, strict=True):
-        parts = [(sq64 if w else sq)[i] for i in leaves if (sq64 if w else sq)[i] is not None]
-        out.append(torch.stack(parts).sum().to(device) if parts else torch.zeros(
-            (), dtype=torch.float64, device=device))
-    return out
-
-
-def nonfinite_counts(structure: Structure, grads: list[Any], counted: list[bool],
-                     device: torch.device) -> list[torch.Tensor]:
-    """Per guard, this rank's count (float64) of leaves it checks that hold an inf or a
-    nan, from one ``foreach`` max-norm pass (exact: the largest magnitude of finite values
-    is finite, and inf and nan propagate), replicated copies counted once."""
-    if not structure.guards:
-        return []
-    bad: list[Any] = [None] * len(grads)
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, (g, c) in enumerate(zip(grads, counted, strict=True)):
-        if c:
-            local = local_tensor(g)
-            if local.numel():  # (an empty shard holds nothing non-finite; the max-norm of
-                # an empty tensor has no identity)
-                groups.setdefault((local.device, local.dtype), []).append(i)
-    for idx in groups.values():
-        norms = torch._foreach_norm([local_tensor(grads[i]) for i in idx], float("inf"))
-        flags = ~torch.isfinite(torch.stack(norms))
-        for j, i in enumerate(idx):
-            bad[i] = flags[j]
-    out = []
-    for guard in structure.guards:
-        mine = [bad[i] for i in guard.leaves if bad[i] is not None]
-        out.append(torch.stack(mine).sum().to(device=device, dtype=torch.float64) if mine
-                   else torch.zeros((), dtype=torch.float64, device=device))
-    return out
-
-
-def leaf_squares(tensors: list[Any], counted: list[bool],
-                 multiplier: torch.Tensor | None, *, rescue: bool = False,
-                 accumulate: torch.dtype | None = None) -> list[Any]:
-    """Each counted tensor's squared L2 norm (times ``multiplier``, applied to the norm in
-    its accumulation precision) as a 0-d float64 tensor, None elsewhere; accumulated like
-    ``tree._ops._sum_of_squares`` (float32, float64 for float64 tensors).
-
-    ``rescue`` (no ``multiplier``): where a float32 norm overflowed although the leaf is
-    finite, measure it again in float64, as ``clip_by_global_norm``'s pure path does: on
-    the CPU only for the leaves that overflowed (the check is a free host read), on an
-    accelerator for every leaf, selected on the device (no synchronisation; one more read
-    of the gradients). The mixed step does not rescue: it counts such a norm as an
-    overflow. ``accumulate``: the accumulation dtype of every leaf instead."""
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, (t, c) in enumerate(zip(tensors, counted, strict=True)):
-        if c and t is not None:
-            groups.setdefault((t.device, t.dtype), []).append(i)
-    out: list[Any] = [None] * len(tensors)
-    for (where, dtype), idx in groups.items():
-        acc = accumulate or (torch.float64 if dtype == torch.float64 else torch.float32)
-        norms = torch.stack(torch._foreach_norm([tensors[i] for i in idx], 2,
-                                                dtype=None if dtype == acc else acc))
-        if multiplier is not None:
-            norms = norms * multiplier.to(device=where, dtype=acc)
-        squares = norms.to(torch.float64) ** 2
-        if rescue and _ops._host_branch_ok(norms):
-            if bool(torch.isinf(norms).any()):
-                for j, i in enumerate(idx):
-                    if bool(torch.isinf(norms[j])):
-                        wide = _safe_norm(tensors[i])
-                        if bool(torch.isfinite(wide)):
-                            squares[j] = wide ** 2
-        elif rescue:
-            # no host read on an accelerator: every leaf measured again in float64 and
-            # selected where the float32 norm overflowed although the leaf is finite, as
-            # clip_by_global_norm's pure path does there (one more read of the gradients)
-            wide = torch.stack([_safe_norm(tensors[i]).to(where) for i in idx])
-            squares = torch.where(torch.isinf(norms) & torch.isfinite(wide), wide ** 2,
-                                  squares)
-        for j, i in enumerate(idx):
-            out[i] = squares[j]
     return out
 
 
@@ -1580,8 +1474,7 @@ def _tree_totals(structure: Structure, prepared: list[Any], values: list[Any],
                              values, grads, state_leaves)
     group = _infer_group(values, _leaf_number)
     if group is not None and totals:
-        packed = all_reduce_stats(torch.stack(pack_tree_sums(totals)), group)
-        totals = unpack_tree_sums(totals, list(packed.unbind()))
+        totals = stats.unpack_sums(totals, stats.all_reduce_parts(stats.pack_sums(totals), group))
     return totals
 
 
@@ -1595,7 +1488,7 @@ def local_tree_sums(structure: Structure, groups: list[tuple[Group, torch.Tensor
     """This process's tree sums of every rule that has them, by rule: one compiled sums
     pass per compiled group among ``groups`` (each with its scale: its clip's factor, or
     None), added over the groups."""
-    counted = counted_leaves(grads, _leaf_number)
+    counted = stats.counted_leaves(grads, _leaf_number)
     parts: dict[int, list[Any]] = {node: [] for node in structure.tree_wide}
     for group, scale in groups:
         op = next((op for op in group.plan.ops if op.sums is not None), None)
@@ -1606,20 +1499,6 @@ def local_tree_sums(structure: Structure, groups: list[tuple[Group, torch.Tensor
     return {node: tuple(functools.reduce(torch.add, column)
                         for column in zip(*found, strict=True))
             for node, found in parts.items() if found}
-
-
-def pack_tree_sums(totals: dict[int, Any]) -> list[torch.Tensor]:
-    """The tree sums of `local_tree_sums`, in float64, in one list (to be summed over the
-    ranks with a step's other values in one all-reduce)."""
-    return [t.to(torch.float64) for node in totals for t in totals[node]]
-
-
-def unpack_tree_sums(totals: dict[int, Any], summed: list[torch.Tensor]) -> dict[int, Any]:
-    """``totals`` with their values replaced by ``summed`` (as `pack_tree_sums` laid them
-    out), each in its own dtype again."""
-    flat = [t for node in totals for t in totals[node]]
-    it = iter(t.to(like.dtype) for t, like in zip(summed, flat, strict=True))
-    return {node: tuple(next(it) for _ in found) for node, found in totals.items()}
 
 
 def _or(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:

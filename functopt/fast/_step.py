@@ -43,8 +43,8 @@ import torch
 from functopt import _validate
 from functopt._apply import apply_updates
 from functopt._base import GradientTransformation, Params, State, Updates
+from functopt._collective import stats
 from functopt._collective.dtensor import _infer_group, _leaf_names, _rewrap_like, local_tensor
-from functopt._collective.reduce import all_reduce_stats
 from functopt.fast import _capture, _compiled, _engine, _inside, _multi, _multi_injected, _planner
 from functopt.fast._capture import CapturedStep, _state_names
 from functopt.fast._planner import CaptureError
@@ -759,20 +759,20 @@ def _reductions(structure: _planner.Structure, params: list[Any], grads: list[An
     device = next((local_tensor(g).device for g in grads if g is not None),
                   torch.device("cpu"))
     if counted is None:
-        counted = _planner.counted_leaves(grads, name)
+        counted = stats.counted_leaves(grads, name)
     else:
         counted = [c and g is not None for c, g in zip(counted, grads, strict=True)]
-    local = [*_planner.clip_sums(structure, grads, counted, device),
-             *_planner.nonfinite_counts(structure, grads, counted, device),
+    local = [*stats.clip_sums(grads, counted, structure.clips, device),
+             *stats.nonfinite_counts(grads, counted, [g.leaves for g in structure.guards],
+                                     device),
              *(flag.to(device, torch.float64) for flag in nans)]
     m = len(local)
     if group is _INFERRED:
         group = _infer_group(params, name)
     if group is not None:
-        local += _planner.pack_tree_sums(totals or {})
-        local = list(all_reduce_stats(torch.stack(local), group).unbind())
+        local = stats.all_reduce_parts([*local, *stats.pack_sums(totals or {})], group)
         if totals:
-            totals = _planner.unpack_tree_sums(totals, local[m:])
+            totals = stats.unpack_sums(totals, local[m:])
     n, k = len(structure.clips), len(structure.clips) + len(structure.guards)
     return local[:n], [count == 0 for count in local[n:k]], local[k:m], totals
 

@@ -136,19 +136,21 @@ def _leaf(x: Any) -> torch.Tensor:
 
 def pass_traffic(structure: Any, grads: list[Any]) -> Traffic:
     """The norm pass of the folded clips and the finiteness pass of the folded guards:
-    each reads every gradient it measures (the clip pass every counted gradient, a
-    float64-accumulated clip its members again, an accelerator's clip pass every
-    gradient again in float64 to rescue overflowed float32 norms)."""
+    each reads every gradient it measures (``_collective.stats.clip_sums``: unless every
+    clip measures a float64 leaf, a pass over every counted gradient, which on an
+    accelerator reads each again in float64 to rescue overflowed float32 norms; the
+    members of the clips that measure one, in float64)."""
     read = 0
     present = [i for i, g in enumerate(grads) if g is not None and _leaf(g).numel()]
     if structure.clips:
-        read += sum(_bytes(_leaf(grads[i])) for i in present)
-        wide = {i for leaves in structure.clips
-                if any(_leaf(grads[j]).dtype == torch.float64 for j in leaves
-                       if grads[j] is not None) for i in leaves}
+        widened = [any(grads[j] is not None and _leaf(grads[j]).dtype == torch.float64
+                       for j in leaves) for leaves in structure.clips]
+        if not all(widened):
+            read += sum(_bytes(_leaf(grads[i])) * (1 + (_leaf(grads[i]).device.type != "cpu"))
+                        for i in present)
+        wide = {i for leaves, w in zip(structure.clips, widened, strict=True) if w
+                for i in leaves}
         read += sum(_bytes(_leaf(grads[i])) for i in present if i in wide)
-        read += sum(_bytes(_leaf(grads[i])) for i in present
-                    if _leaf(grads[i]).device.type != "cpu")
     if structure.guards:
         read += sum(_bytes(_leaf(grads[i])) for i in present)
     return Traffic(read, 0)

@@ -22,8 +22,9 @@ and the masters' bytes:
 
 ``MultiSteps(inner, k).gradient_transformation()`` as the inner transform takes
 `fused_multi_step`: steps 1 and 2 with the pure path's arithmetic (so its mini-steps are
-bitwise the pure ones on the CPU; see `_unscaled_stats`), the accumulation on a mini-step, step 3 with ``inner``'s kernels on
-the accumulated gradients when the window closes.
+bitwise the pure ones on the CPU; see ``unscaled_stats`` in ``_collective/stats.py``), the
+accumulation on a mini-step, step 3 with ``inner``'s kernels on the accumulated gradients
+when the window closes.
 
 The PyTorch idiom for the same step (float32 main grads, ``GradScaler.unscale_``,
 ``clip_grad_norm_``, fused AdamW, copy back) makes six passes.
@@ -50,7 +51,6 @@ How it differs from the pure path, and why that is the same step:
 from __future__ import annotations
 
 import math
-from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -60,6 +60,17 @@ import torch.distributed as dist
 from functopt import _validate
 from functopt._collective.agreement import Agreement, reduce_stats
 from functopt._collective.dtensor import _rewrap_like, local_tensor
+from functopt._collective.stats import (
+    SUMSQ,
+    ZEROS,
+    counted_leaves,
+    pack_sums,
+    square_groups,
+    sum_squares,
+    unpack_sums,
+    unscaled_stats,
+    zero_count,
+)
 from functopt.fast import _compiled, _multi, _planner
 from functopt.fast._layout import end_to_end
 from functopt.fast._multi import accumulate as _accumulate
@@ -74,8 +85,6 @@ from functopt.precision.loss_scale import (
     host_adjust,
 )
 from functopt.precision.stats import (
-    _SUMSQ,
-    _ZEROS,
     GradStats,
     NormClip,
     _clip_factor,
@@ -87,25 +96,7 @@ from functopt.tree import _core
 
 # The packed statistics: grad_stats' three entries, then one sum of squares per clip of
 # the inner chain (one all-reduce for all of them).
-_CLIPS = 3
-
-
-def fused_stats(grads: list[Any], wide: list[Any], name: Callable[[int], str],
-                inv_scale: torch.Tensor, device: torch.device, count_zeros: bool,
-                clips: list[list[int]], counted: Sequence[bool] | None = None,
-                ) -> torch.Tensor:
-    """The packed ``[sum of squares, non-finite flag, zero count, clip sums...]`` of the
-    unscaled gradients this rank counts, from one ``foreach`` norm per (device, dtype)
-    group.
-
-    ``wide`` holds the gradients in the precision of the values they update (local
-    shards); each is reduced in float32, or float64 when it is float64, as the pure path
-    reduces its unscaled gradients. ``grads`` (the gradients as given) decide which leaves
-    this rank counts, unless ``counted`` (one bool per leaf) says it; ``clips`` lists the
-    leaves each clip of the inner chain measures.
-    """
-    return _packed(_local_sums(grads, wide, name, inv_scale, device, count_zeros, clips,
-                               counted), len(clips), device)
+_CLIPS = ZEROS + 1
 
 
 # (sum of squares, zero count, one sum of squares per clip), each a 0-d float64 tensor or
@@ -117,109 +108,45 @@ def _local_sums(grads: list[Any], wide: list[Any], name: Callable[[int], str],
                 inv_scale: torch.Tensor | Callable[[], torch.Tensor], device: torch.device,
                 count_zeros: bool, clips: list[list[int]], counted: Sequence[bool] | None,
                 host_inv: float | None = None) -> _Sums:
-    """`fused_stats`' entries before they are packed (``inv_scale``: the 0-d tensor, or a
-    function that makes it when it is needed). ``host_inv``: ``inv_scale``'s value, whose
-    products with the norms of plain CPU tensors are then taken on the host
-    (`_host_square_groups`)."""
+    """The sum of squares, zero count and clip sums of the unscaled gradients this rank
+    counts, from one ``foreach`` norm per (device, dtype) group (`_packed` lays them out).
+
+    ``wide`` holds the gradients in the precision of the values they update (local
+    shards); each is reduced in float32, or float64 when it is float64, as the pure path
+    reduces its unscaled gradients, times ``inv_scale`` (the 0-d tensor, or a function that
+    makes it when it is needed). ``grads`` (the gradients as given) decide which leaves
+    this rank counts, unless ``counted`` (one bool per leaf) says it; ``clips`` lists the
+    leaves each clip of the inner chain measures. ``host_inv``: ``inv_scale``'s value,
+    whose products with the norms of plain CPU tensors are then taken on the host."""
     if counted is None:
-        counted = _planner.counted_leaves(grads, name)
+        counted = counted_leaves(grads, name)
     counted = [c and w is not None for c, w in zip(counted, wide, strict=True)]
     if host_inv is not None and _host.on_host(
             *(w for w, c in zip(wide, counted, strict=True) if c)):
-        groups = _host_square_groups(wide, counted, host_inv)
+        groups = square_groups(wide, counted, host=host_inv)
     else:
-        groups = _square_groups(wide, counted, inv_scale() if callable(inv_scale)
-                                else inv_scale)
-    total = _sum_of_squares(groups, None, device)
-    sums = [_sum_of_squares(groups, leaves, device) for leaves in clips]
-    zeros = None
-    if count_zeros:
-        # on the gradients as given (a cast keeps zeros): half the bytes of a float32 cast;
-        # count_nonzero is several times faster than summing a ``== 0`` mask on the CPU
-        given = [local_tensor(g) for g, c in zip(grads, counted, strict=True) if c]
-        if given:
-            nonzero = torch.stack([torch.count_nonzero(g).to(device) for g in given]).sum()
-            zeros = sum(g.numel() for g in given) - nonzero.to(torch.float64)
+        groups = square_groups(wide, counted, inv_scale() if callable(inv_scale) else inv_scale)
+    total = sum_squares(groups, None, device)
+    sums = [sum_squares(groups, leaves, device) for leaves in clips]
+    # (on the gradients as given, a cast keeps zeros: half the bytes of a float32 cast)
+    zeros = zero_count([local_tensor(g) for g, c in zip(grads, counted, strict=True) if c],
+                       device) if count_zeros else None
     return total, zeros, sums
 
 
-def _packed(sums: _Sums, clips: int, device: torch.device) -> torch.Tensor:
+def _packed(sums: _Sums, device: torch.device) -> torch.Tensor:
     total, zeros, clip_sums = sums
-    packed = torch.zeros(_CLIPS + clips, dtype=torch.float64, device=device)
+    packed = torch.zeros(_CLIPS + len(clip_sums), dtype=torch.float64, device=device)
     if total is not None:
-        packed[_SUMSQ] = total
+        packed[SUMSQ] = total
     for j, s in enumerate(clip_sums):
         if s is not None:
             packed[_CLIPS + j] = s
     if zeros is not None:
-        packed[_ZEROS] = zeros
-    # packed[_NONFINITE] stays 0: a non-finite gradient makes the sum of squares
+        packed[ZEROS] = zeros
+    # packed[NONFINITE] stays 0: a non-finite gradient makes the sum of squares
     # non-finite, which unpack_grad_stats reads as an overflow (as a norm overflow).
     return packed
-
-
-def _square_groups(tensors: list[Any], counted: list[bool], multiplier: torch.Tensor,
-                   ) -> list[tuple[list[int], torch.Tensor]]:
-    """Per (device, dtype) group of the counted tensors: their indices, and their squared
-    L2 norms times ``multiplier`` (a float64 tensor, one entry per index) from one
-    ``foreach`` norm, accumulated in float32 (float64 for float64 tensors): the values of
-    ``_planner.leaf_squares``, left stacked."""
-    found: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, (t, c) in enumerate(zip(tensors, counted, strict=True)):
-        if c:
-            found.setdefault((t.device, t.dtype), []).append(i)
-    groups = []
-    for (where, dtype), idx in found.items():
-        acc = torch.float64 if dtype == torch.float64 else torch.float32
-        norms = torch.stack(torch._foreach_norm([tensors[i] for i in idx], 2,
-                                                dtype=None if dtype == acc else acc))
-        norms = norms * multiplier.to(device=where, dtype=acc)
-        groups.append((idx, norms.to(torch.float64) ** 2))
-    return groups
-
-
-def _host_square_groups(tensors: list[Any], counted: list[bool], multiplier: float,
-                        ) -> list[tuple[list[int], torch.Tensor]]:
-    """`_square_groups` of plain CPU tensors with a host ``multiplier`` (a float32 value),
-    bitwise its values with fewer kernel launches: the norms are read (one ``tolist``
-    per group), each times the multiplier rounded to the accumulation dtype (a product
-    of two float32 values is exact in float64, so rounding it once to float32 is the
-    float32 product), widened to float64 and squared (``x * x``: what ``** 2`` computes),
-    then laid in one float64 tensor, whose ``sum()`` (`_sum_of_squares`) adds them
-    in torch's own order."""
-    found: dict[torch.dtype, list[int]] = {}
-    for i, (t, c) in enumerate(zip(tensors, counted, strict=True)):
-        if c:
-            found.setdefault(t.dtype, []).append(i)
-    groups = []
-    for dtype, idx in found.items():
-        acc = torch.float64 if dtype == torch.float64 else torch.float32
-        norms = [n.item() for n in torch._foreach_norm([tensors[i] for i in idx], 2,
-                                                       dtype=None if dtype == acc else acc)]
-        if acc == torch.float64:
-            scaled = [n * multiplier for n in norms]
-        else:
-            scaled = [_host.f32(n * multiplier) for n in norms]
-        # (a tensor over a host array: a fraction of torch.tensor's cost for a list)
-        groups.append((idx, torch.frombuffer(array("d", [x * x for x in scaled]),
-                                             dtype=torch.float64)))
-    return groups
-
-
-def _sum_of_squares(groups: list[tuple[list[int], torch.Tensor]], leaves: list[int] | None,
-                    device: torch.device) -> torch.Tensor | None:
-    """The float64 sum of the squares of ``leaves`` (None: of every counted leaf) that are
-    counted, as ``torch.stack`` of them in this order then ``sum()`` adds them (a group that
-    holds exactly these leaves, in order, is that stack already); None if none is."""
-    if len(groups) == 1 and (leaves is None or leaves == groups[0][0]):
-        return groups[0][1].sum().to(device)
-    square = {i: sq[j] for idx, sq in groups for j, i in enumerate(idx)}
-    order = sorted(square) if leaves is None else [i for i in leaves if i in square]
-    if not order:
-        return None
-    if len(groups) == 1 and order == groups[0][0]:
-        return groups[0][1].sum().to(device)
-    return torch.stack([square[i] for i in order]).sum().to(device)
 
 
 def _widened(grads: list[Any], views: list[Any], workspace: list[Any] | None,
@@ -475,18 +402,18 @@ def fused_mixed_step(
                                  counted=counted, scratch=scratch, metrics=metrics,
                                  casts=casts, agreed=agreed)
     inv_scale = _inverse(loss_scale)
-    local = fused_stats(grads, wide, name, inv_scale, device, count_zeros, structure.clips,
-                        counted)
+    local = _packed(_local_sums(grads, wide, name, inv_scale, device, count_zeros,
+                                structure.clips, counted), device)
     totals = _early_totals(lowered, views, wide, inner_leaves, group, max_grad_norm,
                            lambda: inv_scale.to(torch.float64) if scaled else None)
     if totals:
-        local = torch.cat([local, torch.stack(_planner.pack_tree_sums(totals)).to(device)])
+        local = torch.cat([local, torch.stack(pack_sums(totals)).to(device)])
     packed = reduce_stats(local, group, agreed)
     stats = unpack_grad_stats(packed[:_CLIPS])
     new_loss_scale = scale_rule.adjust(loss_scale, stats.found_inf)
     n = len(structure.clips)
     if totals:
-        totals = _planner.unpack_tree_sums(totals, list(packed[_CLIPS + n:].unbind()))
+        totals = unpack_sums(totals, list(packed[_CLIPS + n:].unbind()))
 
     # one multiplier for unscale and clip, in float64 (the kernel rounds its divisor)
     multiplier = None
@@ -583,19 +510,19 @@ def _host_kernel_step(
         sums = [torch.zeros((), dtype=torch.float64, device=device) if x is None else x
                 for x in clip_sums]
     else:
-        local_packed = _packed(local, len(structure.clips), device)
+        local_packed = _packed(local, device)
         totals = _early_totals(lowered, views, wide, inner_leaves, group, max_grad_norm,
                                lambda: torch.scalar_tensor(inv, dtype=torch.float64,
                                                            device=device) if scaled else None)
         if totals:
             local_packed = torch.cat([local_packed, torch.stack(
-                _planner.pack_tree_sums(totals)).to(device)])
+                pack_sums(totals)).to(device)])
         packed = reduce_stats(local_packed, group, agreed)
         sumsq, nonfinite, num_zeros = packed[:_CLIPS].tolist()
         n = len(structure.clips)
         sums = list(packed[_CLIPS:_CLIPS + n].unbind())
         if totals:
-            totals = _planner.unpack_tree_sums(totals, list(packed[_CLIPS + n:].unbind()))
+            totals = unpack_sums(totals, list(packed[_CLIPS + n:].unbind()))
     # unpack_grad_stats: the norm in float32; a non-finite one is an overflow too
     norm = f32(math.sqrt(sumsq))
     found = nonfinite > 0 or not math.isfinite(norm)
@@ -716,28 +643,6 @@ def _scaled(unscaled: list[Any], grads: list[Any], multiplier: torch.Tensor) -> 
     return out
 
 
-def _unscaled_stats(unscaled: list[Any], name: Callable[[int], str], device: torch.device,
-                    counted: Sequence[bool] | None, count_zeros: bool) -> torch.Tensor:
-    """The pure step's packed statistics of the unscaled gradients (``_local_stats``) with
-    its arithmetic but without its two extra passes: each leaf's float32 (float64) norm
-    squared in float64, from one ``foreach`` norm per group, summed over the leaves as
-    ``_local_stats`` sums them (rows, then a sum over the leaves: the same sums); the
-    zero count of the unscaled gradients when asked (0 otherwise, which the metrics
-    replace by -1); the non-finite count 0: a non-finite gradient makes the norm
-    non-finite, which `unpack_grad_stats` reads as the same overflow."""
-    if counted is None:
-        counted = _planner.counted_leaves(unscaled, name)
-    squares = _planner.leaf_squares(
-        unscaled, [c and u is not None for c, u in zip(counted, unscaled, strict=True)], None)
-    none = torch.zeros((), dtype=torch.float64, device=device)
-    rows = [torch.stack([s.to(device), none, (u.numel() - torch.count_nonzero(u)).to(
-        device=device, dtype=torch.float64) if count_zeros else none])
-            for s, u in zip(squares, unscaled, strict=True) if s is not None]
-    if not rows:
-        return torch.zeros(3, dtype=torch.float64, device=device)
-    return torch.stack(rows).sum(dim=0)
-
-
 def fused_multi_step(
     split: _multi.Split, planner: _planner.Planner, params: list[Any], stores: list[Any],
     views: list[Any], grads: list[Any], state: Any, loss_scale: LossScaleState, *,
@@ -789,7 +694,8 @@ def fused_multi_step(
     device = loss_scale.scale.device
     if scaled:  # (without a loss scale the pure path multiplies by 1.0: the same values)
         unscaled = _scaled(unscaled, grads, _inverse(loss_scale))
-    local = _unscaled_stats(unscaled, name, device, counted, count_zeros)
+    local = unscaled_stats(unscaled, counted_leaves(unscaled, name) if counted is None
+                           else counted, device, count_zeros)
     mine = _own(unscaled, grads)
     # Without the step's own clip (a skip function, a prefix) MultiSteps' gradients are
     # known before the statistics: a closing mini-step's inner clips and guards measure
@@ -811,7 +717,7 @@ def fused_multi_step(
                 counted is None) else list(counted), group=None)
             local = torch.cat([local, *(torch.stack(x).to(device) for x in (
                 [*sums, *((~f).to(torch.float64) for f in finite)],
-                _planner.pack_tree_sums(totals or {})) if x)])
+                pack_sums(totals or {})) if x)])
     packed = reduce_stats(local, group, agreed)
     stats = unpack_grad_stats(packed[:_CLIPS])
     new_loss_scale = scale_rule.adjust(loss_scale, stats.found_inf)
@@ -864,7 +770,7 @@ def fused_multi_step(
         sums = list(packed[_CLIPS:_CLIPS + n].unbind())
         finite = [x == 0 for x in packed[_CLIPS + n:_CLIPS + k].unbind()]
         if totals:
-            totals = _planner.unpack_tree_sums(totals, list(packed[_CLIPS + k:].unbind()))
+            totals = unpack_sums(totals, list(packed[_CLIPS + k:].unbind()))
     else:
         sums, finite, _, _ = _reductions(structure, views, inner_grads, name, counted=None if (
             counted is None) else list(counted), group=group)

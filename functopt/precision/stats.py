@@ -17,12 +17,9 @@ from typing import NamedTuple
 
 import torch
 
-from functopt.tree._ops import _leaf_stats
+from functopt._collective.stats import SUMSQ, ZEROS, local_stats, norm_and_overflow
 
 __all__ = ["GradStats", "NormClip", "grad_stats", "unpack_grad_stats"]
-
-# Layout of the packed tensor: [sum of squares, non-finite count, zero count].
-_SUMSQ, _NONFINITE, _ZEROS = 0, 1, 2
 
 
 class GradStats(NamedTuple):
@@ -92,7 +89,10 @@ def grad_stats(grads: Sequence[torch.Tensor | None], device: torch.device | None
     of every gradient, 20-35x the time of the float32 reduction on CPU). The counts are
     exact (up to $2^{53}$ elements).
     The packed result is a float64 tensor of shape ``(3,)``, ready for a single
-    ``all_reduce(SUM)``. ``None`` leaves are skipped.
+    ``all_reduce(SUM)``. ``None`` leaves are skipped; a DTensor contributes its local
+    shard where this rank counts it, as in
+    [`local_grad_stats`][functopt.distributed.local_grad_stats], of which this is the
+    view on a list.
 
     Examples:
         >>> import torch
@@ -101,10 +101,7 @@ def grad_stats(grads: Sequence[torch.Tensor | None], device: torch.device | None
         >>> unpack_grad_stats(packed)
         GradStats(norm=tensor(5.), found_inf=tensor(False), num_zeros=tensor(1))
     """
-    parts = [_leaf_stats(g) for g in grads if g is not None]
-    if not parts:
-        return torch.zeros(3, dtype=torch.float64, device=device)
-    return torch.stack(parts).sum(dim=0)
+    return local_stats(list(grads), "grads[{}]".format, device, owner="grad_stats")
 
 
 def unpack_grad_stats(packed: torch.Tensor) -> GradStats:
@@ -121,10 +118,9 @@ def unpack_grad_stats(packed: torch.Tensor) -> GradStats:
         >>> unpack_grad_stats(grad_stats([torch.tensor([3.0, 4.0, 0.0]), None]))
         GradStats(norm=tensor(5.), found_inf=tensor(False), num_zeros=tensor(1))
     """
-    norm = torch.sqrt(packed[_SUMSQ]).to(torch.float32)
-    found_inf = (packed[_NONFINITE] > 0) | ~torch.isfinite(norm)
+    norm, found_inf = norm_and_overflow(packed)
     # The zero count travels as float64, exact up to 2**53 elements.
-    return GradStats(norm=norm, found_inf=found_inf, num_zeros=packed[_ZEROS].to(torch.int64))
+    return GradStats(norm=norm, found_inf=found_inf, num_zeros=packed[ZEROS].to(torch.int64))
 
 
 def _clip_factor(packed: torch.Tensor,
@@ -139,7 +135,7 @@ def _clip_factor(packed: torch.Tensor,
     ``torch.func.grad``). A [`NormClip`][functopt.precision.NormClip] with
     ``eps > 0`` gives its rule, the sum clamped likewise (to where the factor is 1).
     """
-    sumsq = packed[_SUMSQ]
+    sumsq = packed[SUMSQ]
     if isinstance(max_norm, NormClip):
         if max_norm.eps:
             floor = max(max_norm.max_norm - max_norm.eps, 0.0) ** 2

@@ -74,7 +74,7 @@ from functopt._collective.agreement import (
 )
 from functopt._collective.counting import Replicated, _counting, _entries
 from functopt._collective.dtensor import _leaf_names
-from functopt._collective.reduce import _local_stats
+from functopt._collective.stats import local_stats
 from functopt.fast import _multi, _planner
 from functopt.fast._explain import Explanation
 from functopt.fast._planner import CaptureError
@@ -617,7 +617,7 @@ def _mixed_precision(
         # agree_skip, the overflow verdict of plain tensors too.
         # 3. The loss scale moves whatever happens.
         packed = reduce_stats(
-            _local_stats(unscaled, name, state.loss_scale.scale.device, counted), group,
+            local_stats(unscaled, name, state.loss_scale.scale.device, counted), group,
             agreement(agree_skip, agree_timeout_s, wording))
         stats = unpack_grad_stats(packed)
         new_loss_scale = scale_rule.adjust(state.loss_scale, stats.found_inf)

@@ -34,7 +34,7 @@ from functopt._collective.dtensor import (
     is_dtensor,
     local_tensor,
 )
-from functopt._collective.reduce import _local_stats, all_reduce_stats
+from functopt._collective.stats import all_reduce_stats, local_stats
 from functopt._spec import GlobalNormClip, Leafwise, PerLeaf, specified
 from functopt.transforms import _common
 from functopt.tree import _core, _ops
@@ -298,7 +298,7 @@ def _sharded_norm(leaves: list[Any], treespec: _core.TreeSpec) -> torch.Tensor:
     group = _infer_group(leaves, name)
     tensors = [x for x in leaves if x is not None]
     local = next(x.to_local() if is_dtensor(x) else x for x in tensors)
-    packed = all_reduce_stats(_local_stats(leaves, name, local.device), group)
+    packed = all_reduce_stats(local_stats(leaves, name, local.device), group)
 
     def rescue() -> torch.Tensor:
         # Every rank measures its counted shards again in float64; the largest norm over

@@ -13,7 +13,7 @@ import torch
 
 from functopt._base import GradientTransformation, Params, State, Updates
 from functopt._collective.dtensor import _infer_group, _leaf_names, is_dtensor
-from functopt._collective.reduce import all_reduce_stats
+from functopt._collective.stats import all_reduce_stats
 from functopt._spec import FiniteGuard, describe, specified
 from functopt.transforms import _common
 from functopt.transforms.combining import _check_transform

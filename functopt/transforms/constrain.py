@@ -8,7 +8,7 @@ import torch
 
 from functopt._base import EmptyState, GradientTransformation, Params, Updates
 from functopt._collective.dtensor import _infer_group, _leaf_names, is_dtensor
-from functopt._collective.reduce import all_reduce_stats
+from functopt._collective.stats import all_reduce_stats
 from functopt._spec import Leafwise, ZeroNans, specified
 from functopt.transforms import _common
 from functopt.tree import _core
