@@ -37,6 +37,7 @@ from functopt._base import (
     with_extra_args_support,
 )
 from functopt._rank_checkpoint import load_rank_checkpoint, save_rank_checkpoint
+from functopt._rules import elementwise_rule, per_leaf_rule, state_slots
 from functopt._serialization import (
     load_checkpoint,
     safe_globals,
@@ -228,6 +229,7 @@ __all__ = [
     "dampened_trace",
     "distributed",
     "dynamic_loss_scale",
+    "elementwise_rule",
     "ema",
     "fast",
     "identity",
@@ -245,6 +247,7 @@ __all__ = [
     "named_chain",
     "optim",
     "partition",
+    "per_leaf_rule",
     "precision",
     "radam",
     "rmsprop",
@@ -278,6 +281,7 @@ __all__ = [
     "skip_large_updates",
     "skip_not_finite",
     "state_classes",
+    "state_slots",
     "stateless",
     "stateless_with_tree_map",
     "static_loss_scale",

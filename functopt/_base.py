@@ -95,7 +95,8 @@ def identity() -> GradientTransformation:
 
     from functopt import _spec  # (the spec module builds on this one)
 
-    return _spec.specified(GradientTransformation(init_fn, update_fn), _spec.Leafwise("identity"))
+    return _spec.specified(GradientTransformation(init_fn, update_fn), _spec.Leafwise(
+        "identity", slots=(), kernel="identity"))
 
 
 def set_to_zero() -> GradientTransformation:
@@ -120,7 +121,7 @@ def set_to_zero() -> GradientTransformation:
     from functopt import _spec
 
     return _spec.specified(GradientTransformation(identity().init, update_fn),
-                           _spec.Leafwise("set_to_zero"))
+                           _spec.Leafwise("set_to_zero", slots=(), kernel="zero"))
 
 
 def stateless(
@@ -213,4 +214,8 @@ def with_extra_args_support(tx: GradientTransformation) -> GradientTransformatio
         del extra_args
         return inner_update(updates, state, params)
 
-    return GradientTransformation(tx.init, update_fn)
+    from functopt import _spec  # (the spec module builds on this one)
+
+    spec = _spec.describe(tx)  # a rule keeps its description (the fast tiers read it)
+    wrapped = GradientTransformation(tx.init, update_fn)
+    return wrapped if spec is None else _spec.specified(wrapped, spec)

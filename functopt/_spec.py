@@ -10,8 +10,10 @@ together with the state, and the closures stay the reference: a spec only says w
 computation a fast path must reproduce, and the conformance law holds every lowering equal
 to the closures.
 
-A transform without a spec (one a user wrote, or wrapped) is *opaque*: it runs on the pure
-path, and the fast entry points say so (``functopt.fast.explain``, a one-time warning).
+A user's rule gets its spec from the public ``functopt.elementwise_rule`` or
+``functopt.per_leaf_rule`` (``functopt/_rules.py``). A transform without a spec (one written
+by hand without them, or wrapped) is *opaque*: it runs on the pure path, and the fast entry
+points say so (``functopt.fast.explain``, a one-time warning).
 
 The nodes:
 
@@ -66,9 +68,19 @@ class Spec:
 class Leafwise(Spec):
     """A per-leaf elementwise rule: ``kind`` names the factory, ``hyper`` its arguments.
 
-    The state layout of each kind is the factory's own (``ScaleByAdamState`` for
-    ``"scale_by_adam"``, ...); the planner knows the kinds it can lower and treats the
-    others as rules without a fused form.
+    The rest is what the fast tiers know of the rule, each fact stated here once, by the
+    factory that makes it:
+
+    - ``slots``: the fields of its state that hold one tensor per leaf (derived from its
+      ``<Name>State`` by [`state_slots`][functopt._rules.state_slots]); the others, a count
+      or constants, are shared by the leaves. ``None``: its state layout is not known, and
+      only its own update on the pure path can compute it.
+    - ``sums`` / ``finish``: its reductions across leaves, if it has any (below).
+    - ``kernel``: the part of PyTorch's fused kernels its arithmetic is, for functopt's own
+      rules whose maths is the kernels' exactly: ``"adam"`` (Adam's moments),
+      ``"amsgrad"``, ``"momentum"`` (SGD's), ``"dampened_momentum"``, ``"weight_decay"``,
+      ``"learning_rate"``, ``"scale"``, ``"schedule"``, ``"identity"``, ``"zero"``.
+      ``None``: no kernel; an elementwise rule with known ``slots`` takes the compiled tier.
     """
 
     kind: str
@@ -83,6 +95,14 @@ class Leafwise(Spec):
     # add the groups' and ranks' sums in between
     sums: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
     finish: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
+    slots: tuple[str, ...] | None = None
+    kernel: str | None = None
+
+    @property
+    def elementwise(self) -> bool:
+        """Whether each element of its update comes from the same element of its inputs
+        (so its update over leaves laid end to end is its update leaf by leaf)."""
+        return True
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.hyper.items())
@@ -94,16 +114,18 @@ class PerLeaf(Leafwise):
     """A per-leaf rule that is not elementwise: each leaf's update depends on the whole leaf
     (a matrix function, a norm of the leaf, its shape), never on another leaf's values.
 
-    ``slots`` are the fields of its state that hold one tensor per leaf (the others, a
-    count or constants, are shared by the leaves; besides the count, they may change only
-    on a step where some leaf has a gradient). ``grouped``, if given, has the contract
-    of ``update`` (same trees, same results up to rounding) and may process the leaves
-    with a gradient together: the planner's per-leaf tier calls it on the leaves of one
-    group (``None`` at the others), where the pure path calls ``update``.
+    Its shared state fields (those not in ``slots``) may change, besides the count, only on
+    a step where some leaf has a gradient. ``grouped``, if given, has the contract of
+    ``update`` (same trees, same results up to rounding) and may process the leaves with a
+    gradient together: the planner's per-leaf tier calls it on the leaves of one group
+    (``None`` at the others), where the pure path calls ``update``.
     """
 
-    slots: tuple[str, ...] = ()
     grouped: Callable[..., Any] | None = field(default=None, compare=False)
+
+    @property
+    def elementwise(self) -> bool:
+        return False
 
 
 @dataclass(frozen=True, eq=False)

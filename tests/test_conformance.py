@@ -61,6 +61,34 @@ def inverse_count(count: torch.Tensor) -> torch.Tensor:
     return 1.0 / (count + 1)
 
 
+def halved_momentum() -> functopt.GradientTransformation:
+    """A user's elementwise rule (``functopt.elementwise_rule``): a trace of the gradients,
+    halved."""
+
+    def init(params: Any) -> functopt.TraceState:
+        return functopt.TraceState(functopt.tree.map(torch.zeros_like, params))
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        trace = functopt.tree.map(lambda t, g: t if g is None else 0.9 * t + g,
+                                  state.trace, updates)
+        return (functopt.tree.map(lambda g, t: 0.5 * t, updates, trace),
+                functopt.TraceState(trace))
+
+    return functopt.elementwise_rule(functopt.GradientTransformation(init, update),
+                                     "halved_momentum", state=functopt.TraceState)
+
+
+def leaf_normalized() -> functopt.GradientTransformation:
+    """A user's rule on each leaf whole (``functopt.per_leaf_rule``)."""
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        return functopt.tree.map(lambda g: g / (1 + g.abs().sum()), updates), state
+
+    return functopt.per_leaf_rule(
+        functopt.GradientTransformation(lambda params: functopt.EmptyState(), update),
+        "leaf_normalized", state=functopt.EmptyState)
+
+
 F = functopt
 _CANDIDATES: list[tuple[str, str, Callable[[], Any], bool]] = [
     # core
@@ -71,6 +99,8 @@ _CANDIDATES: list[tuple[str, str, Callable[[], Any], bool]] = [
      lambda: F.stateless_with_tree_map(lambda g, p: g * 2), False),
     ("with_extra_args_support", "with_extra_args_support",
      lambda: F.with_extra_args_support(without_extra_args()), False),
+    ("elementwise_rule", "elementwise_rule", halved_momentum, False),
+    ("per_leaf_rule", "per_leaf_rule", leaf_normalized, False),
     # scaling
     ("scale", "scale", lambda: F.scale(0.5), False),
     ("scale[tensor]", "scale", lambda: F.scale(torch.tensor(0.5)), False),

@@ -9,6 +9,7 @@ import torch
 
 from functopt import _validate
 from functopt._base import GradientTransformation, Numeric, Params, ScalarOrSchedule, Updates
+from functopt._rules import state_slots
 from functopt._spec import Leafwise, specified
 from functopt.contrib import _shared
 from functopt.transforms import _common
@@ -141,7 +142,8 @@ def scale_by_ademamix(
 
     return specified(GradientTransformation(init_fn, update_fn), Leafwise(
         "scale_by_ademamix", {"b1": b1, "b2": b2, "b3": b3, "alpha": alpha, "eps": eps,
-            "eps_root": eps_root, "mu_dtype": mu_dtype}))
+            "eps_root": eps_root, "mu_dtype": mu_dtype},
+        slots=state_slots(ScaleByAdemamixState)))
 
 
 def ademamix(
@@ -271,7 +273,8 @@ def scale_by_simplified_ademamix(
 
     return specified(GradientTransformation(init_fn, update_fn), Leafwise(
         "scale_by_simplified_ademamix", {"b1": b1, "b2": b2, "alpha": alpha, "eps": eps,
-            "eps_root": eps_root}))
+            "eps_root": eps_root},
+        slots=state_slots(ScaleBySimplifiedAdEMAMixState)))
 
 
 def simplified_ademamix(

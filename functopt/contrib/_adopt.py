@@ -10,6 +10,7 @@ import torch
 
 from functopt import _validate
 from functopt._base import GradientTransformation, Numeric, Params, ScalarOrSchedule, Updates
+from functopt._rules import state_slots
 from functopt._spec import Leafwise, specified
 from functopt.contrib import _shared
 from functopt.transforms import _common
@@ -126,7 +127,8 @@ def scale_by_adopt(
 
     return specified(GradientTransformation(init_fn, update_fn), Leafwise(
         "scale_by_adopt", {"b1": b1, "b2": b2, "eps": eps, "mu_dtype": mu_dtype,
-            "nesterov": nesterov, "use_clipping": use_clipping}))
+            "nesterov": nesterov, "use_clipping": use_clipping},
+        slots=state_slots(ScaleByAdamState)))
 
 
 def adopt(

@@ -9,6 +9,7 @@ import torch
 
 from functopt import _validate
 from functopt._base import GradientTransformation, Numeric, Params, ScalarOrSchedule, Updates
+from functopt._rules import state_slots
 from functopt._spec import Leafwise, specified
 from functopt.contrib import _shared
 from functopt.transforms import _common
@@ -120,7 +121,7 @@ def scale_by_madgrad(
 
     return specified(GradientTransformation(init_fn, update_fn), Leafwise(
         "scale_by_madgrad", {"learning_rate": learning_rate, "momentum": momentum,
-            "eps": eps}))
+            "eps": eps}, slots=state_slots(MadgradState)))
 
 
 def madgrad(

@@ -21,6 +21,7 @@ from functopt._base import (
 )
 from functopt._collective.dtensor import _infer_group, _leaf_names, is_dtensor
 from functopt._collective.owners import assign_owners, gather_to_owners, scatter_from_owners
+from functopt._rules import state_slots
 from functopt._spec import PerLeaf, specified
 from functopt.contrib import _shared
 from functopt.optimizers import adamw
@@ -430,7 +431,7 @@ def scale_by_muon(
                           "adaptive": adaptive, "preconditioning": preconditioning,
                           "ns_dtype": ns_dtype, "bias_correction": bias_correction,
                           "clamp_norm": clamp_norm},
-        slots=("mu",), grouped=grouped_fn))
+        slots=state_slots(MuonState), grouped=grouped_fn))
 
 
 def _momentum(grads: list[torch.Tensor], mus: list[torch.Tensor], beta: Numeric, bc: Any,
@@ -656,7 +657,7 @@ def _scale_by_shape(weight_dimension_numbers: WeightDimNumOrFn | None,
 
     # a per-leaf factor of the leaf's shape: not elementwise over leaves laid end to end
     return specified(GradientTransformation(init_fn, update_fn), PerLeaf(
-        "muon_shape_factor", {"consistent_rms": consistent_rms}))
+        "muon_shape_factor", {"consistent_rms": consistent_rms}, slots=state_slots(EmptyState)))
 
 
 def muon(

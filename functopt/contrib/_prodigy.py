@@ -9,6 +9,7 @@ import torch
 
 from functopt import _validate
 from functopt._base import GradientTransformation, Numeric, Params, ScalarOrSchedule, Updates
+from functopt._rules import state_slots
 from functopt._spec import Leafwise, specified
 from functopt.contrib import _shared
 from functopt.transforms import _common
@@ -249,7 +250,7 @@ def prodigy(
         "learning_rate": learning_rate, "betas": betas, "beta3": beta3, "eps": eps,
         "estim_lr0": estim_lr0, "estim_lr_coef": estim_lr_coef, "weight_decay": weight_decay,
         "safeguard_warmup": safeguard_warmup, "bias_correction": bias_correction},
-        sums=tree_sums, finish=finish))
+        sums=tree_sums, finish=finish, slots=state_slots(ProdigyState)))
 
 
 class DAdaptAdamWState(NamedTuple):
@@ -432,4 +433,4 @@ def dadapt_adamw(
     return specified(GradientTransformation(init_fn, update_fn), Leafwise("dadapt_adamw", {
         "learning_rate": learning_rate, "betas": betas, "eps": eps, "estim_lr0": estim_lr0,
         "weight_decay": weight_decay, "bias_correction": bias_correction},
-        sums=tree_sums, finish=finish))
+        sums=tree_sums, finish=finish, slots=state_slots(DAdaptAdamWState)))

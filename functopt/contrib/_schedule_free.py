@@ -16,6 +16,7 @@ from functopt._base import (
     State,
     Updates,
 )
+from functopt._rules import state_slots
 from functopt._spec import Leafwise, Select, describe, specified
 from functopt.contrib import _shared
 from functopt.optimizers import sgd
@@ -179,7 +180,8 @@ def schedule_free(
     # reads their output (both see every leaf, in this order), so the planner lowers the
     # whole transform when it lowers the base (the compiled tier for the recipes below).
     averaging = Leafwise("schedule_free", {"learning_rate": learning_rate, "b1": b1,
-                                           "weight_lr_power": weight_lr_power}, update=average)
+                                           "weight_lr_power": weight_lr_power}, update=average,
+                         slots=state_slots(_AveragingState))
     return specified(GradientTransformation(init_fn, update_fn), Select(
         {"base_optimizer": describe(base), "averaging": averaging}, select, state_of,
         "schedule_free"))

@@ -97,48 +97,6 @@ _KERNEL_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 # 2.13 by #192545), so SGD takes its kernel on the CPU for these dtypes only.
 _SGD_CPU_DTYPES = (torch.float64, torch.float32)
 
-# The elementwise rules the compiled tier lowers beside the kernels' own (scale_by_adam,
-# trace, add_decayed_weights, the learning rate, scale, scale_by_schedule): per kind, the
-# fields of its state that hold one tensor per leaf. Each must compute every element of a
-# leaf from the same element of its inputs (no reduction within a leaf, no dependence on
-# the leaf's shape), so that its update over the group's leaves laid end to end in one flat
-# tensor equals its update leaf by leaf.
-COMPILED_SLOTS: dict[str, tuple[str, ...]] = {
-    "scale_by_lion": ("mu",),
-    "scale_by_adamax": ("mu", "nu"),
-    "scale_by_radam": ("mu", "nu"),
-    "scale_by_nadam": ("mu", "nu"),
-    "scale_by_adadelta": ("e_g", "e_x"),
-    "scale_by_rprop": ("step_sizes", "prev_updates"),
-    "dampened_trace": ("trace",),
-    "scale_by_rms": ("nu",),
-    "scale_by_stddev": ("mu", "nu"),
-    "scale_by_rss": ("sum_of_squares",),
-    "ema": ("ema",),
-    # stateless
-    "clip": (),
-    "scale_by_sign": (),
-    "keep_params_nonnegative": (),
-    # functopt.contrib
-    "scale_by_adopt": ("mu", "nu"),
-    "scale_by_ademamix": ("m1", "m2", "nu"),
-    "scale_by_simplified_ademamix": ("m", "n"),
-    "scale_by_madgrad": ("grad_sum_sq", "s", "x0"),
-    # schedule-free's averaging, after its base optimizer's rules (its spec is a Select
-    # whose two children see every leaf: the base, then this rule on the base's updates)
-    "schedule_free": ("z",),
-    # elementwise but for sums over all their leaves inside their update (<g, x0 - x> and
-    # ||s||_1, ...), feeding the step size: their spec gives the update as two halves
-    # (Leafwise.sums, .finish), and the compiled tier adds the groups' and ranks' sums
-    # between a sums pass and the step
-    "prodigy": ("exp_avg", "exp_avg_sq", "grad_sum", "params0"),
-    "dadapt_adamw": ("exp_avg", "exp_avg_sq", "grad_sum"),
-}
-_KERNEL_SLOTS: dict[str, tuple[str, ...]] = {
-    "scale_by_adam": ("mu", "nu"), "scale_by_amsgrad": ("mu", "nu", "nu_max"),
-    "trace": ("trace",)}
-
-
 # --- where a hyperparameter's value comes from at run time ------------------------------
 
 @dataclass(frozen=True, eq=False)
@@ -280,7 +238,7 @@ class _Op:
     """One elementwise rule of a leaf's program; ``node`` identifies the transform (leaves
     of one transform share it, and so do their bindings)."""
 
-    kind: str
+    kind: str  # the rule's name (its spec's kind)
     args: dict[str, Any]  # name -> binding (_Const, _Hyper, _Scheduled, _Negated)
     slots: dict[str, int]  # per-leaf state entries (flat state indices): "mu", "nu", "trace"
     node: int
@@ -300,6 +258,7 @@ class _Op:
     # a rule with tree sums (Leafwise.sums / .finish): its update's two halves
     sums: Any = None
     finish: Any = None
+    kernel: str | None = None  # its part of the fused kernels (its spec's ``kernel``)
 
     def __repr__(self) -> str:
         return self.kind
@@ -460,7 +419,7 @@ class _Walk:
         inner transform passes through, say) keeps the step pure."""
         for i, (end, where) in self.guard_ends.items():
             after = [op.kind for op in self.out.programs[i][end:]
-                     if op.kind != "identity" and op.kind not in _LR_KINDS]
+                     if op.kind != "identity" and getattr(op, "kernel", None) not in _LR_KINDS]
             if after:
                 self.out.opaque.append(
                     f"{where}: {after[0]} after apply_if_finite on the leaves it checks has "
@@ -492,8 +451,9 @@ class _Walk:
     def walk(self, spec: Spec | None, idx: Any, sel: list[int], where: str) -> None:
         if spec is None:
             self.out.opaque.append(
-                f"{where}: a transform without a spec (one written by hand or wrapped), which "
-                f"only its own update can compute")
+                f"{where or '<root>'}: a transform without a spec (one written by hand or "
+                f"wrapped, which only its own update can compute; functopt.elementwise_rule "
+                f"and functopt.per_leaf_rule describe a rule of your own)")
         elif isinstance(spec, Sequence):
             parts = spec.states(idx)
             if parts is None:
@@ -613,7 +573,7 @@ class _Walk:
         else:  # its zero updates (see `zero_updates`)
             node = self.node()
             for i in sel:
-                self.out.programs[i].append(_Op("set_to_zero", {}, {}, node))
+                self.out.programs[i].append(_Op("set_to_zero", {}, {}, node, kernel="zero"))
 
     def zero_updates(self) -> None:
         """A mini-step's zero updates, where rules come after the ``MultiSteps`` (a masked
@@ -663,7 +623,7 @@ class _Walk:
         gradient pass sees, and its skip spares them. The compiled tier lowers it as one
         rule with tree sums (the non-finite count of the updates entering it, over every
         group and rank), whose update is the guard's own with its inner rules inside, when
-        those keep no per-leaf state and measure nothing across leaves (`_LATE_GUARDED`)."""
+        those keep no per-leaf state and measure nothing across leaves (`_guarded_whole`)."""
         if not all(any(not isinstance(op, _Guard) and op.kind != "identity"
                        for op in self.out.programs[i]) for i in sel):
             self.out.opaque.append(f"{where}: apply_if_finite after other rules on some of "
@@ -680,7 +640,9 @@ class _Walk:
                 or not _guarded_whole(spec.inner)):
             self.out.opaque.append(
                 f"{where}: apply_if_finite after other rules has a fast form (the compiled "
-                f"tier's) only around {', '.join(sorted(_LATE_GUARDED))}, outside "
+                f"tier's) only around add_decayed_weights, clip, identity, "
+                f"keep_params_nonnegative, scale, a learning rate or schedule, scale_by_sign "
+                f"or another elementwise rule without per-leaf state or tree sums, outside "
                 f"inject_hyperparams")
             return
         node = self.node()
@@ -726,35 +688,35 @@ class _Walk:
         self.placeholders = {k: v for k, v in self.placeholders.items() if v.node != node}
 
     def leafwise(self, spec: Leafwise, idx: Any, sel: list[int], where: str) -> None:
-        kind, hyper = spec.kind, spec.hyper
+        kind, hyper, kernel = spec.kind, spec.hyper, spec.kernel
         node = self.node()
         count = None
         slots: dict[str, list[int]] = {}
         args: dict[str, Any] = {}
-        if kind in ("identity", "set_to_zero"):
+        if kernel in ("identity", "zero"):
             pass
-        elif kind == "scale":
+        elif kernel == "scale":
             args["step_size"] = self.bind(hyper["step_size"])
-        elif kind == "scale_by_schedule":
+        elif kernel == "schedule":
             count = idx.count
             args["step_size"] = _Scheduled(hyper["step_size_fn"], count, kind, "step_size_fn")
-        elif kind in ("scale_by_learning_rate", "add_decayed_weights"):
+        elif kernel in ("learning_rate", "weight_decay"):
             # a number, a 0-d tensor (maybe injected) or a schedule of the rule's own count
-            name = "learning_rate" if kind == "scale_by_learning_rate" else "weight_decay"
+            name = kernel
             value = hyper[name]
             if callable(value) and not isinstance(value, torch.Tensor):
                 count = idx.count
                 args[name] = _Scheduled(value, count, kind, name)
             else:
                 args[name] = self.bind(value)
-            if kind == "scale_by_learning_rate":
+            if kernel == "learning_rate":
                 args["flip_sign"] = _Const(hyper["flip_sign"])
-        elif kind in ("scale_by_adam", "scale_by_amsgrad"):
+        elif kernel in ("adam", "amsgrad"):
             count = idx.count
             args = {k: self.bind(hyper[k]) for k in ("b1", "b2", "eps", "eps_root")}
             args["nesterov"] = _Const(hyper.get("nesterov", False))
             slots = {"mu": self.per_leaf(idx.mu, "mu"), "nu": self.per_leaf(idx.nu, "nu")}
-            if kind == "scale_by_amsgrad":
+            if kernel == "amsgrad":
                 # torch's AMSGrad (the max of the raw second moments, corrected after) is
                 # the kernels' amsgrad=True; optax's (the max of corrected ones) is not
                 args["torch_variant"] = _Const(
@@ -762,13 +724,19 @@ class _Walk:
                         "bias_correction_mu", True) is not False and hyper.get(
                         "bias_correction_nu", True) is not False)
                 slots["nu_max"] = self.per_leaf(idx.nu_max, "nu_max")
-        elif kind in ("trace", "dampened_trace"):
+        elif kernel in ("momentum", "dampened_momentum"):
             args = {"decay": self.bind(hyper["decay"]), "nesterov": _Const(hyper["nesterov"])}
             slots = {"trace": self.per_leaf(idx.trace, "trace")}
-            if kind == "dampened_trace":  # torch.optim.SGD's momentum: torch._fused_sgd_'s
+            if kernel == "dampened_momentum":  # torch.optim.SGD's momentum: torch._fused_sgd_'s
                 args["dampening"] = self.bind(hyper["dampening"])
                 count = idx.count  # (its first step keeps the gradient: is_first_step)
-        elif isinstance(spec, PerLeaf):
+        elif spec.slots is None:
+            # a rule without a known layout: only its own update can compute it
+            self.out.opaque.append(
+                f"{where}: {kind} has neither a fused kernel nor a compiled lowering (its "
+                f"spec names no per-leaf state fields)")
+            return
+        elif not spec.elementwise:
             # a rule that reduces within a leaf: the per-leaf tier runs its own (grouped)
             # update on a group's leaves; the spec names its per-leaf state entries
             # (its shared state moves only with leaves that have a gradient, PerLeaf's
@@ -777,11 +745,11 @@ class _Walk:
             fields = getattr(idx, "_fields", ())
             count = idx.count if "count" in fields else None
             self.out.perleaf = True
-        elif kind in COMPILED_SLOTS:
+        else:
             # an elementwise rule without a PyTorch kernel: the compiled tier runs its own
             # update on the group's leaves laid end to end; its per-leaf state entries are
-            # the fields the table names, the others (a count, ...) are shared
-            slots = {f: self.per_leaf(getattr(idx, f), f) for f in COMPILED_SLOTS[kind]}
+            # the fields its spec names, the others (a count, ...) are shared
+            slots = {f: self.per_leaf(getattr(idx, f), f) for f in spec.slots}
             fields = getattr(idx, "_fields", ())
             count = idx.count if "count" in fields else None
             if set(fields) - set(slots) - {"count"}:
@@ -790,11 +758,6 @@ class _Walk:
                 raise _Mismatch(f"{where}: {kind} gives only one half of its update")
             if spec.sums is not None:
                 self.out.tree_wide.append(node)
-        else:
-            # a rule without a known layout: only its own update can compute it
-            self.out.opaque.append(
-                f"{where}: {kind} has neither a fused kernel nor a compiled lowering")
-            return
         if count is not None:
             self.counter(count)
         rebuild = None
@@ -807,23 +770,18 @@ class _Walk:
                     fn=spec.update, state_at=idx if hasattr(idx, "_fields") else None,
                     injected=bool(self.placeholders), rebuild=rebuild,
                     perleaf=isinstance(spec, PerLeaf), sums=spec.sums,
-                    finish=spec.finish,
+                    finish=spec.finish, kernel=kernel,
                     grouped=spec.grouped if isinstance(spec, PerLeaf) else None))
 
 
-# The rules an apply_if_finite after other rules may guard on the compiled tier: its update
-# runs them on a group's leaves laid end to end, so they must keep no per-leaf state and
-# read no other leaf
-_LATE_GUARDED = frozenset({"identity", "scale", "scale_by_learning_rate", "scale_by_schedule",
-                           "add_decayed_weights", "clip", "scale_by_sign",
-                           "keep_params_nonnegative"})
-
-
 def _guarded_whole(spec: Spec | None) -> bool:
+    """Whether an apply_if_finite after other rules may guard ``spec`` on the compiled tier:
+    its update runs the inner rules on a group's leaves laid end to end, so they must be
+    elementwise, keep no per-leaf state and read no other leaf (no tree sums)."""
     if isinstance(spec, Sequence):
         return all(_guarded_whole(child) for child in spec.children)
-    return (isinstance(spec, Leafwise) and not isinstance(spec, PerLeaf)
-            and spec.kind in _LATE_GUARDED and spec.sums is None)
+    return (isinstance(spec, Leafwise) and spec.elementwise and spec.slots == ()
+            and spec.sums is None and spec.kernel != "zero")
 
 
 def leafwise_specs(spec: Spec | None) -> list[Leafwise]:
@@ -913,15 +871,15 @@ class _KernelPlan:
                 None if self.trace is None else self.trace.node, id(self.lr))
 
 
-_LR_KINDS = ("scale_by_learning_rate", "scale", "scale_by_schedule")
+_LR_KINDS = ("learning_rate", "scale", "schedule")  # the rules' kernel parts that are an lr
 
 
 def _learning_rate(op: _Op) -> Any | None:
     """The binding of the descent step size of an lr op, or None (an ascent, say)."""
-    if op.kind == "scale_by_learning_rate":
+    if op.kernel == "learning_rate":
         flip = op.args["flip_sign"].value
         return op.args["learning_rate"] if flip else None
-    if op.kind in ("scale", "scale_by_schedule"):
+    if op.kernel in ("scale", "schedule"):
         step = op.args["step_size"]
         if isinstance(step, _Const) and isinstance(step.value, (int, float)):
             return _Const(-step.value) if step.value <= 0 else None
@@ -1008,34 +966,35 @@ def _match_kernel(program: list[Any]) -> _KernelPlan | str:
             return (f"clip_by_global_norm after {before} has no fused form (only a leading "
                     f"clip folds into the kernel)")
     # torch.optim's maximize: the gradient negated first (then decayed, then the rule)
-    first = ops[0].args.get("step_size") if ops and ops[0].kind == "scale" else None
+    first = ops[0].args.get("step_size") if ops and ops[0].kernel == "scale" else None
     maximize = isinstance(first, _Const) and _is_number(first.value) and first.value == -1
     if maximize:
         ops.pop(0)
-    kinds = tuple(op.kind for op in ops)
+    kinds = tuple(op.kind for op in ops)  # (for the messages; ``parts`` for the patterns)
+    parts = tuple(op.kernel for op in ops)
     if not kinds:
         return "no update rule (the updates would be the gradients themselves)"
     if "clip_by_global_norm" in kinds:
         before = kinds[kinds.index("clip_by_global_norm") - 1]
         return (f"clip_by_global_norm after {before} has no fused form (only a leading clip "
                 f"folds into the kernel)")
-    if "set_to_zero" in kinds:
-        if kinds[-1] == "set_to_zero":
+    if "zero" in parts:
+        if parts[-1] == "zero":
             return _KernelPlan("zero", None, guard=guard)
         return "set_to_zero followed by other rules"
-    if kinds[-1] not in _LR_KINDS:
+    if parts[-1] not in _LR_KINDS:
         return f"the program {' -> '.join(kinds)} does not end with a learning rate"
     lr = _learning_rate(ops[-1])
     if lr is None:
         return f"{kinds[-1]} with a positive factor (ascent) has no fused kernel"
-    body, body_ops = kinds[:-1], ops[:-1]
+    body, body_ops = parts[:-1], ops[:-1]
     # Adam with decoupled decay after the moments (AdamW), or L2 decay before them (Adam's
     # weight_decay, torch._fused_adam_'s): the same moments, two kernels
-    moments = ("scale_by_adam", "scale_by_amsgrad")
-    l2 = len(body) == 2 and body[0] == "add_decayed_weights" and body[1] in moments
-    if l2 or (body and body[0] in moments and body[1:] in ((), ("add_decayed_weights",))):
+    moments = ("adam", "amsgrad")
+    l2 = len(body) == 2 and body[0] == "weight_decay" and body[1] in moments
+    if l2 or (body and body[0] in moments and body[1:] in ((), ("weight_decay",))):
         adam = body_ops[1] if l2 else body_ops[0]
-        if adam.kind == "scale_by_amsgrad" and not adam.args["torch_variant"].value:
+        if adam.kernel == "amsgrad" and not adam.args["torch_variant"].value:
             return ("scale_by_amsgrad (optax's variant, the max of corrected moments) has no "
                     "fused kernel; correct_after_max=True is torch's, which has")
         if adam.args["nesterov"].value:
@@ -1045,13 +1004,14 @@ def _match_kernel(program: list[Any]) -> _KernelPlan | str:
         decay = body_ops[0] if l2 else (body_ops[1] if len(body_ops) == 2 else None)
         return _KernelPlan("adam" if l2 else "adamw", clip, adam=adam, decay=decay, lr=lr,
                            guard=guard, maximize=maximize)
-    if body in ((), ("trace",), ("add_decayed_weights",), ("add_decayed_weights", "trace"),
-                ("dampened_trace",), ("add_decayed_weights", "dampened_trace")):
-        decay = body_ops[0] if body and body[0] == "add_decayed_weights" else None
-        trace = body_ops[-1] if body and body[-1] in ("trace", "dampened_trace") else None
+    if body in ((), ("momentum",), ("weight_decay",), ("weight_decay", "momentum"),
+                ("dampened_momentum",), ("weight_decay", "dampened_momentum")):
+        decay = body_ops[0] if body and body[0] == "weight_decay" else None
+        trace = body_ops[-1] if body and body[-1] in ("momentum", "dampened_momentum") else None
         return _KernelPlan("sgd", clip, decay=decay, trace=trace, lr=lr, guard=guard,
                            maximize=maximize)
-    unknown = next((k for k in kinds if k in COMPILED_SLOTS), None)
+    unknown = next((op.kind for op in ops if op.kernel is None and not op.perleaf
+                    and op.kind not in ("apply_if_finite", "clip_by_global_norm")), None)
     if unknown is not None:
         return f"{unknown} has no fused kernel"
     return f"the program {' -> '.join(kinds)} matches no fused kernel"
@@ -1610,7 +1570,7 @@ def _hyperparameters(plan: _KernelPlan, env: _Env) -> dict[str, Any] | str:
         hp["momentum"] = 0.0 if trace is None else env.number(trace.args["decay"](env))
         hp["nesterov"] = False if trace is None else bool(trace.args["nesterov"].value)
         hp["dampening"], hp["is_first_step"] = 0.0, False
-        if trace is not None and trace.kind == "dampened_trace":
+        if trace is not None and trace.kernel == "dampened_momentum":
             # a dampened trace starts as the gradient itself (torch.optim.SGD's first step):
             # the kernel's is_first_step, a Python bool, so the count is read on the host
             # (free for a CPU count; one synchronisation per step elsewhere)
@@ -1705,7 +1665,7 @@ def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[
             [state_leaves[k] for k in mu_at], donate)
         n = [state_leaves[k] for k in nu_at] if plain else _owned(
             [state_leaves[k] for k in nu_at], donate)
-        amsgrad = adam.kind == "scale_by_amsgrad"
+        amsgrad = adam.kernel == "amsgrad"
         top = _owned([state_leaves[k] for k in group.slots("adam", "nu_max")], donate) if (
             amsgrad) else []
         assert adam.count is not None

@@ -35,7 +35,7 @@ make one packed collective per barrier, whatever combinator the reduction came f
 rule is called as the pure path calls it, on the params' tree with ``None`` outside its
 leaves, so the program's arithmetic is the rules' own and the executor's reference backend
 equals the pure path bitwise. What the rules are (their per-leaf state fields, whether
-they are elementwise) is read through `rule_facts`, the one place that knows.
+they are elementwise) is what their specs state, read through `rule_facts`.
 
 The engine is private and off by default: see ``functopt/fast/_engine.py``.
 """
@@ -51,35 +51,23 @@ from functopt._spec import (
     GlobalNormClip,
     Injected,
     Leafwise,
-    PerLeaf,
     Select,
     Sequence,
     Spec,
     describe,
 )
-from functopt.fast import _planner
 from functopt.transforms.multi_steps import Accumulated, MultiSteps
 from functopt.tree import _core
 
 __all__ = ["Binding", "Decide", "Gate", "Map", "Program", "Record", "Reduce", "Rule", "Scale",
            "Write", "compile_program", "nodes_of", "rule_facts"]
 
-# Rules whose state is at most a count (or nothing): no per-leaf state entry.
-_STATELESS = frozenset({"identity", "set_to_zero", "scale", "scale_by_learning_rate",
-                        "scale_by_schedule", "add_decayed_weights"})
-
-
 def rule_facts(spec: Leafwise) -> tuple[tuple[str, ...], bool] | str:
-    """A rule's per-leaf state fields and whether it is elementwise, or why they are not
-    known. (The one place the engine reads rule metadata.)"""
-    if isinstance(spec, PerLeaf):
-        return spec.slots, False
-    for table in (_planner._KERNEL_SLOTS, _planner.COMPILED_SLOTS):
-        if spec.kind in table:
-            return table[spec.kind], True
-    if spec.kind in _STATELESS:
-        return (), True
-    return f"{spec.kind} has no known state layout (its per-leaf state fields)"
+    """A rule's per-leaf state fields and whether it is elementwise, as its spec states
+    them, or why they are not known."""
+    if spec.slots is None:
+        return f"{spec.kind} has no known state layout (its spec names no per-leaf state fields)"
+    return spec.slots, spec.elementwise
 
 
 # --- the IR -----------------------------------------------------------------------------

@@ -196,7 +196,7 @@ def _kernel_slots(group: Any, state_leaves: list[Any]) -> list[list[torch.Tensor
     names: list[tuple[str, str]] = []
     if plan.kernel in ("adamw", "adam"):
         names = [("adam", "mu"), ("adam", "nu")]
-        if plan.adam.kind == "scale_by_amsgrad":
+        if plan.adam.kernel == "amsgrad":
             names.append(("adam", "nu_max"))
     elif plan.trace is not None:
         names = [("trace", "trace")]

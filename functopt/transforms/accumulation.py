@@ -8,6 +8,7 @@ import torch
 
 from functopt import _validate
 from functopt._base import GradientTransformation, Numeric, Params, Updates
+from functopt._rules import state_slots
 from functopt._spec import Leafwise, specified
 from functopt.transforms import _common
 
@@ -98,7 +99,8 @@ def trace(
         )
 
     return specified(GradientTransformation(init_fn, update_fn), Leafwise(
-        "trace", {"decay": decay, "nesterov": nesterov, "accumulator_dtype": accumulator_dtype}))
+        "trace", {"decay": decay, "nesterov": nesterov, "accumulator_dtype": accumulator_dtype},
+        slots=state_slots(TraceState), kernel="momentum"))
 
 
 class DampenedTraceState(NamedTuple):
@@ -195,7 +197,8 @@ def dampened_trace(
 
     return specified(GradientTransformation(init_fn, update_fn), Leafwise(
         "dampened_trace", {"decay": decay, "dampening": dampening, "nesterov": nesterov,
-                           "accumulator_dtype": accumulator_dtype}))
+                           "accumulator_dtype": accumulator_dtype},
+        slots=state_slots(DampenedTraceState), kernel="dampened_momentum"))
 
 
 class EmaState(NamedTuple):
@@ -281,4 +284,5 @@ def ema(
     # elementwise: the compiled tier runs it, and the per-leaf tier beside a per-leaf rule
     # (Adafactor's momentum)
     return specified(GradientTransformation(init_fn, update_fn), Leafwise("ema", {
-        "decay": decay, "debias": debias, "accumulator_dtype": accumulator_dtype}))
+        "decay": decay, "debias": debias, "accumulator_dtype": accumulator_dtype},
+        slots=state_slots(EmaState)))

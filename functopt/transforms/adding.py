@@ -9,6 +9,7 @@ import torch
 
 from functopt import _validate
 from functopt._base import EmptyState, GradientTransformation, Params, ScalarOrSchedule, Updates
+from functopt._rules import state_slots
 from functopt._spec import Leafwise, specified
 from functopt.transforms import _common
 from functopt.transforms.masking import Mask, masked
@@ -123,5 +124,6 @@ def add_decayed_weights(
         return _common.unflatten(treespec, new), new_state
 
     tx = specified(GradientTransformation(init_fn, update_fn),
-                   Leafwise("add_decayed_weights", {"weight_decay": weight_decay}))
+                   Leafwise("add_decayed_weights", {"weight_decay": weight_decay},
+                            slots=state_slots(AddDecayedWeightsState), kernel="weight_decay"))
     return tx if mask is None else masked(tx, mask)

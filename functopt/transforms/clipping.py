@@ -35,6 +35,7 @@ from functopt._collective.dtensor import (
     local_tensor,
 )
 from functopt._collective.stats import all_reduce_stats, local_stats
+from functopt._rules import state_slots
 from functopt._spec import GlobalNormClip, Leafwise, PerLeaf, specified
 from functopt.transforms import _common
 from functopt.tree import _core, _ops
@@ -104,7 +105,7 @@ def clip(max_delta: Numeric) -> GradientTransformation:
 
     # elementwise: the compiled tier runs this update over a group's leaves laid end to end
     return specified(GradientTransformation(_init_empty, update_fn),
-                     Leafwise("clip", {"max_delta": max_delta}))
+                     Leafwise("clip", {"max_delta": max_delta}, slots=state_slots(EmptyState)))
 
 
 def clip_by_block_rms(threshold: Numeric) -> GradientTransformation:
@@ -180,7 +181,8 @@ def clip_by_block_rms(threshold: Numeric) -> GradientTransformation:
 
     # a leaf's own rms: the planner's per-leaf tier runs it a group at a time
     return specified(GradientTransformation(_init_empty, update_fn), PerLeaf(
-        "clip_by_block_rms", {"threshold": threshold}, grouped=grouped_fn))
+        "clip_by_block_rms", {"threshold": threshold}, grouped=grouped_fn,
+        slots=state_slots(EmptyState)))
 
 
 def clip_by_global_norm(max_norm: Numeric) -> GradientTransformation:
@@ -445,4 +447,5 @@ def adaptive_grad_clip(
     # each unit against its own param's norm: the planner's per-leaf tier runs this update
     # a group at a time
     return specified(GradientTransformation(_init_empty, update_fn), PerLeaf(
-        "adaptive_grad_clip", {"clipping": clipping, "eps": eps, "axis": dims}))
+        "adaptive_grad_clip", {"clipping": clipping, "eps": eps, "axis": dims},
+        slots=state_slots(EmptyState)))

@@ -9,6 +9,7 @@ import torch
 from functopt._base import EmptyState, GradientTransformation, Params, Updates
 from functopt._collective.dtensor import _infer_group, _leaf_names, is_dtensor
 from functopt._collective.stats import all_reduce_stats
+from functopt._rules import state_slots
 from functopt._spec import Leafwise, ZeroNans, specified
 from functopt.transforms import _common
 from functopt.tree import _core
@@ -164,4 +165,4 @@ def keep_params_nonnegative() -> GradientTransformation:
     # elementwise in the updates and params: the compiled tier runs this update over a
     # group's leaves laid end to end
     return specified(GradientTransformation(init_fn, update_fn),
-                     Leafwise("keep_params_nonnegative", {}))
+                     Leafwise("keep_params_nonnegative", {}, slots=state_slots(EmptyState)))

@@ -10,6 +10,7 @@ import torch
 from functopt import _validate
 from functopt._base import GradientTransformation, Numeric, Params, Updates
 from functopt._collective.dtensor import is_dtensor
+from functopt._rules import state_slots
 from functopt._spec import PerLeaf, specified
 from functopt.transforms import _common
 from functopt.tree import _core
@@ -381,4 +382,4 @@ def scale_by_factored_rms(
             "factored": factored, "decay_rate": decay_rate, "step_offset": step_offset,
             "min_dim_size_to_factor": min_dim_size_to_factor, "epsilon": epsilon,
             "decay_rate_fn": decay_rate_fn},
-        slots=("v_row", "v_col", "v"), grouped=grouped_fn))
+        slots=state_slots(FactoredState), grouped=grouped_fn))

@@ -21,6 +21,7 @@ import torch
 
 from functopt import _validate
 from functopt._base import GradientTransformation, Numeric, Params, Updates
+from functopt._rules import state_slots
 from functopt._spec import Leafwise, specified
 from functopt.transforms import _common
 from functopt.transforms.sign import _sign
@@ -202,7 +203,7 @@ def scale_by_adam(
 
     return specified(GradientTransformation(init_fn, update_fn), Leafwise("scale_by_adam", {
         "b1": b1, "b2": b2, "eps": eps, "eps_root": eps_root, "mu_dtype": mu_dtype,
-        "nesterov": nesterov, "nu_dtype": nu_dtype}))
+        "nesterov": nesterov, "nu_dtype": nu_dtype}, slots=state_slots(ScaleByAdamState), kernel="adam"))
 
 
 class ScaleByAmsgradState(NamedTuple):
@@ -354,7 +355,8 @@ def scale_by_amsgrad(
     return specified(GradientTransformation(init_fn, update_fn), Leafwise("scale_by_amsgrad", {
         "b1": b1, "b2": b2, "eps": eps, "eps_root": eps_root, "mu_dtype": mu_dtype,
         "bias_correction_mu": bias_correction_mu, "bias_correction_nu": bias_correction_nu,
-        "nu_dtype": nu_dtype, "correct_after_max": correct_after_max}))
+        "nu_dtype": nu_dtype, "correct_after_max": correct_after_max},
+        slots=state_slots(ScaleByAmsgradState), kernel="amsgrad"))
 
 
 class ScaleByLionState(NamedTuple):
@@ -438,7 +440,8 @@ def scale_by_lion(
         return _common.unflatten(treespec, new_updates), new_state
 
     return specified(GradientTransformation(init_fn, update_fn), Leafwise(
-        "scale_by_lion", {"b1": b1, "b2": b2, "mu_dtype": mu_dtype}))
+        "scale_by_lion", {"b1": b1, "b2": b2, "mu_dtype": mu_dtype},
+        slots=state_slots(ScaleByLionState)))
 
 
 def scale_by_adamax(
@@ -511,7 +514,7 @@ def scale_by_adamax(
             nu=_common.unflatten(treespec, new_nus))
 
     return specified(GradientTransformation(init_fn, update_fn), Leafwise(
-        "scale_by_adamax", {"b1": b1, "b2": b2, "eps": eps}))
+        "scale_by_adamax", {"b1": b1, "b2": b2, "eps": eps}, slots=state_slots(ScaleByAdamState)))
 
 
 def scale_by_radam(
@@ -618,7 +621,8 @@ def scale_by_radam(
 
     return specified(GradientTransformation(init_fn, update_fn), Leafwise("scale_by_radam", {
         "b1": b1, "b2": b2, "eps": eps, "eps_root": eps_root, "threshold": threshold,
-        "nesterov": nesterov, "eps_before_correction": eps_before_correction}))
+        "nesterov": nesterov, "eps_before_correction": eps_before_correction},
+        slots=state_slots(ScaleByAdamState)))
 
 
 class ScaleByNadamState(NamedTuple):
@@ -718,4 +722,5 @@ def scale_by_nadam(
             nu=_common.unflatten(treespec, new_nus))
 
     return specified(GradientTransformation(init_fn, update_fn), Leafwise("scale_by_nadam", {
-        "b1": b1, "b2": b2, "eps": eps, "momentum_decay": momentum_decay}))
+        "b1": b1, "b2": b2, "eps": eps, "momentum_decay": momentum_decay},
+        slots=state_slots(ScaleByNadamState)))

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from functopt._base import EmptyState, GradientTransformation, Params, Updates
+from functopt._rules import state_slots
 from functopt._spec import PerLeaf, specified
 from functopt.transforms import _common
 from functopt.tree import _core
@@ -69,4 +70,5 @@ def centralize() -> GradientTransformation:
         return _common.unflatten(treespec, _core.map_leaves(_subtract_mean, leaves)), state
 
     # each unit's own mean: the planner's per-leaf tier runs this update a group at a time
-    return specified(GradientTransformation(init_fn, update_fn), PerLeaf("centralize", {}))
+    return specified(GradientTransformation(init_fn, update_fn), PerLeaf("centralize", {},
+                                                                       slots=state_slots(EmptyState)))

@@ -10,6 +10,7 @@ import torch
 
 from functopt import _validate
 from functopt._base import GradientTransformation, Numeric, Params, Updates
+from functopt._rules import state_slots
 from functopt._spec import Leafwise, specified
 from functopt.transforms import _common
 
@@ -143,7 +144,8 @@ def scale_by_rms(
 
     return specified(GradientTransformation(init_fn, update_fn), Leafwise(
         "scale_by_rms", {"decay": decay, "eps": eps, "initial_scale": initial_scale,
-        "eps_in_sqrt": eps_in_sqrt, "bias_correction": bias_correction}))
+        "eps_in_sqrt": eps_in_sqrt, "bias_correction": bias_correction},
+        slots=state_slots(ScaleByRmsState)))
 
 
 class ScaleByRStdDevState(NamedTuple):
@@ -251,7 +253,8 @@ def scale_by_stddev(
 
     return specified(GradientTransformation(init_fn, update_fn), Leafwise(
         "scale_by_stddev", {"decay": decay, "eps": eps, "initial_scale": initial_scale,
-        "eps_in_sqrt": eps_in_sqrt, "bias_correction": bias_correction}))
+        "eps_in_sqrt": eps_in_sqrt, "bias_correction": bias_correction},
+        slots=state_slots(ScaleByRStdDevState)))
 
 
 class ScaleByRssState(NamedTuple):
@@ -345,7 +348,7 @@ def scale_by_rss(
 
     return specified(GradientTransformation(init_fn, update_fn), Leafwise(
         "scale_by_rss", {"initial_accumulator_value": initial_accumulator_value, "eps": eps,
-        "eps_in_sqrt": eps_in_sqrt}))
+        "eps_in_sqrt": eps_in_sqrt}, slots=state_slots(ScaleByRssState)))
 
 
 class ScaleByAdaDeltaState(NamedTuple):
@@ -423,7 +426,7 @@ def scale_by_adadelta(rho: Numeric = 0.9, eps: Numeric = 1e-6) -> GradientTransf
             e_g=_common.unflatten(treespec, new_e_gs), e_x=_common.unflatten(treespec, new_e_xs))
 
     return specified(GradientTransformation(init_fn, update_fn), Leafwise(
-        "scale_by_adadelta", {"rho": rho, "eps": eps}))
+        "scale_by_adadelta", {"rho": rho, "eps": eps}, slots=state_slots(ScaleByAdaDeltaState)))
 
 
 def _clone(t: torch.Tensor | None) -> torch.Tensor | None:

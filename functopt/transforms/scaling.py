@@ -18,6 +18,7 @@ from functopt._base import (
     Schedule,
     Updates,
 )
+from functopt._rules import state_slots
 from functopt._spec import Leafwise, PerLeaf, specified
 from functopt.transforms import _common
 
@@ -52,7 +53,7 @@ def scale(step_size: Numeric) -> GradientTransformation:
     """
     _validate.check_number("scale", "step_size", step_size)
     return specified(_scale_by(lambda: step_size),
-                     Leafwise("scale", {"step_size": step_size}))
+                     Leafwise("scale", {"step_size": step_size}, slots=(), kernel="scale"))
 
 
 def _scale_by(factor: Callable[[], Numeric]) -> GradientTransformation:
@@ -127,7 +128,8 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
         return _common.unflatten(treespec, new), ScaleByScheduleState(count=count)
 
     return specified(GradientTransformation(init_fn, update_fn),
-                     Leafwise("scale_by_schedule", {"step_size_fn": step_size_fn}))
+                     Leafwise("scale_by_schedule", {"step_size_fn": step_size_fn},
+                              slots=state_slots(ScaleByScheduleState), kernel="schedule"))
 
 
 def scale_by_learning_rate(
@@ -153,7 +155,8 @@ def scale_by_learning_rate(
                            allow_callable=True)
     sign = -1 if flip_sign else 1
     spec = Leafwise("scale_by_learning_rate",
-                    {"learning_rate": learning_rate, "flip_sign": flip_sign})
+                    {"learning_rate": learning_rate, "flip_sign": flip_sign}, slots=(),
+                    kernel="learning_rate")
     if callable(learning_rate) and not isinstance(learning_rate, torch.Tensor):
         schedule = learning_rate
         return specified(scale_by_schedule(lambda count: sign * _common.schedule_value(
@@ -192,7 +195,7 @@ def _param_block_scale(owner: str, min_scale: Numeric, reduce: str) -> GradientT
 
     # a factor from the param's own norm: the planner's per-leaf tier runs its update
     return specified(GradientTransformation(init_fn, update_fn),
-                     PerLeaf(owner, {"min_scale": min_scale}))
+                     PerLeaf(owner, {"min_scale": min_scale}, slots=state_slots(EmptyState)))
 
 
 def scale_by_param_block_rms(min_scale: Numeric = 1e-3) -> GradientTransformation:

@@ -9,6 +9,7 @@ import torch
 
 from functopt import _validate
 from functopt._base import EmptyState, GradientTransformation, Numeric, Params, Updates
+from functopt._rules import state_slots
 from functopt._spec import Leafwise, specified
 from functopt.transforms import _common
 
@@ -64,7 +65,8 @@ def scale_by_sign() -> GradientTransformation:
                                             for u in leaves]), state
 
     # elementwise: the compiled tier runs this update over a group's leaves laid end to end
-    return specified(GradientTransformation(init_fn, update_fn), Leafwise("scale_by_sign", {}))
+    return specified(GradientTransformation(init_fn, update_fn), Leafwise("scale_by_sign", {},
+                                                                      slots=state_slots(EmptyState)))
 
 
 class ScaleByRpropState(NamedTuple):
@@ -173,4 +175,5 @@ def scale_by_rprop(
 
     return specified(GradientTransformation(init_fn, update_fn), Leafwise("scale_by_rprop", {
         "learning_rate": learning_rate, "eta_minus": eta_minus, "eta_plus": eta_plus,
-        "min_step_size": min_step_size, "max_step_size": max_step_size}))
+        "min_step_size": min_step_size, "max_step_size": max_step_size},
+        slots=state_slots(ScaleByRpropState)))

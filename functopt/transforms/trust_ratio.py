@@ -9,6 +9,7 @@ import torch
 from functopt import _validate
 from functopt._base import EmptyState, GradientTransformation, Numeric, Params, Updates
 from functopt._collective.dtensor import is_dtensor
+from functopt._rules import state_slots
 from functopt._spec import PerLeaf, specified
 from functopt.transforms import _common
 from functopt.tree import _core
@@ -137,4 +138,5 @@ def scale_by_trust_ratio(
     # a ratio of the leaf's own norms: the planner's per-leaf tier runs it a group at a time
     return specified(GradientTransformation(init_fn, update_fn), PerLeaf(
         "scale_by_trust_ratio", {"min_norm": min_norm, "trust_coefficient": trust_coefficient,
-                                 "eps": eps}, grouped=grouped_fn))
+                                 "eps": eps}, grouped=grouped_fn,
+        slots=state_slots(EmptyState)))
