@@ -151,7 +151,7 @@ class _Plan:
         ``ptree``, the group's params as the tree holds them) lives in ``optimizer.state``.
         ``order``: per leaf of the params' tree, the index of its param in the group."""
         self.placement = _placement(params)
-        self.complex = any(p.is_complex() for p in params)  # (stepped as real pairs)
+        self.complex = any([p.is_complex() for p in params])  # (stepped as real pairs)
         self.template, self.treespec = _core.flatten(template)
         pspec = self.pspec = _core.structure(ptree)
         # per leaf of the params' tree, the index of its param in the group (a named group's
@@ -168,7 +168,7 @@ class _Plan:
         def walk(spec: _core.TreeSpec, prefix: str) -> None:
             if spec == pspec:  # a field with the params' structure: one leaf per param
                 field = prefix or "<root>"
-                self.leaves.extend((_FIELD, j, field) for j in order)
+                self.leaves.extend([(_FIELD, j, field) for j in order])
             elif spec.is_leaf():
                 path = prefix or "<root>"
                 if path in hyper:
@@ -659,7 +659,7 @@ class Optimizer(torch.optim.Optimizer):
         """``params`` with each complex one as its ``torch.view_as_real`` pairs (what the
         transform steps, as torch.optim steps complex params), one view per param kept
         while it views the param's storage."""
-        if not any(isinstance(p, torch.Tensor) and p.is_complex() for p in params):
+        if not any([isinstance(p, torch.Tensor) and p.is_complex() for p in params]):
             return params
         views: dict[int, tuple[Any, torch.Tensor]] = self.__dict__.setdefault(
             "_real_views", {})
@@ -1366,7 +1366,7 @@ def _first_device(params: list[Any], names: list[str] | None) -> torch.device:
 
 
 def _placement(params: list[torch.Tensor]) -> tuple[tuple[torch.dtype, torch.device], ...]:
-    return tuple((p.dtype, p.device) for p in params)
+    return tuple([(p.dtype, p.device) for p in params])
 
 
 def _find_states(tree: Any, cls: type) -> list[Any]:

@@ -1984,13 +1984,12 @@ class Planner:
                 (r() if isinstance(r, weakref.ref) else r) is x
                 for r, x in zip(hit[0], itertools.chain(values, slots), strict=True)):
             return hit[1]
-        if donated is not None:
-            check_donation(donated, name)
+        spans = None if donated is None else check_donation(donated, name)
         lowered = lower(structure, state_spec, values, grads, state_leaves, name,
                         compiled=compiled)
         if donated is not None and lowered.fast:
             check_state_donation(values, name, structure.slot_indices, state_leaves,
-                                 state_spec)
+                                 state_spec, spans if donated is values else None)
         refs = [weakref.ref(x) if isinstance(x, torch.Tensor) else x
                 for x in itertools.chain(values, slots)]
         if len(self._lowered) >= self._SIZE:
@@ -2014,7 +2013,7 @@ class Planner:
                   state_leaves: list[Any], state_spec: _core.TreeSpec,
                   mode: str | None = None) -> Structure:
         key = (treespec, state_spec,
-               tuple(None if p is None else tuple(p.shape) for p in param_leaves), mode)
+               tuple([None if p is None else tuple(p.shape) for p in param_leaves]), mode)
         found = self._cache.get(key)
         if found is None:
             found = walk(self.tx, params, treespec, param_leaves, state_leaves, state_spec,
@@ -2070,26 +2069,31 @@ def warn_lost(owner: str, reason: str, stacklevel: int) -> None:
         FastPathWarning, stacklevel=stacklevel + 1)
 
 
-def check_donation(values: list[Any], name: Callable[[int], str]) -> None:
+def check_donation(values: list[Any], name: Callable[[int], str]) -> list[tuple[int, int, int]]:
     """Donated leaves are written in place: each must own its memory (views of one buffer
-    are fine as long as they do not overlap)."""
-    pair = overlap(values, name, "param")
+    are fine as long as they do not overlap). Returns the spans it checked, sorted (see
+    `check_state_donation`)."""
+    spans = _spans(values, name, "param")
+    pair = _first_overlap(spans)
     if pair is not None:
         raise ValueError(
             f"{name(pair[0])!r} and {name(pair[1])!r}: the params share memory (tied weights, "
             f"or overlapping views of one tensor), so a donated step would update that "
             f"memory once per leaf. Fix: pass each shared tensor once (drop the tied copy "
             f"from the params tree), or step without donate.")
+    return spans
 
 
 def check_state_donation(values: list[Any], name: Callable[[int], str], slots: list[int],
-                         state_leaves: list[Any], state_spec: _core.TreeSpec) -> None:
+                         state_leaves: list[Any], state_spec: _core.TreeSpec,
+                         spans: list[tuple[int, int, int]] | None = None) -> None:
     """The per-leaf state entries (``slots``, flat indices) that a donated fast step writes in
     place must own their memory, apart from each other and from the values it writes (the
     params, a mixed step's masters, named by ``name``): where
     two share it (a transform's ``init`` that gave one tensor to two fields, a state loaded
-    with such ties), writing one overwrites the other, which the pure step reads as it was."""
-    tensors = [*values, *(state_leaves[k] for k in slots)]
+    with such ties), writing one overwrites the other, which the pure step reads as it was.
+    ``spans``: those `check_donation` returned for ``values`` (then not read again)."""
+    entries = [state_leaves[k] for k in slots]
     given = len(values)
 
     def named(i: int) -> str:  # (paths only for a message: a state has many leaves)
@@ -2097,8 +2101,11 @@ def check_state_donation(values: list[Any], name: Callable[[int], str], slots: l
             return f"param {name(i)!r}"
         return f"state entry {_core.paths(state_spec)[slots[i - given]] or 'state'!r}"
 
-    pair = overlap([x if isinstance(x, torch.Tensor) else None for x in tensors], named,
-                   "tensor")
+    if spans is None:
+        spans = _spans(values, named, "tensor")
+    pair = _first_overlap([*spans, *_spans(
+        [x if isinstance(x, torch.Tensor) else None for x in entries], named, "tensor",
+        given)])
     if pair is not None:
         raise ValueError(
             f"{named(pair[0])} and {named(pair[1])} share memory, so a donated step "
@@ -2112,8 +2119,15 @@ def overlap(values: list[Any], name: Callable[[int], str], what: str,
             ) -> tuple[int, int] | None:
     """The first two leaves (indices) of ``values`` whose memory overlaps, or None; raises
     for a leaf that overlaps itself (an expanded tensor), a ``what`` named by ``name``."""
-    spans: list[tuple[int, int, int]] = []  # (first byte, end byte, leaf)
-    for i, v in enumerate(values):
+    return _first_overlap(_spans(values, name, what))
+
+
+def _spans(values: list[Any], name: Callable[[int], str], what: str, start: int = 0,
+           ) -> list[tuple[int, int, int]]:
+    """(first byte, end byte, ``start`` + index) of each leaf of ``values`` with elements;
+    raises for a leaf that overlaps itself (see `overlap`)."""
+    spans: list[tuple[int, int, int]] = []
+    for i, v in enumerate(values, start):
         if v is None:
             continue
         local = v if type(v) in _PLAIN else local_tensor(v)
@@ -2135,6 +2149,11 @@ def overlap(values: list[Any], name: Callable[[int], str], what: str,
                                                        strict=True))
         first = local.data_ptr()  # distinct allocations never share addresses
         spans.append((first, first + int(extent) * local.element_size(), i))
+    return spans
+
+
+def _first_overlap(spans: list[tuple[int, int, int]]) -> tuple[int, int] | None:
+    """The first two leaves of ``spans`` (sorted here, in place) whose bytes overlap."""
     spans.sort()
     for a, b in itertools.pairwise(spans):
         if b[0] < a[1]:
