@@ -431,3 +431,25 @@ def test_muon_keller_yardstick_is_the_drop_ins_float32_maths() -> None:
         moved = float((q.detach() - p0).abs().max())
         assert moved > 1e-3  # the step did something
         assert float((p.detach() - q.detach()).abs().max()) <= 1e-5 * moved
+
+
+def test_construction_benchmark_times_every_phase_and_checks_the_params(tmp_path: Path) -> None:
+    construction = _bench_module("construction")
+    out = tmp_path / "construction.json"
+    assert construction.main(["--sizes", "3,6", "--repeats", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["class"], r["params"]) for r in rows] == [
+        ("AdamW", 3), ("AdamW", 6), ("SGD", 3), ("SGD", 6)]
+    for row in rows:
+        assert row["agree"]
+        for who in ("functopt", "torch"):
+            for phase in construction.PHASES:
+                assert _positive_finite(row[f"{who}_{phase}_s"]), (row, who, phase)
+
+
+def test_construction_benchmark_fails_when_the_params_differ(monkeypatch: Any) -> None:
+    construction = _bench_module("construction")
+    sgd = torch.optim.SGD
+    monkeypatch.setattr(torch.optim, "SGD",
+                        lambda params, lr, **options: sgd(params, lr=2 * lr, **options))
+    assert construction.main(["--sizes", "3", "--classes", "SGD", "--repeats", "1"]) == 1

@@ -2,14 +2,16 @@
 at the first step, or when ``optimizer.state`` is first read.
 
 So a constructor does per-param bookkeeping only (no tensor per param), a fresh
-``functopt.optim`` optimizer's ``state_dict()`` is torch's (no state, made by nothing), and
-the state that is made is the one a constructor making it would have made.
+``functopt.optim`` optimizer's ``state_dict()`` is torch's (no state, made by nothing), the
+first step (which makes the state and plans the fast step) does work linear in the params,
+and the state that is made is the one a constructor making it would have made.
 """
 
 from __future__ import annotations
 
 import copy
 import pickle
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -65,6 +67,50 @@ def test_construction_and_a_fresh_state_dict_run_as_many_tensor_ops_for_any_numb
     for n, opt in built.items():
         assert _ops(opt.state_dict) == 0, n
         assert opt.state_dict()["state"] == {}
+
+
+def _calls(run: Callable[[], Any]) -> tuple[int, int]:
+    """The Python-level functions and the builtins ``run`` calls (sys.setprofile's events:
+    a count that does not depend on the machine or its load)."""
+    counts = {"call": 0, "c_call": 0}
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event in counts:
+            counts[event] += 1
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return counts["call"], counts["c_call"]
+
+
+# Python-level calls per param of a first step (the planning is per run of leaves with the
+# same rules: what is left per param is reading its metadata, its state entry and its
+# rows for the later steps' checks); a walk over every param per param is thousands
+PER_PARAM_CALLS = 24
+
+
+@pytest.mark.parametrize("name", ["AdamW", "SGD"])
+def test_the_first_and_second_steps_do_work_linear_in_the_params(name: str) -> None:
+    """Twice the params take less than twice the calls (linear work plus a fixed part);
+    work per param that walks every param takes four times as many."""
+    counts: dict[str, dict[int, tuple[int, int]]] = {"first": {}, "second": {}}
+    for n in (2000, 4000):
+        ps = _params(n)
+        for p in ps:
+            p.grad = torch.ones(2, 2)
+        opt = _make(name, ps)
+        counts["first"][n] = _calls(opt.step)
+        counts["second"][n] = _calls(opt.step)
+        # (the steps stepped every param: none was skipped to count less)
+        assert all(not torch.equal(p, torch.full((2, 2), float(i))) for i, p in enumerate(ps))
+    for step, by_size in counts.items():
+        for kind in (0, 1):
+            assert by_size[4000][kind] <= 2 * by_size[2000][kind], (step, kind, by_size)
+    python_calls = counts["first"][4000][0] - counts["first"][2000][0]
+    assert python_calls <= PER_PARAM_CALLS * 2000, python_calls / 2000
 
 
 def _counted_sgd(calls: list[int]) -> functopt.GradientTransformation:

@@ -263,6 +263,13 @@ class _Op:
     def __repr__(self) -> str:
         return self.kind
 
+    def at(self, slots: dict[str, int]) -> _Op:
+        """This rule with one leaf's per-leaf state entries: a copy of its fields (the
+        dataclass's __init__ sets them one by one, and a walk makes one rule per leaf)."""
+        op = object.__new__(_Op)
+        op.__dict__.update(self.__dict__, slots=slots)
+        return op
+
 
 @dataclass(frozen=True, eq=False)
 class _Clip:
@@ -342,7 +349,8 @@ class Structure:
     counter_guard: dict[int, int] = field(default_factory=dict)  # counter -> its guard
     opaque: list[str] = field(default_factory=list)  # why the whole step must stay pure
     nodes: int = 0
-    matched: list[Any] | None = None  # per leaf: match(program), computed once
+    # per leaf: match(program) and the plan's key (None with a reason), computed once
+    matched: list[Any] | None = None
     matched_compiled: list[Any] | None = None  # the same with the compiled tier
     compiled: dict[Any, Any] = field(default_factory=dict)  # the compiled tier's functions
     # the rules (nodes) that keep state beside their count that only their update moves
@@ -356,6 +364,8 @@ class Structure:
     # MINI mode: its leaves whose zero updates reach other rules after it; the step hands
     # the kernels zero gradients there (the other leaves of it take set_to_zero)
     zeroed: list[int] = field(default_factory=list)
+    # the flat state indices of the rules' per-leaf state entries, as the walk met them
+    slots: list[int] = field(default_factory=list)
 
     @functools.cached_property
     def counter_indices(self) -> list[int]:
@@ -365,8 +375,7 @@ class Structure:
     @functools.cached_property
     def slot_indices(self) -> list[int]:
         """The flat state indices of every per-leaf state entry (moments, traces)."""
-        return sorted({k for program in self.programs for op in program
-                       if isinstance(op, _Op) for k in op.slots.values()})
+        return sorted(set(self.slots))
 
 
 @dataclass(frozen=True, eq=False)
@@ -764,14 +773,21 @@ class _Walk:
         if self.injecting is not None:
             at = [j for j, other in enumerate(self.injecting[1]) if other is spec]
             rebuild = (self.injecting[0], at[0]) if at else None
+        op = _Op(kind, args, {}, node, count, fn=spec.update,
+                 state_at=idx if hasattr(idx, "_fields") else None,
+                 injected=bool(self.placeholders), rebuild=rebuild,
+                 perleaf=isinstance(spec, PerLeaf), sums=spec.sums, finish=spec.finish,
+                 kernel=kernel, grouped=spec.grouped if isinstance(spec, PerLeaf) else None)
+        programs = self.out.programs
+        if not slots:  # (nothing per leaf: every leaf holds the one rule)
+            for i in sel:
+                programs[i].append(op)
+            return
+        names, columns = list(slots), list(slots.values())
+        for column in columns:
+            self.out.slots.extend([column[i] for i in sel])
         for i in sel:
-            self.out.programs[i].append(
-                _Op(kind, args, {k: v[i] for k, v in slots.items()}, node, count,
-                    fn=spec.update, state_at=idx if hasattr(idx, "_fields") else None,
-                    injected=bool(self.placeholders), rebuild=rebuild,
-                    perleaf=isinstance(spec, PerLeaf), sums=spec.sums,
-                    finish=spec.finish, kernel=kernel,
-                    grouped=spec.grouped if isinstance(spec, PerLeaf) else None))
+            programs[i].append(op.at(dict(zip(names, [c[i] for c in columns], strict=True))))
 
 
 def _guarded_whole(spec: Spec | None) -> bool:
@@ -859,6 +875,13 @@ class _KernelPlan:
     maximize: bool = False  # a leading scale(-1): the kernels' maximize flag
     ops: tuple[_Op, ...] = ()  # "compiled": the rules, in order, after the clip
 
+    def at(self, **rules: Any) -> _KernelPlan:
+        """This plan with other rules in some fields (one leaf's, which hold its per-leaf
+        state entries): a copy of its fields, as `_Op.at` makes."""
+        plan = object.__new__(_KernelPlan)
+        plan.__dict__.update(self.__dict__, **rules)
+        return plan
+
     def key(self) -> tuple[Any, ...]:
         if self.kernel in ("compiled", "perleaf"):
             return (self.kernel, None if self.guard is None else self.guard.index,
@@ -915,6 +938,41 @@ def match(program: list[Any], compiled: bool = False, perleaf: bool = False,
         plan = alternative if isinstance(alternative, _KernelPlan) else (
             f"{plan}, and {alternative}")
     return plan
+
+
+def _matches(programs: list[list[Any]], compiled: bool, perleaf: bool,
+             ) -> list[tuple[_KernelPlan | str, tuple[Any, ...] | None]]:
+    """Per program, `match`'s plan (or reason) and the plan's key (None with a reason).
+    Programs of the same rules in the same order (the same nodes, clips and guards) differ
+    only in their rules' per-leaf state entries: each such run is matched once, and the
+    others take its plan with their own rules in the fields that hold such entries."""
+    seen: dict[tuple[Any, ...], tuple[Any, Any, dict[str, Any]]] = {}
+    out: list[tuple[_KernelPlan | str, tuple[Any, ...] | None]] = []
+    for program in programs:
+        signature = tuple([op.node if type(op) is _Op else op for op in program])
+        found = seen.get(signature)
+        if found is None:
+            plan = match(program, compiled, perleaf)
+            key = None if isinstance(plan, str) else plan.key()
+            # (the positions in the program of the plan's rules with per-leaf entries)
+            at: dict[str, Any] = {}
+            if not isinstance(plan, str):
+                for name in ("adam", "decay", "trace"):
+                    op = getattr(plan, name)
+                    if op is not None and op.slots:
+                        at[name] = next(j for j, x in enumerate(program) if x is op)
+                if any(op.slots for op in plan.ops):
+                    at["ops"] = [next(j for j, x in enumerate(program) if x is op)
+                                 for op in plan.ops]
+            seen[signature] = (plan, key, at)
+            out.append((plan, key))
+            continue
+        plan, key, at = found
+        if at:
+            plan = plan.at(**{name: tuple(program[j] for j in js) if name == "ops"
+                              else program[js] for name, js in at.items()})
+        out.append((plan, key))
+    return out
 
 
 def _match_compiled(program: list[Any]) -> _KernelPlan | str:
@@ -1144,13 +1202,12 @@ def lower(structure: Structure, state_spec: _core.TreeSpec, values: list[Any],
     field = "matched_compiled" if compiled else "matched"
     matched = getattr(structure, field)
     if matched is None:
-        matched = [match(program, compiled, structure.perleaf)
-                   for program in structure.programs]
+        matched = _matches(structure.programs, compiled, structure.perleaf)
         setattr(structure, field, matched)
     for i, (v, g) in enumerate(zip(values, grads, strict=True)):
         if v is None or g is None:
             continue
-        plan = matched[i]
+        plan, plan_key = matched[i]
         if isinstance(plan, str):
             if not compiled and isinstance(_match_compiled(structure.programs[i]), _KernelPlan):
                 plan += " (make_step(tx, compile=True) compiles it)"
@@ -1158,7 +1215,7 @@ def lower(structure: Structure, state_spec: _core.TreeSpec, values: list[Any],
         problem = _layout_problem(plan, v, state_leaves, i, structure)
         if problem is not None:
             return Lowered(structure, state_spec, [], f"leaf {name(i)!r}: {problem}")
-        key = (v.device, v.dtype, *plan.key())
+        key = (v.device, v.dtype, plan_key)
         if key not in groups:
             groups[key] = Group(plan, v.device, v.dtype, [], [])
         groups[key].leaves.append(i)
@@ -1192,17 +1249,33 @@ def _layout_problem(plan: _KernelPlan, v: Any, state_leaves: list[Any], i: int,
             _SGD_CPU_DTYPES):
         return (f"torch._fused_sgd_ is wrong for {local.dtype} on the CPU in this torch "
                 f"(pytorch/pytorch#191763)")
-    if not _dense(local):
-        return f"its layout (strides {local.stride()}) is not dense"
-    problem = _compiled.entries_problem(
-        [op for op in (plan.adam, plan.trace) if op is not None], local, state_leaves,
-        same_dtype=True)
-    if problem is not None:
-        return problem
+    ops = [op for op in (plan.adam, plan.trace) if op is not None]
+    if not _lined_up(ops, local, state_leaves):  # (else dense, with entries laid out as it)
+        if not _dense(local):
+            return f"its layout (strides {local.stride()}) is not dense"
+        problem = _compiled.entries_problem(ops, local, state_leaves, same_dtype=True)
+        if problem is not None:
+            return problem
     if plan.trace is not None and _python(plan.trace.args["decay"]) == 0:
         return ("trace(decay=0) keeps a trace equal to the gradient, which "
                 "torch._fused_sgd_ does not write without momentum")
     return None
+
+
+def _lined_up(ops: list[_Op], local: torch.Tensor, state_leaves: list[Any]) -> bool:
+    """Whether ``local`` is contiguous and each per-leaf state entry of ``ops`` a plain
+    tensor of its dtype, shape, strides and device: the layout nearly every leaf has,
+    checked in a few reads (`_compiled.entries_problem` finds the problem otherwise)."""
+    if not local.is_contiguous():
+        return False
+    dtype, shape, stride, device = local.dtype, local.shape, local.stride(), local.device
+    for op in ops:
+        for k in op.slots.values():
+            s = state_leaves[k]
+            if type(s) not in _PLAIN or s.dtype != dtype or s.shape != shape or (
+                    s.stride() != stride or s.device != device):
+                return False
+    return True
 
 
 def _python(binding: Any) -> Any:
@@ -1741,22 +1814,21 @@ class Planner:
         # dtypes and strides one whose .data became another view of its memory, a
         # square weight's transpose, say)
         key = (id(structure), compiled, tuple(map(id, values)),
-               tuple(g is None for g in grads),
+               tuple([g is None for g in grads]),
                tuple(map(id, slots)), donated is not None,
-               tuple(None if v is None else _address(v) for v in values),
-               tuple(_address(x) if isinstance(x, torch.Tensor) else None for x in slots))
+               tuple([None if v is None else _address(v) for v in values]),
+               tuple([_address(x) if isinstance(x, torch.Tensor) else None for x in slots]))
         hit = self._lowered.get(key)
         if hit is not None and all(
                 (r() if isinstance(r, weakref.ref) else r) is x
                 for r, x in zip(hit[0], itertools.chain(values, slots), strict=True)):
             return hit[1]
-        if donated is not None:
-            check_donation(donated, name)
+        spans = None if donated is None else check_donation(donated, name)
         lowered = lower(structure, state_spec, values, grads, state_leaves, name,
                         compiled=compiled)
         if donated is not None and lowered.fast:
             check_state_donation(values, name, structure.slot_indices, state_leaves,
-                                 state_spec)
+                                 state_spec, spans if donated is values else None)
         refs = [weakref.ref(x) if isinstance(x, torch.Tensor) else x
                 for x in itertools.chain(values, slots)]
         if len(self._lowered) >= self._SIZE:
@@ -1780,7 +1852,7 @@ class Planner:
                   state_leaves: list[Any], state_spec: _core.TreeSpec,
                   mode: str | None = None) -> Structure:
         key = (treespec, state_spec,
-               tuple(None if p is None else tuple(p.shape) for p in param_leaves), mode)
+               tuple([None if p is None else tuple(p.shape) for p in param_leaves]), mode)
         found = self._cache.get(key)
         if found is None:
             found = walk(self.tx, params, treespec, param_leaves, state_leaves, state_spec,
@@ -1793,7 +1865,7 @@ class Planner:
 
 def _address(x: torch.Tensor) -> tuple[Any, ...]:
     """Where a tensor's elements are and how they are read (of its local shard)."""
-    local = local_tensor(x)
+    local = x if type(x) in _PLAIN else local_tensor(x)
     return (local.data_ptr(), local.dtype, local.stride(), local.shape)
 
 
@@ -1836,26 +1908,31 @@ def warn_lost(owner: str, reason: str, stacklevel: int) -> None:
         FastPathWarning, stacklevel=stacklevel + 1)
 
 
-def check_donation(values: list[Any], name: Callable[[int], str]) -> None:
+def check_donation(values: list[Any], name: Callable[[int], str]) -> list[tuple[int, int, int]]:
     """Donated leaves are written in place: each must own its memory (views of one buffer
-    are fine as long as they do not overlap)."""
-    pair = overlap(values, name, "param")
+    are fine as long as they do not overlap). Returns the spans it checked, sorted (see
+    `check_state_donation`)."""
+    spans = _spans(values, name, "param")
+    pair = _first_overlap(spans)
     if pair is not None:
         raise ValueError(
             f"{name(pair[0])!r} and {name(pair[1])!r}: the params share memory (tied weights, "
             f"or overlapping views of one tensor), so a donated step would update that "
             f"memory once per leaf. Fix: pass each shared tensor once (drop the tied copy "
             f"from the params tree), or step without donate.")
+    return spans
 
 
 def check_state_donation(values: list[Any], name: Callable[[int], str], slots: list[int],
-                         state_leaves: list[Any], state_spec: _core.TreeSpec) -> None:
+                         state_leaves: list[Any], state_spec: _core.TreeSpec,
+                         spans: list[tuple[int, int, int]] | None = None) -> None:
     """The per-leaf state entries (``slots``, flat indices) that a donated fast step writes in
     place must own their memory, apart from each other and from the values it writes (the
     params, a mixed step's masters, named by ``name``): where
     two share it (a transform's ``init`` that gave one tensor to two fields, a state loaded
-    with such ties), writing one overwrites the other, which the pure step reads as it was."""
-    tensors = [*values, *(state_leaves[k] for k in slots)]
+    with such ties), writing one overwrites the other, which the pure step reads as it was.
+    ``spans``: those `check_donation` returned for ``values`` (then not read again)."""
+    entries = [state_leaves[k] for k in slots]
     given = len(values)
 
     def named(i: int) -> str:  # (paths only for a message: a state has many leaves)
@@ -1863,8 +1940,11 @@ def check_state_donation(values: list[Any], name: Callable[[int], str], slots: l
             return f"param {name(i)!r}"
         return f"state entry {_core.paths(state_spec)[slots[i - given]] or 'state'!r}"
 
-    pair = overlap([x if isinstance(x, torch.Tensor) else None for x in tensors], named,
-                   "tensor")
+    if spans is None:
+        spans = _spans(values, named, "tensor")
+    pair = _first_overlap([*spans, *_spans(
+        [x if isinstance(x, torch.Tensor) else None for x in entries], named, "tensor",
+        given)])
     if pair is not None:
         raise ValueError(
             f"{named(pair[0])} and {named(pair[1])} share memory, so a donated step "
@@ -1878,28 +1958,41 @@ def overlap(values: list[Any], name: Callable[[int], str], what: str,
             ) -> tuple[int, int] | None:
     """The first two leaves (indices) of ``values`` whose memory overlaps, or None; raises
     for a leaf that overlaps itself (an expanded tensor), a ``what`` named by ``name``."""
-    spans: list[tuple[int, int, int]] = []  # (first byte, end byte, leaf)
-    for i, v in enumerate(values):
+    return _first_overlap(_spans(values, name, what))
+
+
+def _spans(values: list[Any], name: Callable[[int], str], what: str, start: int = 0,
+           ) -> list[tuple[int, int, int]]:
+    """(first byte, end byte, ``start`` + index) of each leaf of ``values`` with elements;
+    raises for a leaf that overlaps itself (see `overlap`)."""
+    spans: list[tuple[int, int, int]] = []
+    for i, v in enumerate(values, start):
         if v is None:
             continue
-        local = local_tensor(v)
+        local = v if type(v) in _PLAIN else local_tensor(v)
+        if local.is_contiguous():  # (nearly every leaf: its bytes from its address on)
+            if local.nbytes:
+                first = local.data_ptr()
+                spans.append((first, first + local.nbytes, i))
+            continue
         if local.numel() == 0:
             continue
-        size = local.element_size()
-        if local.is_contiguous():
-            extent = local.numel()
-        else:
-            if overlapping(local):
-                raise ValueError(
-                    f"{name(i)!r}: the {what} has strides {local.stride()} for shape "
-                    f"{tuple(local.shape)}, so several of its elements share memory (an "
-                    f"expanded tensor), and a donated step would write them several times. "
-                    f"Fix: optimize a tensor that owns its memory (x.clone() or "
-                    f"x.contiguous()), as torch.optim requires.")
-            extent = 1 + sum((n - 1) * st for n, st in zip(local.shape, local.stride(),
-                                                           strict=True))
+        if overlapping(local):
+            raise ValueError(
+                f"{name(i)!r}: the {what} has strides {local.stride()} for shape "
+                f"{tuple(local.shape)}, so several of its elements share memory (an "
+                f"expanded tensor), and a donated step would write them several times. "
+                f"Fix: optimize a tensor that owns its memory (x.clone() or "
+                f"x.contiguous()), as torch.optim requires.")
+        extent = 1 + sum((n - 1) * st for n, st in zip(local.shape, local.stride(),
+                                                       strict=True))
         first = local.data_ptr()  # distinct allocations never share addresses
-        spans.append((first, first + int(extent) * size, i))
+        spans.append((first, first + int(extent) * local.element_size(), i))
+    return spans
+
+
+def _first_overlap(spans: list[tuple[int, int, int]]) -> tuple[int, int] | None:
+    """The first two leaves of ``spans`` (sorted here, in place) whose bytes overlap."""
     spans.sort()
     for a, b in itertools.pairwise(spans):
         if b[0] < a[1]:
