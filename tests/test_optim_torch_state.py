@@ -458,6 +458,38 @@ def test_what_cannot_be_honoured_raises_naming_the_param_and_key() -> None:
         ours.state[ps[2]]["exp_avg"]  # (no state: torch's entry is empty)
 
 
+def test_muons_state_is_torchs() -> None:
+    g = torch.Generator().manual_seed(4)
+    ps = [torch.nn.Parameter(torch.randn(4, 3, generator=g)) for _ in range(2)]
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    ours, theirs = optim.Muon(ps, lr=0.02), torch.optim.Muon(qs, lr=0.02)
+    for t, skip in enumerate([(1,), (), ()]):
+        for k, (p, q) in enumerate(zip(ps, qs, strict=True)):
+            p.grad = None if k in skip else torch.full_like(p, 0.1 * (t + 1)) + 0.1 * p.detach()
+            q.grad = None if p.grad is None else p.grad.clone()
+        ours.step()
+        theirs.step()
+        _same_state(ours, ps, theirs, qs)
+        for opt, params in ((ours, ps), (theirs, qs)):
+            opt.state[params[0]]["momentum_buffer"].mul_(0.5)
+    _close(ps, qs)
+
+
+def test_keys_that_are_no_param_are_kept_as_in_torch() -> None:
+    ours, ps, _, _ = _pair("Adam", {"lr": 0.1})
+    _steps(ours, ps, 1)
+    ours.state["note"] = {"epoch": 3}  # (what a state-dict hook may keep there)
+    assert "note" in ours.state and ours.state["note"] == {"epoch": 3}
+    assert list(ours.state) == [*ps, "note"]
+    saved = _through_file(ours.state_dict())
+    assert saved["state"]["note"] == {"epoch": 3}
+    other = optim.Adam(_params(), lr=0.1)
+    other.load_state_dict(saved)
+    assert other.state["note"] == {"epoch": 3}
+    del other.state["note"]
+    assert "note" not in other.state and len(other.state) == 3
+
+
 def test_functopt_optimizer_over_a_transform_keeps_its_state_paths() -> None:
     ps = _params()
     opt = functopt.Optimizer(ps, functopt.adamw(0.1))

@@ -344,6 +344,8 @@ class StateView(MutableMapping[Any, Any]):
             raise TypeError(
                 f"{self._owner}: optimizer.state[p][{key!r}] of {described} must be a tensor "
                 f"of the param's shape, got {_shown_type(value)}.")
+        if value.layout is torch.sparse_coo:  # (torch's SGD buffer of sparse gradients)
+            value = value.to_dense()
         if param.is_complex() and value.is_complex():
             value = torch.view_as_real(value)  # (the chain steps a complex param's real pairs)
         if value.shape != held.shape:
