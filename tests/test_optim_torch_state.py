@@ -367,6 +367,9 @@ def test_writes_through_optimizer_state_change_the_next_steps_as_in_torch(
         _steps(opt, params, 2)
     _close(ps, qs)
     _same_state(ours, ps, theirs, qs)
+    # the tensors taken before the steps hold the state after them, as torch's step
+    # updates its own in place (the pure path's new values are copied into them)
+    assert all(v is ours.state[ps[0]][k] for k, v in held.items() if k != "step")
     if len(theirs.state):  # (a class with state: the edits changed the run)
         assert max((a - b).abs().max().item() for a, b in zip(qs, unedited_ps,
                                                                strict=True)) > 0
@@ -456,6 +459,10 @@ def test_what_cannot_be_honoured_raises_naming_the_param_and_key() -> None:
         ours.state[ps[2]]["exp_avg"] = torch.zeros_like(ps[2])
     with pytest.raises(KeyError):
         ours.state[ps[2]]["exp_avg"]  # (no state: torch's entry is empty)
+    frozen = optim.Adam([{"params": ps[:1]}, {"params": ps[1:], "frozen": True}], lr=0.1)
+    with pytest.raises(ValueError, match=r"param 0 of param_groups\[1\]: the param's group "
+                                         r"is frozen and keeps no state"):
+        frozen.state[ps[1]] = {"step": torch.tensor(1.0)}
 
 
 def test_muons_state_is_torchs() -> None:
@@ -473,6 +480,22 @@ def test_muons_state_is_torchs() -> None:
         for opt, params in ((ours, ps), (theirs, qs)):
             opt.state[params[0]]["momentum_buffer"].mul_(0.5)
     _close(ps, qs)
+
+
+def test_copies_of_optimizer_state_are_torchs_plain_dicts() -> None:
+    ours, ps, theirs, qs = _pair("NAdam", {"lr": 0.1})
+    _steps(ours, ps, 2)
+    _steps(theirs, qs, 2)
+    copied = copy.deepcopy(ours.state)  # (its keys copies of the params, as torch's)
+    assert type(copied) is collections.defaultdict and len(copied) == len(ps)
+    for p, q, entry in zip(ps, qs, copied.values(), strict=True):
+        assert type(entry) is dict and entry.keys() == theirs.state[q].keys()
+        assert all(v is not ours.state[p][k] and torch.equal(v, ours.state[p][k])
+                   for k, v in entry.items())
+        assert type(copy.copy(ours.state[p])) is dict
+        loaded = _through_file(ours.state[p])  # (weights_only: an OrderedDict of tensors)
+        assert list(loaded) == list(theirs.state[q])
+        assert all(torch.equal(v, ours.state[p][k]) for k, v in loaded.items())
 
 
 def test_keys_that_are_no_param_are_kept_as_in_torch() -> None:

@@ -15,6 +15,12 @@ from the store whenever it is read through the view; written in place, it is tak
 into the store before the next step reads it (its version counter says so), or when it is
 next read through the view.
 
+A tensor read through the view (or written into it) and still held when a step replaces
+the store's tensor by a new one (the pure path's new moments; the fused kernels step in
+place) takes the new values, and the store holds it again, as torch's in-place step keeps
+its state tensors (``kept_in_place``); not after a step that was not donated, whose new
+tensors leave a state dict taken before it as it was.
+
 Writes go into the store: a moment, after checks of its shape, dtype and device; a
 ``step`` or scalar, converted to the chain's dtype and device, into that param's own
 copies of the group leaves (so the params that shared them keep theirs, and the next step
@@ -28,7 +34,9 @@ makes a param's whole state at once), a write into a frozen group.
 
 from __future__ import annotations
 
+import collections
 import copy
+import weakref
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
@@ -109,7 +117,8 @@ class Entry(MutableMapping[str, Any]):
     def __repr__(self) -> str:
         return repr(dict(self.items()))
 
-    # copies and pickles are plain dicts of the tensors, as torch.optim's entries are
+    # copies are plain dicts of the tensors, as torch.optim's entries are; a pickle is an
+    # OrderedDict of them (a dict that torch.load's weights_only unpickler takes)
     def __copy__(self) -> dict[str, Any]:
         return dict(self.items())
 
@@ -117,7 +126,7 @@ class Entry(MutableMapping[str, Any]):
         return copy.deepcopy(dict(self.items()), memo)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (dict, (dict(self.items()),))
+        return (collections.OrderedDict, (list(self.items()),))
 
 
 class StateView(MutableMapping[Any, Any]):
@@ -131,10 +140,13 @@ class StateView(MutableMapping[Any, Any]):
         self._owner = f"functopt.optim.{type(opt).__name__}"
         self._where: dict[int, tuple[int, int]] = {}
         self._entries: dict[int, Entry] = {}
-        # (id of the param, key) -> [param, the tensor shown, its version when last synced,
-        # the store's tensor it was synced from and that tensor's version then]
+        # (id of the param, key) -> [param, the tensor shown (kept: a temporary written in
+        # place is taken in at the next step), its version when last synced, the store's
+        # tensor it was synced from and that tensor's version then]
         self._shown: dict[tuple[int, str], list[Any]] = {}
         self._count_values: dict[int, tuple[torch.Tensor, int, int]] = {}
+        # (id of the param, entry name) -> [param, a weak reference to the tensor read]
+        self._handed: dict[tuple[int, str], list[Any]] = {}
 
     # -- where a param's state is ---------------------------------------------------------
 
@@ -226,10 +238,43 @@ class StateView(MutableMapping[Any, Any]):
         _, entry, where, _, keys, _ = found
         if key in keys.converted:
             return self._shown_value(param, where, key, entry, keys)
-        value = entry[keys.name(entry, key)]
+        name = keys.name(entry, key)
+        value = entry[name]
         if param.is_complex() and value.shape == (*param.shape, 2):
             value = torch.view_as_complex(value)  # (torch keeps a complex param's state so)
+        self._handed[(id(param), name)] = [param, weakref.ref(value)]
         return value
+
+    def kept_in_place(self, donated: bool) -> None:
+        """After a step: each tensor read through the view that is still alive and that the
+        step replaced by a new one (the pure path's new moments) takes the new values, and
+        the store holds it again, as torch's in-place step keeps its state tensors. Not
+        after a step that was not donated (a state dict taken since holds those tensors and
+        keeps their values), nor for a tensor in an autograd graph."""
+        if not self._handed:
+            return
+        store = self._opt.__dict__["_store"]
+        for key, (param, ref) in list(self._handed.items()):
+            held = ref()
+            entry = store.get(param)
+            current = None if held is None or not entry else entry.get(key[1])
+            if current is None:
+                del self._handed[key]
+                continue
+            base = torch.view_as_real(held) if held.is_complex() and not (
+                current.is_complex()) else held
+            if base is current or (base.data_ptr() == current.data_ptr()
+                                   and base.shape == current.shape):
+                del self._handed[key]  # (stepped in place: it stays the step's tensor)
+                continue
+            if not donated or current.requires_grad or base.requires_grad or (
+                    base.shape, base.dtype, base.device) != (current.shape, current.dtype,
+                                                            current.device):
+                del self._handed[key]
+                continue
+            with torch.no_grad():
+                base.copy_(current)
+            entry[key[1]] = base
 
     @staticmethod
     def _held(key: str, entry: Mapping[str, Any], keys: _Keys) -> tuple[torch.Tensor, int]:
@@ -293,6 +338,7 @@ class StateView(MutableMapping[Any, Any]):
         """Drop the shown tensors (the store was replaced: a loaded state dict)."""
         self._shown.clear()
         self._count_values.clear()
+        self._handed.clear()
 
     # -- writes ---------------------------------------------------------------------------
 
@@ -385,6 +431,7 @@ class StateView(MutableMapping[Any, Any]):
             return
         name, tensor = self._field(param, where, plan, keys, key, value, entry)
         entry[name] = tensor
+        self._handed[(id(param), name)] = [param, weakref.ref(value)]  # (the state now)
         self._opt._unstepped.pop(where[0], None)
 
     def _delete(self, param: torch.Tensor, key: str) -> None:
@@ -445,8 +492,11 @@ class StateView(MutableMapping[Any, Any]):
         self._opt._counts.split.add(where[0])
 
     def _forget_param(self, param: torch.Tensor) -> None:
+        """Drop what the view kept of a param whose state was replaced."""
         for key in [k for k in self._shown if k[0] == id(param)]:
             del self._shown[key]
+        for key in [k for k in self._handed if k[0] == id(param)]:
+            del self._handed[key]
 
     def _set_entry(self, param: torch.Tensor, value: Any) -> None:
         where = self._writable(param)
@@ -472,14 +522,18 @@ class StateView(MutableMapping[Any, Any]):
         store = self._store()
         fresh = self._fill(where[0], store)
         entry = dict(store[param]) if fresh is None else fresh[where[1]]
+        given: dict[str, Any] = {}
         for key in expected:  # (each checked before the store is written)
             if key in keys.converted:
                 self._take(param, where, key, value[key], entry, keys)
             else:
                 name, tensor = self._field(param, where, plan, keys, key, value[key], entry)
                 entry[name] = tensor
+                given[name] = value[key]
         store[param] = entry
         self._forget_param(param)
+        for name, obj in given.items():  # (the state now: kept as the steps go)
+            self._handed[(id(param), name)] = [param, weakref.ref(obj)]
         self._opt._unstepped.pop(where[0], None)
 
     # -- the mapping ----------------------------------------------------------------------
@@ -558,12 +612,8 @@ class StateView(MutableMapping[Any, Any]):
     def __deepcopy__(self, memo: dict[int, Any]) -> defaultdict[Any, Any]:
         return copy.deepcopy(self.__copy__(), memo)
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_plain, (self.__copy__(),))
-
-
-def _plain(items: defaultdict[Any, Any]) -> defaultdict[Any, Any]:
-    return items
+    def __reduce__(self) -> str | tuple[Any, ...]:
+        return self.__copy__().__reduce__()
 
 
 def _at(groups: list[dict[str, Any]], where: tuple[int, int], key: torch.Tensor) -> bool:

@@ -478,10 +478,22 @@ class TorchOptimizer(Optimizer):
                         group)
             if all(v is _UNSET or _immutable(v) for v in values):
                 checked[i] = values
+        view = self.__dict__.get("_view")
+        donated = not self._state_shared
         if "fused" in self._fixed and (self.__dict__.get("grad_scale") is not None
                                        or self.__dict__.get("found_inf") is not None):
-            return self._scaled_step(closure)
-        return self._step(closure)  # (not super().step: torch hooks that one too)
+            loss = self._scaled_step(closure)
+        else:
+            loss = self._step(closure)  # (not super().step: torch hooks that one too)
+        if view is not None:
+            self._kept_in_place(donated)
+        return loss
+
+    @torch._disable_dynamo  # type: ignore[attr-defined]
+    def _kept_in_place(self, donated: bool) -> None:
+        """The tensors read through ``optimizer.state`` keep the step's values (see
+        _torch_view)."""
+        self.__dict__["_view"].kept_in_place(donated)
 
     def _scaled_step(self, closure: Callable[[], Any] | None) -> Any:
         """``step`` with ``optimizer.grad_scale`` / ``optimizer.found_inf`` set, as a
