@@ -117,3 +117,22 @@ def test_options_torch_refuses_with_sparse_gradients_raise_its_error(
         messages.append(str(raised.value))
     ours, theirs = messages
     assert ours.startswith(theirs) and "param 0 of param_groups[0]" in ours
+
+
+def test_a_sparse_gradients_momentum_buffer_is_shown_dense_and_taken_sparse() -> None:
+    # torch's SGD keeps it sparse; the chain keeps it dense (the same values)
+    p = torch.nn.Parameter(torch.arange(6.0).reshape(3, 2))
+    q = torch.nn.Parameter(p.detach().clone())
+    ours, theirs = optim.SGD([p], lr=0.1, momentum=0.9), torch.optim.SGD([q], lr=0.1,
+                                                                         momentum=0.9)
+    grad = torch.sparse_coo_tensor([[0, 2]], torch.ones(2, 2), (3, 2))
+    for opt, param in ((ours, p), (theirs, q)):
+        param.grad = grad.clone()
+        opt.step()
+    buffer = theirs.state[q]["momentum_buffer"]
+    assert buffer.is_sparse and torch.equal(ours.state[p]["momentum_buffer"], buffer.to_dense())
+    for opt, param in ((ours, p), (theirs, q)):
+        opt.state[param]["momentum_buffer"] = buffer * 2.0  # (sparse, as torch's is)
+        param.grad = grad.clone()
+        opt.step()
+    assert torch.allclose(p, q, rtol=1e-14, atol=0)

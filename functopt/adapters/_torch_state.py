@@ -4,7 +4,9 @@ class's state dict is the torch.optim class's.
 **Per-param counts.** torch.optim keeps ``state[p]["step"]`` per param and skips a param
 whose ``.grad`` is None. A functopt transform keeps its counts (and any other leaf that
 belongs to no one param, such as NAdam's momentum product) once per state, for all the
-params it runs over. ``optimizer.state`` holds these *group leaves* in every param's entry;
+params it runs over. The entries the steps read (``functopt.Optimizer``'s store, which a
+``functopt.optim`` class shows in torch's layout through ``_torch_view``) hold these
+*group leaves* in every param's entry;
 params whose counts are equal share the very tensors, so that a step over them is one run
 of the transform, as if the counts were one. A step
 

@@ -336,7 +336,11 @@ class Optimizer(torch.optim.Optimizer):
     layout: ``optimizer.state[param]`` maps the dotted path of each per-parameter state
     field to that param's tensor (``'inner_state.0.mu'``), and holds the group-level leaves
     (``'count'``, ``'inner_state.0.count'``) too, the param's own counts (one tensor shared
-    by the params whose counts agree), as torch.optim keeps ``step`` per param. Injected hyperparameters live in
+    by the params whose counts agree), as torch.optim keeps ``step`` per param. A
+    ``functopt.optim`` class shows the same entries in torch's keys instead, ``step`` as
+    torch keeps it, and no entry for a param that has not stepped, as torch.optim (so DCP's
+    helpers take their step at lr 0 on it, as on torch's class;
+    docs/coming-from-torch-optim.md). Injected hyperparameters live in
     ``param_groups`` only. ``state_dict()`` is torch's, with each group's recipe recorded
     under ``"functopt"`` (the state format ``MixedPrecisionOptimizer`` shares;
     ``named_state_dict()`` keys it by names); ``load_state_dict`` refuses another recipe,
@@ -529,16 +533,33 @@ class Optimizer(torch.optim.Optimizer):
     _eager_state = False
 
     @property
-    def state(self) -> defaultdict[torch.Tensor, Any]:
-        """``torch.optim.Optimizer.state``: per param, its entry of the transform's state.
-        A group's entries are made when this is first read (or at the group's first step)."""
+    def state(self) -> Any:
+        """``torch.optim.Optimizer.state``: per param, its entry of the transform's state
+        (a ``functopt.optim`` class shows it in torch's layout). A group's entries are made
+        when this is first read (or at the group's first step)."""
+        return self._shown_state(self._made_store())
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        if "_store" not in self.__dict__:  # (torch.optim's constructor)
+            self.__dict__["_store"] = value
+        else:
+            self._set_shown_state(value)
+
+    def _made_store(self) -> defaultdict[torch.Tensor, Any]:
+        """The entries the steps read and write (every group's made: see ``state``)."""
         if self.__dict__.get("_pending"):
             self._made_state()
         store: defaultdict[torch.Tensor, Any] = self.__dict__["_store"]
         return store
 
-    @state.setter
-    def state(self, value: defaultdict[torch.Tensor, Any]) -> None:
+    def _shown_state(self, store: defaultdict[torch.Tensor, Any]) -> Any:
+        """What ``optimizer.state`` shows of ``store``: the entries themselves (a transform
+        has no other layout)."""
+        return store
+
+    def _set_shown_state(self, value: Any) -> None:
+        """``optimizer.state = value``: the entries, as given."""
         self.__dict__["_store"] = value
 
     def _made_state(self) -> None:
@@ -578,7 +599,8 @@ class Optimizer(torch.optim.Optimizer):
         a load, changed it)."""
         if index in self._pending or index in self._unstepped:
             return False
-        return any(self.state.get(p) for p in group["params"])
+        store = self._made_store()
+        return any(store.get(p) for p in group["params"])
 
     def _changed_transform(self, index: int, group: dict[str, Any], plan: _Plan) -> Exception:
         """The error for a group whose transform changed after its state was made."""
@@ -820,7 +842,7 @@ class Optimizer(torch.optim.Optimizer):
         """`_gather`'s leaves, and the ``optimizer.state`` entries they were read from (None
         when the state starts from init)."""
         params = group["params"]
-        get = self.state.get
+        get = self._made_store().get
         entries: list[Any] = [get(p) for p in params]
         hyper = self._step_hyperparams(index, group, plan)
         # No state (cleared, or a stateless transform), or the state add_param_group made
@@ -912,7 +934,7 @@ class Optimizer(torch.optim.Optimizer):
         # zero-gradient step to create the state of an optimizer whose state is empty, which
         # a transform that does not scale with lr (a weight decay) would apply. An entry
         # holds the group-level leaves and the param's own fields, in the state's order.
-        store = self.state
+        store = self.__dict__["_store"]
         for p, slots in zip(group["params"], plan.entry_slots, strict=True):
             store[p] = {name: leaves[i] for i, name in slots if leaves[i] is not None}
 
@@ -1122,7 +1144,8 @@ class Optimizer(torch.optim.Optimizer):
             return
         plan = self._plan(index, group)
         # A fresh state (none yet: not stepped, cleared, stateless) follows the params.
-        if index in self._unstepped or not self.state.get(params[0]):
+        store = self._made_store()
+        if index in self._unstepped or not store.get(params[0]):
             plan = self._plan(index, group, placed=True)
         if not plan.allowed.issuperset(group):
             self._check_options(index, group, plan)
@@ -1140,12 +1163,12 @@ class Optimizer(torch.optim.Optimizer):
                 state, entries = self._collect(index, group, plan, flags)
             if entries is not None:
                 state = counts.leaves(state, slots, entries[members[0]])
-            kept = counts.kept(self.state, params, slots, members)
+            kept = counts.kept(store, params, slots, members)
             inside = set(members)
             self._run(index, group, plan, state, entries,
                       [g if j in inside else None for j, g in enumerate(grads)])
-            counts.restore(self.state, params, kept)
-        counts.merge(index, self.state, params, slots)
+            counts.restore(store, params, kept)
+        counts.merge(index, store, params, slots)
 
     def _run(self, index: int, group: dict[str, Any], plan: _Plan, state: list[Any],
              entries: list[Any] | None, grads: list[Any]) -> None:
@@ -1293,7 +1316,7 @@ class Optimizer(torch.optim.Optimizer):
             new_groups.append(new_group)
         new_state.update(_state_dict.unpacked_extras(state_dict))
         self._pending.clear()  # (every group's state is the loaded one)
-        self.state = new_state
+        self.__dict__["_store"] = new_state
         self.param_groups = new_groups
         self._unstepped.clear()
         self._counts.split.clear()
@@ -1301,7 +1324,7 @@ class Optimizer(torch.optim.Optimizer):
             held = self._plans[i] if i < len(self._plans) else None
             if held is not None and not _param_groups.group_flags(
                     owner, f"param_groups[{i}]", group).frozen:
-                self._counts.merge(i, self.state, group["params"], held.group_slots)
+                self._counts.merge(i, new_state, group["params"], held.group_slots)
         self._state_shared = True  # the loaded tensors may be the caller's own
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
@@ -1315,7 +1338,8 @@ class Optimizer(torch.optim.Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         # Plans are rebuilt on the next step; the transform's closures travel as they are.
         # A copy holds copies of the state tensors: it shares nothing with a state dict.
-        state = {**super().__getstate__(), "_plans": [], "_fused": self._fused,
+        state = {**super().__getstate__(), "state": self._made_store(), "_plans": [],
+                 "_fused": self._fused,
                  "_state_shared": False, "_unstepped": {}, "_pending": {},
                  "_counts": copy.deepcopy(self._counts)}
         state["_transform"] = _HeldTransform(self._transform, self.__dict__.get("_source"))
@@ -1330,7 +1354,7 @@ class Optimizer(torch.optim.Optimizer):
         if store is None:
             store = state.pop("_store", defaultdict(dict))
         super().__setstate__(state)
-        self.state = store
+        self.__dict__["_store"] = store
         self.__dict__.setdefault("_counts", _torch_state.Counts())
         self.__dict__.setdefault("_pending", {})
 

@@ -24,7 +24,7 @@ import torch
 
 from functopt import _validate
 from functopt._base import GradientTransformation
-from functopt.adapters import _torch_state
+from functopt.adapters import _torch_state, _torch_view
 from functopt.adapters.optimizer import Optimizer
 from functopt.transforms.hyperparams import inject_hyperparams
 from functopt.tree import _ops
@@ -307,14 +307,42 @@ class TorchOptimizer(Optimizer):
     # Which leaf of the chain's state each of torch's per-param keys is (each class's own).
     _torch_layout: _torch_state.TorchLayout
 
+    def _shown_state(self, store: Any) -> _torch_view.StateView:
+        # optimizer.state in torch's layout, over the entries the steps read and write
+        view: _torch_view.StateView | None = self.__dict__.get("_view")
+        if view is None:
+            view = self.__dict__["_view"] = _torch_view.StateView(self, self._torch_layout)
+        return view
+
+    def _set_shown_state(self, value: Any) -> None:
+        view = self._shown_state(None)
+        if value is not view:
+            view.replace(value)
+
+    @torch._disable_dynamo  # type: ignore[attr-defined]
+    def _flush_view(self) -> None:
+        """Take the shown ``step``s written in place into the state (see _torch_view)."""
+        view: _torch_view.StateView | None = self.__dict__.get("_view")
+        if view is not None:
+            view.flush()
+
     @torch._disable_dynamo  # type: ignore[attr-defined]
     def state_dict(self) -> dict[str, Any]:
         """torch.optim's state dict of this class: each param that has stepped has an entry
         with torch's keys (``step`` as torch stores it), each group torch's keys; it loads
         into the torch.optim class of the same name, which then continues the run. The
         state tensors are the live ones, not copies (the next step then writes new ones)."""
+        self._flush_view()
         self._state_shared = True
         return _torch_state.state_dict(self, self._torch_layout)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """``torch.optim.Optimizer.load_state_dict``: torch's layout (this class's
+        ``state_dict()``, or the torch.optim class's), or functopt's own format."""
+        view: _torch_view.StateView | None = self.__dict__.get("_view")
+        if view is not None:
+            view.forget()
+        super().load_state_dict(state_dict)
 
     def _loaded_entries(self, owner: str, group: dict[str, Any], plan: Any, config: Any,
                         entries: list[Any], hyper: dict[str, Any]) -> list[Any]:
@@ -423,6 +451,8 @@ class TorchOptimizer(Optimizer):
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """``torch.optim.Optimizer.step``: update every param group (after ``closure``)."""
+        if self.__dict__.get("_view") is not None:
+            self._flush_view()
         watched = _CHECKED_KEYS
         # Per group, the values last checked: a group that holds the very same objects
         # again (numbers, tuples, None) is not checked again; a tensor value always is.
@@ -448,10 +478,22 @@ class TorchOptimizer(Optimizer):
                         group)
             if all(v is _UNSET or _immutable(v) for v in values):
                 checked[i] = values
+        view = self.__dict__.get("_view")
+        donated = not self._state_shared
         if "fused" in self._fixed and (self.__dict__.get("grad_scale") is not None
                                        or self.__dict__.get("found_inf") is not None):
-            return self._scaled_step(closure)
-        return self._step(closure)  # (not super().step: torch hooks that one too)
+            loss = self._scaled_step(closure)
+        else:
+            loss = self._step(closure)  # (not super().step: torch hooks that one too)
+        if view is not None:
+            self._kept_in_place(donated)
+        return loss
+
+    @torch._disable_dynamo  # type: ignore[attr-defined]
+    def _kept_in_place(self, donated: bool) -> None:
+        """The tensors read through ``optimizer.state`` keep the step's values (see
+        _torch_view)."""
+        self.__dict__["_view"].kept_in_place(donated)
 
     def _scaled_step(self, closure: Callable[[], Any] | None) -> Any:
         """``step`` with ``optimizer.grad_scale`` / ``optimizer.found_inf`` set, as a
@@ -489,6 +531,7 @@ class TorchOptimizer(Optimizer):
         return loss
 
     def __getstate__(self) -> dict[str, Any]:
+        self._flush_view()
         return {**super().__getstate__(), "_fixed": self._fixed, "_recipe": self._recipe,
                 "_given": self.__dict__.get("_given"),
                 "_skeleton": self.__dict__.get("_skeleton", [])}
