@@ -1,4 +1,4 @@
-"""Test configuration: hypothesis profiles.
+"""Test configuration: hypothesis profiles, and torch's generator seeded per test.
 
 ``ci`` (the default) is derandomized and bounded so that every run of `make test` sees the
 same examples; ``dev`` explores randomly; ``deep`` runs many examples (by hand:
@@ -49,3 +49,13 @@ def float64_default() -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(before)
+
+
+@pytest.fixture(autouse=True)
+def _seeded_torch() -> None:
+    """Each test starts from the same state of torch's global generator, whatever ran
+    before it in its worker: a test that draws unseeded values draws the same ones on
+    every run."""
+    import torch
+
+    torch.manual_seed(0)

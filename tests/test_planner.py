@@ -92,8 +92,10 @@ def test_layouts_equal_the_pure_path(chain: str, donate: bool, grad_layout: str)
     assert explain(tx, params, state).fast
     ref_params, ref_state = _clone(params), _clone(state)
     step = make_step(tx, donate=donate)
+    gen = torch.Generator().manual_seed(1)
     for i in range(4):
-        grads = {k: torch.randn(v.shape, dtype=v.dtype) * 3 for k, v in params.items()}
+        grads = {k: torch.randn(v.shape, dtype=v.dtype, generator=gen) * 3
+                 for k, v in params.items()}
         if grad_layout == "like_params":
             grads = {k: torch.empty_like(params[k]).copy_(g) for k, g in grads.items()}
         ref_params, ref_state = _pure(tx, grads, ref_state, ref_params)
