@@ -89,7 +89,16 @@ def state_slots(state: type) -> tuple[str, ...]:
 _RESERVED = ("identity", "set_to_zero", "apply_if_finite", "clip_by_global_norm")
 
 
-def _checked(owner: str, tx: Any, name: Any) -> None:
+def _checked(owner: str, tx: Any, name: Any, hyperparams: Any,
+             functions: Mapping[str, Any]) -> None:
+    if hyperparams is not None and not isinstance(hyperparams, Mapping):
+        raise TypeError(f"{owner}: expected hyperparams as a dict of the rule's arguments "
+                        f"(or None), got {type(hyperparams).__name__}. Fix: pass "
+                        f"hyperparams={{'decay': decay}}.")
+    for key, fn in functions.items():
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{owner}: expected {key} as a function (or None), got "
+                            f"{type(fn).__name__}.")
     if not isinstance(tx, GradientTransformation):
         raise TypeError(f"{owner}: expected a GradientTransformation, got {type(tx).__name__}. "
                         f"Fix: pass GradientTransformation(init_fn, update_fn).")
@@ -131,7 +140,8 @@ def elementwise_rule(tx: GradientTransformation, name: str, *, state: type,
         The same transform, carrying its description.
 
     Raises:
-        TypeError: ``tx`` is not a transform, or ``state`` not a NamedTuple class.
+        TypeError: ``tx`` is not a transform, ``state`` not a NamedTuple class,
+            ``hyperparams`` not a dict, or ``sums`` / ``finish`` not functions.
         ValueError: ``name`` is not an identifier, or only one of ``sums`` and ``finish``
             is given.
 
@@ -153,7 +163,7 @@ def elementwise_rule(tx: GradientTransformation, name: str, *, state: type,
         >>> plan.fast, plan.groups[0].rules
         (True, ('scale_by_sign_of_momentum', 'scale'))
     """
-    _checked("elementwise_rule", tx, name)
+    _checked("elementwise_rule", tx, name, hyperparams, {"sums": sums, "finish": finish})
     if (sums is None) != (finish is None):
         raise ValueError(f"elementwise_rule({name!r}): got only one of sums and finish; a rule "
                          f"with reductions gives its update as both halves.")
@@ -188,7 +198,8 @@ def per_leaf_rule(tx: GradientTransformation, name: str, *, state: type,
         The same transform, carrying its description.
 
     Raises:
-        TypeError: ``tx`` is not a transform, or ``state`` not a NamedTuple class.
+        TypeError: ``tx`` is not a transform, ``state`` not a NamedTuple class,
+            ``hyperparams`` not a dict or ``grouped`` not a function.
         ValueError: ``name`` is not an identifier.
 
     Examples:
@@ -206,6 +217,6 @@ def per_leaf_rule(tx: GradientTransformation, name: str, *, state: type,
         >>> plan.fast, plan.groups[0].kernel, plan.groups[0].rules
         (True, 'per-leaf', ('normalize', 'scale'))
     """
-    _checked("per_leaf_rule", tx, name)
+    _checked("per_leaf_rule", tx, name, hyperparams, {"grouped": grouped})
     return specified(tx, PerLeaf(name, dict(hyperparams or {}), slots=state_slots(state),
                                  grouped=grouped))

@@ -325,6 +325,10 @@ FACTORIES = _factories()
 def _valid(name: str, param: inspect.Parameter) -> Any:
     """A value that makes the factory build, for a required argument."""
     n = param.name
+    if name.endswith(("elementwise_rule", "per_leaf_rule")):  # a rule of the user's own
+        from functopt._base import EmptyState
+
+        return {"tx": functopt.scale(0.5), "name": "my_rule", "state": EmptyState}[n]
     if n == "params":
         return [torch.nn.Parameter(torch.zeros(2))]
     if n.endswith("steps") or n in ("max_consecutive_errors", "transition_begin"):

@@ -221,6 +221,7 @@ def test_cases_cover_the_numeric_public_api() -> None:
         "with_extra_args_support", "chain", "named_chain", "masked", "partition",
         "apply_if_finite", "inject_hyperparams", "zero_nans", "keep_params_nonnegative",
         "centralize",
+        "elementwise_rule", "per_leaf_rule",  # (describe the user's own rule; no maths)
     }
     factories = {
         name for name in F.__all__
