@@ -93,13 +93,21 @@ def local_grad_stats(grads: Any, device: torch.device | None = None, *,
         >>> local_grad_stats({"w": torch.tensor([3.0, 0.0]), "b": torch.tensor([4.0]), "c": None})
         tensor([25.,  0.,  1.], dtype=torch.float64)
     """
-    owner = "local_grad_stats"
+    leaves, name, _, counted = _counted_tree("local_grad_stats", grads, group, replicated)
+    return local_stats(leaves, name, device, counted)
+
+
+def _counted_tree(owner: str, grads: Any, group: dist.ProcessGroup | None,
+                  replicated: Replicated) -> tuple[list[Any], Callable[[int], str],
+                                                   dist.ProcessGroup | None, list[bool]]:
+    """The leaves of ``grads`` (checked to be tensors or None), their names, the group
+    their statistics are reduced over and whether this rank counts each one."""
     leaves, treespec = _core.flatten(grads)
     name = _leaf_names(treespec)
     _as_tensor_leaves(leaves, name, owner)
-    _, counted = _counting(owner, leaves, name, group,
-                           _entries(owner, replicated, grads, leaves, treespec))
-    return local_stats(leaves, name, device, counted)
+    found, counted = _counting(owner, leaves, name, group,
+                               _entries(owner, replicated, grads, leaves, treespec))
+    return leaves, name, found, counted
 
 
 def local_stats(leaves: Sequence[Any], name: Callable[[int], str],
@@ -423,10 +431,5 @@ def global_grad_stats(
         >>> unpack_grad_stats(global_grad_stats([torch.tensor([3.0, 4.0])]))
         GradStats(norm=tensor(5.), found_inf=tensor(False), num_zeros=tensor(0))
     """
-    owner = "global_grad_stats"
-    leaves, treespec = _core.flatten(grads)
-    name = _leaf_names(treespec)
-    _as_tensor_leaves(leaves, name, owner)
-    group, counted = _counting(owner, leaves, name, group,
-                               _entries(owner, replicated, grads, leaves, treespec))
+    leaves, name, group, counted = _counted_tree("global_grad_stats", grads, group, replicated)
     return all_reduce_stats(local_stats(leaves, name, device, counted), group)
