@@ -80,13 +80,8 @@ from functopt.fast._explain import Explanation
 from functopt.fast._planner import CaptureError
 from functopt.fast._step import differentiated
 from functopt.precision import _explain, _host
-from functopt.precision._fused import (
-    _lowered,
-    flat_init,
-    fused_mixed_step,
-    fused_multi_step,
-    lay_out_params,
-)
+from functopt.precision._fused import _lowered, flat_init, fused_mixed_step, lay_out_params
+from functopt.precision._fused_multi import fused_multi_step
 from functopt.precision._seen import Seen
 from functopt.precision.loss_scale import (
     LossScale,
