@@ -491,17 +491,16 @@ class _MixedStep:
 
     def step(self, grads: Any, state: MixedPrecisionState, params: Params,
              **extra_args: Any) -> tuple[Params, MixedPrecisionState]:
-        owner = OWNER
         if _ops._recording():
             raise CaptureError(
-                f"{owner}: the mixed-precision step cannot be recorded for replay (a CUDA "
+                f"{OWNER}: the mixed-precision step cannot be recorded for replay (a CUDA "
                 f"graph) yet: it keeps its key, the step count that seeds random rounding, "
                 f"on the CPU, where a replay would not advance it. Fix: run this step "
                 f"outside the recording (the forward and backward can still be captured), "
                 f"or record a functopt.fast.make_step of a float32 chain.")
         if not isinstance(state, MixedPrecisionState):
             raise TypeError(
-                f"{owner}: state must be the MixedPrecisionState returned by init or step, got "
+                f"{OWNER}: state must be the MixedPrecisionState returned by init or step, got "
                 f"{type(state).__name__}. Fix: call step(grads, state, params) in this order, "
                 f"with state = opt.init(params) before the first step."
             )
@@ -514,7 +513,7 @@ class _MixedStep:
         if self.fast and not differentiated(params, grads, state):
             lowered = self.fused_step(checked, state)
             if isinstance(lowered, str):
-                _planner.warn_lost(owner, lowered, stacklevel=2)
+                _planner.warn_lost(OWNER, lowered, stacklevel=2)
             else:
                 return self.fast_result(lowered, checked.treespec, state)
         return self.pure_step(checked, state, extra_args)
@@ -591,10 +590,9 @@ class _MixedStep:
             wp, ws = mw.write(p, s, v + u, generator)
             if wp.dtype != p.dtype or wp.shape != p.shape:
                 raise ValueError(
-                    f"{OWNER}: {_core.paths(treespec)[i]!r}: the master-weight strategy "
-                    f"wrote {_core._describe(wp)} for {_core._describe(p)}. Fix: build the "
-                    f"state with init(params) on the params you step (state.master must "
-                    f"match them)."
+                    f"{OWNER}: {_core.paths(treespec)[i]!r}: the master-weight strategy wrote "
+                    f"{_core._describe(wp)} for {_core._describe(p)}. Fix: build the state with "
+                    f"init(params) on the params you step (state.master must match them)."
                 )
             keep = cond.on(p.device)
             new_params.append(torch.where(keep, p, wp))
@@ -613,8 +611,8 @@ class _MixedStep:
         donate = self.donate
         return dict(treespec=treespec, scale_rule=self.scale_rule, scaled=self.scaled,
                     max_grad_norm=self.max_grad_norm, group=group, name=name, counted=counted,
-                    agreed=self.agreed(),
-                    count_zeros=self.count_zeros, donate=donate, compiled=self.compile,
+                    agreed=self.agreed(), count_zeros=self.count_zeros, donate=donate,
+                    compiled=self.compile,
                     workspace=self.workspace.buffers if donate else None,
                     scratch=self.workspace.scratch if donate else None)
 
