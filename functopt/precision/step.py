@@ -547,7 +547,7 @@ class _MixedStep:
         # 1. unscale in the precision of the value updated; 1/scale rounded once to float32,
         # as GradScaler does (exact for power-of-two scales).
         inv_scale = _inverse(state.loss_scale)
-        # (_check_grads made sure that every gradient has a param, hence a view.)
+        # (checked_leaves made sure that every gradient has a param, hence a view.)
         unscaled = [None if g is None or v is None else g.to(v.dtype) * inv_scale
                     for g, v in zip(c.grads, c.view, strict=True)]
         # 2. one statistics pass over the local shards, one all-reduce when the params are
