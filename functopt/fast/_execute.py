@@ -162,7 +162,8 @@ def _resolve(run: _Run) -> None:
 
 def _groups(run: _Run, op: Map, spec: Any) -> list[tuple[int, ...]]:
     """The calls of ``op``'s rule: per (device, dtype) group of its leaves where it is
-    elementwise, else one call on all of them."""
+    elementwise, else one call on all of them; on no leaf, one call (as ``masked`` calls
+    its inner transform on a tree of ``None``, which still advances a count)."""
     if not op.rule.elementwise or getattr(spec, "sums", None) is not None:
         return [op.sel]
     found: dict[Any, list[int]] = {}
@@ -170,7 +171,7 @@ def _groups(run: _Run, op: Map, spec: Any) -> list[tuple[int, ...]]:
         x = run.updates[i] if run.updates[i] is not None else run.params[i]
         local = local_tensor(x)
         found.setdefault((local.device, local.dtype), []).append(i)
-    return [tuple(leaves) for leaves in found.values()]
+    return [tuple(leaves) for leaves in found.values()] or [op.sel]
 
 
 def _map(run: _Run, op: Map) -> None:

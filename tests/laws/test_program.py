@@ -152,6 +152,10 @@ def _weights(p: Any) -> dict[str, bool]:
     return {"w": True, "b": False, "h": True, "s": False}
 
 
+def _nothing(p: Any) -> dict[str, bool]:
+    return {"w": False, "b": False, "h": False, "s": False}
+
+
 def _labels(p: Any) -> dict[str, str]:
     return {"w": "adam", "b": "sgd", "h": "adam", "s": "frozen"}
 
@@ -175,6 +179,7 @@ CHAINS: dict[str, Callable[[], Any]] = {
         {"adam": F.chain(F.clip_by_global_norm(1.0), F.adam(1e-2)),
          "sgd": F.sgd(0.1, momentum=0.5), "frozen": F.set_to_zero()}, _labels),
     "masked decay": lambda: F.adamw(1e-2, weight_decay=0.1, mask=_weights),
+    "masked on no leaf": lambda: F.chain(F.masked(F.adam(1e-2), _nothing), F.sgd(0.1)),
     "guard": lambda: F.apply_if_finite(F.adam(1e-2), max_consecutive_errors=1),
     "guard after clip": lambda: F.chain(F.clip_by_global_norm(1.0),
                                         F.apply_if_finite(F.adam(1e-2), 2)),

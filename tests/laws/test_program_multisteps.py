@@ -44,6 +44,7 @@ from test_program import (
     _halve_learning_rate,
     _labels,
     _negated,
+    _nothing,
     _params,
     _weights,
     check_equal,
@@ -88,6 +89,7 @@ WINDOWS: dict[str, tuple[Callable[[], Any], int]] = {
                                  _gt(F.MultiSteps(F.adam(1e-2), 2)), F.scale(0.5)), 1),
     "masked": (lambda: F.masked(_gt(F.MultiSteps(F.adam(1e-2), 2,
                                                  should_skip_update_fn=LARGE)), _weights), 1),
+    "masked on no leaf": (lambda: F.masked(_gt(F.MultiSteps(F.adam(1e-2), 1)), _nothing), 1),
     "partition": (lambda: F.partition(
         {"adam": _gt(F.MultiSteps(F.adam(1e-2), 2)),
          "sgd": _gt(F.MultiSteps(F.sgd(0.1, momentum=0.5), 3, use_grad_mean=False)),
