@@ -14,7 +14,8 @@ the window closes. Held here, beside the registry law of tests/laws/test_program
   ``conformance.cases``: 0-d, empty, strided leaves, ``None`` gradients, inf and nan);
 - one gate per ``MultiSteps``, the windows the engine steps through on the table's
   gradients (skipped mini-steps, accumulating ones, closing ones), the inner transform's hyperparameters read only where a window closes,
-  and the errors: the pure update's own, and a skip_state whose structure changes.
+  and the errors: the pure update's own, a skip_state whose structure changes, and the
+  reasons of what the compiler does not take.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from hypothesis import strategies as st
 
 import functopt as F
 from functopt.fast import make_step
-from functopt.fast._program import Gate, Op, Window
+from functopt.fast._program import Gate, Op, Window, compile_program
 from functopt.testing import conformance
+from functopt.tree import _core
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -252,3 +254,21 @@ def test_the_pure_updates_errors_reach_the_caller() -> None:
                                                            r"integer tensor"):
         make_step(tx)(_grads(0), state, params)
     assert calls == [1]  # (raised by the engine's step, from MultiSteps.window)
+
+
+def _opaque() -> F.GradientTransformation:
+    return F.GradientTransformation(lambda p: (), lambda u, s, p=None: (u, s))
+
+
+def test_what_the_compiler_does_not_take_inside_a_multisteps_is_named() -> None:
+    params = _params()
+    program = program_of(F.chain(F.scale(2.0), _gt(F.MultiSteps(_opaque(), 2))), params)
+    assert program.reason is not None and program.ops == ()
+    assert program.reason.startswith("[1].MultiSteps: a transform without a spec")
+    tx = F.chain(F.scale(2.0), _gt(F.MultiSteps(F.sgd(0.1), 2)))
+    state = tx.init(params)
+    wrong = (state[0], tuple(state[1]))  # (its MultiStepsState as a plain tuple)
+    _, treespec = _core.flatten(params)
+    found = compile_program(tx, params, treespec, _core.flatten(params)[0],
+                            *_core.flatten(wrong))
+    assert found.reason == "[1]: the state of a MultiSteps is tuple, not a MultiStepsState"
