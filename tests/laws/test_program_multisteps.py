@@ -12,10 +12,11 @@ the window closes. Held here, beside the registry law of tests/laws/test_program
   nested), over several windows with an inf, a nan or ``None`` gradients, donated or not;
 - the same over hypothesis pytrees (``functopt.testing.strategies``, through
   ``conformance.cases``: 0-d, empty, strided leaves, ``None`` gradients, inf and nan);
-- one gate per ``MultiSteps``, the windows the engine steps through on the table's
-  gradients (skipped mini-steps, accumulating ones, closing ones), the inner transform's hyperparameters read only where a window closes,
-  and the errors: the pure update's own, a skip_state whose structure changes, and the
-  reasons of what the compiler does not take.
+- one gate per ``MultiSteps``; the windows the engine steps through on the table's
+  gradients (skipped mini-steps, accumulating ones, closing ones); the inner transform's
+  hyperparameters read only where a window closes; and the errors: the pure update's
+  own, a skip_state whose structure changes, and the reasons of what the compiler does
+  not take.
 """
 
 from __future__ import annotations
