@@ -27,24 +27,10 @@ from functopt._protocol import (
 from functopt._spec import Leafwise, describe, specified
 from functopt.tree import _core
 
-__all__ = [
-    "EmptyState",
-    "GradientTransformation",
-    "Numeric",
-    "Params",
-    "ScalarOrSchedule",
-    "Schedule",
-    "State",
-    "TransformInitFn",
-    "TransformUpdateFn",
-    "Updates",
-    "accepts_extra_args",
-    "identity",
-    "set_to_zero",
-    "stateless",
-    "stateless_with_tree_map",
-    "with_extra_args_support",
-]
+__all__ = ["EmptyState", "GradientTransformation", "Numeric", "Params", "ScalarOrSchedule",
+           "Schedule", "State", "TransformInitFn", "TransformUpdateFn", "Updates",
+           "accepts_extra_args", "identity", "set_to_zero", "stateless", "stateless_with_tree_map",
+           "with_extra_args_support"]
 
 Numeric = float | int | torch.Tensor
 """A hyperparameter: a Python number, or a 0-d tensor (as ``inject_hyperparams`` passes)."""

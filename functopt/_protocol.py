@@ -1,11 +1,7 @@
-"""The protocol's own types: [`GradientTransformation`][functopt.GradientTransformation] and
-the types of its two functions and their trees.
-
-The bottom of the stack: ``functopt._spec`` describes transforms of this type, and
-``functopt._base`` (where these names are documented and imported from) builds its basic
-transforms with such descriptions, so both import this module and neither imports the other
-back.
-"""
+"""The protocol's types: [`GradientTransformation`][functopt.GradientTransformation], its two
+functions and their trees. The bottom layer: ``functopt._spec`` describes transforms of this
+type and ``functopt._base`` (which documents and exports these names) builds its basic
+transforms with such descriptions."""
 
 from __future__ import annotations
 

@@ -79,6 +79,7 @@ from functopt.precision.step import (
     MixedPrecisionTransformation,
     _mixed_precision,
 )
+from functopt.transforms._common import flatten_params
 from functopt.tree import _core
 
 __all__ = [
@@ -119,12 +120,6 @@ def _resolve_group(process_group: dist.ProcessGroup | None,
     if world == 1:
         return None, 0, 1
     return group, dist.get_rank(group), world
-
-
-def _check_params(owner: str, params: Params) -> tuple[list[Any], _core.TreeSpec]:
-    leaves, treespec = _core.flatten(params)
-    _core.check_tensors(leaves, treespec, name="params", floating=True)
-    return leaves, treespec
 
 
 def _model_parallel(owner: str, leaves: list[Any], treespec: _core.TreeSpec,
@@ -372,7 +367,7 @@ def _zero1_parts(
     by_group: dict[int, tuple[dist.ProcessGroup, MixedPrecisionTransformation]] = {}
 
     def plan(params: Params) -> _Plan:
-        leaves, treespec = _check_params(owner, params)
+        leaves, treespec = flatten_params(params)
         group, rank, world = _resolve_group(process_group)
         mesh = _model_parallel(owner, leaves, treespec, group)
         if mesh is None:  # data parallel only: each slice is its rank's part
@@ -528,7 +523,7 @@ def _slice_keys(owner: str, state: Any, params: Params, rank: int,
             f"{owner}: state must be the MixedPrecisionState of zero1(...).init or .step, got "
             f"{type(state).__name__}."
         )
-    leaves, treespec = _check_params(owner, params)
+    leaves, treespec = flatten_params(params)
     leaves = [None if p is None else local_tensor(p) for p in leaves]  # slices of local shards
     by_path = {tuple(a): p for a, p in zip(optree.treespec_accessors(treespec), leaves,
                                               strict=True)}
@@ -618,7 +613,7 @@ def zero1_state_to_dict(state: MixedPrecisionState, params: Params, *,
 def _tp_suffix(owner: str, params: Params, group: dist.ProcessGroup | None) -> str:
     """``''``, or ``'@tp<rank>'`` with tensor-parallel params: each tensor-parallel rank's
     slices (of its own local shards) are saved under keys of their own."""
-    leaves, treespec = _check_params(owner, params)
+    leaves, treespec = flatten_params(params)
     mesh = _model_parallel(owner, leaves, treespec, group)
     return "" if mesh is None else f"@tp{mesh.get_local_rank()}"
 

@@ -196,13 +196,11 @@ def check_capture(
     s = recorded.init(p)
     g = _compare.clone_tree(grads[0])
     tied = _tied(params)
-    missing = [path for path, (x, y) in zip(
-        _core.paths(_core.structure(params)),
-        zip(_core.flatten(params)[0],
-            _core.flatten_like(_core.structure(params), grads[0], name="grads",
-                               reference="params"), strict=True), strict=True)
+    leaves, spec = _core.flatten(params)
+    missing = [path for path, x, y in zip(_core.paths(spec), leaves, _core.flatten_like(
+        spec, grads[0], name="grads", reference="params"), strict=True)
         if x is not None and y is None]
-    on_cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in _core.flatten(params)[0])
+    on_cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in leaves)
 
     def capture(inputs: tuple[Any, Any, Any]) -> Any:
         with warnings.catch_warnings():

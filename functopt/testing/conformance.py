@@ -93,23 +93,10 @@ from functopt.testing._fast import (
 from functopt.testing._running import TransformOrFactory, build, is_transform, run_steps
 from functopt.tree import _core
 
-__all__ = [
-    "CHECKS",
-    "FAST_PATH_REL_FLOAT64",
-    "FAST_PATH_ULPS",
-    "TransformOrFactory",
-    "cases",
-    "check_capture",
-    "check_chain_laws",
-    "check_determinism",
-    "check_fast_path",
-    "check_layout",
-    "check_masked_equals_per_leaf",
-    "check_purity",
-    "check_state_roundtrip",
-    "check_transform",
-    "conformance_test",
-]
+__all__ = ["CHECKS", "FAST_PATH_REL_FLOAT64", "FAST_PATH_ULPS", "TransformOrFactory", "cases",
+           "check_capture", "check_chain_laws", "check_determinism", "check_fast_path",
+           "check_layout", "check_masked_equals_per_leaf", "check_purity", "check_state_roundtrip",
+           "check_transform", "conformance_test"]
 
 CHECKS: tuple[str, ...] = ("purity", "determinism", "layout", "state_roundtrip", "chain_laws",
                            "masked", "fast_path")
@@ -452,8 +439,6 @@ def check_masked_equals_per_leaf(
         ...     lambda: functopt.adam(0.1), params, grads, mask={"w": True, "b": False})  # returns None when the law holds
     """
     check = "check_masked_equals_per_leaf"
-    if not hasattr(functopt, "masked"):
-        raise AssertionError(f"{check}: functopt.masked does not exist in this version.")
     if mask is None:
         mask = _default_mask(params)
     param_leaves, spec = _core.flatten(params)
@@ -494,8 +479,7 @@ def check_transform(
 ) -> None:
     """Run every conformance check on one transform (see `CHECKS`).
 
-    The chain laws are checked with ``a = b = c = tx``; the masking law runs when
-    ``functopt.masked`` exists.
+    The chain laws are checked with ``a = b = c = tx``.
 
     Args:
         tx: the transform, or (better) a zero-argument factory building it.
@@ -539,7 +523,7 @@ def check_transform(
         check_state_roundtrip(tx, params, grads, steps, **kw)
     if "chain_laws" not in skip:
         check_chain_laws(tx, tx, tx, params, grads, steps, **kw)
-    if "masked" not in skip and hasattr(functopt, "masked"):
+    if "masked" not in skip:
         check_masked_equals_per_leaf(tx, params, grads, mask, steps, **kw)
     if "fast_path" not in skip:
         check_fast_path(tx, params, grads, steps, **kw)

@@ -15,10 +15,7 @@ from functopt._spec import PerLeaf, specified
 from functopt.transforms import _common
 from functopt.tree import _core
 
-__all__ = [
-    "FactoredState",
-    "scale_by_factored_rms",
-]
+__all__ = ["FactoredState", "scale_by_factored_rms"]
 
 
 def _decay_rate_pow(step: torch.Tensor, exponent: Numeric = 0.8) -> torch.Tensor:

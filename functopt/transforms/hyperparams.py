@@ -23,10 +23,7 @@ from functopt._validate import _is_number
 from functopt.transforms import _common
 from functopt.tree import _core
 
-__all__ = [
-    "InjectHyperparamsState",
-    "inject_hyperparams",
-]
+__all__ = ["InjectHyperparamsState", "inject_hyperparams"]
 
 _OWNER = "inject_hyperparams"
 

@@ -11,10 +11,7 @@ from functopt.transforms import _common
 from functopt.transforms.combining import _check_transform
 from functopt.tree import _core
 
-__all__ = [
-    "PartitionState",
-    "partition",
-]
+__all__ = ["PartitionState", "partition"]
 
 
 class PartitionState(NamedTuple):
