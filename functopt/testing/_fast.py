@@ -115,13 +115,11 @@ def check_fast_path(
                 ((False, True), (True, True)) if compile else ())):
             step_fn = make_step(built, donate=donate, compile=compile)
             inputs = _compare.clone_tree((grads, state, params))
-            if flat:  # the state laid out as step.init lays it out, with the same values
-                laid = step_fn.init(params)
-                inputs = (inputs[0], optree.tree_map(
-                    lambda x, v: x.copy_(v) if isinstance(x, torch.Tensor) else v, laid,
-                    inputs[1]), inputs[2])
-            if flat:  # stepped as they are (a clone would not be flat); compared with a copy
-                g, s, p = inputs
+            if flat:  # the state laid out as step.init lays it out, with the same values,
+                # stepped as they are (a clone would not be flat) and compared with a copy
+                g, s, p = inputs = (inputs[0], optree.tree_map(
+                    lambda x, v: x.copy_(v) if isinstance(x, torch.Tensor) else v,
+                    step_fn.init(params), inputs[1]), inputs[2])
                 inputs = _compare.clone_tree(inputs)
             else:
                 g, s, p = _compare.clone_tree(inputs)
