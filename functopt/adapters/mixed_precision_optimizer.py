@@ -31,6 +31,7 @@ from functopt._collective.dtensor import local_tensor
 from functopt._collective.stats import global_grad_stats
 from functopt._spec import Injected, describe
 from functopt.adapters import _from_torch, _missing_grads, _param_groups, _state_dict
+from functopt.adapters._base import AdapterBase, immutable, lift
 from functopt.adapters._facade_groups import (
     _UNSET,
     BOOKKEEPING_KEYS,
@@ -40,7 +41,6 @@ from functopt.adapters._facade_groups import (
     _same,
 )
 from functopt.adapters._megatron import MegatronSurface, check_expert_groups, decoupled_records
-from functopt.adapters.optimizer import _find_states, _lift
 from functopt.distributed.offloading import OffloadedState, _restore_target, offload, reload
 from functopt.precision.loss_scale import (
     LossScale,
@@ -88,17 +88,6 @@ TransformOrFactory = GradientTransformation | Callable[..., GradientTransformati
 
 StepResult = tuple[bool, float | None, int | None]
 """``(ok, grad_norm, num_zeros)``, Megatron-LM's ``step()`` result (``return_grad_stats``)."""
-
-
-def _immutable(value: Any) -> bool:
-    """Whether a group value cannot change without being replaced: a number, a string,
-    None, a tuple of those, or a callable (a schedule or a factory argument, which the
-    groups compare by identity). Not a tensor: one filled in place is a new value where
-    a multiplier scales it."""
-    if isinstance(value, tuple):
-        return all(_immutable(v) for v in value)
-    return value is None or isinstance(value, (int, float, str)) or (
-        callable(value) and not isinstance(value, torch.Tensor))
 
 
 def _unaliased(state: MixedPrecisionState, params: list[torch.Tensor]) -> MixedPrecisionState:
@@ -203,7 +192,7 @@ class _Entry(dict):  # type: ignore[type-arg]
     __delitem__ = update = pop = popitem = setdefault = clear = _refuse
 
 
-class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
+class MixedPrecisionOptimizer(MegatronSurface, AdapterBase):
     r"""A LightRFT/Megatron-style mixed-precision optimizer over ``nn.Parameter`` objects.
 
     The calls of a training loop, and what they do:
@@ -512,9 +501,7 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
         0.005
     """
 
-    # the training params kept by eval() (schedule-free), restored by train(); None in
-    # train mode
-    _train_params: list[torch.Tensor] | None = None
+    _owner = _OWNER
     _constructing = False
     # the step without the clip of clip_grad_norm (a ChainedOptimizer's), and the clipped
     # step it was built beside
@@ -593,7 +580,7 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
             )
         # A plain recipe runs as inject_hyperparams of itself (as in functopt.Optimizer), so
         # that its hyperparameters are in param_groups, where schedulers write them.
-        fixed = _lift(transform) if isinstance(transform, GradientTransformation) else None
+        fixed = lift(transform) if isinstance(transform, GradientTransformation) else None
         self._fixed = fixed
         self._lifted = fixed is not None and fixed is not transform
         # the recipe as given (checkpoints from before the lift hold its state)
@@ -688,15 +675,14 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
 
     # -- param groups -------------------------------------------------------------------
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Refused after construction: the groups' state and partition are fixed then."""
+    def _add_group(self, group: dict[str, Any]) -> None:
         if not self._constructing:
             raise TypeError(
                 f"{_OWNER}.add_param_group: the param groups are fixed when the optimizer is "
                 f"built (their master copies, state and the partition of the transform are "
                 f"made then). Fix: build the optimizer with all its groups."
             )
-        super().add_param_group(param_group)
+        torch.optim.Optimizer.add_param_group(self, group)
 
     @property
     def grad_norm_skip_threshold(self) -> float:
@@ -780,7 +766,7 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
         self._synced = None
         self._sync_groups()
         snapshot = [tuple(group.items()) for group in self.param_groups]
-        if all(_immutable(v) for items in snapshot for k, v in items
+        if all(immutable(v) for items in snapshot for k, v in items
                if k not in ("params", "param_names")):
             self._synced = snapshot
 
@@ -923,7 +909,7 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
     def _step(self, closure: Callable[[], Any] | None, *, clip: bool) -> bool | StepResult:
         """``step()``; without the clip set by ``clip_grad_norm`` where ``clip`` is False
         (a ``ChainedOptimizer`` clips by the norm of all its optimizers' gradients)."""
-        self._check_not_offloaded("step")
+        self._check_ready("step")
         self._check_train_mode("step")
         if closure is not None:
             with torch.enable_grad():
@@ -1142,62 +1128,21 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
 
     # -- schedule-free: train / eval ------------------------------------------------------
 
-    def eval(self) -> None:
-        """Move the params to the schedule-free evaluation point, as the schedulefree
-        package's optimizers do: ``x = (y - (1 - b1) z) / b1``
-        ([`schedule_free_eval_params`][functopt.contrib.schedule_free_eval_params]) of the
-        master weights ``y``, written into the params (rounded to their dtype). The
-        training params are kept, so [`train`][functopt.MixedPrecisionOptimizer.train]
-        restores them bitwise; the masters and the state are not touched, so a checkpoint
-        taken in eval mode resumes training as one taken in train mode. Until ``train()``,
-        ``step()``, ``load_state_dict`` and ``reload_model_params`` raise. A no-op in eval
-        mode.
+    def _schedule_free_state(self, index: int, group: dict[str, Any]) -> Any:
+        plan = self._plans[index]
+        return None if plan.frozen else self._group_state(self._state, index)
 
-        Raises:
-            TypeError: the transform has no ``schedule_free`` stage.
-        """
-        if self._train_params is not None:
-            return
-        self._check_not_offloaded("eval")
-        from functopt.contrib import ScheduleFreeState, schedule_free_eval_params
+    def _evaluation_point(self, index: int, group: dict[str, Any],
+                          stage: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        # (y: the masters; a stage of a partition moves its own group's leaves only)
+        from functopt.contrib import schedule_free_eval_params
 
-        found = _find_states(self._state.inner_state, ScheduleFreeState)
-        if not found:
-            raise TypeError(
-                f"{_OWNER}.eval: the transform has no schedule_free stage; train()/eval() "
-                f"switch the params of schedule-free optimizers "
-                f"(functopt.contrib.schedule_free_adamw, schedule_free_sgd, "
-                f"schedule_free(...)). Fix: evaluate without eval()."
-            )
         mw = self._master_weights
-        with torch.no_grad():
-            x = self._tree([mw.view(p.detach(), self._state.master[name])
-                            for p, name in zip(self._params, self._names, strict=True)])
-            for sf_state in found:  # one per group: each moves only its group's leaves
-                x = schedule_free_eval_params(sf_state, x)
-            kept = []
-            for p, name in zip(self._params, self._names, strict=True):
-                kept.append(p.detach().clone())
-                p.copy_(x[name])
-        self._train_params = kept
-
-    def train(self) -> None:
-        """Back to the training params after [`eval`][functopt.MixedPrecisionOptimizer.eval]
-        (bitwise the ones ``eval()`` left); a no-op in train mode."""
-        kept = self._train_params
-        if kept is None:
-            return
-        with torch.no_grad():
-            for p, value in zip(self._params, kept, strict=True):
-                p.copy_(value)
-        self._train_params = None
-
-    def _check_train_mode(self, method: str) -> None:
-        if self._train_params is not None:
-            raise RuntimeError(
-                f"{_OWNER}.{method}: the params hold the schedule-free evaluation point (after "
-                f"optimizer.eval()). Fix: call optimizer.train() first."
-            )
+        x = schedule_free_eval_params(stage, self._tree([
+            mw.view(p.detach(), self._state.master[name])
+            for p, name in zip(self._params, self._names, strict=True)]))
+        return [(p, x[name]) for p, name in zip(group["params"], group["param_names"],
+                                                strict=True)]
 
     # -- reading the state ------------------------------------------------------------
 
@@ -1290,13 +1235,7 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
     # The facade's state is its step's state; ``optimizer.state`` is a view of it, keyed by
     # param as torch.optim's is (torch.distributed.checkpoint's helpers read it to tell
     # whether the state exists, and would otherwise take a zero-gradient step).
-    @property
-    def state(self) -> defaultdict[torch.Tensor, dict[str, Any]]:
-        """Each param's entry of the state (see *Checkpoints*): a view, rebuilt at each read;
-        the tensors are the live state. Frozen params have empty entries. A key that is no
-        tensor (what a state-dict hook stores) is kept, saved and loaded, as torch's. A
-        tensor written into an entry over one of the same shape is copied into the live
-        state; any other write under a param raises (it would be lost)."""
+    def _read_state(self) -> defaultdict[torch.Tensor, dict[str, Any]]:
         if "_state" not in self.__dict__:  # during torch's __init__
             return defaultdict(dict)
         entries = self._layout().entries(self._state)
@@ -1308,8 +1247,7 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
         view.update(own)
         return view
 
-    @state.setter
-    def state(self, value: Any) -> None:
+    def _write_state(self, value: Any) -> None:
         if value:
             raise TypeError(
                 f"{_OWNER}: optimizer.state is a view of the step's state and cannot be "
@@ -1332,29 +1270,7 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
                 _RULE_KEY: rule,
                 "master_dtype": str(self._master_weights.dtype).removeprefix("torch.")}
 
-    def state_dict(self) -> dict[str, Any]:
-        """torch's layout of the state: ``{"state": {id: entry}, "param_groups": [...]}``.
-
-        Each param's entry maps state paths to its tensors (``'master'``,
-        ``'inner_state.0.mu'``) and holds the leaves shared by all params too
-        (``'loss_scale.scale'``, ``'metrics.grad_norm'``, ``'key'``), the same tensor in
-        every entry; each group lists its params' ids and ``param_names``, its keys and
-        values, and under ``"functopt"`` the configuration the state needs (format, recipe,
-        loss-scale rule, master dtype), which ``load_state_dict`` checks.
-        [`named_state_dict`][functopt.MixedPrecisionOptimizer.named_state_dict] is the
-        same keyed by names. Loadable with ``torch.load(weights_only=True)``, and by
-        ``torch.distributed.checkpoint`` (directly, or through
-        ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``, which reshard it).
-
-        The tensors are the live state, not copies; the next step then writes new tensors
-        instead of updating these in place, so a dict taken before a step keeps its
-        values (later steps update the optimizer's own tensors in place again).
-
-        With DTensor state (FSDP2) the first group's record also holds the dict's
-        integrity record (``"integrity"``), which ``load_state_dict`` checks, so a torn
-        distributed checkpoint raises on every rank: both calls are then collectives
-        over the default group (docs/sharded-state.md, *A torn checkpoint raises at load*).
-        """
+    def _unsealed_state_dict(self) -> dict[str, Any]:
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         self._state_shared = True
@@ -1379,65 +1295,13 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
             result = post_hook(self, saved)
             if result is not None:
                 saved = result
-        _state_dict.seal(saved)
         return saved
 
-    def named_state_dict(self) -> dict[str, Any]:
-        """The state dict keyed by param names: functopt's state format, the layout
-        ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` gives.
-
-        Examples:
-            >>> import torch, functopt
-            >>> model = torch.nn.Linear(2, 1).to(torch.bfloat16)
-            >>> opt = functopt.MixedPrecisionOptimizer(model.named_parameters(),
-            ...                                        functopt.adamw(1e-2))
-            >>> sd = opt.named_state_dict()
-            >>> sorted(k for k in sd["state"]["bias"] if k.endswith(("mu", "learning_rate")))
-            ['inner_state.hyperparams.learning_rate', 'inner_state.inner_state.0.mu']
-            >>> opt.load_named_state_dict(sd)
-        """
-        return _state_dict.torch_to_named(f"{_OWNER}.named_state_dict", self.state_dict())
-
-    def load_named_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict keyed by param names (``named_state_dict()``)."""
-        self.load_state_dict(_state_dict.named_to_torch(f"{_OWNER}.load_named_state_dict",
-                                                        state_dict))
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state saved by ``state_dict()``; params with a master copy are set from it.
-
-        Entries are matched to params by name (``param_names``; DCP's layout keys them by
-        name), so the groups may list their params in another order, and the groups may
-        come in another order (each takes the values and state of the saved group naming
-        its params, as Megatron reorders its groups between runs); names that differ
-        raise. The optimizer keeps copies of the given tensors (moved to the params'
-        devices), so the dict can be reused or changed afterwards without touching the
-        optimizer. The saved group values replace the groups' own (with the saved
-        ``lr_mult`` / ``wd_mult``, whose products they hold). A state dict of the
-        format before 2 (nested dicts keyed by field names: ``"loss_scale"``,
-        ``"master"``, ``"inner_state"``, ...) still loads.
-
-        Raises:
-            ValueError: naming missing or unexpected keys (other param names, another
-                transform), a key whose tensor has another shape, or a configuration that
-                does not match (loss-scale rule, recipe, master dtype, frozen groups).
-            TypeError: naming a key whose tensor has another dtype (a float16 loss scale).
-        """
-        self._check_not_offloaded("load_state_dict")
-        self._check_train_mode("load_state_dict")
-        owner = f"{_OWNER}.load_state_dict"
-        if isinstance(state_dict, Mapping) and "state" in state_dict:
-            _state_dict.check_seal(owner, state_dict)
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        if isinstance(state_dict, Mapping) and "state" not in state_dict:
+    def _load(self, owner: str, state_dict: dict[str, Any]) -> None:
+        if "state" not in state_dict:
             self._load_nested(state_dict)
         else:
             self._load_torch_layout(owner, state_dict)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
 
     def _load_torch_layout(self, owner: str, state_dict: Mapping[str, Any]) -> None:
         """Load ``state_dict()``'s layout (``load_state_dict`` ran the hooks)."""
@@ -1581,7 +1445,7 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
             plan.mults = folded  # (the saved values hold the saved multipliers' products)
         return saved
 
-    def __getstate__(self) -> dict[str, Any]:
+    def _copied(self) -> dict[str, Any]:
         # torch.optim.Optimizer's keeps defaults, state and param_groups only; the facade's
         # state lives in its own attributes, so a copy.deepcopy keeps them all.
         return dict(self.__dict__)
@@ -1629,7 +1493,7 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
         self._state = reload(self._offloaded, _restore_target(owner, self._offloaded, device_id))
         self._offloaded = None
 
-    def _check_not_offloaded(self, method: str) -> None:
+    def _check_ready(self, method: str) -> None:
         if self._offloaded is not None:
             raise RuntimeError(
                 f"{_OWNER}.{method}: the optimizer state is offloaded to the CPU. Fix: call "

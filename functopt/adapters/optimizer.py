@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import gc
 import itertools
 import math
 import operator
-import pickle
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import optree
@@ -27,16 +25,25 @@ from functopt import _validate
 from functopt._base import GradientTransformation, State
 from functopt._collective.dtensor import _leaf_names
 from functopt._spec import Injected, describe
-from functopt.adapters import _group_init, _param_groups, _state_dict, _torch_state
+from functopt.adapters import _base, _group_init, _param_groups, _state_dict, _torch_state
+from functopt.adapters._base import (
+    OPTIMIZER_NOT_PICKLABLE,
+    AdapterBase,
+    HeldTransform,
+    collector_paused,
+    immutable,
+    is_number,
+    lift,
+)
 from functopt.fast import _planner
 from functopt.fast._step import _check as _step_checks
 from functopt.fast._step import make_step
 from functopt.optimizers import recipe_of
 from functopt.transforms.combining import _check_transform
-from functopt.transforms.hyperparams import InjectHyperparamsState, inject_hyperparams
+from functopt.transforms.hyperparams import InjectHyperparamsState
 from functopt.tree import _core
 
-__all__ = ["Optimizer"]
+__all__ = ["OPTIMIZER_NOT_PICKLABLE", "Optimizer"]
 
 # What a plan says about one leaf of the transform's state.
 _FIELD = 0  # a per-parameter leaf: stored in optimizer.state[param][field path]
@@ -45,39 +52,12 @@ _HYPER = 2  # an injected hyperparameter: read from the param group on every ste
 _UNSET = object()
 
 
-def _lift(tx: GradientTransformation) -> GradientTransformation:
-    """A plain recipe as ``inject_hyperparams`` of itself, its ``RECIPE_GROUP_KEYS``
-    arguments given as numbers injected and every other argument fixed; any other transform
-    as it is (one built by ``inject_hyperparams`` already injects what it exposes)."""
-    if isinstance(describe(tx), Injected):
-        return tx
-    record = recipe_of(tx)
-    if record is None or record.name not in _param_groups.RECIPE_GROUP_KEYS:
-        return tx
-    listed = [a for args in _param_groups.RECIPE_GROUP_KEYS[record.name].values() for a in args]
-    injected = [a for a in listed if _is_number(record.arguments.get(a)) or (
-        isinstance(record.arguments.get(a), torch.Tensor) and record.arguments[a].dim() == 0)]
-    if not injected:
-        return tx
-    static = [a for a in record.arguments if a not in injected]
-    return inject_hyperparams(record.factory, static_args=static)(**record.arguments)
-
-
 def _recipe_of_injected(tx: GradientTransformation, hyper: dict[str, torch.Tensor]) -> str | None:
     """What recipe an ``inject_hyperparams`` transform builds, with its fixed arguments
     (``"adamw(mu_dtype=None, nesterov=False)"``), or None if it builds none."""
     if not isinstance(describe(tx), Injected):
         return None
     return _state_dict.recipe_signature(tx, hyper)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _immutable(value: Any) -> bool:
-    """A group value that cannot change without being replaced: a number, or a tuple of them."""
-    return _is_number(value) or (isinstance(value, tuple) and all(map(_is_number, value)))
 
 
 def _python_value(t: torch.Tensor) -> Any:
@@ -264,7 +244,7 @@ class _Plan:
         return leaves
 
 
-class Optimizer(torch.optim.Optimizer):
+class Optimizer(AdapterBase):
     r"""A ``torch.optim.Optimizer`` whose step is a functopt transform.
 
     Each param group holds its own state of ``transform``; a step computes, per group,
@@ -415,11 +395,8 @@ class Optimizer(torch.optim.Optimizer):
         [0, 0, 4, 4]
     """
 
+    _owner = "functopt.Optimizer"
     _differentiable_default = False  # (functopt.optim: the constructor's differentiable)
-
-    # the training params kept by eval() (schedule-free), restored by train(); None in
-    # train mode
-    _train_params: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __init__(
         self,
@@ -437,7 +414,7 @@ class Optimizer(torch.optim.Optimizer):
         torch_class = transform if isinstance(transform, type) else type(transform)
         if issubclass(torch_class, torch.optim.Optimizer):
             raise TypeError(TORCH_OPTIMIZER.format(name=torch_class.__name__))
-        self._transform = _lift(_check_transform(owner, "transform", transform))
+        self._transform = lift(_check_transform(owner, "transform", transform))
         # the recipe's call that built it, which a pickle stores in place of its closures
         self._source = recipe_of(transform)
         _validate.check_flags(owner, fused=fused)
@@ -460,7 +437,7 @@ class Optimizer(torch.optim.Optimizer):
         # Filled from the first group's injected hyperparameters (add_param_group);
         # torch.optim's add_param_group takes non-leaf params where defaults say
         # differentiable (a subclass's _differentiable_default).
-        with _collector_paused():  # (see add_param_group)
+        with collector_paused():  # (see add_param_group)
             super().__init__(params, defaults={"differentiable": True}
                              if self._differentiable_default else {})
 
@@ -474,24 +451,15 @@ class Optimizer(torch.optim.Optimizer):
 
     # -- param groups -------------------------------------------------------------------
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group, with its own freshly initialised transform state.
-
-        Keys the group does not set take the values the transform was built with.
-        """
-        if not isinstance(param_group, dict):
-            raise TypeError(
-                f"functopt.Optimizer.add_param_group: expected a dict such as "
-                f"{{'params': [...], 'lr': 0.1}}, got {type(param_group).__name__}."
-            )
+    def _add_group(self, group: dict[str, Any]) -> None:
         # A group's plan and state are a few small containers per param: the cyclic
         # collector would run many times over them while they are made (at 20,000 params,
         # 80% of the time), and none of them forms a cycle.
-        with _collector_paused():
-            self._add_param_group(dict(param_group))
+        with collector_paused():
+            self._add_param_group(group)
 
     def _add_param_group(self, group: dict[str, Any]) -> None:
-        super().add_param_group(group)  # normalises params and names, appends
+        torch.optim.Optimizer.add_param_group(self, group)  # normalises params, names; appends
         index = len(self.param_groups) - 1
         try:
             flags = _param_groups.group_flags(
@@ -532,15 +500,10 @@ class Optimizer(torch.optim.Optimizer):
     # state in its constructor), not when it is first needed.
     _eager_state = False
 
-    @property
-    def state(self) -> Any:
-        """``torch.optim.Optimizer.state``: per param, its entry of the transform's state
-        (a ``functopt.optim`` class shows it in torch's layout). A group's entries are made
-        when this is first read (or at the group's first step)."""
+    def _read_state(self) -> Any:
         return self._shown_state(self._made_store())
 
-    @state.setter
-    def state(self, value: Any) -> None:
+    def _write_state(self, value: Any) -> None:
         if "_store" not in self.__dict__:  # (torch.optim's constructor)
             self.__dict__["_store"] = value
         else:
@@ -567,7 +530,7 @@ class Optimizer(torch.optim.Optimizer):
         pending = self.__dict__.get("_pending")
         if not pending:
             return
-        with _collector_paused():  # (see add_param_group)
+        with collector_paused():  # (see add_param_group)
             while pending:
                 index, group = pending.popitem()
                 groups = self.param_groups
@@ -764,7 +727,7 @@ class Optimizer(torch.optim.Optimizer):
             # The value a scheduler moves at every step: every recipe accepts any finite
             # learning rate > 0, so such a value needs no build of the recipe to check it.
             if not (changed == ["learning_rate"] and plan.recipe is not None
-                    and _is_number(lr) and 0.0 < lr < math.inf):
+                    and is_number(lr) and 0.0 < lr < math.inf):
                 self._validate(index, plan, raws)
             plan.checked = raws
         return values
@@ -804,7 +767,7 @@ class Optimizer(torch.optim.Optimizer):
             # Not cached: schedulers update a tensor lr in place. (A one-element tensor of
             # any shape, as torch.optim takes an lr.)
             return value.reshape(()).to(dtype=held.dtype, device=held.device)
-        if not _is_number(value):
+        if not is_number(value):
             raise TypeError(
                 f"functopt.Optimizer: param_groups[{index}][{key!r}] (the transform's "
                 f"{name!r}) must be a number or a one-element tensor, got "
@@ -826,7 +789,7 @@ class Optimizer(torch.optim.Optimizer):
             return last[1]  # (read only: the callers take the tensors out)
         hyper = self._hyperparams(index, group, plan)
         # (a tensor value may be changed in place, a list item by item: read them anew)
-        plan.last_hyper = (raw, dict(hyper)) if all(map(_immutable, raw)) else None
+        plan.last_hyper = (raw, dict(hyper)) if all(map(immutable, raw)) else None
         return hyper
 
     def _gather(
@@ -952,10 +915,7 @@ class Optimizer(torch.optim.Optimizer):
         """``step``'s body: torch.optim wraps the ``step`` of every class it sees built
         (profiling, the step hooks), so a subclass whose ``step`` does more calls this, not
         ``super().step``, to be wrapped once."""
-        if self._train_params is not None:
-            raise RuntimeError(
-                "functopt.Optimizer.step: the params hold the schedule-free evaluation point "
-                "(after optimizer.eval()). Fix: call optimizer.train() before training again.")
+        self._check_train_mode("step")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -967,7 +927,7 @@ class Optimizer(torch.optim.Optimizer):
         # run many times (at 10,000 params, half the time of the step); the collector is
         # paused as in add_param_group. (Not while torch.compile traces the step.)
         paused = (contextlib.nullcontext() if torch.compiler.is_compiling()
-                  else _collector_paused())
+                  else collector_paused())
         with torch.no_grad(), paused:
             for index, group in enumerate(self.param_groups):
                 if self._differentiable(index, group):
@@ -984,79 +944,29 @@ class Optimizer(torch.optim.Optimizer):
         graph)."""
         return False
 
-    # -- schedule-free: train / eval ------------------------------------------------------
+    # -- schedule-free: train / eval (AdapterBase's) -------------------------------------
 
-    def eval(self) -> None:
-        """Move the params to the schedule-free evaluation point, as the schedulefree
-        package's optimizers do: ``x = (y - (1 - b1) z) / b1``
-        ([`schedule_free_eval_params`][functopt.contrib.schedule_free_eval_params]), the
-        averaged iterate where the model is evaluated. The training params are kept, so
-        [`train`][functopt.Optimizer.train] restores them bitwise and training continues
-        exactly as if ``eval()`` had not been called. A no-op when already in eval mode.
+    def _schedule_free_state(self, index: int, group: dict[str, Any]) -> Any:
+        flags = _param_groups.group_flags(self._owner, f"param_groups[{index}]", group)
+        if flags.frozen:
+            return None
+        plan = self._plan(index, group)
+        return _core.unflatten(plan.treespec, self._gather(index, group, plan, flags))
 
-        Save checkpoints to resume from in train mode (the params of a model saved in eval
-        mode are ``x``, not the training iterate).
+    def _evaluation_point(self, index: int, group: dict[str, Any],
+                          stage: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        from functopt.contrib import schedule_free_eval_params
 
-        Raises:
-            TypeError: the transform has no ``schedule_free`` stage (or has several in one
-                param group).
-        """
-        if self._train_params is not None:
-            return
-        from functopt.contrib import ScheduleFreeState, schedule_free_eval_params
+        x = schedule_free_eval_params(stage, self._tree(group, [p.detach() for p in
+                                                                group["params"]]))
+        # paired in the tree's order (a named group's dict flattens by sorted key, not in
+        # the order of group["params"])
+        params = _core.flatten(self._tree(group, list(group["params"])))[0]
+        return list(zip(params, _core.flatten(x)[0], strict=True))
 
-        points = []
-        for index, group in enumerate(self.param_groups):
-            flags = _param_groups.group_flags("functopt.Optimizer", f"param_groups[{index}]",
-                                              group)
-            if flags.frozen:
-                continue
-            plan = self._plan(index, group)
-            found = _find_states(_core.unflatten(plan.treespec,
-                                                 self._gather(index, group, plan, flags)),
-                                 ScheduleFreeState)
-            if len(found) != 1:
-                raise TypeError(
-                    f"functopt.Optimizer.eval: param_groups[{index}]'s transform has "
-                    f"{len(found)} schedule_free stages; train()/eval() switch the params of "
-                    f"schedule-free optimizers (functopt.contrib.schedule_free_adamw, "
-                    f"schedule_free_sgd, schedule_free(...)). Fix: evaluate without eval(), "
-                    f"or use one schedule_free stage per group.")
-            points.append((group, schedule_free_eval_params(
-                found[0], self._tree(group, [p.detach() for p in group["params"]]))))
-        kept: list[tuple[torch.Tensor, torch.Tensor]] = []
-        with torch.no_grad():
-            for group, x in points:
-                # paired in the tree's order (a named group's dict flattens by sorted key,
-                # not in the order of group["params"])
-                params = _core.flatten(self._tree(group, list(group["params"])))[0]
-                for p, value in zip(params, _core.flatten(x)[0], strict=True):
-                    kept.append((p, p.detach().clone()))
-                    p.copy_(value)
-        self._train_params = kept
-
-    def train(self) -> None:
-        """Back to the training params after [`eval`][functopt.Optimizer.eval] (bitwise
-        the ones ``eval()`` left); a no-op in train mode."""
-        kept = self._train_params
-        if kept is None:
-            return
-        with torch.no_grad():
-            for p, value in kept:
-                p.copy_(value)
-        self._train_params = None
-
-    def state_dict(self) -> dict[str, Any]:
-        """``torch.optim.Optimizer.state_dict``: the live state tensors, not copies.
-
-        The next step then writes new state tensors instead of updating these in place, so
-        a state dict taken before a step keeps its values (later steps update in place
-        again). With DTensor state (FSDP2) the first group's ``"functopt"`` record holds
-        the dict's integrity record, which ``load_state_dict`` checks: both calls are then
-        collectives over the default group (docs/sharded-state.md).
-        """
+    def _unsealed_state_dict(self) -> dict[str, Any]:
         self._state_shared = True
-        saved = super().state_dict()
+        saved = torch.optim.Optimizer.state_dict(self)
         # Which recipe each group runs (None: not a recipe), checked by load_state_dict.
         for i, group in enumerate(saved["param_groups"]):
             plan = self._plans[i] if i < len(self._plans) else None
@@ -1070,33 +980,7 @@ class Optimizer(torch.optim.Optimizer):
         extras = _state_dict.unpacked_extras(saved)
         saved["state"] = _state_dict.packed_state(
             {k: v for k, v in saved["state"].items() if k not in extras}, extras)
-        _state_dict.seal(saved)
         return saved
-
-    def named_state_dict(self) -> dict[str, Any]:
-        """The state dict keyed by parameter names: ``state`` maps each param's name to its
-        entry, each group lists its params' names. It is the layout
-        ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` gives (which DCP
-        saves and reshards); ``state_dict()``'s int ids are the view of it that
-        ``torch.optim`` code expects. Needs named params (``model.named_parameters()``).
-
-        Examples:
-            >>> import torch, functopt
-            >>> model = torch.nn.Linear(2, 1)
-            >>> opt = functopt.Optimizer(model.named_parameters(), functopt.adamw(0.1))
-            >>> sorted(opt.named_state_dict()["state"])
-            ['bias', 'weight']
-            >>> opt.load_named_state_dict(opt.named_state_dict())
-        """
-        return _state_dict.torch_to_named("functopt.Optimizer.named_state_dict",
-                                          self.state_dict())
-
-    def load_named_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict keyed by parameter names (``named_state_dict()``, or
-        ``get_optimizer_state_dict``'s): each param gets the entry saved under its name, in
-        whatever order the groups list them; names that differ raise, naming them."""
-        self.load_state_dict(_state_dict.named_to_torch(
-            "functopt.Optimizer.load_named_state_dict", state_dict))
 
     def _flags(self, index: int, group: dict[str, Any]) -> _param_groups.GroupFlags:
         """``group_flags`` of the group, read again only when one of its values is another
@@ -1251,25 +1135,7 @@ class Optimizer(torch.optim.Optimizer):
 
     # -- checkpoints ----------------------------------------------------------------------
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict saved by ``state_dict()`` of a functopt.Optimizer.
-
-        Each param's entry must hold exactly the keys the transform's state has for that
-        param (a group whose params have no entry at all restarts from ``transform.init``);
-        tensors must have the transform's shapes and are moved to its dtypes and devices.
-        Load hooks run as in ``torch.optim``.
-        """
-        owner = "functopt.Optimizer.load_state_dict"
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"{owner}: expected the dict optimizer.state_dict() returns, got "
-                            f"{type(state_dict).__name__}.")
-        state_dict = dict(state_dict)
-        if "state" in state_dict and "param_groups" in state_dict:
-            _state_dict.check_seal(owner, state_dict)
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
+    def _load(self, owner: str, state_dict: dict[str, Any]) -> None:
         pairs = _state_dict.saved_groups(owner, state_dict, self.param_groups)
         # (checkpoints before the format's version 2 kept the recipes at the top level)
         legacy = (state_dict.get("functopt") or {}).get("transforms") or []
@@ -1326,8 +1192,6 @@ class Optimizer(torch.optim.Optimizer):
                     owner, f"param_groups[{i}]", group).frozen:
                 self._counts.merge(i, new_state, group["params"], held.group_slots)
         self._state_shared = True  # the loaded tensors may be the caller's own
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
 
     def _loaded_entries(self, owner: str, group: dict[str, Any], plan: _Plan, config: Any,
                         entries: list[Any], hyper: dict[str, Any]) -> list[Any]:
@@ -1335,19 +1199,20 @@ class Optimizer(torch.optim.Optimizer):
         group's saved configuration record, None if it has none)."""
         return entries
 
-    def __getstate__(self) -> dict[str, Any]:
+    def _copied(self) -> dict[str, Any]:
         # Plans are rebuilt on the next step; the transform's closures travel as they are.
         # A copy holds copies of the state tensors: it shares nothing with a state dict.
-        state = {**super().__getstate__(), "state": self._made_store(), "_plans": [],
+        state = {**torch.optim.Optimizer.__getstate__(self), "state": self._made_store(),
+                 "_plans": [],
                  "_fused": self._fused,
                  "_state_shared": False, "_unstepped": {}, "_pending": {},
                  "_counts": copy.deepcopy(self._counts)}
-        state["_transform"] = _HeldTransform(self._transform, self.__dict__.get("_source"))
+        state["_transform"] = HeldTransform(self._transform, self.__dict__.get("_source"))
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         held = state.get("_transform")
-        if isinstance(held, _HeldTransform):
+        if isinstance(held, HeldTransform):
             state = {**state, "_transform": held.transform, "_source": held.source}
         state = dict(state)
         store = state.pop("state", None)
@@ -1359,71 +1224,9 @@ class Optimizer(torch.optim.Optimizer):
         self.__dict__.setdefault("_pending", {})
 
 
-OPTIMIZER_NOT_PICKLABLE = (
-    "functopt.Optimizer cannot be pickled: its transform is made of functions local to the "
-    "transform's factory (a chain or a transform of your own returns closures), and pickle "
-    "stores functions by their importable name ({error}); a recipe's optimizer pickles as "
-    "the recipe's call, when its arguments pickle (not a lambda schedule). Fix: save "
-    "opt.state_dict() with torch.save, and to resume build the optimizer again with the same "
-    "transform and call load_state_dict (the usual checkpoint); copy.deepcopy(opt) makes an "
-    "in-process copy."
-)
-
-_PICKLING_ERRORS = (pickle.PicklingError, AttributeError, TypeError)
-
-
-class _HeldTransform:
-    """The transform inside a copied or pickled Optimizer's state: deep copies share it (a
-    transform is immutable: two functions and a spec). A pickle stores the transform as it
-    is if it pickles, else the recipe's call that built it (``source``: the recipe is a
-    module-level function, its arguments plain values), which unpickling makes again; a
-    transform that is neither raises, saying why."""
-
-    __slots__ = ("source", "transform")
-
-    def __init__(self, transform: GradientTransformation, source: Any = None) -> None:
-        self.transform = transform
-        self.source = source
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _HeldTransform:
-        return self
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        try:
-            pickle.dumps(self.transform)
-        except _PICKLING_ERRORS as error:
-            if self.source is not None:
-                call = (self.source.factory, self.source._args, self.source._kwargs)
-                try:
-                    pickle.dumps(call)
-                except _PICKLING_ERRORS:
-                    pass
-                else:
-                    return (_remade, call)
-            raise TypeError(OPTIMIZER_NOT_PICKLABLE.format(error=error)) from None
-        return (_HeldTransform, (self.transform,))
-
-
-def _remade(factory: Callable[..., GradientTransformation], args: tuple[Any, ...],
-            kwargs: dict[str, Any]) -> _HeldTransform:
-    """The held transform of an unpickled Optimizer: its recipe's call made again, lifted as
-    the constructor lifts it."""
-    given = factory(*args, **kwargs)
-    return _HeldTransform(_lift(given), recipe_of(given))
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for the block (if it was on): the objects made
-    there are freed by reference counting all the same."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
+# The names under which a pickled Optimizer holds its transform (its pickles keep them).
+_HeldTransform = HeldTransform
+_remade = _base._remade
 
 
 def _first_device(params: list[Any], names: list[str] | None) -> torch.device:
@@ -1438,15 +1241,3 @@ def _first_device(params: list[Any], names: list[str] | None) -> torch.device:
 def _placement(params: list[torch.Tensor]) -> tuple[tuple[torch.dtype, torch.device], ...]:
     return tuple([(p.dtype, p.device) for p in params])
 
-
-def _find_states(tree: Any, cls: type) -> list[Any]:
-    """Every ``cls`` instance in a state tree (NamedTuples, tuples, lists, dicts)."""
-    if isinstance(tree, cls):
-        return [tree]
-    if isinstance(tree, dict):
-        children: Iterable[Any] = tree.values()
-    elif isinstance(tree, (tuple, list)):
-        children = tree
-    else:
-        return []
-    return [found for child in children for found in _find_states(child, cls)]
