@@ -176,8 +176,9 @@ class AdapterBase(torch.optim.Optimizer):
         ``MixedPrecisionOptimizer``'s master weights, ``x`` rounded to the params' dtype).
         The training params are kept, so ``train()`` restores them bitwise and training
         continues exactly as if ``eval()`` had not been called; the optimizer's state is not
-        touched. Until ``train()``, ``step()`` and ``load_state_dict`` raise (and
-        ``reload_model_params``). A no-op when already in eval mode.
+        touched. Until ``train()``, ``step()`` and ``load_state_dict`` raise (a
+        ``MixedPrecisionOptimizer``'s ``reload_model_params`` too). A no-op when already in
+        eval mode.
 
         A checkpoint of the optimizer taken in eval mode resumes training as one taken in
         train mode; the params of a model saved in eval mode are ``x``, not the training
@@ -268,6 +269,15 @@ class AdapterBase(torch.optim.Optimizer):
     def _copied(self) -> dict[str, Any]:
         """What a copy of the optimizer holds (``__getstate__``)."""
         raise NotImplementedError
+
+
+def check_frozen_entries(owner: str, index: int, entries: list[Any]) -> None:
+    """Raise where a state dict holds state for the params of frozen group ``index``."""
+    if any(entries):
+        raise ValueError(
+            f"{owner}: param_groups[{index}] is frozen, but the state dict holds optimizer "
+            f"state for its params; a frozen group has none. Fix: load a state dict saved "
+            f"with the same groups frozen.")
 
 
 def find_states(tree: Any, cls: type) -> list[Any]:

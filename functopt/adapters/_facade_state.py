@@ -20,7 +20,7 @@ import torch
 
 from functopt._collective.dtensor import local_tensor
 from functopt.adapters import _missing_grads, _param_groups, _state_dict
-from functopt.adapters._base import AdapterBase
+from functopt.adapters._base import AdapterBase, check_frozen_entries
 from functopt.adapters._facade_groups import _Plan
 from functopt.distributed.offloading import OffloadedState
 from functopt.precision.loss_scale import LossScale, _describe_rule, _rule_vector, _same_rule
@@ -259,11 +259,7 @@ class FacadeState(AdapterBase):
             _state_dict.check_config(owner, plan.index, config,
                                      {k: v for k, v in ours.items() if k != _RULE_KEY})
             if plan.frozen:
-                if any(group_entries):
-                    raise ValueError(
-                        f"{owner}: param_groups[{plan.index}] is frozen, but the state dict "
-                        f"holds optimizer state for its params; a frozen group has none. "
-                        f"Fix: load a state dict saved with the same groups frozen.")
+                check_frozen_entries(owner, plan.index, group_entries)
             else:
                 entries.update(zip(group["param_names"], group_entries, strict=True))
             saved_groups.append(saved)

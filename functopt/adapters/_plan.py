@@ -219,22 +219,53 @@ class PlanState:
         _unstepped: dict[int, _Plan]
 
         _plans: list[_Plan | None]
+        _pending: dict[int, dict[str, Any]]
+        _transform: GradientTransformation
+        _fused: bool
 
         def _made_store(self) -> defaultdict[torch.Tensor, Any]: ...
 
-        def _init_hyper(self, hyper: dict[str, Any]) -> dict[str, Any]: ...
+    def _kept_keys(self) -> frozenset[str]:
+        """Group keys this optimizer keeps beyond the transform's (torch's fixed options)."""
+        return frozenset()
 
-        def _describe(self, group: dict[str, Any], j: int) -> str: ...
+    def _group_transform(self, index: int, group: dict[str, Any]) -> GradientTransformation:
+        """The transform the group's state belongs to and its steps run (the one given;
+        ``functopt.optim`` builds one per combination of its fixed options)."""
+        return self._transform
 
-        def _group_transform(self, index: int,
-                             group: dict[str, Any]) -> GradientTransformation: ...
+    def _group_fused(self, transform: GradientTransformation) -> bool:
+        """Whether ``transform``'s steps take a fused kernel where it has one."""
+        return self._fused
 
-        def _stepped(self, index: int, group: dict[str, Any]) -> bool: ...
+    def _stepped(self, index: int, group: dict[str, Any]) -> bool:
+        """Whether the group's state is no longer the one add_param_group made (a step, or
+        a load, changed it)."""
+        if index in self._pending or index in self._unstepped:
+            return False
+        store = self._made_store()
+        return any(store.get(p) for p in group["params"])
 
-        def _changed_transform(self, index: int, group: dict[str, Any],
-                               plan: _Plan) -> Exception: ...
+    def _changed_transform(self, index: int, group: dict[str, Any], plan: _Plan) -> Exception:
+        """The error for a group whose transform changed after its state was made."""
+        return ValueError(
+            f"functopt.Optimizer: param_groups[{index}] now runs another transform than the "
+            f"one its state was made for. Fix: clear the group's state (optimizer.state) to "
+            f"restart it.")
 
-        def _kept_keys(self) -> frozenset[str]: ...
+    # Injected hyperparameters whose value when a group's state is created is the one the
+    # transform was built with, not the group's (torch.optim.Adagrad's accumulator).
+    _init_from_defaults: frozenset[str] = frozenset()
+
+    def _init_hyper(self, hyper: dict[str, Any]) -> dict[str, Any]:
+        """The hyperparameters a group's first state is made from."""
+        skip = self._init_from_defaults
+        return {k: v for k, v in hyper.items() if k not in skip} if skip else hyper
+
+    def _describe(self, group: dict[str, Any], j: int) -> str:
+        names = group.get("param_names")
+        index = next(i for i, g in enumerate(self.param_groups) if g is group)
+        return f"param {j}{'' if names is None else f' ({names[j]!r})'} of param_groups[{index}]"
 
     @staticmethod
     def _tree(group: dict[str, Any], leaves: list[Any]) -> Any:

@@ -26,6 +26,7 @@ from functopt.adapters._base import (
     OPTIMIZER_NOT_PICKLABLE,
     AdapterBase,
     HeldTransform,
+    check_frozen_entries,
     collector_paused,
     lift,
 )
@@ -360,43 +361,6 @@ class Optimizer(PlanState, AdapterBase):
                     plan.made_from))
                 self._unstepped[index] = plan
 
-    def _kept_keys(self) -> frozenset[str]:
-        """Group keys this optimizer keeps beyond the transform's (torch's fixed options)."""
-        return frozenset()
-
-    def _group_transform(self, index: int, group: dict[str, Any]) -> GradientTransformation:
-        """The transform the group's state belongs to and its steps run (the one given;
-        ``functopt.optim`` builds one per combination of its fixed options)."""
-        return self._transform
-
-    def _group_fused(self, transform: GradientTransformation) -> bool:
-        """Whether ``transform``'s steps take a fused kernel where it has one."""
-        return self._fused
-
-    def _stepped(self, index: int, group: dict[str, Any]) -> bool:
-        """Whether the group's state is no longer the one add_param_group made (a step, or
-        a load, changed it)."""
-        if index in self._pending or index in self._unstepped:
-            return False
-        store = self._made_store()
-        return any(store.get(p) for p in group["params"])
-
-    def _changed_transform(self, index: int, group: dict[str, Any], plan: _Plan) -> Exception:
-        """The error for a group whose transform changed after its state was made."""
-        return ValueError(
-            f"functopt.Optimizer: param_groups[{index}] now runs another transform than the "
-            f"one its state was made for. Fix: clear the group's state (optimizer.state) to "
-            f"restart it.")
-
-    # Injected hyperparameters whose value when a group's state is created is the one the
-    # transform was built with, not the group's (torch.optim.Adagrad's accumulator).
-    _init_from_defaults: frozenset[str] = frozenset()
-
-    def _init_hyper(self, hyper: dict[str, Any]) -> dict[str, Any]:
-        """The hyperparameters a group's first state is made from."""
-        skip = self._init_from_defaults
-        return {k: v for k, v in hyper.items() if k not in skip} if skip else hyper
-
     @staticmethod
     def _check_multipliers(
         index: int, group: dict[str, Any], plan: _Plan, flags: _param_groups.GroupFlags
@@ -437,13 +401,6 @@ class Optimizer(PlanState, AdapterBase):
     def _check_options(self, index: int, group: dict[str, Any], plan: _Plan) -> None:
         _param_groups.check_group_keys("functopt.Optimizer", f"param_groups[{index}]", group,
                                        plan.allowed, plan.exposed, plan.recipe)
-
-    # -- state: optimizer.state <-> the transform's pytree --------------------------------
-
-    def _describe(self, group: dict[str, Any], j: int) -> str:
-        names = group.get("param_names")
-        index = next(i for i, g in enumerate(self.param_groups) if g is group)
-        return f"param {j}{'' if names is None else f' ({names[j]!r})'} of param_groups[{index}]"
 
     # -- step -----------------------------------------------------------------------------
 
@@ -706,12 +663,7 @@ class Optimizer(PlanState, AdapterBase):
             # (the saved values hold the products of the saved multipliers)
             self.__dict__.setdefault("_folded", {})[i] = (flags.lr_mult, flags.wd_mult)
             if flags.frozen:
-                if any(entries):
-                    raise ValueError(
-                        f"{owner}: param_groups[{i}] is frozen, but the state dict holds "
-                        f"optimizer state for its params; a frozen group has none. Fix: "
-                        f"load a state dict saved with the same groups frozen."
-                    )
+                check_frozen_entries(owner, i, entries)
                 new_groups.append(new_group)
                 continue
             plan = self._plan(i, new_group, placed=True)  # loaded tensors go where params are
