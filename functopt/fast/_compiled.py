@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 import types
+import warnings
 from typing import Any
 
 import optree
@@ -44,6 +45,7 @@ import torch
 
 from functopt._collective.dtensor import _rewrap_like, local_tensor
 from functopt.fast import _layout
+from functopt.fast._errors import FastPathWarning
 from functopt.fast._layout import dense, end_to_end, memory_view, shaped_like
 from functopt.transforms import _common
 from functopt.tree import _core
@@ -86,9 +88,6 @@ def _lowering() -> bool:
             lowering.register_lowering(torch.ops.functopt.hoisted)(hoisted)
             _LOWERED.append(True)
         except (ImportError, AttributeError, TypeError) as error:
-            import warnings
-
-            from functopt.fast._planner import FastPathWarning
             warnings.warn(
                 f"the compiled tier cannot register its Inductor lowering ({error!r}) in "
                 f"torch {torch.__version__}: scalars such as Adam's bias corrections are "

@@ -75,9 +75,9 @@ from functopt._collective.agreement import (
 from functopt._collective.counting import Replicated, _counting, _entries
 from functopt._collective.dtensor import _leaf_names
 from functopt._collective.stats import local_stats
-from functopt.fast import _multi, _planner
+from functopt.fast import _errors, _multi, _planner
+from functopt.fast._errors import CaptureError
 from functopt.fast._explain import Explanation
-from functopt.fast._planner import CaptureError
 from functopt.fast._step import differentiated
 from functopt.precision import _explain, _host
 from functopt.precision._fused import (
@@ -602,7 +602,7 @@ def _mixed_precision(
                         accumulated, planner, param_leaves, store, view, grad_leaves,
                         state.inner_state, state.loss_scale, **options)
             if isinstance(lowered, str):
-                _planner.warn_lost(owner, lowered, stacklevel=2)
+                _errors.warn_lost(owner, lowered, stacklevel=2)
             else:
                 return fast_result(lowered, treespec, state)
 
