@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -109,92 +110,102 @@ class _Walk:
                 f"{where or '<root>'}: a transform without a spec (one written by hand or "
                 f"wrapped, which only its own update can compute; functopt.elementwise_rule "
                 f"and functopt.per_leaf_rule describe a rule of your own)")
-        elif isinstance(spec, Sequence):
-            parts = spec.states(idx)
-            if parts is None:
-                raise _Mismatch(f"{where}: the state has {len(idx)} entries for "
-                                f"{len(spec.children)} transforms")
-            for child, sub, label in parts:
-                self.walk(child, sub, sel, f"{where}[{label}]" if where else f"[{label}]")
-        elif isinstance(spec, Select):
-            chosen = set(sel)
-            tree = self.params if len(sel) == len(self.param_leaves) else _core.unflatten(
-                self.treespec, [p if i in chosen else None
-                                for i, p in enumerate(self.param_leaves)])
-            groups = spec.select(tree, self.treespec, _core.flatten(tree)[0])
-            for key, child in spec.children.items():
-                mine = set(groups.get(key, ()))
-                self.walk(child, spec.state_of(idx, key), [i for i in sel if i in mine],
-                          f"{where}.{spec.name}[{key!r}]")
-        elif isinstance(spec, GlobalNormClip) and spec.finish is not None and any(
-                not isinstance(op, _Guard) and op.kind != "identity"
-                for i in sel for op in self.out.programs[i]):
-            # a clip after other rules: the norm of their updates, which no gradient pass
-            # measures; the compiled tier lowers it as a rule with tree sums (the sums pass
-            # runs the rules before it), the kernels do not
-            node = self.node()
-            max_norm = self.bind(spec.max_norm)
-            if not isinstance(max_norm, _Const):
-                self.out.opaque.append(f"{where}: clip_by_global_norm after other rules "
-                                       f"with an injected max_norm has no fast form")
+            return
+        for kind, step in _STEPS:
+            if isinstance(spec, kind):
+                step(self, spec, idx, sel, where)
                 return
-            self.out.tree_wide.append(node)
-            sums, finish = spec.sums, spec.finish
-            assert sums is not None
-            late = _Op("clip_by_global_norm", {"max_norm": max_norm}, {}, node,
-                       fn=lambda u, state, p: finish(u, state, p, sums(u, state, p)),
-                       state_at=idx, sums=sums, finish=finish)
-            for i in sel:
-                self.out.programs[i].append(late)
-        elif isinstance(spec, GlobalNormClip):
-            clip = _Clip(len(self.out.clips), self.bind(spec.max_norm))
-            self.out.clips.append(list(sel))
-            self.out.clip_bounds.append(clip.max_norm)
-            for i in sel:
-                self.out.programs[i].append(clip)
-        elif isinstance(spec, Injected):
-            self.injected(spec, idx, sel, where)
-        elif isinstance(spec, FiniteGuard) and self.guard is None and not all(
-                self._leading(self.out.programs[i], sel) for i in sel):
+        # a Spec subclass of a later layer that this planner does not know
+        self.out.opaque.append(f"{where}: {type(spec).__name__} has no lowering")
+
+    def sequence(self, spec: Sequence, idx: Any, sel: list[int], where: str) -> None:
+        parts = spec.states(idx)
+        if parts is None:
+            raise _Mismatch(f"{where}: the state has {len(idx)} entries for "
+                            f"{len(spec.children)} transforms")
+        for child, sub, label in parts:
+            self.walk(child, sub, sel, f"{where}[{label}]" if where else f"[{label}]")
+
+    def select(self, spec: Select, idx: Any, sel: list[int], where: str) -> None:
+        chosen = set(sel)
+        tree = self.params if len(sel) == len(self.param_leaves) else _core.unflatten(
+            self.treespec, [p if i in chosen else None
+                            for i, p in enumerate(self.param_leaves)])
+        groups = spec.select(tree, self.treespec, _core.flatten(tree)[0])
+        for key, child in spec.children.items():
+            mine = set(groups.get(key, ()))
+            self.walk(child, spec.state_of(idx, key), [i for i in sel if i in mine],
+                      f"{where}.{spec.name}[{key!r}]")
+
+    def clip(self, spec: GlobalNormClip, idx: Any, sel: list[int], where: str) -> None:
+        if spec.finish is not None and any(_has_rules(self.out.programs[i]) for i in sel):
+            self.late_clip(spec, idx, sel, where)
+            return
+        clip = _Clip(len(self.out.clips), self.bind(spec.max_norm))
+        self.out.clips.append(list(sel))
+        self.out.clip_bounds.append(clip.max_norm)
+        for i in sel:
+            self.out.programs[i].append(clip)
+
+    def late_clip(self, spec: GlobalNormClip, idx: Any, sel: list[int], where: str) -> None:
+        """A clip after other rules: the norm of their updates, which no gradient pass
+        measures; the compiled tier lowers it as a rule with tree sums (the sums pass runs
+        the rules before it), the kernels do not."""
+        node = self.node()
+        max_norm = self.bind(spec.max_norm)
+        if not isinstance(max_norm, _Const):
+            self.out.opaque.append(f"{where}: clip_by_global_norm after other rules "
+                                   f"with an injected max_norm has no fast form")
+            return
+        assert spec.sums is not None
+        self.tree_wide("clip_by_global_norm", {"max_norm": max_norm}, node, spec.sums,
+                       spec.finish, idx, sel)
+
+    def tree_wide(self, kind: str, args: dict[str, Any], node: int, sums: Any, finish: Any,
+                  idx: Any, sel: list[int]) -> None:
+        """A rule with tree sums on ``sel``, whose update is its two halves in one."""
+        self.out.tree_wide.append(node)
+        late = _Op(kind, args, {}, node,
+                   fn=lambda u, state, p: finish(u, state, p, sums(u, state, p)),
+                   state_at=idx, sums=sums, finish=finish)
+        for i in sel:
+            self.out.programs[i].append(late)
+
+    def finite_guard(self, spec: FiniteGuard, idx: Any, sel: list[int], where: str) -> None:
+        if self.guard is None and not all(self._leading(self.out.programs[i], sel)
+                                          for i in sel):
             self.late_guard(spec, idx, sel, where)
-        elif isinstance(spec, FiniteGuard):
-            if self.guard is not None:
-                self.out.opaque.append(f"{where}: apply_if_finite inside apply_if_finite")
-                return
-            mark = _Guard(len(self.out.guards))
-            self.out.guards.append(_GuardState(
-                idx.notfinite_count, idx.last_finite, idx.total_notfinite,
-                spec.max_consecutive_errors, list(sel)))
-            for i in sel:
-                program = self.out.programs[i]
-                if self._clip_only(program, sel):
-                    # chain(clip_by_global_norm, apply_if_finite(...)): the guard checks
-                    # the clipped gradients, which are finite exactly when the gradients
-                    # are (the factor is at most 1; a nan or inf among the leaves the
-                    # clip measures, all of them checked here, makes every checked leaf
-                    # non-finite or leaves one non-finite): it is the leading guard
-                    program.insert(len(program) - 1, mark)
-                else:
-                    program.append(mark)
-            self.guard = mark.index
-            self.walk(spec.inner, idx.inner_state, sel, f"{where}.apply_if_finite")
-            self.guard = None
-            for i in sel:
-                self.guard_ends[i] = (len(self.out.programs[i]), where or "<root>")
-        elif isinstance(spec, ZeroNans):
-            self.zero_nans(spec, idx, sel, where)
-        elif isinstance(spec, Leafwise):
-            self.leafwise(spec, idx, sel, where)
-        elif isinstance(spec, Accumulated):
-            self.accumulated(spec, idx, sel, where or "<root>")
-        else:  # a Spec subclass of a later layer that this planner does not know
-            self.out.opaque.append(f"{where}: {type(spec).__name__} has no lowering")
+            return
+        if self.guard is not None:
+            self.out.opaque.append(f"{where}: apply_if_finite inside apply_if_finite")
+            return
+        mark = _Guard(len(self.out.guards))
+        self.out.guards.append(_GuardState(
+            idx.notfinite_count, idx.last_finite, idx.total_notfinite,
+            spec.max_consecutive_errors, list(sel)))
+        for i in sel:
+            program = self.out.programs[i]
+            if self._clip_only(program, sel):
+                # chain(clip_by_global_norm, apply_if_finite(...)): the guard checks
+                # the clipped gradients, which are finite exactly when the gradients
+                # are (the factor is at most 1; a nan or inf among the leaves the
+                # clip measures, all of them checked here, makes every checked leaf
+                # non-finite or leaves one non-finite): it is the leading guard
+                program.insert(len(program) - 1, mark)
+            else:
+                program.append(mark)
+        self.guard = mark.index
+        self.walk(spec.inner, idx.inner_state, sel, f"{where}.apply_if_finite")
+        self.guard = None
+        for i in sel:
+            self.guard_ends[i] = (len(self.out.programs[i]), where or "<root>")
 
     def accumulated(self, spec: Accumulated, idx: Any, sel: list[int], where: str) -> None:
         """A ``MultiSteps`` that `_multi.Split` did not take. It is lowered where it is the
         first rule of its leaves (it then sees their gradients, which the step accumulates
         and decides its window on; a leading ``apply_if_finite`` around it checks them):
         recorded in ``accumulation``, and walked as the mode says."""
+        where = where or "<root>"
         reason = None
         if self.out.accumulation is not None:
             reason = "a second MultiSteps in one transform has no fast form"
@@ -279,8 +290,7 @@ class _Walk:
         rule with tree sums (the non-finite count of the updates entering it, over every
         group and rank), whose update is the guard's own with its inner rules inside, when
         those keep no per-leaf state and measure nothing across leaves (`_guarded_whole`)."""
-        if not all(any(not isinstance(op, _Guard) and op.kind != "identity"
-                       for op in self.out.programs[i]) for i in sel):
+        if not all(_has_rules(self.out.programs[i]) for i in sel):
             self.out.opaque.append(f"{where}: apply_if_finite after other rules on some of "
                                    f"its leaves only has no fast form")
             return
@@ -301,14 +311,8 @@ class _Walk:
                 f"inject_hyperparams")
             return
         node = self.node()
-        self.out.tree_wide.append(node)
         self.out.shared.add(node)  # (its counters and inner state move in a group's call)
-        sums, finish = spec.sums, spec.finish
-        late = _Op("apply_if_finite", {}, {}, node,
-                   fn=lambda u, state, p: finish(u, state, p, sums(u, state, p)),
-                   state_at=idx, sums=sums, finish=finish)
-        for i in sel:
-            self.out.programs[i].append(late)
+        self.tree_wide("apply_if_finite", {}, node, spec.sums, spec.finish, idx, sel)
 
     def injected(self, spec: Injected, idx: Any, sel: list[int], where: str) -> None:
         outer = self.injecting
@@ -343,87 +347,24 @@ class _Walk:
         self.placeholders = {k: v for k, v in self.placeholders.items() if v.node != node}
 
     def leafwise(self, spec: Leafwise, idx: Any, sel: list[int], where: str) -> None:
-        kind, hyper, kernel = spec.kind, spec.hyper, spec.kernel
         node = self.node()
-        count = None
-        slots: dict[str, list[int]] = {}
-        args: dict[str, Any] = {}
-        if kernel in ("identity", "zero"):
-            pass
-        elif kernel == "scale":
-            args["step_size"] = self.bind(hyper["step_size"])
-        elif kernel == "schedule":
-            count = idx.count
-            args["step_size"] = _Scheduled(hyper["step_size_fn"], count, kind, "step_size_fn")
-        elif kernel in ("learning_rate", "weight_decay"):
-            # a number, a 0-d tensor (maybe injected) or a schedule of the rule's own count
-            name = kernel
-            value = hyper[name]
-            if callable(value) and not isinstance(value, torch.Tensor):
-                count = idx.count
-                args[name] = _Scheduled(value, count, kind, name)
-            else:
-                args[name] = self.bind(value)
-            if kernel == "learning_rate":
-                args["flip_sign"] = _Const(hyper["flip_sign"])
-        elif kernel in ("adam", "amsgrad"):
-            count = idx.count
-            args = {k: self.bind(hyper[k]) for k in ("b1", "b2", "eps", "eps_root")}
-            args["nesterov"] = _Const(hyper.get("nesterov", False))
-            slots = {"mu": self.per_leaf(idx.mu, "mu"), "nu": self.per_leaf(idx.nu, "nu")}
-            if kernel == "amsgrad":
-                # torch's AMSGrad (the max of the raw second moments, corrected after) is
-                # the kernels' amsgrad=True; optax's (the max of corrected ones) is not
-                args["torch_variant"] = _Const(
-                    bool(hyper.get("correct_after_max")) and hyper.get(
-                        "bias_correction_mu", True) is not False and hyper.get(
-                        "bias_correction_nu", True) is not False)
-                slots["nu_max"] = self.per_leaf(idx.nu_max, "nu_max")
-        elif kernel in ("momentum", "dampened_momentum"):
-            args = {"decay": self.bind(hyper["decay"]), "nesterov": _Const(hyper["nesterov"])}
-            slots = {"trace": self.per_leaf(idx.trace, "trace")}
-            if kernel == "dampened_momentum":  # torch.optim.SGD's momentum: torch._fused_sgd_'s
-                args["dampening"] = self.bind(hyper["dampening"])
-                count = idx.count  # (its first step keeps the gradient: is_first_step)
-        elif spec.slots is None:
-            # a rule without a known layout: only its own update can compute it
-            self.out.opaque.append(
-                f"{where}: {kind} has neither a fused kernel nor a compiled lowering (its "
-                f"spec names no per-leaf state fields)")
+        bindings = _BINDINGS.get(spec.kernel)
+        found = (bindings(self, spec, idx) if bindings is not None
+                 else self.own_update(spec, idx, node, where))
+        if found is None:
             return
-        elif not spec.elementwise:
-            # a rule that reduces within a leaf: the per-leaf tier runs its own (grouped)
-            # update on a group's leaves; the spec names its per-leaf state entries
-            # (its shared state moves only with leaves that have a gradient, PerLeaf's
-            # contract: a step where none has one leaves it as it was)
-            slots = {f: self.per_leaf(getattr(idx, f), f) for f in spec.slots}
-            fields = getattr(idx, "_fields", ())
-            count = idx.count if "count" in fields else None
-            self.out.perleaf = True
-        else:
-            # an elementwise rule without a PyTorch kernel: the compiled tier runs its own
-            # update on the group's leaves laid end to end; its per-leaf state entries are
-            # the fields its spec names, the others (a count, ...) are shared
-            slots = {f: self.per_leaf(getattr(idx, f), f) for f in spec.slots}
-            fields = getattr(idx, "_fields", ())
-            count = idx.count if "count" in fields else None
-            if set(fields) - set(slots) - {"count"}:
-                self.out.shared.add(node)  # (NAdam's mu_product) moved by a group's call
-            if (spec.sums is None) != (spec.finish is None):
-                raise _Mismatch(f"{where}: {kind} gives only one half of its update")
-            if spec.sums is not None:
-                self.out.tree_wide.append(node)
+        args, slots, count = found
         if count is not None:
             self.counter(count)
         rebuild = None
         if self.injecting is not None:
             at = [j for j, other in enumerate(self.injecting[1]) if other is spec]
             rebuild = (self.injecting[0], at[0]) if at else None
-        op = _Op(kind, args, {}, node, count, fn=spec.update,
+        op = _Op(spec.kind, args, {}, node, count, fn=spec.update,
                  state_at=idx if hasattr(idx, "_fields") else None,
                  injected=bool(self.placeholders), rebuild=rebuild,
                  perleaf=isinstance(spec, PerLeaf), sums=spec.sums, finish=spec.finish,
-                 kernel=kernel, grouped=spec.grouped if isinstance(spec, PerLeaf) else None)
+                 kernel=spec.kernel, grouped=spec.grouped if isinstance(spec, PerLeaf) else None)
         programs = self.out.programs
         if not slots:  # (nothing per leaf: every leaf holds the one rule)
             for i in sel:
@@ -434,6 +375,111 @@ class _Walk:
             self.out.slots.extend([column[i] for i in sel])
         for i in sel:
             programs[i].append(op.at(dict(zip(names, [c[i] for c in columns], strict=True))))
+
+    # The bindings of a rule with a part in the fused kernels (its spec's ``kernel``): its
+    # arguments, its per-leaf state entries (per leaf, by field) and its count's index.
+
+    def no_bindings(self, spec: Leafwise, idx: Any) -> _Bound:
+        return {}, {}, None
+
+    def scale(self, spec: Leafwise, idx: Any) -> _Bound:
+        return {"step_size": self.bind(spec.hyper["step_size"])}, {}, None
+
+    def schedule(self, spec: Leafwise, idx: Any) -> _Bound:
+        count = idx.count
+        return {"step_size": _Scheduled(spec.hyper["step_size_fn"], count, spec.kind,
+                                        "step_size_fn")}, {}, count
+
+    def rate(self, spec: Leafwise, idx: Any) -> _Bound:
+        """A learning rate or a decay: a number, a 0-d tensor (maybe injected) or a
+        schedule of the rule's own count."""
+        name = spec.kernel
+        assert name is not None
+        value = spec.hyper[name]
+        count = None
+        args: dict[str, Any] = {}
+        if callable(value) and not isinstance(value, torch.Tensor):
+            count = idx.count
+            args[name] = _Scheduled(value, count, spec.kind, name)
+        else:
+            args[name] = self.bind(value)
+        if name == "learning_rate":
+            args["flip_sign"] = _Const(spec.hyper["flip_sign"])
+        return args, {}, count
+
+    def moments(self, spec: Leafwise, idx: Any) -> _Bound:
+        hyper, count = spec.hyper, idx.count
+        args = {k: self.bind(hyper[k]) for k in ("b1", "b2", "eps", "eps_root")}
+        args["nesterov"] = _Const(hyper.get("nesterov", False))
+        slots = {"mu": self.per_leaf(idx.mu, "mu"), "nu": self.per_leaf(idx.nu, "nu")}
+        if spec.kernel == "amsgrad":
+            # torch's AMSGrad (the max of the raw second moments, corrected after) is the
+            # kernels' amsgrad=True; optax's (the max of corrected ones) is not
+            args["torch_variant"] = _Const(
+                bool(hyper.get("correct_after_max")) and hyper.get(
+                    "bias_correction_mu", True) is not False and hyper.get(
+                    "bias_correction_nu", True) is not False)
+            slots["nu_max"] = self.per_leaf(idx.nu_max, "nu_max")
+        return args, slots, count
+
+    def momentum(self, spec: Leafwise, idx: Any) -> _Bound:
+        hyper, count = spec.hyper, None
+        args = {"decay": self.bind(hyper["decay"]), "nesterov": _Const(hyper["nesterov"])}
+        slots = {"trace": self.per_leaf(idx.trace, "trace")}
+        if spec.kernel == "dampened_momentum":  # torch.optim.SGD's momentum: torch._fused_sgd_'s
+            args["dampening"] = self.bind(hyper["dampening"])
+            count = idx.count  # (its first step keeps the gradient: is_first_step)
+        return args, slots, count
+
+    def own_update(self, spec: Leafwise, idx: Any, node: int, where: str) -> _Bound | None:
+        """A rule without a part in the fused kernels, which only its own update computes:
+        the per-leaf state entries are the fields its spec names, the others (a count, ...)
+        are shared. One that reduces within a leaf takes the per-leaf tier, which runs its
+        own (grouped) update on a group's leaves (its shared state moves only with leaves
+        that have a gradient, PerLeaf's contract: a step where none has one leaves it as it
+        was); an elementwise one the compiled tier, which runs its update on the group's
+        leaves laid end to end. None: it has no fast form (the reason is recorded)."""
+        if spec.slots is None:  # (a rule without a known layout)
+            self.out.opaque.append(
+                f"{where}: {spec.kind} has neither a fused kernel nor a compiled lowering "
+                f"(its spec names no per-leaf state fields)")
+            return None
+        slots = {f: self.per_leaf(getattr(idx, f), f) for f in spec.slots}
+        fields = getattr(idx, "_fields", ())
+        count = idx.count if "count" in fields else None
+        if not spec.elementwise:
+            self.out.perleaf = True
+            return {}, slots, count
+        if set(fields) - set(slots) - {"count"}:
+            self.out.shared.add(node)  # (NAdam's mu_product) moved by a group's call
+        if (spec.sums is None) != (spec.finish is None):
+            raise _Mismatch(f"{where}: {spec.kind} gives only one half of its update")
+        if spec.sums is not None:
+            self.out.tree_wide.append(node)
+        return {}, slots, count
+
+
+# A rule's arguments (by name: a binding), its per-leaf state entries (by field: per leaf, a
+# flat state index) and its count's flat index (or None).
+_Bound = tuple[dict[str, Any], dict[str, list[int]], int | None]
+
+# The bindings of each rule with a part in the fused kernels, by its spec's ``kernel``.
+_BINDINGS: dict[str | None, Callable[[_Walk, Leafwise, Any], _Bound]] = {
+    "identity": _Walk.no_bindings, "zero": _Walk.no_bindings, "scale": _Walk.scale,
+    "schedule": _Walk.schedule, "learning_rate": _Walk.rate, "weight_decay": _Walk.rate,
+    "adam": _Walk.moments, "amsgrad": _Walk.moments, "momentum": _Walk.momentum,
+    "dampened_momentum": _Walk.momentum}
+
+# How the walk lowers each kind of spec (the first that ``isinstance`` matches).
+_STEPS: tuple[tuple[type[Any], Callable[[_Walk, Any, Any, list[int], str], None]], ...] = (
+    (Sequence, _Walk.sequence), (Select, _Walk.select), (GlobalNormClip, _Walk.clip),
+    (Injected, _Walk.injected), (FiniteGuard, _Walk.finite_guard),
+    (ZeroNans, _Walk.zero_nans), (Leafwise, _Walk.leafwise), (Accumulated, _Walk.accumulated))
+
+
+def _has_rules(program: list[Any]) -> bool:
+    """Whether ``program`` so far holds a rule (not only identities and guards' marks)."""
+    return any(not isinstance(op, _Guard) and op.kind != "identity" for op in program)
 
 
 def _guarded_whole(spec: Spec | None) -> bool:
