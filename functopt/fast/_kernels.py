@@ -36,6 +36,7 @@ _KERNEL_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 # 2.13 by #192545), so SGD takes its kernel on the CPU for these dtypes only.
 _SGD_CPU_DTYPES = (torch.float64, torch.float32)
 
+
 @dataclass(frozen=True)
 class _KernelPlan:
     """The kernel one leaf's program lowers to, with the bindings of its arguments."""
@@ -68,9 +69,6 @@ class _KernelPlan:
                 None if self.adam is None else self.adam.node,
                 None if self.decay is None else self.decay.node,
                 None if self.trace is None else self.trace.node, id(self.lr))
-
-
-
 
 
 def _learning_rate(op: _Op) -> Any | None:
@@ -184,21 +182,10 @@ def _match_compiled(program: list[Any]) -> _KernelPlan | str:
 def _match_kernel(program: list[Any]) -> _KernelPlan | str:
     """The PyTorch kernel for one leaf's program, or the reason there is none."""
     ops = [op for op in program if op.kind != "identity"]
-    guard = None
-    if ops and isinstance(ops[0], _Guard):
-        guard = ops.pop(0)
-    for i, op in enumerate(ops):
-        if isinstance(op, _Guard):
-            return (f"apply_if_finite after {ops[i - 1].kind} has no fused form (only one "
-                    f"around the whole rule folds into the kernel's skip)")
-    clip = None
-    if ops and isinstance(ops[0], _Clip):
-        clip = ops.pop(0)
-    for i, op in enumerate(ops):
-        if isinstance(op, _Clip):
-            before = ops[i - 1].kind if i else "another clip"
-            return (f"clip_by_global_norm after {before} has no fused form (only a leading "
-                    f"clip folds into the kernel)")
+    leading = _leading_marks(ops)
+    if isinstance(leading, str):
+        return leading
+    guard, clip = leading
     # torch.optim's maximize: the gradient negated first (then decayed, then the rule)
     first = ops[0].args.get("step_size") if ops and ops[0].kernel == "scale" else None
     maximize = isinstance(first, _Const) and _is_number(first.value) and first.value == -1
@@ -221,13 +208,53 @@ def _match_kernel(program: list[Any]) -> _KernelPlan | str:
     lr = _learning_rate(ops[-1])
     if lr is None:
         return f"{kinds[-1]} with a positive factor (ascent) has no fused kernel"
-    body, body_ops = parts[:-1], ops[:-1]
+    body = _body_rules(ops[:-1])
+    if isinstance(body, str):
+        return body
+    if body is not None:
+        kernel, adam, decay, trace = body
+        return _KernelPlan(kernel, clip, adam=adam, decay=decay, trace=trace, lr=lr,
+                           guard=guard, maximize=maximize)
+    unknown = next((op.kind for op in ops if op.kernel is None and not op.perleaf
+                    and op.kind not in ("apply_if_finite", "clip_by_global_norm")), None)
+    if unknown is not None:
+        return f"{unknown} has no fused kernel"
+    return f"the program {' -> '.join(kinds)} matches no fused kernel"
+
+
+def _leading_marks(ops: list[Any]) -> tuple[_Guard | None, _Clip | None] | str:
+    """A program's leading ``apply_if_finite`` and clip, taken off ``ops`` (each the
+    kernels fold in: the guard into their skip, the clip into their ``grad_scale``), or
+    the reason one elsewhere has no fused form."""
+    guard = ops.pop(0) if ops and isinstance(ops[0], _Guard) else None
+    for i, op in enumerate(ops):
+        if isinstance(op, _Guard):
+            return (f"apply_if_finite after {ops[i - 1].kind} has no fused form (only one "
+                    f"around the whole rule folds into the kernel's skip)")
+    clip = ops.pop(0) if ops and isinstance(ops[0], _Clip) else None
+    for i, op in enumerate(ops):
+        if isinstance(op, _Clip):
+            before = ops[i - 1].kind if i else "another clip"
+            return (f"clip_by_global_norm after {before} has no fused form (only a leading "
+                    f"clip folds into the kernel)")
+    return guard, clip
+
+
+_MOMENTS = ("adam", "amsgrad")  # the kernel parts of the fused Adam kernels' moments
+# the kernel parts before the learning rate that torch._fused_sgd_ computes
+_SGD_BODIES = ((), ("momentum",), ("weight_decay",), ("weight_decay", "momentum"),
+               ("dampened_momentum",), ("weight_decay", "dampened_momentum"))
+
+
+def _body_rules(ops: list[_Op]) -> tuple[str, _Op | None, _Op | None, _Op | None] | str | None:
+    """The kernel of the rules before a learning rate and its (adam, decay, trace) rules,
+    the reason the kernel cannot take them, or None where no kernel has their pattern."""
+    body = tuple(op.kernel for op in ops)
     # Adam with decoupled decay after the moments (AdamW), or L2 decay before them (Adam's
     # weight_decay, torch._fused_adam_'s): the same moments, two kernels
-    moments = ("adam", "amsgrad")
-    l2 = len(body) == 2 and body[0] == "weight_decay" and body[1] in moments
-    if l2 or (body and body[0] in moments and body[1:] in ((), ("weight_decay",))):
-        adam = body_ops[1] if l2 else body_ops[0]
+    l2 = len(body) == 2 and body[0] == "weight_decay" and body[1] in _MOMENTS
+    if l2 or (body and body[0] in _MOMENTS and body[1:] in ((), ("weight_decay",))):
+        adam = ops[1] if l2 else ops[0]
         if adam.kernel == "amsgrad" and not adam.args["torch_variant"].value:
             return ("scale_by_amsgrad (optax's variant, the max of corrected moments) has no "
                     "fused kernel; correct_after_max=True is torch's, which has")
@@ -235,21 +262,13 @@ def _match_kernel(program: list[Any]) -> _KernelPlan | str:
             return "scale_by_adam(nesterov=True) (NAdam) has no fused kernel"
         if _python(adam.args["eps_root"]) not in (None, 0):
             return "scale_by_adam(eps_root > 0) has no fused kernel"
-        decay = body_ops[0] if l2 else (body_ops[1] if len(body_ops) == 2 else None)
-        return _KernelPlan("adam" if l2 else "adamw", clip, adam=adam, decay=decay, lr=lr,
-                           guard=guard, maximize=maximize)
-    if body in ((), ("momentum",), ("weight_decay",), ("weight_decay", "momentum"),
-                ("dampened_momentum",), ("weight_decay", "dampened_momentum")):
-        decay = body_ops[0] if body and body[0] == "weight_decay" else None
-        trace = body_ops[-1] if body and body[-1] in ("momentum", "dampened_momentum") else None
-        return _KernelPlan("sgd", clip, decay=decay, trace=trace, lr=lr, guard=guard,
-                           maximize=maximize)
-    unknown = next((op.kind for op in ops if op.kernel is None and not op.perleaf
-                    and op.kind not in ("apply_if_finite", "clip_by_global_norm")), None)
-    if unknown is not None:
-        return f"{unknown} has no fused kernel"
-    return f"the program {' -> '.join(kinds)} matches no fused kernel"
-
+        decay = ops[0] if l2 else (ops[1] if len(ops) == 2 else None)
+        return "adam" if l2 else "adamw", adam, decay, None
+    if body in _SGD_BODIES:
+        decay = ops[0] if body and body[0] == "weight_decay" else None
+        trace = ops[-1] if body and body[-1] in ("momentum", "dampened_momentum") else None
+        return "sgd", None, decay, trace
+    return None
 
 
 @dataclass
@@ -275,7 +294,6 @@ class Group:
             found = self._slots[(op, slot)] = [getattr(plan, op).slots[slot]
                                                for plan in self.plans]
         return found
-
 
 
 # Tensors whose identity and version counter `_Steady` trusts (a subclass may hold values
@@ -329,7 +347,6 @@ def _lined_up(ops: list[_Op], local: torch.Tensor, state_leaves: list[Any]) -> b
 
 def _python(binding: Any) -> Any:
     return binding.value if isinstance(binding, _Const) else None
-
 
 
 def _owned(xs: list[Any], donate: bool) -> list[torch.Tensor]:

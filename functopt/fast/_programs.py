@@ -25,6 +25,7 @@ __all__ = ["CLOSING", "MINI", "Accumulation", "Structure", "accumulated_specs", 
 
 # --- where a hyperparameter's value comes from at run time ------------------------------
 
+
 @dataclass(frozen=True, eq=False)
 class _Const:
     value: Any

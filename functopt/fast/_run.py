@@ -112,7 +112,6 @@ class _Steady:
         return True
 
 
-
 def _plain_number(value: Any) -> bool:
     return type(value) in (float, int, bool)
 
@@ -158,7 +157,6 @@ def lower(structure: Structure, state_spec: _core.TreeSpec, values: list[Any],
             return Lowered(structure, state_spec, [],
                            "a rule with shared state has no leaf with a gradient and elements")
     return Lowered(structure, state_spec, list(groups.values()), None)
-
 
 
 @dataclass
