@@ -261,83 +261,25 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
     the per-leaf unwrapping and layout checks.
     """
     structure = lowered.structure
-    if structure.zero_nans and nans is None:
-        return ("zero_nans inside the mixed-precision step has no fast form (the step "
-                "skips a nan gradient itself)")
-    if structure.clips and (sums is None or len(sums) != len(structure.clips)):
-        raise ValueError("the planner's run needs one sum of squares per clip")
-    if structure.guards and (finite is None or len(finite) != len(structure.guards)):
-        raise ValueError("the planner's run needs one finiteness flag per guard")
-    steady = lowered.steady
-    env: _Env | None = None
-    if steady is not None and steady.holds(state_leaves) and not _ops._recording():
-        # (a recorded step resolves its values again: what a steady step took as a Python
-        # number, such as a learning rate in a CPU tensor, a replay must read as a tensor)
-        resolved, bounds = steady.resolved, steady.bounds
-    else:
-        env = _Env(state_leaves, []) if reads is None else _Env(state_leaves, [], reads)
-        env.resolve(structure.injections)
-        bounds = [bound(env) for bound in structure.clip_bounds]
-        # every value read at run time first, so that a refusal comes before any write
-        resolved = []
-        for group in lowered.groups:
-            if group.plan.kernel == "zero":
-                continue
-            hp = _hyperparameters(group.plan, env)
-            if isinstance(hp, str):
-                return hp
-            resolved.append((group, hp))
-        lowered.steady = _Steady.of(structure, env, state_leaves, resolved, bounds)
+    refused = _unfit(structure, nans, sums, finite)
+    if refused is not None:
+        return refused
+    found = _resolve(lowered, state_leaves, reads)
+    if isinstance(found, str):
+        return found
+    env, resolved, bounds = found
     new_values = list(values)
     new_leaves = list(state_leaves)
     new_low: list[Any] | None = None if low is None else [None] * len(low)
-    # each clip's norm in global_norm's dtype over the leaves it measures: float64 if
-    # one of them is float64 (computed only for chains that clip)
-    clip_factors = [
-        _clip_multiplier(s, bound, torch.float64 if any(
-            values[i] is not None and values[i].dtype == torch.float64 for i in leaves)
-            else torch.float32)
-        for s, bound, leaves in zip(sums or [], bounds, structure.clips, strict=True)]
+    clip_factors = _clip_factors(structure, sums or [], bounds, values)
     skipped = None if found_inf is None else found_inf != 0
     applied = _guards(structure, state_leaves, new_leaves, finite or [], skipped) if (
         structure.guards) else []
-    advanced: dict[int, torch.Tensor] = {}
-    hosted: dict[int, int] = {}  # the new values of the counters kept on the host
-    # A donated step of the kernels alone advances its host counters where they are, as
-    # torch.optim advances its steps: each is written its new value (so a tensor held in
-    # two counters' places is written the same value twice) after the kernels, which take
-    # the host values. Any other step (one that may skip, a compiled or per-leaf rule that
-    # reads its count, the mixed step's) makes new counters.
-    owned: list[int] = []
     # (a recorded step advances them on their device: a replay does not run Python)
     in_place = donate and skipped is None and low is None and multiplier is None and (
         lowered.kernels_only) and not _ops._recording()
-    for c in structure.counter_indices:
-        count = state_leaves[c]
-        # (_on_host and _next_count, inline: two counters a step on a small model)
-        if in_place and type(count) is torch.Tensor and count.is_cpu and count.dim() == 0 and (
-                count._base is None):
-            n = int(count)
-            hosted[c] = n + 1 if n < _common.INT32_MAX else n
-            owned.append(c)
-        else:
-            advanced[c] = _increment(count, c, hosted)
-    perleaf: list[tuple[Group, torch.Tensor | None, torch.Tensor | None]] = []
-    prepared = []
-    for group, hp in resolved:
-        plan = group.plan
-        scale = multiplier
-        if plan.clip is not None:
-            factor = clip_factors[plan.clip.index]
-            scale = factor.to(torch.float64) if scale is None else scale * factor.to(
-                torch.float64)
-        flag = skipped
-        if plan.guard is not None:
-            flag = _or(flag, ~applied[plan.guard.index])
-        if plan.kernel == "perleaf":  # run together below (rule-major)
-            perleaf.append((group, scale, flag))
-            continue
-        prepared.append((group, hp, scale, flag))
+    advanced, hosted, owned = _advance(structure.counter_indices, state_leaves, in_place)
+    prepared, perleaf = _scaled(resolved, multiplier, clip_factors, skipped, applied)
     if totals is None and structure.tree_wide:
         totals = _tree_totals(structure, prepared, values, grads, state_leaves)
     for group, hp, scale, flag in prepared:
@@ -351,13 +293,126 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
                             treespec=structure.treespec, donate=donate, env=env)
     for c in owned:  # (new_leaves holds them)
         state_leaves[c].fill_(hosted[c])
+    _moved(structure, state_leaves, new_leaves, advanced, env, skipped, applied)
+    for index, flag in nans or ():
+        new_leaves[index] = flag
+    return Result(new_values, new_leaves, lowered.state_spec, new_low)
+
+
+def _unfit(structure: Structure, nans: Any, sums: list[torch.Tensor] | None,
+           finite: list[torch.Tensor] | None) -> str | None:
+    """Why `run` cannot take this step (the pure path then does), or None; raises for
+    reductions that do not fit the structure."""
+    if structure.zero_nans and nans is None:
+        return ("zero_nans inside the mixed-precision step has no fast form (the step "
+                "skips a nan gradient itself)")
+    if structure.clips and (sums is None or len(sums) != len(structure.clips)):
+        raise ValueError("the planner's run needs one sum of squares per clip")
+    if structure.guards and (finite is None or len(finite) != len(structure.guards)):
+        raise ValueError("the planner's run needs one finiteness flag per guard")
+    return None
+
+
+_Resolved = list[tuple[Group, dict[str, Any]]]  # per group with a kernel: its arguments
+
+
+def _resolve(lowered: Lowered, state_leaves: list[Any], reads: dict[int, Any] | None,
+             ) -> tuple[_Env | None, _Resolved, list[Any]] | str:
+    """This step's values: the environment they were read in (None: the last step's were
+    taken, see `_Steady`), the kernels' arguments per group and the clips' bounds; or the
+    reason a value read now has no fused form, before any tensor is written."""
+    steady = lowered.steady
+    if steady is not None and steady.holds(state_leaves) and not _ops._recording():
+        # (a recorded step resolves its values again: what a steady step took as a Python
+        # number, such as a learning rate in a CPU tensor, a replay must read as a tensor)
+        return None, steady.resolved, steady.bounds
+    structure = lowered.structure
+    env = _Env(state_leaves, []) if reads is None else _Env(state_leaves, [], reads)
+    env.resolve(structure.injections)
+    bounds = [bound(env) for bound in structure.clip_bounds]
+    # every value read at run time first, so that a refusal comes before any write
+    resolved = []
+    for group in lowered.groups:
+        if group.plan.kernel == "zero":
+            continue
+        hp = _hyperparameters(group.plan, env)
+        if isinstance(hp, str):
+            return hp
+        resolved.append((group, hp))
+    lowered.steady = _Steady.of(structure, env, state_leaves, resolved, bounds)
+    return env, resolved, bounds
+
+
+def _clip_factors(structure: Structure, sums: list[torch.Tensor], bounds: list[Any],
+                  values: list[Any]) -> list[torch.Tensor]:
+    """Each clip's factor, its norm in global_norm's dtype over the leaves it measures:
+    float64 if one of them is float64 (computed only for chains that clip)."""
+    return [
+        _clip_multiplier(s, bound, torch.float64 if any(
+            values[i] is not None and values[i].dtype == torch.float64 for i in leaves)
+            else torch.float32)
+        for s, bound, leaves in zip(sums, bounds, structure.clips, strict=True)]
+
+
+def _advance(counters: list[int], state_leaves: list[Any], in_place: bool,
+             ) -> tuple[dict[int, torch.Tensor], dict[int, int], list[int]]:
+    """The counters' new values: by flat index, the new tensors, the new values of those
+    kept on the host, and the host counters advanced where they are (``in_place``).
+
+    A donated step of the kernels alone advances its host counters where they are, as
+    torch.optim advances its steps: each is written its new value (so a tensor held in
+    two counters' places is written the same value twice) after the kernels, which take
+    the host values. Any other step (one that may skip, a compiled or per-leaf rule that
+    reads its count, the mixed step's) makes new counters."""
+    advanced: dict[int, torch.Tensor] = {}
+    hosted: dict[int, int] = {}
+    owned: list[int] = []
+    for c in counters:
+        count = state_leaves[c]
+        # (_on_host and _next_count, inline: two counters a step on a small model)
+        if in_place and type(count) is torch.Tensor and count.is_cpu and count.dim() == 0 and (
+                count._base is None):
+            n = int(count)
+            hosted[c] = n + 1 if n < _common.INT32_MAX else n
+            owned.append(c)
+        else:
+            advanced[c] = _increment(count, c, hosted)
+    return advanced, hosted, owned
+
+
+def _scaled(resolved: _Resolved, multiplier: torch.Tensor | None,
+            clip_factors: list[torch.Tensor], skipped: torch.Tensor | None,
+            applied: list[torch.Tensor]) -> tuple[list[Any], list[Any]]:
+    """Per group, its arguments with the scale of its gradients (the multiplier, times its
+    clip's factor) and its skip flag (the step's, or its guard's): the groups of the
+    kernels and the compiled tier, then those of the per-leaf tier (run together,
+    rule-major)."""
+    perleaf: list[tuple[Group, torch.Tensor | None, torch.Tensor | None]] = []
+    prepared = []
+    for group, hp in resolved:
+        plan = group.plan
+        scale = multiplier
+        if plan.clip is not None:
+            factor = clip_factors[plan.clip.index].to(torch.float64)
+            scale = factor if scale is None else scale * factor
+        flag = skipped if plan.guard is None else _or(skipped, ~applied[plan.guard.index])
+        if plan.kernel == "perleaf":
+            perleaf.append((group, scale, flag))
+        else:
+            prepared.append((group, hp, scale, flag))
+    return prepared, perleaf
+
+
+def _moved(structure: Structure, state_leaves: list[Any], new_leaves: list[Any],
+           advanced: dict[int, torch.Tensor], env: _Env | None,
+           skipped: torch.Tensor | None, applied: list[torch.Tensor]) -> None:
+    """The new counters and injected hyperparameters in ``new_leaves``, the old ones where
+    a skipped step (found_inf, or a guard that skipped) leaves them as they were."""
     if skipped is None and not structure.guards:
         for c, new in advanced.items():
             new_leaves[c] = new
     else:
         for c, new in advanced.items():
-            # a skipped step (found_inf, or a guard that skipped) leaves its counters as
-            # they were
             keep = _keep(skipped, applied, structure.counter_guard.get(c))
             new_leaves[c] = new if keep is None else torch.where(
                 keep.to(new.device), state_leaves[c], new)
@@ -369,9 +424,6 @@ def run(lowered: Lowered, values: list[Any], grads: list[Any], state_leaves: lis
             old, value = state_leaves[i], hyper[k]
             new_leaves[i] = value if keep is None or value is old else torch.where(
                 keep.to(old.device), old, value.to(old.dtype))
-    for index, flag in nans or ():
-        new_leaves[index] = flag
-    return Result(new_values, new_leaves, lowered.state_spec, new_low)
 
 
 def _tree_totals(structure: Structure, prepared: list[Any], values: list[Any],
