@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from functopt.fast import _multi, _programs, _run
+from functopt.fast import _multi, _planned, _programs
 from functopt.transforms import _common
 from functopt.transforms.multi_steps import MultiSteps, MultiStepsState, Window
 from functopt.tree import _core
@@ -51,8 +51,8 @@ __all__ = ["FOREIGN", "explained", "inside_step"]
 # update, which says what is wrong (no FastPathWarning: nothing fast was lost)
 FOREIGN = "the state does not have the transform's layout"
 
-Run = Callable[[_run.Lowered, list[Any], dict[int, torch.Tensor]],
-               "_run.Result | str"]
+Run = Callable[[_planned.Lowered, list[Any], dict[int, torch.Tensor]],
+               "_planned.Result | str"]
 
 
 def _filled(index_tree: Any, leaves: list[Any]) -> Any:
@@ -109,10 +109,10 @@ def window(acc: _programs.Accumulation, ms: MultiSteps, treespec: _core.TreeSpec
     return found
 
 
-def inside_step(structure: _programs.Structure, lower: Callable[[str], _run.Lowered],
+def inside_step(structure: _programs.Structure, lower: Callable[[str], _planned.Lowered],
                 run: Run, finite: Callable[[int], torch.Tensor], treespec: _core.TreeSpec,
                 param_leaves: list[Any], grad_leaves: list[Any], state_leaves: list[Any], *,
-                donate: bool) -> _run.Result | str:
+                donate: bool) -> _planned.Result | str:
     """One step of a transform with a ``MultiSteps`` inside (``structure.accumulation``):
     ``lower(mode)`` is the planner's lowering of the transform in that mode, ``run`` its
     step on these leaves with the gradients given (and the verdicts of the guards given),
@@ -186,8 +186,8 @@ def inside_step(structure: _programs.Structure, lower: Callable[[str], _run.Lowe
     return result
 
 
-def explained(structure: _programs.Structure, lower: Callable[[str], _run.Lowered],
-              ) -> tuple[_run.Lowered, _run.Lowered]:
+def explained(structure: _programs.Structure, lower: Callable[[str], _planned.Lowered],
+              ) -> tuple[_planned.Lowered, _planned.Lowered]:
     """The lowerings of a mini-step and of the closing mini-step of a transform with a
     ``MultiSteps`` inside, for ``explain``; where one is not fast, both are the first
     refusal, with its reason named as such."""
@@ -196,13 +196,13 @@ def explained(structure: _programs.Structure, lower: Callable[[str], _run.Lowere
     mini, closing = lower(_programs.MINI), lower(_programs.CLOSING)
     for lowered, what in ((mini, "a mini-step"), (closing, "the closing mini-step")):
         if lowered.reason is not None:
-            refused = _run.Lowered(lowered.structure, lowered.state_spec, [],
+            refused = _planned.Lowered(lowered.structure, lowered.state_spec, [],
                                        _named(lowered, acc, what))
             return refused, refused
     return mini, closing
 
 
-def _named(lowered: _run.Lowered, acc: _programs.Accumulation, what: str) -> str:
+def _named(lowered: _planned.Lowered, acc: _programs.Accumulation, what: str) -> str:
     """A refusal's reason, naming the mini-step it is of (a reason of the transform's
     structure, which every mini-step has, as it is)."""
     if lowered.structure.opaque:

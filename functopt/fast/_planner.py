@@ -49,7 +49,7 @@ once per structure, not at every step as on the pure path.
 This module holds `Planner`, which caches those structures and the lowered steps, and the
 checks of donated leaves. The walk is in ``_walk.py`` (the parts of its programs in
 ``_programs.py``), the matching of programs to kernels and the kernel calls in
-``_kernels.py``, a planned step's run in ``_run.py``.
+``_kernels.py``, a planned step's run in ``_planned.py``.
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ from functopt._base import GradientTransformation
 from functopt._collective.dtensor import _leaf_names, local_tensor
 from functopt.fast._kernels import _PLAIN, Group
 from functopt.fast._layout import overlapping
+from functopt.fast._planned import Lowered, lower
 from functopt.fast._programs import Structure
-from functopt.fast._run import Lowered, lower
 from functopt.fast._walk import walk
 from functopt.tree import _core
 

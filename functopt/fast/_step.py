@@ -53,9 +53,9 @@ from functopt.fast import (
     _inside,
     _multi,
     _multi_injected,
+    _planned,
     _planner,
     _programs,
-    _run,
 )
 from functopt.fast._capture import CapturedStep, _state_names
 from functopt.fast._errors import CaptureError
@@ -411,7 +411,7 @@ class Step:
 
     def _recall(self, grads: Updates, params: Params, state: State,
                 state_leaves: list[Any] | None,
-                ) -> tuple[_run.Lowered, list[Any], _core.TreeSpec, list[Any], list[Any]] | None:
+                ) -> tuple[_planned.Lowered, list[Any], _core.TreeSpec, list[Any], list[Any]] | None:
         """The lowering a fused step made for these very inputs, with their leaves, if
         nothing it checked has changed since (see `_Seen.match`); None otherwise, and
         the caller runs every check. ``state_leaves``: the state given as leaves (of the
@@ -426,7 +426,7 @@ class Step:
 
     def _remember(self, param_leaves: list[Any], treespec: _core.TreeSpec,
                   grad_leaves: list[Any], state_leaves: list[Any],
-                  lowered: _run.Lowered) -> None:
+                  lowered: _planned.Lowered) -> None:
         seen = _Seen.of(param_leaves, treespec, grad_leaves, state_leaves, lowered)
         if seen is None:
             return
@@ -435,8 +435,8 @@ class Step:
 
     def _fused(self, params: Params, param_leaves: list[Any], treespec: _core.TreeSpec,
                grad_leaves: list[Any], state_leaves: list[Any], state_spec: _core.TreeSpec,
-               name: Callable[[int], str], lowered: _run.Lowered | None = None,
-               ) -> _run.Result | str:
+               name: Callable[[int], str], lowered: _planned.Lowered | None = None,
+               ) -> _planned.Result | str:
         """The planner's step on checked leaves, or the reason it has no fast path (before
         anything was written). ``lowered``: the lowering `_recall` found for them (whose
         `_Seen.match` checked them: plain tensors, each gradient laid out as its param)."""
@@ -465,21 +465,21 @@ class Step:
     def _inside(self, structure: _programs.Structure, params: Params, param_leaves: list[Any],
                 treespec: _core.TreeSpec, grad_leaves: list[Any], state_leaves: list[Any],
                 state_spec: _core.TreeSpec, name: Callable[[int], str],
-                ) -> _run.Result | str:
+                ) -> _planned.Result | str:
         """A step of a transform with a ``MultiSteps`` inside a combinator
         (``functopt/fast/_inside.py``): the planner's step of this mini-step, or the reason
         there is none (before anything was written)."""
         planner = self.planner
 
-        def lower(mode: str) -> _run.Lowered:
+        def lower(mode: str) -> _planned.Lowered:
             found = planner.structure(params, treespec, param_leaves, state_leaves,
                                       state_spec, mode)
             return planner.lower(found, state_spec, param_leaves, grad_leaves, state_leaves,
                                  name, donated=param_leaves if self.donate else None,
                                  compiled=self.compile)
 
-        def run(lowered: _run.Lowered, grads: list[Any],
-                verdicts: dict[int, torch.Tensor]) -> _run.Result | str:
+        def run(lowered: _planned.Lowered, grads: list[Any],
+                verdicts: dict[int, torch.Tensor]) -> _planned.Result | str:
             return self._run(lowered, param_leaves, grads, state_leaves, name,
                              verdicts=verdicts)
 
@@ -490,9 +490,9 @@ class Step:
             return _inside.inside_step(structure, lower, run, finite, treespec, param_leaves,
                                        grad_leaves, state_leaves, donate=self.donate)
 
-    def _run(self, lowered: _run.Lowered, param_leaves: list[Any], grad_leaves: list[Any],
+    def _run(self, lowered: _planned.Lowered, param_leaves: list[Any], grad_leaves: list[Any],
              state_leaves: list[Any], name: Callable[[int], str], checked: bool = False,
-             verdicts: dict[int, torch.Tensor] | None = None) -> _run.Result | str:
+             verdicts: dict[int, torch.Tensor] | None = None) -> _planned.Result | str:
         """The planner's run with the step's reductions; ``verdicts``: guards whose verdict
         the caller gives (a guard around a MultiSteps checks other gradients than those its
         closing mini-step steps on: `_inside.inside_step`)."""
@@ -501,16 +501,16 @@ class Step:
         if not (structure.zero_nans or structure.clips or structure.guards):
             # (no gradient to zero, no value to reduce: zero_nans hands the gradients back,
             # _reductions and found_nan no values)
-            return _run.run(lowered, param_leaves, grad_leaves, state_leaves,
+            return _planned.run(lowered, param_leaves, grad_leaves, state_leaves,
                                 donate=self.donate, donate_grads=self.donate_grads, sums=[],
                                 finite=[], reads=self.planner.reads, workspace=workspace,
                                 nans=[], checked=checked)
-        grad_leaves, flags = _run.zero_nans(structure, grad_leaves)
+        grad_leaves, flags = _planned.zero_nans(structure, grad_leaves)
         totals = None
         if structure.tree_wide and not structure.clips:
             # (the sums passes need no clip's factor, which only the reduction gives: their
             # sums join the guards' counts and the nan flags in the step's one all-reduce)
-            totals = _run.local_tree_sums(
+            totals = _planned.local_tree_sums(
                 structure, [(group, None) for group in lowered.groups], param_leaves,
                 grad_leaves, state_leaves)
         sums, finite, reduced, totals = _reductions(
@@ -518,12 +518,12 @@ class Step:
             nans=[flag for _, flag, on_mesh in flags if on_mesh], totals=totals)
         for index, verdict in (verdicts or {}).items():
             finite[index] = verdict
-        return _run.run(lowered, param_leaves, grad_leaves, state_leaves,
+        return _planned.run(lowered, param_leaves, grad_leaves, state_leaves,
                             donate=self.donate, donate_grads=self.donate_grads, sums=sums,
                             finite=finite, reads=self.planner.reads,
                             # (a zero_nans' gradients are new tensors, of any layout)
                             workspace=workspace, checked=checked and not structure.zero_nans,
-                            nans=_run.found_nan(flags, reduced, state_leaves),
+                            nans=_planned.found_nan(flags, reduced, state_leaves),
                             totals=totals)
 
     def _step_leaves(self, grads: Updates, state_leaves: list[Any], state_spec: _core.TreeSpec,
@@ -651,11 +651,11 @@ class _Seen:
     # per per-leaf state entry: (flat state index, weakref, address, strides, shape)
     slot_rows: list[tuple[Any, ...]]
     plain_state: bool  # every state leaf a tensor or None: flatten_up_to is the flatten
-    lowered: _run.Lowered
+    lowered: _planned.Lowered
 
     @classmethod
     def of(cls, param_leaves: list[Any], treespec: _core.TreeSpec, grad_leaves: list[Any],
-           state_leaves: list[Any], lowered: _run.Lowered) -> _Seen | None:
+           state_leaves: list[Any], lowered: _planned.Lowered) -> _Seen | None:
         # (the types in a set: one pass in C, not a Python test per leaf)
         if not set(map(type, param_leaves)) <= _PLAIN_OR_NONE:
             return None
@@ -766,7 +766,7 @@ def _reductions(structure: _programs.Structure, params: list[Any], grads: list[A
     ``counted``, per leaf, whether this rank counts it, when given). ``nans``: the local
     ``found_nan`` flags of DTensor leaves (a leading ``zero_nans``'), summed in the same
     all-reduce and returned third; ``totals``: this process's tree sums
-    (`_run.local_tree_sums`), summed there too and returned fourth."""
+    (`_planned.local_tree_sums`), summed there too and returned fourth."""
     nans = nans or []
     if not (structure.clips or structure.guards or nans or totals):
         return [], [], [], totals
