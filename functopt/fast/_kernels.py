@@ -13,11 +13,11 @@ from typing import Any
 import torch
 
 from functopt._collective.dtensor import _rewrap_like, local_tensor
+from functopt._validate import _is_number
 from functopt.fast import _compiled, _perleaf, _staged
 from functopt.fast._layout import dense as _dense
 from functopt.fast._programs import (
     _LR_KINDS,
-    Structure,
     _Clip,
     _Const,
     _Env,
@@ -82,10 +82,6 @@ def _learning_rate(op: _Op) -> Any | None:
             return _Const(-step.value) if step.value <= 0 else None
         return _Negated(step)
     return None
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def match(program: list[Any], compiled: bool = False, perleaf: bool = False,
@@ -301,8 +297,8 @@ class Group:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _layout_problem(plan: _KernelPlan, v: Any, state_leaves: list[Any], i: int,
-                    structure: Structure) -> str | None:
+def _layout_problem(plan: _KernelPlan, v: Any, state_leaves: list[Any]) -> str | None:
+    """Why the leaf of value ``v`` cannot take its plan's call at this step, or None."""
     if plan.kernel == "zero":
         return None
     if plan.kernel == "perleaf":
@@ -496,10 +492,8 @@ def _run_group(group: Group, hp: dict[str, Any], values: list[Any], grads: list[
         adam = plan.adam
         assert adam is not None
         mu_at, nu_at = group.slots("adam", "mu"), group.slots("adam", "nu")
-        m = [state_leaves[k] for k in mu_at] if plain else _owned(
-            [state_leaves[k] for k in mu_at], donate)
-        n = [state_leaves[k] for k in nu_at] if plain else _owned(
-            [state_leaves[k] for k in nu_at], donate)
+        m, n = ([state_leaves[k] for k in at] if plain else _owned(
+            [state_leaves[k] for k in at], donate) for at in (mu_at, nu_at))
         amsgrad = adam.kernel == "amsgrad"
         top = _owned([state_leaves[k] for k in group.slots("adam", "nu_max")], donate) if (
             amsgrad) else []

@@ -137,7 +137,7 @@ def lower(structure: Structure, state_spec: _core.TreeSpec, values: list[Any],
             if not compiled and isinstance(_match_compiled(structure.programs[i]), _KernelPlan):
                 plan += " (make_step(tx, compile=True) compiles it)"
             return Lowered(structure, state_spec, [], f"leaf {name(i)!r}: {plan}")
-        problem = _layout_problem(plan, v, state_leaves, i, structure)
+        problem = _layout_problem(plan, v, state_leaves)
         if problem is not None:
             return Lowered(structure, state_spec, [], f"leaf {name(i)!r}: {problem}")
         key = (v.device, v.dtype, plan_key)
@@ -363,20 +363,26 @@ def _advance(counters: list[int], state_leaves: list[Any], in_place: bool,
     torch.optim advances its steps: each is written its new value (so a tensor held in
     two counters' places is written the same value twice) after the kernels, which take
     the host values. Any other step (one that may skip, a compiled or per-leaf rule that
-    reads its count, the mixed step's) makes new counters."""
+    reads its count, the mixed step's) makes new counters.
+
+    A plain 0-d CPU counter is advanced on the host (no kernel launches: a small model's
+    step pays for every one; this path never runs under torch.func), except in a recorded
+    step (`_ops._recording`), which advances it on its device: a replay runs no Python."""
     advanced: dict[int, torch.Tensor] = {}
     hosted: dict[int, int] = {}
     owned: list[int] = []
+    on_host = not _ops._recording()
     for c in counters:
         count = state_leaves[c]
-        # (_on_host and _next_count, inline: two counters a step on a small model)
-        if in_place and type(count) is torch.Tensor and count.is_cpu and count.dim() == 0 and (
-                count._base is None):
+        if on_host and type(count) is torch.Tensor and count.is_cpu and count.dim() == 0:
             n = int(count)
-            hosted[c] = n + 1 if n < _common.INT32_MAX else n
-            owned.append(c)
+            n = hosted[c] = n + 1 if n < _common.INT32_MAX else n  # (safe_increment)
+            if in_place and count._base is None:
+                owned.append(c)
+            else:
+                advanced[c] = torch.scalar_tensor(n, dtype=count.dtype)
         else:
-            advanced[c] = _increment(count, c, hosted)
+            advanced[c] = _common.safe_increment(count)
     return advanced, hosted, owned
 
 
@@ -492,25 +498,3 @@ def _guards(structure: Structure, old: list[Any], new: list[Any],
                 skipped.to(value.device), old[k], value.to(old[k].dtype))
     return applied
 
-
-def _on_host(count: Any) -> bool:
-    """A counter whose value is read for free: a plain 0-d CPU tensor (in a step that is not
-    recorded, `_ops._recording`)."""
-    return type(count) is torch.Tensor and count.is_cpu and count.dim() == 0 and (
-        not _ops._recording())
-
-
-def _next_count(count: torch.Tensor) -> int:
-    """``_common.safe_increment`` of a host counter, as a Python int."""
-    n = int(count)
-    return n + 1 if n < _common.INT32_MAX else n
-
-
-def _increment(count: torch.Tensor, index: int, hosted: dict[int, int]) -> torch.Tensor:
-    """``_common.safe_increment``, on the host for a CPU counter (no kernel launches: a
-    small model's step pays for every one; this path never runs under torch.func), whose
-    new value is then also put in ``hosted[index]``."""
-    if _on_host(count):
-        n = hosted[index] = _next_count(count)
-        return torch.scalar_tensor(n, dtype=count.dtype)
-    return _common.safe_increment(count)

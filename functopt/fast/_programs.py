@@ -20,8 +20,7 @@ from functopt.transforms import _common
 from functopt.transforms.multi_steps import Accumulated
 from functopt.tree import _ops
 
-__all__ = ["CLOSING", "MINI", "Accumulation", "Structure", "accumulated_specs", "injected_spec",
-           "leafwise_specs"]
+__all__ = ["CLOSING", "MINI", "Accumulation", "Structure", "accumulated_specs", "injected_spec"]
 
 # --- where a hyperparameter's value comes from at run time ------------------------------
 
@@ -101,7 +100,7 @@ class _Env:
         """The spec of the rule at ``rebuild`` (see ``_Op.rebuild``) in the injected
         transform built from this step's hyperparameters (built once per step)."""
         node, position = rebuild
-        found: Leafwise = leafwise_specs(self.inner(node))[position]
+        found: Leafwise = _specs_of(self.inner(node), Leafwise)[position]
         return found
 
     def inner(self, node: int) -> Spec | None:
@@ -329,19 +328,15 @@ CLOSING, MINI = "closing", "mini"
 _LR_KINDS = ("learning_rate", "scale", "schedule")  # the rules' kernel parts that are an lr
 
 
-def leafwise_specs(spec: Spec | None) -> list[Leafwise]:
-    """The Leafwise specs of a transform's spec tree, depth first (the order in which an
-    injected transform built again from new values is searched for the same rule)."""
-    return _specs_of(spec, Leafwise)
-
-
 def accumulated_specs(spec: Spec | None) -> list[Accumulated]:
-    """The ``MultiSteps`` specs of a transform's spec tree, in the same order (see
+    """The ``MultiSteps`` specs of a transform's spec tree, in `_specs_of`'s order (see
     `Accumulation.rebuild`)."""
     return _specs_of(spec, Accumulated)
 
 
 def _specs_of(spec: Spec | None, kind: type[Any]) -> list[Any]:
+    """The specs of ``kind`` in a spec tree, depth first (the order in which an injected
+    transform built again from new values is searched for the same rule)."""
     if isinstance(spec, kind):
         return [spec]
     children: Any = ()

@@ -39,7 +39,6 @@ from functopt.fast._programs import (
     _Scheduled,
     _specs_of,
     accumulated_specs,
-    leafwise_specs,
 )
 from functopt.transforms.multi_steps import Accumulated
 from functopt.tree import _core
@@ -223,13 +222,12 @@ class _Walk:
             return
         rebuild = None
         if self.injecting is not None:
-            at = [j for j, other in enumerate(self.accumulating[self.injecting[0]])
-                  if other is spec]
-            if not at:
+            at = _position(self.accumulating[self.injecting[0]], spec)
+            if at is None:
                 self.out.opaque.append(f"{where}: a MultiSteps inside inject_hyperparams that "
                                        f"the planner does not find again in it")
                 return
-            rebuild = (self.injecting[0], at[0])
+            rebuild = (self.injecting[0], at)
         ms = spec.multi_steps
         self.out.accumulation = Accumulation(ms, idx, tuple(sel), where, rebuild, self.guard)
         if self.mode is None:
@@ -318,12 +316,12 @@ class _Walk:
         outer = self.injecting
         parent = None
         if outer is not None:  # (where the walk met it, the outer's inner spec holds it)
-            at = [j for j, other in enumerate(self.injections[outer[0]]) if other is spec]
-            if not at:
+            at = _position(self.injections[outer[0]], spec)
+            if at is None:
                 self.out.opaque.append(f"{where}: an inject_hyperparams inside another that "
                                        f"the planner does not find again in it")
                 return
-            parent = (outer[0], at[0])
+            parent = (outer[0], at)
         hyper_idx = {k: idx.hyperparams[k] for k in spec.names}
         node = len(self.out.injections)
         placeholders = {}
@@ -338,7 +336,7 @@ class _Walk:
             constants=tuple(k for k in spec.names if k not in spec.schedules),
             values_at=spec.values_at, guard=self.guard, build=spec.build, parent=parent))
         self.counter(idx.count)
-        self.injecting = (node, leafwise_specs(describe(inner)))
+        self.injecting = (node, _specs_of(describe(inner), Leafwise))
         self.accumulating.append(accumulated_specs(describe(inner)))
         self.injections.append(_specs_of(describe(inner), Injected))
         self.walk(describe(inner), idx.inner_state, sel, f"{where}.inject_hyperparams")
@@ -358,8 +356,8 @@ class _Walk:
             self.counter(count)
         rebuild = None
         if self.injecting is not None:
-            at = [j for j, other in enumerate(self.injecting[1]) if other is spec]
-            rebuild = (self.injecting[0], at[0]) if at else None
+            at = _position(self.injecting[1], spec)
+            rebuild = None if at is None else (self.injecting[0], at)
         op = _Op(spec.kind, args, {}, node, count, fn=spec.update,
                  state_at=idx if hasattr(idx, "_fields") else None,
                  injected=bool(self.placeholders), rebuild=rebuild,
@@ -475,6 +473,11 @@ _STEPS: tuple[tuple[type[Any], Callable[[_Walk, Any, Any, list[int], str], None]
     (Sequence, _Walk.sequence), (Select, _Walk.select), (GlobalNormClip, _Walk.clip),
     (Injected, _Walk.injected), (FiniteGuard, _Walk.finite_guard),
     (ZeroNans, _Walk.zero_nans), (Leafwise, _Walk.leafwise), (Accumulated, _Walk.accumulated))
+
+
+def _position(specs: list[Any], spec: Spec) -> int | None:
+    """Where ``spec`` itself is among ``specs`` (the same object), or None."""
+    return next((j for j, other in enumerate(specs) if other is spec), None)
 
 
 def _has_rules(program: list[Any]) -> bool:
