@@ -292,8 +292,8 @@ class Group:
         return found
 
 
-# Tensors whose identity and version counter `_Steady` trusts (a subclass may hold values
-# elsewhere).
+# Plain tensors: each its own local shard, whose identity and version counter `_Steady`
+# trusts (a subclass may hold values elsewhere).
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 

@@ -1,6 +1,6 @@
-"""Running a planned step: the leaves grouped by kernel (`lower`), the values the kernels
-take resolved (`_Steady` keeps them between steps), the clips' factors, the guards' and
-counters' new values, and the kernel calls (`run`)."""
+"""A planned step: its leaves grouped by kernel (`lower`), then run (`run`): the values
+the kernels take resolved (`_Steady` keeps them between steps), the clips' factors, the
+guards' and counters' new values, the groups' calls, and what a skipped step keeps."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ from functopt.transforms import _common
 from functopt.tree import _core, _ops
 
 __all__ = ["Lowered", "Result", "found_nan", "local_tree_sums", "lower", "run", "zero_nans"]
+
+_Resolved = list[tuple[Group, dict[str, Any]]]  # per group with a kernel: its arguments
 
 
 @dataclass
@@ -71,12 +73,12 @@ class _Steady:
     hyper: list[int]  # the flat state indices of the injected hyperparameters
     refs: list[tuple[Any, int]]  # per index of ``hyper``: (weakref, version)
     reads: list[tuple[Any, int]]  # the other tensors read: (weakref, version)
-    resolved: list[tuple[Group, dict[str, Any]]]
+    resolved: _Resolved
     bounds: list[Any]
 
     @classmethod
     def of(cls, structure: Structure, env: _Env, state_leaves: list[Any],
-           resolved: list[tuple[Group, dict[str, Any]]], bounds: list[Any]) -> _Steady | None:
+           resolved: _Resolved, bounds: list[Any]) -> _Steady | None:
         if env.volatile or not all(_plain_number(v) for _, hp in resolved
                                    for v in hp.values()) or not all(map(_plain_number, bounds)):
             return None
@@ -311,9 +313,6 @@ def _unfit(structure: Structure, nans: Any, sums: list[torch.Tensor] | None,
     if structure.guards and (finite is None or len(finite) != len(structure.guards)):
         raise ValueError("the planner's run needs one finiteness flag per guard")
     return None
-
-
-_Resolved = list[tuple[Group, dict[str, Any]]]  # per group with a kernel: its arguments
 
 
 def _resolve(lowered: Lowered, state_leaves: list[Any], reads: dict[int, Any] | None,
