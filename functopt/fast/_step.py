@@ -45,20 +45,11 @@ from functopt._apply import apply_updates
 from functopt._base import GradientTransformation, Params, State, Updates
 from functopt._collective import stats
 from functopt._collective.dtensor import _infer_group, _leaf_names, _rewrap_like, local_tensor
-from functopt.fast import (
-    _capture,
-    _compiled,
-    _engine,
-    _errors,
-    _inside,
-    _multi,
-    _multi_injected,
-    _planned,
-    _planner,
-    _programs,
-)
+from functopt.fast import _capture, _compiled, _engine, _inside, _multi, _multi_injected, _planned
 from functopt.fast._capture import CapturedStep, _state_names
-from functopt.fast._errors import CaptureError
+from functopt.fast._errors import CaptureError, warn_lost
+from functopt.fast._planner import Planner, check_donation
+from functopt.fast._programs import Structure
 from functopt.transforms.multi_steps import MultiSteps
 from functopt.tree import _core, _ops
 
@@ -194,7 +185,7 @@ class Step:
         self.compile = compile
         self.fused = fused
         self.donate_grads = donate_grads
-        self.planner = _planner.Planner(tx)
+        self.planner = Planner(tx)
         # MultiSteps: mini-steps accumulate here, a closing step runs the inner
         # transform's own fast step
         # (whole, one element of a chain, or such a chain inside inject_hyperparams)
@@ -283,7 +274,7 @@ class Step:
         param_leaves, treespec = _core.flatten(params)
         _core.check_tensors(param_leaves, treespec, name="params", floating=True)
         # one buffer cannot hold two params that share memory (in one group or two)
-        _planner.check_donation(param_leaves, _leaf_names(treespec))
+        check_donation(param_leaves, _leaf_names(treespec))
         state_leaves, state_spec = _core.flatten(self.tx.init(params))
         groups = self.planner.compiled_groups(treespec, param_leaves, state_leaves, state_spec)
         if groups is not None:
@@ -389,7 +380,7 @@ class Step:
         name = _leaf_names(treespec)
         if not self.fused:
             if donate:
-                _planner.check_donation(param_leaves, name)
+                check_donation(param_leaves, name)
             updates, new_state = tx.update(grads, state, params, **extra_args)
             return _grouped_apply(param_leaves, treespec, updates, donate), new_state
         if _engine.ENABLED and (taken := _engine.step(  # (the private program engine)
@@ -397,7 +388,7 @@ class Step:
             return taken
         if self._accumulated is not None:
             if donate:
-                _planner.check_donation(param_leaves, name)
+                check_donation(param_leaves, name)
             return self._multi_step(self._accumulated, grads, state, params, extra_args)
         state_leaves, state_spec = _core.flatten(state)
         result = self._fused(params, param_leaves, treespec, grad_leaves, state_leaves,
@@ -405,7 +396,7 @@ class Step:
         if not isinstance(result, str):
             return _core.unflatten(treespec, result.values), result.state
         if result is not _inside.FOREIGN:  # (a state of another transform: its own error)
-            _errors.warn_lost("make_step", result, stacklevel=3)
+            warn_lost("make_step", result, stacklevel=3)
         updates, new_state = tx.update(grads, state, params, **extra_args)
         return _grouped_apply(param_leaves, treespec, updates, donate), new_state
 
@@ -462,7 +453,7 @@ class Step:
                                  checked)
         return self._run(lowered, param_leaves, grad_leaves, state_leaves, name, checked)
 
-    def _inside(self, structure: _programs.Structure, params: Params, param_leaves: list[Any],
+    def _inside(self, structure: Structure, params: Params, param_leaves: list[Any],
                 treespec: _core.TreeSpec, grad_leaves: list[Any], state_leaves: list[Any],
                 state_spec: _core.TreeSpec, name: Callable[[int], str],
                 ) -> _planned.Result | str:
@@ -754,7 +745,7 @@ def _written_back(old: list[Any], new: list[Any], name: Callable[[int], str], wh
                 f"(one step first), or step without capture.")
 
 
-def _reductions(structure: _programs.Structure, params: list[Any], grads: list[Any],
+def _reductions(structure: Structure, params: list[Any], grads: list[Any],
                 name: Callable[[int], str], *, counted: list[bool] | None = None,
                 group: Any = _INFERRED, nans: list[torch.Tensor] | None = None,
                 totals: dict[int, Any] | None = None,
