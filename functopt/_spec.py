@@ -42,7 +42,7 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from functopt._base import GradientTransformation
+from functopt._protocol import GradientTransformation
 
 __all__ = [
     "FiniteGuard",
