@@ -379,7 +379,7 @@ def _hyperparameters(plan: _KernelPlan, env: _Env) -> dict[str, Any] | str:
     if plan.kernel == "compiled":
         # the rules' own updates, which read their hyperparameters; an injected rule's from
         # the inner transform built with this step's values, as inject_hyperparams does
-        return {"updates": [op.fn if op.rebuild is None else env.update_of(op.rebuild)
+        return {"updates": [op.fn if op.rebuild is None else env.spec_of(op.rebuild).update
                             for op in plan.ops]}
     lr = plan.lr(env)
     if isinstance(lr, torch.Tensor) and lr.device.type == "cpu" and lr.dim() == 0 and (

@@ -126,11 +126,6 @@ class _Env:
             self.hyper.append(values_at(self.leaves[inj.count], constants))
             self.builds.append(build)
 
-    def update_of(self, rebuild: tuple[int, int]) -> Any:
-        """The update of the rule at ``rebuild`` in the injected transform built from this
-        step's hyperparameters."""
-        return self.spec_of(rebuild).update
-
     def number(self, value: Any) -> float:
         """A hyperparameter as the Python float the kernels take. A tensor is read on the
         host once and remembered while it is the same, unmodified tensor (its version

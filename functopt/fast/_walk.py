@@ -377,12 +377,6 @@ class _Walk:
     # The bindings of a rule with a part in the fused kernels (its spec's ``kernel``): its
     # arguments, its per-leaf state entries (per leaf, by field) and its count's index.
 
-    def no_bindings(self, spec: Leafwise, idx: Any) -> _Bound:
-        return {}, {}, None
-
-    def scale(self, spec: Leafwise, idx: Any) -> _Bound:
-        return {"step_size": self.bind(spec.hyper["step_size"])}, {}, None
-
     def schedule(self, spec: Leafwise, idx: Any) -> _Bound:
         count = idx.count
         return {"step_size": _Scheduled(spec.hyper["step_size_fn"], count, spec.kind,
@@ -463,7 +457,8 @@ _Bound = tuple[dict[str, Any], dict[str, list[int]], int | None]
 
 # The bindings of each rule with a part in the fused kernels, by its spec's ``kernel``.
 _BINDINGS: dict[str | None, Callable[[_Walk, Leafwise, Any], _Bound]] = {
-    "identity": _Walk.no_bindings, "zero": _Walk.no_bindings, "scale": _Walk.scale,
+    "identity": lambda w, spec, idx: ({}, {}, None), "zero": lambda w, spec, idx: ({}, {}, None),
+    "scale": lambda w, spec, idx: ({"step_size": w.bind(spec.hyper["step_size"])}, {}, None),
     "schedule": _Walk.schedule, "learning_rate": _Walk.rate, "weight_decay": _Walk.rate,
     "adam": _Walk.moments, "amsgrad": _Walk.moments, "momentum": _Walk.momentum,
     "dampened_momentum": _Walk.momentum}
