@@ -20,7 +20,7 @@ import weakref
 from typing import Any
 
 from functopt._collective.dtensor import _leaf_names
-from functopt.fast import _planner
+from functopt.fast import _errors, _planner
 from functopt.fast._execute import execute_leaves, problem
 from functopt.fast._program import Program, compile_program
 from functopt.tree import _core
@@ -69,7 +69,7 @@ def step(owner: Any, param_leaves: list[Any], treespec: _core.TreeSpec,
             warnings.warn(
                 f"make_step: the program engine (FUNCTOPT_ENGINE=program) does not take "
                 f"this step: {reason}; it runs on the planner's path.",
-                _planner.FastPathWarning, stacklevel=4)
+                _errors.FastPathWarning, stacklevel=4)
         return None
     name = _leaf_names(treespec)
     if owner.donate:
