@@ -501,23 +501,10 @@ def case_bandwidth(cfg: dict[str, Any], args: argparse.Namespace,
     return res
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="CI-sized: 1M params / 50 leaves, fewer points (a few seconds)")
-    parser.add_argument("--only", action="append", default=None, metavar="CASE",
-                        help=f"run only these cases (comma-separated or repeated): {CASES}")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="timed rounds per contender (default 15, --quick 5)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch.set_num_threads(N) (default: torch's default)")
-    parser.add_argument("--json", type=Path, default=None, metavar="PATH",
-                        help="also write every number to this JSON file")
-    parser.add_argument("--device", default="cpu",
-                        help="where the params, grads and state live: cpu (default) or "
-                             "cuda (the memory case measures the CPU only)")
-    args = parser.parse_args(argv)
+def _checked(parser: argparse.ArgumentParser, args: argparse.Namespace,
+             ) -> tuple[torch.device, dict[str, Any], list[str]]:
+    """The run's device, configuration and cases from its arguments (an error for bad
+    ones), with the thread count set."""
     try:
         device = torch.device(args.device)
     except RuntimeError as error:
@@ -548,6 +535,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.threads < 1:
             parser.error("--threads must be >= 1")
         torch.set_num_threads(args.threads)
+    return device, cfg, wanted
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="CI-sized: 1M params / 50 leaves, fewer points (a few seconds)")
+    parser.add_argument("--only", action="append", default=None, metavar="CASE",
+                        help=f"run only these cases (comma-separated or repeated): {CASES}")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed rounds per contender (default 15, --quick 5)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads(N) (default: torch's default)")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH",
+                        help="also write every number to this JSON file")
+    parser.add_argument("--device", default="cpu",
+                        help="where the params, grads and state live: cpu (default) or "
+                             "cuda (the memory case measures the CPU only)")
+    args = parser.parse_args(argv)
+    device, cfg, wanted = _checked(parser, args)
 
     # torch.optim imports torch._dynamo on first use: pay that here, then freeze the
     # import-time objects so the gc.collect() before each timed block stays cheap.
