@@ -1,0 +1,450 @@
+r"""The engine's backends: who runs each run of rules of a step's program.
+
+The executor (``functopt/fast/_execute.py``) cuts a program (``functopt/fast/_program.py``)
+into *segments*: a run of consecutive `Map` ops, with the leaves they select and the state
+they hold. At the first `Map` of a segment it offers the segment to its backends in order;
+each accepts it (and then runs all of it) or gives the reason it does not:
+
+- ``"kernel"``: PyTorch's fused kernels (``torch._fused_adamw_``, ``torch._fused_adam_``,
+  ``torch._fused_sgd_``) for the leaves whose rules in the segment are Adam with decoupled
+  or L2 decay, or SGD (with a trace, dampened or not, and a decay), ending in a learning
+  rate, and for ``set_to_zero`` (nothing to write). The matching and the calls are the
+  planner's (``functopt/fast/_planner.py``: the walk's rule bindings, ``_matches`` /
+  ``_match_kernel``, ``_layout_problem``, ``_hyperparameters``, ``_run_group``), so a leaf
+  takes the kernel call the planner's fast path makes for it, bitwise.
+- ``"eager"``: the reference, the rules' own pure updates (the executor's ``_map``); it
+  takes every segment.
+
+A kernel writes the new params (the updates and the write of a step in one pass), so the
+kernel backend takes only a segment whose updates go to the program's `Write` unread: one
+at the top of the program that no later op (a clip, a guard, a reduction) reads. It also
+refuses what its arithmetic would not compute as the pure rules do: a rule inside
+``inject_hyperparams`` or with a schedule or a tensor hyperparameter (the kernels take
+Python numbers, so a tensor would be read on the host and rounded to a double), a rule with
+tree sums, a layout or dtype the kernels do not take, a rule keeping shared state other than
+its count, and, when the step is donated, per-leaf state entries sharing memory with each
+other or with a param (the kernels write them in place). No clip or loss scale reaches a
+kernel as its ``grad_scale``: a clip is a `Scale` op of its own, run before the segment.
+
+The kernels round once where the pure chain rounds at each stage, so their results equal
+the pure path's within the fast-path tolerance of ``functopt/testing/conformance.py``
+(tests/laws/test_backends.py); `explain` gives, per segment, the backend that takes it or
+every backend's reason.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from functopt._collective.dtensor import _leaf_names
+from functopt._spec import Leafwise
+from functopt.fast._planner import (
+    Group,
+    Structure,
+    _Const,
+    _Env,
+    _hyperparameters,
+    _KernelPlan,
+    _layout_problem,
+    _matches,
+    _Mismatch,
+    _Op,
+    _run_group,
+    _Walk,
+    overlap,
+)
+from functopt.fast._program import Gate, Map, Op, Program, Reduce, Scale
+from functopt.transforms import _common
+from functopt.tree import _core
+
+__all__ = ["BACKENDS", "EAGER", "KERNEL", "Backend", "Explained", "Leaves", "Running",
+           "Segment", "explain", "segments", "table", "take", "unwarned"]
+
+# The kernel plans of ``_planner._match_kernel`` this backend runs.
+_KERNEL_PLANS = ("adamw", "adam", "sgd", "zero")
+
+
+class Leaves(Protocol):
+    """What a backend reads of a step in flight (the executor's run)."""
+
+    program: Program
+    treespec: _core.TreeSpec
+    params: list[Any]
+    updates: list[Any]  # per leaf: its update where the segment stands
+    state: list[Any]  # the flat state
+    donate: bool
+
+
+@dataclass(frozen=True, eq=False)
+class Segment:
+    """A run of consecutive `Map` ops: ``leaves`` (in index order) are those they select;
+    ``final``: it stands at the top of the program and no op after it reads its leaves'
+    updates, so a backend may add them to the params itself."""
+
+    maps: tuple[Map, ...]
+    leaves: tuple[int, ...]
+    final: bool
+
+    @property
+    def where(self) -> str:
+        """Its rules and their places in the transform, for messages."""
+        return ", ".join(f"{getattr(m.rule.spec, 'kind', type(m.rule.spec).__name__)} at "
+                         f"{m.rule.where or '<root>'}" for m in self.maps)
+
+
+class Backend(Protocol):
+    name: str
+
+    def offer(self, segment: Segment, run: Leaves) -> Callable[[], None] | str:
+        """The call that runs ``segment`` on ``run``, or the reason this backend does not
+        take it (before anything is written)."""
+        ...
+
+
+# --- segments ---------------------------------------------------------------------------
+
+def _sel(op: Op) -> tuple[int, ...]:
+    return op.sel if isinstance(op, (Map, Reduce, Scale, Gate)) else ()
+
+
+def _cut(ops: tuple[Op, ...], top: bool) -> list[Segment]:
+    found: list[Segment] = []
+    run: list[Map] = []
+
+    def close(at: int) -> None:
+        if not run:
+            return
+        leaves = tuple(sorted({i for m in run for i in m.sel}))
+        mine = set(leaves)
+        final = top and not any(mine.intersection(_sel(later)) for later in ops[at:])
+        found.append(Segment(tuple(run), leaves, final))
+        run.clear()
+
+    for at, op in enumerate(ops):
+        if isinstance(op, Map):
+            run.append(op)
+            continue
+        close(at)
+        if isinstance(op, Gate):
+            found += _cut(op.then, False) + _cut(op.otherwise, False)
+    close(len(ops))
+    return found
+
+
+@dataclass(eq=False)
+class _Table:
+    """What the backends keep per program: its segments, by their first `Map`, the kernel
+    backend's structural match per segment, and the refusals not yet warned about."""
+
+    segments: tuple[Segment, ...]
+    first: dict[Map, Segment]
+    matched: dict[Segment, _Matched | str] = field(default_factory=dict)
+    refused: dict[str, None] = field(default_factory=dict)  # (ordered) since the last warning
+    warned: set[str] = field(default_factory=set)
+
+
+_TABLES: weakref.WeakKeyDictionary[Program, _Table] = weakref.WeakKeyDictionary()
+
+
+def _table(program: Program) -> _Table:
+    found = _TABLES.get(program)
+    if found is None:
+        cut = tuple(_cut(program.ops, True))
+        found = _TABLES[program] = _Table(cut, {s.maps[0]: s for s in cut})
+    return found
+
+
+def segments(program: Program) -> tuple[Segment, ...]:
+    """The program's segments, in program order (a `Gate`'s after the ops before it)."""
+    return _table(program).segments
+
+
+# --- the kernel backend -----------------------------------------------------------------
+
+@dataclass(frozen=True, eq=False)
+class _Matched:
+    """A segment matched to kernels, as far as the structures say: per leaf of the segment
+    its plan and group key, and the counts its rules advance (flat state indices)."""
+
+    structure: Structure
+    plans: dict[int, tuple[_KernelPlan, Any]]
+    counts: tuple[int, ...]
+
+
+def _binding_problem(op: _Op) -> str | None:
+    """Why an argument of ``op`` is not a Python number the kernels take as it is."""
+    for name, binding in op.args.items():
+        value = binding.value if isinstance(binding, _Const) else None
+        if isinstance(value, torch.Tensor):
+            return (f"{op.kind}'s {name} is a tensor, which the kernels take as a Python "
+                    f"number (read on the host and rounded)")
+        if not isinstance(binding, _Const):
+            return (f"{op.kind}'s {name} is {binding!r}, a tensor at each step, which the "
+                    f"kernels take as a Python number")
+    return None
+
+
+def _shared(maps: tuple[Map, ...], treespec: _core.TreeSpec) -> set[int]:
+    """The flat state entries of the segment's rules that are not per leaf."""
+    shared: set[int] = set()
+    for m in maps:
+        at = m.rule.state_at
+        per_leaf = {k for name in m.rule.slots
+                    for k in treespec.flatten_up_to(getattr(at, name)) if isinstance(k, int)}
+        shared |= {k for k in _core.flatten(at)[0] if isinstance(k, int)} - per_leaf
+    return shared
+
+
+def _match(segment: Segment, run: Leaves) -> _Matched | str:
+    """The kernel backend's structural match of ``segment`` (the same at every step of
+    these structures), or the reason it has none."""
+    if not segment.final:
+        return ("its updates are read after it (by a clip, a guard or another reduction, "
+                "or it is inside apply_if_finite), and a kernel writes the params")
+    walker = _Walk(None, run.treespec, run.params, run.state)
+    for m in segment.maps:
+        rule = m.rule
+        if rule.bound is not None:
+            return (f"{rule.where}: inside inject_hyperparams its hyperparameters are "
+                    f"tensors of the state, which the kernels take as Python numbers")
+        if m.totals is not None or not isinstance(rule.spec, Leafwise):
+            return f"{rule.where or '<root>'}: {rule.spec!r} has no fused kernel"
+        try:
+            walker.leafwise(rule.spec, rule.state_at, list(m.sel), rule.where)
+        except _Mismatch as mismatch:
+            return str(mismatch)
+    structure = walker.out
+    if structure.opaque:
+        return structure.opaque[0]
+    name = _leaf_names(run.treespec)
+    programs = [structure.programs[i] for i in segment.leaves]
+    plans: dict[int, tuple[_KernelPlan, Any]] = {}
+    for i, program, (plan, key) in zip(segment.leaves, programs,
+                                       _matches(programs, False, False), strict=True):
+        if isinstance(plan, str):
+            return f"leaf {name(i)!r}: {plan}"
+        if plan.kernel not in _KERNEL_PLANS:
+            return f"leaf {name(i)!r}: {' -> '.join(map(repr, program))} has no fused kernel"
+        problem = next(filter(None, map(_binding_problem, program)), None)
+        if problem is not None:
+            return f"leaf {name(i)!r}: {problem}"
+        plans[i] = (plan, key)
+    counts = {op.count for p in programs for op in p if op.count is not None}
+    extra = _shared(segment.maps, run.treespec) - counts
+    if extra:
+        return (f"{segment.where}: a rule keeps shared state besides its count, which the "
+                f"kernels do not write")
+    return _Matched(structure, plans, tuple(sorted(counts)))
+
+
+class _Kernel:
+    """PyTorch's fused optimizer kernels (see the module docstring)."""
+
+    name = "kernel"
+
+    def offer(self, segment: Segment, run: Leaves) -> Callable[[], None] | str:
+        table = _table(run.program)
+        matched = table.matched.get(segment)
+        if matched is None:
+            matched = table.matched[segment] = _match(segment, run)
+        if isinstance(matched, str):
+            return matched
+        name = _leaf_names(run.treespec)
+        groups: dict[Any, Group] = {}
+        for i in segment.leaves:
+            p, u = run.params[i], run.updates[i]
+            if p is None or u is None:
+                continue
+            plan, key = matched.plans[i]
+            problem = _layout_problem(plan, p, run.state, i, matched.structure)
+            if problem is not None:
+                return f"leaf {name(i)!r}: {problem}"
+            group = groups.setdefault((p.device, p.dtype, key),
+                                      Group(plan, p.device, p.dtype, [], []))
+            group.leaves.append(i)
+            group.plans.append(plan)
+        env = _Env(run.state, [])
+        resolved: list[tuple[Group, dict[str, Any]]] = []
+        for group in groups.values():
+            hp = {} if group.plan.kernel == "zero" else _hyperparameters(group.plan, env)
+            if isinstance(hp, str):
+                return hp
+            resolved.append((group, hp))
+        if run.donate:
+            problem = _donation_problem(resolved, run, name)
+            if problem is not None:
+                return problem
+        return lambda: _launch(segment, run, matched, resolved)
+
+
+def _written_slots(group: Group) -> list[int]:
+    """The per-leaf state entries a kernel call of ``group`` writes (flat indices)."""
+    plan = group.plan
+    if plan.kernel in ("adamw", "adam"):
+        assert plan.adam is not None
+        names = ["mu", "nu", *(["nu_max"] if plan.adam.kernel == "amsgrad" else [])]
+        return [k for slot in names for k in group.slots("adam", slot)]
+    if plan.kernel == "sgd" and plan.trace is not None:
+        return group.slots("trace", "trace")
+    return []
+
+
+def _donation_problem(resolved: list[tuple[Group, dict[str, Any]]], run: Leaves,
+                      name: Callable[[int], str]) -> str | None:
+    """Why the kernels may not write these donated params and state entries in place."""
+    written = [(f"param {name(i)!r}", run.params[i]) for group, _ in resolved
+               if group.plan.kernel != "zero" for i in group.leaves]
+    written += [(f"state entry {k}", run.state[k]) for group, _ in resolved
+                for k in _written_slots(group)]
+    pair = overlap([t for _, t in written], lambda j: written[j][0], "tensor")
+    if pair is None:
+        return None
+    return (f"{written[pair[0]][0]} and {written[pair[1]][0]} share memory, which the "
+            f"kernels would write in place")
+
+
+def _launch(segment: Segment, run: Leaves, matched: _Matched,
+            resolved: list[tuple[Group, dict[str, Any]]]) -> None:
+    """The kernel calls of a segment: the new params into ``run.params`` (their updates
+    consumed: None), the new state into ``run.state``, each count advanced once."""
+    advanced = {c: _common.safe_increment(run.state[c]) for c in matched.counts}
+    new_params, new_state = list(run.params), list(run.state)
+    for group, hp in resolved:
+        if group.plan.kernel != "zero":  # (set_to_zero: the params stay as they are)
+            _run_group(group, hp, run.params, run.updates, run.state, new_params, new_state,
+                       donate=run.donate, donate_grads=False, scale=None, found_inf=None,
+                       advanced=advanced, hosted={}, compiled={}, workspace=None)
+        for i in group.leaves:
+            run.params[i], run.updates[i] = new_params[i], None
+    for k, value in enumerate(new_state):
+        run.state[k] = value
+    for c, count in advanced.items():
+        run.state[c] = count
+
+
+# --- the eager backend ------------------------------------------------------------------
+
+class _Eager:
+    """The rules' own pure updates: the executor's reference, which takes every segment."""
+
+    name = "eager"
+
+    def offer(self, segment: Segment, run: Leaves) -> Callable[[], None] | str:
+        return _EAGER_RUNS
+
+
+def _EAGER_RUNS() -> None:
+    """(A marker: the executor's own `_map` runs the segment's ops one by one.)"""
+
+
+KERNEL: Backend = _Kernel()
+EAGER: Backend = _Eager()
+BACKENDS: dict[str, Backend] = {b.name: b for b in (KERNEL, EAGER)}
+
+
+def table(names: tuple[str, ...]) -> tuple[Backend, ...]:
+    """The backends named, in order; the last must be ``"eager"``, which takes anything."""
+    unknown = [n for n in names if n not in BACKENDS]
+    if unknown or not names or names[-1] != "eager":
+        raise ValueError(f"the engine's backends: got {names!r}; expected names among "
+                         f"{tuple(BACKENDS)} ending with 'eager' (the reference, which takes "
+                         f"every segment). Fix: e.g. ('kernel', 'eager') or ('eager',).")
+    return tuple(BACKENDS[n] for n in names)
+
+
+def _offers(segment: Segment, run: Leaves, backends: tuple[Backend, ...],
+            ) -> tuple[Backend, Callable[[], None], dict[str, str]]:
+    """The first backend taking ``segment``, its call, and the earlier ones' reasons."""
+    reasons: dict[str, str] = {}
+    for backend in backends:
+        found = backend.offer(segment, run)
+        if not isinstance(found, str):
+            return backend, found, reasons
+        reasons[backend.name] = found
+    raise AssertionError("the eager backend takes every segment")
+
+
+class Running(Leaves, Protocol):
+    """A step in flight as the executor's hook sees it."""
+
+    backends: tuple[Backend, ...]  # the backends it offers segments to, in order
+    taken: set[Map]  # the ops a backend other than the eager one ran
+
+
+def take(run: Running, op: Map) -> bool:
+    """Whether a backend other than the eager one ran ``op`` (the executor's hook in
+    ``_map``): at the first `Map` of a segment, the segment is offered to
+    ``run.backends``; one that takes it runs all of its ops, which the executor then skips.
+    False: the executor's eager ``_map`` runs ``op``."""
+    if op in run.taken:
+        return True
+    if len(run.backends) == 1:
+        return False
+    found = _table(run.program)
+    segment = found.first.get(op)
+    if segment is None:
+        return False
+    backend, call, reasons = _offers(segment, run, run.backends)
+    for name, reason in reasons.items():
+        message = f"{name} backend does not take {segment.where}: {reason}"
+        if message not in found.warned:
+            found.refused[message] = None
+    if backend is EAGER:
+        return False
+    call()
+    run.taken.update(segment.maps)
+    return True
+
+
+def unwarned(program: Program) -> list[str]:
+    """The refusals of faster backends this program met since last asked and not before
+    (each given once per program: the engine warns about them)."""
+    found = _table(program)
+    new = [m for m in found.refused if m not in found.warned]
+    found.warned.update(new)
+    found.refused.clear()
+    return new
+
+
+# --- explain ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Explained:
+    """One segment of a program: its rules, the backend that takes it, and the reasons of
+    the backends before that one."""
+
+    where: str
+    backend: str
+    reasons: dict[str, str]
+
+
+@dataclass
+class _Given:
+    program: Program
+    treespec: _core.TreeSpec
+    params: list[Any]
+    updates: list[Any]
+    state: list[Any]
+    donate: bool
+
+
+def explain(program: Program, treespec: _core.TreeSpec, param_leaves: list[Any],
+            grad_leaves: list[Any], state_leaves: list[Any], *, donate: bool = False,
+            backends: tuple[str, ...] = ("kernel", "eager")) -> list[Explained]:
+    """Per segment of ``program`` on these leaves, which backend takes it and why the ones
+    before it do not. Nothing is run: each segment is offered the gradients as its updates
+    (the updates' layouts where the rules before it keep them)."""
+    chosen = table(backends)
+    run = _Given(program, treespec, list(param_leaves), list(grad_leaves),
+                 list(state_leaves), donate)
+    out = []
+    for segment in segments(program):
+        backend, _, reasons = _offers(segment, run, chosen)
+        out.append(Explained(segment.where, backend.name, reasons))
+    return out
+
