@@ -93,8 +93,12 @@ class Segment:
     @property
     def where(self) -> str:
         """Its rules and their places in the transform, for messages."""
-        return ", ".join(f"{getattr(m.rule.spec, 'kind', type(m.rule.spec).__name__)} at "
-                         f"{m.rule.where or '<root>'}" for m in self.maps)
+        return ", ".join(f"{_kind(m.rule.spec)} at {m.rule.where or '<root>'}"
+                         for m in self.maps)
+
+
+def _kind(spec: Any) -> str:
+    return str(getattr(spec, "kind", type(spec).__name__))
 
 
 class Backend(Protocol):
@@ -212,8 +216,9 @@ def _match(segment: Segment, run: Leaves) -> _Matched | str:
         if rule.bound is not None:
             return (f"{rule.where}: inside inject_hyperparams its hyperparameters are "
                     f"tensors of the state, which the kernels take as Python numbers")
-        if m.totals is not None or not isinstance(rule.spec, Leafwise):
-            return f"{rule.where or '<root>'}: {rule.spec!r} has no fused kernel"
+        if m.totals is not None or not isinstance(rule.spec, Leafwise) or (
+                rule.spec.kernel is None):
+            return f"{rule.where or '<root>'}: {_kind(rule.spec)} has no fused kernel"
         try:
             walker.leafwise(rule.spec, rule.state_at, list(m.sel), rule.where)
         except _Mismatch as mismatch:
@@ -234,7 +239,8 @@ def _match(segment: Segment, run: Leaves) -> _Matched | str:
         if problem is not None:
             return f"leaf {name(i)!r}: {problem}"
         plans[i] = (plan, key)
-    counts = {op.count for p in programs for op in p if op.count is not None}
+    # (the walk names every rule's count, those of rules on no leaves too)
+    counts = set(structure.counters)
     extra = _shared(segment.maps, run.treespec) - counts
     if extra:
         return (f"{segment.where}: a rule keeps shared state besides its count, which the "

@@ -166,7 +166,8 @@ def _groups(run: _Run, op: Map, spec: Any) -> list[tuple[int, ...]]:
         x = run.updates[i] if run.updates[i] is not None else run.params[i]
         local = local_tensor(x)
         found.setdefault((local.device, local.dtype), []).append(i)
-    return [tuple(leaves) for leaves in found.values()]
+    # (a rule on no leaves is still called once: its update moves its count)
+    return [tuple(leaves) for leaves in found.values()] or [op.sel]
 
 
 def _map(run: _Run, op: Map) -> None:

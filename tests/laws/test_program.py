@@ -180,6 +180,8 @@ CHAINS: dict[str, Callable[[], Any]] = {
         {"adam": F.chain(F.clip_by_global_norm(1.0), F.adam(1e-2)),
          "sgd": F.sgd(0.1, momentum=0.5), "frozen": F.set_to_zero()}, _labels),
     "masked decay": lambda: F.adamw(1e-2, weight_decay=0.1, mask=_weights),
+    "a part on no leaves": lambda: F.partition(  # (its count moves all the same)
+        {"adam": F.adam(1e-2), "sgd": F.sgd(0.1)}, lambda p: dict.fromkeys(p, "sgd")),
     "guard": lambda: F.apply_if_finite(F.adam(1e-2), max_consecutive_errors=1),
     "guard after clip": lambda: F.chain(F.clip_by_global_norm(1.0),
                                         F.apply_if_finite(F.adam(1e-2), 2)),
