@@ -303,15 +303,21 @@ def _written_slots(group: Group) -> list[int]:
 def _donation_problem(resolved: list[tuple[Group, dict[str, Any]]], run: Leaves,
                       name: Callable[[int], str]) -> str | None:
     """Why the kernels may not write these donated params and state entries in place."""
-    written = [(f"param {name(i)!r}", run.params[i]) for group, _ in resolved
-               if group.plan.kernel != "zero" for i in group.leaves]
-    written += [(f"state entry {k}", run.state[k]) for group, _ in resolved
-                for k in _written_slots(group)]
-    pair = overlap([t for _, t in written], lambda j: written[j][0], "tensor")
+    # (what each tensor is, named only for a message: the paths cost a tree walk)
+    written: list[tuple[str, int]] = [("param", i) for group, _ in resolved
+                                      if group.plan.kernel != "zero" for i in group.leaves]
+    written += [("state", k) for group, _ in resolved for k in _written_slots(group)]
+
+    def named(j: int) -> str:
+        kind, at = written[j]
+        return f"param {name(at)!r}" if kind == "param" else f"state entry {at}"
+
+    pair = overlap([run.params[at] if kind == "param" else run.state[at]
+                    for kind, at in written], named, "tensor")
     if pair is None:
         return None
-    return (f"{written[pair[0]][0]} and {written[pair[1]][0]} share memory, which the "
-            f"kernels would write in place")
+    return (f"{named(pair[0])} and {named(pair[1])} share memory, which the kernels would "
+            f"write in place")
 
 
 def _launch(segment: Segment, run: Leaves, matched: _Matched,
