@@ -11,7 +11,14 @@ each accepts it (and then runs all of it) or gives the reason it does not:
   rate, and for ``set_to_zero`` (nothing to write). The matching and the calls are the
   planner's (``functopt/fast/_planner.py``: the walk's rule bindings, ``_matches`` /
   ``_match_kernel``, ``_layout_problem``, ``_hyperparameters``, ``_run_group``), so a leaf
-  takes the kernel call the planner's fast path makes for it, bitwise.
+  takes the kernel call the planner's fast path makes for it, bitwise. For a rule torch
+  has no fused kernel of, torch.optim's foreach implementation where one computes the
+  rules: ``torch.optim.rmsprop._multi_tensor_rmsprop`` for ``functopt.optim.RMSprop``'s
+  chain (``[scale(-1)], [add_decayed_weights], scale_by_rms(eps_in_sqrt=False), [trace],
+  scale_by_learning_rate``, not centered), in float32 and float64 (the rules compute a
+  narrow dtype's moments in float32 and round once, the function rounds at each op), with
+  an ``eps`` whose reciprocal is finite (the rule multiplies by ``1 / (sqrt(nu) + eps)``,
+  the function divides by ``sqrt(nu) + eps``: they agree on what is finite only then).
 - ``"eager"``: the reference, the rules' own pure updates (the executor's ``_map``); it
   takes every segment.
 
@@ -28,8 +35,9 @@ kernel as its ``grad_scale``: a clip is a `Scale` op of its own, run before the 
 
 The kernels round once where the pure chain rounds at each stage, so their results equal
 the pure path's within the fast-path tolerance of ``functopt/testing/conformance.py``
-(tests/laws/test_backends.py); `explain` gives, per segment, the backend that takes it or
-every backend's reason.
+(tests/laws/test_backends.py; the foreach RMSprop equals ``torch.optim.RMSprop(foreach=True)``
+bitwise); `explain` gives, per segment, the backend that takes it or every backend's
+reason.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ import torch
 from functopt._collective.dtensor import _leaf_names
 from functopt._spec import Leafwise
 from functopt.fast._planner import (
+    _PLAIN,
     Group,
     Structure,
     _Const,
@@ -148,6 +157,7 @@ class _Table:
     segments: tuple[Segment, ...]
     first: dict[Map, Segment]
     matched: dict[Segment, _Matched | str] = field(default_factory=dict)
+    foreach: dict[Segment, dict[int, _RmsProp] | str | None] = field(default_factory=dict)
     refused: dict[str, None] = field(default_factory=dict)  # (ordered) since the last warning
     warned: set[str] = field(default_factory=set)
 
@@ -249,11 +259,23 @@ def _match(segment: Segment, run: Leaves) -> _Matched | str:
 
 
 class _Kernel:
-    """PyTorch's fused optimizer kernels (see the module docstring)."""
+    """PyTorch's fused optimizer kernels, and its foreach implementations (see the module
+    docstring)."""
 
     name = "kernel"
 
     def offer(self, segment: Segment, run: Leaves) -> Callable[[], None] | str:
+        fused = self._fused(segment, run)
+        if not isinstance(fused, str):
+            return fused
+        foreach = _foreach_offer(segment, run)
+        if foreach is None:  # (rules torch has no foreach implementation of)
+            return fused
+        if isinstance(foreach, str):
+            return f"{fused}; torch.optim's foreach RMSprop: {foreach}"
+        return foreach
+
+    def _fused(self, segment: Segment, run: Leaves) -> Callable[[], None] | str:
         table = _table(run.program)
         matched = table.matched.get(segment)
         if matched is None:
@@ -282,7 +304,10 @@ class _Kernel:
                 return hp
             resolved.append((group, hp))
         if run.donate:
-            problem = _donation_problem(resolved, run, name)
+            leaves = [i for group, _ in resolved if group.plan.kernel != "zero"
+                      for i in group.leaves]
+            entries = [k for group, _ in resolved for k in _written_slots(group)]
+            problem = _donation_problem(run, leaves, entries, name)
             if problem is not None:
                 return problem
         return lambda: _launch(segment, run, matched, resolved)
@@ -300,13 +325,12 @@ def _written_slots(group: Group) -> list[int]:
     return []
 
 
-def _donation_problem(resolved: list[tuple[Group, dict[str, Any]]], run: Leaves,
+def _donation_problem(run: Leaves, leaves: list[int], entries: list[int],
                       name: Callable[[int], str]) -> str | None:
-    """Why the kernels may not write these donated params and state entries in place."""
+    """Why the kernels may not write these donated params (leaf indices) and state entries
+    (flat indices) in place: two of them share memory."""
     # (what each tensor is, named only for a message: the paths cost a tree walk)
-    written: list[tuple[str, int]] = [("param", i) for group, _ in resolved
-                                      if group.plan.kernel != "zero" for i in group.leaves]
-    written += [("state", k) for group, _ in resolved for k in _written_slots(group)]
+    written = [("param", i) for i in leaves] + [("state", k) for k in entries]
 
     def named(j: int) -> str:
         kind, at = written[j]
@@ -335,6 +359,182 @@ def _launch(segment: Segment, run: Leaves, matched: _Matched,
             run.params[i], run.updates[i] = new_params[i], None
     for k, value in enumerate(new_state):
         run.state[k] = value
+    for c, count in advanced.items():
+        run.state[c] = count
+
+
+# --- torch.optim's foreach RMSprop ------------------------------------------------------
+
+_FOREACH_DTYPES = (torch.float32, torch.float64)
+
+
+@dataclass(frozen=True, eq=False)
+class _RmsProp:
+    """One leaf's rules as ``torch.optim.rmsprop._multi_tensor_rmsprop`` computes them:
+    ``[scale(-1)], [add_decayed_weights], scale_by_rms(eps_in_sqrt=False), [trace],
+    scale_by_learning_rate`` (``functopt.optim.RMSprop``'s chain, not centered)."""
+
+    maps: tuple[Map, ...]  # the segment's Maps on the leaf (leaves with the same: one call)
+    args: dict[str, Any]  # the function's keyword arguments
+    nu: int  # the flat state index of the leaf's second moment
+    trace: int | None  # and of its momentum buffer
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _rmsprop_of(maps: tuple[Map, ...], leaf: int, treespec: _core.TreeSpec) -> _RmsProp | str:
+    """The leaf's rules as torch's foreach RMSprop, or why they are not."""
+    rest = [(_kind(m.rule.spec), m) for m in maps if _kind(m.rule.spec) != "identity"]
+    args: dict[str, Any] = {"maximize": False, "weight_decay": 0.0, "momentum": 0.0,
+                            "centered": False}
+
+    def first(kind: str) -> Any:
+        """The hyperparameters of the next rule if it is a ``kind`` (taken), else None."""
+        if not rest or rest[0][0] != kind:
+            return None
+        spec = rest.pop(0)[1].rule.spec
+        return spec.hyper if isinstance(spec, Leafwise) else None
+
+    if (h := first("scale")) is not None:
+        if not (_number(h["step_size"]) and h["step_size"] == -1):
+            return "a scale other than scale(-1.0) (torch's maximize) before the rule"
+        args["maximize"] = True
+    if (h := first("add_decayed_weights")) is not None:
+        if not _number(h["weight_decay"]):
+            return "add_decayed_weights with a weight_decay that is not a Python number"
+        args["weight_decay"] = float(h["weight_decay"])
+    rms = rest[0][1] if rest and rest[0][0] == "scale_by_rms" else None
+    if (h := first("scale_by_rms")) is None or rms is None:
+        return "its rules are not [scale(-1)], [add_decayed_weights], scale_by_rms, ..."
+    if h["eps_in_sqrt"] or h["bias_correction"]:
+        return "scale_by_rms with eps_in_sqrt=True or bias_correction=True is not torch's"
+    if not (_number(h["decay"]) and _number(h["eps"])):
+        return "scale_by_rms with a decay or eps that is not a Python number"
+    args.update(alpha=float(h["decay"]), eps=float(h["eps"]))
+    nu = _entry(treespec, rms.rule.state_at.nu, leaf)
+    trace = None
+    traced = rest[0][1] if rest and rest[0][0] == "trace" else None
+    if (h := first("trace")) is not None and traced is not None:
+        if not _number(h["decay"]) or h["decay"] <= 0 or h["nesterov"] or (
+                h["accumulator_dtype"] is not None):
+            return ("a trace other than trace(decay > 0) in the param's dtype (torch's "
+                    "momentum) after scale_by_rms")
+        args["momentum"] = float(h["decay"])
+        trace = _entry(treespec, traced.rule.state_at.trace, leaf)
+    if (h := first("scale_by_learning_rate")) is None or not (
+            _number(h["learning_rate"]) and h["flip_sign"]):
+        return "it does not end with scale_by_learning_rate of a Python number"
+    args["lr"] = float(h["learning_rate"])
+    if rest:
+        return f"{rest[0][0]} after the learning rate"
+    return _RmsProp(maps, args, nu, trace)
+
+
+def _entry(treespec: _core.TreeSpec, index_tree: Any, leaf: int) -> int:
+    """A per-leaf state entry's flat index, from its field's index tree."""
+    found = treespec.flatten_up_to(index_tree)[leaf]
+    assert isinstance(found, int)
+    return found
+
+
+def _foreach_match(segment: Segment, run: Leaves) -> dict[int, _RmsProp] | str | None:
+    """Per leaf of ``segment``, its rules as torch's foreach RMSprop; the reason they are
+    not; or None when the segment has no rule of it."""
+    if not any(_kind(m.rule.spec) == "scale_by_rms" for m in segment.maps):
+        return None
+    if not segment.final:
+        return "its updates are read after it, and the function writes the params"
+    name = _leaf_names(run.treespec)
+    plans: dict[int, _RmsProp] = {}
+    for i in segment.leaves:
+        found = _rmsprop_of(tuple(m for m in segment.maps if i in m.sel), i, run.treespec)
+        if isinstance(found, str):
+            return f"leaf {name(i)!r}: {found}"
+        plans[i] = found
+    counts = {m.rule.state_at.count for m in segment.maps
+              if _kind(m.rule.spec) == "scale_by_rms"}
+    if _shared(segment.maps, run.treespec) - counts:
+        return f"{segment.where}: a rule keeps shared state besides scale_by_rms's count"
+    return plans
+
+
+def _foreach_offer(segment: Segment, run: Leaves) -> Callable[[], None] | str | None:
+    table = _table(run.program)
+    if segment not in table.foreach:
+        table.foreach[segment] = _foreach_match(segment, run)
+    plans = table.foreach[segment]
+    if plans is None or isinstance(plans, str):
+        return plans
+    name = _leaf_names(run.treespec)
+    groups: dict[Any, list[int]] = {}
+    for i in segment.leaves:
+        p, u = run.params[i], run.updates[i]
+        if p is None or u is None:
+            continue
+        plan = plans[i]
+        problem = _foreach_problem(plan, p, u, run.state)
+        if problem is not None:
+            return f"leaf {name(i)!r}: {problem}"
+        groups.setdefault((p.device, p.dtype, plan.maps), []).append(i)
+    calls = [(plans[leaves[0]], leaves) for leaves in groups.values()]
+    if run.donate:
+        leaves = [i for _, group in calls for i in group]
+        entries = [k for i in leaves for k in (plans[i].nu, plans[i].trace) if k is not None]
+        problem = _donation_problem(run, leaves, entries, name)
+        if problem is not None:
+            return problem
+    counts = sorted({m.rule.state_at.count for m in segment.maps
+                     if _kind(m.rule.spec) == "scale_by_rms"})
+    return lambda: _foreach_launch(run, plans, calls, counts)
+
+
+def _foreach_problem(plan: _RmsProp, p: Any, u: Any, state: list[Any]) -> str | None:
+    """Why torch's foreach RMSprop cannot take this leaf as the rules compute it."""
+    if type(p) not in _PLAIN or type(u) not in _PLAIN:
+        return "torch's foreach RMSprop takes plain tensors (not a DTensor or a subclass)"
+    if p.dtype not in _FOREACH_DTYPES:
+        # (the rules compute a narrow dtype's moments in float32 and round once; the
+        # function rounds at each of its ops)
+        return f"torch's foreach RMSprop rounds {p.dtype} at each op, the rules once"
+    entries = [state[plan.nu], *([] if plan.trace is None else [state[plan.trace]])]
+    for x in (u, *entries):
+        if type(x) not in _PLAIN or x.dtype != p.dtype or x.shape != p.shape or (
+                x.device != p.device):
+            return "its gradient or state entries differ from the param in dtype or shape"
+    if plan.args["eps"] * torch.finfo(p.dtype).max <= 1:
+        # (the rule multiplies by 1 / (sqrt(nu) + eps), the function divides by
+        # sqrt(nu) + eps: they agree on what is finite where 1 / eps is)
+        return f"an eps of {plan.args['eps']} whose reciprocal overflows {p.dtype}"
+    return None
+
+
+def _foreach_launch(run: Leaves, plans: dict[int, _RmsProp],
+                    calls: list[tuple[_RmsProp, list[int]]], counts: list[int]) -> None:
+    """The foreach calls of a segment, each of its leaves' params and state written as
+    `_launch` writes the kernels' (torch's own step counts are scratch: the rule keeps
+    its count)."""
+    from torch.optim.rmsprop import _multi_tensor_rmsprop
+
+    def owned(x: torch.Tensor) -> torch.Tensor:
+        return x if run.donate else x.clone()
+
+    advanced = {c: _common.safe_increment(run.state[c]) for c in counts}
+    for plan, leaves in calls:
+        params = [owned(run.params[i]) for i in leaves]
+        nus = [owned(run.state[plans[i].nu]) for i in leaves]
+        at = [plans[i].trace for i in leaves]
+        traces = [owned(run.state[k]) for k in at if k is not None]
+        steps = [torch.zeros(())] * len(leaves)
+        _multi_tensor_rmsprop(params, [run.updates[i] for i in leaves], nus, [], traces, steps,
+                              differentiable=False, capturable=False, has_complex=False,
+                              **plan.args)
+        for j, i in enumerate(leaves):
+            run.params[i], run.updates[i] = params[j], None
+            run.state[plans[i].nu] = nus[j]
+        for k, trace in zip([k for k in at if k is not None], traces, strict=True):
+            run.state[k] = trace
     for c, count in advanced.items():
         run.state[c] = count
 

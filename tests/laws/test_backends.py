@@ -37,6 +37,7 @@ import functopt as F
 from functopt import contrib
 from functopt.fast import FastPathWarning, _backends, _engine, make_step
 from functopt.fast._program import compile_program
+from functopt.optim import _chains
 from functopt.testing import assert_bitwise_equal, clone_tree, conformance
 from functopt.tree import _core
 
@@ -45,29 +46,39 @@ from test_conformance import REGISTRY
 from test_contrib import ENTRIES
 
 F64 = torch.float64
+# torch.optim.RMSprop's chains (functopt.optim), which torch's foreach RMSprop computes
+FOREACH: list[tuple[str, Callable[[], Any]]] = [
+    ("optim.rmsprop", lambda: _chains.rmsprop(1e-2, 0.9, 1e-8)),
+    ("optim.rmsprop[decay,momentum,maximize]",
+     lambda: _chains.rmsprop(1e-2, 0.75, 1e-6, 0.1, 0.5, maximize=True)),
+    ("optim.rmsprop[eps 0]", lambda: _chains.rmsprop(1e-2, 0.9, 0.0)),
+]
 _FACTORIES: list[tuple[str, Callable[[], Any]]] = (
-    [(e.id, e.factory) for e in REGISTRY] + [(f"contrib.{e[0]}", e[2]) for e in ENTRIES])
+    [(e.id, e.factory) for e in REGISTRY] + [(f"contrib.{e[0]}", e[2]) for e in ENTRIES]
+    + FOREACH)
 
 
 @contextlib.contextmanager
 def engine(backends: tuple[str, ...] = ("kernel", "eager")) -> Iterator[list[int]]:
     """The switch on with these backends, and a list that grows by one at each segment the
-    kernel backend runs."""
+    kernel backend runs (on a fused kernel or a foreach implementation)."""
     launched: list[int] = []
-    launch = _backends._launch
+    launches = _backends._launch, _backends._foreach_launch
 
-    def counted(*args: Any) -> None:
-        launched.append(1)
-        launch(*args)
+    def counted(launch: Callable[..., None]) -> Callable[..., None]:
+        def run(*args: Any) -> None:
+            launched.append(1)
+            launch(*args)
+        return run
 
     before = _engine.ENABLED, _engine.BACKENDS
     _engine.ENABLED, _engine.BACKENDS = True, backends
-    _backends._launch = counted  # type: ignore[assignment]
+    _backends._launch, _backends._foreach_launch = map(counted, launches)  # type: ignore[assignment]
     try:
         yield launched
     finally:
         _engine.ENABLED, _engine.BACKENDS = before
-        _backends._launch = launch  # type: ignore[assignment]
+        _backends._launch, _backends._foreach_launch = launches  # type: ignore[assignment]
 
 
 def _negated(tree: Any) -> Any:
@@ -179,6 +190,40 @@ def test_kernel_chain_equals_the_planners_fast_path(chain: str, donate: bool) ->
         assert_bitwise_equal(engine_state, planner_state, what=f"state after step {k + 1}")
 
 
+# --- torch's foreach RMSprop: bitwise torch.optim.RMSprop(foreach=True) -------------------
+
+RMSPROP: dict[str, dict[str, Any]] = {
+    "plain": {"alpha": 0.9, "eps": 1e-8},
+    "decay, momentum": {"alpha": 0.75, "eps": 1e-6, "weight_decay": 0.1, "momentum": 0.5},
+    "maximize": {"alpha": 0.9, "eps": 1e-8, "weight_decay": 0.01, "maximize": True},
+}
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["kept", "donated"])
+@pytest.mark.parametrize("case", list(RMSPROP), ids=list(RMSPROP))
+def test_rmsprop_equals_torchs_foreach_rmsprop(case: str, donate: bool) -> None:
+    kw = RMSPROP[case]
+    tx = _chains.rmsprop(0.1, kw["alpha"], kw["eps"], kw.get("weight_decay"),
+                         kw.get("momentum"), maximize=kw.get("maximize", False))
+    params = _params()
+    torch_params = [p.clone() for p in params.values()]
+    opt = torch.optim.RMSprop(torch_params, lr=0.1, foreach=True, **kw)
+    state, step = tx.init(params), make_step(tx, donate=donate)
+    for k in range(4):
+        grads = _grads(k)
+        for p, g in zip(torch_params, grads.values(), strict=True):
+            p.grad = None if g is None else g.clone()
+        opt.step()
+        with engine() as launched:
+            params, state = step(grads, state, params)
+        assert launched == [1], f"step {k + 1}: the kernel backend did not run"
+        assert_bitwise_equal(params, dict(zip(params, torch_params, strict=True)),
+                             what=f"params after step {k + 1}")
+        nus = {n: opt.state[p]["square_avg"] for n, p in zip(params, torch_params, strict=True)}
+        rms = next(part for part in state if hasattr(part, "nu"))
+        assert_bitwise_equal(rms.nu, nus, what=f"square averages after step {k + 1}")
+
+
 # --- the refusal table --------------------------------------------------------------------
 
 def _trio() -> dict[str, Any]:
@@ -225,6 +270,17 @@ REFUSALS: dict[str, tuple[Callable[[], Any], Callable[[], Any], Any, bool, str]]
                                        "share memory, which the kernels would write"),
     "a rule with tree sums": (lambda: contrib.prodigy(), _trio, None, False,
                               "has no fused kernel"),
+    "optax's rmsprop": (lambda: F.rmsprop(1e-2), _trio, None, False,
+                        "eps_in_sqrt=True or bias_correction=True is not torch's"),
+    "bfloat16 rmsprop": (lambda: _chains.rmsprop(1e-2, 0.9, 1e-8),
+                         lambda: {"w": torch.ones(3, dtype=torch.bfloat16)}, None, False,
+                         "rounds torch.bfloat16 at each op"),
+    "rmsprop with eps 0": (lambda: _chains.rmsprop(1e-2, 0.9, 0.0), _trio, None, False,
+                           "whose reciprocal overflows"),
+    "donated rmsprop sharing memory": (
+        lambda: _chains.rmsprop(1e-2, 0.9, 1e-8), _trio,
+        lambda tx, p: (tx.init(p)[0]._replace(nu={"w": p["w"], "b": torch.zeros(3)}),
+                       *tx.init(p)[1:]), True, "share memory"),
 }
 
 
@@ -244,8 +300,9 @@ def test_a_refused_segment_runs_eager_with_its_reason_warned_once(case: str) -> 
     step = make_step(tx, donate=donate)
     with engine() as launched, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        new_params, new_state = step(grads, clone_tree(state), clone_tree(params))
-        step(grads, clone_tree(state), clone_tree(params))
+        # (cloned together: a state entry sharing a param's memory still does)
+        new_params, new_state = step(*clone_tree((grads, state, params)))
+        step(*clone_tree((grads, state, params)))
     assert launched == []
     # (one warning per segment refused for this reason, over both steps)
     found = [str(w.message) for w in caught if reason in str(w.message)]
