@@ -245,6 +245,12 @@ def _match(segment: Segment, run: Leaves) -> _Matched | str:
             return f"leaf {name(i)!r}: {plan}"
         if plan.kernel not in _KERNEL_PLANS:
             return f"leaf {name(i)!r}: {' -> '.join(map(repr, program))} has no fused kernel"
+        if plan.kernel == "zero" and any(op.kernel not in ("zero", "identity")
+                                         for op in program):
+            # (the zero plan writes nothing, where the rules before the zeros move their
+            # state: the pure chain(scale_by_adam(), set_to_zero()) updates the moments)
+            return (f"leaf {name(i)!r}: set_to_zero after {program[0]!r}, whose state the "
+                    f"kernels' zero plan would leave as it was")
         problem = next(filter(None, map(_binding_problem, program)), None)
         if problem is not None:
             return f"leaf {name(i)!r}: {problem}"
