@@ -67,7 +67,7 @@ from functopt.fast._planner import (
     _Walk,
     overlap,
 )
-from functopt.fast._program import Gate, Map, Op, Program, Reduce, Scale
+from functopt.fast._program import Gate, Map, Op, Program
 from functopt.transforms import _common
 from functopt.tree import _core
 
@@ -122,7 +122,9 @@ class Backend(Protocol):
 # --- segments ---------------------------------------------------------------------------
 
 def _sel(op: Op) -> tuple[int, ...]:
-    return op.sel if isinstance(op, (Map, Reduce, Scale, Gate)) else ()
+    """The leaves whose updates ``op`` reads or writes (every op with a ``sel``)."""
+    found: tuple[int, ...] = getattr(op, "sel", ())
+    return found
 
 
 def _cut(ops: tuple[Op, ...], top: bool) -> list[Segment]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import traceback
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils import _pytree
@@ -40,12 +40,20 @@ from functopt.fast import _planner
 from functopt.fast._planner import CaptureError
 from functopt.tree import _core
 
-if TYPE_CHECKING:
-    from functopt.fast._step import Step
-
-__all__ = ["CapturedStep", "capture"]
+__all__ = ["CapturedStep", "Recordable", "capture", "written_back"]
 
 _DEFAULT_WARMUP = 2
+
+
+class Recordable(Protocol):
+    """What `capture` uses of a step (a [`Step`][functopt.fast.Step]): its call, its
+    donation flags, and its per-thread workspace, whose gather buffers the recording owns."""
+
+    donate: bool
+    donate_grads: bool
+    _workspace: Any
+
+    def __call__(self, grads: Updates, state: State, params: Params) -> Any: ...
 
 
 class CapturedStep:
@@ -115,7 +123,7 @@ class CapturedStep:
                 static.copy_(g)
 
 
-def capture(step: Step, grads: Updates, state: State, params: Params, *,
+def capture(step: Recordable, grads: Updates, state: State, params: Params, *,
             warmup: int = _DEFAULT_WARMUP, tape: bool = False) -> CapturedStep:
     """`Step.capture`; ``tape``: record with `_Tape` instead of a CUDA graph (any device)."""
     if not step.donate:
@@ -212,6 +220,42 @@ def _unique(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def _state_names(state_spec: _core.TreeSpec) -> Callable[[int], str]:
     paths = _core.paths(state_spec)
     return lambda i: paths[i] or "state"
+
+
+def written_back(param_leaves: list[Any], treespec: _core.TreeSpec, state_leaves: list[Any],
+                 state_spec: _core.TreeSpec, values: list[Any], leaves: list[Any],
+                 spec: _core.TreeSpec) -> tuple[list[Any], list[Any], _core.TreeSpec]:
+    """The inputs of a donated step being recorded, each new tensor of its results
+    (``values``: the new params; ``leaves`` and ``spec``: the new state) copied into the
+    tensor it replaces (see `Step._kept`): a replay then writes where the next replay
+    reads."""
+    if spec != state_spec:
+        raise CaptureError(
+            f"a recorded step changed the structure of its state (from {state_spec} to "
+            f"{spec}); a replay writes into the tensors it was recorded on. Fix: record "
+            f"a step after one that made the state its steady structure.")
+    _written_back(param_leaves, values, _leaf_names(treespec), "param")
+    _written_back(state_leaves, leaves, _state_names(state_spec), "state entry")
+    return param_leaves, state_leaves, state_spec
+
+
+def _written_back(old: list[Any], new: list[Any], name: Callable[[int], str], what: str,
+                  ) -> None:
+    """Copy each new tensor of ``new`` into the tensor of ``old`` it replaces."""
+    for i, (a, b) in enumerate(zip(old, new, strict=True)):
+        if b is a:
+            continue
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (
+                a.shape == b.shape and a.dtype == b.dtype and a.device == b.device):
+            a.copy_(b)
+        elif not (isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor)) and a == b:
+            continue
+        else:
+            raise CaptureError(
+                f"a recorded step replaces {what} {name(i)!r}, {_core._describe(a)}, with "
+                f"{_core._describe(b)}; a replay can only write new values into the tensors "
+                f"it was recorded on. Fix: give that entry its steady kind before recording "
+                f"(one step first), or step without capture.")
 
 
 def _check_inputs(param_leaves: list[Any], grad_leaves: list[Any], state_leaves: list[Any],

@@ -3,10 +3,10 @@ r"""The private engine's executor: runs a step's program (``functopt/fast/_progr
 One entry point, `execute_leaves`, on the flat leaves of the params, gradients and state;
 `execute` is the tree wrapper. A step:
 
-1. resolves the program's bindings (``inject_hyperparams``, outer ones first): their values
-   read from the state as the pure update reads them, their inner transforms built from
-   them once for the step;
-2. runs the ops in order on the updates (the gradients at first) and the flat state;
+1. runs the ops in order on the updates (the gradients at first) and the flat state;
+2. resolves each of the program's bindings (``inject_hyperparams``, outer ones first) where
+   an op first needs it: its values read from the state as the pure update reads them,
+   its inner transform built from them once for the step;
 3. resolves reductions at *barriers*: a `Reduce` computes this rank's part at once (from
    the local shards of DTensor leaves, each replicated value counted on one rank) and
    leaves it pending; the first op that reads a pending result resolves every pending one
@@ -23,7 +23,11 @@ reference, which takes the rest: a `Map` calls its rule's own pure ``update``
 (a `PerLeaf` rule's ``grouped`` update when it has one) on the params' tree with ``None``
 outside its leaves, as ``masked`` calls an inner transform; an elementwise rule is called
 once per (device, dtype) group of its leaves, the others once on all of them. A `Gate`
-runs both branches and selects with ``torch.where``, as ``apply_if_finite`` does. The
+on a device decision runs both branches and selects with ``torch.where``, as
+``apply_if_finite`` does; a `Gate` on a ``MultiSteps`` `Window` decides on the host with
+the pure update's own ``MultiSteps.window`` and runs the branch it picks, and its
+`Accumulate` ops take the mini-step into the window's state with ``MultiSteps``' own
+accumulation and counters (``Window.next_state``). The
 arithmetic is the pure path's, so the results equal it bitwise (tests/laws/test_program.py).
 It is not faster than the pure path: it is the reference the faster backends are held to
 (tests/laws/test_backends.py).
@@ -48,6 +52,7 @@ from functopt._collective.dtensor import (
 from functopt._spec import Spec, describe
 from functopt.fast import _backends
 from functopt.fast._program import (
+    Accumulate,
     Gate,
     Map,
     Op,
@@ -56,6 +61,7 @@ from functopt.fast._program import (
     Reduce,
     Rule,
     Scale,
+    Window,
     Write,
     nodes_of,
 )
@@ -97,8 +103,11 @@ class _Run:
     device: torch.device  # where a reduction over no counted leaf lives
     results: dict[int, Any] = field(default_factory=dict)
     pending: dict[int, Any] = field(default_factory=dict)
-    values: list[dict[str, Any]] = field(default_factory=list)  # per binding
-    nodes: list[list[Spec]] = field(default_factory=list)  # per binding: its inner nodes
+    # per binding resolved: its values and its inner transform's nodes (`bound`)
+    resolved: dict[int, tuple[dict[str, Any], list[Spec]]] = field(default_factory=dict)
+    # per window decided: (its MultiSteps, its state as it was, the verdict: a
+    # ``multi_steps.Window``)
+    windows: dict[int, tuple[Any, Any, Any]] = field(default_factory=dict)
     donate: bool = False  # the params and state are handed over (a kernel writes in place)
     # the backends offered each segment of Maps, in order (``functopt/fast/_backends.py``),
     # and the Maps one other than the eager backend ran
@@ -115,11 +124,25 @@ class _Run:
         if rule.bound is None:
             return rule.spec
         binding, position = rule.bound
-        node = self.nodes[binding][position]
+        node = self.bound(binding)[1][position]
         if type(node) is not type(rule.spec):
             raise ValueError(f"{rule.where}: the injected transform built from this step's "
                              f"values has {node!r} where {rule.spec!r} was compiled")
         return node
+
+    def bound(self, index: int) -> tuple[dict[str, Any], list[Spec]]:
+        """Binding ``index``'s values and its inner transform's nodes for this step,
+        resolved at first use (its outer bindings first), from its state entries, which
+        only its `Record` changes."""
+        found = self.resolved.get(index)
+        if found is None:
+            b = self.program.bindings[index]
+            node = b.spec if b.parent is None else self.bound(b.parent[0])[1][b.parent[1]]
+            constants = {k: self.state[i] for k, i in b.hyper if k in b.constants}
+            values = node.values_at(self.state[b.count], constants)  # type: ignore[attr-defined]
+            built = describe(node.build(values))  # type: ignore[attr-defined]
+            found = self.resolved[index] = (values, nodes_of(built))
+        return found
 
     def state_of(self, rule: Rule) -> Any:
         keys, spec = _core.flatten(rule.state_at)
@@ -144,21 +167,12 @@ def _resolve(run: _Run) -> None:
         run.results[k] = found if isinstance(pending[k], tuple) else found[0]
 
 
-def _bind(run: _Run) -> None:
-    """Each binding's values and inner transform for this step, outer ones first."""
-    for b in run.program.bindings:
-        node = b.spec if b.parent is None else run.nodes[b.parent[0]][b.parent[1]]
-        constants = {k: run.state[i] for k, i in b.hyper if k in b.constants}
-        values = node.values_at(run.state[b.count], constants)  # type: ignore[attr-defined]
-        run.values.append(values)
-        run.nodes.append(nodes_of(describe(node.build(values))))  # type: ignore[attr-defined]
-
-
 # --- the eager backend ------------------------------------------------------------------
 
 def _groups(run: _Run, op: Map, spec: Any) -> list[tuple[int, ...]]:
     """The calls of ``op``'s rule: per (device, dtype) group of its leaves where it is
-    elementwise, else one call on all of them."""
+    elementwise, else one call on all of them; on no leaf, one call (as ``masked`` calls
+    its inner transform on a tree of ``None``, which still advances a count)."""
     if not op.rule.elementwise or getattr(spec, "sums", None) is not None:
         return [op.sel]
     found: dict[Any, list[int]] = {}
@@ -166,7 +180,6 @@ def _groups(run: _Run, op: Map, spec: Any) -> list[tuple[int, ...]]:
         x = run.updates[i] if run.updates[i] is not None else run.params[i]
         local = local_tensor(x)
         found.setdefault((local.device, local.dtype), []).append(i)
-    # (a rule on no leaves is still called once: its update moves its count)
     return [tuple(leaves) for leaves in found.values()] or [op.sel]
 
 
@@ -236,7 +249,11 @@ def _scale(run: _Run, op: Scale) -> None:
 
 
 def _gate(run: _Run, op: Gate) -> None:
-    """Both branches from the same updates and state, selected as apply_if_finite does."""
+    """Both branches from the same updates and state, selected as apply_if_finite does; or,
+    on a `Window`, the branch the window picks."""
+    if isinstance(op.decide, Window):
+        _window(run, op, op.decide)
+        return
     updates, state = list(run.updates), list(run.state)
     _ops(run, op.then)
     taken_updates, taken_state = run.updates, run.state
@@ -266,15 +283,66 @@ def _gate(run: _Run, op: Gate) -> None:
     run.state[d.total_notfinite] = total
 
 
+def _window(run: _Run, op: Gate, window: Window) -> None:
+    """A ``MultiSteps``' mini-step decided on the host by its own ``window`` (its checks,
+    its skip function, its schedule), its new ``skip_state`` written, and the branch it
+    picks run: ``then`` where the window closes, ``otherwise`` elsewhere."""
+    multi_steps = run.spec(window.rule).multi_steps
+    state = run.state_of(window.rule)
+    verdict = multi_steps.window(run.tree(run.updates, window.sel), state,
+                                 run.tree(run.params, window.sel))
+    keys, spec = _core.flatten(window.rule.state_at.skip_state)
+    leaves, found = _core.flatten(verdict.skip_state)
+    if found != spec:
+        raise ValueError(
+            f"{window.rule.where or '<root>'}: MultiSteps' should_skip_update_fn returned a "
+            f"skip_state of structure {found}, where the state holds {spec}; the program "
+            f"engine steps a state of one structure. Fix: return a skip_state of the "
+            f"structure it has at init on every call.")
+    for k, v in zip(keys, leaves, strict=True):
+        run.state[k] = v
+    run.windows[window.out] = (multi_steps, state, verdict)
+    _ops(run, op.then if verdict.closes else op.otherwise)
+
+
+def _accumulate(run: _Run, op: Accumulate) -> None:
+    """The mini-step into its window's state, as ``MultiSteps.update`` takes it."""
+    multi_steps, state, verdict = run.windows[op.window]
+    if verdict.skip:
+        return
+    at, n = op.rule.state_at, verdict.mini_step
+    accs: list[Any] = run.treespec.flatten_up_to(at.acc_grads)  # (flat state indices)
+    if verdict.closes:
+        for i in op.sel if n > 0 else ():  # (a window of one steps on the updates as they are)
+            g = run.updates[i]
+            if g is not None:
+                run.updates[i] = multi_steps._accumulate(g, run.state[accs[i]], n).to(g.dtype)
+        for k in accs:
+            acc = run.state[k]
+            run.state[k] = None if acc is None else torch.zeros_like(acc)
+    else:
+        for i in op.sel:
+            if run.updates[i] is not None:
+                run.state[accs[i]] = multi_steps._accumulate(run.updates[i],
+                                                             run.state[accs[i]], n)
+    # (the counters as the pure update makes them; its accumulators and inner state are
+    # written above and by the inner program)
+    counted = verdict.next_state(state, state.acc_grads, state.inner_opt_state)
+    run.state[at.mini_step] = counted.mini_step
+    run.state[at.gradient_step] = counted.gradient_step
+
+
 def _record(run: _Run, op: Record) -> None:
     b = run.program.bindings[op.binding]
+    values = run.bound(op.binding)[0]
     run.state[b.count] = _common.safe_increment(run.state[b.count])
     for k, i in b.hyper:
-        run.state[i] = run.values[op.binding][k]
+        run.state[i] = values[k]
 
 
 _STEPS: dict[type, Callable[[_Run, Any], None]] = {
-    Map: _map, Reduce: _reduce, Scale: _scale, Gate: _gate, Record: _record}
+    Map: _map, Reduce: _reduce, Scale: _scale, Gate: _gate, Accumulate: _accumulate,
+    Record: _record}
 
 
 def _ops(run: _Run, ops: tuple[Op, ...]) -> None:
@@ -325,7 +393,6 @@ def execute_leaves(program: Program, treespec: _core.TreeSpec, param_leaves: lis
                stats.counted_leaves(grad_leaves, name), group, device, donate=donate,
                backends=_backends.table(backends))
     with torch.no_grad():
-        _bind(run)
         _ops(run, program.ops)
         return _apply(run, donate), run.state
 

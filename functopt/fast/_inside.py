@@ -73,8 +73,7 @@ def multi_steps(acc: _planner.Accumulation, structure: _planner.Structure,
     if len(found) <= position:
         return (f"{acc.where}: the injected transform built from this step's values has no "
                 f"MultiSteps there")
-    ms = found[position].multi_steps
-    return ms
+    return found[position].multi_steps
 
 
 def window(acc: _planner.Accumulation, ms: MultiSteps, treespec: _core.TreeSpec,
@@ -92,15 +91,11 @@ def window(acc: _planner.Accumulation, ms: MultiSteps, treespec: _core.TreeSpec,
         acc_grads=_filled(idx.acc_grads, state_leaves),
         skip_state=_filled(idx.skip_state, state_leaves))
     chosen = set(acc.leaves)
-    if len(chosen) == len(param_leaves):  # (every leaf: the trees as given)
-        updates = _core.unflatten(treespec, grad_leaves)
-        params = _core.unflatten(treespec, param_leaves)
-    else:
-        updates = _core.unflatten(treespec, [g if i in chosen else None
-                                             for i, g in enumerate(grad_leaves)])
-        params = _core.unflatten(treespec, [p if i in chosen else None
-                                            for i, p in enumerate(param_leaves)])
-    found = ms.window(updates, view, params)
+    if len(chosen) < len(param_leaves):  # (else every leaf: the trees as given)
+        grad_leaves = [g if i in chosen else None for i, g in enumerate(grad_leaves)]
+        param_leaves = [p if i in chosen else None for i, p in enumerate(param_leaves)]
+    found = ms.window(_core.unflatten(treespec, grad_leaves), view,
+                      _core.unflatten(treespec, param_leaves))
     if len(_core.flatten(idx.acc_grads)[0]) != len(found.accs):
         return FOREIGN
     if _core.structure(found.skip_state) != _core.structure(view.skip_state):
@@ -126,17 +121,7 @@ def inside_step(structure: _planner.Structure, lower: Callable[[str], _planner.L
     found = window(acc, ms, treespec, param_leaves, grad_leaves, state_leaves)
     if isinstance(found, str):
         return found
-    verdicts: dict[int, torch.Tensor] = {}
-    guarded = False  # an apply_if_finite around it skips: nothing of it moves
-    if acc.guard is not None:
-        # its verdict on the gradients (a closing mini-step steps on others), read on the
-        # host as MultiSteps reads its own: whether the mini-step happens at all
-        guard = structure.guards[acc.guard]
-        verdict = finite(acc.guard)
-        count = int(state_leaves[guard.notfinite_count])
-        count += count < _common.INT32_MAX  # (its safe_increment)
-        guarded = not (bool(verdict) or count > guard.max_consecutive_errors)
-        verdicts[acc.guard] = verdict
+    verdicts, guarded = _guarded(acc, structure, finite, state_leaves)
     closing = found.closes and not found.skip and not guarded
     lowered = lower(_planner.CLOSING if closing else _planner.MINI)
     if lowered.reason is not None:
@@ -146,21 +131,17 @@ def inside_step(structure: _planner.Structure, lower: Callable[[str], _planner.L
     new_accs: list[Any] = found.accs
     zeroed = set(lowered.structure.zeroed) & set(present)
     if zeroed:  # (its zero updates reach rules after it: they run on zero gradients)
-        grads = list(grad_leaves)
-        for i in zeroed:
-            grads[i] = torch.zeros_like(grad_leaves[i])
+        grads = [torch.zeros_like(g) if i in zeroed else g for i, g in enumerate(grad_leaves)]
     accumulates = not (closing or found.skip or guarded)
     if closing and found.mini_step > 0:  # (a window of one steps on the gradient itself)
         summed = _multi.accumulate(ms, found, present, in_place=False)
-        grads = list(grad_leaves)
-        for i in present:
-            grads[i] = summed[i].to(grad_leaves[i].dtype)
+        at = set(present)
+        grads = [summed[i].to(g.dtype) if i in at else g for i, g in enumerate(grad_leaves)]
     elif accumulates and not donate:
         new_accs = _multi.accumulate(ms, found, present, in_place=False)
     result = run(lowered, grads, verdicts)
     if isinstance(result, str):
         return result
-    idx = acc.state_at
     if closing:
         new_accs = _multi.zeroed(found.accs, in_place=donate)
     else:  # its leaves' zero updates, added as apply_updates adds them
@@ -170,9 +151,29 @@ def inside_step(structure: _planner.Structure, lower: Callable[[str], _planner.L
         result.values = _multi.plus_zero(result.values, mask, donate=donate)
         if accumulates and donate:  # (after the step: a refused one writes nothing)
             new_accs = _multi.accumulate(ms, found, present, in_place=True)
-    if guarded:  # (the guard keeps the state inside it: the planner kept the rest)
-        return result
-    leaves = result.leaves
+    if not guarded:  # (the guard keeps the state inside it: the planner kept the rest)
+        _write_window(result.leaves, acc.state_at, found, state_leaves, new_accs)
+    return result
+
+
+def _guarded(acc: _planner.Accumulation, structure: _planner.Structure,
+             finite: Callable[[int], torch.Tensor], state_leaves: list[Any],
+             ) -> tuple[dict[int, torch.Tensor], bool]:
+    """``({guard: its verdict on these gradients}, whether it skips the step)`` for an
+    ``apply_if_finite`` around the ``MultiSteps``, read on the host; ``({}, False)``: none."""
+    if acc.guard is None:
+        return {}, False
+    guard = structure.guards[acc.guard]
+    verdict = finite(acc.guard)
+    count = int(state_leaves[guard.notfinite_count])
+    count += count < _common.INT32_MAX  # (its safe_increment)
+    return {acc.guard: verdict}, not (bool(verdict) or count > guard.max_consecutive_errors)
+
+
+def _write_window(leaves: list[Any], idx: MultiStepsState, found: Window,
+                  state_leaves: list[Any], new_accs: list[Any]) -> None:
+    """Write the skip state, and unless skipped the counters and ``new_accs``, into the
+    state's ``leaves`` (at the indices ``idx`` holds), as the update writes them."""
     writes = [(idx.skip_state, found.skip_state)]
     if not found.skip:
         view = MultiStepsState(_filled(idx.mini_step, state_leaves),
@@ -183,7 +184,6 @@ def inside_step(structure: _planner.Structure, lower: Callable[[str], _planner.L
     for at, value in writes:
         for k, x in zip(_core.flatten(at)[0], _core.flatten(value)[0], strict=True):
             leaves[k] = x
-    return result
 
 
 def explained(structure: _planner.Structure, lower: Callable[[str], _planner.Lowered],

@@ -3,7 +3,7 @@
 ``make_step(MultiSteps(inner, k))`` and ``make_step(chain(prefix..., MultiSteps(inner,
 k).gradient_transformation(), suffix...))`` (``named_chain`` too, nested chains flattened)
 are stepped here (the mixed-precision step does the same in
-``functopt/precision/_fused.py``'s ``fused_multi_step``), with the semantics of the pure
+``functopt/precision/_fused_multi.py``'s ``fused_multi_step``), with the semantics of the pure
 ``chain``:
 
 - the prefix (the elements before the ``MultiSteps``: per-leaf rules, global-norm

@@ -21,11 +21,25 @@ compiles once, wherever it stands:
 - ``inject_hyperparams`` (nested too): a `Binding` that reads the hyperparameters from the
   state at each step and builds the inner transform from them, a `Record` where the pure
   update writes its count and values, and the inner program, whose rules are found again
-  by position in the inner transform built from this step's values (``Rule.bound``).
+  by position in the inner transform built from this step's values (``Rule.bound``);
+- ``MultiSteps`` (whole, or as ``gradient_transformation()`` anywhere, nested too): a
+  `Gate` on its `Window`. The window's decision is read on the host, where its pure update
+  reads it (``MultiSteps.window``: the counts with ``_read_count``, ``every_k_schedule``,
+  and the verdict of ``should_skip_update_fn``, a sync only where that verdict is an
+  accelerator tensor), and only the branch it picks runs. Both branches begin with an
+  `Accumulate` of the mini-step into the window's state; ``then`` (the mini-step that
+  closes the window) goes on with the inner transform's program on the accumulated
+  gradients, ``otherwise`` (every other mini-step, skipped or not) with zero updates, the
+  inner state kept. It adds no `Reduce`: a skip function measures the updates' trees
+  itself (on DTensor leaves with DTensor's own collectives, as on the pure path).
 
 A program ends with a `Write` (the updates added to the params). A node the compiler does
 not handle gives a program with a ``reason`` and no ops: the caller keeps another path and
 says why, so a program is never a silent approximation.
+
+A `Gate` thus makes one of two decisions: on a device (a `Decide`: both branches run and
+``torch.where`` selects, as ``apply_if_finite`` does) or on the host (a `Window`: one
+branch runs, as ``MultiSteps`` runs its inner update only when a window closes).
 
 Why this shape. The ops hold indices (leaves, flat state entries, reduction results), no
 tensors, so a program depends only on the transform and the trees' structures and is
@@ -56,11 +70,11 @@ from functopt._spec import (
     Spec,
     describe,
 )
-from functopt.transforms.multi_steps import Accumulated, MultiSteps
+from functopt.transforms.multi_steps import Accumulated, MultiSteps, MultiStepsState
 from functopt.tree import _core
 
-__all__ = ["Binding", "Decide", "Gate", "Map", "Program", "Record", "Reduce", "Rule", "Scale",
-           "Write", "compile_program", "nodes_of", "rule_facts"]
+__all__ = ["Accumulate", "Binding", "Decide", "Gate", "Map", "Program", "Record", "Reduce",
+           "Rule", "Scale", "Window", "Write", "compile_program", "nodes_of", "rule_facts"]
 
 def rule_facts(spec: Leafwise) -> tuple[tuple[str, ...], bool] | str:
     """A rule's per-leaf state fields and whether it is elementwise, as its spec states
@@ -74,7 +88,8 @@ def rule_facts(spec: Leafwise) -> tuple[tuple[str, ...], bool] | str:
 
 @dataclass(frozen=True, eq=False)
 class Rule:
-    """A spec node the executor calls: a rule, a clip or a guard, with its state's place."""
+    """A spec node the executor calls: a rule, a clip, a guard or a ``MultiSteps``, with its
+    state's place."""
 
     spec: Spec  # the node as compiled (for a bound rule: from the compile-time build)
     state_at: Any  # its state with flat state indices at the leaves
@@ -133,12 +148,46 @@ class Decide:
 
 
 @dataclass(frozen=True, eq=False)
-class Gate:
-    """Both branches run from the same updates and state; ``decide`` picks, per updates
-    leaf of ``sel`` and per state entry either branch wrote, ``then``'s where it applies
-    and ``otherwise``'s elsewhere (``torch.where``: a device decision, no host read)."""
+class Window:
+    """``MultiSteps``' decision on its window (``rule``: its ``Accumulated`` node and its
+    state's place), made on the host by its own ``MultiSteps.window`` on the updates of
+    ``sel``: whether ``should_skip_update_fn`` skips the mini-step and whether the
+    mini-step count reaches ``every_k_schedule(gradient_step)``. It writes the state's new
+    ``skip_state`` and keeps its verdict as window ``out`` of the step (numbered in the
+    program from 0), for the `Accumulate` ops of its gate."""
 
-    decide: Decide
+    rule: Rule
+    sel: tuple[int, ...]
+    out: int
+
+
+@dataclass(frozen=True, eq=False)
+class Accumulate:
+    """The mini-step taken into the window ``window``'s state (``rule``'s), as the pure
+    ``MultiSteps.update`` takes it: a skipped one changes nothing; one that does not close
+    the window adds each update of ``sel`` into its accumulator (``use_grad_mean``: the
+    running mean) and advances ``mini_step``; the one that closes it makes the updates of
+    ``sel`` the accumulated gradients (in the updates' dtypes; at the window's first
+    mini-step, the updates as they are), resets every accumulator to zeros and
+    ``mini_step`` to 0, and advances ``gradient_step``."""
+
+    rule: Rule
+    sel: tuple[int, ...]
+    window: int
+
+
+@dataclass(frozen=True, eq=False)
+class Gate:
+    """Two branches, and a decision between them.
+
+    ``decide`` a `Decide`: both branches run from the same updates and state, and the
+    decision picks, per updates leaf of ``sel`` and per state entry either branch wrote,
+    ``then``'s where it applies and ``otherwise``'s elsewhere (``torch.where``: a device
+    decision, no host read). ``decide`` a `Window`: the decision is read on the host and
+    only its branch runs, ``then`` on the mini-step that closes the window, ``otherwise``
+    on the others."""
+
+    decide: Decide | Window
     then: tuple[Op, ...]
     otherwise: tuple[Op, ...]
     sel: tuple[int, ...]
@@ -161,8 +210,10 @@ class Write:
 
 @dataclass(frozen=True, eq=False)
 class Binding:
-    """An ``inject_hyperparams``: its values read from the state at each step (outer
-    bindings first), and its inner transform built from them."""
+    """An ``inject_hyperparams``: its values read from the state at each step where the
+    step first needs them (outer bindings first; inside a ``MultiSteps``, only on the
+    mini-steps that close its window, the only ones its update runs on), and its inner
+    transform built from them."""
 
     count: int  # flat index of its state.count
     hyper: tuple[tuple[str, int], ...]  # (key, flat index of state.hyperparams[key])
@@ -173,13 +224,14 @@ class Binding:
     parent: tuple[int, int] | None = None
 
 
-Op = Map | Reduce | Scale | Gate | Record | Write
+Op = Map | Reduce | Scale | Gate | Accumulate | Record | Write
 
 
 @dataclass(frozen=True, eq=False)
 class Program:
     """A step: ``ops`` on ``leaves`` updates entries and the flat state, with ``bindings``
-    resolved first; ``reason`` (and no ops) when the compiler does not take the transform."""
+    resolved where they are first needed; ``reason`` (and no ops) when the compiler does
+    not take the transform."""
 
     leaves: int
     ops: tuple[Op, ...]
@@ -190,34 +242,39 @@ class Program:
     @property
     def barriers(self) -> int:
         """How many times a step must resolve reductions in program order: an op that
-        reads a result (a `Scale`, a `Gate`, a `Map` with ``totals``) while reductions
-        are pending resolves all of them at once, one packed collective on a mesh."""
-        pending: set[int] = set()
-        count = 0
+        reads a result (a `Scale`, a gate's `Decide`, a `Map` with ``totals``) while
+        reductions are pending resolves all of them at once, one packed collective on a
+        mesh. A gate on a `Window` runs one branch: it counts its branch with more (a
+        ``MultiSteps``' closing mini-step), so this is the most a step makes."""
 
-        def visit(ops: tuple[Op, ...]) -> None:
-            nonlocal count
+        def visit(ops: tuple[Op, ...], pending: set[int]) -> int:
+            count = 0
             for op in ops:
                 if isinstance(op, Reduce):
                     pending.add(op.out)
                     continue
+                if isinstance(op, Gate) and isinstance(op.decide, Window):
+                    then, otherwise = set(pending), set(pending)
+                    count += max(visit(op.then, then), visit(op.otherwise, otherwise))
+                    pending.clear()
+                    pending.update(then | otherwise)
+                    continue
                 if isinstance(op, Gate):
-                    visit(op.then)
-                    visit(op.otherwise)
+                    count += visit(op.then, pending) + visit(op.otherwise, pending)
                 needs = _reads(op)
                 if needs is not None and needs in pending:
                     count += 1
                     pending.clear()
+            return count
 
-        visit(self.ops)
-        return count
+        return visit(self.ops, set())
 
 
 def _reads(op: Op) -> int | None:
     """The reduction result ``op`` reads, if any."""
     if isinstance(op, Scale):
         return op.source
-    if isinstance(op, Gate):
+    if isinstance(op, Gate) and isinstance(op.decide, Decide):
         return op.decide.source
     if isinstance(op, Map):
         return op.totals
@@ -242,6 +299,8 @@ def nodes_of(spec: Spec | None) -> list[Spec]:
         children = spec.children.values()
     elif isinstance(spec, FiniteGuard):
         children = (spec.inner,)
+    elif isinstance(spec, Accumulated):
+        children = (describe(spec.multi_steps.inner_opt),)
     return [spec, *(node for child in children for node in nodes_of(child))]
 
 
@@ -254,7 +313,7 @@ class _Compiler:
         self.state_leaves = state_leaves
         self.bindings: list[Binding] = []
         self.reductions = 0
-        self.guarded = False
+        self.windows = 0
         # the innermost binding being compiled and its inner spec's nodes
         self.inside: tuple[int, list[Spec]] | None = None
 
@@ -295,8 +354,7 @@ class _Compiler:
         if isinstance(spec, Leafwise):
             return self.leafwise(spec, idx, sel, where)
         if isinstance(spec, Accumulated):
-            raise _Refused(f"{where or '<root>'}: MultiSteps has no program yet (its window "
-                           f"is a host decision the executor does not make)")
+            return self.accumulated(spec, idx, sel, where)
         raise _Refused(f"{where or '<root>'}: {type(spec).__name__} has no program yet")
 
     def sequence(self, spec: Sequence, idx: Any, sel: tuple[int, ...], where: str,
@@ -326,19 +384,33 @@ class _Compiler:
               ) -> list[Op]:
         out = self.reduction()
         then = self.node(spec.inner, idx.inner_state, sel, f"{where}.apply_if_finite")
-        zero = self.zeroing(where)
+        zero = self.zeroing(f"{where}.apply_if_finite(skipped)")
         decide = Decide(out, idx.notfinite_count, idx.last_finite, idx.total_notfinite,
                         spec.max_consecutive_errors)
         return [Reduce("nonfinite", sel, out),
                 Gate(decide, tuple(then), (Map(zero, sel),), sel)]
 
     def zeroing(self, where: str) -> Rule:
-        """The skip branch's rule: ``set_to_zero``, whose zeros have the updates' dtypes."""
+        """A skip branch's rule: ``set_to_zero``, whose zeros have the updates' dtypes."""
         tx = set_to_zero()
         zero = describe(tx)
         assert zero is not None
         # (its state has no leaves: the state itself stands for its index tree)
-        return Rule(zero, tx.init(None), (), True, f"{where}.apply_if_finite(skipped)")
+        return Rule(zero, tx.init(None), (), True, where)
+
+    def accumulated(self, spec: Accumulated, idx: Any, sel: tuple[int, ...], where: str,
+                    ) -> list[Op]:
+        if not isinstance(idx, MultiStepsState):
+            raise _Refused(f"{where or '<root>'}: the state of a MultiSteps is "
+                           f"{type(idx).__name__}, not a MultiStepsState")
+        rule = self.rule(spec, idx, ("acc_grads",), True, where)
+        out = self.windows
+        self.windows += 1
+        inner = self.node(describe(spec.multi_steps.inner_opt), idx.inner_opt_state, sel,
+                          f"{where}.MultiSteps")
+        taken = Accumulate(rule, sel, out)
+        zero = self.zeroing(f"{where}.MultiSteps(accumulating)")
+        return [Gate(Window(rule, sel, out), (taken, *inner), (taken, Map(zero, sel)), sel)]
 
     def injected(self, spec: Injected, idx: Any, sel: tuple[int, ...], where: str,
                  ) -> list[Op]:

@@ -46,8 +46,7 @@ from functopt._base import GradientTransformation, Params, State, Updates
 from functopt._collective import stats
 from functopt._collective.dtensor import _infer_group, _leaf_names, _rewrap_like, local_tensor
 from functopt.fast import _capture, _compiled, _engine, _inside, _multi, _multi_injected, _planner
-from functopt.fast._capture import CapturedStep, _state_names
-from functopt.fast._planner import CaptureError
+from functopt.fast._capture import CapturedStep
 from functopt.transforms.multi_steps import MultiSteps
 from functopt.tree import _core, _ops
 
@@ -583,14 +582,8 @@ class Step:
         donated step being recorded)."""
         if not (self.donate and _ops._recording()):
             return values, leaves, spec
-        if spec != state_spec:
-            raise CaptureError(
-                f"a recorded step changed the structure of its state (from {state_spec} to "
-                f"{spec}); a replay writes into the tensors it was recorded on. Fix: record "
-                f"a step after one that made the state its steady structure.")
-        _written_back(param_leaves, values, _leaf_names(treespec), "param")
-        _written_back(state_leaves, leaves, _state_names(state_spec), "state entry")
-        return param_leaves, state_leaves, state_spec
+        return _capture.written_back(param_leaves, treespec, state_leaves, state_spec, values,
+                                     leaves, spec)
 
     def _multi_step(self, split: _multi.Split | _multi_injected.InjectedSplit, grads: Updates,
                     state: Any, params: Params,
@@ -721,26 +714,6 @@ class _Seen:
                     entry.stride() != stride or entry.shape != shape):
                 return False
         return True
-
-
-def _written_back(old: list[Any], new: list[Any], name: Callable[[int], str], what: str,
-                  ) -> None:
-    """Copy each new tensor of ``new`` into the tensor of ``old`` it replaces (a recorded
-    step's results, see `Step._kept`)."""
-    for i, (a, b) in enumerate(zip(old, new, strict=True)):
-        if b is a:
-            continue
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (
-                a.shape == b.shape and a.dtype == b.dtype and a.device == b.device):
-            a.copy_(b)
-        elif not (isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor)) and a == b:
-            continue
-        else:
-            raise CaptureError(
-                f"a recorded step replaces {what} {name(i)!r}, {_core._describe(a)}, with "
-                f"{_core._describe(b)}; a replay can only write new values into the tensors "
-                f"it was recorded on. Fix: give that entry its steady kind before recording "
-                f"(one step first), or step without capture.")
 
 
 def _reductions(structure: _planner.Structure, params: list[Any], grads: list[Any],

@@ -55,6 +55,11 @@ class Traffic:
 
 _NONE = Traffic()
 
+
+def _copy(size: int) -> Traffic:
+    """A copy of ``size`` bytes: read once and written once."""
+    return Traffic(size, size)
+
 # operations that write a destination without reading it
 _WRITE_ONLY = frozenset({
     "aten::copy_", "aten::_foreach_copy_", "aten::fill_", "aten::_foreach_fill_",
@@ -168,26 +173,19 @@ def group_traffic(group: Any, values: list[Any], grads: list[Any], state_leaves:
     ps = [_leaf(values[i]) for i in group.leaves]
     gs = [_leaf(grads[i]) for i in group.leaves]
     slots = _kernel_slots(group, state_leaves)
-    read = written = 0
-    if not donate:  # the values and state are copied, the kernel writes the copies
-        copied = _bytes(ps) + sum(_bytes(column) for column in slots)
-        read += copied
-        written += copied
+    state = sum(_bytes(column) for column in slots)
+    # without donation the values and state are copied, the kernel writes the copies
+    total = _NONE if donate else _copy(_bytes(ps) + state)
     widened = scaled and group.dtype == torch.float64
     for g, p in zip(gs, ps, strict=True):
-        g_bytes = _bytes(g)
         # a gradient laid out unlike its value, or one the kernel scales and the caller
         # keeps, is copied; a float64 group multiplies its copies by the factor itself
         if (g.stride() != p.stride() and p.numel() > 1) or (scaled and not donate_grads):
-            read += g_bytes
-            written += g_bytes
+            total += _copy(_bytes(g))
         if widened:
-            read += g_bytes
-            written += g_bytes
-    state = sum(_bytes(column) for column in slots)
-    read += _bytes(ps) + _bytes(gs) + state
-    written += _bytes(ps) + state + (_bytes(gs) if scaled and not widened else 0)
-    return Traffic(read, written)
+            total += _copy(_bytes(g))
+    return total + Traffic(_bytes(ps) + _bytes(gs) + state,
+                           _bytes(ps) + state + (_bytes(gs) if scaled and not widened else 0))
 
 
 def _kernel_slots(group: Any, state_leaves: list[Any]) -> list[list[torch.Tensor]]:
@@ -213,14 +211,11 @@ def _compiled(group: Any, values: list[Any], grads: list[Any], state_leaves: lis
     idx = [group.leaves[j] for j in keep]
     ps = [_leaf(values[i]) for i in idx]
     gs = [_leaf(grads[i]) for i in idx]
-    read = written = 0
     relaid = [g for g, p in zip(gs, ps, strict=True)
               if g.stride() != p.stride() and p.numel() > 1]  # copied into the value's layout
-    read += _bytes(relaid)
-    written += _bytes(relaid)
+    total = _copy(_bytes(relaid))
     if (len(gs) > 1) if relaid else end_to_end(gs) is None:  # gathered into one buffer
-        read += _bytes(gs)
-        written += _bytes(gs)
+        total += _copy(_bytes(gs))
     columns = [ps]
     for j, op in enumerate(group.plan.ops):
         for name in op.slots:
@@ -230,15 +225,11 @@ def _compiled(group: Any, values: list[Any], grads: list[Any], state_leaves: lis
         size = _bytes(column)
         laid_out = end_to_end(column) is not None
         if not (laid_out and donate):  # gathered (or cloned) into a buffer
-            read += size
-            written += size
+            total += _copy(size)
         if donate and not laid_out:  # and copied back
-            read += size
-            written += size
-        read += size
-        written += size
-    read += _bytes(gs)
-    return Traffic(read, written)
+            total += _copy(size)
+        total += _copy(size)  # the call reads and writes it
+    return total + Traffic(_bytes(gs), 0)
 
 
 def _meta(x: Any) -> Any:
@@ -325,24 +316,15 @@ def mixed_traffic(lowered: Any, params: list[Any], views: list[Any], grads: list
             continue
         total = total + Traffic(_bytes(g), g.numel() * v.element_size() if g.dim() else 0)
         wide[i] = torch.empty(g.shape, dtype=v.dtype, device="meta")
-    if donate:  # a compiled group's casts are laid end to end (precision's `_flat_casts`)
-        for group in lowered.groups:
-            idx = [i for i in group.leaves if wide[i] is not None and wide[i].numel()]
-            if group.plan.kernel == "compiled" and idx and not (given & set(idx)) and all(
-                    wide[i] is not _leaf(grads[i]) for i in idx):
-                flat = torch.empty(sum(wide[i].numel() for i in idx),
-                                   dtype=wide[idx[0]].dtype, device="meta")
-                for i, view in zip(idx, _tier._scatter(flat, [_leaf(views[i])
-                                                                  for i in idx]),
-                                   strict=True):
-                    wide[i] = view
+    if donate:
+        _flat_casts(lowered, grads, views, wide, given)
     total = total + Traffic(sum(_bytes(wide[i]) for i in present), 0)  # the statistics
     if count_zeros:
         total = total + Traffic(sum(_bytes(_leaf(grads[i])) for i in present), 0)
     clipped = multiplied or bool(lowered.structure.clips)
     for i in present:  # a gradient the caller keeps, which a kernel would scale: copied
         if wide[i] is _leaf(grads[i]) and clipped and i not in compiled:
-            total = total + Traffic(_bytes(wide[i]), _bytes(wide[i]))
+            total = total + _copy(_bytes(wide[i]))
     traffic: dict[int, Traffic] = {}
     perleaf = []
     written: set[int] = set()
@@ -366,6 +348,21 @@ def mixed_traffic(lowered: Any, params: list[Any], views: list[Any], grads: list
         return traffic, total
     eager = perleaf_traffic(perleaf, views, wide, state_leaves, treespec, donate=donate)
     return traffic, eager if isinstance(eager, str) else total + eager
+
+
+def _flat_casts(lowered: Any, grads: list[Any], views: list[Any], wide: list[Any],
+                given: set[int]) -> None:
+    """Lay the casts of each compiled group whose gradients all need one end to end in
+    ``wide`` (meta views of one buffer), as a donated step does (precision's `_flat_casts`)."""
+    for group in lowered.groups:
+        idx = [i for i in group.leaves if wide[i] is not None and wide[i].numel()]
+        if group.plan.kernel == "compiled" and idx and not (given & set(idx)) and all(
+                wide[i] is not _leaf(grads[i]) for i in idx):
+            flat = torch.empty(sum(wide[i].numel() for i in idx), dtype=wide[idx[0]].dtype,
+                               device="meta")
+            for i, view in zip(idx, _tier._scatter(flat, [_leaf(views[i]) for i in idx]),
+                               strict=True):
+                wide[i] = view
 
 
 def _compiled_low(group: Any, params: list[Any], stores: list[Any], views: list[Any],

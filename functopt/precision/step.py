@@ -58,21 +58,21 @@ import datetime
 import functools
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from functopt import _validate
 from functopt._base import GradientTransformation, Params, State, with_extra_args_support
 from functopt._collective.agreement import (
     SKIP_AGREEMENT,
+    Agreement,
     Wording,
     agreement,
-    check_agreement,
     reduce_stats,
 )
-from functopt._collective.counting import Replicated, _counting, _entries
+from functopt._collective.counting import Replicated
 from functopt._collective.dtensor import _leaf_names
 from functopt._collective.stats import local_stats
 from functopt.fast import _multi, _planner
@@ -80,13 +80,16 @@ from functopt.fast._explain import Explanation
 from functopt.fast._planner import CaptureError
 from functopt.fast._step import differentiated
 from functopt.precision import _explain, _host
-from functopt.precision._fused import (
-    _lowered,
-    flat_init,
-    fused_mixed_step,
-    fused_multi_step,
-    lay_out_params,
+from functopt.precision._checks import (
+    OWNER,
+    Checked,
+    check_inner,
+    check_options,
+    check_updates,
+    checked_leaves,
 )
+from functopt.precision._fused import _lowered, flat_init, fused_mixed_step, lay_out_params
+from functopt.precision._fused_multi import fused_multi_step
 from functopt.precision._seen import Seen
 from functopt.precision.loss_scale import (
     LossScale,
@@ -394,256 +397,191 @@ def _mixed_precision(
 ) -> MixedPrecisionTransformation:
     """`mixed_precision`, whose bounded collectives' errors say ``wording`` (``zero1``
     bounds its statistics' all-reduce with its own ``timeout`` and words it as its own)."""
-    owner = "mixed_precision"
-    if not isinstance(inner, GradientTransformation):
-        hint = (
-            " It is callable: did you pass the factory instead of calling it "
-            "(functopt.adamw instead of functopt.adamw(1e-3))?" if callable(inner) else ""
-        )
-        raise TypeError(
-            f"{owner}: inner must be a functopt.GradientTransformation, got "
-            f"{type(inner).__name__}.{hint} Fix: mixed_precision(functopt.adamw(1e-3), ...)."
-        )
+    check_inner(inner)
     inner = with_extra_args_support(inner)
     # MultiSteps as the inner transform, or in its chain: the step lowers it whole
     # (``fused_multi_step``), with the planner of what steps on a closing mini-step
     accumulated = _multi.Split.of(inner)
     planner = _planner.Planner(inner if accumulated is None else accumulated.closing)
-    if loss_scale is not None and not isinstance(loss_scale, LossScale):
-        hint = (
-            f" For a constant scale pass functopt.static_loss_scale({loss_scale!r})."
-            if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool) else ""
-        )
-        raise TypeError(
-            f"{owner}: loss_scale must be a functopt.LossScale (from dynamic_loss_scale() or "
-            f"static_loss_scale(...)) or None, got {type(loss_scale).__name__} "
-            f"{loss_scale!r}.{hint}"
-        )
-    scale_rule = loss_scale if loss_scale is not None else static_loss_scale(1.0)
-    if master_weights is None:
-        master_weights = float32_master()
-    if not isinstance(master_weights, MasterWeights):
-        raise TypeError(
-            f"{owner}: master_weights must be a functopt.precision.MasterWeights (from "
-            f"float32_master(), ...), got {type(master_weights).__name__}."
-        )
-    mw = master_weights
-    _validate.check_flags(owner, count_zeros=count_zeros, donate=donate, fused=fused,
-                          compile=compile)
+    mw = float32_master() if master_weights is None else master_weights
+    agree_timeout_s = check_options(
+        loss_scale, mw, max_grad_norm, process_group, agree_skip, agree_timeout,
+        dict(count_zeros=count_zeros, donate=donate, fused=fused, compile=compile))
     # the kernels write the store in place: only a plain copy allows it
     fast = fused and mw.plain_copy and not mw.needs_generator
-    # init and lay_out lay the compiled groups out for the planner's state (not MultiSteps')
-    laid_out = compile and fast and accumulated is None
-    if max_grad_norm is not None and not isinstance(max_grad_norm, NormClip):
-        _validate.check_range(owner, "max_grad_norm", max_grad_norm, low=0.0, low_open=True,
-                              hint="Fix: pass a positive norm bound such as 1.0, or None "
-                                   "for no clipping.")
-    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-        raise TypeError(
-            f"{owner}: process_group must be a torch.distributed.ProcessGroup or None (to "
-            f"infer it from DTensor params), got {type(process_group).__name__}. Fix: pass "
-            f"e.g. torch.distributed.group.WORLD or device_mesh.get_group()."
-        )
-    agree_timeout_s = check_agreement(owner, agree_skip, agree_timeout)
+    step = _MixedStep(
+        inner=inner, accumulated=accumulated, planner=planner,
+        scale_rule=loss_scale if loss_scale is not None else static_loss_scale(1.0),
+        scaled=loss_scale is not None, mw=mw, max_grad_norm=max_grad_norm,
+        process_group=process_group, replicated=replicated,
+        agreed=functools.partial(agreement, agree_skip, agree_timeout_s, wording),
+        count_zeros=count_zeros, donate=donate, compile=compile, fast=fast,
+        # init and lay_out lay the compiled groups out for the planner's state (not
+        # MultiSteps')
+        laid_out=compile and fast and accumulated is None,
+        # a donated fused step remembers the inputs it checked and lowered (_seen.py): a
+        # later step on them skips the checks and the lowering
+        remembers=fast and donate and accumulated is None and not compile and (
+            process_group is None and replicated is None))
+    explain_fn = functools.partial(
+        _explain.explained, init=step.init, planner=planner, master_weights=mw,
+        accumulated=accumulated, fused=fused, fast=fast, donate=donate, compile=compile,
+        multiplied=loss_scale is not None or max_grad_norm is not None, count_zeros=count_zeros)
+    return MixedPrecisionTransformation(step.init, step.step, step.buffers, step.lay_out,
+                                        explain_fn)
 
-    # With donation the fused path casts the gradients into the buffers of the previous
-    # step (4 bytes per low-precision param, as the PyTorch idiom's float32 main grads).
-    # Kept per thread: two threads stepping two states with one step function must not
-    # cast into the same buffers (they are scratch, overwritten at every step).
-    workspace = threading.local()
 
-    def buffers_here() -> list[Any]:
-        if not hasattr(workspace, "buffers"):
-            workspace.buffers = []
-        found: list[Any] = workspace.buffers
-        return found
+class _Workspace(threading.local):
+    """What a donating fused step keeps between its calls, per thread: two threads stepping
+    two states with one step function must not cast into the same buffers."""
 
-    def scratch_here() -> dict[Any, Any]:
-        # the compiled tier's gathered copies (scratch as the casts are)
-        if not hasattr(workspace, "scratch"):
-            workspace.scratch = {}
-        found: dict[Any, Any] = workspace.scratch
-        return found
+    def __init__(self) -> None:
+        # the gradient casts, written over at every step (4 bytes per low-precision param,
+        # as the PyTorch idiom's float32 main grads)
+        self.buffers: list[Any] = []
+        self.scratch: dict[Any, Any] = {}  # the compiled tier's gathered copies
+        self.seen: list[Seen] = []  # the inputs it checked and lowered (_seen.py)
 
-    # A donated fused step remembers the inputs it checked and lowered (_seen.py), per
-    # thread like the buffers: a later step on them skips the checks and the lowering.
-    remembers = fast and donate and accumulated is None and not compile and (
-        process_group is None and replicated is None)
 
-    def seen_here() -> list[Seen]:
-        if not hasattr(workspace, "seen"):
-            workspace.seen = []
-        found: list[Seen] = workspace.seen
-        return found
+@dataclass(eq=False)
+class _MixedStep:
+    """The functions of a `mixed_precision` step, with its options resolved."""
 
-    def fast_options(treespec: Any, group: Any, name: Callable[[int], str],
-                     counted: list[bool]) -> dict[str, Any]:
-        return dict(treespec=treespec, scale_rule=scale_rule, scaled=loss_scale is not None,
-                    max_grad_norm=max_grad_norm, group=group, name=name, counted=counted,
-                    agreed=agreement(agree_skip, agree_timeout_s, wording), count_zeros=count_zeros,
-                    donate=donate, compiled=compile,
-                    workspace=buffers_here() if donate else None,
-                    scratch=scratch_here() if donate else None)
+    inner: GradientTransformation
+    accumulated: _multi.Split | None
+    planner: _planner.Planner
+    scale_rule: LossScale
+    scaled: bool  # a loss scale is given (without one the pure path multiplies by 1.0)
+    mw: MasterWeights
+    max_grad_norm: float | torch.Tensor | NormClip | None
+    process_group: dist.ProcessGroup | None
+    replicated: Replicated
+    agreed: Callable[[], Agreement | None]  # the skip agreement of a step now
+    count_zeros: bool
+    donate: bool
+    compile: bool
+    fast: bool  # the fused path is tried
+    laid_out: bool  # init and lay_out lay the compiled groups out
+    remembers: bool  # the step remembers the inputs it checked (workspace.seen)
+    workspace: _Workspace = field(default_factory=_Workspace)
 
-    def fast_result(result: tuple[list[Any], list[Any], Any, GradStats, LossScaleState],
-                    treespec: Any, state: MixedPrecisionState,
-                    ) -> tuple[Params, MixedPrecisionState]:
-        fast_params, fast_store, fast_inner, fast_stats, fast_scale = result
-        host = _host.on_host(fast_stats.found_inf, *state.metrics, state.key)
-        return _core.unflatten(treespec, fast_params), MixedPrecisionState(
-            loss_scale=fast_scale,
-            master=_core.unflatten(treespec, fast_store),
-            inner_state=fast_inner,
-            metrics=_host_metrics(fast_stats, state.metrics, count_zeros, donate)
-            if host else _metrics(fast_stats, state.metrics, count_zeros),
-            key=_host.scalar(_host.wrap(int(state.key) + 1, _host.INT64), state.key)
-            if host else state.key + 1,
-        )
+    def __deepcopy__(self, memo: dict[int, Any]) -> _MixedStep:
+        # a copied transformation shares its step, as it shares functions (deepcopy keeps
+        # a function as it is): the per-thread workspace is scratch, the planner a memo
+        return self
 
-    def recalled(grads: Any, state: MixedPrecisionState, params: Params,
-                 ) -> tuple[Params, MixedPrecisionState] | None:
-        """The step on inputs a previous step checked and lowered (None: not those)."""
-        for seen in seen_here():
-            found = seen.match(grads, state, params)
-            if found is None:
-                continue
-            param_leaves, grad_leaves, store, inner_leaves = found
-            view = [None if p is None else mw.view(p, s)
-                    for p, s in zip(param_leaves, store, strict=True)]
-            structure, _, lowered = seen.lowering
-            with torch.no_grad():
-                result = fused_mixed_step(
-                    planner, param_leaves, store, view, grad_leaves, state.inner_state,
-                    state.loss_scale, lowering=(structure, inner_leaves, lowered),
-                    metrics=state.metrics, casts=seen.casts,
-                    **fast_options(seen.treespec, None, seen.name, seen.counted))
-            # (a refusal: the full step says why, and warns)
-            return None if isinstance(result, str) else fast_result(
-                result, seen.treespec, state)
-        return None
-
-    def init_fn(params: Params) -> MixedPrecisionState:
+    def init(self, params: Params) -> MixedPrecisionState:
+        mw = self.mw
         leaves, treespec = _core.flatten(params)
         _core.check_tensors(leaves, treespec, name="params", floating=True)
         store = [None if p is None else mw.init(p) for p in leaves]
         view = [None if p is None else mw.view(p, s) for p, s in zip(leaves, store, strict=True)]
         device = _first_device(leaves)
-        inner_state = inner.init(_core.unflatten(treespec, view))
-        if laid_out:
+        inner_state = self.inner.init(_core.unflatten(treespec, view))
+        if self.laid_out:
             # the compiled groups' masters and per-leaf state laid end to end
-            store, inner_state = flat_init(planner, treespec, store, view, inner_state)
+            store, inner_state = flat_init(self.planner, treespec, store, view, inner_state)
         return MixedPrecisionState(
-            loss_scale=scale_rule.init(device),
+            loss_scale=self.scale_rule.init(device),
             master=_core.unflatten(treespec, store),
             inner_state=inner_state,
-            metrics=_zero_metrics(device, count_zeros),
+            metrics=_zero_metrics(device, self.count_zeros),
             key=torch.zeros((), dtype=torch.int64),
         )
 
-    def step_fn(
-        grads: Any, state: MixedPrecisionState, params: Params, **extra_args: Any
-    ) -> tuple[Params, MixedPrecisionState]:
+    def step(self, grads: Any, state: MixedPrecisionState, params: Params,
+             **extra_args: Any) -> tuple[Params, MixedPrecisionState]:
         if _ops._recording():
             raise CaptureError(
-                f"{owner}: the mixed-precision step cannot be recorded for replay (a CUDA "
+                f"{OWNER}: the mixed-precision step cannot be recorded for replay (a CUDA "
                 f"graph) yet: it keeps its key, the step count that seeds random rounding, "
                 f"on the CPU, where a replay would not advance it. Fix: run this step "
                 f"outside the recording (the forward and backward can still be captured), "
                 f"or record a functopt.fast.make_step of a float32 chain.")
         if not isinstance(state, MixedPrecisionState):
             raise TypeError(
-                f"{owner}: state must be the MixedPrecisionState returned by init or step, got "
+                f"{OWNER}: state must be the MixedPrecisionState returned by init or step, got "
                 f"{type(state).__name__}. Fix: call step(grads, state, params) in this order, "
                 f"with state = opt.init(params) before the first step."
             )
-        if remembers and not differentiated(params, grads, state):
-            again = recalled(grads, state, params)
+        if self.remembers and not differentiated(params, grads, state):
+            again = self.recalled(grads, state, params)
             if again is not None:
                 return again
-        param_leaves, treespec = _core.flatten(params)
-        _core.check_tensors(param_leaves, treespec, name="params", floating=True)
-        grad_leaves = _core.flatten_like(treespec, grads, name="grads", reference="params")
-        _core.check_tensors(grad_leaves, treespec, name="grads", floating=True)
-        store = _core.flatten_like(treespec, state.master, name="state.master",
-                                   reference="params")
-        view = [None if p is None else mw.view(p, s)
-                for p, s in zip(param_leaves, store, strict=True)]
-        _check_views(view, param_leaves, store, treespec, mw.dtype)
-        _check_grads(grad_leaves, param_leaves, view, treespec)
-        name = _leaf_names(treespec)
-        if process_group is None and replicated is None and all(
-                p is None or type(p) is torch.Tensor or type(p) is torch.nn.Parameter
-                for p in param_leaves):
-            # plain tensors and nothing to sum over: _counting's answer, without its walk
-            group, counted = None, [p is not None for p in param_leaves]
-        else:
-            group, counted = _counting(
-                owner, param_leaves, name, process_group,
-                _entries(owner, replicated, params, param_leaves, treespec))
-
-        if fast and not differentiated(params, grads, state):
-            with torch.no_grad():  # donated params may be leaves that require grad
-                options = fast_options(treespec, group, name, counted)
-                if accumulated is None:
-                    lowering = _lowered(planner, treespec, param_leaves, store, view,
-                                        grad_leaves, state.inner_state, name, donate, compile)
-                    lowered = fused_mixed_step(
-                        planner, param_leaves, store, view, grad_leaves, state.inner_state,
-                        state.loss_scale, lowering=lowering, metrics=state.metrics,
-                        **options)
-                    if remembers and not isinstance(lowered, str):
-                        seen = Seen.of(param_leaves, treespec, grad_leaves, store, view,
-                                       lowering, name, counted)
-                        if seen is not None:  # (replaced whole: a reader keeps its list)
-                            workspace.seen = [seen, *[s for s in seen_here() if (
-                                s.treespec != treespec)][:Seen.KEPT - 1]]
-                else:
-                    lowered = fused_multi_step(
-                        accumulated, planner, param_leaves, store, view, grad_leaves,
-                        state.inner_state, state.loss_scale, **options)
+        checked = checked_leaves(self.mw, self.process_group, self.replicated, grads,
+                                 state.master, params)
+        if self.fast and not differentiated(params, grads, state):
+            lowered = self.fused_step(checked, state)
             if isinstance(lowered, str):
-                _planner.warn_lost(owner, lowered, stacklevel=2)
+                _planner.warn_lost(OWNER, lowered, stacklevel=2)
             else:
-                return fast_result(lowered, treespec, state)
+                return self.fast_result(lowered, checked.treespec, state)
+        return self.pure_step(checked, state, extra_args)
 
+    def fused_step(self, c: Checked, state: MixedPrecisionState,
+                   ) -> tuple[list[Any], list[Any], Any, GradStats, LossScaleState] | str:
+        """The step on the planner's kernels, or why it has none (before any write)."""
+        with torch.no_grad():  # donated params may be leaves that require grad
+            options = self.fast_options(c.treespec, c.group, c.name, c.counted)
+            if self.accumulated is not None:
+                return fused_multi_step(
+                    self.accumulated, self.planner, c.params, c.store, c.view, c.grads,
+                    state.inner_state, state.loss_scale, **options)
+            lowering = _lowered(self.planner, c.treespec, c.params, c.store, c.view, c.grads,
+                                state.inner_state, c.name, self.donate, self.compile)
+            lowered = fused_mixed_step(
+                self.planner, c.params, c.store, c.view, c.grads, state.inner_state,
+                state.loss_scale, lowering=lowering, metrics=state.metrics, **options)
+            if self.remembers and not isinstance(lowered, str):
+                seen = Seen.of(c.params, c.treespec, c.grads, c.store, c.view, lowering,
+                               c.name, c.counted)
+                if seen is not None:  # (replaced whole: a reader keeps its list)
+                    self.workspace.seen = [seen, *[s for s in self.workspace.seen if (
+                        s.treespec != c.treespec)][:Seen.KEPT - 1]]
+            return lowered
+
+    def pure_step(self, c: Checked, state: MixedPrecisionState, extra_args: dict[str, Any],
+                  ) -> tuple[Params, MixedPrecisionState]:
+        """The step as the module docstring writes it, one pass per operation."""
+        mw, treespec = self.mw, c.treespec
         # 1. unscale in the precision of the value updated; 1/scale rounded once to float32,
         # as GradScaler does (exact for power-of-two scales).
         inv_scale = _inverse(state.loss_scale)
-        # (_check_grads made sure that every gradient has a param, hence a view.)
+        # (checked_leaves made sure that every gradient has a param, hence a view.)
         unscaled = [None if g is None or v is None else g.to(v.dtype) * inv_scale
-                    for g, v in zip(grad_leaves, view, strict=True)]
+                    for g, v in zip(c.grads, c.view, strict=True)]
         # 2. one statistics pass over the local shards, one all-reduce when the params are
         # DTensors (or a group is given): every rank then skips or steps alike; with
         # agree_skip, the overflow verdict of plain tensors too.
         # 3. The loss scale moves whatever happens.
         packed = reduce_stats(
-            local_stats(unscaled, name, state.loss_scale.scale.device, counted), group,
-            agreement(agree_skip, agree_timeout_s, wording))
+            local_stats(unscaled, c.name, state.loss_scale.scale.device, c.counted), c.group,
+            self.agreed())
         stats = unpack_grad_stats(packed)
-        new_loss_scale = scale_rule.adjust(state.loss_scale, stats.found_inf)
+        new_loss_scale = self.scale_rule.adjust(state.loss_scale, stats.found_inf)
         # 4. clip with the same statistics (optax's rule: only when the norm exceeds the bound).
-        if max_grad_norm is not None:
-            factor = _clip_factor(packed, max_grad_norm)
+        if self.max_grad_norm is not None:
+            factor = _clip_factor(packed, self.max_grad_norm)
             unscaled = [None if g is None else g * factor.to(g.dtype) for g in unscaled]
         # 5. the inner rule on master-precision params.
-        updates, new_inner = inner.update(
+        updates, new_inner = self.inner.update(
             _core.unflatten(treespec, unscaled), state.inner_state,
-            _core.unflatten(treespec, view), **extra_args,
+            _core.unflatten(treespec, c.view), **extra_args,
         )
         update_leaves = _core.flatten_like(treespec, updates, name="the inner updates",
                                            reference="params")
-        _check_updates(update_leaves, view, treespec)
+        check_updates(update_leaves, c.view, treespec)
         # 6. write through the strategy, then keep the old values where the step overflowed.
         generator = None
         if mw.needs_generator:
-            generator = torch.Generator(device=_first_device(param_leaves))
+            generator = torch.Generator(device=_first_device(c.params))
             generator.manual_seed(int(state.key))  # a CPU tensor: no device sync
         found = stats.found_inf
         cond = _common.OnDevice(found)
         new_params: list[Any] = []
         new_store: list[Any] = []
         for i, (p, s, v, u) in enumerate(
-            zip(param_leaves, store, view, update_leaves, strict=True)
+            zip(c.params, c.store, c.view, update_leaves, strict=True)
         ):
             if p is None or u is None:
                 new_params.append(p)
@@ -652,7 +590,7 @@ def _mixed_precision(
             wp, ws = mw.write(p, s, v + u, generator)
             if wp.dtype != p.dtype or wp.shape != p.shape:
                 raise ValueError(
-                    f"{owner}: {_core.paths(treespec)[i]!r}: the master-weight strategy wrote "
+                    f"{OWNER}: {_core.paths(treespec)[i]!r}: the master-weight strategy wrote "
                     f"{_core._describe(wp)} for {_core._describe(p)}. Fix: build the state with "
                     f"init(params) on the params you step (state.master must match them)."
                 )
@@ -663,26 +601,68 @@ def _mixed_precision(
             loss_scale=new_loss_scale,
             master=_core.unflatten(treespec, new_store),
             inner_state=select_tree(found, state.inner_state, new_inner, name="inner state"),
-            metrics=_metrics(stats, state.metrics, count_zeros),
+            metrics=_metrics(stats, state.metrics, self.count_zeros),
             key=state.key + 1,
         )
         return _core.unflatten(treespec, new_params), new_state
 
-    def buffers() -> list[torch.Tensor]:
-        return [t for t in buffers_here() if t is not None]
+    def fast_options(self, treespec: Any, group: Any, name: Callable[[int], str],
+                     counted: list[bool]) -> dict[str, Any]:
+        donate = self.donate
+        return dict(treespec=treespec, scale_rule=self.scale_rule, scaled=self.scaled,
+                    max_grad_norm=self.max_grad_norm, group=group, name=name, counted=counted,
+                    agreed=self.agreed(), count_zeros=self.count_zeros, donate=donate,
+                    compiled=self.compile,
+                    workspace=self.workspace.buffers if donate else None,
+                    scratch=self.workspace.scratch if donate else None)
 
-    def lay_out_fn(params: Params) -> Params:
-        if laid_out:
+    def fast_result(self, result: tuple[list[Any], list[Any], Any, GradStats, LossScaleState],
+                    treespec: Any, state: MixedPrecisionState,
+                    ) -> tuple[Params, MixedPrecisionState]:
+        fast_params, fast_store, fast_inner, fast_stats, fast_scale = result
+        host = _host.on_host(fast_stats.found_inf, *state.metrics, state.key)
+        return _core.unflatten(treespec, fast_params), MixedPrecisionState(
+            loss_scale=fast_scale,
+            master=_core.unflatten(treespec, fast_store),
+            inner_state=fast_inner,
+            metrics=_host_metrics(fast_stats, state.metrics, self.count_zeros, self.donate)
+            if host else _metrics(fast_stats, state.metrics, self.count_zeros),
+            key=_host.scalar(_host.wrap(int(state.key) + 1, _host.INT64), state.key)
+            if host else state.key + 1,
+        )
+
+    def recalled(self, grads: Any, state: MixedPrecisionState, params: Params,
+                 ) -> tuple[Params, MixedPrecisionState] | None:
+        """The step on inputs a previous step checked and lowered (None: not those)."""
+        for seen in self.workspace.seen:
+            found = seen.match(grads, state, params)
+            if found is None:
+                continue
+            param_leaves, grad_leaves, store, inner_leaves = found
+            view = [None if p is None else self.mw.view(p, s)
+                    for p, s in zip(param_leaves, store, strict=True)]
+            structure, _, lowered = seen.lowering
+            with torch.no_grad():
+                result = fused_mixed_step(
+                    self.planner, param_leaves, store, view, grad_leaves, state.inner_state,
+                    state.loss_scale, lowering=(structure, inner_leaves, lowered),
+                    metrics=state.metrics, casts=seen.casts,
+                    **self.fast_options(seen.treespec, None, seen.name, seen.counted))
+            # (a refusal: the full step says why, and warns)
+            return None if isinstance(result, str) else self.fast_result(
+                result, seen.treespec, state)
+        return None
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [t for t in self.workspace.buffers if t is not None]
+
+    def lay_out(self, params: Params) -> Params:
+        if self.laid_out:
             leaves, treespec = _core.flatten(params)
             _core.check_tensors(leaves, treespec, name="params", floating=True)
-            lay_out_params(planner, treespec, leaves, mw, inner, _leaf_names(treespec))
+            lay_out_params(self.planner, treespec, leaves, self.mw, self.inner,
+                           _leaf_names(treespec))
         return params
-
-    explain_fn = functools.partial(
-        _explain.explained, init=init_fn, planner=planner, master_weights=mw,
-        accumulated=accumulated, fused=fused, fast=fast, donate=donate, compile=compile,
-        multiplied=loss_scale is not None or max_grad_norm is not None, count_zeros=count_zeros)
-    return MixedPrecisionTransformation(init_fn, step_fn, buffers, lay_out_fn, explain_fn)
 
 
 def _metrics(stats: GradStats, old: StepMetrics, count_zeros: bool) -> StepMetrics:
@@ -715,86 +695,3 @@ def _host_metrics(stats: GradStats, old: StepMetrics, count_zeros: bool,
 
 def _first_device(leaves: list[Any]) -> torch.device:
     return next((p.device for p in leaves if p is not None), torch.device("cpu"))
-
-
-def _dtype(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _check_views(views: list[Any], params: list[Any], stores: list[Any],
-                 treespec: _core.TreeSpec, master_dtype: torch.dtype) -> None:
-    """state.master fits the params: each param's master-precision value has its shape and
-    at least the bits of the strategy's dtype (a store missing from a state built for other
-    params would leave it narrower)."""
-    for i, (v, p, s) in enumerate(zip(views, params, stores, strict=True)):
-        if v is None:
-            continue
-        fix = "Fix: build the state with init(params) on the params you step."
-        if v.shape != p.shape:
-            raise ValueError(
-                f"mixed_precision: {_core.paths(treespec)[i]!r}: state.master holds "
-                f"{_core._describe(v)} for {_core._describe(p)}. {fix}"
-            )
-        if v.dtype.itemsize < master_dtype.itemsize:  # (floating dtypes: fewer bits)
-            held = "None" if s is None else _core._describe(s)
-            raise ValueError(
-                f"mixed_precision: {_core.paths(treespec)[i]!r}: state.master holds {held} "
-                f"for a {_dtype(p.dtype)} param, so it would be updated in "
-                f"{_dtype(v.dtype)} rather than in the master dtype {_dtype(master_dtype)} "
-                f"(was the state built for params of another dtype?). {fix}"
-            )
-
-
-def _check_grads(grads: list[Any], params: list[Any], views: list[Any],
-                 treespec: _core.TreeSpec) -> None:
-    """A gradient comes in its param's dtype (as autograd makes it) or in the precision of the
-    value it updates (a float32 main grad for a bfloat16 param, as Megatron accumulates)."""
-    name = _leaf_names(treespec)  # paths are computed only for an error message
-    for i, (g, p, v) in enumerate(zip(grads, params, views, strict=True)):
-        if g is None:
-            continue
-        if p is None or g.shape != p.shape or g.dtype not in (p.dtype, v.dtype) or (
-                g.device != p.device):
-            _grad_error(name(i), g, p, v)
-
-
-def _grad_error(where: str, g: torch.Tensor, p: Any, v: Any) -> None:
-    """Raise the error for the first problem of this gradient (see `_check_grads`)."""
-    if p is None:
-        raise ValueError(
-            f"mixed_precision: {where!r}: grads hold {_core._describe(g)} where params "
-            f"hold None. Fix: pass None as the gradient of a leaf that is not optimized."
-        )
-    if g.shape != p.shape:
-        raise ValueError(
-            f"mixed_precision: {where!r}: grad has shape {tuple(g.shape)} but the param "
-            f"has shape {tuple(p.shape)}. Fix: pass the gradients of these params."
-        )
-    if g.dtype not in (p.dtype, v.dtype):
-        allowed = _dtype(p.dtype) if v.dtype == p.dtype else (
-            f"{_dtype(p.dtype)} (the param's) or {_dtype(v.dtype)} (its master's)"
-        )
-        raise TypeError(
-            f"mixed_precision: {where!r}: {_dtype(g.dtype)} grad for a {_dtype(p.dtype)} "
-            f"param; expected a {allowed} grad. Fix: pass param.grad as autograd "
-            f"produced it."
-        )
-    if g.device != p.device:
-        raise ValueError(
-            f"mixed_precision: {where!r}: grad is on {g.device} but the param is on "
-            f"{p.device}. Fix: move the gradients to their params' devices."
-        )
-
-
-def _check_updates(updates: list[Any], views: list[Any], treespec: _core.TreeSpec) -> None:
-    """The inner transform keeps the shape and dtype of what it updates (no silent promotion
-    of the master or of a float32 param)."""
-    for i, (u, v) in enumerate(zip(updates, views, strict=True)):
-        if u is None or v is None:
-            continue
-        if not isinstance(u, torch.Tensor) or u.shape != v.shape or u.dtype != v.dtype:
-            raise TypeError(
-                f"mixed_precision: {_core.paths(treespec)[i]!r}: the inner transform returned "
-                f"{_core._describe(u)} to update {_core._describe(v)}. Fix: the inner "
-                f"transform must return updates of its gradients' dtype and shape."
-            )

@@ -18,6 +18,8 @@ tests/laws/test_backends.py.)
   step's collectives (``CommDebugMode``) equal to it;
 - the switch: off, the engine is not called; a program that cannot be built keeps the
   planner's path with one FastPathWarning naming the reason.
+
+``MultiSteps`` has its own table beside this one: tests/laws/test_program_multisteps.py.
 """
 
 from __future__ import annotations
@@ -57,8 +59,6 @@ REFUSED: dict[str, str] = {
     "stateless_with_tree_map": "without a spec",
     "with_extra_args_support": "without a spec",
     "zero_nans": "ZeroNans has no program yet",
-    "MultiSteps": "MultiSteps has no program yet",
-    "MultiSteps.gradient_transformation": "MultiSteps has no program yet",
 }
 
 
@@ -157,6 +157,10 @@ def _weights(p: Any) -> dict[str, bool]:
     return {"w": True, "b": False, "h": True, "s": False}
 
 
+def _nothing(p: Any) -> dict[str, bool]:
+    return {"w": False, "b": False, "h": False, "s": False}
+
+
 def _labels(p: Any) -> dict[str, str]:
     return {"w": "adam", "b": "sgd", "h": "adam", "s": "frozen"}
 
@@ -182,6 +186,7 @@ CHAINS: dict[str, Callable[[], Any]] = {
     "masked decay": lambda: F.adamw(1e-2, weight_decay=0.1, mask=_weights),
     "a part on no leaves": lambda: F.partition(  # (its count moves all the same)
         {"adam": F.adam(1e-2), "sgd": F.sgd(0.1)}, lambda p: dict.fromkeys(p, "sgd")),
+    "masked on no leaf": lambda: F.chain(F.masked(F.adam(1e-2), _nothing), F.sgd(0.1)),
     "guard": lambda: F.apply_if_finite(F.adam(1e-2), max_consecutive_errors=1),
     "guard after clip": lambda: F.chain(F.clip_by_global_norm(1.0),
                                         F.apply_if_finite(F.adam(1e-2), 2)),
@@ -241,6 +246,12 @@ BARRIERS = [
     ("guard after clip", CHAINS["guard after clip"], 2),
     ("prodigy", lambda: contrib.prodigy(), 1),
     ("clip before prodigy", CHAINS["clip before prodigy"], 2),
+    # (a MultiSteps' gate runs one branch: its closing mini-step's barriers count)
+    ("clip in MultiSteps", lambda: F.MultiSteps(F.chain(F.clip_by_global_norm(1.0),
+                                                        F.adam(1e-2)), 2), 1),
+    ("clip before MultiSteps with a guard", lambda: F.chain(
+        F.clip_by_global_norm(1.0),
+        F.MultiSteps(F.apply_if_finite(F.sgd(0.1), 1), 2).gradient_transformation()), 2),
 ]
 
 
