@@ -42,6 +42,7 @@ reason.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,7 +50,7 @@ from typing import Any, Protocol
 
 import torch
 
-from functopt._collective.dtensor import _leaf_names
+from functopt._collective.dtensor import _leaf_names, local_tensor
 from functopt._spec import Leafwise
 from functopt.fast._planner import (
     _PLAIN,
@@ -311,13 +312,15 @@ class _Kernel:
             if isinstance(hp, str):
                 return hp
             resolved.append((group, hp))
-        if run.donate:
-            leaves = [i for group, _ in resolved if group.plan.kernel != "zero"
-                      for i in group.leaves]
-            entries = [k for group, _ in resolved for k in _written_slots(group)]
-            problem = _donation_problem(run, leaves, entries, name)
-            if problem is not None:
-                return problem
+        written = [(group.dtype, group.leaves, _written_slots(group))
+                   for group, _ in resolved if group.plan.kernel != "zero"]
+        problem = _range_problem(run, written)
+        if problem is None and run.donate:
+            problem = _donation_problem(run, [i for _, leaves, _ in written for i in leaves],
+                                        [k for _, _, entries in written for k in entries],
+                                        name)
+        if problem is not None:
+            return problem
         return lambda: _launch(segment, run, matched, resolved)
 
 
@@ -331,6 +334,35 @@ def _written_slots(group: Group) -> list[int]:
     if plan.kernel == "sgd" and plan.trace is not None:
         return group.slots("trace", "trace")
     return []
+
+
+def _range_problem(run: Leaves, groups: list[tuple[torch.dtype, list[int], list[int]]],
+                   ) -> str | None:
+    """Why the kernels' results may not equal the rules' to rounding on these values: an
+    element of a gradient, a param or a state entry (per group: its dtype, its leaves, the
+    flat indices of its state entries) is not finite, or so large that an intermediate of
+    the kernels' arithmetic and not of the rules' overflows (or the reverse: Adam's
+    ``(1 - b2) * g * g`` against the rule's ``(1 - b2) * (g * g)``, the kernels'
+    ``mu + (1 - b1) * (g - mu)`` against ``b1 * mu + (1 - b1) * g``). Bounded by a sixteenth
+    of the dtype's largest value, a gradient by a sixteenth of the root of the largest value
+    of the dtype the arithmetic is in; one host read per step."""
+    checks = []
+    for dtype, leaves, entries in groups:
+        wide = torch.float64 if dtype == torch.float64 else torch.float32
+        largest = torch.finfo(dtype).max / 16
+        for tensors, bound in (([run.updates[i] for i in leaves],
+                                min(largest, math.sqrt(torch.finfo(wide).max) / 16)),
+                               ([run.params[i] for i in leaves]
+                                + [run.state[k] for k in entries], largest)):
+            tensors = [x for x in map(local_tensor, tensors) if x.numel()]
+            if tensors:
+                found = torch._foreach_norm(tensors, math.inf)
+                checks.append((torch.stack([n.float() for n in found]).max() <= bound)
+                              .cpu())
+    if not checks or bool(torch.stack(checks).all()):
+        return None
+    return ("an element of a gradient, param or state entry is not finite or beyond the "
+            "kernels' range (where their arithmetic and the rules' overflow apart)")
 
 
 def _donation_problem(run: Leaves, leaves: list[int], entries: list[int],
@@ -487,12 +519,15 @@ def _foreach_offer(segment: Segment, run: Leaves) -> Callable[[], None] | str | 
             return f"leaf {name(i)!r}: {problem}"
         groups.setdefault((p.device, p.dtype, plan.maps), []).append(i)
     calls = [(plans[leaves[0]], leaves) for leaves in groups.values()]
-    if run.donate:
-        leaves = [i for _, group in calls for i in group]
-        entries = [k for i in leaves for k in (plans[i].nu, plans[i].trace) if k is not None]
-        problem = _donation_problem(run, leaves, entries, name)
-        if problem is not None:
-            return problem
+    written = [(run.params[leaves[0]].dtype, leaves,
+                [k for i in leaves for k in (plans[i].nu, plans[i].trace) if k is not None])
+               for _, leaves in calls]
+    problem = _range_problem(run, written)
+    if problem is None and run.donate:
+        problem = _donation_problem(run, [i for _, leaves, _ in written for i in leaves],
+                                    [k for _, _, entries in written for k in entries], name)
+    if problem is not None:
+        return problem
     counts = sorted({m.rule.state_at.count for m in segment.maps
                      if _kind(m.rule.spec) == "scale_by_rms"})
     return lambda: _foreach_launch(run, plans, calls, counts)

@@ -10,6 +10,7 @@ called as the planner matches and calls them), then the eager reference.
   gradients, inf and nan), donated or not: each step, from the pure step's params and
   state, equals the pure step within the tolerance the conformance suite allows the
   planner's kernels (``conformance._assert_fast_close``), and bitwise where no kernel ran;
+  it writes into no gradient, nor into the params and state when not donated;
 - the kernel table: Adam, AdamW, Adam with L2 decay, AMSGrad (torch's), maximize, SGD
   (plain, momentum, Nesterov, decay, dampening) and a partition of them, over several
   steps: bitwise the planner's fast path (``make_step`` with the switch off), with the
@@ -106,12 +107,26 @@ def test_registry_entry_on_the_kernels_equals_pure_path(
         return  # (the refused entries are tests/laws/test_program.py's REFUSED table)
     step = make_step(tx, donate=donate)
     for k, g in enumerate([grads, _negated(grads), grads]):
-        updates, pure_state = tx.update(g, state, params)
+        try:
+            updates, pure_state = tx.update(*clone_tree((g, state, params)))
+        except (RuntimeError, ValueError) as error:
+            # the pure step refuses these inputs (contrib.muon's spectral preconditioning:
+            # no SVD of an inf): the engine's step, running the same rule, refuses alike
+            with engine(), warnings.catch_warnings(), pytest.raises(type(error)):
+                warnings.simplefilter("ignore", FastPathWarning)
+                step(*clone_tree((g, state, params)))
+            return
         pure_params = F.apply_updates(params, updates)
+        inputs = clone_tree((g, state, params))
+        given = clone_tree(inputs)
         with engine() as launched, warnings.catch_warnings():
             warnings.simplefilter("ignore", FastPathWarning)  # (the refusals: below)
-            new_params, new_state = step(*clone_tree((g, state, params)))
+            new_params, new_state = step(*given)
         what = f"{name}, step {k + 1}, donate={donate}"
+        # nothing written into the inputs (the gradients even when donated)
+        assert_bitwise_equal(given[0], inputs[0], what=f"{what}: the gradients")
+        if not donate:
+            assert_bitwise_equal(given[1:], inputs[1:], what=f"{what}: the state and params")
         for new, pure, before, part in ((new_params, pure_params, params, "params"),
                                         (new_state, pure_state, state, "state")):
             conformance._assert_fast_close(new, pure, before, check="kernel backend",
@@ -238,6 +253,13 @@ def _shared_moments(tx: Any, params: Any) -> Any:
     return (adam._replace(nu=nu), *state[1:])
 
 
+def _inf_moment(tx: Any, params: Any) -> Any:
+    """An Adam state whose second moment of ``"w"`` holds an inf."""
+    state = tx.init(params)
+    nu = dict(state[0].nu, w=torch.full_like(params["w"], float("inf")))
+    return (state[0]._replace(nu=nu), *state[1:])
+
+
 # name: (transform, params, state edit or None, donate, a part of the kernel's reason)
 REFUSALS: dict[str, tuple[Callable[[], Any], Callable[[], Any], Any, bool, str]] = {
     "a rule without a kernel": (lambda: F.lion(1e-3), _trio, None, False,
@@ -270,6 +292,11 @@ REFUSALS: dict[str, tuple[Callable[[], Any], Callable[[], Any], Any, bool, str]]
                                        "share memory, which the kernels would write"),
     "a rule with tree sums": (lambda: contrib.prodigy(), _trio, None, False,
                               "has no fused kernel"),
+    "an inf moment": (lambda: F.adamw(1e-2), _trio, _inf_moment, False,
+                      "not finite or beyond the kernels' range"),
+    "a param beyond the kernels' range": (  # (above a sixteenth of float32's largest)
+        lambda: F.sgd(0.1, momentum=0.9), lambda: {"w": torch.full((3,), 1e38)}, None, False,
+        "not finite or beyond the kernels' range"),
     "set_to_zero after a rule with state": (
         lambda: F.chain(F.scale_by_adam(), F.set_to_zero()), _trio, None, False,
         "set_to_zero after scale_by_adam, whose state the kernels' zero plan would leave"),
