@@ -29,8 +29,12 @@ refuses what its arithmetic would not compute as the pure rules do: a rule insid
 ``inject_hyperparams`` or with a schedule or a tensor hyperparameter (the kernels take
 Python numbers, so a tensor would be read on the host and rounded to a double), a rule with
 tree sums, a layout or dtype the kernels do not take, a rule keeping shared state other than
-its count, and, when the step is donated, per-leaf state entries sharing memory with each
-other or with a param (the kernels write them in place). No clip or loss scale reaches a
+its count, ``set_to_zero`` after a rule with state (the zero plan writes nothing), a step
+whose gradients, params or state entries hold an element that is not finite or so large
+that the kernels' intermediates and the rules' overflow apart (checked at every step: one
+foreach 2-norm pass over them and one host read), and, when the step is donated, per-leaf
+state entries sharing memory with each other or with a param (the kernels write them in
+place). No clip or loss scale reaches a
 kernel as its ``grad_scale``: a clip is a `Scale` op of its own, run before the segment.
 
 The kernels round once where the pure chain rounds at each stage, so their results equal
@@ -343,22 +347,21 @@ def _range_problem(run: Leaves, groups: list[tuple[torch.dtype, list[int], list[
     flat indices of its state entries) is not finite, or so large that an intermediate of
     the kernels' arithmetic and not of the rules' overflows (or the reverse: Adam's
     ``(1 - b2) * g * g`` against the rule's ``(1 - b2) * (g * g)``, the kernels'
-    ``mu + (1 - b1) * (g - mu)`` against ``b1 * mu + (1 - b1) * g``). Bounded by a sixteenth
-    of the dtype's largest value, a gradient by a sixteenth of the root of the largest value
-    of the dtype the arithmetic is in; one host read per step."""
+    ``mu + (1 - b1) * (g - mu)`` against ``b1 * mu + (1 - b1) * g``), both computing in
+    float32 (float64 for float64). Each tensor's 2-norm (a bound of its largest element,
+    not finite where an element is not) is held to a sixteenth of that dtype's largest
+    value, a gradient's to a sixteenth of its root: one foreach pass, one host read."""
     checks = []
     for dtype, leaves, entries in groups:
         wide = torch.float64 if dtype == torch.float64 else torch.float32
-        largest = torch.finfo(dtype).max / 16
-        for tensors, bound in (([run.updates[i] for i in leaves],
-                                min(largest, math.sqrt(torch.finfo(wide).max) / 16)),
+        largest = torch.finfo(wide).max
+        for tensors, bound in (([run.updates[i] for i in leaves], math.sqrt(largest) / 16),
                                ([run.params[i] for i in leaves]
-                                + [run.state[k] for k in entries], largest)):
+                                + [run.state[k] for k in entries], largest / 16)):
             tensors = [x for x in map(local_tensor, tensors) if x.numel()]
             if tensors:
-                found = torch._foreach_norm(tensors, math.inf)
-                checks.append((torch.stack([n.float() for n in found]).max() <= bound)
-                              .cpu())
+                norms = torch._foreach_norm(tensors, 2, dtype=wide)
+                checks.append((torch.stack(norms).max() <= bound).cpu())
     if not checks or bool(torch.stack(checks).all()):
         return None
     return ("an element of a gradient, param or state entry is not finite or beyond the "
