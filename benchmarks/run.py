@@ -39,6 +39,9 @@ Cases (``--only`` takes a comma-separated list of these names):
 * ``traffic``: the bytes each form of a step reads and writes per param, counted by
   ``functopt.fast.explain`` beside the same count over PyTorch's step, and the time each
   implies at an H200's bandwidth (``benchmarks/traffic.py``; nothing is timed).
+* ``optim``: every ``functopt.optim`` class (default arguments) against each implementation
+  torch.optim's class of the same name offers (for-loop, foreach, fused), at 10M float32
+  params in 100 leaves (``benchmarks/optim.py``; the ``--quick`` size with ``--quick``).
 * ``bandwidth``: the machine's streaming bandwidth and the time an AdamW step would take
   at that bound; % of the bound reached by each contender of ``adamw``, ``mixed`` and
   ``compile``.
@@ -75,11 +78,12 @@ import chains as K  # noqa: E402
 import contenders as C  # noqa: E402
 import engine as E  # noqa: E402
 import harness as H  # noqa: E402
+import optim as O  # noqa: E402
 import torch  # noqa: E402
 import traffic as T  # noqa: E402
 
 CASES = ("adamw", "mixed", "chains", "mixed_chains", "small", "leaves", "size", "memory",
-         "compile", "engine", "traffic", "bandwidth")
+         "compile", "engine", "traffic", "optim", "bandwidth")
 PURE, FUSED, COMPILED = "functopt pure", "functopt fused", "functopt compiled"
 FOREACH, TORCH_FUSED, IDIOM = "torch foreach", "torch fused", "torch idiom"
 ADAPTER = "functopt.Optimizer"  # the torch.optim.Optimizer adapter, in the adamw case
@@ -91,9 +95,11 @@ LION_BYTES_PER_PARAM = 20  # fp32 Lion: read p, g, m; write p, m
 
 FULL = {"total": 20_000_000, "leaves": 200, "leaf_counts": [10, 100, 1_000, 10_000],
         "sizes": [1_000_000, 5_000_000, 20_000_000, 50_000_000], "bw_numel": 32_000_000,
+        "optim_total": 10_000_000, "optim_leaves": 100,
         "block_s": 0.05, "max_block_s": 1.0, "repeats": 15}
 QUICK = {"total": 1_000_000, "leaves": 50, "leaf_counts": [10, 100, 1_000],
          "sizes": [1_000_000], "bw_numel": 8_000_000,
+         "optim_total": 100_000, "optim_leaves": 20,
          "block_s": 0.005, "max_block_s": 0.1, "repeats": 5}
 LEAF_NUMEL = 100
 # Final params of functopt and torch agree to this after the timed steps (different but
@@ -452,6 +458,16 @@ def case_engine(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
     return res
 
 
+def case_optim(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    total, leaves = cfg["optim_total"], cfg["optim_leaves"]
+    print(f"\n== optim: functopt.optim vs torch.optim's implementations, {total:,} float32 "
+          f"params in {leaves} leaves ==")
+    res = O.run(O.CLASSES, total=total, leaves=leaves, repeats=args.repeats,
+                warmup=args.warmup, block_s=cfg["block_s"], max_block_s=cfg["max_block_s"])
+    print("  target: functopt <= 1.0x torch's fastest implementation for every class")
+    return res
+
+
 def case_bandwidth(cfg: dict[str, Any], args: argparse.Namespace,
                    done: dict[str, Any]) -> dict[str, Any]:
     bw = H.bandwidth(cfg["bw_numel"], max(args.repeats, 3), C.DEVICE)
@@ -485,23 +501,10 @@ def case_bandwidth(cfg: dict[str, Any], args: argparse.Namespace,
     return res
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="CI-sized: 1M params / 50 leaves, fewer points (a few seconds)")
-    parser.add_argument("--only", action="append", default=None, metavar="CASE",
-                        help=f"run only these cases (comma-separated or repeated): {CASES}")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="timed rounds per contender (default 15, --quick 5)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch.set_num_threads(N) (default: torch's default)")
-    parser.add_argument("--json", type=Path, default=None, metavar="PATH",
-                        help="also write every number to this JSON file")
-    parser.add_argument("--device", default="cpu",
-                        help="where the params, grads and state live: cpu (default) or "
-                             "cuda (the memory case measures the CPU only)")
-    args = parser.parse_args(argv)
+def _checked(parser: argparse.ArgumentParser, args: argparse.Namespace,
+             ) -> tuple[torch.device, dict[str, Any], list[str]]:
+    """The run's device, configuration and cases from its arguments (an error for bad
+    ones), with the thread count set."""
     try:
         device = torch.device(args.device)
     except RuntimeError as error:
@@ -532,6 +535,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.threads < 1:
             parser.error("--threads must be >= 1")
         torch.set_num_threads(args.threads)
+    return device, cfg, wanted
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="CI-sized: 1M params / 50 leaves, fewer points (a few seconds)")
+    parser.add_argument("--only", action="append", default=None, metavar="CASE",
+                        help=f"run only these cases (comma-separated or repeated): {CASES}")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed rounds per contender (default 15, --quick 5)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads(N) (default: torch's default)")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH",
+                        help="also write every number to this JSON file")
+    parser.add_argument("--device", default="cpu",
+                        help="where the params, grads and state live: cpu (default) or "
+                             "cuda (the memory case measures the CPU only)")
+    args = parser.parse_args(argv)
+    device, cfg, wanted = _checked(parser, args)
 
     # torch.optim imports torch._dynamo on first use: pay that here, then freeze the
     # import-time objects so the gc.collect() before each timed block stays cheap.
@@ -546,7 +570,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     funcs = {"adamw": case_adamw, "mixed": case_mixed, "chains": case_chains,
              "mixed_chains": case_mixed_chains, "small": case_small, "leaves": case_leaves,
              "size": case_size, "memory": case_memory, "compile": case_compile,
-             "engine": case_engine, "traffic": T.case}
+             "engine": case_engine, "traffic": T.case, "optim": case_optim}
     results: dict[str, Any] = {}
     started = time.perf_counter()
     for name in CASES:

@@ -266,7 +266,49 @@ def reference_norm(model: torch.nn.Module, opt: functopt.MixedPrecisionOptimizer
     return math.sqrt(float(total))
 
 
-def main() -> bool:
+def compared(args: argparse.Namespace, losses: dict[int, float]) -> list[tuple[str, bool]]:
+    """The verdicts on this run's losses against the runs named by --resume / --compare."""
+    def read(run: str) -> dict[int, float]:
+        return {int(k): v for k, v in json.loads((Path(run) / "losses.json").read_text()).items()}
+
+    verdicts = []
+    if args.resume is not None:
+        theirs = read(args.resume)
+        same = all(theirs[k] == v for k, v in losses.items())
+        verdicts.append((f"losses of steps {min(losses)}-{max(losses)} equal the "
+                         f"uninterrupted run's", same))
+    if args.compare is not None:
+        theirs = read(args.compare)
+        gap = max(abs(v - theirs[k]) / theirs[k] for k, v in losses.items())
+        verdicts.append((f"losses equal the TP x PP run's within {TOLERANCE:g} (largest "
+                         f"relative difference {gap:.1e})", gap <= TOLERANCE))
+    return verdicts
+
+
+def built(layout: str, rank: int) -> tuple[Stage | Whole, Any, Any]:
+    """This rank's model, its optimizer and its data-parallel group, for the layout."""
+    outer, tp_rank = divmod(rank, TP)  # the stage (tp-pp) or the DP rank (dp-tp)
+    tp_groups = [dist.new_group([s * TP + t for t in range(TP)]) for s in range(PP)]
+    dp_groups = [dist.new_group([s * TP + t for s in range(PP)]) for t in range(TP)]
+    tp_group, dp_group = tp_groups[outer], dp_groups[tp_rank]
+    model: Stage | Whole
+    if layout == "tp-pp":
+        model = Stage(outer, tp_group, tp_rank).to(torch.bfloat16)
+        replicated = replication(model, False, tp_group)
+    else:  # the slices and experts repeat over the DP group, the rest on every rank
+        model = Whole(tp_group, tp_rank).to(torch.bfloat16)
+        replicated = replication(model, dp_group, True)
+    opt = functopt.MixedPrecisionOptimizer(
+        groups_of(model),
+        lambda learning_rate=3e-2, weight_decay=0.1: functopt.adamw(
+            learning_rate, weight_decay=weight_decay),
+        loss_scale=functopt.dynamic_loss_scale(init_scale=2.0**12),
+        return_grad_stats=True, process_group=dist.group.WORLD, replicated=replicated)
+    opt.clip_grad_norm(None, 1.0)
+    return model, opt, dp_group
+
+
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", required=True, help="checkpoints and losses")
     parser.add_argument("--steps", type=int, default=8)
@@ -281,30 +323,28 @@ def main() -> bool:
                              "data-parallel replicas of the TP pair")
     parser.add_argument("--compare", default=None,
                         help="a tp-pp run's --dir whose losses a dp-tp run must match")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def saved_at(step: int, model: torch.nn.Module, opt: Any, out: Path, killed: bool) -> None:
+    """The checkpoint after ``step``; a ``killed`` rank dies while the others write."""
+    if killed:
+        os.kill(os.getpid(), signal.SIGKILL)
+    save_rank_checkpoint({"model": model.state_dict(), "optimizer": opt.state_dict()},
+                         out, step)
+    if dist.get_rank() == 0:
+        print(f"saved a checkpoint after step {step} on {dist.get_world_size()} ranks",
+              flush=True)
+
+
+def main() -> bool:
+    args = arguments()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != TP * PP:
         raise SystemExit(f"run on {TP * PP} ranks (torchrun --nproc-per-node {TP * PP})")
-    outer, tp_rank = divmod(rank, TP)  # the stage (tp-pp) or the DP rank (dp-tp)
-    tp_groups = [dist.new_group([s * TP + t for t in range(TP)]) for s in range(PP)]
-    dp_groups = [dist.new_group([s * TP + t for s in range(PP)]) for t in range(TP)]
-    tp_group, dp_group = tp_groups[outer], dp_groups[tp_rank]
-    model: torch.nn.Module
-    if args.layout == "tp-pp":
-        model = Stage(outer, tp_group, tp_rank).to(torch.bfloat16)
-        replicated = replication(model, False, tp_group)
-    else:  # the slices and experts repeat over the DP group, the rest on every rank
-        model = Whole(tp_group, tp_rank).to(torch.bfloat16)
-        replicated = replication(model, dp_group, True)
-    opt = functopt.MixedPrecisionOptimizer(
-        groups_of(model),
-        lambda learning_rate=3e-2, weight_decay=0.1: functopt.adamw(
-            learning_rate, weight_decay=weight_decay),
-        loss_scale=functopt.dynamic_loss_scale(init_scale=2.0**12),
-        return_grad_stats=True, process_group=dist.group.WORLD, replicated=replicated)
-    opt.clip_grad_norm(None, 1.0)
+    model, opt, dp_group = built(args.layout, rank)
     saves = {int(s) for s in args.save_at.split(",") if s}
     first = 0
     out = Path(args.dir)
@@ -337,26 +377,11 @@ def main() -> bool:
             print(f"step {step:2d}  loss {loss:.6f}  {shown}  loss scale {opt.loss_scale:g}",
                   flush=True)
         if step in saves:
-            if step == args.kill_at and rank == 1:
-                os.kill(os.getpid(), signal.SIGKILL)  # dies while the others write
-            save_rank_checkpoint({"model": model.state_dict(),
-                                  "optimizer": opt.state_dict()}, out, step)
-            if rank == 0:
-                print(f"saved a checkpoint after step {step} on {world} ranks", flush=True)
+            saved_at(step, model, opt, out, killed=step == args.kill_at and rank == 1)
     verdicts.append((f"the norm over every stage is the hand count's, each element once "
                      f"(largest relative difference {worst:.1e})", worst <= 1e-5))
-    if args.resume is not None and rank == 0:
-        theirs = {int(k): v for k, v in json.loads(
-            (Path(args.resume) / "losses.json").read_text()).items()}
-        same = all(theirs[k] == v for k, v in losses.items())
-        verdicts.append((f"losses of steps {min(losses)}-{max(losses)} equal the "
-                         f"uninterrupted run's", same))
-    if args.compare is not None and rank == 0:
-        theirs = {int(k): v for k, v in json.loads(
-            (Path(args.compare) / "losses.json").read_text()).items()}
-        gap = max(abs(v - theirs[k]) / theirs[k] for k, v in losses.items())
-        verdicts.append((f"losses equal the TP x PP run's within {TOLERANCE:g} (largest "
-                         f"relative difference {gap:.1e})", gap <= TOLERANCE))
+    if rank == 0:
+        verdicts += compared(args, losses)
     if args.resume is None and rank == 0:
         (out / "losses.json").write_text(json.dumps(losses))
     for what, held in verdicts:

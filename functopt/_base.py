@@ -11,61 +11,33 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import torch
 
 from functopt import _validate
+from functopt._protocol import (
+    GradientTransformation,
+    Params,
+    State,
+    TransformInitFn,
+    TransformUpdateFn,
+    Updates,
+)
+from functopt._spec import Leafwise, describe, specified
 from functopt.tree import _core
 
-Params = Any
-"""A pytree of tensors (nested dict / list / tuple / NamedTuple; ``None`` leaves allowed)."""
-Updates = Any
-"""A pytree of tensors shaped like the params (gradients going in, updates coming out)."""
-State = Any
-"""A transform's state: a NamedTuple (or pytree of NamedTuples) of tensors."""
+__all__ = ["EmptyState", "GradientTransformation", "Numeric", "Params", "ScalarOrSchedule",
+           "Schedule", "State", "TransformInitFn", "TransformUpdateFn", "Updates",
+           "accepts_extra_args", "identity", "set_to_zero", "stateless", "stateless_with_tree_map",
+           "with_extra_args_support"]
+
 Numeric = float | int | torch.Tensor
 """A hyperparameter: a Python number, or a 0-d tensor (as ``inject_hyperparams`` passes)."""
 Schedule = Callable[[Any], Any]
 """``step -> value``: a function of the step count (an int or a 0-d integer tensor)."""
 ScalarOrSchedule = float | int | torch.Tensor | Schedule
 """A hyperparameter that may also be a schedule."""
-
-
-class TransformInitFn(Protocol):
-    """``init(params) -> state``."""
-
-    def __call__(self, params: Params) -> State: ...
-
-
-class TransformUpdateFn(Protocol):
-    """``update(updates, state, params=None, **extra_args) -> (updates, state)``."""
-
-    def __call__(
-        self, updates: Updates, state: State, params: Params | None = None, **extra_args: Any
-    ) -> tuple[Updates, State]: ...
-
-
-class GradientTransformation(NamedTuple):
-    """A pure gradient transformation: ``init`` and ``update``.
-
-    ``update(updates, state, params=None, **extra_args)`` must not mutate any of its
-    inputs, and must ignore extra keyword arguments it does not know (so that one call can
-    feed every transform of a chain, each reading what it needs, such as ``value`` or
-    ``loss``).
-
-    Examples:
-        >>> import torch, functopt
-        >>> tx = functopt.scale(-0.1)
-        >>> params = {"w": torch.ones(2)}
-        >>> state = tx.init(params)
-        >>> updates, state = tx.update({"w": torch.tensor([1.0, 2.0])}, state)
-        >>> updates["w"]
-        tensor([-0.1000, -0.2000])
-    """
-
-    init: TransformInitFn
-    update: TransformUpdateFn
 
 
 class EmptyState(NamedTuple):
@@ -93,9 +65,7 @@ def identity() -> GradientTransformation:
         _validate.check_state("identity", state, EmptyState)
         return updates, state
 
-    from functopt import _spec  # (the spec module builds on this one)
-
-    return _spec.specified(GradientTransformation(init_fn, update_fn), _spec.Leafwise(
+    return specified(GradientTransformation(init_fn, update_fn), Leafwise(
         "identity", slots=(), kernel="identity"))
 
 
@@ -118,10 +88,8 @@ def set_to_zero() -> GradientTransformation:
         _core.check_tensors(leaves, treespec, name="updates")
         return _core.unflatten(treespec, _core.map_leaves(torch.zeros_like, leaves)), state
 
-    from functopt import _spec
-
-    return _spec.specified(GradientTransformation(identity().init, update_fn),
-                           _spec.Leafwise("set_to_zero", slots=(), kernel="zero"))
+    return specified(GradientTransformation(identity().init, update_fn),
+                     Leafwise("set_to_zero", slots=(), kernel="zero"))
 
 
 def stateless(
@@ -214,8 +182,6 @@ def with_extra_args_support(tx: GradientTransformation) -> GradientTransformatio
         del extra_args
         return inner_update(updates, state, params)
 
-    from functopt import _spec  # (the spec module builds on this one)
-
-    spec = _spec.describe(tx)  # a rule keeps its description (the fast tiers read it)
+    spec = describe(tx)  # a rule keeps its description (the fast tiers read it)
     wrapped = GradientTransformation(tx.init, update_fn)
-    return wrapped if spec is None else _spec.specified(wrapped, spec)
+    return wrapped if spec is None else specified(wrapped, spec)

@@ -5,7 +5,7 @@ nothing can look inside. The fast paths need to know what a composed transform c
 (``chain(clip_by_global_norm(1.0), adamw(...))`` is "clip, then Adam, then decoupled
 decay, then the learning rate") to lower it to fused kernels. So every built-in transform
 also carries a *spec*: a small tree of the nodes below, built by its factory from the same
-arguments its closures use. The planner (``functopt/fast/_planner.py``) walks the spec
+arguments its closures use. The planner (``functopt/fast/_walk.py``) walks the spec
 together with the state, and the closures stay the reference: a spec only says which pure
 computation a fast path must reproduce, and the conformance law holds every lowering equal
 to the closures.
@@ -42,7 +42,7 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from functopt._base import GradientTransformation
+from functopt._protocol import GradientTransformation
 
 __all__ = [
     "FiniteGuard",

@@ -27,7 +27,7 @@ import functopt
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 CASES = {"adamw", "mixed", "chains", "mixed_chains", "small", "leaves", "size", "memory",
-         "compile", "engine", "bandwidth", "traffic"}
+         "compile", "engine", "bandwidth", "traffic", "optim"}
 ADAMW_NAMES = {"functopt pure", "functopt fused", "torch foreach", "torch fused"}
 MIXED_NAMES = {"functopt pure", "functopt fused", "torch idiom"}
 COMPILE_NAMES = {"functopt compiled", "functopt compiled, lay_out",
@@ -194,6 +194,9 @@ def test_quick_run_checks_the_contenders_computed_the_same_result(quick_report):
         assert all(p["check"]["passed"] for p in cases[case]["points"])
     assert cases["memory"]["check"]["passed"] is True
     assert cases["bandwidth"]["check"]["passed"] is True
+    optim = _bench_module("optim")
+    assert [r["class"] for r in cases["optim"]["rows"]] == list(optim.CLASSES)
+    assert all(r["check"]["passed"] for r in cases["optim"]["rows"])
     assert "all checks PASSED" in stdout and "FAILED" not in stdout
 
 
@@ -453,3 +456,63 @@ def test_construction_benchmark_fails_when_the_params_differ(monkeypatch: Any) -
     monkeypatch.setattr(torch.optim, "SGD",
                         lambda params, lr, **options: sgd(params, lr=2 * lr, **options))
     assert construction.main(["--sizes", "3", "--classes", "SGD", "--repeats", "1"]) == 1
+
+
+def test_optim_benchmark_times_every_class_against_torchs_implementations(
+        tmp_path: Path, capsys: Any) -> None:
+    """One row per class, each timed against every implementation torch offers on the CPU
+    (probed: Adam has a fused kernel there, NAdam has no fused= argument, Muon no foreach=)
+    and checked against torch's for-loop; the ratio is over the fastest of them."""
+    optim = _bench_module("optim")
+    out = tmp_path / "optim.json"
+    assert optim.main(["--params", "4000", "--leaves", "6", "--repeats", "1", "--threads",
+                       "1", "--json", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    rows = {r["class"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == list(optim.CLASSES)
+    assert {"Adam", "AdamW", "SGD", "NAdam", "Muon", "Adafactor"} <= set(rows)
+    eager = [name for name, _ in optim.IMPLEMENTATIONS]
+    for name, row in rows.items():
+        assert row["check"]["passed"] and row["check"]["reference"] == "torch for-loop", name
+        assert set(row["check"]["max_abs_diff"]) == set(row["timings"]) - {"torch for-loop"}
+        medians = {k: t["median_s"] for k, t in row["timings"].items()}
+        assert all(_positive_finite(x) for x in medians.values()), name
+        built = [e for e in eager if e in medians]
+        assert row["torch_fastest"] == min(built, key=medians.__getitem__), name
+        assert row["ratio"] == pytest.approx(medians["functopt"] / min(
+            medians[e] for e in built))
+        assert sum(line.startswith(f"| {name} | ") for line in stdout.splitlines()) == 1
+    assert set(rows["Adam"]["timings"]) == {"functopt", *eager}
+    assert "torch fused" not in rows["NAdam"]["timings"]
+    assert rows["NAdam"]["missing"]["torch fused"] == "no fused= argument"
+    assert set(rows["Muon"]["timings"]) == {"functopt", "torch for-loop"}
+    assert all(len(s) == 2 for s in optim.matrix_shapes(4000, 6))
+
+
+@pytest.mark.parametrize("name", ["Adam", "Muon"])  # Muon: the looser bfloat16 bound
+def test_optim_benchmark_fails_when_a_drop_in_differs(name: str, capsys: Any,
+                                                      monkeypatch: Any) -> None:
+    optim = _bench_module("optim")
+    real = getattr(functopt.optim, name)
+
+    class TwiceTheRate(real):
+        """Another computation: the check must see it."""
+
+        def __init__(self, params: Any, **options: Any) -> None:
+            super().__init__(params, lr=2e-3, **options)
+
+    monkeypatch.setattr(functopt.optim, name, TwiceTheRate)
+    assert optim.main(["--params", "4000", "--leaves", "6", "--repeats", "1", "--threads",
+                       "1", "--classes", f"{name},SGD"]) == 1
+    out = capsys.readouterr().out
+    assert f"CHECK FAILED: {name}" in out and "CHECK FAILED: SGD" not in out
+    assert f"| {name} | " in out and "FAILED (" in out
+
+
+def test_optim_benchmark_probe_names_what_torch_cannot_do() -> None:
+    optim = _bench_module("optim")
+    assert optim.unavailable(torch.optim.NAdam, {"fused": True}) == "no fused= argument"
+    # both at once: torch refuses when it steps, and the probe hands back its reason
+    why = optim.unavailable(torch.optim.Adam, {"fused": True, "foreach": True})
+    assert why is not None and why.startswith("RuntimeError: ")
+    assert optim.unavailable(torch.optim.Adam, {"fused": True}) is None

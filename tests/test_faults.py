@@ -18,6 +18,7 @@ import sys
 import textwrap
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -322,6 +323,29 @@ def _factories() -> dict[str, Any]:
 FACTORIES = _factories()
 
 
+# a required argument's value by its name, for the names that take something else than 0.1
+_BY_NAME: dict[str, Callable[[], Any]] = {
+    "params": lambda: [torch.nn.Parameter(torch.zeros(2))],
+    "max_consecutive_errors": lambda: 10,
+    "transition_begin": lambda: 10,
+    "schedule": lambda: functopt.schedules.constant_schedule(1.0),
+    "interpolate_type": lambda: "linear",
+    "cosine_kwargs": lambda: [{"init_value": 1.0, "peak_value": 1.0, "decay_steps": 10}],
+    **dict.fromkeys(("inner", "tx", "transform", "inner_opt", "transformation",
+                     "base_optimizer"), lambda: functopt.sgd(0.1)),
+    "transforms": lambda: {"a": functopt.sgd(0.1)},
+    **dict.fromkeys(("labels", "param_labels"),
+                    lambda: lambda params: {k: "a" for k in params}),
+    "mask": lambda: lambda params: {k: True for k in params},
+    "schedules": lambda: [functopt.schedules.constant_schedule(1.0)] * 2,
+    "boundaries": lambda: [1],
+    "boundaries_and_scales": lambda: {1: 0.5},
+    **dict.fromkeys(("inner_factory", "factory"), lambda: functopt.sgd),
+    **dict.fromkeys(("every_k_schedule", "every_k"), lambda: 2),
+    "policy": lambda: "params=float32,compute=bfloat16,output=float32",
+}
+
+
 def _valid(name: str, param: inspect.Parameter) -> Any:
     """A value that makes the factory build, for a required argument."""
     n = param.name
@@ -329,37 +353,14 @@ def _valid(name: str, param: inspect.Parameter) -> Any:
         from functopt._base import EmptyState
 
         return {"tx": functopt.scale(0.5), "name": "my_rule", "state": EmptyState}[n]
-    if n == "params":
-        return [torch.nn.Parameter(torch.zeros(2))]
-    if n.endswith("steps") or n in ("max_consecutive_errors", "transition_begin"):
+    if n in _BY_NAME:
+        return _BY_NAME[n]()
+    if n.endswith("steps"):
         return 10
-    if n.endswith("_fn") or n == "schedule":
+    if n.endswith("_fn"):
         return functopt.schedules.constant_schedule(1.0)
-    if n == "interpolate_type":
-        return "linear"
-    if n == "cosine_kwargs":
-        return [{"init_value": 1.0, "peak_value": 1.0, "decay_steps": 10}]
-    if n in ("inner", "tx", "transform", "inner_opt", "transformation", "base_optimizer"
-             ) or n.endswith("_tx"):
+    if n.endswith("_tx"):
         return functopt.sgd(0.1)
-    if n in ("transforms",):
-        return {"a": functopt.sgd(0.1)}
-    if n in ("labels", "param_labels"):
-        return lambda params: {k: "a" for k in params}
-    if n in ("mask",):
-        return lambda params: {k: True for k in params}
-    if n in ("schedules",):
-        return [functopt.schedules.constant_schedule(1.0)] * 2
-    if n in ("boundaries",):
-        return [1]
-    if n in ("boundaries_and_scales",):
-        return {1: 0.5}
-    if n in ("inner_factory", "factory"):
-        return functopt.sgd
-    if n in ("every_k_schedule", "every_k"):
-        return 2
-    if n == "policy":
-        return "params=float32,compute=bfloat16,output=float32"
     return 0.1
 
 

@@ -512,8 +512,100 @@ def test_schedule_free_eval_train_equals_functopt_optimizer_and_resumes_bitwise(
             o.step()
             o.zero_grad()
     assert _bitwise(model, straight) and _bitwise(twin, straight)
-    with pytest.raises(TypeError, match=r"eval: the transform has no schedule_free stage"):
+    with pytest.raises(TypeError, match=r"^MixedPrecisionOptimizer.eval: param_groups\[0\]'s "
+                                        r"transform has 0 schedule_free stages"):
         MixedPrecisionOptimizer(model.named_parameters(), functopt.sgd(0.1)).eval()
+
+
+def _trained(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    for t in range(3):
+        _loss(model, t).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_schedule_free_eval_moves_each_group_by_its_own_stage() -> None:
+    """Two groups, each its own schedule_free state (a factory: one transform per group,
+    through partition): each param moves to x = (y - (1 - b1) z) / b1 of its group's state
+    (y its master). Two groups sharing one state (a fixed transform) move as one group."""
+    model = _model(torch.bfloat16)
+    opt = MixedPrecisionOptimizer(
+        [{"params": _groups(model)[0]["params"]},
+         {"params": _groups(model)[1]["params"], "learning_rate": 0.02}],
+        lambda learning_rate=0.05: contrib.schedule_free_adamw(learning_rate),
+        loss_scale=None, fused=False)
+    _trained(model, opt)
+    states = _state_dict.to_nested("test", opt._state)["inner_state"]["inner_states"]
+    want = []
+    for i, group in enumerate(opt.param_groups):
+        stage = states[str(i)]
+        b1 = stage["b1"].double()
+        assert float(b1) < 1.0
+        for name in group["param_names"]:
+            y, z = opt._state.master[name].double(), stage["z"][name].double()
+            want.append(((y - (1 - b1) * z) / b1).float().to(torch.bfloat16))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.eval()
+    moved = [p for group in opt.param_groups for p in group["params"]]
+    assert all(torch.equal(p, x) for p, x in zip(moved, want, strict=True))
+    assert not any(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    tx = contrib.schedule_free_adamw(0.05)
+    shared, single = _model(torch.float32), _model(torch.float32)
+    shared_opt = MixedPrecisionOptimizer(
+        [{"params": group["params"]} for group in _groups(shared)], tx, loss_scale=None,
+        fused=False)
+    single_opt = MixedPrecisionOptimizer(
+        [p for group in _groups(single) for p in group["params"]], tx, loss_scale=None,
+        fused=False)
+    _trained(shared, shared_opt)
+    _trained(single, single_opt)
+    before = [p.detach().clone() for p in shared.parameters()]
+    shared_opt.eval()
+    single_opt.eval()
+    assert _bitwise(shared, single)  # the shared stage moved each param once
+    assert not any(torch.equal(p, b) for p, b in zip(shared.parameters(), before, strict=True))
+
+
+def test_schedule_free_eval_refuses_a_group_without_a_stage_and_moves_nothing() -> None:
+    model = _model(torch.float32)
+    opt = MixedPrecisionOptimizer(
+        [{"params": _groups(model)[0]["params"]},
+         {"params": _groups(model)[1]["params"], "free": False}],
+        lambda free=True: contrib.schedule_free_sgd(0.1) if free else functopt.sgd(0.1),
+        loss_scale=None, fused=False)
+    _trained(model, opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(TypeError, match=r"^MixedPrecisionOptimizer.eval: param_groups\[1\]'s "
+                                        r"transform has 0 schedule_free stages"):
+        opt.eval()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    _loss(model, 3).backward()
+    assert opt.step()  # still in train mode
+
+
+def test_a_copy_made_in_eval_mode_is_in_eval_mode_and_trains_from_its_own_params() -> None:
+    for make in (lambda m: MixedPrecisionOptimizer(m.named_parameters(),
+                                                   contrib.schedule_free_sgd(0.1),
+                                                   loss_scale=None, fused=False),
+                 lambda m: functopt.Optimizer(m.parameters(), contrib.schedule_free_sgd(0.1),
+                                              fused=False)):
+        model = _model(torch.float32)
+        opt = make(model)
+        _trained(model, opt)
+        train_params = [p.detach().clone() for p in model.parameters()]
+        opt.eval()
+        twin_model, twin = copy.deepcopy((model, opt))
+        with pytest.raises(RuntimeError, match=r"step: the params hold the schedule-free"):
+            twin.step()
+        twin.train()
+        assert all(torch.equal(p, q) for p, q in zip(twin_model.parameters(), train_params,
+                                                     strict=True))
+        assert not _bitwise(model, twin_model)  # the original is still at x
+        with pytest.raises(RuntimeError, match=r"load_state_dict: the params hold the "
+                                               r"schedule-free evaluation point"):
+            opt.load_state_dict(twin.state_dict())
+        opt.train()
+        assert _bitwise(model, twin_model)
 
 
 def test_schedule_free_eval_of_a_bfloat16_model_uses_the_masters() -> None:

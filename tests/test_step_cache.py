@@ -362,7 +362,7 @@ def test_step_hooks_run_once_per_step(make: Callable[[Any], Any]) -> None:
     assert seen == ["pre", "post"] * 2
 
 
-# -- the kernels' arguments a warm step keeps (functopt.fast._planner._Steady) ------------
+# -- the kernels' arguments a warm step keeps (functopt.fast._planned._Steady) ------------
 # A step keeps the Python numbers it passed to the kernels while the tensors it read them
 # from (the injected hyperparameters in the state, a tensor given to the factory) are the
 # same, unmodified tensors. Every other way a value can move must reach the next step: the
@@ -460,14 +460,14 @@ def test_values_of_the_count_move_at_every_warm_step(
 def test_a_warm_step_resolves_its_kernel_arguments_once(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # (what the memo is for: unchanged hyperparameters are not read again)
-    from functopt.fast import _planner
+    from functopt.fast import _planned
     tx = _injected()
     params, grads = _inputs()
     step = functopt.fast.make_step(tx, donate=True)
     state = tx.init(params)
     calls = []
-    real = _planner._hyperparameters
-    monkeypatch.setattr(_planner, "_hyperparameters",
+    real = _planned._hyperparameters
+    monkeypatch.setattr(_planned, "_hyperparameters",
                         lambda *a: calls.append(1) or real(*a))  # type: ignore[func-returns-value]
     with torch.no_grad():
         params, state = step(grads, state, params)

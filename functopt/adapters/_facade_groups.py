@@ -10,12 +10,20 @@ except the records that schedulers and Megatron-LM keep in the groups.
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from functopt._base import GradientTransformation
-from functopt.adapters import _param_groups
+from functopt.adapters import _param_groups, _state_dict
+from functopt.adapters._base import immutable
+from functopt.adapters._megatron import decoupled_records
+from functopt.precision.master import MasterWeights
+from functopt.precision.step import MixedPrecisionState, MixedPrecisionTransformation
+from functopt.transforms.hyperparams import InjectHyperparamsState
+from functopt.transforms.partition import partition
+from functopt.tree import _core
 
 __all__: list[str] = []
 
@@ -199,3 +207,237 @@ def _as_argument(factory: Any, index: int, options: dict[str, Any]) -> dict[str,
     ``betas`` for ``b1, b2``, ...) are mapped to them; any other key is passed as it is."""
     keys = _param_groups.recipe_group_keys(_OWNER, None, list(_signature(factory)))
     return _param_groups.group_arguments(_OWNER, f"param_groups[{index}]", keys, options)
+
+
+def group_plans(groups: list[_param_groups.ParamGroup], transform: Any,
+                factories: list[Any] | None, fixed: GradientTransformation | None,
+                fixed_injected: bool) -> tuple[list[_Plan], list[dict[str, Any]]]:
+    """Each group's plan (its factory and options: ``factories[i]``, else ``transform``
+    when no ``fixed`` transform serves every group) and the bookkeeping keys it keeps
+    (Megatron's decoupled lrs as its ``max_lr`` / ``min_lr``, the scheduler records times
+    ``lr_mult``). A fixed transform that does not inject takes no options."""
+    plans: list[_Plan] = []
+    kept: list[dict[str, Any]] = []  # each group's bookkeeping keys
+    for i, group in enumerate(groups):
+        _param_groups.check_megatron_flags(_OWNER, f"param_groups[{i}]", group.options)
+        options = {k: v for k, v in group.options.items() if k not in BOOKKEEPING_KEYS}
+        book = decoupled_records(i, {k: v for k, v in group.options.items()
+                                     if k in BOOKKEEPING_KEYS})
+        kept.append({**book, **_param_groups.scaled_lr_records(group.lr_mult, book)})
+        factory = factories[i] if factories is not None else (
+            None if fixed is not None else transform)
+        if fixed is not None and not group.frozen and not fixed_injected:
+            mults = {k: v for k, v in (("lr_mult", group.lr_mult),
+                                       ("wd_mult", group.wd_mult)) if v != 1.0}
+            if options or mults:
+                raise TypeError(
+                    f"{_OWNER}: param group {i} sets {sorted(options) + sorted(mults)}, "
+                    f"but transform is a GradientTransformation, whose hyperparameters "
+                    f"are fixed when it is built. Fix: pass a factory that builds each "
+                    f"group's transform from its options, e.g. transform=lambda "
+                    f"learning_rate=1e-3, weight_decay=0.01: functopt.adamw("
+                    f"learning_rate, weight_decay=weight_decay), or inject them: "
+                    f"functopt.inject_hyperparams(functopt.adamw)(learning_rate=1e-3)."
+                )
+        if factory is None:  # named once the state shows what the transform injects
+            plans.append(_Plan(i, group, None, {}))
+            plans[-1].pending = options
+        else:
+            plans.append(_Plan(i, group, factory, _as_argument(factory, i, options)))
+    return plans, kept
+
+
+class FacadeGroups:
+    """The facade's param groups over its transform: one transform per group through
+    ``partition``, the group values written into the state or rebuilding a group's
+    transform before each step (see the module's docstring)."""
+
+    # the facade's (functopt/adapters/mixed_precision_optimizer.py)
+    param_groups: list[dict[str, Any]]
+    _plans: list[_Plan]
+    _fixed: GradientTransformation | None
+    _fixed_injected: bool
+    _partitioned: bool
+    _labels: dict[str, int]
+    _state: MixedPrecisionState
+    _params: list[torch.Tensor]
+    _names: list[str]
+    _master_weights: MasterWeights
+    _inner: GradientTransformation
+    _tx: MixedPrecisionTransformation
+    _synced: list[tuple[tuple[str, Any], ...]] | None
+
+    if TYPE_CHECKING:
+        def _build(self) -> MixedPrecisionTransformation: ...
+
+        def _tree(self, leaves: list[Any]) -> Any: ...
+
+    def _torch_groups(self, groups: list[_param_groups.ParamGroup],
+                      kept: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The groups torch's constructor takes: each group's named params, its values
+        (the keys its transform exposes, named once the state shows what it injects), its
+        flags other than their defaults and its bookkeeping keys."""
+        torch_groups = []
+        for plan, group, book in zip(self._plans, groups, kept, strict=True):
+            if not plan.frozen:
+                found = self._group_state(self._state, plan.index)
+                hyper = found.hyperparams if isinstance(found, InjectHyperparamsState) else None
+                signature = None if plan.factory is not None or hyper is None else \
+                    _state_dict.recipe_signature(plan.transform, hyper)
+                plan.expose(hyper, None if signature is None else signature.split("(", 1)[0])
+                if plan.factory is None:  # its groups' options: the keys it exposes
+                    where = f"param_groups[{plan.index}]"
+                    _param_groups.check_group_keys(_OWNER, where, plan.pending, plan.keys,
+                                                   plan.keys, plan.recipe)
+                    plan.built.update(_param_groups.group_arguments(_OWNER, where, plan.keys,
+                                                                    plan.pending))
+                    _param_groups.check_multipliers(
+                        _OWNER, f"param_groups[{plan.index}]", _param_groups.GroupFlags(
+                            group.lr_mult, group.wd_mult, group.frozen), plan.injected)
+                    plan.fold(plan.injected)
+            flags = {k: v for k, v in (("lr_mult", group.lr_mult), ("wd_mult", group.wd_mult),
+                                       ("frozen", group.frozen))
+                     if v != (k != "frozen" and 1.0)}
+            torch_groups.append({"params": list(zip(group.names, group.params, strict=True)),
+                                 **self._group_values(plan), **flags, **book})
+        return torch_groups
+
+    def _compose(self) -> GradientTransformation:
+        """The transform over the trainable params: one per group through ``partition``."""
+        plans = [plan for plan in self._plans if not plan.frozen]
+        if self._fixed is not None:
+            for plan in plans:
+                plan.transform = self._fixed
+            if len(plans) == 1 or not self._fixed_injected:
+                self._partitioned = False
+                return self._fixed
+            transforms: dict[Hashable, GradientTransformation] = {
+                plan.index: self._fixed for plan in plans}
+        else:
+            transforms = {plan.index: plan.build() for plan in plans}
+            if len(transforms) == 1:
+                self._partitioned = False
+                return next(iter(transforms.values()))
+        self._partitioned = True
+        return partition(transforms, self._labels)
+
+    def _group_state(self, state: MixedPrecisionState, index: int) -> Any:
+        inner = state.inner_state
+        return inner.inner_states[index] if self._partitioned else inner
+
+    def _with_group_state(self, state: MixedPrecisionState, index: int,
+                          group_state: Any) -> MixedPrecisionState:
+        inner = state.inner_state
+        if self._partitioned:
+            inner = inner._replace(inner_states={**inner.inner_states, index: group_state})
+        else:
+            inner = group_state
+        return state._replace(inner_state=inner)
+
+    def _group_values(self, plan: _Plan) -> dict[str, Any]:
+        """The group keys of ``plan`` and their values (torch's names)."""
+        out: dict[str, Any] = {}
+        for key, names in plan.keys.items():
+            values = []
+            for name in names:
+                if name in plan.built:
+                    values.append(plan.built[name])
+                else:  # an injected value the constructor was not given: as built
+                    held = plan.injected[name]
+                    values.append(held if held.requires_grad else held.item())
+            out[key] = values[0] if len(values) == 1 else tuple(values)
+        return out
+
+    def _sync(self) -> None:
+        """Bring the group values into the step: write injected ones into the state,
+        rebuild the transform of a group whose other values changed; raise on keys no
+        transform reads. Groups holding the very values of the last sync, none of them
+        mutable, have nothing to bring (the usual step: read in one pass)."""
+        seen = self.__dict__.get("_synced")
+        if seen is not None and len(seen) == len(self.param_groups) and all(
+                len(group) == len(items) and all(
+                    key == k and value is v for (key, value), (k, v) in zip(
+                        group.items(), items, strict=True))
+                for group, items in zip(self.param_groups, seen, strict=True)):
+            return
+        self._synced = None
+        self._sync_groups()
+        snapshot = [tuple(group.items()) for group in self.param_groups]
+        if all(immutable(v) for items in snapshot for k, v in items
+               if k not in ("params", "param_names")):
+            self._synced = snapshot
+
+    def _sync_groups(self) -> None:
+        state = self._state
+        rebuild = False
+        before = [dict(plan.built) for plan in self._plans]
+        for plan, group in zip(self._plans, self.param_groups, strict=True):
+            if not plan.frozen:  # (before any group's values are written)
+                where = f"param_groups[{plan.index}]"
+                _param_groups.check_unchanged_multipliers(
+                    _OWNER, where, _param_groups.group_flags(_OWNER, where, group), plan.mults)
+        for plan, group in zip(self._plans, self.param_groups, strict=True):
+            where = f"param_groups[{plan.index}]"
+            flags = _param_groups.group_flags(_OWNER, where, group)
+            if flags.frozen != plan.frozen:
+                raise ValueError(
+                    f"{_OWNER}: {where} changed frozen to {flags.frozen}; which params a step "
+                    f"updates is fixed when the optimizer is built (their state is made then). "
+                    f"Fix: build a new optimizer with the groups frozen as wanted."
+                )
+            if plan.frozen:
+                continue
+            readable = plan.readable()
+            if not plan.allowed.issuperset(group):
+                plan.check_keys(_OWNER, where, group)
+            values = _param_groups.group_arguments(
+                _OWNER, where, plan.keys, {k: group[k] for k in group if k in readable})
+            found = None
+            for name, value in values.items():
+                if name in plan.injected:
+                    if not _same(plan.written.get(name, _UNSET), value):
+                        found = self._group_state(state, plan.index) if found is None else found
+                        found = found._replace(hyperparams={
+                            **found.hyperparams,
+                            name: _hyper_tensor(where, name, value, plan.injected[name])})
+                        plan.written[name] = value
+                    plan.built[name] = value
+                elif not _same(plan.built.get(name, _UNSET), value):
+                    plan.built[name] = value
+                    rebuild = True
+            if found is not None:
+                state = self._with_group_state(state, plan.index, found)
+        if rebuild:
+            inner = self._compose()
+            if self._changes_layout(inner):
+                changed = sorted({
+                    f"param_groups[{plan.index}][{k!r}]"
+                    for plan, built in zip(self._plans, before, strict=True)
+                    for k in plan.built if not _same(built.get(k, _UNSET), plan.built[k])})
+                for plan, built in zip(self._plans, before, strict=True):
+                    plan.built = built
+                self._compose()  # the transforms as they were
+                raise ValueError(
+                    f"{_OWNER}: the new values of {changed} change the layout of the "
+                    f"transform's state (a stage added or removed, such as amsgrad or a "
+                    f"momentum from 0), which the state built at construction cannot follow. "
+                    f"Fix: build a new optimizer with these values (the state of this one "
+                    f"does not carry over), or leave them as they were."
+                )
+            self._inner = inner
+            self._tx = self._build()
+        self._state = state
+
+    def _changes_layout(self, inner: GradientTransformation) -> bool:
+        """Whether ``inner``'s state has another structure than the one held (its init on
+        meta tensors: nothing is allocated)."""
+        mw = self._master_weights
+        with torch.no_grad():
+            views = [torch.empty_like(mw.view(p.detach(), self._state.master[name]),
+                                      device="meta")
+                     for p, name in zip(self._params, self._names, strict=True)]
+            try:
+                fresh = inner.init(self._tree(views))
+            except Exception:  # an init that cannot run on meta tensors: not checked
+                return False
+        return _core.structure(fresh) != _core.structure(self._state.inner_state)

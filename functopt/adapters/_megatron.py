@@ -132,6 +132,8 @@ class MegatronSurface:
 
         def load_named_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
+        def _check_train_mode(self, method: str) -> None: ...
+
     @classmethod
     def from_optimizer_config(cls, megatron_config: Any, params: Any,
                               config_overrides: Any = None, **options: Any) -> Any:
@@ -347,6 +349,57 @@ class MegatronSurface:
         from functopt.adapters._megatron_sharded import sharded_state_dict
 
         return sharded_state_dict(self, model_sharded_state_dict, metadata)
+
+    def reload_model_params(self, state_dict: Mapping[str, Any] | None = None) -> None:
+        """Set the master weights from the params, or from a model ``state_dict``.
+
+        Megatron-LM's signature: after loading a model checkpoint into the params, call it
+        without arguments to copy the params into the masters. With ``state_dict`` (keyed
+        by the param names, as ``model.state_dict()``; other keys such as buffers are not
+        read), each master becomes that tensor in the master precision and each param its
+        rounding (params without a master copy take the value itself), so a float32
+        checkpoint of a bfloat16 model restores the masters without loss. The transform's
+        state and the loss scale are kept, as in Megatron.
+
+        Raises:
+            ValueError: naming the params the state dict lacks, or a tensor of another
+                shape.
+        """
+        self._check_train_mode("reload_model_params")
+        mw = self._master_weights
+        if state_dict is None:
+            with torch.no_grad():
+                master = [mw.init(p.detach()) for p in self._params]
+            self._state = self._state._replace(master=self._tree(master))
+            return
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"{_OWNER}.reload_model_params: state_dict must be a mapping of "
+                            f"param names to tensors, got {type(state_dict).__name__}.")
+        missing = [name for name in self._names if name not in state_dict]
+        if missing:
+            raise ValueError(
+                f"{_OWNER}.reload_model_params: the state dict has no entry for the params "
+                f"{missing[:5]}{' ...' if len(missing) > 5 else ''} (it has "
+                f"{sorted(map(str, state_dict))[:5]} ...). Fix: pass model.state_dict() of the "
+                f"model whose named_parameters() built this optimizer."
+            )
+        stores = []
+        with torch.no_grad():
+            for p, name in zip(self._params, self._names, strict=True):
+                value, store = state_dict[name], self._state.master[name]
+                if not isinstance(value, torch.Tensor) or value.shape != p.shape:
+                    got = (tuple(value.shape) if isinstance(value, torch.Tensor)
+                           else type(value).__name__)
+                    raise ValueError(
+                        f"{_OWNER}.reload_model_params: state dict entry {name!r} is {got}, "
+                        f"the param has shape {tuple(p.shape)}. Fix: load the checkpoint of "
+                        f"this model.")
+                view = mw.view(p.detach(), store)
+                new_param, new_store = mw.write(p, store, value.detach().to(
+                    dtype=view.dtype, device=view.device, copy=True), None)
+                p.copy_(new_param)
+                stores.append(new_store)
+        self._state = self._state._replace(master=self._tree(stores))
 
     def get_parameters(self) -> list[torch.Tensor]:
         """The params the step updates, in group order (frozen groups left out, as

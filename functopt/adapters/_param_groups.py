@@ -151,6 +151,29 @@ def collect(owner: str, params: Any) -> list[ParamGroup]:
     (``torch.optim``'s key) to name a list of tensors, and ``lr_mult``, ``wd_mult`` and
     ``frozen`` (see `group_flags`); the params of a frozen group need not require grad.
     """
+    specs, grouped = _group_specs(owner, params)
+    groups: list[ParamGroup] = []
+    seen_names: dict[str, int] = {}
+    seen_ids: dict[int, str] = {}
+    count = 0
+    for i, spec in enumerate(specs):
+        named = _group_named(owner, i, spec, grouped, count)
+        count += len(named)
+        flags = group_flags(owner, f"param_groups[{i}]", spec)
+        for key in FLAG_KEYS:
+            spec.pop(key, None)
+        for name, p in named:
+            _check_param(owner, name, p, flags.frozen)
+            _check_unique(owner, i, name, p, seen_names, seen_ids)
+        groups.append(ParamGroup([n for n, _ in named], [p for _, p in named], spec, *flags))
+    if count == 0:
+        raise ValueError(f"{owner}: got an empty list of params. {_GROUP_FIX}")
+    return groups
+
+
+def _group_specs(owner: str, params: Any) -> tuple[list[dict[str, Any]], bool]:
+    """``params`` as one dict per group (each with its ``"params"``), and whether they were
+    given as group dicts."""
     if isinstance(params, Mapping) and "params" in params and not isinstance(
         params["params"], torch.Tensor
     ):
@@ -175,60 +198,54 @@ def collect(owner: str, params: Any) -> list[ParamGroup]:
             )
         if not grouped:
             raw = [raw]
-    specs: list[dict[str, Any]] = []
+    if not grouped:
+        return [{"params": item} for item in raw], False
     for i, item in enumerate(raw):
-        if not grouped:
-            specs.append({"params": item})
-            continue
         if "params" not in item:
             raise ValueError(
                 f"{owner}: param group {i} has no 'params' key (keys: {sorted(map(str, item))})."
                 f" {_GROUP_FIX}"
             )
-        specs.append(dict(item))
+    return [dict(item) for item in raw], True
 
-    groups: list[ParamGroup] = []
-    seen_names: dict[str, int] = {}
-    seen_ids: dict[int, str] = {}
-    count = 0
-    for i, spec in enumerate(specs):
-        items = spec.pop("params")
-        if grouped and isinstance(items, torch.Tensor):  # as torch.optim, in a group dict
-            items = [items]
-        named = _named(owner, items, count)
-        names_given = spec.pop("param_names", None)
-        if names_given is not None:
-            names_given = list(names_given)
-            if len(names_given) != len(named):
-                raise ValueError(
-                    f"{owner}: param group {i} has {len(named)} params but "
-                    f"{len(names_given)} param_names. Fix: give one name per param."
-                )
-            named = [(_check_name(owner, n), p) for n, (_, p) in zip(names_given, named,
-                                                                     strict=True)]
-        count += len(named)
-        flags = group_flags(owner, f"param_groups[{i}]", spec)
-        for key in FLAG_KEYS:
-            spec.pop(key, None)
-        for name, p in named:
-            _check_param(owner, name, p, flags.frozen)
-            if name in seen_names:
-                raise ValueError(
-                    f"{owner}: the name {name!r} is used by two params (groups "
-                    f"{seen_names[name]} and {i}). Fix: give each param a unique name."
-                )
-            if id(p) in seen_ids:
-                raise ValueError(
-                    f"{owner}: the same tensor appears twice, as {seen_ids[id(p)]!r} and "
-                    f"{name!r}; it would be updated twice per step. Fix: list each param once "
-                    f"(model.named_parameters() already removes tied duplicates)."
-                )
-            seen_names[name] = i
-            seen_ids[id(p)] = name
-        groups.append(ParamGroup([n for n, _ in named], [p for _, p in named], spec, *flags))
-    if count == 0:
-        raise ValueError(f"{owner}: got an empty list of params. {_GROUP_FIX}")
-    return groups
+
+def _group_named(owner: str, i: int, spec: dict[str, Any], grouped: bool,
+                 count: int) -> list[tuple[str, Any]]:
+    """The ``(name, param)`` pairs of group ``i``, taken out of ``spec`` (its ``"params"``
+    and ``"param_names"``); unnamed params are numbered from ``count``."""
+    items = spec.pop("params")
+    if grouped and isinstance(items, torch.Tensor):  # as torch.optim, in a group dict
+        items = [items]
+    named = _named(owner, items, count)
+    names_given = spec.pop("param_names", None)
+    if names_given is None:
+        return named
+    names_given = list(names_given)
+    if len(names_given) != len(named):
+        raise ValueError(
+            f"{owner}: param group {i} has {len(named)} params but "
+            f"{len(names_given)} param_names. Fix: give one name per param."
+        )
+    return [(_check_name(owner, n), p) for n, (_, p) in zip(names_given, named, strict=True)]
+
+
+def _check_unique(owner: str, i: int, name: str, p: Any, seen_names: dict[str, int],
+                  seen_ids: dict[int, str]) -> None:
+    """Record param ``p`` of group ``i`` under ``name``; raise where the name or the tensor
+    was seen before."""
+    if name in seen_names:
+        raise ValueError(
+            f"{owner}: the name {name!r} is used by two params (groups "
+            f"{seen_names[name]} and {i}). Fix: give each param a unique name."
+        )
+    if id(p) in seen_ids:
+        raise ValueError(
+            f"{owner}: the same tensor appears twice, as {seen_ids[id(p)]!r} and "
+            f"{name!r}; it would be updated twice per step. Fix: list each param once "
+            f"(model.named_parameters() already removes tied duplicates)."
+        )
+    seen_names[name] = i
+    seen_ids[id(p)] = name
 
 
 # Each recipe's hyperparameters as param-group keys: group key -> the recipe's arguments it

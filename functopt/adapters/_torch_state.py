@@ -280,26 +280,13 @@ def to_torch(layout: TorchLayout, keys: Mapping[str, str], group: Mapping[str, A
         if count == 0 and not layout.eager:
             out.append(None)
             continue
-        torch_entry: dict[str, Any] = {}
         if layout.step:
             place = step_places.get(p.device)
             if place is None:
                 place = step_places[p.device] = _scalar_place(STEP, group, p)
             pending.append((len(out), count, place))
-        for name, key in keys.items():
-            if key in (STEP, CONSTANT):
-                continue
-            value = entry.get(name)
-            if value is None:  # (a leaf the param has no state for: Adafactor's factors)
-                continue
-            if p.is_complex() and value.shape == (*p.shape, 2):
-                value = torch.view_as_complex(value)  # (torch keeps a complex param's state so)
-            if key in layout.scalars:
-                dtype, device = _scalar_place(key, group, p)
-                value = value.to(dtype=dtype, device=device, copy=True)
-            torch_entry[key] = value
-        ordered = {k: torch_entry[k] for k in (STEP, *layout.keys) if k in torch_entry}
-        out.append(ordered or None)  # (torch keeps no entry without state: SGD without momentum)
+        # (torch keeps no entry without state: SGD without momentum)
+        out.append(_torch_values(layout, keys, group, p, entry) or None)
     # One step tensor per param (torch adds to each in place): views of one tensor per place.
     places: dict[tuple[torch.dtype, torch.device], list[tuple[int, int]]] = {}
     for k, count, place in pending:
@@ -309,6 +296,26 @@ def to_torch(layout: TorchLayout, keys: Mapping[str, str], group: Mapping[str, A
         for (k, _), step in zip(rows, made, strict=True):
             out[k] = {STEP: step, **(out[k] or {})}
     return out
+
+
+def _torch_values(layout: TorchLayout, keys: Mapping[str, str], group: Mapping[str, Any],
+                  p: torch.Tensor, entry: Mapping[str, Any]) -> dict[str, Any]:
+    """The torch entry of param ``p`` from its functopt ``entry``, without its step: each
+    key's tensor, in torch's order of keys."""
+    torch_entry: dict[str, Any] = {}
+    for name, key in keys.items():
+        if key in (STEP, CONSTANT):
+            continue
+        value = entry.get(name)
+        if value is None:  # (a leaf the param has no state for: Adafactor's factors)
+            continue
+        if p.is_complex() and value.shape == (*p.shape, 2):
+            value = torch.view_as_complex(value)  # (torch keeps a complex param's state so)
+        if key in layout.scalars:
+            dtype, device = _scalar_place(key, group, p)
+            value = value.to(dtype=dtype, device=device, copy=True)
+        torch_entry[key] = value
+    return {k: torch_entry[k] for k in (STEP, *layout.keys) if k in torch_entry}
 
 
 def from_torch(layout: TorchLayout, keys: Mapping[str, str], expected: Mapping[str, Any],

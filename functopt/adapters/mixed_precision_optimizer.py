@@ -16,8 +16,7 @@ import datetime
 import math
 import typing
 import weakref
-from collections import defaultdict
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,61 +26,37 @@ from functopt import _validate
 from functopt._base import GradientTransformation, Params
 from functopt._collective.agreement import check_agreement, threshold_verdict
 from functopt._collective.counting import Replicated
-from functopt._collective.dtensor import local_tensor
 from functopt._collective.stats import global_grad_stats
 from functopt._spec import Injected, describe
-from functopt.adapters import _from_torch, _missing_grads, _param_groups, _state_dict
-from functopt.adapters._facade_groups import (
-    _UNSET,
-    BOOKKEEPING_KEYS,
-    _as_argument,
-    _hyper_tensor,
-    _Plan,
-    _same,
+from functopt.adapters import _from_torch, _missing_grads, _param_groups
+from functopt.adapters._base import lift
+from functopt.adapters._facade_groups import BOOKKEEPING_KEYS, FacadeGroups, group_plans
+from functopt.adapters._facade_state import (
+    LOSS_SCALE_RULE_MISMATCH,
+    FacadeState,
+    _unaliased,
 )
-from functopt.adapters._megatron import MegatronSurface, check_expert_groups, decoupled_records
-from functopt.adapters.optimizer import _find_states, _lift
+from functopt.adapters._megatron import MegatronSurface, check_expert_groups
 from functopt.distributed.offloading import OffloadedState, _restore_target, offload, reload
 from functopt.precision.loss_scale import (
     LossScale,
-    _describe_rule,
     _inverse,
-    _rule_vector,
-    _same_rule,
     _warn_if_collapsed,
     dynamic_loss_scale,
 )
 from functopt.precision.master import float32_master
 from functopt.precision.stats import GradStats, NormClip, unpack_grad_stats
 from functopt.precision.step import (
-    MixedPrecisionState,
     MixedPrecisionTransformation,
     StepMetrics,
     check_loss,
     mixed_precision,
     scale_loss,
 )
-from functopt.transforms.hyperparams import InjectHyperparamsState
-from functopt.transforms.partition import partition
-from functopt.tree import _core
 
-__all__ = ["MixedPrecisionOptimizer"]
+__all__ = ["LOSS_SCALE_RULE_MISMATCH", "MixedPrecisionOptimizer"]
 
 _OWNER = "MixedPrecisionOptimizer"
-_RULE_KEY = "loss_scale_rule"  # the state dict's record of the loss-scale rule
-_GROUPS_KEY = "param_groups"  # the state dict's group values (when the groups hold any)
-
-LOSS_SCALE_RULE_MISMATCH = (
-    "MixedPrecisionOptimizer.load_state_dict: the checkpoint was saved with {saved}, this "
-    "optimizer has {current}. The saved scale only means something under its own rule (a "
-    "dynamic scale of 65536 loaded into loss_scale=None would scale every loss by 65536 "
-    "and never unscale it). Fix: build the optimizer with the checkpoint's rule (the same "
-    "loss_scale=...) to resume; to switch rules on purpose (float16 to bfloat16), replace "
-    "the checkpoint's loss-scale entries (the 'loss_scale.*' keys of every param's entry and "
-    "each group's ['functopt']['loss_scale_rule']) by this optimizer's own (from "
-    "opt.state_dict()) before loading, which restarts the scale under the new rule."
-)
-
 TransformOrFactory = GradientTransformation | Callable[..., GradientTransformation]
 """A transform for every param, or a factory ``(**group_options) -> transform``."""
 
@@ -90,120 +65,41 @@ StepResult = tuple[bool, float | None, int | None]
 """``(ok, grad_norm, num_zeros)``, Megatron-LM's ``step()`` result (``return_grad_stats``)."""
 
 
-def _immutable(value: Any) -> bool:
-    """Whether a group value cannot change without being replaced: a number, a string,
-    None, a tuple of those, or a callable (a schedule or a factory argument, which the
-    groups compare by identity). Not a tensor: one filled in place is a new value where
-    a multiplier scales it."""
-    if isinstance(value, tuple):
-        return all(_immutable(v) for v in value)
-    return value is None or isinstance(value, (int, float, str)) or (
-        callable(value) and not isinstance(value, torch.Tensor))
+def _rule_source(params: Any, transform: Any) -> tuple[Any, list[Any] | None, Any]:
+    """``params`` as the groups to collect, the factory of each group where a torch.optim
+    optimizer gives the rule (else None), and that optimizer (else None); raise for a
+    missing or malformed rule."""
+    factories: list[Any] | None = None
+    torch_source = None
+    if isinstance(params, torch.optim.Optimizer):
+        if transform is not None:
+            raise TypeError(
+                f"{_OWNER}: got a {type(params).__name__} optimizer and a transform; the "
+                f"optimizer's class and param groups already give the update rule. Fix: "
+                f"pass one of them, MixedPrecisionOptimizer(torch_optimizer, ...) or "
+                f"MixedPrecisionOptimizer(params, transform, ...)."
+            )
+        torch_source = params  # (its rule's per-param step counts: _missing_grads)
+        translated = _from_torch.translate(_OWNER, params, BOOKKEEPING_KEYS)
+        params = [spec for spec, _ in translated]
+        factories = [factory for _, factory in translated]
+    elif transform is None:
+        raise TypeError(
+            f"{_OWNER}: expected a transform after the params (functopt.adamw(1e-3), or "
+            f"a factory (**group_options) -> transform), or a torch.optim optimizer in "
+            f"place of both: MixedPrecisionOptimizer(torch.optim.AdamW("
+            f"model.parameters(), lr=1e-4))."
+        )
+    elif not isinstance(transform, GradientTransformation) and not callable(transform):
+        raise TypeError(
+            f"{_OWNER}: transform must be a functopt.GradientTransformation (e.g. "
+            f"functopt.adamw(1e-3)) or a factory (**group_options) -> GradientTransformation, "
+            f"got {type(transform).__name__}."
+        )
+    return params, factories, torch_source
 
 
-def _unaliased(state: MixedPrecisionState, params: list[torch.Tensor]) -> MixedPrecisionState:
-    """``state`` with a copy of every tensor that shares memory with a param.
-
-    A transform may keep the params it is initialised with (slow weights, a reference
-    point); in the functional world they never change, but here ``step()`` writes the
-    params in place, which would change that state behind the transform's back.
-    """
-    # A DTensor has no storage of its own: compare its local shard's (FSDP2 params).
-    storages = {local_tensor(p).untyped_storage().data_ptr() for p in params
-                if local_tensor(p).numel() > 0}
-    leaves, treespec = _core.flatten(state)
-    out = [
-        leaf.clone()
-        if isinstance(leaf, torch.Tensor) and local_tensor(leaf).numel() > 0
-        and local_tensor(leaf).untyped_storage().data_ptr() in storages
-        else leaf
-        for leaf in leaves
-    ]
-    unaliased: MixedPrecisionState = _core.unflatten(treespec, out)
-    return unaliased
-
-
-_PARTITION = "inner_state.inner_states."  # the state path of each group's transform state
-
-
-def _relabelled(entry: Mapping[str, Any], order: list[int]) -> dict[str, Any]:
-    """A saved param entry with each group's partition state moved to the group that holds
-    those params here (``order[i]``: the saved position of group ``i``)."""
-    label = {f"{_PARTITION}{saved}.": f"{_PARTITION}{i}." for i, saved in enumerate(order)}
-    out = {}
-    for key, value in entry.items():
-        if key.startswith(_PARTITION):
-            head = key[:key.index(".", len(_PARTITION)) + 1]
-            key = label.get(head, head) + key[len(head):]
-        out[key] = value
-    return out
-
-
-class _StateView(defaultdict):  # type: ignore[type-arg]
-    """``MixedPrecisionOptimizer.state``: each param's entry of the step's state, and the
-    keys that are no tensor, which code such as a state-dict hook stores there; those are
-    kept in ``own`` (the optimizer's), as torch.optim keeps them in its ``state``."""
-
-    def __init__(self, own: dict[Any, Any]) -> None:
-        super().__init__(dict)
-        self._own = own
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        if isinstance(key, torch.Tensor):
-            raise TypeError(_VIEW_WRITE)
-        self._own[key] = value
-        super().__setitem__(key, value)
-
-    def __missing__(self, key: Any) -> Any:
-        # (as torch's defaultdict reads an empty entry for a tensor that is no param here,
-        # without storing it: the view is rebuilt at each read)
-        if isinstance(key, torch.Tensor):
-            return _Entry()
-        return super().__missing__(key)
-
-    def __delitem__(self, key: Any) -> None:
-        if isinstance(key, torch.Tensor):
-            raise TypeError(_VIEW_WRITE)
-        self._own.pop(key, None)
-        super().__delitem__(key)
-
-    def pop(self, key: Any, *default: Any) -> Any:
-        if isinstance(key, torch.Tensor):
-            raise TypeError(_VIEW_WRITE)
-        self._own.pop(key, None)
-        return super().pop(key, *default)
-
-
-_VIEW_WRITE = (
-    f"{_OWNER}: optimizer.state is a view of the step's state, rebuilt at each read: a "
-    f"write into a param's entry would be lost. Fix: change the state with "
-    f"load_state_dict(...) (edit the dict state_dict() returns), or write into the tensors "
-    f"an entry holds (opt.state[p]['key'].copy_(...)), which are the live state."
-)
-
-
-class _Entry(dict):  # type: ignore[type-arg]
-    """A param's entry of `_StateView`: its tensors are the live state. A tensor written
-    over one of the same shape is copied into it (a framework that moves the state to the
-    params' device writes each tensor back; the live state stays where the step keeps it);
-    any other change raises."""
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        held = self.get(key)
-        if not (isinstance(held, torch.Tensor) and isinstance(value, torch.Tensor)
-                and value.shape == held.shape):
-            raise TypeError(_VIEW_WRITE)
-        if value is not held:
-            with torch.no_grad():
-                held.copy_(value)
-
-    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError(_VIEW_WRITE)
-
-    __delitem__ = update = pop = popitem = setdefault = clear = _refuse
-
-
-class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
+class MixedPrecisionOptimizer(MegatronSurface, FacadeGroups, FacadeState):
     r"""A LightRFT/Megatron-style mixed-precision optimizer over ``nn.Parameter`` objects.
 
     The calls of a training loop, and what they do:
@@ -223,189 +119,31 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
 
     Params narrower than ``master_dtype`` (bfloat16, float16) get a master copy; after
     every step each such param is bitwise ``master.to(param.dtype)``. Params of
-    ``master_dtype`` or wider (float32, float64) have no copy and are updated in their own
-    dtype. A param whose
-    ``.grad`` is None at ``step()`` is left unchanged, and so is its per-param state, as in
-    ``torch.optim`` (a counter shared by all params, such as Adam's ``count``, still
-    advances; built from a torch.optim optimizer whose rule reads that count per param, a
-    step where a param that missed earlier steps has a gradient raises, naming it). A
-    ``step()`` where no param has a gradient is an error: ``backward`` was
-    not called, or the gradients were cleared before the step.
+    ``master_dtype`` or wider have no copy and are updated in their own dtype. A param
+    whose ``.grad`` is None at ``step()`` is left unchanged, and so is its per-param state,
+    as in ``torch.optim``; a ``step()`` where no param has a gradient is an error. The
+    transform's state is built once, by the constructor (a state tensor that shares memory
+    with a param is copied then).
 
-    The transform's state is built once, by the constructor, from the params as they are
-    then. ``step()`` writes the params in place, so a state tensor that shares memory with
-    a param (a transform keeping the params it was initialised with) is copied at that
-    point; a transform must not keep the params it is handed in later updates.
-
-    **Param groups.** ``params`` may be an iterable of tensors (named ``'0'``, ``'1'``, ...
-    by position, as ``torch.optim`` numbers them), ``model.named_parameters()`` or a
-    ``{name: param}`` dict (named by those names, the keys of the state dict), or a list
-    of group dicts ``{"params": ..., **options}`` (``"params"`` in any of the forms before;
-    ``"param_names"`` may name a list of tensors). Group options configure the transform:
-    when a group sets options, ``transform`` must be a factory, called once per group as
-    ``transform(**options)``, and the groups' transforms are combined with
-    [`partition`][functopt.partition] (one shared loss scale, skip decision and clipping
-    norm, as Megatron's ``ChainedOptimizer``). For example, no weight decay on biases:
-    ``[{"params": weights}, {"params": biases, "weight_decay": 0.0}]`` with
-    ``transform=lambda weight_decay=0.1: functopt.adamw(1e-3, weight_decay=weight_decay)``.
-    **A torch.optim.Optimizer.** The facade is one, so it goes where an optimizer goes
-    (torch's schedulers, Lightning's ``configure_optimizers``, accelerate's ``prepare``).
-    ``param_groups`` are plain dicts holding each group's params and its transform's
-    arguments under torch's names (``lr`` for ``learning_rate``, ``betas`` for ``b1, b2``,
-    a recipe's others by ``functopt.Optimizer``'s table, ``alpha`` for RMSprop's
-    ``decay``, ...), and a value written there is used by the next ``step()``:
-    an argument that ``inject_hyperparams`` put in the state (a plain recipe, which runs
-    as ``inject_hyperparams`` of itself as in ``functopt.Optimizer``, so that
-    ``functopt.adamw(1e-3)``'s groups hold ``lr``, ``betas``, ``eps``, ``eps_root`` and
-    ``weight_decay``; a transform built by
-    [`inject_hyperparams`][functopt.inject_hyperparams], a factory that returns one, or a
-    translated torch optimizer) is written into the state, a 0-d tensor, so nothing is
-    rebuilt; any other argument of a factory rebuilds that group's transform (the state
-    is kept; an edit that changes the state's layout, such as ``amsgrad`` or a momentum
-    from 0, raises, checked on meta tensors). A rebuild re-plans the fused step (measured: 5-8 ms more per step for 20
-    leaves), so for a value a scheduler writes at every step pass
-    ``functopt.inject_hyperparams(factory)`` as the factory. A fixed ``transform`` of
-    your own that does not inject (a ``chain``) has no hyperparameters in the groups, and
-    a group that sets any raises. With several groups, a fixed transform that injects
-    (a plain recipe too) gets one state per group, through ``partition``, so each group's
-    values are its own. A key that no transform reads raises at construction and at
-    ``step()`` (``momentum`` on an AdamW), except the records of torch's schedulers (``initial_lr``, ...) and of
-    Megatron's groups (``max_lr``, ``min_lr``, ...): ``BOOKKEEPING_KEYS``. Of those,
-    Megatron's ``decoupled_lr`` / ``decoupled_min_lr`` (with ``is_decoupled_lr=True``)
-    become the group's ``max_lr`` / ``min_lr``, which Megatron's scheduler reads
-    (``is_decoupled_lr=True`` without either of them or a ``max_lr`` raises, and so do
-    flags that are not bools); a group
-    with ``is_expert_parallel=True`` on more than one rank needs ``process_group`` and
-    ``replicated`` (its params differ from rank to rank, so their statistics must be
-    summed), else the constructor raises.
-    ``add_param_group`` after construction raises: master copies and state are made
-    then.
-
-    **From a torch.optim optimizer.** ``MixedPrecisionOptimizer(torch.optim.AdamW(
-    model.parameters(), lr=1e-4), ...)`` (LightRFT's ``FSDPadaptOptimizer`` form) reads the
-    optimizer's param groups and picks the chain of the same numerics for ``Adam``,
-    ``AdamW``, ``SGD``, ``RMSprop`` and ``Adagrad`` (and ``functopt.optim``'s classes of
-    those names; ``functopt/optim/_chains.py``), injected, so that every group's numeric
-    options (``lr``, ``betas``, ``eps``, ``weight_decay``, ``momentum``, ...) are in
-    ``param_groups``; RMSprop and Adagrad have no fused kernel (the step says so with a
-    ``FastPathWarning``; ``fused=False`` runs the pure path without it); any other class, an optimizer that has already stepped, or a group
-    key the translation does not read raises. Params keep the torch optimizer's
-    ``param_names``, else are numbered; its groups' ``lr_mult`` and ``wd_mult`` are read
-    as below.
-
-    Three group options are read by the optimizer itself, not passed to the factory:
-
-    - ``lr_mult`` and ``wd_mult`` (numbers $\ge 0$, default 1; Megatron's names) act
-      once, at construction: the group's ``lr`` becomes ``lr * lr_mult`` and its
-      ``weight_decay`` ``weight_decay * wd_mult`` (the group's own values, else the
-      factory's defaults or the recipe's; a schedule is multiplied at every step), and so
-      do the lrs a scheduler computes the group's lr from (``initial_lr``, ``max_lr``,
-      ``min_lr``). From then on a group's ``lr`` and ``weight_decay`` are what its step
-      uses, as in ``torch.optim`` and in the torch optimizer megatron-core steps; the
-      multipliers stay in the group as records (Megatron's scheduler reads ``wd_mult``,
-      its checkpoints match groups by both), and changing one later raises (write ``lr``
-      / ``weight_decay`` instead). So ``torch.optim.lr_scheduler`` anneals each group from
-      its own product, as torch's groups of those lrs; megatron-core 0.16.1's
-      ``OptimizerParamScheduler``, which writes ``lr`` from the group's ``max_lr`` /
-      ``min_lr`` and never reads ``lr_mult``, and writes ``weight_decay`` times
-      ``wd_mult``, gives every group the values megatron-core's optimizer would use, a
-      group with ``lr_mult`` those of megatron-core's group whose ``max_lr`` / ``min_lr``
-      are the products (tests/test_megatron_surface.py). A scheduler that writes a
-      group's lr from numbers of its own (OneCycleLR's ``max_lr``, Megatron's scheduler
-      for a group without ``max_lr`` / ``min_lr``) sets it, multiplier or not, as in
-      ``torch.optim``. A multiplier other than 1 needs the option: a factory with that
-      argument, or a transform that injects it.
-    - ``frozen=True``: the group's params are left out of the step altogether: they get
-      no state (no master copy, no transform state, no entry in ``state_dict()``), are
-      never written, even if they have gradients, and their gradients count neither in
-      the global norm (clipping, ``get_grad_norm()``) nor in the overflow decision, as if
-      the params were not passed (Megatron leaves params with ``requires_grad=False`` out
-      of its groups). They need not require grad; ``zero_grad`` clears their gradients,
-      as ``torch.optim`` does for every param of its groups. ``lr_mult=0`` is not the
-      same: such a group keeps its state, and its gradients still count.
-
-    **Clipping.** ``clip_grad_norm(model, max_norm)`` (LightRFT's signature) sets the
-    global L2 norm the *following* ``step()`` calls clip the unscaled gradients to
-    (``max_norm=0`` or None: no clipping, the initial setting); the step computes the
-    norm in its single statistics pass, so clipping costs no extra reduction. It returns
-    None. A number clips by [`clip_by_global_norm`][functopt.clip_by_global_norm]'s rule,
-    $g \cdot c / \|g\|$ when $\|g\| > c$; ``NormClip(c, eps=1e-6)`` by LightRFT's,
-    $g / \max(1, (\|g\| + 10^{-6}) / c)$. LightRFT's own step always clips at 1.0 by that
-    rule; [`functopt.lightrft.FSDPadaptOptimizer`][functopt.lightrft.FSDPadaptOptimizer]
-    keeps it on by default. ``clip_grad_norm(clip_grad)`` (one number: Megatron's
-    signature) clips the current gradients now, by Megatron's rule, and returns their norm.
-
-    **Megatron-LM's surface.** ``get_grad_norm()`` is the norm of the current gradients
-    (the last step's when they are unchanged since); ``grad_norm_skip_threshold``
-    skips a step whose norm exceeds it (counted in ``metrics.skipped_steps`` like an
-    overflow); ``return_grad_stats=True`` makes ``step()`` return Megatron's
-    ``(ok, grad_norm, num_zeros)``; ``reload_model_params(state_dict=None)``; a param's
-    ``.decoupled_grad`` (Megatron's precision-aware optimizer) or ``.main_grad`` (its
-    float32 accumulation buffer) is read instead of its ``.grad`` when it has one;
-    ``scale_loss(loss)`` for the pipeline schedules' ``grad_scale_func`` (the loss's
-    dtype kept); ``get_parameters()``, ``get_main_grads_for_grad_norm()``,
-    ``get_grad_stats_parallel_group()``, and a step in Megatron's two halves,
-    ``prepare_grads()`` (the agreed overflow verdict; an overflowed step is skipped there)
-    and ``step_with_ready_grads()``; and ``from_optimizer_config(config, model)``, the
-    facade Megatron's ``get_megatron_optimizer`` builds from an ``OptimizerConfig``
-    (functopt/adapters/_megatron.py).
-
-    **Schedule-free.** With a ``schedule_free`` transform
-    ([`schedule_free_adamw`][functopt.contrib.schedule_free_adamw], ...), ``eval()`` puts
-    the averaged iterate into the params and ``train()`` restores the training params
-    bitwise, as the schedulefree package's optimizers do.
-
-    **Checkpoints.** ``state_dict()`` returns the step's state in torch's layout,
-    through the codec ``functopt.Optimizer`` uses too: each param's entry maps state
-    paths to its tensors (``'master'``, ``'inner_state.0.mu'``) and holds the leaves all
-    params share (loss scale and its counters, the last step's metrics, the step key);
-    each group holds its values and, under ``"functopt"``, the configuration the state
-    needs (recipe, loss-scale rule, master dtype). ``named_state_dict()`` keys it by
-    param names. It loads with ``torch.load(weights_only=True)``, into DCP as a
-    ``Stateful``, and through ``torch.distributed.checkpoint.state_dict``'s
-    ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` (``optimizer.state`` is
-    a view of the state, so they take no initialising step). ``load_state_dict`` matches
-    entries by param name and refuses a checkpoint saved under another loss-scale rule,
-    recipe or master dtype, naming it; a checkpoint in the nested format of before still
-    loads, and so does one of a plain recipe from before it was run as
-    ``inject_hyperparams`` of itself (its state moves under the injected state; see
-    ``_state_dict.relocated``). The clipping norm is not in it: build the optimizer the same way (and call
-    ``clip_grad_norm`` again), then ``load_state_dict``; it continues bitwise as the
-    original would have. Loading also sets each param that has a master copy to
-    ``master.to(param.dtype)`` (as LightRFT does), so loading the optimizer alone
-    restores the low-precision weights as well.
-
-    **Host syncs.** ``step()`` reads its skip decision (one bool), and on a skipped step
-    with a dynamic scale the scale too, to warn with a
-    [`LossScaleWarning`][functopt.precision.LossScaleWarning] when it has collapsed (below
-    float32's smallest normal number, on its way to 0.0); ``loss_scale`` reads the scale
-    as a Python float. A finite ``grad_norm_skip_threshold`` adds two reads per step (the
-    norm's finiteness and its value; with an agreement and no ``process_group`` spanning
-    it, one all-reduce of its verdict too), ``return_grad_stats=True`` the norm and the zero
-    count (Megatron's Python numbers), and Megatron's ``clip_grad_norm(clip_grad)`` the
-    norm. Nothing else syncs: ``backward`` multiplies by the scale tensor, and
-    ``get_loss_scale()``, ``get_grad_norm()`` and ``count_zeros()`` return 0-d tensors.
-
-    **Distributed.** The ranks never diverge on a skip: whenever ``torch.distributed`` is
-    initialized, the overflow verdict is agreed over the default process group
-    (``agree_skip=True``), as ``ShardedGradScaler`` agrees its ``found_inf``, so a nan on
-    one rank skips the step and moves the loss scale on every rank. Only the verdict is
-    agreed, never the norm (DDP's gradients are the same on every rank: their squares are
-    not summed over it). With FSDP2 params over all the ranks it travels in the step's one
-    all-reduce of the statistics; with plain tensors it is one all-reduce of one float64
-    per step. ``process_group`` and ``replicated`` are
-    [`mixed_precision`][functopt.precision.mixed_precision]'s: for Megatron-style
-    tensor-parallel slices (plain tensors), ``process_group`` sums the norm and the
-    non-finite count over the ranks holding the slices and ``replicated`` says which
-    params every rank of it holds whole, so the norm, the clipping and the skip are those
-    of one process holding the whole tensors. An optimizer that steps on some ranks only
-    (an RLHF actor and critic stepping at different times) passes ``agree_skip=`` the
-    group of its ranks, or ``False``; a rank that does not reach the agreement within
-    ``agree_timeout`` makes the others raise, naming the likely cause.
+    It is a ``torch.optim.Optimizer``: ``param_groups`` hold each group's params and its
+    transform's arguments under torch's names (a plain recipe runs as
+    ``inject_hyperparams`` of itself, as in ``functopt.Optimizer``), and a value written
+    there is used by the next ``step()``, so torch's and Megatron's schedulers drive it.
+    Groups may set options (then ``transform`` is a factory ``(**options) -> transform``,
+    one per group, combined with [`partition`][functopt.partition]: one loss scale, skip
+    decision and clipping norm), ``lr_mult`` / ``wd_mult`` (applied once, at construction)
+    and ``frozen=True`` (left out of the step and its statistics). ``params`` may also be a
+    ``torch.optim`` optimizer (LightRFT's ``FSDPadaptOptimizer`` form), translated into the
+    chain of the same numerics. ``clip_grad_norm`` takes LightRFT's and Megatron-LM's
+    signatures, and Megatron-LM's surface is here (``get_grad_norm()``,
+    ``grad_norm_skip_threshold``, ``return_grad_stats``, ``prepare_grads()`` /
+    ``step_with_ready_grads()``, ``from_optimizer_config``, ...). Param groups,
+    checkpoints, host syncs and the skip agreed over the ranks: docs/mixed-precision.md,
+    *The object-style facade*.
 
     Args:
-        params: the parameters to optimize (see *Param groups*). Each must be a
-            floating-point leaf tensor that requires grad. Or a ``torch.optim`` optimizer
+        params: the parameters to optimize (tensors, named tensors or group dicts), each
+            a floating-point leaf tensor that requires grad. Or a ``torch.optim`` optimizer
             (then without ``transform``), translated into the matching chain.
         transform: the update rule, e.g. ``functopt.adamw(1e-3)``, without clipping of its
             own (use ``clip_grad_norm``); or a factory ``(**group_options) -> transform``.
@@ -426,23 +164,17 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
         return_grad_stats: ``step()`` returns ``(ok, grad_norm, num_zeros)`` as
             Megatron-LM's does, instead of ``ok``.
         compile: the compiled mixed step (``mixed_precision(..., compile=True)``): the
-            elementwise rules (Lion, NAdam, ..., and Adam, AdamW and SGD instead of their
-            kernels) run as one ``torch.compile``\ d call per group of params, which
-            also writes the params. Those groups' params and gradients are
-            moved at
-            construction into one buffer per group (``param.data`` and ``param.grad``
-            become views, as Megatron-LM's contiguous buffers; the module keeps working),
-            and ``zero_grad()`` then zeroes the gradients in place by default, so that
-            backward keeps accumulating into the buffer (``zero_grad(set_to_none=True)``
-            still sets them to None; the step then gathers the new ones, correct and
-            slower). The first step compiles (seconds).
+            elementwise rules run as one ``torch.compile``\ d call per group of params,
+            whose params and gradients are moved at construction into one buffer per group
+            (``param.data`` and ``param.grad`` become views; ``zero_grad()`` then zeroes
+            them in place by default). The first step compiles (seconds).
         process_group: the ranks the gradient statistics (norm, non-finite count, zero
             count) are summed over, as in ``mixed_precision``; None infers it from DTensor
             params (FSDP2), plain tensors are then not summed.
         replicated: how plain tensor params repeat over the ranks of the group, as in
             ``mixed_precision`` (True: every rank holds the same values, counted once;
             False: each rank's own part; a group, or a pytree keyed by param names).
-        agree_skip: where the skip decision is agreed (see *Distributed*): True, over the
+        agree_skip: where the skip decision is agreed: True, over the
             default process group when one is initialized; a ``ProcessGroup``, over its
             ranks; False, only where the statistics are summed, each rank deciding alone
             otherwise.
@@ -512,9 +244,7 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
         0.005
     """
 
-    # the training params kept by eval() (schedule-free), restored by train(); None in
-    # train mode
-    _train_params: list[torch.Tensor] | None = None
+    _owner = _OWNER
     _constructing = False
     # the step without the clip of clip_grad_norm (a ChainedOptimizer's), and the clipped
     # step it was built beside
@@ -549,33 +279,7 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
                 f"functopt.dynamic_loss_scale() or functopt.static_loss_scale(...)) or None, "
                 f"got {type(loss_scale).__name__}."
             )
-        factories: list[Any] | None = None
-        torch_source = None
-        if isinstance(params, torch.optim.Optimizer):
-            if transform is not None:
-                raise TypeError(
-                    f"{_OWNER}: got a {type(params).__name__} optimizer and a transform; the "
-                    f"optimizer's class and param groups already give the update rule. Fix: "
-                    f"pass one of them, MixedPrecisionOptimizer(torch_optimizer, ...) or "
-                    f"MixedPrecisionOptimizer(params, transform, ...)."
-                )
-            torch_source = params  # (its rule's per-param step counts: _missing_grads)
-            translated = _from_torch.translate(_OWNER, params, BOOKKEEPING_KEYS)
-            params = [spec for spec, _ in translated]
-            factories = [factory for _, factory in translated]
-        elif transform is None:
-            raise TypeError(
-                f"{_OWNER}: expected a transform after the params (functopt.adamw(1e-3), or "
-                f"a factory (**group_options) -> transform), or a torch.optim optimizer in "
-                f"place of both: MixedPrecisionOptimizer(torch.optim.AdamW("
-                f"model.parameters(), lr=1e-4))."
-            )
-        elif not isinstance(transform, GradientTransformation) and not callable(transform):
-            raise TypeError(
-                f"{_OWNER}: transform must be a functopt.GradientTransformation (e.g. "
-                f"functopt.adamw(1e-3)) or a factory (**group_options) -> GradientTransformation, "
-                f"got {type(transform).__name__}."
-            )
+        params, factories, torch_source = _rule_source(params, transform)
         _validate.check_flags(_OWNER, fused=fused, count_zeros=count_zeros,
                               return_grad_stats=return_grad_stats, compile=compile)
         self._agree = (agree_skip, check_agreement(_OWNER, agree_skip, agree_timeout))
@@ -593,41 +297,15 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
             )
         # A plain recipe runs as inject_hyperparams of itself (as in functopt.Optimizer), so
         # that its hyperparameters are in param_groups, where schedulers write them.
-        fixed = _lift(transform) if isinstance(transform, GradientTransformation) else None
+        fixed = lift(transform) if isinstance(transform, GradientTransformation) else None
         self._fixed = fixed
         self._lifted = fixed is not None and fixed is not transform
         # the recipe as given (checkpoints from before the lift hold its state)
         self._plain = transform if self._lifted and isinstance(
             transform, GradientTransformation) else None
         self._fixed_injected = fixed is not None and isinstance(describe(fixed), Injected)
-        self._plans: list[_Plan] = []
-        kept: list[dict[str, Any]] = []  # each group's bookkeeping keys
-        for i, group in enumerate(groups):
-            _param_groups.check_megatron_flags(_OWNER, f"param_groups[{i}]", group.options)
-            options = {k: v for k, v in group.options.items() if k not in BOOKKEEPING_KEYS}
-            book = decoupled_records(i, {k: v for k, v in group.options.items()
-                                         if k in BOOKKEEPING_KEYS})
-            kept.append({**book, **_param_groups.scaled_lr_records(group.lr_mult, book)})
-            factory = factories[i] if factories is not None else (
-                None if fixed is not None else transform)
-            if fixed is not None and not group.frozen and not self._fixed_injected:
-                mults = {k: v for k, v in (("lr_mult", group.lr_mult),
-                                           ("wd_mult", group.wd_mult)) if v != 1.0}
-                if options or mults:
-                    raise TypeError(
-                        f"{_OWNER}: param group {i} sets {sorted(options) + sorted(mults)}, "
-                        f"but transform is a GradientTransformation, whose hyperparameters "
-                        f"are fixed when it is built. Fix: pass a factory that builds each "
-                        f"group's transform from its options, e.g. transform=lambda "
-                        f"learning_rate=1e-3, weight_decay=0.01: functopt.adamw("
-                        f"learning_rate, weight_decay=weight_decay), or inject them: "
-                        f"functopt.inject_hyperparams(functopt.adamw)(learning_rate=1e-3)."
-                    )
-            if factory is None:  # named once the state shows what the transform injects
-                self._plans.append(_Plan(i, group, None, {}))
-                self._plans[-1].pending = options
-            else:
-                self._plans.append(_Plan(i, group, factory, _as_argument(factory, i, options)))
+        self._plans, kept = group_plans(groups, transform, factories, fixed,
+                                        self._fixed_injected)
         # Frozen params stay out of the step: no state, no master copy, no statistics.
         trainable = [group for group in groups if not group.frozen]
         self._names = [name for group in trainable for name in group.names]
@@ -656,29 +334,7 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
         self._offload_buffers: tuple[Any, ...] | None = None
         # the gradients the last step read, to tell whether get_grad_norm() may reuse its norm
         self._last_grads: list[tuple[Any, int] | None] = []
-        torch_groups = []
-        for plan, group, book in zip(self._plans, groups, kept, strict=True):
-            if not plan.frozen:
-                found = self._group_state(self._state, plan.index)
-                hyper = found.hyperparams if isinstance(found, InjectHyperparamsState) else None
-                signature = None if plan.factory is not None or hyper is None else \
-                    _state_dict.recipe_signature(plan.transform, hyper)
-                plan.expose(hyper, None if signature is None else signature.split("(", 1)[0])
-                if plan.factory is None:  # its groups' options: the keys it exposes
-                    where = f"param_groups[{plan.index}]"
-                    _param_groups.check_group_keys(_OWNER, where, plan.pending, plan.keys,
-                                                   plan.keys, plan.recipe)
-                    plan.built.update(_param_groups.group_arguments(_OWNER, where, plan.keys,
-                                                                    plan.pending))
-                    _param_groups.check_multipliers(
-                        _OWNER, f"param_groups[{plan.index}]", _param_groups.GroupFlags(
-                            group.lr_mult, group.wd_mult, group.frozen), plan.injected)
-                    plan.fold(plan.injected)
-            flags = {k: v for k, v in (("lr_mult", group.lr_mult), ("wd_mult", group.wd_mult),
-                                       ("frozen", group.frozen))
-                     if v != (k != "frozen" and 1.0)}
-            torch_groups.append({"params": list(zip(group.names, group.params, strict=True)),
-                                 **self._group_values(plan), **flags, **book})
+        torch_groups = self._torch_groups(groups, kept)
         first = next(plan for plan in self._plans if not plan.frozen)
         self._constructing = True
         try:  # torch's checks and layout; frozen groups get the first group's values
@@ -688,15 +344,14 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
 
     # -- param groups -------------------------------------------------------------------
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Refused after construction: the groups' state and partition are fixed then."""
+    def _add_group(self, group: dict[str, Any]) -> None:
         if not self._constructing:
             raise TypeError(
                 f"{_OWNER}.add_param_group: the param groups are fixed when the optimizer is "
                 f"built (their master copies, state and the partition of the transform are "
                 f"made then). Fix: build the optimizer with all its groups."
             )
-        super().add_param_group(param_group)
+        torch.optim.Optimizer.add_param_group(self, group)
 
     @property
     def grad_norm_skip_threshold(self) -> float:
@@ -718,146 +373,6 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
                 f"switches it off), got {value!r}."
             )
         self._skip_threshold = float(value)
-
-    def _compose(self) -> GradientTransformation:
-        """The transform over the trainable params: one per group through ``partition``."""
-        plans = [plan for plan in self._plans if not plan.frozen]
-        if self._fixed is not None:
-            for plan in plans:
-                plan.transform = self._fixed
-            if len(plans) == 1 or not self._fixed_injected:
-                self._partitioned = False
-                return self._fixed
-            transforms: dict[Hashable, GradientTransformation] = {
-                plan.index: self._fixed for plan in plans}
-        else:
-            transforms = {plan.index: plan.build() for plan in plans}
-            if len(transforms) == 1:
-                self._partitioned = False
-                return next(iter(transforms.values()))
-        self._partitioned = True
-        return partition(transforms, self._labels)
-
-    def _group_state(self, state: MixedPrecisionState, index: int) -> Any:
-        inner = state.inner_state
-        return inner.inner_states[index] if self._partitioned else inner
-
-    def _with_group_state(self, state: MixedPrecisionState, index: int,
-                          group_state: Any) -> MixedPrecisionState:
-        inner = state.inner_state
-        if self._partitioned:
-            inner = inner._replace(inner_states={**inner.inner_states, index: group_state})
-        else:
-            inner = group_state
-        return state._replace(inner_state=inner)
-
-    def _group_values(self, plan: _Plan) -> dict[str, Any]:
-        """The group keys of ``plan`` and their values (torch's names)."""
-        out: dict[str, Any] = {}
-        for key, names in plan.keys.items():
-            values = []
-            for name in names:
-                if name in plan.built:
-                    values.append(plan.built[name])
-                else:  # an injected value the constructor was not given: as built
-                    held = plan.injected[name]
-                    values.append(held if held.requires_grad else held.item())
-            out[key] = values[0] if len(values) == 1 else tuple(values)
-        return out
-
-    def _sync(self) -> None:
-        """Bring the group values into the step: write injected ones into the state,
-        rebuild the transform of a group whose other values changed; raise on keys no
-        transform reads. Groups holding the very values of the last sync, none of them
-        mutable, have nothing to bring (the usual step: read in one pass)."""
-        seen = self.__dict__.get("_synced")
-        if seen is not None and len(seen) == len(self.param_groups) and all(
-                len(group) == len(items) and all(
-                    key == k and value is v for (key, value), (k, v) in zip(
-                        group.items(), items, strict=True))
-                for group, items in zip(self.param_groups, seen, strict=True)):
-            return
-        self._synced = None
-        self._sync_groups()
-        snapshot = [tuple(group.items()) for group in self.param_groups]
-        if all(_immutable(v) for items in snapshot for k, v in items
-               if k not in ("params", "param_names")):
-            self._synced = snapshot
-
-    def _sync_groups(self) -> None:
-        state = self._state
-        rebuild = False
-        before = [dict(plan.built) for plan in self._plans]
-        for plan, group in zip(self._plans, self.param_groups, strict=True):
-            if not plan.frozen:  # (before any group's values are written)
-                where = f"param_groups[{plan.index}]"
-                _param_groups.check_unchanged_multipliers(
-                    _OWNER, where, _param_groups.group_flags(_OWNER, where, group), plan.mults)
-        for plan, group in zip(self._plans, self.param_groups, strict=True):
-            where = f"param_groups[{plan.index}]"
-            flags = _param_groups.group_flags(_OWNER, where, group)
-            if flags.frozen != plan.frozen:
-                raise ValueError(
-                    f"{_OWNER}: {where} changed frozen to {flags.frozen}; which params a step "
-                    f"updates is fixed when the optimizer is built (their state is made then). "
-                    f"Fix: build a new optimizer with the groups frozen as wanted."
-                )
-            if plan.frozen:
-                continue
-            readable = plan.readable()
-            if not plan.allowed.issuperset(group):
-                plan.check_keys(_OWNER, where, group)
-            values = _param_groups.group_arguments(
-                _OWNER, where, plan.keys, {k: group[k] for k in group if k in readable})
-            found = None
-            for name, value in values.items():
-                if name in plan.injected:
-                    if not _same(plan.written.get(name, _UNSET), value):
-                        found = self._group_state(state, plan.index) if found is None else found
-                        found = found._replace(hyperparams={
-                            **found.hyperparams,
-                            name: _hyper_tensor(where, name, value, plan.injected[name])})
-                        plan.written[name] = value
-                    plan.built[name] = value
-                elif not _same(plan.built.get(name, _UNSET), value):
-                    plan.built[name] = value
-                    rebuild = True
-            if found is not None:
-                state = self._with_group_state(state, plan.index, found)
-        if rebuild:
-            inner = self._compose()
-            if self._changes_layout(inner):
-                changed = sorted({
-                    f"param_groups[{plan.index}][{k!r}]"
-                    for plan, built in zip(self._plans, before, strict=True)
-                    for k in plan.built if not _same(built.get(k, _UNSET), plan.built[k])})
-                for plan, built in zip(self._plans, before, strict=True):
-                    plan.built = built
-                self._compose()  # the transforms as they were
-                raise ValueError(
-                    f"{_OWNER}: the new values of {changed} change the layout of the "
-                    f"transform's state (a stage added or removed, such as amsgrad or a "
-                    f"momentum from 0), which the state built at construction cannot follow. "
-                    f"Fix: build a new optimizer with these values (the state of this one "
-                    f"does not carry over), or leave them as they were."
-                )
-            self._inner = inner
-            self._tx = self._build()
-        self._state = state
-
-    def _changes_layout(self, inner: GradientTransformation) -> bool:
-        """Whether ``inner``'s state has another structure than the one held (its init on
-        meta tensors: nothing is allocated)."""
-        mw = self._master_weights
-        with torch.no_grad():
-            views = [torch.empty_like(mw.view(p.detach(), self._state.master[name]),
-                                      device="meta")
-                     for p, name in zip(self._params, self._names, strict=True)]
-            try:
-                fresh = inner.init(self._tree(views))
-            except Exception:  # an init that cannot run on meta tensors: not checked
-                return False
-        return _core.structure(fresh) != _core.structure(self._state.inner_state)
 
     def _build(self, *, donate: bool = True, clip: bool = True) -> MixedPrecisionTransformation:
         return mixed_precision(
@@ -923,7 +438,7 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
     def _step(self, closure: Callable[[], Any] | None, *, clip: bool) -> bool | StepResult:
         """``step()``; without the clip set by ``clip_grad_norm`` where ``clip`` is False
         (a ``ChainedOptimizer`` clips by the norm of all its optimizers' gradients)."""
-        self._check_not_offloaded("step")
+        self._check_ready("step")
         self._check_train_mode("step")
         if closure is not None:
             with torch.enable_grad():
@@ -1142,62 +657,21 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
 
     # -- schedule-free: train / eval ------------------------------------------------------
 
-    def eval(self) -> None:
-        """Move the params to the schedule-free evaluation point, as the schedulefree
-        package's optimizers do: ``x = (y - (1 - b1) z) / b1``
-        ([`schedule_free_eval_params`][functopt.contrib.schedule_free_eval_params]) of the
-        master weights ``y``, written into the params (rounded to their dtype). The
-        training params are kept, so [`train`][functopt.MixedPrecisionOptimizer.train]
-        restores them bitwise; the masters and the state are not touched, so a checkpoint
-        taken in eval mode resumes training as one taken in train mode. Until ``train()``,
-        ``step()``, ``load_state_dict`` and ``reload_model_params`` raise. A no-op in eval
-        mode.
+    def _schedule_free_state(self, index: int, group: dict[str, Any]) -> Any:
+        plan = self._plans[index]
+        return None if plan.frozen else self._group_state(self._state, index)
 
-        Raises:
-            TypeError: the transform has no ``schedule_free`` stage.
-        """
-        if self._train_params is not None:
-            return
-        self._check_not_offloaded("eval")
-        from functopt.contrib import ScheduleFreeState, schedule_free_eval_params
+    def _evaluation_point(self, index: int, group: dict[str, Any],
+                          stage: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        # (y: the masters; a stage of a partition moves its own group's leaves only)
+        from functopt.contrib import schedule_free_eval_params
 
-        found = _find_states(self._state.inner_state, ScheduleFreeState)
-        if not found:
-            raise TypeError(
-                f"{_OWNER}.eval: the transform has no schedule_free stage; train()/eval() "
-                f"switch the params of schedule-free optimizers "
-                f"(functopt.contrib.schedule_free_adamw, schedule_free_sgd, "
-                f"schedule_free(...)). Fix: evaluate without eval()."
-            )
         mw = self._master_weights
-        with torch.no_grad():
-            x = self._tree([mw.view(p.detach(), self._state.master[name])
-                            for p, name in zip(self._params, self._names, strict=True)])
-            for sf_state in found:  # one per group: each moves only its group's leaves
-                x = schedule_free_eval_params(sf_state, x)
-            kept = []
-            for p, name in zip(self._params, self._names, strict=True):
-                kept.append(p.detach().clone())
-                p.copy_(x[name])
-        self._train_params = kept
-
-    def train(self) -> None:
-        """Back to the training params after [`eval`][functopt.MixedPrecisionOptimizer.eval]
-        (bitwise the ones ``eval()`` left); a no-op in train mode."""
-        kept = self._train_params
-        if kept is None:
-            return
-        with torch.no_grad():
-            for p, value in zip(self._params, kept, strict=True):
-                p.copy_(value)
-        self._train_params = None
-
-    def _check_train_mode(self, method: str) -> None:
-        if self._train_params is not None:
-            raise RuntimeError(
-                f"{_OWNER}.{method}: the params hold the schedule-free evaluation point (after "
-                f"optimizer.eval()). Fix: call optimizer.train() first."
-            )
+        x = schedule_free_eval_params(stage, self._tree([
+            mw.view(p.detach(), self._state.master[name])
+            for p, name in zip(self._params, self._names, strict=True)]))
+        return [(p, x[name]) for p, name in zip(group["params"], group["param_names"],
+                                                strict=True)]
 
     # -- reading the state ------------------------------------------------------------
 
@@ -1234,365 +708,12 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
         """
         return self._state.metrics.num_zeros
 
-    def reload_model_params(self, state_dict: Mapping[str, Any] | None = None) -> None:
-        """Set the master weights from the params, or from a model ``state_dict``.
-
-        Megatron-LM's signature: after loading a model checkpoint into the params, call it
-        without arguments to copy the params into the masters. With ``state_dict`` (keyed
-        by the param names, as ``model.state_dict()``; other keys such as buffers are not
-        read), each master becomes that tensor in the master precision and each param its
-        rounding (params without a master copy take the value itself), so a float32
-        checkpoint of a bfloat16 model restores the masters without loss. The transform's
-        state and the loss scale are kept, as in Megatron.
-
-        Raises:
-            ValueError: naming the params the state dict lacks, or a tensor of another
-                shape.
-        """
-        self._check_train_mode("reload_model_params")
-        mw = self._master_weights
-        if state_dict is None:
-            with torch.no_grad():
-                master = [mw.init(p.detach()) for p in self._params]
-            self._state = self._state._replace(master=self._tree(master))
-            return
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(f"{_OWNER}.reload_model_params: state_dict must be a mapping of "
-                            f"param names to tensors, got {type(state_dict).__name__}.")
-        missing = [name for name in self._names if name not in state_dict]
-        if missing:
-            raise ValueError(
-                f"{_OWNER}.reload_model_params: the state dict has no entry for the params "
-                f"{missing[:5]}{' ...' if len(missing) > 5 else ''} (it has "
-                f"{sorted(map(str, state_dict))[:5]} ...). Fix: pass model.state_dict() of the "
-                f"model whose named_parameters() built this optimizer."
-            )
-        stores = []
-        with torch.no_grad():
-            for p, name in zip(self._params, self._names, strict=True):
-                value, store = state_dict[name], self._state.master[name]
-                if not isinstance(value, torch.Tensor) or value.shape != p.shape:
-                    got = (tuple(value.shape) if isinstance(value, torch.Tensor)
-                           else type(value).__name__)
-                    raise ValueError(
-                        f"{_OWNER}.reload_model_params: state dict entry {name!r} is {got}, "
-                        f"the param has shape {tuple(p.shape)}. Fix: load the checkpoint of "
-                        f"this model.")
-                view = mw.view(p.detach(), store)
-                new_param, new_store = mw.write(p, store, value.detach().to(
-                    dtype=view.dtype, device=view.device, copy=True), None)
-                p.copy_(new_param)
-                stores.append(new_store)
-        self._state = self._state._replace(master=self._tree(stores))
-
     # -- checkpoints ------------------------------------------------------------------
 
-    # The facade's state is its step's state; ``optimizer.state`` is a view of it, keyed by
-    # param as torch.optim's is (torch.distributed.checkpoint's helpers read it to tell
-    # whether the state exists, and would otherwise take a zero-gradient step).
-    @property
-    def state(self) -> defaultdict[torch.Tensor, dict[str, Any]]:
-        """Each param's entry of the state (see *Checkpoints*): a view, rebuilt at each read;
-        the tensors are the live state. Frozen params have empty entries. A key that is no
-        tensor (what a state-dict hook stores) is kept, saved and loaded, as torch's. A
-        tensor written into an entry over one of the same shape is copied into the live
-        state; any other write under a param raises (it would be lost)."""
-        if "_state" not in self.__dict__:  # during torch's __init__
-            return defaultdict(dict)
-        entries = self._layout().entries(self._state)
-        own = self.__dict__.setdefault("_own_keys", {})
-        view = _StateView(own)
-        view.update({p: _Entry() for p in self._frozen})
-        view.update({p: _Entry(entries[name]) for p, name in zip(self._params, self._names,
-                                                                 strict=True)})
-        view.update(own)
-        return view
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        if value:
-            raise TypeError(
-                f"{_OWNER}: optimizer.state is a view of the step's state and cannot be "
-                f"replaced. Fix: load a state with load_state_dict(...).")
-
-    def _layout(self) -> _state_dict.Layout:
-        layout = self.__dict__.get("_layout_cache")
-        spec = _core.structure(self._state)
-        if layout is None or layout.treespec != spec:
-            layout = self.__dict__["_layout_cache"] = _state_dict.Layout(
-                _OWNER, self._state, self._names)
-        return typing.cast(_state_dict.Layout, layout)
-
-    def _config(self, plan: _Plan) -> dict[str, Any]:
-        """The configuration a group's saved state needs (``_state_dict.CONFIG_KEY``)."""
-        rule = [None if math.isnan(v) else v for v in _rule_vector(self._loss_scale_rule).tolist()]
-        return {"format": _state_dict.FORMAT,
-                "transform": None if plan.frozen or plan.transform is None else
-                _state_dict.recipe_signature(plan.transform, plan.injected),
-                _RULE_KEY: rule,
-                "master_dtype": str(self._master_weights.dtype).removeprefix("torch.")}
-
-    def state_dict(self) -> dict[str, Any]:
-        """torch's layout of the state: ``{"state": {id: entry}, "param_groups": [...]}``.
-
-        Each param's entry maps state paths to its tensors (``'master'``,
-        ``'inner_state.0.mu'``) and holds the leaves shared by all params too
-        (``'loss_scale.scale'``, ``'metrics.grad_norm'``, ``'key'``), the same tensor in
-        every entry; each group lists its params' ids and ``param_names``, its keys and
-        values, and under ``"functopt"`` the configuration the state needs (format, recipe,
-        loss-scale rule, master dtype), which ``load_state_dict`` checks.
-        [`named_state_dict`][functopt.MixedPrecisionOptimizer.named_state_dict] is the
-        same keyed by names. Loadable with ``torch.load(weights_only=True)``, and by
-        ``torch.distributed.checkpoint`` (directly, or through
-        ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``, which reshard it).
-
-        The tensors are the live state, not copies; the next step then writes new tensors
-        instead of updating these in place, so a dict taken before a step keeps its
-        values (later steps update the optimizer's own tensors in place again).
-
-        With DTensor state (FSDP2) the first group's record also holds the dict's
-        integrity record (``"integrity"``), which ``load_state_dict`` checks, so a torn
-        distributed checkpoint raises on every rank: both calls are then collectives
-        over the default group (docs/sharded-state.md, *A torn checkpoint raises at load*).
-        """
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
-            pre_hook(self)
-        self._state_shared = True
-        if self._offloaded is not None:  # the dict holds the host buffers: never reuse them
-            self._offload_buffers = None
-        entries = self._layout().entries(self._state)
-        state: dict[int, dict[str, Any]] = {}
-        groups = []
-        start = 0
-        for plan, group in zip(self._plans, self.param_groups, strict=True):
-            names = list(group["param_names"])
-            ids = list(range(start, start + len(names)))
-            start += len(names)
-            for pid, name in zip(ids, names, strict=True):
-                state[pid] = dict(entries.get(name, {}))
-            groups.append({**{k: v for k, v in group.items()
-                              if k not in ("params", "param_names")},
-                           "params": ids, "param_names": names,
-                           _state_dict.CONFIG_KEY: self._config(plan)})
-        saved = {"state": _state_dict.packed_state(state, self.__dict__.get("_own_keys", {})), "param_groups": groups}
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
-            result = post_hook(self, saved)
-            if result is not None:
-                saved = result
-        _state_dict.seal(saved)
-        return saved
-
-    def named_state_dict(self) -> dict[str, Any]:
-        """The state dict keyed by param names: functopt's state format, the layout
-        ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` gives.
-
-        Examples:
-            >>> import torch, functopt
-            >>> model = torch.nn.Linear(2, 1).to(torch.bfloat16)
-            >>> opt = functopt.MixedPrecisionOptimizer(model.named_parameters(),
-            ...                                        functopt.adamw(1e-2))
-            >>> sd = opt.named_state_dict()
-            >>> sorted(k for k in sd["state"]["bias"] if k.endswith(("mu", "learning_rate")))
-            ['inner_state.hyperparams.learning_rate', 'inner_state.inner_state.0.mu']
-            >>> opt.load_named_state_dict(sd)
-        """
-        return _state_dict.torch_to_named(f"{_OWNER}.named_state_dict", self.state_dict())
-
-    def load_named_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict keyed by param names (``named_state_dict()``)."""
-        self.load_state_dict(_state_dict.named_to_torch(f"{_OWNER}.load_named_state_dict",
-                                                        state_dict))
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state saved by ``state_dict()``; params with a master copy are set from it.
-
-        Entries are matched to params by name (``param_names``; DCP's layout keys them by
-        name), so the groups may list their params in another order, and the groups may
-        come in another order (each takes the values and state of the saved group naming
-        its params, as Megatron reorders its groups between runs); names that differ
-        raise. The optimizer keeps copies of the given tensors (moved to the params'
-        devices), so the dict can be reused or changed afterwards without touching the
-        optimizer. The saved group values replace the groups' own (with the saved
-        ``lr_mult`` / ``wd_mult``, whose products they hold). A state dict of the
-        format before 2 (nested dicts keyed by field names: ``"loss_scale"``,
-        ``"master"``, ``"inner_state"``, ...) still loads.
-
-        Raises:
-            ValueError: naming missing or unexpected keys (other param names, another
-                transform), a key whose tensor has another shape, or a configuration that
-                does not match (loss-scale rule, recipe, master dtype, frozen groups).
-            TypeError: naming a key whose tensor has another dtype (a float16 loss scale).
-        """
-        self._check_not_offloaded("load_state_dict")
-        self._check_train_mode("load_state_dict")
-        owner = f"{_OWNER}.load_state_dict"
-        if isinstance(state_dict, Mapping) and "state" in state_dict:
-            _state_dict.check_seal(owner, state_dict)
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        if isinstance(state_dict, Mapping) and "state" not in state_dict:
-            self._load_nested(state_dict)
-        else:
-            self._load_torch_layout(owner, state_dict)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
-
-    def _load_torch_layout(self, owner: str, state_dict: Mapping[str, Any]) -> None:
-        """Load ``state_dict()``'s layout (``load_state_dict`` ran the hooks)."""
-        pairs = _state_dict.saved_groups(owner, state_dict, self.param_groups)
-        saved_groups = []
-        entries: dict[str, Any] = {}
-        for plan, group, (saved, group_entries) in zip(self._plans, self.param_groups, pairs,
-                                                       strict=True):
-            config = saved.pop(_state_dict.CONFIG_KEY, None)
-            if isinstance(config, Mapping) and config.get(_RULE_KEY) is not None:
-                self._check_rule(torch.tensor([math.nan if v is None else v
-                                               for v in config[_RULE_KEY]],
-                                              dtype=torch.float64))
-            ours = self._config(plan)
-            _state_dict.check_config(owner, plan.index, config,
-                                     {k: v for k, v in ours.items() if k != _RULE_KEY})
-            if plan.frozen:
-                if any(group_entries):
-                    raise ValueError(
-                        f"{owner}: param_groups[{plan.index}] is frozen, but the state dict "
-                        f"holds optimizer state for its params; a frozen group has none. "
-                        f"Fix: load a state dict saved with the same groups frozen.")
-            else:
-                entries.update(zip(group["param_names"], group_entries, strict=True))
-            saved_groups.append(saved)
-        groups = self._check_groups(saved_groups)
-        order = _state_dict.group_order(self.param_groups, state_dict["param_groups"])
-        if self._partitioned and order != sorted(order):
-            entries = {name: _relabelled(entry, order) for name, entry in entries.items()}
-        state = self._layout().tree(owner, self._state, self._lifted_entries(entries))
-        self._install(state, groups)
-        self.__dict__["_own_keys"] = _state_dict.unpacked_extras(state_dict)
-
-    def _load_nested(self, state_dict: Mapping[str, Any]) -> None:
-        """Load the nested layout of the format before 2 (``_state_dict.from_nested``)."""
-        groups = None
-        if _RULE_KEY in state_dict or _GROUPS_KEY in state_dict:
-            # (A checkpoint from before the rule was recorded has no entry: not checked.)
-            state_dict = dict(state_dict)
-            if _RULE_KEY in state_dict:
-                self._check_rule(state_dict.pop(_RULE_KEY))
-            groups = self._check_groups(state_dict.pop(_GROUPS_KEY, None))
-        owner = f"{_OWNER}.load_state_dict"
-        lifted = set(_state_dict.to_nested(owner, self._state).get("inner_state", {}))
-        inner = state_dict.get("inner_state", {})
-        if self._lifted and not lifted & set(inner if isinstance(inner, Mapping) else ()):
-            # saved before the lift: read it as the plain recipe's state, then lift it
-            template = self._state._replace(inner_state=self._unlifted_inner())
-            old = _state_dict.from_nested(owner, template, state_dict)
-            entries = _state_dict.Layout(owner, old, self._names).entries(old)
-            state = self._layout().tree(owner, self._state, self._lifted_entries(entries))
-        else:
-            state = _state_dict.from_nested(owner, self._state, state_dict)
-        self._install(state, groups)
-
-    # The paths of a lifted plain recipe's state: the injected state of each group.
-    def _injected_paths(self) -> dict[int, str]:
-        return {plan.index: f"inner_state.inner_states.{plan.index}" if self._partitioned
-                else "inner_state" for plan in self._plans if not plan.frozen}
-
-    def _lifted_entries(self, entries: dict[str, Any]) -> dict[str, Any]:
-        """``entries`` as they are, or, when this optimizer lifted a plain recipe and they
-        were saved before the lift (the recipe's own state at ``'inner_state'``, one
-        state for all groups: main's layout until then), in the lifted layout: the recipe's
-        state under each group's injected state, its hyperparameters the ones this
-        optimizer was built with (the plain recipe's fixed values), its count of updates the
-        steps taken less the steps skipped (``key - metrics.skipped_steps``, both in the
-        checkpoint)."""
-        paths = self._injected_paths()
-        if not self._lifted or any(key.startswith(f"{paths[self._labels[name]]}.hyperparams.")
-                                   for name, entry in entries.items() for key in entry):
-            return entries
-        first: Mapping[str, Any] = next((entry for entry in entries.values() if entry), {})
-        steps, skipped = first.get("key"), first.get("metrics.skipped_steps")
-        added: dict[str, torch.Tensor] = {}
-        for index, path in paths.items():
-            found = self._group_state(self._state, index)
-            if isinstance(steps, torch.Tensor) and isinstance(skipped, torch.Tensor):
-                # (a checkpoint without them lacks the 'key' entry too, and is refused so)
-                added[f"{path}.count"] = (steps.to(torch.int64) - skipped.cpu().to(
-                    torch.int64)).to(dtype=found.count.dtype, device=found.count.device)
-            added.update({f"{path}.hyperparams.{name}": value.clone()
-                          for name, value in found.hyperparams.items()})
-        expected = {name: set(entry) for name, entry in
-                    self._layout().entries(self._state).items()}
-        return _state_dict.relocated(entries, "inner_state",
-                                     [f"{path}.inner_state" for path in paths.values()],
-                                     expected, added)
-
-    def _unlifted_inner(self) -> Any:
-        """The state of the plain recipe this optimizer lifted, over all trainable params (a
-        template: what the facade kept before the lift)."""
-        mw = self._master_weights
-        with torch.no_grad():
-            views = [mw.view(p.detach(), self._state.master[name])
-                     for p, name in zip(self._params, self._names, strict=True)]
-            assert self._plain is not None  # (only a lifted optimizer reads old checkpoints)
-            return self._plain.init(self._tree(views))
-
-    def _install(self, state: MixedPrecisionState, groups: list[dict[str, Any]] | None) -> None:
-        mw = self._master_weights
-        with torch.no_grad():
-            for p, name in zip(self._params, self._names, strict=True):
-                store = state.master[name]
-                if store is not None:  # as LightRFT: the model follows the loaded master
-                    p.copy_(mw.write(p, store, mw.view(p, store), None)[0])
-        self._state = state
-        missed = self._missed
-        if missed is not None:  # one count for all again
-            missed.missed.reset()
-        for group, saved in zip(self.param_groups, groups or [], strict=False):
-            group.update(saved)
-        for plan in self._plans:  # the next step writes the group values into the state
-            plan.written.clear()
-        self._synced = None
-
-    def _check_groups(self, saved: Any) -> list[dict[str, Any]] | None:
-        if saved is None:
-            return None
-        where = f"{_OWNER}.load_state_dict"
-        if not isinstance(saved, list) or len(saved) != len(self.param_groups) or not all(
-                isinstance(g, dict) for g in saved):
-            raise ValueError(
-                f"{where}: the state dict's 'param_groups' is not a list of "
-                f"{len(self.param_groups)} dicts (one per param group of this optimizer). "
-                f"Fix: build the optimizer with the param groups of the one that saved it."
-            )
-        mults = []
-        for plan, group in zip(self._plans, saved, strict=True):
-            if group.get("frozen", False) != plan.frozen:
-                raise ValueError(
-                    f"{where}: param_groups[{plan.index}] is {'' if plan.frozen else 'not '}"
-                    f"frozen here but was {'not ' if plan.frozen else ''}frozen when saved. "
-                    f"Fix: build the optimizer with the groups of the one that saved it."
-                )
-            if not plan.frozen:
-                plan.check_keys(where, f"param_groups[{plan.index}]", group)
-            flags = _param_groups.group_flags(where, f"param_groups[{plan.index}]", group)
-            mults.append((flags.lr_mult, flags.wd_mult))
-        for plan, folded in zip(self._plans, mults, strict=True):
-            plan.mults = folded  # (the saved values hold the saved multipliers' products)
-        return saved
-
-    def __getstate__(self) -> dict[str, Any]:
+    def _copied(self) -> dict[str, Any]:
         # torch.optim.Optimizer's keeps defaults, state and param_groups only; the facade's
         # state lives in its own attributes, so a copy.deepcopy keeps them all.
         return dict(self.__dict__)
-
-    def _check_rule(self, saved: Any) -> None:
-        current = _rule_vector(self._loss_scale_rule)
-        if not isinstance(saved, torch.Tensor) or not _same_rule(saved.cpu(), current):
-            got = (_describe_rule(saved.cpu()) if isinstance(saved, torch.Tensor)
-                   and saved.shape == current.shape else repr(saved))
-            raise ValueError(LOSS_SCALE_RULE_MISMATCH.format(
-                saved=got, current=_describe_rule(current)))
 
     # -- offloading ---------------------------------------------------------------------
 
@@ -1629,7 +750,7 @@ class MixedPrecisionOptimizer(MegatronSurface, torch.optim.Optimizer):
         self._state = reload(self._offloaded, _restore_target(owner, self._offloaded, device_id))
         self._offloaded = None
 
-    def _check_not_offloaded(self, method: str) -> None:
+    def _check_ready(self, method: str) -> None:
         if self._offloaded is not None:
             raise RuntimeError(
                 f"{_OWNER}.{method}: the optimizer state is offloaded to the CPU. Fix: call "

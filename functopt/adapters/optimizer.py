@@ -11,90 +11,39 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import gc
-import itertools
-import math
 import operator
-import pickle
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
-import optree
 import torch
 
 from functopt import _validate
-from functopt._base import GradientTransformation, State
+from functopt._base import GradientTransformation
 from functopt._collective.dtensor import _leaf_names
-from functopt._spec import Injected, describe
-from functopt.adapters import _group_init, _param_groups, _state_dict, _torch_state
+from functopt.adapters import _base, _param_groups, _state_dict, _torch_state
+from functopt.adapters._base import (
+    OPTIMIZER_NOT_PICKLABLE,
+    AdapterBase,
+    HeldTransform,
+    check_frozen_entries,
+    collector_paused,
+    lift,
+)
+from functopt.adapters._plan import (
+    PlanState,
+    _Plan,
+    _python_value,
+    _readable,
+)
 from functopt.fast import _planner
 from functopt.fast._step import _check as _step_checks
 from functopt.fast._step import make_step
 from functopt.optimizers import recipe_of
 from functopt.transforms.combining import _check_transform
-from functopt.transforms.hyperparams import InjectHyperparamsState, inject_hyperparams
 from functopt.tree import _core
 
-__all__ = ["Optimizer"]
-
-# What a plan says about one leaf of the transform's state.
-_FIELD = 0  # a per-parameter leaf: stored in optimizer.state[param][field path]
-_GROUP = 1  # a group-level leaf (a counter): stored, the same tensor, in every param's entry
-_HYPER = 2  # an injected hyperparameter: read from the param group on every step
-_UNSET = object()
-
-
-def _lift(tx: GradientTransformation) -> GradientTransformation:
-    """A plain recipe as ``inject_hyperparams`` of itself, its ``RECIPE_GROUP_KEYS``
-    arguments given as numbers injected and every other argument fixed; any other transform
-    as it is (one built by ``inject_hyperparams`` already injects what it exposes)."""
-    if isinstance(describe(tx), Injected):
-        return tx
-    record = recipe_of(tx)
-    if record is None or record.name not in _param_groups.RECIPE_GROUP_KEYS:
-        return tx
-    listed = [a for args in _param_groups.RECIPE_GROUP_KEYS[record.name].values() for a in args]
-    injected = [a for a in listed if _is_number(record.arguments.get(a)) or (
-        isinstance(record.arguments.get(a), torch.Tensor) and record.arguments[a].dim() == 0)]
-    if not injected:
-        return tx
-    static = [a for a in record.arguments if a not in injected]
-    return inject_hyperparams(record.factory, static_args=static)(**record.arguments)
-
-
-def _recipe_of_injected(tx: GradientTransformation, hyper: dict[str, torch.Tensor]) -> str | None:
-    """What recipe an ``inject_hyperparams`` transform builds, with its fixed arguments
-    (``"adamw(mu_dtype=None, nesterov=False)"``), or None if it builds none."""
-    if not isinstance(describe(tx), Injected):
-        return None
-    return _state_dict.recipe_signature(tx, hyper)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _immutable(value: Any) -> bool:
-    """A group value that cannot change without being replaced: a number, or a tuple of them."""
-    return _is_number(value) or (isinstance(value, tuple) and all(map(_is_number, value)))
-
-
-def _python_value(t: torch.Tensor) -> Any:
-    # Schedulers do Python arithmetic on group values; a tensor that carries a graph keeps it.
-    return t if t.requires_grad else t.item()
-
-
-def _readable(transform: GradientTransformation, hyper: dict[str, Any]) -> dict[str, Any]:
-    """The injected hyperparameters ``hyper``, or, where they are on the meta device (params
-    of a model built there, to be materialised with ``to_empty``) and so hold no values, the
-    same hyperparameters initialised over no params (on the CPU)."""
-    if not any(isinstance(t, torch.Tensor) and t.is_meta for t in hyper.values()):
-        return hyper
-    with torch.no_grad():
-        host = transform.init({})
-    return dict(host.hyperparams) if isinstance(host, InjectHyperparamsState) else hyper
-
+__all__ = ["OPTIMIZER_NOT_PICKLABLE", "Optimizer"]
 
 NO_TRANSFORM = (
     "functopt.Optimizer: expected a functopt transform after the params, got {given}. "
@@ -112,159 +61,7 @@ TORCH_OPTIMIZER = (
 )
 
 
-class _Plan:
-    """How one group's transform state maps onto ``optimizer.state`` and ``param_groups``.
-
-    Made in two parts: the group-level part (the injected hyperparameters, the group keys,
-    the checks' caches) when the group is added, and the per-param layout (``lay_out``,
-    from a ``transform.init`` of the group's params) when its state is first made: at the
-    first step, or when ``optimizer.state`` is first read, as torch.optim makes its state
-    lazily."""
-
-    def __init__(self, key: Any, transform: GradientTransformation,
-                 hyper: dict[str, torch.Tensor], recipe: str | None,
-                 kept: frozenset[str]) -> None:
-        self.key = key
-        self.transform = transform  # the group's
-        self.signature = recipe  # the recipe with its fixed arguments, saved in state dicts
-        self.recipe = None if recipe is None else recipe.split("(", 1)[0]
-        self.hyper: dict[str, torch.Tensor] = dict(hyper)
-        self.exposed = _param_groups.recipe_group_keys("functopt.Optimizer", self.recipe,
-                                                       list(self.hyper))
-        # The keys a group may hold: everything else is a value no step would read.
-        self.allowed = frozenset({"params", "param_names", *_param_groups.FLAG_KEYS,
-                                  *_param_groups.SCHEDULER_GROUP_KEYS, *self.exposed, *kept})
-        self.cache: dict[str, tuple[Any, torch.Tensor]] = {}
-        self.checked: dict[str, Any] = {}  # injected name -> the group value last validated
-        # The last step's hyperparameters: (the group values they came from, the
-        # multipliers, the tensors the step read). A step whose group holds the very same
-        # immutable values takes them as they are (nothing converted, checked or multiplied
-        # again); any other value (a new number, a tensor, a list) goes the whole way.
-        self.last_hyper: tuple[list[Any], dict[str, Any]] | None = None
-        # The hyperparameters the group's state was made from by add_param_group.
-        self.made_from: dict[str, Any] = {}
-        self.laid_out = False
-
-    def lay_out(self, template: State, ptree: Any, order: list[int],
-                params: list[torch.Tensor]) -> None:
-        """The per-param part: where each leaf of ``template`` (the transform's init over
-        ``ptree``, the group's params as the tree holds them) lives in ``optimizer.state``.
-        ``order``: per leaf of the params' tree, the index of its param in the group."""
-        self.placement = _placement(params)
-        self.complex = any([p.is_complex() for p in params])  # (stepped as real pairs)
-        self.template, self.treespec = _core.flatten(template)
-        pspec = self.pspec = _core.structure(ptree)
-        # per leaf of the params' tree, the index of its param in the group (a named group's
-        # dict flattens by sorted name); None when that is the group's own order
-        self.order: list[int] | None = None if order == list(range(len(order))) else order
-        hyper = (
-            {f"hyperparams.{name}": name for name in template.hyperparams}
-            if isinstance(template, InjectHyperparamsState) else {}
-        )
-        self.leaves: list[tuple[int, int, str]] = []
-
-        # Paths are built node by node (each node's entries once), not from every leaf's
-        # accessor: a state holds several leaves per param.
-        def walk(spec: _core.TreeSpec, prefix: str) -> None:
-            if spec == pspec:  # a field with the params' structure: one leaf per param
-                field = prefix or "<root>"
-                self.leaves.extend([(_FIELD, j, field) for j in order])
-            elif spec.is_leaf():
-                path = prefix or "<root>"
-                if path in hyper:
-                    self.leaves.append((_HYPER, -1, hyper[path]))
-                else:
-                    self.leaves.append((_GROUP, -1, path))
-            else:
-                one_level = optree.treespec_one_level(spec)
-                assert one_level is not None  # (spec is no leaf)
-                entries = _core.paths(one_level)
-                for child, entry in zip(spec.children(), entries, strict=True):
-                    walk(child, f"{prefix}.{entry}" if prefix else entry)
-
-        walk(self.treespec, "")
-        group_leaves: dict[str, Any] = {}
-        fields: list[dict[str, Any]] = [{} for _ in order]
-        for (kind, j, name), leaf in zip(self.leaves, self.template, strict=True):
-            if kind == _HYPER:
-                self.hyper[name] = leaf
-            elif kind == _GROUP:
-                group_leaves[name] = leaf
-            else:
-                fields[j][name] = leaf
-        clash = sorted({name for f in fields for name in f} & set(group_leaves))
-        if clash:
-            raise ValueError(
-                f"functopt.Optimizer: the transform's state has both a leaf and a per-parameter "
-                f"field at the paths {clash}, which would share a key in optimizer.state."
-            )
-        # Entry name -> template leaf, for the entry of the group's j-th param.
-        self.fields = [{**group_leaves, **f} for f in fields]
-        # The hyperparameters are now the template's, on its device: a value converted for
-        # the group-level part (on the device of params since moved, the meta device of a
-        # model built there) is converted again.
-        self.cache.clear()
-        self.last_hyper = None
-        if any(isinstance(v, torch.Tensor) and k in self.hyper
-               and v.device != self.hyper[k].device for k, v in self.made_from.items()):
-            self.made_from = {}
-        # Per param, the (leaf index, entry name) pairs of its optimizer.state entry, in
-        # the order of the state's leaves: the group-level leaves and its own fields.
-        # (one pass over the leaves: a param's fields are the leaves whose j is its index)
-        group_slots = [(i, name) for i, (kind, _, name) in enumerate(self.leaves)
-                       if kind == _GROUP]
-        own: list[list[tuple[int, str]]] = [[] for _ in order]
-        for i, (kind, j, name) in enumerate(self.leaves):
-            if kind == _FIELD:
-                own[j].append((i, name))
-        self.entry_slots: list[list[tuple[int, str]]] = [
-            sorted(group_slots + slots) for slots in own]
-        self.group_slots = group_slots  # each param keeps its own (see _torch_state)
-        # Leaves that may be None in a state (None in the template): a None read from
-        # optimizer.state anywhere else is a missing entry.
-        self.nullable = [leaf is None for leaf in self.template]
-        self.any_nullable = any(self.nullable)
-        # Per leaf, where a step reads it: (-1, name) from the hyperparameters, else (the
-        # param whose entry holds it, its name in the entry), a group-level leaf from the
-        # first param's entry. Per stored leaf (not a hyperparameter), every entry that
-        # holds it: (param, name).
-        self.reads = [(-1 if kind == _HYPER else (j if kind == _FIELD else 0), name)
-                      for kind, j, name in self.leaves]
-        self.stored = [i for i, (kind, _, _) in enumerate(self.leaves) if kind != _HYPER]
-        self.targets = [[(k, name) for k in range(len(order))] if kind == _GROUP else
-                        [(j, name)] for kind, j, name in self.leaves]
-        # Whether the state holds tensors a step updates (in place, with donation): then a
-        # restart needs a fresh init, not the template the first step already took.
-        self.stateful = any(kind != _HYPER and leaf is not None
-                            for (kind, _, _), leaf in zip(self.leaves, self.template,
-                                                          strict=True))
-        self.template_taken = False
-        self.laid_out = True
-
-    def fresh(self, transform: GradientTransformation, ptree: Any,
-              hyper: dict[str, torch.Tensor]) -> list[Any]:
-        """Leaves of a new ``transform.init`` state (the template, if no step has it yet),
-        made from the group's hyperparameters ``hyper`` where they are not the template's."""
-        if _group_init.differs(self.hyper, hyper):
-            with torch.no_grad():
-                return self._checked(_group_init.init_from_group(transform, ptree, hyper))
-        if not self.template_taken or not self.stateful:
-            self.template_taken = True
-            return self.template
-        with torch.no_grad():
-            return self._checked(transform.init(ptree))
-
-    def _checked(self, state: State) -> list[Any]:
-        leaves, treespec = _core.flatten(state)
-        if treespec != self.treespec:
-            raise ValueError(
-                f"functopt.Optimizer: the transform's init returned a state of structure "
-                f"{treespec}, earlier {self.treespec}. Fix: a transform's init must give the "
-                f"same structure for the same params.")
-        return leaves
-
-
-class Optimizer(torch.optim.Optimizer):
+class Optimizer(PlanState, AdapterBase):
     r"""A ``torch.optim.Optimizer`` whose step is a functopt transform.
 
     Each param group holds its own state of ``transform``; a step computes, per group,
@@ -415,11 +212,8 @@ class Optimizer(torch.optim.Optimizer):
         [0, 0, 4, 4]
     """
 
+    _owner = "functopt.Optimizer"
     _differentiable_default = False  # (functopt.optim: the constructor's differentiable)
-
-    # the training params kept by eval() (schedule-free), restored by train(); None in
-    # train mode
-    _train_params: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __init__(
         self,
@@ -437,7 +231,7 @@ class Optimizer(torch.optim.Optimizer):
         torch_class = transform if isinstance(transform, type) else type(transform)
         if issubclass(torch_class, torch.optim.Optimizer):
             raise TypeError(TORCH_OPTIMIZER.format(name=torch_class.__name__))
-        self._transform = _lift(_check_transform(owner, "transform", transform))
+        self._transform = lift(_check_transform(owner, "transform", transform))
         # the recipe's call that built it, which a pickle stores in place of its closures
         self._source = recipe_of(transform)
         _validate.check_flags(owner, fused=fused)
@@ -460,7 +254,7 @@ class Optimizer(torch.optim.Optimizer):
         # Filled from the first group's injected hyperparameters (add_param_group);
         # torch.optim's add_param_group takes non-leaf params where defaults say
         # differentiable (a subclass's _differentiable_default).
-        with _collector_paused():  # (see add_param_group)
+        with collector_paused():  # (see add_param_group)
             super().__init__(params, defaults={"differentiable": True}
                              if self._differentiable_default else {})
 
@@ -474,24 +268,15 @@ class Optimizer(torch.optim.Optimizer):
 
     # -- param groups -------------------------------------------------------------------
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group, with its own freshly initialised transform state.
-
-        Keys the group does not set take the values the transform was built with.
-        """
-        if not isinstance(param_group, dict):
-            raise TypeError(
-                f"functopt.Optimizer.add_param_group: expected a dict such as "
-                f"{{'params': [...], 'lr': 0.1}}, got {type(param_group).__name__}."
-            )
+    def _add_group(self, group: dict[str, Any]) -> None:
         # A group's plan and state are a few small containers per param: the cyclic
         # collector would run many times over them while they are made (at 20,000 params,
         # 80% of the time), and none of them forms a cycle.
-        with _collector_paused():
-            self._add_param_group(dict(param_group))
+        with collector_paused():
+            self._add_param_group(group)
 
     def _add_param_group(self, group: dict[str, Any]) -> None:
-        super().add_param_group(group)  # normalises params and names, appends
+        torch.optim.Optimizer.add_param_group(self, group)  # normalises params, names; appends
         index = len(self.param_groups) - 1
         try:
             flags = _param_groups.group_flags(
@@ -532,15 +317,10 @@ class Optimizer(torch.optim.Optimizer):
     # state in its constructor), not when it is first needed.
     _eager_state = False
 
-    @property
-    def state(self) -> Any:
-        """``torch.optim.Optimizer.state``: per param, its entry of the transform's state
-        (a ``functopt.optim`` class shows it in torch's layout). A group's entries are made
-        when this is first read (or at the group's first step)."""
+    def _read_state(self) -> Any:
         return self._shown_state(self._made_store())
 
-    @state.setter
-    def state(self, value: Any) -> None:
+    def _write_state(self, value: Any) -> None:
         if "_store" not in self.__dict__:  # (torch.optim's constructor)
             self.__dict__["_store"] = value
         else:
@@ -567,7 +347,7 @@ class Optimizer(torch.optim.Optimizer):
         pending = self.__dict__.get("_pending")
         if not pending:
             return
-        with _collector_paused():  # (see add_param_group)
+        with collector_paused():  # (see add_param_group)
             while pending:
                 index, group = pending.popitem()
                 groups = self.param_groups
@@ -580,43 +360,6 @@ class Optimizer(torch.optim.Optimizer):
                     plan.transform, self._tree(group, self._real(group["params"])),
                     plan.made_from))
                 self._unstepped[index] = plan
-
-    def _kept_keys(self) -> frozenset[str]:
-        """Group keys this optimizer keeps beyond the transform's (torch's fixed options)."""
-        return frozenset()
-
-    def _group_transform(self, index: int, group: dict[str, Any]) -> GradientTransformation:
-        """The transform the group's state belongs to and its steps run (the one given;
-        ``functopt.optim`` builds one per combination of its fixed options)."""
-        return self._transform
-
-    def _group_fused(self, transform: GradientTransformation) -> bool:
-        """Whether ``transform``'s steps take a fused kernel where it has one."""
-        return self._fused
-
-    def _stepped(self, index: int, group: dict[str, Any]) -> bool:
-        """Whether the group's state is no longer the one add_param_group made (a step, or
-        a load, changed it)."""
-        if index in self._pending or index in self._unstepped:
-            return False
-        store = self._made_store()
-        return any(store.get(p) for p in group["params"])
-
-    def _changed_transform(self, index: int, group: dict[str, Any], plan: _Plan) -> Exception:
-        """The error for a group whose transform changed after its state was made."""
-        return ValueError(
-            f"functopt.Optimizer: param_groups[{index}] now runs another transform than the "
-            f"one its state was made for. Fix: clear the group's state (optimizer.state) to "
-            f"restart it.")
-
-    # Injected hyperparameters whose value when a group's state is created is the one the
-    # transform was built with, not the group's (torch.optim.Adagrad's accumulator).
-    _init_from_defaults: frozenset[str] = frozenset()
-
-    def _init_hyper(self, hyper: dict[str, Any]) -> dict[str, Any]:
-        """The hyperparameters a group's first state is made from."""
-        skip = self._init_from_defaults
-        return {k: v for k, v in hyper.items() if k not in skip} if skip else hyper
 
     @staticmethod
     def _check_multipliers(
@@ -659,285 +402,6 @@ class Optimizer(torch.optim.Optimizer):
         _param_groups.check_group_keys("functopt.Optimizer", f"param_groups[{index}]", group,
                                        plan.allowed, plan.exposed, plan.recipe)
 
-    @staticmethod
-    def _tree(group: dict[str, Any], leaves: list[Any]) -> Any:
-        names = group.get("param_names")
-        return list(leaves) if names is None else dict(zip(names, leaves, strict=True))
-
-    def _plan(self, index: int, group: dict[str, Any], placed: bool = False,
-              laid_out: bool = True) -> _Plan:
-        """The group's plan, made again if its params (or names) changed; with ``placed``,
-        also if they moved to other dtypes or devices (the template, the state a restart
-        takes, follows the params as torch.optim's lazily created state does; checked only
-        where a template is about to be used, as reading every param's device costs). With
-        ``laid_out`` False, the group-level part may be all there is (see ``_Plan``)."""
-        params = group["params"]
-        names = group.get("param_names")
-        key = (tuple(map(id, params)), None if names is None else tuple(names))
-        while len(self._plans) <= index:
-            self._plans.append(None)
-        plan = self._plans[index]
-        transform = self._group_transform(index, group)
-        if plan is not None and plan.transform is not transform:
-            # another combination of options: a state made for the old one cannot step
-            if self._stepped(index, group):
-                raise self._changed_transform(index, group, plan)
-            plan = None
-        if plan is not None and placed and plan.laid_out and (
-                plan.placement != _placement(params)):
-            plan = None
-        template = None
-        if plan is None or plan.key != key:
-            if names is not None and len(set(names)) != len(names):
-                dup = sorted({n for n in names if names.count(n) > 1})
-                raise ValueError(
-                    f"functopt.Optimizer: param_groups[{index}] names several params {dup}; "
-                    f"the transform sees the group as a {{name: param}} dict. Fix: give each "
-                    f"param its own name (model.named_parameters() does)."
-                )
-            spec = describe(transform)
-            initial = spec.initial if isinstance(spec, Injected) else None
-            if initial is not None:  # the hyperparameters alone, without an init
-                hyper = initial(_first_device(params, names))
-            else:
-                template = self._template(transform, group)
-                hyper = (template.hyperparams if isinstance(template, InjectHyperparamsState)
-                         else {})
-            plan = self._plans[index] = _Plan(key, transform, hyper,
-                                              _recipe_of_injected(transform, hyper),
-                                              self._kept_keys())
-        if template is not None or (laid_out and not plan.laid_out):
-            if template is None:
-                template = self._template(transform, group)
-            order = _core.flatten(self._tree(group, list(range(len(params)))))[0]
-            plan.lay_out(template, self._tree(group, self._real(params)), order, params)
-        return plan
-
-    def _template(self, transform: GradientTransformation, group: dict[str, Any]) -> State:
-        """``transform.init`` over the group's params."""
-        with torch.no_grad():
-            return transform.init(self._tree(group, self._real(group["params"])))
-
-    def _real(self, params: list[Any]) -> list[Any]:
-        """``params`` with each complex one as its ``torch.view_as_real`` pairs (what the
-        transform steps, as torch.optim steps complex params), one view per param kept
-        while it views the param's storage."""
-        if not any([isinstance(p, torch.Tensor) and p.is_complex() for p in params]):
-            return params
-        views: dict[int, tuple[Any, torch.Tensor]] = self.__dict__.setdefault(
-            "_real_views", {})
-        out = []
-        for p in params:
-            if not (isinstance(p, torch.Tensor) and p.is_complex()):
-                out.append(p)
-                continue
-            held = views.get(id(p))
-            if held is None or held[0] is not p or held[1].data_ptr() != p.data_ptr() or (
-                    held[1].shape[:-1] != p.shape):
-                with torch.no_grad():
-                    held = views[id(p)] = (p, torch.view_as_real(p))
-            out.append(held[1])
-        return out
-
-    # -- state: optimizer.state <-> the transform's pytree --------------------------------
-
-    def _describe(self, group: dict[str, Any], j: int) -> str:
-        names = group.get("param_names")
-        index = next(i for i, g in enumerate(self.param_groups) if g is group)
-        return f"param {j}{'' if names is None else f' ({names[j]!r})'} of param_groups[{index}]"
-
-    def _hyperparams(self, index: int, group: dict[str, Any], plan: _Plan) -> dict[str, Any]:
-        values: dict[str, Any] = {}
-        raws: dict[str, Any] = {}
-        where = f"param_groups[{index}]"
-        for key, names in plan.exposed.items():
-            raw = group[key]
-            parts = _param_groups.split_value("functopt.Optimizer", where, key, names, raw)
-            for name, value in zip(names, parts, strict=True):
-                values[name] = self._as_tensor(index, key, name, value, plan)
-                raws[name] = value
-        checked = plan.checked
-        if any(checked.get(name, _UNSET) is not value for name, value in raws.items()):
-            changed = [name for name, value in raws.items()
-                       if checked.get(name, _UNSET) is not value]
-            lr: Any = raws.get("learning_rate")
-            # The value a scheduler moves at every step: every recipe accepts any finite
-            # learning rate > 0, so such a value needs no build of the recipe to check it.
-            if not (changed == ["learning_rate"] and plan.recipe is not None
-                    and _is_number(lr) and 0.0 < lr < math.inf):
-                self._validate(index, plan, raws)
-            plan.checked = raws
-        return values
-
-    def _validate(self, index: int, plan: _Plan, raws: dict[str, Any]) -> None:
-        """Check the group's values as the factory checks its arguments (a value out of
-        range, b1 = 1 or a negative momentum, raises the factory's error), on every path: the
-        transform is built once from them as Python numbers."""
-        spec = describe(plan.transform)
-        if not isinstance(spec, Injected):
-            return
-        probe: dict[str, Any] = dict(plan.hyper)
-        for name, value in raws.items():
-            if isinstance(value, torch.Tensor):
-                if value.requires_grad:  # a meta-gradient's tensor: trusted, as elsewhere
-                    continue
-                value = value.item()
-            probe[name] = value
-        try:
-            spec.build(probe)
-        except (ValueError, TypeError) as error:
-            shown = ", ".join(
-                f"{key!r}: {tuple(raws[n] for n in names) if len(names) > 1 else raws[names[0]]!r}"
-                for key, names in plan.exposed.items())
-            raise type(error)(
-                f"functopt.Optimizer: param_groups[{index}] holds {{{shown}}}, which the "
-                f"transform rejects: {error}"
-            ) from None
-
-    @staticmethod
-    def _as_tensor(index: int, key: str, name: str, value: Any, plan: _Plan) -> torch.Tensor:
-        held = plan.hyper[name]
-        cached = plan.cache.get(name)
-        if cached is not None and cached[0] is value:
-            return cached[1]
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            # Not cached: schedulers update a tensor lr in place. (A one-element tensor of
-            # any shape, as torch.optim takes an lr.)
-            return value.reshape(()).to(dtype=held.dtype, device=held.device)
-        if not _is_number(value):
-            raise TypeError(
-                f"functopt.Optimizer: param_groups[{index}][{key!r}] (the transform's "
-                f"{name!r}) must be a number or a one-element tensor, got "
-                f"{type(value).__name__} {value!r}."
-            )
-        tensor = torch.scalar_tensor(value, dtype=held.dtype, device=held.device)
-        plan.cache[name] = (value, tensor)
-        return tensor
-
-    def _step_hyperparams(self, index: int, group: dict[str, Any],
-                          plan: _Plan) -> dict[str, Any]:
-        """The injected hyperparameters a step reads: the group's values as tensors. A
-        group that holds the very values of the last step (the same Python numbers and
-        tuples) gets the tensors that step read: they were converted and checked then."""
-        raw = [group[key] for key in plan.exposed]
-        last = plan.last_hyper
-        if last is not None and len(last[0]) == len(raw) and all(
-                map(operator.is_, last[0], raw)):
-            return last[1]  # (read only: the callers take the tensors out)
-        hyper = self._hyperparams(index, group, plan)
-        # (a tensor value may be changed in place, a list item by item: read them anew)
-        plan.last_hyper = (raw, dict(hyper)) if all(map(_immutable, raw)) else None
-        return hyper
-
-    def _gather(
-        self, index: int, group: dict[str, Any], plan: _Plan, flags: _param_groups.GroupFlags
-    ) -> list[Any]:
-        """The leaves of the group's transform state (of ``plan.treespec``): its entries in
-        ``optimizer.state``, the hyperparameters from the group."""
-        return self._collect(index, group, plan, flags)[0]
-
-    def _collect(
-        self, index: int, group: dict[str, Any], plan: _Plan, flags: _param_groups.GroupFlags
-    ) -> tuple[list[Any], list[Any] | None]:
-        """`_gather`'s leaves, and the ``optimizer.state`` entries they were read from (None
-        when the state starts from init)."""
-        params = group["params"]
-        get = self._made_store().get
-        entries: list[Any] = [get(p) for p in params]
-        hyper = self._step_hyperparams(index, group, plan)
-        # No state (cleared, or a stateless transform), or the state add_param_group made
-        # for params that have moved since: start from init, on the params as they are now.
-        # So does a state made for values the group no longer holds at its first step (a
-        # scheduler set the lr after construction): torch.optim makes it at the first step.
-        unstepped = self._unstepped.get(index)
-        if not any(entries) or (unstepped is not None and (
-                unstepped is not plan
-                or _group_init.differs(plan.made_from, self._init_hyper(hyper)))):
-            template = plan.fresh(plan.transform, self._tree(group, self._real(params)),
-                                  self._init_hyper(hyper))
-            return [hyper[name] if kind == _HYPER else leaf
-                    for (kind, _, name), leaf in zip(plan.leaves, template, strict=True)], None
-        if not plan.any_nullable:
-            try:  # every entry holds every key it must: read them (else say which is not)
-                leaves = [hyper[name] if j < 0 else entries[j][name] for j, name in plan.reads]
-            except (KeyError, TypeError):
-                pass
-            else:
-                if not any(map(operator.is_, leaves, itertools.repeat(None))):
-                    return leaves, entries
-        return self._gather_checked(group, plan, hyper, entries), entries
-
-    def _gather_checked(self, group: dict[str, Any], plan: _Plan, hyper: dict[str, Any],
-                        entries: list[Any]) -> list[Any]:
-        """`_collect`'s leaves from ``entries``, each checked (a missing one raises, naming
-        the param and the key; a nullable one may be absent)."""
-        first = entries[0]
-        nullable = plan.nullable
-        leaves: list[Any] = []
-        for i, (kind, j, name) in enumerate(plan.leaves):
-            if kind == _HYPER:
-                leaves.append(hyper[name])
-                continue
-            entry = entries[j] if kind == _FIELD else first
-            value = entry.get(name) if entry else None
-            if value is None and not nullable[i]:
-                where = self._describe(group, j if kind == _FIELD else 0)
-                raise ValueError(
-                    f"functopt.Optimizer: optimizer.state for {where} has no {name!r} (it has "
-                    f"{sorted(entry or {})}). Fix: load a state_dict saved by a "
-                    f"functopt.Optimizer with the same transform, or clear the state of the "
-                    f"whole group to restart it from transform.init."
-                )
-            leaves.append(value)
-        return leaves
-
-    def _scatter(self, group: dict[str, Any], plan: _Plan, state: Any,
-                 treespec: _core.TreeSpec | None = None,
-                 old: tuple[list[Any], list[Any]] | None = None) -> None:
-        """Write the group's transform state into ``optimizer.state``: a state tree, or its
-        leaves of ``treespec`` (a step's), or, without ``treespec``, the template's leaves.
-        ``old``: the leaves this step read and the entries it read them from, which are
-        then updated where a leaf changed (a step that hands no state dict's tensors over)."""
-        if isinstance(state, list):
-            leaves = state
-        else:
-            leaves, treespec = _core.flatten(state)
-        # (the fused step hands back the very treespec it was given; not compared under
-        # torch.compile, which cannot compare optree specs)
-        if treespec is not None and treespec is not plan.treespec and (
-                not torch.compiler.is_compiling() and treespec != plan.treespec):
-            raise ValueError(
-                f"functopt.Optimizer: the transform's update returned a state of structure "
-                f"{treespec}, but its init gave {plan.treespec}. Fix: a transform's state must "
-                f"keep the structure init gives it."
-            )
-        if old is not None:
-            # The entries the step read, updated in place where a leaf is another tensor
-            # (a donated step of the kernels alone keeps every tensor: nothing to write;
-            # the pure path's new moments, or new counters, are), as torch.optim updates
-            # its entries. A state dict taken since the last step holds
-            # these dicts: then this step is not donated and writes new ones (below).
-            before, entries = old
-            targets = plan.targets
-            for i in plan.stored:
-                value = leaves[i]
-                if value is not before[i]:
-                    for j, name in targets[i]:
-                        if value is None:
-                            entries[j].pop(name, None)
-                        else:
-                            entries[j][name] = value
-            return
-        # New dicts: a state_dict taken earlier keeps its values. Every param has
-        # an entry, empty for a stateless transform, as torch.optim's SGD keeps
-        # {'momentum_buffer': None}: torch.distributed.checkpoint's state-dict helpers take a
-        # zero-gradient step to create the state of an optimizer whose state is empty, which
-        # a transform that does not scale with lr (a weight decay) would apply. An entry
-        # holds the group-level leaves and the param's own fields, in the state's order.
-        store = self.__dict__["_store"]
-        for p, slots in zip(group["params"], plan.entry_slots, strict=True):
-            store[p] = {name: leaves[i] for i, name in slots if leaves[i] is not None}
-
     # -- step -----------------------------------------------------------------------------
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -952,10 +416,7 @@ class Optimizer(torch.optim.Optimizer):
         """``step``'s body: torch.optim wraps the ``step`` of every class it sees built
         (profiling, the step hooks), so a subclass whose ``step`` does more calls this, not
         ``super().step``, to be wrapped once."""
-        if self._train_params is not None:
-            raise RuntimeError(
-                "functopt.Optimizer.step: the params hold the schedule-free evaluation point "
-                "(after optimizer.eval()). Fix: call optimizer.train() before training again.")
+        self._check_train_mode("step")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -967,7 +428,7 @@ class Optimizer(torch.optim.Optimizer):
         # run many times (at 10,000 params, half the time of the step); the collector is
         # paused as in add_param_group. (Not while torch.compile traces the step.)
         paused = (contextlib.nullcontext() if torch.compiler.is_compiling()
-                  else _collector_paused())
+                  else collector_paused())
         with torch.no_grad(), paused:
             for index, group in enumerate(self.param_groups):
                 if self._differentiable(index, group):
@@ -984,79 +445,29 @@ class Optimizer(torch.optim.Optimizer):
         graph)."""
         return False
 
-    # -- schedule-free: train / eval ------------------------------------------------------
+    # -- schedule-free: train / eval (AdapterBase's) -------------------------------------
 
-    def eval(self) -> None:
-        """Move the params to the schedule-free evaluation point, as the schedulefree
-        package's optimizers do: ``x = (y - (1 - b1) z) / b1``
-        ([`schedule_free_eval_params`][functopt.contrib.schedule_free_eval_params]), the
-        averaged iterate where the model is evaluated. The training params are kept, so
-        [`train`][functopt.Optimizer.train] restores them bitwise and training continues
-        exactly as if ``eval()`` had not been called. A no-op when already in eval mode.
+    def _schedule_free_state(self, index: int, group: dict[str, Any]) -> Any:
+        flags = _param_groups.group_flags(self._owner, f"param_groups[{index}]", group)
+        if flags.frozen:
+            return None
+        plan = self._plan(index, group)
+        return _core.unflatten(plan.treespec, self._gather(index, group, plan, flags))
 
-        Save checkpoints to resume from in train mode (the params of a model saved in eval
-        mode are ``x``, not the training iterate).
+    def _evaluation_point(self, index: int, group: dict[str, Any],
+                          stage: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        from functopt.contrib import schedule_free_eval_params
 
-        Raises:
-            TypeError: the transform has no ``schedule_free`` stage (or has several in one
-                param group).
-        """
-        if self._train_params is not None:
-            return
-        from functopt.contrib import ScheduleFreeState, schedule_free_eval_params
+        x = schedule_free_eval_params(stage, self._tree(group, [p.detach() for p in
+                                                                group["params"]]))
+        # paired in the tree's order (a named group's dict flattens by sorted key, not in
+        # the order of group["params"])
+        params = _core.flatten(self._tree(group, list(group["params"])))[0]
+        return list(zip(params, _core.flatten(x)[0], strict=True))
 
-        points = []
-        for index, group in enumerate(self.param_groups):
-            flags = _param_groups.group_flags("functopt.Optimizer", f"param_groups[{index}]",
-                                              group)
-            if flags.frozen:
-                continue
-            plan = self._plan(index, group)
-            found = _find_states(_core.unflatten(plan.treespec,
-                                                 self._gather(index, group, plan, flags)),
-                                 ScheduleFreeState)
-            if len(found) != 1:
-                raise TypeError(
-                    f"functopt.Optimizer.eval: param_groups[{index}]'s transform has "
-                    f"{len(found)} schedule_free stages; train()/eval() switch the params of "
-                    f"schedule-free optimizers (functopt.contrib.schedule_free_adamw, "
-                    f"schedule_free_sgd, schedule_free(...)). Fix: evaluate without eval(), "
-                    f"or use one schedule_free stage per group.")
-            points.append((group, schedule_free_eval_params(
-                found[0], self._tree(group, [p.detach() for p in group["params"]]))))
-        kept: list[tuple[torch.Tensor, torch.Tensor]] = []
-        with torch.no_grad():
-            for group, x in points:
-                # paired in the tree's order (a named group's dict flattens by sorted key,
-                # not in the order of group["params"])
-                params = _core.flatten(self._tree(group, list(group["params"])))[0]
-                for p, value in zip(params, _core.flatten(x)[0], strict=True):
-                    kept.append((p, p.detach().clone()))
-                    p.copy_(value)
-        self._train_params = kept
-
-    def train(self) -> None:
-        """Back to the training params after [`eval`][functopt.Optimizer.eval] (bitwise
-        the ones ``eval()`` left); a no-op in train mode."""
-        kept = self._train_params
-        if kept is None:
-            return
-        with torch.no_grad():
-            for p, value in kept:
-                p.copy_(value)
-        self._train_params = None
-
-    def state_dict(self) -> dict[str, Any]:
-        """``torch.optim.Optimizer.state_dict``: the live state tensors, not copies.
-
-        The next step then writes new state tensors instead of updating these in place, so
-        a state dict taken before a step keeps its values (later steps update in place
-        again). With DTensor state (FSDP2) the first group's ``"functopt"`` record holds
-        the dict's integrity record, which ``load_state_dict`` checks: both calls are then
-        collectives over the default group (docs/sharded-state.md).
-        """
+    def _unsealed_state_dict(self) -> dict[str, Any]:
         self._state_shared = True
-        saved = super().state_dict()
+        saved = torch.optim.Optimizer.state_dict(self)
         # Which recipe each group runs (None: not a recipe), checked by load_state_dict.
         for i, group in enumerate(saved["param_groups"]):
             plan = self._plans[i] if i < len(self._plans) else None
@@ -1070,33 +481,7 @@ class Optimizer(torch.optim.Optimizer):
         extras = _state_dict.unpacked_extras(saved)
         saved["state"] = _state_dict.packed_state(
             {k: v for k, v in saved["state"].items() if k not in extras}, extras)
-        _state_dict.seal(saved)
         return saved
-
-    def named_state_dict(self) -> dict[str, Any]:
-        """The state dict keyed by parameter names: ``state`` maps each param's name to its
-        entry, each group lists its params' names. It is the layout
-        ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` gives (which DCP
-        saves and reshards); ``state_dict()``'s int ids are the view of it that
-        ``torch.optim`` code expects. Needs named params (``model.named_parameters()``).
-
-        Examples:
-            >>> import torch, functopt
-            >>> model = torch.nn.Linear(2, 1)
-            >>> opt = functopt.Optimizer(model.named_parameters(), functopt.adamw(0.1))
-            >>> sorted(opt.named_state_dict()["state"])
-            ['bias', 'weight']
-            >>> opt.load_named_state_dict(opt.named_state_dict())
-        """
-        return _state_dict.torch_to_named("functopt.Optimizer.named_state_dict",
-                                          self.state_dict())
-
-    def load_named_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict keyed by parameter names (``named_state_dict()``, or
-        ``get_optimizer_state_dict``'s): each param gets the entry saved under its name, in
-        whatever order the groups list them; names that differ raise, naming them."""
-        self.load_state_dict(_state_dict.named_to_torch(
-            "functopt.Optimizer.load_named_state_dict", state_dict))
 
     def _flags(self, index: int, group: dict[str, Any]) -> _param_groups.GroupFlags:
         """``group_flags`` of the group, read again only when one of its values is another
@@ -1251,25 +636,7 @@ class Optimizer(torch.optim.Optimizer):
 
     # -- checkpoints ----------------------------------------------------------------------
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict saved by ``state_dict()`` of a functopt.Optimizer.
-
-        Each param's entry must hold exactly the keys the transform's state has for that
-        param (a group whose params have no entry at all restarts from ``transform.init``);
-        tensors must have the transform's shapes and are moved to its dtypes and devices.
-        Load hooks run as in ``torch.optim``.
-        """
-        owner = "functopt.Optimizer.load_state_dict"
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"{owner}: expected the dict optimizer.state_dict() returns, got "
-                            f"{type(state_dict).__name__}.")
-        state_dict = dict(state_dict)
-        if "state" in state_dict and "param_groups" in state_dict:
-            _state_dict.check_seal(owner, state_dict)
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
+    def _load(self, owner: str, state_dict: dict[str, Any]) -> None:
         pairs = _state_dict.saved_groups(owner, state_dict, self.param_groups)
         # (checkpoints before the format's version 2 kept the recipes at the top level)
         legacy = (state_dict.get("functopt") or {}).get("transforms") or []
@@ -1296,12 +663,7 @@ class Optimizer(torch.optim.Optimizer):
             # (the saved values hold the products of the saved multipliers)
             self.__dict__.setdefault("_folded", {})[i] = (flags.lr_mult, flags.wd_mult)
             if flags.frozen:
-                if any(entries):
-                    raise ValueError(
-                        f"{owner}: param_groups[{i}] is frozen, but the state dict holds "
-                        f"optimizer state for its params; a frozen group has none. Fix: "
-                        f"load a state dict saved with the same groups frozen."
-                    )
+                check_frozen_entries(owner, i, entries)
                 new_groups.append(new_group)
                 continue
             plan = self._plan(i, new_group, placed=True)  # loaded tensors go where params are
@@ -1326,8 +688,6 @@ class Optimizer(torch.optim.Optimizer):
                     owner, f"param_groups[{i}]", group).frozen:
                 self._counts.merge(i, new_state, group["params"], held.group_slots)
         self._state_shared = True  # the loaded tensors may be the caller's own
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
 
     def _loaded_entries(self, owner: str, group: dict[str, Any], plan: _Plan, config: Any,
                         entries: list[Any], hyper: dict[str, Any]) -> list[Any]:
@@ -1335,19 +695,20 @@ class Optimizer(torch.optim.Optimizer):
         group's saved configuration record, None if it has none)."""
         return entries
 
-    def __getstate__(self) -> dict[str, Any]:
+    def _copied(self) -> dict[str, Any]:
         # Plans are rebuilt on the next step; the transform's closures travel as they are.
         # A copy holds copies of the state tensors: it shares nothing with a state dict.
-        state = {**super().__getstate__(), "state": self._made_store(), "_plans": [],
+        state = {**torch.optim.Optimizer.__getstate__(self), "state": self._made_store(),
+                 "_plans": [],
                  "_fused": self._fused,
                  "_state_shared": False, "_unstepped": {}, "_pending": {},
                  "_counts": copy.deepcopy(self._counts)}
-        state["_transform"] = _HeldTransform(self._transform, self.__dict__.get("_source"))
+        state["_transform"] = HeldTransform(self._transform, self.__dict__.get("_source"))
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         held = state.get("_transform")
-        if isinstance(held, _HeldTransform):
+        if isinstance(held, HeldTransform):
             state = {**state, "_transform": held.transform, "_source": held.source}
         state = dict(state)
         store = state.pop("state", None)
@@ -1359,94 +720,6 @@ class Optimizer(torch.optim.Optimizer):
         self.__dict__.setdefault("_pending", {})
 
 
-OPTIMIZER_NOT_PICKLABLE = (
-    "functopt.Optimizer cannot be pickled: its transform is made of functions local to the "
-    "transform's factory (a chain or a transform of your own returns closures), and pickle "
-    "stores functions by their importable name ({error}); a recipe's optimizer pickles as "
-    "the recipe's call, when its arguments pickle (not a lambda schedule). Fix: save "
-    "opt.state_dict() with torch.save, and to resume build the optimizer again with the same "
-    "transform and call load_state_dict (the usual checkpoint); copy.deepcopy(opt) makes an "
-    "in-process copy."
-)
-
-_PICKLING_ERRORS = (pickle.PicklingError, AttributeError, TypeError)
-
-
-class _HeldTransform:
-    """The transform inside a copied or pickled Optimizer's state: deep copies share it (a
-    transform is immutable: two functions and a spec). A pickle stores the transform as it
-    is if it pickles, else the recipe's call that built it (``source``: the recipe is a
-    module-level function, its arguments plain values), which unpickling makes again; a
-    transform that is neither raises, saying why."""
-
-    __slots__ = ("source", "transform")
-
-    def __init__(self, transform: GradientTransformation, source: Any = None) -> None:
-        self.transform = transform
-        self.source = source
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _HeldTransform:
-        return self
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        try:
-            pickle.dumps(self.transform)
-        except _PICKLING_ERRORS as error:
-            if self.source is not None:
-                call = (self.source.factory, self.source._args, self.source._kwargs)
-                try:
-                    pickle.dumps(call)
-                except _PICKLING_ERRORS:
-                    pass
-                else:
-                    return (_remade, call)
-            raise TypeError(OPTIMIZER_NOT_PICKLABLE.format(error=error)) from None
-        return (_HeldTransform, (self.transform,))
-
-
-def _remade(factory: Callable[..., GradientTransformation], args: tuple[Any, ...],
-            kwargs: dict[str, Any]) -> _HeldTransform:
-    """The held transform of an unpickled Optimizer: its recipe's call made again, lifted as
-    the constructor lifts it."""
-    given = factory(*args, **kwargs)
-    return _HeldTransform(_lift(given), recipe_of(given))
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for the block (if it was on): the objects made
-    there are freed by reference counting all the same."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
-def _first_device(params: list[Any], names: list[str] | None) -> torch.device:
-    """The device of the first param of the group's tree (a named group's dict flattens by
-    sorted name), where a transform's init puts its counts."""
-    if not params:
-        return torch.device("cpu")
-    first = params[0] if names is None else params[names.index(min(names))]
-    return first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
-
-
-def _placement(params: list[torch.Tensor]) -> tuple[tuple[torch.dtype, torch.device], ...]:
-    return tuple([(p.dtype, p.device) for p in params])
-
-
-def _find_states(tree: Any, cls: type) -> list[Any]:
-    """Every ``cls`` instance in a state tree (NamedTuples, tuples, lists, dicts)."""
-    if isinstance(tree, cls):
-        return [tree]
-    if isinstance(tree, dict):
-        children: Iterable[Any] = tree.values()
-    elif isinstance(tree, (tuple, list)):
-        children = tree
-    else:
-        return []
-    return [found for child in children for found in _find_states(child, cls)]
+# The names under which a pickled Optimizer holds its transform (its pickles keep them).
+_HeldTransform = HeldTransform
+_remade = _base._remade

@@ -216,7 +216,13 @@ def _resolve_dims(weight_dimension_numbers: Any, updates: Any, grads: list[Any],
     return dims
 
 
-def _ns_coefficients(owner: str, ns_coeffs: Any, ns_steps: int) -> torch.Tensor:
+def _ns_coefficients(owner: str, ns_coeffs: Any, ns_steps: int,
+                     ) -> tuple[torch.Tensor, list[tuple[float, float, float]]]:
+    """``ns_coeffs`` as a tensor (the state keeps it) and the coefficients of each of the
+    ``ns_steps`` steps as Python numbers, once both are checked."""
+    if not isinstance(ns_steps, int) or isinstance(ns_steps, bool) or ns_steps < 1:
+        raise ValueError(f"{owner}: ns_steps must be an int >= 1, got {ns_steps!r}. "
+                         f"Fix: 5 is usual.")
     if isinstance(ns_coeffs, str):
         if ns_coeffs not in _NS_PRESETS:
             raise ValueError(f"{owner}: unknown ns_coeffs preset {ns_coeffs!r}; the presets are "
@@ -235,7 +241,21 @@ def _ns_coefficients(owner: str, ns_coeffs: Any, ns_steps: int) -> torch.Tensor:
             f"{owner}: {coeffs.shape[0]} rows of ns_coeffs but ns_steps={ns_steps}; with one "
             f"triple per step there must be at most ns_steps rows (each row is one step). "
             f"Fix: pass ns_steps={coeffs.shape[0]} or fewer rows.")
-    return coeffs
+    listed = coeffs.tolist()
+    return coeffs, [(float(a), float(b), float(c))
+                    for a, b, c in ([listed] * ns_steps if coeffs.dim() == 1 else listed)]
+
+
+def _check_matrices(grads: list[Any], dims: list[Any], present: list[int],
+                    names: Callable[[int], str]) -> None:
+    """Every leaf with a gradient has dimension numbers that fit its shape."""
+    for i in present:
+        if dims[i] is None:
+            raise ValueError(
+                f"scale_by_muon: {names(i)!r} has a gradient but no dimension "
+                f"numbers (None). Fix: give it a MuonDimensionNumbers, or use muon(), "
+                f"which updates such leaves with Adam.")
+        _layout(grads[i].shape, dims[i], names(i))
 
 
 def scale_by_muon(
@@ -336,15 +356,7 @@ def scale_by_muon(
     _validate.check_flags("scale_by_muon", nesterov=nesterov, adaptive=adaptive,
                           bias_correction=bias_correction, clamp_norm=clamp_norm)
     owner = "scale_by_muon"
-    if not isinstance(ns_steps, int) or isinstance(ns_steps, bool) or ns_steps < 1:
-        raise ValueError(f"{owner}: ns_steps must be an int >= 1, got {ns_steps!r}. "
-                         f"Fix: 5 is usual.")
-    coeffs = _ns_coefficients(owner, ns_coeffs, ns_steps)
-    # the coefficients of each step as Python numbers (the state keeps them as a tensor)
-    listed = coeffs.tolist()
-    rows: list[tuple[float, float, float]] = [
-        (float(a), float(b), float(c))
-        for a, b, c in ([listed] * ns_steps if coeffs.dim() == 1 else listed)]
+    coeffs, rows = _ns_coefficients(owner, ns_coeffs, ns_steps)
     _common.check_betas(owner, beta=beta)
     _validate.check_range(owner, "eps", eps, low=0.0)
     _validate.check_dtype(owner, "mu_dtype", mu_dtype)
@@ -366,20 +378,11 @@ def scale_by_muon(
         _common.check_state_present(owner, treespec, grads, mu=mus)
         dims = _resolve_dims(weight_dimension_numbers, updates, grads, treespec)
         count = _common.safe_increment(state.count)
-        bc: Any = None
-        bc_next: Any = None
-        if bias_correction:
-            bc = _common.bias_correction(beta, count)
-            bc_next = _common.bias_correction(beta, _common.safe_increment(count))
+        bc, bc_next = (_common.bias_correction(beta, count), _common.bias_correction(
+            beta, _common.safe_increment(count))) if bias_correction else (None, None)
         names = _leaf_names(treespec)
         present = [i for i, g in enumerate(grads) if g is not None]
-        for i in present:  # checked here, before any collective
-            if dims[i] is None:
-                raise ValueError(
-                    f"{owner}: {names(i)!r} has a gradient but no dimension "
-                    f"numbers (None). Fix: give it a MuonDimensionNumbers, or use muon(), "
-                    f"which updates such leaves with Adam.")
-            _layout(grads[i].shape, dims[i], names(i))
+        _check_matrices(grads, dims, present, names)  # here, before any collective
         momentum = _momentum_grouped if grouped else _momentum
         mu_hats, new_mu = momentum([grads[i] for i in present], [mus[i] for i in present],
                                    beta, bc, bc_next, nesterov)

@@ -79,6 +79,7 @@ from functopt.precision.step import (
     MixedPrecisionTransformation,
     _mixed_precision,
 )
+from functopt.transforms._common import flatten_params
 from functopt.tree import _core
 
 __all__ = [
@@ -119,12 +120,6 @@ def _resolve_group(process_group: dist.ProcessGroup | None,
     if world == 1:
         return None, 0, 1
     return group, dist.get_rank(group), world
-
-
-def _check_params(owner: str, params: Params) -> tuple[list[Any], _core.TreeSpec]:
-    leaves, treespec = _core.flatten(params)
-    _core.check_tensors(leaves, treespec, name="params", floating=True)
-    return leaves, treespec
 
 
 def _model_parallel(owner: str, leaves: list[Any], treespec: _core.TreeSpec,
@@ -349,19 +344,7 @@ def _zero1_parts(
 ) -> _Parts:
     """``init``, the step up to the new slices (``(plan, new slices, state)``), and
     ``buffers`` of zero1: what zero1 and zero1_overlapped share; the gather is theirs."""
-    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-        raise TypeError(
-            f"{owner}: process_group must be a torch.distributed.ProcessGroup or None (the "
-            f"default group), got {type(process_group).__name__}. Fix: pass e.g. "
-            f"torch.distributed.group.WORLD or the data-parallel group."
-        )
-
-    for name, value in (("stats_group", stats_group),):
-        if value is not None and not isinstance(value, dist.ProcessGroup):
-            raise TypeError(
-                f"{owner}: {name} must be a torch.distributed.ProcessGroup or None, got "
-                f"{type(value).__name__}."
-            )
+    _check_groups(owner, process_group, stats_group)
     timeout_s = check_timeout(owner, "timeout", timeout, ZERO1_TIMEOUT_S)
     # The declarations the inner step reads, per slice leaf, for the step in progress: who
     # counts which slice in the statistics (set by `plan` before every init and step).
@@ -384,44 +367,15 @@ def _zero1_parts(
     by_group: dict[int, tuple[dist.ProcessGroup, MixedPrecisionTransformation]] = {}
 
     def plan(params: Params) -> _Plan:
-        leaves, treespec = _check_params(owner, params)
+        leaves, treespec = flatten_params(params)
         group, rank, world = _resolve_group(process_group)
         mesh = _model_parallel(owner, leaves, treespec, group)
         if mesh is None:  # data parallel only: each slice is its rank's part
-            stats = group
-            entries: list[Any] = [False] * len(leaves)
+            stats, entries = group, [False] * len(leaves)
         else:
-            stats = stats_group
-            if stats is None:
-                if world * mesh.size() != dist.get_world_size():
-                    raise ValueError(
-                        f"{owner}: the data-parallel group ({world} ranks) times the "
-                        f"tensor-parallel mesh ({mesh.size()} ranks) is not the world "
-                        f"({dist.get_world_size()} ranks), so the group the gradient "
-                        f"statistics are summed over cannot be inferred. Fix: pass "
-                        f"stats_group, the group of all ranks holding a part of this model "
-                        f"(data- and tensor-parallel)."
-                    )
-                stats = dist.group.WORLD
-            tp_group = mesh.get_group()
-            declared = _entries(owner, replicated, params, leaves, treespec)
-            entries = []
-            for i, (p, entry) in enumerate(zip(leaves, declared, strict=True)):
-                if p is None or is_dtensor(p):
-                    # a slice of a Shard piece is a part; of a Replicate one, a copy over TP
-                    replicate = p is not None and p.placements[0].is_replicate()
-                    entries.append(tp_group if replicate else False)
-                elif entry is None:
-                    raise ValueError(
-                        f"{owner}: params leaf {_core.paths(treespec)[i]!r} is a plain tensor "
-                        f"beside tensor-parallel (DTensor) params; it is unclear whether the "
-                        f"tensor-parallel ranks hold the same values (count it once) or each "
-                        f"its own part. Fix: pass replicated=True (alike on the tensor-"
-                        f"parallel ranks: a param left out of the plan), replicated=False, or "
-                        f"a pytree of such bools (or of process groups) per param."
-                    )
-                else:
-                    entries.append(tp_group if entry is True else entry)
+            stats = _stats_group(owner, stats_group, world, mesh)
+            entries = _tp_entries(owner, mesh.get_group(), _entries(
+                owner, replicated, params, leaves, treespec), leaves, treespec)
         if stats is None:
             opt = unsharded
         else:
@@ -446,34 +400,9 @@ def _zero1_parts(
         treespec, rank, world = pl.treespec, pl.rank, pl.world
         grad_leaves = _core.flatten_like(treespec, grads, name="grads", reference="params")
         _core.check_tensors(grad_leaves, treespec, name="grads", floating=True)
-        grad_slices = []
-        for i, (g, p, lp, b) in enumerate(
-                zip(grad_leaves, pl.leaves, pl.local, pl.mine, strict=True)):
-            if g is None or p is None or b is None:
-                grad_slices.append(None if g is None or b is None else _slice(g, b))
-                continue
-            if is_dtensor(g) != is_dtensor(p) and not (not is_dtensor(g) and g.dim() == 1
-                                                       and g.shape == (b[1] - b[0],)):
-                raise ValueError(
-                    f"{owner}: {_core.paths(treespec)[i]!r}: the grad is "
-                    f"{'a DTensor' if is_dtensor(g) else 'a plain tensor'} but the param is "
-                    f"{'a DTensor' if is_dtensor(p) else 'a plain tensor'}. Fix: pass the "
-                    f"gradients autograd gives the params (or this rank's slices)."
-                )
-            lg = local_tensor(g)
-            if lg.shape == lp.shape:
-                grad_slices.append(_slice(lg, b))  # a full gradient: take the slice
-            elif not is_dtensor(g) and g.shape == (b[1] - b[0],):
-                grad_slices.append(g.detach())  # already this rank's slice (reduce-scattered)
-            else:
-                what = "local shard's" if is_dtensor(p) else "param's"
-                raise ValueError(
-                    f"{owner}: {_core.paths(treespec)[i]!r}: grad has shape {tuple(lg.shape)}; "
-                    f"expected the {what} shape {tuple(lp.shape)} (the full, all-reduced "
-                    f"gradient) or ({b[1] - b[0]},) (this rank's slice, rank {rank} of "
-                    f"{world}: elements {b[0]} to {b[1]} of the flattened param, as "
-                    f"zero1_reduce_scatter returns it). Fix: pass one of the two."
-                )
+        grad_slices = [_grad_slice(owner, treespec, i, g, p, lp, b, rank, world)
+                       for i, (g, p, lp, b) in enumerate(
+                           zip(grad_leaves, pl.leaves, pl.local, pl.mine, strict=True))]
         new_slices, new_state = pl.opt.step(
             _core.unflatten(treespec, grad_slices),
             state,
@@ -489,6 +418,87 @@ def _zero1_parts(
         return [*unsharded.buffers(), *(b for _, mp in by_group.values() for b in mp.buffers())]
 
     return init_fn, step_slices, buffers
+
+
+def _check_groups(owner: str, process_group: Any, stats_group: Any) -> None:
+    """``process_group`` and ``stats_group`` are process groups or None."""
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            f"{owner}: process_group must be a torch.distributed.ProcessGroup or None (the "
+            f"default group), got {type(process_group).__name__}. Fix: pass e.g. "
+            f"torch.distributed.group.WORLD or the data-parallel group."
+        )
+    if stats_group is not None and not isinstance(stats_group, dist.ProcessGroup):
+        raise TypeError(
+            f"{owner}: stats_group must be a torch.distributed.ProcessGroup or None, got "
+            f"{type(stats_group).__name__}."
+        )
+
+
+def _stats_group(owner: str, stats_group: dist.ProcessGroup | None, world: int,
+                 mesh: Any) -> dist.ProcessGroup | None:
+    """The group the gradient statistics are summed over beside a tensor-parallel mesh:
+    ``stats_group``, or the world where it is the data-parallel group times the mesh."""
+    if stats_group is not None:
+        return stats_group
+    if world * mesh.size() != dist.get_world_size():
+        raise ValueError(
+            f"{owner}: the data-parallel group ({world} ranks) times the tensor-parallel mesh "
+            f"({mesh.size()} ranks) is not the world ({dist.get_world_size()} ranks), so the "
+            f"group the gradient statistics are summed over cannot be inferred. Fix: pass "
+            f"stats_group, the group of all ranks holding a part of this model (data- and "
+            f"tensor-parallel).")
+    return dist.group.WORLD
+
+
+def _tp_entries(owner: str, tp_group: dist.ProcessGroup, declared: list[Any],
+                leaves: list[Any], treespec: _core.TreeSpec) -> list[Any]:
+    """Who counts each slice in the statistics beside a tensor-parallel mesh: False (a part),
+    or the group over which it is a copy."""
+    entries: list[Any] = []
+    for i, (p, entry) in enumerate(zip(leaves, declared, strict=True)):
+        if p is None or is_dtensor(p):
+            # a slice of a Shard piece is a part; of a Replicate one, a copy over TP
+            replicate = p is not None and p.placements[0].is_replicate()
+            entries.append(tp_group if replicate else False)
+        elif entry is None:
+            raise ValueError(
+                f"{owner}: params leaf {_core.paths(treespec)[i]!r} is a plain tensor beside "
+                f"tensor-parallel (DTensor) params; it is unclear whether the tensor-parallel "
+                f"ranks hold the same values (count it once) or each its own part. Fix: pass "
+                f"replicated=True (alike on the tensor-parallel ranks: a param left out of the "
+                f"plan), replicated=False, or a pytree of such bools (or of process groups) per "
+                f"param.")
+        else:
+            entries.append(tp_group if entry is True else entry)
+    return entries
+
+
+def _grad_slice(owner: str, treespec: _core.TreeSpec, i: int, g: torch.Tensor | None, p: Any,
+                lp: Any, b: tuple[int, int] | None, rank: int, world: int) -> torch.Tensor | None:
+    """This rank's slice of gradient leaf ``i`` (param ``p``, its local tensor ``lp``, the
+    slice ``b``): taken from a full gradient, or the gradient itself if it is the slice."""
+    if g is None or p is None or b is None:
+        return None if g is None or b is None else _slice(g, b)
+    if is_dtensor(g) != is_dtensor(p) and not (not is_dtensor(g) and g.dim() == 1
+                                               and g.shape == (b[1] - b[0],)):
+        raise ValueError(
+            f"{owner}: {_core.paths(treespec)[i]!r}: the grad is "
+            f"{'a DTensor' if is_dtensor(g) else 'a plain tensor'} but the param is "
+            f"{'a DTensor' if is_dtensor(p) else 'a plain tensor'}. Fix: pass the gradients "
+            f"autograd gives the params (or this rank's slices).")
+    lg = local_tensor(g)
+    if lg.shape == lp.shape:
+        return _slice(lg, b)  # a full gradient: take the slice
+    if not is_dtensor(g) and g.shape == (b[1] - b[0],):
+        return g.detach()  # already this rank's slice (reduce-scattered)
+    what = "local shard's" if is_dtensor(p) else "param's"
+    raise ValueError(
+        f"{owner}: {_core.paths(treespec)[i]!r}: grad has shape {tuple(lg.shape)}; expected "
+        f"the {what} shape {tuple(lp.shape)} (the full, all-reduced gradient) or "
+        f"({b[1] - b[0]},) (this rank's slice, rank {rank} of {world}: elements {b[0]} to "
+        f"{b[1]} of the flattened param, as zero1_reduce_scatter returns it). Fix: pass one "
+        f"of the two.")
 
 
 def _flat_keys(state: Any) -> tuple[list[str], list[tuple[Any, ...]]]:
@@ -513,7 +523,7 @@ def _slice_keys(owner: str, state: Any, params: Params, rank: int,
             f"{owner}: state must be the MixedPrecisionState of zero1(...).init or .step, got "
             f"{type(state).__name__}."
         )
-    leaves, treespec = _check_params(owner, params)
+    leaves, treespec = flatten_params(params)
     leaves = [None if p is None else local_tensor(p) for p in leaves]  # slices of local shards
     by_path = {tuple(a): p for a, p in zip(optree.treespec_accessors(treespec), leaves,
                                               strict=True)}
@@ -603,7 +613,7 @@ def zero1_state_to_dict(state: MixedPrecisionState, params: Params, *,
 def _tp_suffix(owner: str, params: Params, group: dist.ProcessGroup | None) -> str:
     """``''``, or ``'@tp<rank>'`` with tensor-parallel params: each tensor-parallel rank's
     slices (of its own local shards) are saved under keys of their own."""
-    leaves, treespec = _check_params(owner, params)
+    leaves, treespec = flatten_params(params)
     mesh = _model_parallel(owner, leaves, treespec, group)
     return "" if mesh is None else f"@tp{mesh.get_local_rank()}"
 

@@ -8,8 +8,8 @@ the measured speed.
 """
 
 from functopt.fast._capture import CapturedStep
+from functopt.fast._errors import CaptureError, FastPathWarning
 from functopt.fast._explain import Explanation, explain
-from functopt.fast._planner import CaptureError, FastPathWarning
 from functopt.fast._step import Step, make_step
 
 __all__ = ["CaptureError", "CapturedStep", "Explanation", "FastPathWarning", "Step", "explain",

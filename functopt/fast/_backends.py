@@ -9,11 +9,11 @@ each accepts it (and then runs all of it) or gives the reason it does not:
   ``torch._fused_sgd_``) for the leaves whose rules in the segment are Adam with decoupled
   or L2 decay, or SGD (with a trace, dampened or not, and a decay), ending in a learning
   rate, and for ``set_to_zero`` (nothing to write). The matching and the calls are the
-  planner's (``functopt/fast/_planner.py``: the walk's rule bindings, ``_matches`` /
-  ``_match_kernel``, ``_layout_problem``, ``_hyperparameters``, ``_run_group``), so a leaf
-  takes the kernel call the planner's fast path makes for it, bitwise. For a rule torch
-  has no fused kernel of, torch.optim's foreach implementation where one computes the
-  rules: ``torch.optim.rmsprop._multi_tensor_rmsprop`` for ``functopt.optim.RMSprop``'s
+  planner's (the walk's rule bindings, ``functopt/fast/_walk.py``; ``_matches``,
+  ``_layout_problem``, ``_hyperparameters`` and ``_run_group``,
+  ``functopt/fast/_kernels.py``), so a leaf takes the kernel call the planner's fast path
+  makes for it, bitwise. For a rule torch has no fused kernel of, torch.optim's foreach
+  implementation where one computes the rules: ``torch.optim.rmsprop._multi_tensor_rmsprop`` for ``functopt.optim.RMSprop``'s
   chain (``[scale(-1)], [add_decayed_weights], scale_by_rms(eps_in_sqrt=False), [trace],
   scale_by_learning_rate``, not centered), in float32 and float64 (the rules compute a
   narrow dtype's moments in float32 and round once, the function rounds at each op), with
@@ -38,7 +38,8 @@ place). No clip or loss scale reaches a
 kernel as its ``grad_scale``: a clip is a `Scale` op of its own, run before the segment.
 
 The kernels round once where the pure chain rounds at each stage, so their results equal
-the pure path's within the fast-path tolerance of ``functopt/testing/conformance.py``
+the pure path's within the conformance suite's fast-path tolerance
+(``functopt/testing/_fast.py``)
 (tests/laws/test_backends.py; the foreach RMSprop equals ``torch.optim.RMSprop(foreach=True)``
 bitwise); `explain` gives, per segment, the backend that takes it or every backend's
 reason.
@@ -56,23 +57,19 @@ import torch
 
 from functopt._collective.dtensor import _leaf_names, local_tensor
 from functopt._spec import Leafwise
-from functopt.fast._planner import (
+from functopt.fast._kernels import (
     _PLAIN,
     Group,
-    Structure,
-    _Const,
-    _Env,
     _hyperparameters,
     _KernelPlan,
     _layout_problem,
     _matches,
-    _Mismatch,
-    _Op,
     _run_group,
-    _Walk,
-    overlap,
 )
+from functopt.fast._planner import overlap
 from functopt.fast._program import Gate, Map, Op, Program
+from functopt.fast._programs import _Const, _Env, _Op
+from functopt.fast._walk import _Mismatch, _Walk
 from functopt.transforms import _common
 from functopt.tree import _core
 
@@ -192,7 +189,6 @@ class _Matched:
     """A segment matched to kernels, as far as the structures say: per leaf of the segment
     its plan and group key, and the counts its rules advance (flat state indices)."""
 
-    structure: Structure
     plans: dict[int, tuple[_KernelPlan, Any]]
     counts: tuple[int, ...]
 
@@ -268,7 +264,7 @@ def _match(segment: Segment, run: Leaves) -> _Matched | str:
     if extra:
         return (f"{segment.where}: a rule keeps shared state besides its count, which the "
                 f"kernels do not write")
-    return _Matched(structure, plans, tuple(sorted(counts)))
+    return _Matched(plans, tuple(sorted(counts)))
 
 
 class _Kernel:
@@ -302,7 +298,7 @@ class _Kernel:
             if p is None or u is None:
                 continue
             plan, key = matched.plans[i]
-            problem = _layout_problem(plan, p, run.state, i, matched.structure)
+            problem = _layout_problem(plan, p, run.state)
             if problem is not None:
                 return f"leaf {name(i)!r}: {problem}"
             group = groups.setdefault((p.device, p.dtype, key),

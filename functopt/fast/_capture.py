@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from functopt._base import Params, State, Updates
 from functopt._collective.dtensor import _leaf_names
 from functopt.fast import _planner
-from functopt.fast._planner import CaptureError
+from functopt.fast._errors import CaptureError
 from functopt.tree import _core
 
 __all__ = ["CapturedStep", "Recordable", "capture", "written_back"]

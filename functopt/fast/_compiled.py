@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 import types
+import warnings
 from typing import Any
 
 import optree
@@ -44,6 +45,7 @@ import torch
 
 from functopt._collective.dtensor import _rewrap_like, local_tensor
 from functopt.fast import _layout
+from functopt.fast._errors import FastPathWarning
 from functopt.fast._layout import dense, end_to_end, memory_view, shaped_like
 from functopt.transforms import _common
 from functopt.tree import _core
@@ -86,9 +88,6 @@ def _lowering() -> bool:
             lowering.register_lowering(torch.ops.functopt.hoisted)(hoisted)
             _LOWERED.append(True)
         except (ImportError, AttributeError, TypeError) as error:
-            import warnings
-
-            from functopt.fast._planner import FastPathWarning
             warnings.warn(
                 f"the compiled tier cannot register its Inductor lowering ({error!r}) in "
                 f"torch {torch.__version__}: scalars such as Adam's bias corrections are "
@@ -351,35 +350,21 @@ def run_group(group: Any, values: list[Any], grads: list[Any], state_leaves: lis
     plan = group.plan
     keep = [j for j, i in enumerate(group.leaves) if local_tensor(values[i]).numel()]
     if not keep:
-        # empty leaves: nothing to compute, their state is empty. But the rules' shared
-        # state (a count of their own, Prodigy's estimate) moves on every rank, also on one
-        # whose shards of this group are all empty: the body over no elements moves it
-        # (uncompiled: no graph for that)
-        shared = _shared_of(plan, state_leaves)
-        if any(shared):
-            empty = _empties(group, values, grads, state_leaves)
-            skip = None if found_inf is None else found_inf.to(dtype=torch.bool)
-            _write_shared(plan, _body(plan.ops)(*empty, shared, scale, skip, None, updates,
-                                                _totals_of(plan, totals)), new_leaves)
+        _run_empty(group, values, grads, state_leaves, new_leaves, updates, scale=scale,
+                   found_inf=found_inf, totals=totals)
         return
     idx = [group.leaves[j] for j in keep]
-    plans = [group.plans[j] for j in keep]
     ps = [local_tensor(values[i]) for i in idx]
     gs = [_in_layout(local_tensor(grads[i]), p) for i, p in zip(idx, ps, strict=True)]
     key = plan.key()
     g_flat, _ = _gather(gs, True, workspace, (key, "grads"))
     p_flat, p_view = _gather(ps, donate, workspace, (key, "values"))
     slot_sets: list[tuple[list[int], list[torch.Tensor]]] = []
-    slot_flats: list[torch.Tensor] = []
-    slot_views: list[bool] = []
-    for j, op in enumerate(plan.ops):
-        for name in op.slots:
-            ks = [leaf_plan.ops[j].slots[name] for leaf_plan in plans]
-            tensors = [local_tensor(state_leaves[k]) for k in ks]
-            flat, view = _gather(tensors, donate, workspace, (key, j, name))
-            slot_sets.append((ks, tensors))
-            slot_flats.append(flat)
-            slot_views.append(view)
+    slot_flats: list[tuple[torch.Tensor, bool]] = []
+    for at, ks in _columns(plan, [group.plans[j] for j in keep]):
+        tensors = [local_tensor(state_leaves[k]) for k in ks]
+        slot_sets.append((ks, tensors))
+        slot_flats.append(_gather(tensors, donate, workspace, (key, *at)))
     shared = _shared_of(plan, state_leaves)
     lows = _lows(low, idx, ps)
     low_flat, low_view = None, False
@@ -394,26 +379,53 @@ def run_group(group: Any, values: list[Any], grads: list[Any], state_leaves: lis
     if fn is None:
         fn = compiled[key] = _compile(_body(plan.ops))
     skip = None if found_inf is None else found_inf.to(device=p_flat.device, dtype=torch.bool)
-    new_shared = fn(g_flat, p_flat, slot_flats, shared, scale, skip, low_flat, updates,
-                    _totals_of(plan, totals))
+    new_shared = fn(g_flat, p_flat, [flat for flat, _ in slot_flats], shared, scale, skip,
+                    low_flat, updates, _totals_of(plan, totals))
     if low is not None and lows is not None and low_flat is not None and new_low is not None:
-        if donate and not low_view:
-            torch._foreach_copy_(lows, _scatter(low_flat, lows))
-        for i, out in zip(idx, _scatter(low_flat, lows), strict=True):
-            new_low[i] = low[i] if donate else _rewrap_like(low[i], out)
-    if donate:
-        if not p_view:
-            torch._foreach_copy_(ps, _scatter(p_flat, ps))
-        for (_, tensors), flat, view in zip(slot_sets, slot_flats, slot_views, strict=True):
-            if not view:
-                torch._foreach_copy_(tensors, _scatter(flat, tensors))
-    else:
-        for i, out in zip(idx, _scatter(p_flat, ps), strict=True):
-            new_values[i] = _rewrap_like(values[i], out)
-        for (ks, tensors), flat in zip(slot_sets, slot_flats, strict=True):
-            for k, out in zip(ks, _scatter(flat, tensors), strict=True):
-                new_leaves[k] = _rewrap_like(state_leaves[k], out)
+        _written(low_flat, low_view, lows, idx, low, new_low, donate)
+        if donate:
+            for i in idx:
+                new_low[i] = low[i]
+    _written(p_flat, p_view, ps, idx, values, new_values, donate)
+    for (ks, tensors), (flat, view) in zip(slot_sets, slot_flats, strict=True):
+        _written(flat, view, tensors, ks, state_leaves, new_leaves, donate)
     _write_shared(plan, new_shared, new_leaves)
+
+
+def _run_empty(group: Any, values: list[Any], grads: list[Any], state_leaves: list[Any],
+               new_leaves: list[Any], updates: list[Any], *, scale: torch.Tensor | None,
+               found_inf: torch.Tensor | None, totals: dict[int, Any] | None) -> None:
+    """`run_group` on a rank that holds no elements of the group: nothing to compute,
+    their state is empty. But the rules' shared state (a count of their own, Prodigy's
+    estimate) moves on every rank: the body over no elements moves it (uncompiled: no
+    graph for that)."""
+    plan = group.plan
+    shared = _shared_of(plan, state_leaves)
+    if any(shared):
+        empty = _empties(group, values, grads, state_leaves)
+        skip = None if found_inf is None else found_inf.to(dtype=torch.bool)
+        _write_shared(plan, _body(plan.ops)(*empty, shared, scale, skip, None, updates,
+                                            _totals_of(plan, totals)), new_leaves)
+
+
+def _columns(plan: Any, plans: list[Any]) -> list[tuple[tuple[int, str], list[int]]]:
+    """Per per-leaf state entry of the group's rules, (its rule's position in ``plan``,
+    its field) and its flat state indices over ``plans`` (the leaves' own plans)."""
+    return [((j, name), [leaf_plan.ops[j].slots[name] for leaf_plan in plans])
+            for j, op in enumerate(plan.ops) for name in op.slots]
+
+
+def _written(flat: torch.Tensor, view: bool, tensors: list[torch.Tensor], indices: list[int],
+             given: list[Any], out: list[Any], donate: bool) -> None:
+    """A call's results ``flat`` back where they belong: when donated, in ``tensors`` (the
+    local tensors of ``given[k]``, ``k`` in ``indices``: a copy unless ``flat`` is a
+    ``view`` of them), else as ``out[k]``, new tensors wrapped as ``given[k]``."""
+    if donate:
+        if not view:
+            torch._foreach_copy_(tensors, _scatter(flat, tensors))
+        return
+    for k, new in zip(indices, _scatter(flat, tensors), strict=True):
+        out[k] = _rewrap_like(given[k], new)
 
 
 def _shared_of(plan: Any, state_leaves: list[Any]) -> list[dict[str, Any]]:
@@ -481,7 +493,6 @@ def group_sums(group: Any, values: list[Any], grads: list[Any], state_leaves: li
         g_empty, p_empty, slots_empty = _empties(group, values, grads, state_leaves)
         return _sums_body(plan.ops)(g_empty, p_empty, slots_empty, shared, scale)
     idx = [group.leaves[j] for j in keep]
-    plans = [group.plans[j] for j in keep]
 
     def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
         return _gather(tensors, True, None, None)[0]
@@ -489,9 +500,8 @@ def group_sums(group: Any, values: list[Any], grads: list[Any], state_leaves: li
     ps = [local_tensor(values[i]) for i in idx]
     g_flat = flat([_in_layout(local_tensor(grads[i]), p) for i, p in zip(idx, ps, strict=True)])
     p_flat = flat(ps)
-    slot_flats = [flat([local_tensor(state_leaves[leaf_plan.ops[j].slots[name]])
-                        for leaf_plan in plans])
-                  for j, op in enumerate(plan.ops) for name in op.slots]
+    slot_flats = [flat([local_tensor(state_leaves[k]) for k in ks])
+                  for _, ks in _columns(plan, [group.plans[j] for j in keep])]
     key = (plan.key(), "sums")
     fn = compiled.get(key)
     if fn is None:
@@ -519,12 +529,10 @@ def flat_layout(values: list[Any], movable: list[bool], state_leaves: list[Any],
         idx = [i for i in group.leaves if local_tensor(values[i]).numel()]
         if idx and all(movable[i] for i in idx):
             _lay_end_to_end(idx, values, out_values)
-        for j, op in enumerate(group.plan.ops):
-            for name in op.slots:
-                ks = [leaf_plan.ops[j].slots[name] for leaf_plan, i in
-                      zip(group.plans, group.leaves, strict=True)
-                      if local_tensor(values[i]).numel()]
-                _lay_end_to_end(ks, state_leaves, out_leaves)
+        plans = [leaf_plan for leaf_plan, i in zip(group.plans, group.leaves, strict=True)
+                 if local_tensor(values[i]).numel()]
+        for _, ks in _columns(group.plan, plans):
+            _lay_end_to_end(ks, state_leaves, out_leaves)
     return out_values, out_leaves
 
 

@@ -25,7 +25,7 @@ import weakref
 from typing import Any
 
 from functopt._collective.dtensor import _leaf_names
-from functopt.fast import _backends, _planner
+from functopt.fast import _backends, _errors, _planner
 from functopt.fast._execute import execute_leaves, problem
 from functopt.fast._program import Program, compile_program
 from functopt.tree import _core
@@ -75,7 +75,7 @@ def step(owner: Any, param_leaves: list[Any], treespec: _core.TreeSpec,
             warnings.warn(
                 f"make_step: the program engine (FUNCTOPT_ENGINE=program) does not take "
                 f"this step: {reason}; it runs on the planner's path.",
-                _planner.FastPathWarning, stacklevel=4)
+                _errors.FastPathWarning, stacklevel=4)
         return None
     name = _leaf_names(treespec)
     if owner.donate:
@@ -84,7 +84,7 @@ def step(owner: Any, param_leaves: list[Any], treespec: _core.TreeSpec,
                                     state_leaves, donate=owner.donate, backends=BACKENDS)
     for refusal in _backends.unwarned(program):
         warnings.warn(f"make_step: the program engine's {refusal}; the eager backend (the "
-                      f"rules' own updates) runs it.", _planner.FastPathWarning, stacklevel=4)
+                      f"rules' own updates) runs it.", _errors.FastPathWarning, stacklevel=4)
     return _core.unflatten(treespec, values), _core.unflatten(state_spec, leaves)
 
 

@@ -10,7 +10,7 @@ import torch
 
 from functopt._base import GradientTransformation
 from functopt._collective.dtensor import _leaf_names, local_tensor
-from functopt.fast import _inside, _multi, _multi_injected, _planner, _traffic
+from functopt.fast import _inside, _multi, _multi_injected, _planned, _programs, _traffic, _walk
 from functopt.transforms.hyperparams import InjectHyperparamsState
 from functopt.transforms.multi_steps import MultiSteps
 from functopt.tree import _core
@@ -204,18 +204,17 @@ def explain(tx: GradientTransformation | MultiSteps, params: Any, state: Any = N
         treespec, grads, name="grads", reference="params")
     state_leaves, state_spec = _core.flatten(state)
     name = _leaf_names(treespec)
-    structure = _planner.walk(tx, params, treespec, leaves, state_leaves, state_spec)
-    lowered = _planner.lower(structure, state_spec, leaves, grad_leaves, state_leaves, name,
+    structure = _walk.walk(tx, params, treespec, leaves, state_leaves, state_spec)
+    lowered = _planned.lower(structure, state_spec, leaves, grad_leaves, state_leaves, name,
                              compiled=compile)
     paths = _core.paths(treespec)
     mini_steps = None
     accumulation = structure.accumulation
     if accumulation is not None and not lowered.fast:  # a MultiSteps inside a combinator
 
-        def lower(mode: str) -> _planner.Lowered:
-            found = _planner.walk(tx, params, treespec, leaves, state_leaves, state_spec,
-                                  mode)
-            return _planner.lower(found, state_spec, leaves, grad_leaves, state_leaves, name,
+        def lower(mode: str) -> _planned.Lowered:
+            found = _walk.walk(tx, params, treespec, leaves, state_leaves, state_spec, mode)
+            return _planned.lower(found, state_spec, leaves, grad_leaves, state_leaves, name,
                                   compiled=compile)
 
         mini, lowered = _inside.explained(structure, lower)
@@ -242,7 +241,7 @@ def explain(tx: GradientTransformation | MultiSteps, params: Any, state: Any = N
     return _explanation(lowered, structure, paths, grad_leaves, traffic, total, mini_steps)
 
 
-def _explanation(lowered: _planner.Lowered, structure: _planner.Structure, paths: list[str],
+def _explanation(lowered: _planned.Lowered, structure: _programs.Structure, paths: list[str],
                  grad_leaves: list[Any], traffic: dict[int, _traffic.Traffic],
                  total: _traffic.Traffic | str, mini_steps: str | None = None,
                  ) -> Explanation:
@@ -269,7 +268,7 @@ def _explanation(lowered: _planner.Lowered, structure: _planner.Structure, paths
                        mini_steps=mini_steps)
 
 
-def mixed_explanation(lowered: _planner.Lowered, structure: _planner.Structure,
+def mixed_explanation(lowered: _planned.Lowered, structure: _programs.Structure,
                       treespec: Any, params: list[Any], stores: list[Any], views: list[Any],
                       grads: list[Any], inner_leaves: list[Any], *, multiplied: bool,
                       count_zeros: bool, donate: bool) -> Explanation:
@@ -286,7 +285,7 @@ def mixed_explanation(lowered: _planner.Lowered, structure: _planner.Structure,
 
 
 def _step_traffic(tx: GradientTransformation, params: Any, state: Any,
-                  lowered: _planner.Lowered, structure: _planner.Structure, leaves: list[Any],
+                  lowered: _planned.Lowered, structure: _programs.Structure, leaves: list[Any],
                   grad_leaves: list[Any], state_leaves: list[Any], treespec: Any, *,
                   donate: bool, donate_grads: bool,
                   ) -> tuple[dict[int, _traffic.Traffic], _traffic.Traffic | str]:

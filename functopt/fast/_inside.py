@@ -4,14 +4,14 @@
 `_multi.Split` steps a ``MultiSteps`` that is the whole transform or one element of a chain
 of per-leaf rules and clips. Anywhere else, the planner lowers it where it is the first rule
 of the leaves it sees (so that what it accumulates are their gradients; a leading
-``apply_if_finite`` may sit around it) (`_planner.Accumulation`). Each step then:
+``apply_if_finite`` may sit around it) (`_programs.Accumulation`). Each step then:
 
 - decides the mini-step with the very code of the pure update, ``MultiSteps.window``, on
   the gradients and params of its leaves (``None`` at the others, as ``masked`` and
   ``partition`` hand them over), with the ``MultiSteps`` built from this step's
   hyperparameters inside an injection (its own ``update`` would run that one);
 - takes the planner's step of the transform with the ``MultiSteps`` read as what it does at
-  this mini-step (`_planner.MINI`, `_planner.CLOSING`): a mini-step that does not close the
+  this mini-step (`_programs.MINI`, `_programs.CLOSING`): a mini-step that does not close the
   window returns zeros (``set_to_zero`` on its leaves: the other leaves take their kernels
   as always, and every counter and injected hyperparameter around it moves as on the pure
   path); the one that closes it is its inner transform on its state's ``inner_opt_state``,
@@ -19,7 +19,7 @@ of the leaves it sees (so that what it accumulates are their gradients; a leadin
 - where rules come after it on its leaves (``chain(MultiSteps(...),
   masked(add_decayed_weights(...)), scale_by_learning_rate(...))``), a mini-step's zero
   updates reach them as zero gradients would, since it is the first rule there: those
-  leaves take the kernels on zero gradients (`_planner.Structure.zeroed`);
+  leaves take the kernels on zero gradients (`_programs.Structure.zeroed`);
 - accumulates with one ``foreach`` running mean (or sum) per (device, dtype) group
   (`_multi.accumulate`, in place in ``acc_grads`` when donated), adds 0.0 to its leaves on a
   mini-step (`_multi.plus_zero`: a zero update turns -0.0 into 0.0), and writes its counters,
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from functopt.fast import _multi, _planner
+from functopt.fast import _multi, _planned, _programs
 from functopt.transforms import _common
 from functopt.transforms.multi_steps import MultiSteps, MultiStepsState, Window
 from functopt.tree import _core
@@ -51,8 +51,8 @@ __all__ = ["FOREIGN", "explained", "inside_step"]
 # update, which says what is wrong (no FastPathWarning: nothing fast was lost)
 FOREIGN = "the state does not have the transform's layout"
 
-Run = Callable[[_planner.Lowered, list[Any], dict[int, torch.Tensor]],
-               "_planner.Result | str"]
+Run = Callable[[_planned.Lowered, list[Any], dict[int, torch.Tensor]],
+               "_planned.Result | str"]
 
 
 def _filled(index_tree: Any, leaves: list[Any]) -> Any:
@@ -61,7 +61,7 @@ def _filled(index_tree: Any, leaves: list[Any]) -> Any:
     return _core.unflatten(spec, [leaves[k] for k in indices])
 
 
-def multi_steps(acc: _planner.Accumulation, structure: _planner.Structure,
+def multi_steps(acc: _programs.Accumulation, structure: _programs.Structure,
                 state_leaves: list[Any]) -> MultiSteps | str:
     """The ``MultiSteps`` whose window this step decides: the one the walk met, or inside an
     injection the one built from this step's hyperparameters (as its update builds it)."""
@@ -69,14 +69,14 @@ def multi_steps(acc: _planner.Accumulation, structure: _planner.Structure,
         ms: MultiSteps = acc.multi_steps
         return ms
     node, position = acc.rebuild
-    found = _planner.accumulated_specs(_planner.injected_spec(structure, state_leaves, node))
+    found = _programs.accumulated_specs(_programs.injected_spec(structure, state_leaves, node))
     if len(found) <= position:
         return (f"{acc.where}: the injected transform built from this step's values has no "
                 f"MultiSteps there")
     return found[position].multi_steps
 
 
-def window(acc: _planner.Accumulation, ms: MultiSteps, treespec: _core.TreeSpec,
+def window(acc: _programs.Accumulation, ms: MultiSteps, treespec: _core.TreeSpec,
            param_leaves: list[Any], grad_leaves: list[Any], state_leaves: list[Any],
            ) -> Window | str:
     """This mini-step of ``ms`` as its update decides it, on what the combinators around it
@@ -104,10 +104,10 @@ def window(acc: _planner.Accumulation, ms: MultiSteps, treespec: _core.TreeSpec,
     return found
 
 
-def inside_step(structure: _planner.Structure, lower: Callable[[str], _planner.Lowered],
+def inside_step(structure: _programs.Structure, lower: Callable[[str], _planned.Lowered],
                 run: Run, finite: Callable[[int], torch.Tensor], treespec: _core.TreeSpec,
                 param_leaves: list[Any], grad_leaves: list[Any], state_leaves: list[Any], *,
-                donate: bool) -> _planner.Result | str:
+                donate: bool) -> _planned.Result | str:
     """One step of a transform with a ``MultiSteps`` inside (``structure.accumulation``):
     ``lower(mode)`` is the planner's lowering of the transform in that mode, ``run`` its
     step on these leaves with the gradients given (and the verdicts of the guards given),
@@ -123,7 +123,7 @@ def inside_step(structure: _planner.Structure, lower: Callable[[str], _planner.L
         return found
     verdicts, guarded = _guarded(acc, structure, finite, state_leaves)
     closing = found.closes and not found.skip and not guarded
-    lowered = lower(_planner.CLOSING if closing else _planner.MINI)
+    lowered = lower(_programs.CLOSING if closing else _programs.MINI)
     if lowered.reason is not None:
         return _named(lowered, acc, "the closing mini-step" if closing else "a mini-step")
     present = [i for i, g in enumerate(found.leaves) if g is not None]
@@ -156,7 +156,7 @@ def inside_step(structure: _planner.Structure, lower: Callable[[str], _planner.L
     return result
 
 
-def _guarded(acc: _planner.Accumulation, structure: _planner.Structure,
+def _guarded(acc: _programs.Accumulation, structure: _programs.Structure,
              finite: Callable[[int], torch.Tensor], state_leaves: list[Any],
              ) -> tuple[dict[int, torch.Tensor], bool]:
     """``({guard: its verdict on these gradients}, whether it skips the step)`` for an
@@ -186,23 +186,23 @@ def _write_window(leaves: list[Any], idx: MultiStepsState, found: Window,
             leaves[k] = x
 
 
-def explained(structure: _planner.Structure, lower: Callable[[str], _planner.Lowered],
-              ) -> tuple[_planner.Lowered, _planner.Lowered]:
+def explained(structure: _programs.Structure, lower: Callable[[str], _planned.Lowered],
+              ) -> tuple[_planned.Lowered, _planned.Lowered]:
     """The lowerings of a mini-step and of the closing mini-step of a transform with a
     ``MultiSteps`` inside, for ``explain``; where one is not fast, both are the first
     refusal, with its reason named as such."""
     acc = structure.accumulation
     assert acc is not None
-    mini, closing = lower(_planner.MINI), lower(_planner.CLOSING)
+    mini, closing = lower(_programs.MINI), lower(_programs.CLOSING)
     for lowered, what in ((mini, "a mini-step"), (closing, "the closing mini-step")):
         if lowered.reason is not None:
-            refused = _planner.Lowered(lowered.structure, lowered.state_spec, [],
+            refused = _planned.Lowered(lowered.structure, lowered.state_spec, [],
                                        _named(lowered, acc, what))
             return refused, refused
     return mini, closing
 
 
-def _named(lowered: _planner.Lowered, acc: _planner.Accumulation, what: str) -> str:
+def _named(lowered: _planned.Lowered, acc: _programs.Accumulation, what: str) -> str:
     """A refusal's reason, naming the mini-step it is of (a reason of the transform's
     structure, which every mini-step has, as it is)."""
     if lowered.structure.opaque:

@@ -28,8 +28,8 @@ import torch
 
 from functopt._base import GradientTransformation, Params, State, with_extra_args_support
 from functopt._spec import Injected, describe, specified
+from functopt.fast._errors import warn_lost
 from functopt.fast._multi import Split, multi_step
-from functopt.fast._planner import warn_lost
 from functopt.transforms import _common
 from functopt.transforms.hyperparams import InjectHyperparamsState
 from functopt.tree import _core

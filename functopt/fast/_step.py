@@ -45,8 +45,11 @@ from functopt._apply import apply_updates
 from functopt._base import GradientTransformation, Params, State, Updates
 from functopt._collective import stats
 from functopt._collective.dtensor import _infer_group, _leaf_names, _rewrap_like, local_tensor
-from functopt.fast import _capture, _compiled, _engine, _inside, _multi, _multi_injected, _planner
+from functopt.fast import _capture, _compiled, _engine, _inside, _multi, _multi_injected, _planned
 from functopt.fast._capture import CapturedStep
+from functopt.fast._errors import warn_lost
+from functopt.fast._planner import Planner, check_donation
+from functopt.fast._programs import Structure
 from functopt.transforms.multi_steps import MultiSteps
 from functopt.tree import _core, _ops
 
@@ -182,7 +185,7 @@ class Step:
         self.compile = compile
         self.fused = fused
         self.donate_grads = donate_grads
-        self.planner = _planner.Planner(tx)
+        self.planner = Planner(tx)
         # MultiSteps: mini-steps accumulate here, a closing step runs the inner
         # transform's own fast step
         # (whole, one element of a chain, or such a chain inside inject_hyperparams)
@@ -271,7 +274,7 @@ class Step:
         param_leaves, treespec = _core.flatten(params)
         _core.check_tensors(param_leaves, treespec, name="params", floating=True)
         # one buffer cannot hold two params that share memory (in one group or two)
-        _planner.check_donation(param_leaves, _leaf_names(treespec))
+        check_donation(param_leaves, _leaf_names(treespec))
         state_leaves, state_spec = _core.flatten(self.tx.init(params))
         groups = self.planner.compiled_groups(treespec, param_leaves, state_leaves, state_spec)
         if groups is not None:
@@ -377,7 +380,7 @@ class Step:
         name = _leaf_names(treespec)
         if not self.fused:
             if donate:
-                _planner.check_donation(param_leaves, name)
+                check_donation(param_leaves, name)
             updates, new_state = tx.update(grads, state, params, **extra_args)
             return _grouped_apply(param_leaves, treespec, updates, donate), new_state
         if _engine.ENABLED and (taken := _engine.step(  # (the private program engine)
@@ -385,7 +388,7 @@ class Step:
             return taken
         if self._accumulated is not None:
             if donate:
-                _planner.check_donation(param_leaves, name)
+                check_donation(param_leaves, name)
             return self._multi_step(self._accumulated, grads, state, params, extra_args)
         state_leaves, state_spec = _core.flatten(state)
         result = self._fused(params, param_leaves, treespec, grad_leaves, state_leaves,
@@ -393,13 +396,13 @@ class Step:
         if not isinstance(result, str):
             return _core.unflatten(treespec, result.values), result.state
         if result is not _inside.FOREIGN:  # (a state of another transform: its own error)
-            _planner.warn_lost("make_step", result, stacklevel=3)
+            warn_lost("make_step", result, stacklevel=3)
         updates, new_state = tx.update(grads, state, params, **extra_args)
         return _grouped_apply(param_leaves, treespec, updates, donate), new_state
 
     def _recall(self, grads: Updates, params: Params, state: State,
                 state_leaves: list[Any] | None,
-                ) -> tuple[_planner.Lowered, list[Any], _core.TreeSpec, list[Any], list[Any]] | None:
+                ) -> tuple[_planned.Lowered, list[Any], _core.TreeSpec, list[Any], list[Any]] | None:
         """The lowering a fused step made for these very inputs, with their leaves, if
         nothing it checked has changed since (see `_Seen.match`); None otherwise, and
         the caller runs every check. ``state_leaves``: the state given as leaves (of the
@@ -414,7 +417,7 @@ class Step:
 
     def _remember(self, param_leaves: list[Any], treespec: _core.TreeSpec,
                   grad_leaves: list[Any], state_leaves: list[Any],
-                  lowered: _planner.Lowered) -> None:
+                  lowered: _planned.Lowered) -> None:
         seen = _Seen.of(param_leaves, treespec, grad_leaves, state_leaves, lowered)
         if seen is None:
             return
@@ -423,8 +426,8 @@ class Step:
 
     def _fused(self, params: Params, param_leaves: list[Any], treespec: _core.TreeSpec,
                grad_leaves: list[Any], state_leaves: list[Any], state_spec: _core.TreeSpec,
-               name: Callable[[int], str], lowered: _planner.Lowered | None = None,
-               ) -> _planner.Result | str:
+               name: Callable[[int], str], lowered: _planned.Lowered | None = None,
+               ) -> _planned.Result | str:
         """The planner's step on checked leaves, or the reason it has no fast path (before
         anything was written). ``lowered``: the lowering `_recall` found for them (whose
         `_Seen.match` checked them: plain tensors, each gradient laid out as its param)."""
@@ -450,24 +453,24 @@ class Step:
                                  checked)
         return self._run(lowered, param_leaves, grad_leaves, state_leaves, name, checked)
 
-    def _inside(self, structure: _planner.Structure, params: Params, param_leaves: list[Any],
+    def _inside(self, structure: Structure, params: Params, param_leaves: list[Any],
                 treespec: _core.TreeSpec, grad_leaves: list[Any], state_leaves: list[Any],
                 state_spec: _core.TreeSpec, name: Callable[[int], str],
-                ) -> _planner.Result | str:
+                ) -> _planned.Result | str:
         """A step of a transform with a ``MultiSteps`` inside a combinator
         (``functopt/fast/_inside.py``): the planner's step of this mini-step, or the reason
         there is none (before anything was written)."""
         planner = self.planner
 
-        def lower(mode: str) -> _planner.Lowered:
+        def lower(mode: str) -> _planned.Lowered:
             found = planner.structure(params, treespec, param_leaves, state_leaves,
                                       state_spec, mode)
             return planner.lower(found, state_spec, param_leaves, grad_leaves, state_leaves,
                                  name, donated=param_leaves if self.donate else None,
                                  compiled=self.compile)
 
-        def run(lowered: _planner.Lowered, grads: list[Any],
-                verdicts: dict[int, torch.Tensor]) -> _planner.Result | str:
+        def run(lowered: _planned.Lowered, grads: list[Any],
+                verdicts: dict[int, torch.Tensor]) -> _planned.Result | str:
             return self._run(lowered, param_leaves, grads, state_leaves, name,
                              verdicts=verdicts)
 
@@ -478,9 +481,9 @@ class Step:
             return _inside.inside_step(structure, lower, run, finite, treespec, param_leaves,
                                        grad_leaves, state_leaves, donate=self.donate)
 
-    def _run(self, lowered: _planner.Lowered, param_leaves: list[Any], grad_leaves: list[Any],
+    def _run(self, lowered: _planned.Lowered, param_leaves: list[Any], grad_leaves: list[Any],
              state_leaves: list[Any], name: Callable[[int], str], checked: bool = False,
-             verdicts: dict[int, torch.Tensor] | None = None) -> _planner.Result | str:
+             verdicts: dict[int, torch.Tensor] | None = None) -> _planned.Result | str:
         """The planner's run with the step's reductions; ``verdicts``: guards whose verdict
         the caller gives (a guard around a MultiSteps checks other gradients than those its
         closing mini-step steps on: `_inside.inside_step`)."""
@@ -489,16 +492,16 @@ class Step:
         if not (structure.zero_nans or structure.clips or structure.guards):
             # (no gradient to zero, no value to reduce: zero_nans hands the gradients back,
             # _reductions and found_nan no values)
-            return _planner.run(lowered, param_leaves, grad_leaves, state_leaves,
+            return _planned.run(lowered, param_leaves, grad_leaves, state_leaves,
                                 donate=self.donate, donate_grads=self.donate_grads, sums=[],
                                 finite=[], reads=self.planner.reads, workspace=workspace,
                                 nans=[], checked=checked)
-        grad_leaves, flags = _planner.zero_nans(structure, grad_leaves)
+        grad_leaves, flags = _planned.zero_nans(structure, grad_leaves)
         totals = None
         if structure.tree_wide and not structure.clips:
             # (the sums passes need no clip's factor, which only the reduction gives: their
             # sums join the guards' counts and the nan flags in the step's one all-reduce)
-            totals = _planner.local_tree_sums(
+            totals = _planned.local_tree_sums(
                 structure, [(group, None) for group in lowered.groups], param_leaves,
                 grad_leaves, state_leaves)
         sums, finite, reduced, totals = _reductions(
@@ -506,12 +509,12 @@ class Step:
             nans=[flag for _, flag, on_mesh in flags if on_mesh], totals=totals)
         for index, verdict in (verdicts or {}).items():
             finite[index] = verdict
-        return _planner.run(lowered, param_leaves, grad_leaves, state_leaves,
+        return _planned.run(lowered, param_leaves, grad_leaves, state_leaves,
                             donate=self.donate, donate_grads=self.donate_grads, sums=sums,
                             finite=finite, reads=self.planner.reads,
                             # (a zero_nans' gradients are new tensors, of any layout)
                             workspace=workspace, checked=checked and not structure.zero_nans,
-                            nans=_planner.found_nan(flags, reduced, state_leaves),
+                            nans=_planned.found_nan(flags, reduced, state_leaves),
                             totals=totals)
 
     def _step_leaves(self, grads: Updates, state_leaves: list[Any], state_spec: _core.TreeSpec,
@@ -633,11 +636,11 @@ class _Seen:
     # per per-leaf state entry: (flat state index, weakref, address, strides, shape)
     slot_rows: list[tuple[Any, ...]]
     plain_state: bool  # every state leaf a tensor or None: flatten_up_to is the flatten
-    lowered: _planner.Lowered
+    lowered: _planned.Lowered
 
     @classmethod
     def of(cls, param_leaves: list[Any], treespec: _core.TreeSpec, grad_leaves: list[Any],
-           state_leaves: list[Any], lowered: _planner.Lowered) -> _Seen | None:
+           state_leaves: list[Any], lowered: _planned.Lowered) -> _Seen | None:
         # (the types in a set: one pass in C, not a Python test per leaf)
         if not set(map(type, param_leaves)) <= _PLAIN_OR_NONE:
             return None
@@ -716,7 +719,7 @@ class _Seen:
         return True
 
 
-def _reductions(structure: _planner.Structure, params: list[Any], grads: list[Any],
+def _reductions(structure: Structure, params: list[Any], grads: list[Any],
                 name: Callable[[int], str], *, counted: list[bool] | None = None,
                 group: Any = _INFERRED, nans: list[torch.Tensor] | None = None,
                 totals: dict[int, Any] | None = None,
@@ -728,7 +731,7 @@ def _reductions(structure: _planner.Structure, params: list[Any], grads: list[An
     ``counted``, per leaf, whether this rank counts it, when given). ``nans``: the local
     ``found_nan`` flags of DTensor leaves (a leading ``zero_nans``'), summed in the same
     all-reduce and returned third; ``totals``: this process's tree sums
-    (`_planner.local_tree_sums`), summed there too and returned fourth."""
+    (`_planned.local_tree_sums`), summed there too and returned fourth."""
     nans = nans or []
     if not (structure.clips or structure.guards or nans or totals):
         return [], [], [], totals

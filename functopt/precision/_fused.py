@@ -66,7 +66,7 @@ from functopt._collective.stats import (
     unpack_sums,
     zero_count,
 )
-from functopt.fast import _compiled, _planner
+from functopt.fast import _compiled, _planned, _planner, _programs
 from functopt.fast._layout import end_to_end
 from functopt.precision import _host
 from functopt.precision.loss_scale import (
@@ -314,7 +314,7 @@ def flat_init(planner: _planner.Planner, treespec: Any, stores: list[Any], views
 def _lowered(planner: _planner.Planner, treespec: Any, params: list[Any], stores: list[Any],
              views: list[Any], grads: list[Any], inner_state: Any, name: Callable[[int], str],
              donate: bool, compiled: bool,
-             ) -> tuple[_planner.Structure, list[Any], _planner.Lowered]:
+             ) -> tuple[_programs.Structure, list[Any], _planned.Lowered]:
     """The planner's lowering of the inner transform over the master-precision values (its
     reason in ``Lowered.reason`` when it has none); returns ``(structure, inner state
     leaves, lowered)``. With donation, params and stores are checked for shared memory."""
@@ -350,7 +350,7 @@ def fused_mixed_step(
     group: dist.ProcessGroup | None, name: Callable[[int], str], count_zeros: bool,
     donate: bool, workspace: list[Any] | None = None, counted: Sequence[bool] | None = None,
     compiled: bool = False, scratch: dict[Any, Any] | None = None,
-    lowering: tuple[_planner.Structure, list[Any], _planner.Lowered] | None = None,
+    lowering: tuple[_programs.Structure, list[Any], _planned.Lowered] | None = None,
     metrics: Any = None, casts: dict[str, Any] | None = None, agreed: Agreement | None = None,
 ) -> tuple[list[Any], list[Any], Any, GradStats, LossScaleState] | str:
     """The mixed-precision step on the planner's kernels (see the module docstring), or the
@@ -423,7 +423,7 @@ def fused_mixed_step(
     return *result, stats, new_loss_scale
 
 
-def _early_totals(lowered: _planner.Lowered, views: list[Any], wide: list[Any],
+def _early_totals(lowered: _planned.Lowered, views: list[Any], wide: list[Any],
                   inner_leaves: list[Any], group: dist.ProcessGroup | None,
                   max_grad_norm: float | torch.Tensor | NormClip | None,
                   multiplier: Callable[[], torch.Tensor | None]) -> dict[int, Any] | None:
@@ -439,12 +439,12 @@ def _early_totals(lowered: _planner.Lowered, views: list[Any], wide: list[Any],
         return None
     scale = multiplier()
     # (the sums pass reads the casts the kernels will read: `_kernel_casts` copies them)
-    return _planner.local_tree_sums(structure, [(g, scale) for g in lowered.groups], views,
+    return _planned.local_tree_sums(structure, [(g, scale) for g in lowered.groups], views,
                                     wide, inner_leaves)
 
 
 def _kernel_casts(grads: list[Any], wide: list[Any], multiplier: torch.Tensor | None,
-                  lowered: _planner.Lowered) -> list[Any]:
+                  lowered: _planned.Lowered) -> list[Any]:
     """The gradients the kernels read. They unscale in place: a gradient that needed no
     cast is the caller's, never written, so it is copied when it will be scaled (a
     compiled call scales out of place: its gradients are read as they are)."""
@@ -467,7 +467,7 @@ def _host_bookkeeping(loss_scale: LossScaleState, rule: LossScale,
 
 
 def _host_kernel_step(
-    planner: _planner.Planner, lowered: _planner.Lowered, params: list[Any],
+    planner: _planner.Planner, lowered: _planned.Lowered, params: list[Any],
     stores: list[Any], views: list[Any], grads: list[Any], wide: list[Any],
     inner_leaves: list[Any], loss_scale: LossScaleState, *, scale_rule: LossScale,
     scaled: bool, max_grad_norm: float | torch.Tensor | NormClip | None,
@@ -535,7 +535,7 @@ def _host_kernel_step(
     return new_params, new_stores, new_inner, stats, new_loss_scale
 
 
-def _kernel_step(planner: _planner.Planner, lowered: _planner.Lowered, params: list[Any],
+def _kernel_step(planner: _planner.Planner, lowered: _planned.Lowered, params: list[Any],
                  stores: list[Any], views: list[Any], grads: list[Any],
                  kernel_grads: list[Any], inner_leaves: list[Any], donate: bool,
                  scratch: dict[Any, Any] | None, keep_dtypes: bool = False,
@@ -543,14 +543,14 @@ def _kernel_step(planner: _planner.Planner, lowered: _planner.Lowered, params: l
                  ) -> tuple[list[Any], list[Any], Any] | str:
     """The planner's kernels on the master-precision values and ``kernel_grads`` (which
     they may scale in place), then the params written from the new masters; ``options``
-    go to ``_planner.run``. Returns ``(new params, new stores, new inner state)`` or the
+    go to ``_planned.run``. Returns ``(new params, new stores, new inner state)`` or the
     reason the run refused, before any write.
 
     ``keep_dtypes``: the injected hyperparameters keep the dtypes of ``inner_leaves``,
     as a run with a ``found_inf`` keeps them (its select casts a new value to the old
     one's dtype; one without takes the value as the schedule gave it). ``casts``: see
     `fused_mixed_step`."""
-    result = _planner.run(lowered, views, kernel_grads, inner_leaves, donate=donate,
+    result = _planned.run(lowered, views, kernel_grads, inner_leaves, donate=donate,
                           donate_grads=True, reads=planner.reads, workspace=scratch,
                           low=[p if s is not None else None
                                for p, s in zip(params, stores, strict=True)], **options)

@@ -20,7 +20,7 @@ from functopt import _validate
 from functopt._collective.agreement import Agreement
 from functopt._collective.dtensor import _rewrap_like, local_tensor
 from functopt._collective.stats import counted_leaves, unscaled_stats
-from functopt.fast import _multi, _planner
+from functopt.fast import _multi, _planned, _planner
 from functopt.fast._multi import accumulate as _accumulate
 from functopt.fast._multi import plus_zero
 from functopt.fast._step import _grouped_apply, _reductions
@@ -149,7 +149,7 @@ def fused_multi_step(
     return new_params, new_stores, new_state, stats, new_loss_scale
 
 
-def _early_sums(ms: MultiSteps, lowered: _planner.Lowered, treespec: Any, unscaled: list[Any],
+def _early_sums(ms: MultiSteps, lowered: _planned.Lowered, treespec: Any, unscaled: list[Any],
                 grads: list[Any], views: list[Any], inner_leaves: list[Any],
                 ms_state: MultiStepsState, name: Callable[[int], str],
                 counted: list[bool] | None,
@@ -165,7 +165,7 @@ def _early_sums(ms: MultiSteps, lowered: _planner.Lowered, treespec: Any, unscal
     inner_grads = _closing_grads(ms, window, unscaled, _own(unscaled, grads))
     totals = None
     if structure.tree_wide and not structure.clips:
-        totals = _planner.local_tree_sums(
+        totals = _planned.local_tree_sums(
             structure, [(g, None) for g in lowered.groups], views, inner_grads, inner_leaves)
     sums, finite, _, _ = _reductions(structure, views, inner_grads, name, counted=counted,
                                      group=None)

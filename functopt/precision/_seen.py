@@ -19,14 +19,14 @@ from typing import Any
 
 import torch
 
-from functopt.fast import _planner
+from functopt.fast import _planned, _programs
 from functopt.fast._step import _PLAIN, _meta
 from functopt.tree import _core
 
 __all__: list[str] = []
 
 # (structure, the inner state's leaves at that step, the lowering): `_fused._lowered`'s
-Lowering = tuple[_planner.Structure, list[Any], _planner.Lowered]
+Lowering = tuple[_programs.Structure, list[Any], _planned.Lowered]
 
 
 _TENSOR_OR_NONE = (torch.Tensor, type(None))

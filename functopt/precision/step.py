@@ -75,9 +75,9 @@ from functopt._collective.agreement import (
 from functopt._collective.counting import Replicated
 from functopt._collective.dtensor import _leaf_names
 from functopt._collective.stats import local_stats
-from functopt.fast import _multi, _planner
+from functopt.fast import _errors, _multi, _planner
+from functopt.fast._errors import CaptureError
 from functopt.fast._explain import Explanation
-from functopt.fast._planner import CaptureError
 from functopt.fast._step import differentiated
 from functopt.precision import _explain, _host
 from functopt.precision._checks import (
@@ -513,7 +513,7 @@ class _MixedStep:
         if self.fast and not differentiated(params, grads, state):
             lowered = self.fused_step(checked, state)
             if isinstance(lowered, str):
-                _planner.warn_lost(OWNER, lowered, stacklevel=2)
+                _errors.warn_lost(OWNER, lowered, stacklevel=2)
             else:
                 return self.fast_result(lowered, checked.treespec, state)
         return self.pure_step(checked, state, extra_args)

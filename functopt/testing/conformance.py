@@ -72,11 +72,9 @@ from __future__ import annotations
 
 import io
 import re
-import warnings
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-import optree
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -84,81 +82,25 @@ from hypothesis import strategies as st
 import functopt
 from functopt import _serialization
 from functopt._base import GradientTransformation
-from functopt.fast import FastPathWarning, _capture, explain, make_step
 from functopt.testing import _compare
 from functopt.testing import strategies as fst
+from functopt.testing._fast import (
+    FAST_PATH_REL_FLOAT64,
+    FAST_PATH_ULPS,
+    check_capture,
+    check_fast_path,
+)
+from functopt.testing._running import TransformOrFactory, build, is_transform, run_steps
 from functopt.tree import _core
 
-__all__ = [
-    "CHECKS",
-    "TransformOrFactory",
-    "cases",
-    "check_capture",
-    "check_chain_laws",
-    "check_determinism",
-    "check_fast_path",
-    "check_layout",
-    "check_masked_equals_per_leaf",
-    "check_purity",
-    "check_state_roundtrip",
-    "check_transform",
-    "conformance_test",
-]
-
-TransformOrFactory = GradientTransformation | Callable[[], GradientTransformation]
-"""A transform, or a zero-argument function that builds one (``lambda: functopt.adam(1e-3)``).
-
-Give a factory where you can: checks that compare runs build a fresh transform per run."""
+__all__ = ["CHECKS", "FAST_PATH_REL_FLOAT64", "FAST_PATH_ULPS", "TransformOrFactory", "cases",
+           "check_capture", "check_chain_laws", "check_determinism", "check_fast_path",
+           "check_layout", "check_masked_equals_per_leaf", "check_purity", "check_state_roundtrip",
+           "check_transform", "conformance_test"]
 
 CHECKS: tuple[str, ...] = ("purity", "determinism", "layout", "state_roundtrip", "chain_laws",
                            "masked", "fast_path")
 """Names of the checks `check_transform` runs (and accepts in ``skip``)."""
-
-# --- building and running ------------------------------------------------------------------
-
-
-def _build(tx: Any, owner: str) -> GradientTransformation:
-    """The transform itself, or what the factory returns (duck-typed ``init``/``update``)."""
-    if not _is_transform(tx):
-        if not callable(tx):
-            raise TypeError(
-                f"{owner}: expected a GradientTransformation or a zero-argument factory "
-                f"returning one, got {type(tx).__name__}."
-            )
-        tx = tx()
-        if not _is_transform(tx):
-            raise TypeError(
-                f"{owner}: the factory returned {type(tx).__name__}, not a "
-                f"GradientTransformation. Fix: pass `lambda: my_transform(...)`."
-            )
-    if isinstance(tx, GradientTransformation):
-        return tx
-    if isinstance(tx, functopt.MultiSteps):  # (its spec comes with gradient_transformation)
-        return tx.gradient_transformation()
-    return GradientTransformation(tx.init, tx.update)
-
-
-def _is_transform(tx: Any) -> bool:
-    return isinstance(tx, GradientTransformation) or (
-        not isinstance(tx, type) and callable(getattr(tx, "init", None))
-        and callable(getattr(tx, "update", None))
-    )
-
-
-def _run(
-    tx: GradientTransformation, params: Any, grads: Any, steps: int, with_params: bool,
-    extra_args: Mapping[str, Any] | None,
-) -> tuple[Any, list[tuple[Any, Any]]]:
-    """``init`` then ``steps`` updates on the same grads: ``(state0, [(updates, state), ...])``."""
-    state = tx.init(params)
-    state0 = state
-    out = []
-    for _ in range(steps):
-        updates, state = tx.update(grads, state, params if with_params else None,
-                                   **(extra_args or {}))
-        out.append((updates, state))
-    return state0, out
-
 
 # --- purity --------------------------------------------------------------------------------
 
@@ -193,7 +135,7 @@ def check_purity(
         >>> grads = {"w": torch.tensor([0.5, -1.0, 2.0]), "b": None}
         >>> conformance.check_purity(lambda: functopt.adam(0.1), params, grads)  # returns None when the law holds
     """
-    tx = _build(tx, "check_purity")
+    tx = build(tx, "check_purity")
     snapshot = _compare.Snapshot()
     snapshot.add("params", params)
     snapshot.add("grads", grads)
@@ -231,15 +173,15 @@ def check_determinism(
         >>> conformance.check_determinism(lambda: functopt.adam(0.1), params, grads)  # returns None when the law holds
     """
     check = "check_determinism"
-    first = _build(tx, check)
+    first = build(tx, check)
     runs = [("a second run of the same transform", first)]
-    if not _is_transform(tx):
-        runs.append(("a run of a freshly built transform", _build(tx, check)))
-    ref_state0, ref = _run(first, params, grads, steps, with_params, extra_args)
+    if not is_transform(tx):
+        runs.append(("a run of a freshly built transform", build(tx, check)))
+    ref_state0, ref = run_steps(first, params, grads, steps, with_params, extra_args)
     fix = (" Fix: keep everything that changes between steps in the state (no Python-side "
            "counters in closures, no unseeded randomness).")
     for label, other in runs:
-        state0, out = _run(other, params, grads, steps, with_params, extra_args)
+        state0, out = run_steps(other, params, grads, steps, with_params, extra_args)
         _compare.assert_trees_equal(state0, ref_state0, check=check,
                             what=f"init state of {label} vs the first run", fix=fix)
         for step, ((u, s), (ref_u, ref_s)) in enumerate(zip(out, ref, strict=True), 1):
@@ -309,8 +251,8 @@ def check_layout(
         >>> grads = {"w": torch.tensor([0.5, -1.0, 2.0]), "b": None}
         >>> conformance.check_layout(lambda: functopt.adam(0.1), params, grads)  # returns None when the law holds
     """
-    tx = _build(tx, "check_layout")
-    state0, out = _run(tx, params, grads, steps, with_params, extra_args)
+    tx = build(tx, "check_layout")
+    state0, out = run_steps(tx, params, grads, steps, with_params, extra_args)
     _check_state_leaves(state0, "after init")
     for step, (updates, state) in enumerate(out, 1):
         _assert_same_layout(
@@ -391,7 +333,7 @@ def check_state_roundtrip(
         >>> conformance.check_state_roundtrip(lambda: functopt.adam(0.1), params, grads)  # returns None when the law holds
     """
     check = "check_state_roundtrip"
-    tx = _build(tx, check)
+    tx = build(tx, check)
     state = tx.init(params)
     call_params = params if with_params else None
     for step in range(steps):
@@ -439,10 +381,10 @@ def check_chain_laws(
     check = "check_chain_laws"
 
     def fresh(tx: TransformOrFactory) -> GradientTransformation:
-        return _build(tx, check)
+        return build(tx, check)
 
     def run(tx: GradientTransformation) -> list[tuple[Any, Any]]:
-        return _run(tx, params, grads, steps, with_params, extra_args)[1]
+        return run_steps(tx, params, grads, steps, with_params, extra_args)[1]
 
     nested = run(functopt.chain(fresh(tx_a), functopt.chain(fresh(tx_b), fresh(tx_c))))
     flat = run(functopt.chain(fresh(tx_a), fresh(tx_b), fresh(tx_c)))
@@ -497,8 +439,6 @@ def check_masked_equals_per_leaf(
         ...     lambda: functopt.adam(0.1), params, grads, mask={"w": True, "b": False})  # returns None when the law holds
     """
     check = "check_masked_equals_per_leaf"
-    if not hasattr(functopt, "masked"):
-        raise AssertionError(f"{check}: functopt.masked does not exist in this version.")
     if mask is None:
         mask = _default_mask(params)
     param_leaves, spec = _core.flatten(params)
@@ -509,9 +449,9 @@ def check_masked_equals_per_leaf(
     restricted_grads = _core.unflatten(
         spec, [g if s else None for g, s in zip(grad_leaves, selected, strict=True)])
 
-    masked_out = _run(functopt.masked(_build(tx, check), mask), params, grads, steps,
+    masked_out = run_steps(functopt.masked(build(tx, check), mask), params, grads, steps,
                       with_params, extra_args)[1]
-    reference = _run(_build(tx, check), restricted_params, restricted_grads, steps, with_params,
+    reference = run_steps(build(tx, check), restricted_params, restricted_grads, steps, with_params,
                      extra_args)[1]
     paths = _core.paths(spec)
     for step, ((u_m, _), (u_r, _)) in enumerate(zip(masked_out, reference, strict=True), 1):
@@ -529,310 +469,6 @@ def check_masked_equals_per_leaf(
                 )
 
 
-# --- the fast path -------------------------------------------------------------------------
-
-# Per step, per leaf, in units of eps(dtype) times the leaf's largest magnitude before or
-# after the step: the fused kernels round once where the pure chain rounds at each stage
-# (measured at most 1.52 in float32, 0.96 in bfloat16, 1.00 in float16; tests/test_fast.py).
-FAST_PATH_ULPS = {torch.float32: 3.0, torch.bfloat16: 2.0, torch.float16: 2.0}
-FAST_PATH_REL_FLOAT64 = 1e-12
-# An absolute floor of a few subnormal spacings, amplified by Adam's first step
-# (lr / ((1 - b1) eps) with lr up to 1): both paths round a subnormal moment to the
-# subnormal spacing (tests/test_fast.py measured 1.3e-38 in float32).
-_FAST_PATH_FLOOR = 1e4
-
-
-def _fast_path_tolerance(expected: torch.Tensor, before: Any) -> float:
-    scale = float(expected.detach().double().abs().nan_to_num(posinf=0.0).max())
-    if isinstance(before, torch.Tensor) and before.shape == expected.shape:
-        scale = max(scale, float(before.detach().double().abs().nan_to_num(posinf=0.0).max()))
-    finfo = torch.finfo(expected.dtype)
-    if expected.dtype == torch.float64:
-        return FAST_PATH_REL_FLOAT64 * scale + _FAST_PATH_FLOOR * finfo.smallest_normal
-    return (FAST_PATH_ULPS.get(expected.dtype, 3.0) * finfo.eps * scale
-            + _FAST_PATH_FLOOR * finfo.smallest_normal)
-
-
-def _assert_fast_close(actual: Any, expected: Any, before: Any, *, check: str, what: str,
-                       exact: bool) -> None:
-    a_leaves, spec = _core.flatten(actual)
-    e_leaves = _core.flatten_like(spec, expected, name="the pure step's", reference="fast")
-    try:
-        b_leaves = _core.flatten_like(spec, before, name="before", reference="fast")
-    except (ValueError, TypeError):
-        b_leaves = [None] * len(e_leaves)
-    for i, (a, e, b) in enumerate(zip(a_leaves, e_leaves, b_leaves, strict=True)):
-        where = _core.paths(spec)[i]
-        if exact or not (isinstance(e, torch.Tensor) and e.is_floating_point()):
-            difference = _compare.leaf_difference(a, e)
-            if difference is not None:
-                raise AssertionError(f"{check}: {what}, leaf {where!r}: the fast step differs "
-                                     f"from the pure one: {difference} (fast vs pure).")
-            continue
-        if not (isinstance(a, torch.Tensor) and a.dtype == e.dtype and a.shape == e.shape):
-            raise AssertionError(f"{check}: {what}, leaf {where!r}: the fast step gave "
-                                 f"{_core._describe(a)} for {_core._describe(e)}.")
-        finite = torch.isfinite(e)
-        if not torch.equal(torch.isfinite(a), finite):
-            raise AssertionError(f"{check}: {what}, leaf {where!r}: non-finite where the pure "
-                                 f"step is finite, or the reverse.")
-        if e.numel() == 0 or not bool(finite.any()):
-            continue
-        diff = float((a.double() - e.double())[finite].abs().max())
-        tol = _fast_path_tolerance(e, b)
-        if diff > tol:
-            raise AssertionError(f"{check}: {what}, leaf {where!r}: the fast step differs from "
-                                 f"the pure one by {diff:.3g} (tolerance {tol:.3g}).")
-
-
-def check_fast_path(
-    tx: TransformOrFactory, params: Any, grads: Any, steps: int = 2, *,
-    with_params: bool = True, extra_args: Mapping[str, Any] | None = None,
-    compile: bool = False,
-) -> None:
-    """``functopt.fast.make_step(tx)`` equals the pure step (see the module docstring).
-
-    ``compile=True`` holds the compiled tier to the same law
-    (``make_step(tx, compile=True)``, its state from ``step.init`` laid out flat as the
-    tier wants it, and from ``tx.init`` as a user may pass it); each new structure
-    compiles (seconds).
-
-    Each step starts both paths from the pure path's params and state, so the tolerance is
-    one step's rounding. ``with_params=False`` is not meaningful for a whole step and is
-    ignored (make_step passes the params). Lost fast paths are allowed here (they are
-    bitwise pure); their ``FastPathWarning`` is silenced.
-
-    Raises:
-        AssertionError: naming the step, the tree and the leaf that differ.
-
-    Examples:
-        >>> import torch, functopt
-        >>> from functopt.testing import conformance
-        >>> params = {"w": torch.ones(3, dtype=torch.float64)}
-        >>> grads = {"w": torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)}
-        >>> conformance.check_fast_path(lambda: functopt.chain(
-        ...     functopt.clip_by_global_norm(1.0), functopt.adamw(0.1)), params, grads)
-    """
-    del with_params
-    check = "check_fast_path"
-    built = _build(tx, check)
-    state = built.init(params)
-    for step in range(1, steps + 1):
-        tied = _tied(params)  # (the pure step returns new tensors: the ties end there)
-        updates, pure_state = built.update(grads, state, params, **(extra_args or {}))
-        pure_params = functopt.apply_updates(params, updates)
-        for donate, flat in ((False, False), (True, False), *(
-                ((False, True), (True, True)) if compile else ())):
-            step_fn = make_step(built, donate=donate, compile=compile)
-            inputs = _compare.clone_tree((grads, state, params))
-            if flat:  # the state laid out as step.init lays it out, with the same values
-                laid = step_fn.init(params)
-                inputs = (inputs[0], optree.tree_map(
-                    lambda x, v: x.copy_(v) if isinstance(x, torch.Tensor) else v, laid,
-                    inputs[1]), inputs[2])
-            if flat:  # stepped as they are (a clone would not be flat); compared with a copy
-                g, s, p = inputs
-                inputs = _compare.clone_tree(inputs)
-            else:
-                g, s, p = _compare.clone_tree(inputs)
-            what = f"step {step}, donate={donate}" + (", flat state" if flat else "")
-            # bitwise where the step stays pure on these inputs (a flat state can take the
-            # compiled tier where the pure step's state, laid out otherwise, cannot)
-            exact = not explain(built, p, s, g, compile=compile).fast
-            with torch.no_grad(), warnings.catch_warnings():
-                warnings.simplefilter("ignore", FastPathWarning)
-                if donate and tied:
-                    _check_tied_refused(step_fn, (g, s, p), extra_args, tied, check=check,
-                                        what=what)
-                    continue
-                new_params, new_state = step_fn(g, s, p, **(extra_args or {}))
-            _assert_fast_close(new_params, pure_params, params, check=check,
-                               what=f"{what}, params", exact=exact)
-            _assert_fast_close(new_state, pure_state, state, check=check,
-                               what=f"{what}, state", exact=exact)
-            if not donate:
-                difference = _compare.leaf_difference  # the inputs must be as they were
-                for label, now, was in zip(("grads", "state", "params"), (g, s, p), inputs,
-                                           strict=True):
-                    a_leaves, spec = _core.flatten(now)
-                    for i, (x, y) in enumerate(zip(a_leaves, _core.flatten(was)[0],
-                                                   strict=True)):
-                        found = difference(x, y)
-                        if found is not None:
-                            raise AssertionError(
-                                f"{check}: {what}: the step wrote into leaf "
-                                f"{_core.paths(spec)[i]!r} of its {label}: {found}.")
-        params, state = pure_params, pure_state
-
-
-def check_capture(
-    tx: TransformOrFactory, params: Any, grads: Sequence[Any], *, compile: bool = False,
-) -> None:
-    """``step.capture`` of ``functopt.fast.make_step(tx, donate=True)``, replayed once per
-    gradient tree of ``grads`` (one per step), equals the step called directly as it is
-    recorded (bitwise: the same operations, in the device forms a recorded step takes, so
-    nothing the replay keeps from the recording is stale) and the pure step (to the
-    tolerance of `check_fast_path`), each step from the pure path's params and state
-    (copied into the recorded tensors before the replay). Recording changes no value.
-
-    On CUDA params the step is a real CUDA graph; on any other device it is recorded on a
-    tape of its operations, replayed as a graph replays its kernels (the same operations,
-    with the arguments of the recording), which refuses a value read back to the host as a
-    CUDA graph does: so a CPU test tells whether a chain can be captured and replayed.
-    Tied params must be refused (a ``ValueError`` naming them), and so must a param
-    without a gradient.
-
-    Raises:
-        AssertionError: naming the step, the tree and the leaf that differ.
-        functopt.fast.CaptureError: the step cannot be recorded (its message says why).
-
-    Examples:
-        >>> import torch, functopt
-        >>> from functopt.testing import conformance
-        >>> params = {"w": torch.ones(3, dtype=torch.float64)}
-        >>> grads = [{"w": torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64) * k}
-        ...          for k in (1, -2, 3)]
-        >>> conformance.check_capture(lambda: functopt.chain(
-        ...     functopt.clip_by_global_norm(1.0),
-        ...     functopt.adamw(functopt.schedules.linear_schedule(0.1, 0.0, 5))), params, grads)
-    """
-    check = "check_capture"
-    if isinstance(grads, (str, bytes)) or not isinstance(grads, Sequence) or not grads:
-        raise TypeError(f"{check}: grads must be a non-empty sequence of gradient trees, one "
-                        f"per step, got {type(grads).__name__}.")
-    built = _build(tx, check)
-    recorded = make_step(built, donate=True, compile=compile)
-    p = _compare.clone_tree(params)
-    s = recorded.init(p)
-    g = _compare.clone_tree(grads[0])
-    tied = _tied(params)
-    missing = [path for path, (x, y) in zip(
-        _core.paths(_core.structure(params)),
-        zip(_core.flatten(params)[0],
-            _core.flatten_like(_core.structure(params), grads[0], name="grads",
-                               reference="params"), strict=True), strict=True)
-        if x is not None and y is None]
-    on_cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in _core.flatten(params)[0])
-
-    def capture(inputs: tuple[Any, Any, Any]) -> Any:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FastPathWarning)
-            return _capture.capture(recorded, *inputs, tape=not on_cuda)
-
-    if tied or missing:
-        _check_capture_refused(capture, (g, s, p), tied or missing, check=check,
-                               what="tied params" if tied else "params without gradients")
-        return
-    before = _compare.clone_tree((g, s, p))
-    captured = capture((g, s, p))
-    _compare.assert_trees_equal((g, s, p), before, check=check,
-                                what="the inputs after capture vs before it")
-    direct = make_step(built, donate=True, compile=compile)
-    state = built.init(params)
-    for step, step_grads in enumerate(grads, 1):
-        updates, pure_state = built.update(step_grads, state, params)
-        pure_params = functopt.apply_updates(params, updates)
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore", FastPathWarning)
-            _copy_into(p, params, check=check, what="params")
-            _copy_into(s, state, check=check, what="state")
-            _copy_into(g, step_grads, check=check, what="grads")
-            # the step called on the same values in the recorded tensors' layouts (which
-            # decide its path), as it runs when recorded (a recording, thrown away), after
-            # a warm-up call on the same tensors (undone) as capture makes one
-            inputs = _compare.clone_tree((g, s, p))
-            backup = _compare.clone_tree(inputs)
-            direct(*inputs)
-            _restore_changed(inputs, backup)
-            with _capture._Tape():
-                direct_params, direct_state = direct(*inputs)
-            captured()
-        what = f"step {step}"
-        _compare.assert_trees_equal((p, s), (direct_params, direct_state), check=check,
-                                    what=f"{what}: the replayed step vs the step run as "
-                                         f"recorded")
-        _assert_fast_close(p, pure_params, params, check=check, what=f"{what}, params",
-                           exact=False)
-        _assert_fast_close(s, pure_state, state, check=check, what=f"{what}, state",
-                           exact=False)
-        params, state = pure_params, pure_state
-
-
-def _copy_into(target: Any, source: Any, *, check: str, what: str) -> None:
-    """Write the tensors of ``source`` into those of ``target`` (one structure)."""
-    leaves, spec = _core.flatten(target)
-    for i, (t, x) in enumerate(zip(leaves, _core.flatten_like(spec, source, name=what,
-                                                              reference="recorded"),
-                                   strict=True)):
-        if isinstance(t, torch.Tensor) and isinstance(x, torch.Tensor):
-            t.copy_(x)
-        elif t is not x and t != x:
-            raise AssertionError(f"{check}: {what}, leaf {_core.paths(spec)[i]!r}: "
-                                 f"{_core._describe(x)} where the recording holds "
-                                 f"{_core._describe(t)}.")
-
-
-def _restore_changed(target: Any, backup: Any) -> None:
-    """Copy back the tensors of ``target`` whose bits differ from ``backup``'s (the others
-    keep their version counters, by which a step knows what it read from them)."""
-    for t, x in zip(_core.flatten(target)[0], _core.flatten(backup)[0], strict=True):
-        if isinstance(t, torch.Tensor) and not _capture._same_bits(t, x):
-            t.copy_(x)
-
-
-def _check_capture_refused(capture: Callable[[Any], Any], inputs: tuple[Any, Any, Any],
-                           paths: list[str], *, check: str, what: str) -> None:
-    """``capture(inputs)`` raises a ValueError naming one of ``paths``, and writes nothing
-    before it does."""
-    before = _compare.clone_tree(inputs)
-    try:
-        capture(inputs)
-    except ValueError as error:
-        if not any(repr(path) in str(error) for path in paths):
-            raise AssertionError(f"{check}: capture on {what} {paths} raised a ValueError "
-                                 f"that does not name them: {error}") from error
-    else:
-        raise AssertionError(f"{check}: capture accepted {what} {paths}; it must raise a "
-                             f"ValueError naming them.")
-    _compare.assert_trees_equal(inputs, before, check=check,
-                                what="the inputs of the refused capture vs before it")
-
-
-def _tied(params: Any) -> list[str]:
-    """The paths of the param leaves that are a non-empty tensor seen earlier in the tree
-    (tied weights): a donated step must refuse them, since it would write them twice."""
-    leaves, spec = _core.flatten(params)
-    seen: set[int] = set()
-    tied = []
-    for path, x in zip(_core.paths(spec), leaves, strict=True):
-        if isinstance(x, torch.Tensor) and x.numel():
-            if id(x) in seen:
-                tied.append(path)
-            seen.add(id(x))
-    return tied
-
-
-def _check_tied_refused(step_fn: Callable[..., Any], inputs: tuple[Any, Any, Any],
-                        extra_args: Mapping[str, Any] | None, tied: list[str], *,
-                        check: str, what: str) -> None:
-    """A donated step on tied params raises a ValueError naming a tied leaf, and writes
-    nothing before it does."""
-    before = _compare.clone_tree(inputs)
-    try:
-        step_fn(*inputs, **(extra_args or {}))
-    except ValueError as error:
-        if "share memory" not in str(error) or not any(repr(p) in str(error) for p in tied):
-            raise AssertionError(f"{check}: {what}: a donated step on tied params {tied} "
-                                 f"raised a ValueError that does not name them as sharing "
-                                 f"memory: {error}") from error
-    else:
-        raise AssertionError(f"{check}: {what}: a donated step accepted the tied params "
-                             f"{tied} (one tensor at two places of the tree), which it "
-                             f"would update once per place; it must raise a ValueError.")
-    _compare.assert_trees_equal(inputs, before, check=check,
-                                what=f"{what}: the inputs of the refused step vs before it")
-
-
 # --- all together --------------------------------------------------------------------------
 
 
@@ -843,8 +479,7 @@ def check_transform(
 ) -> None:
     """Run every conformance check on one transform (see `CHECKS`).
 
-    The chain laws are checked with ``a = b = c = tx``; the masking law runs when
-    ``functopt.masked`` exists.
+    The chain laws are checked with ``a = b = c = tx``.
 
     Args:
         tx: the transform, or (better) a zero-argument factory building it.
@@ -888,7 +523,7 @@ def check_transform(
         check_state_roundtrip(tx, params, grads, steps, **kw)
     if "chain_laws" not in skip:
         check_chain_laws(tx, tx, tx, params, grads, steps, **kw)
-    if "masked" not in skip and hasattr(functopt, "masked"):
+    if "masked" not in skip:
         check_masked_equals_per_leaf(tx, params, grads, mask, steps, **kw)
     if "fast_path" not in skip:
         check_fast_path(tx, params, grads, steps, **kw)

@@ -15,10 +15,7 @@ from functopt._spec import PerLeaf, specified
 from functopt.transforms import _common
 from functopt.tree import _core
 
-__all__ = [
-    "FactoredState",
-    "scale_by_factored_rms",
-]
+__all__ = ["FactoredState", "scale_by_factored_rms"]
 
 
 def _decay_rate_pow(step: torch.Tensor, exponent: Numeric = 0.8) -> torch.Tensor:
@@ -195,6 +192,57 @@ def _factored_batch(
             list(col_t.to(cols[0].dtype).unbind(0)), fulls)
 
 
+def _check_arguments(factored: Any, decay_rate: Any, step_offset: Any,
+                     min_dim_size_to_factor: Any, epsilon: Any, decay_rate_fn: Any) -> None:
+    """The arguments of ``scale_by_factored_rms``, checked."""
+    owner = "scale_by_factored_rms"
+    _validate.check_flags(owner, factored=factored)
+    _validate.check_range(owner, "decay_rate", decay_rate, low=0.0)
+    if isinstance(step_offset, bool) or not isinstance(step_offset, (int, torch.Tensor)):
+        raise TypeError(f"{owner}: step_offset must be an int, got "
+                        f"{type(step_offset).__name__} {step_offset!r}.")
+    if (isinstance(min_dim_size_to_factor, bool) or not isinstance(min_dim_size_to_factor, int)
+            or min_dim_size_to_factor < 0):
+        raise ValueError(
+            f"{owner}: min_dim_size_to_factor must be an int >= 0, got "
+            f"{min_dim_size_to_factor!r}. Fix: it is a side length (optax's default is 128)."
+        )
+    _validate.check_range(owner, "epsilon", epsilon, low=0.0)
+    if not callable(decay_rate_fn):
+        raise TypeError(f"{owner}: decay_rate_fn must be callable (step, decay_rate) -> decay, "
+                        f"got {type(decay_rate_fn).__name__}.")
+
+
+def _check_state_shapes(treespec: _core.TreeSpec, i: int, g: torch.Tensor,
+                        state: tuple[torch.Tensor, ...], expected: tuple[torch.Size, ...]) -> None:
+    """Leaf ``i``'s ``(v_row, v_col, v)`` have the shapes its gradient needs."""
+    if tuple(x.shape for x in state) != expected:
+        raise ValueError(
+            f"scale_by_factored_rms: {_core.paths(treespec)[i]!r}: the state (v_row, v_col, v) "
+            f"has shapes {', '.join(str(tuple(x.shape)) for x in state)}, but a gradient of "
+            f"shape {tuple(g.shape)} needs {', '.join(map(str, expected))}. Fix: build the "
+            f"state with init(params) on the params these gradients belong to."
+        )
+
+
+def _run_batch(dims: tuple[int, int] | None, gs: list[Any], rows: list[Any], cols: list[Any],
+               fulls: list[Any], decay: Any, epsilon: Numeric) -> Sequence[Sequence[Any]]:
+    """``(updates, v_row, v_col, v)`` of one batch of leaves: unfactored ones with foreach
+    ops, factored ones stacked (a lone one as it is)."""
+    if dims is None:
+        return _unfactored_foreach(gs, rows, cols, fulls, None, decay, epsilon)
+    if len(gs) == 1:
+        return [[x] for x in _leaf(gs[0], rows[0], cols[0], fulls[0], dims, decay, epsilon)]
+    return _factored_batch(gs, rows, cols, fulls, dims, decay, epsilon)
+
+
+def _set_leaves(new: list[list[Any]], idx: list[int], outs: Sequence[Sequence[Any]]) -> None:
+    """Write the leaves ``idx`` of each of ``new`` from the matching list of ``outs``."""
+    for target, out in zip(new, outs, strict=True):
+        for j, i in enumerate(idx):
+            target[i] = out[j]
+
+
 def scale_by_factored_rms(
     factored: bool = True,
     decay_rate: Numeric = 0.8,
@@ -264,44 +312,15 @@ def scale_by_factored_rms(
         Zhai et al., *Scaling Vision Transformers*, 2021 (capped decay schedules).
     """
     owner = "scale_by_factored_rms"
-    _validate.check_flags(owner, factored=factored)
-    _validate.check_range(owner, "decay_rate", decay_rate, low=0.0)
-    if isinstance(step_offset, bool) or not isinstance(step_offset, (int, torch.Tensor)):
-        raise TypeError(f"{owner}: step_offset must be an int, got "
-                        f"{type(step_offset).__name__} {step_offset!r}.")
-    if (isinstance(min_dim_size_to_factor, bool) or not isinstance(min_dim_size_to_factor, int)
-            or min_dim_size_to_factor < 0):
-        raise ValueError(
-            f"{owner}: min_dim_size_to_factor must be an int >= 0, got "
-            f"{min_dim_size_to_factor!r}. Fix: it is a side length (optax's default is 128)."
-        )
-    _validate.check_range(owner, "epsilon", epsilon, low=0.0)
-    if not callable(decay_rate_fn):
-        raise TypeError(f"{owner}: decay_rate_fn must be callable (step, decay_rate) -> decay, "
-                        f"got {type(decay_rate_fn).__name__}.")
+    _check_arguments(factored, decay_rate, step_offset, min_dim_size_to_factor, epsilon,
+                     decay_rate_fn)
 
     def init_fn(params: Params) -> FactoredState:
         leaves, treespec = _common.flatten_params(params)
-        v_row: list[Any] = []
-        v_col: list[Any] = []
-        v: list[Any] = []
-        for p in leaves:
-            if p is None:
-                v_row.append(None)
-                v_col.append(None)
-                v.append(None)
-                continue
-            dims = _factored_dims(p.shape, factored, min_dim_size_to_factor)
-            row_shape, col_shape, full_shape = _state_shapes(p.shape, dims)
-            v_row.append(p.new_zeros(row_shape))
-            v_col.append(p.new_zeros(col_shape))
-            v.append(p.new_zeros(full_shape))
-        return FactoredState(
-            count=_common.zero_count(leaves),
-            v_row=_common.unflatten(treespec, v_row),
-            v_col=_common.unflatten(treespec, v_col),
-            v=_common.unflatten(treespec, v),
-        )
+        zeros = [(None, None, None) if p is None else tuple(map(p.new_zeros, _state_shapes(
+            p.shape, _factored_dims(p.shape, factored, min_dim_size_to_factor)))) for p in leaves]
+        v_row, v_col, v = (_common.unflatten(treespec, [z[k] for z in zeros]) for k in range(3))
+        return FactoredState(count=_common.zero_count(leaves), v_row=v_row, v_col=v_col, v=v)
 
     def step(updates: Updates, state: FactoredState, params: Params | None,
              grouped: bool) -> tuple[Updates, FactoredState]:
@@ -316,50 +335,29 @@ def scale_by_factored_rms(
                              v=fulls)
         decay = decay_rate_fn(state.count - step_offset, decay_rate)
 
-        new_updates: list[Any] = list(grads)
-        new_rows, new_cols, new_fulls = list(rows), list(cols), list(fulls)
+        new = [list(grads), list(rows), list(cols), list(fulls)]  # updates and state fields
         batches: dict[Any, list[int]] = {}
         for i, (g, row, col, full) in enumerate(zip(grads, rows, cols, fulls, strict=True)):
             if g is None:
                 continue
             dims = _factored_dims(g.shape, factored, min_dim_size_to_factor)
-            expected = _state_shapes(g.shape, dims)
-            if (row.shape, col.shape, full.shape) != expected:
-                raise ValueError(
-                    f"{owner}: {_core.paths(treespec)[i]!r}: the state (v_row, v_col, v) has "
-                    f"shapes {tuple(row.shape)}, {tuple(col.shape)}, {tuple(full.shape)}, but a "
-                    f"gradient of shape {tuple(g.shape)} needs {', '.join(map(str, expected))}. "
-                    f"Fix: build the state with init(params) on the params these gradients "
-                    f"belong to."
-                )
+            _check_state_shapes(treespec, i, g, (row, col, full), _state_shapes(g.shape, dims))
             key = _batch_key(g, row, col, full, dims) if grouped else None
-            if key is not None:
+            if key is None:
+                _set_leaves(new, [i], [[x] for x in _leaf(g, row, col, full, dims, decay,
+                                                           epsilon)])
+            else:
                 batches.setdefault(key, []).append(i)
-                continue
-            new_updates[i], new_rows[i], new_cols[i], new_fulls[i] = _leaf(
-                g, row, col, full, dims, decay, epsilon)
         for key, idx in _chunked(batches, grads):
             # the planner's per-leaf tier: the unfactored leaves of a device and dtype with
             # foreach ops, the factored ones of a shape and layout as one stacked batch
             # (the same elementwise operations and reductions as leaf by leaf)
-            if key[0] is not None and len(idx) == 1:
-                i = idx[0]
-                new_updates[i], new_rows[i], new_cols[i], new_fulls[i] = _leaf(
-                    grads[i], rows[i], cols[i], fulls[i], key[0], decay, epsilon)
-                continue
-            run = _unfactored_foreach if key[0] is None else _factored_batch
-            outs = run([grads[i] for i in idx], [rows[i] for i in idx], [cols[i] for i in idx],
-                       [fulls[i] for i in idx], key[0], decay, epsilon)
-            for j, i in enumerate(idx):
-                new_updates[i], new_rows[i], new_cols[i], new_fulls[i] = (
-                    outs[0][j], outs[1][j], outs[2][j], outs[3][j])
-        new_state = FactoredState(
-            count=_common.safe_increment(state.count),
-            v_row=_common.unflatten(treespec, new_rows),
-            v_col=_common.unflatten(treespec, new_cols),
-            v=_common.unflatten(treespec, new_fulls),
-        )
-        return _common.unflatten(treespec, new_updates), new_state
+            _set_leaves(new, idx, _run_batch(
+                key[0], [grads[i] for i in idx], [rows[i] for i in idx],
+                [cols[i] for i in idx], [fulls[i] for i in idx], decay, epsilon))
+        new_updates, new_rows, new_cols, new_fulls = (_common.unflatten(treespec, x) for x in new)
+        return new_updates, FactoredState(count=_common.safe_increment(state.count),
+                                          v_row=new_rows, v_col=new_cols, v=new_fulls)
 
     def update_fn(
         updates: Updates, state: FactoredState, params: Params | None = None,

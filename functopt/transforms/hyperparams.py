@@ -19,13 +19,13 @@ from functopt._base import (
     with_extra_args_support,
 )
 from functopt._spec import Injected, specified
+from functopt._validate import _is_number
 from functopt.transforms import _common
 from functopt.tree import _core
 
-__all__ = [
-    "InjectHyperparamsState",
-    "inject_hyperparams",
-]
+__all__ = ["InjectHyperparamsState", "inject_hyperparams"]
+
+_OWNER = "inject_hyperparams"
 
 
 class InjectHyperparamsState(NamedTuple):
@@ -70,13 +70,8 @@ def _type_hints(fn: Callable[..., Any]) -> dict[str, Any]:
         return {}
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _first_value(
-    owner: str, factory: str, arg: str, schedule: Callable[[Any], Any], zero: torch.Tensor
-) -> Any:
+def _first_value(factory: str, arg: str, schedule: Callable[[Any], Any], zero: torch.Tensor,
+                 ) -> Any:
     """``schedule(0)``, checked to be a number or a 0-d tensor (a callable that is not a
     schedule, such as a mask function, must be named in ``static_args``)."""
     fix = (f"If {arg!r} is not a schedule, name it in static_args: "
@@ -85,13 +80,13 @@ def _first_value(
         value = schedule(zero)
     except Exception as error:
         raise TypeError(
-            f"{owner}({factory}): the callable passed as {arg!r} is taken for a schedule, but "
+            f"{_OWNER}({factory}): the callable passed as {arg!r} is taken for a schedule, but "
             f"calling it with the step count (a 0-d int32 tensor) failed: "
             f"{type(error).__name__}: {error}. {fix}"
         ) from error
     if not (_is_number(value) or (isinstance(value, torch.Tensor) and value.dim() == 0)):
         raise TypeError(
-            f"{owner}({factory}): the callable passed as {arg!r} is taken for a schedule, but "
+            f"{_OWNER}({factory}): the callable passed as {arg!r} is taken for a schedule, but "
             f"at step 0 it returned {type(value).__name__}, not a number or a 0-d tensor. {fix}"
         )
     return value
@@ -165,28 +160,7 @@ def inject_hyperparams(
         >>> tx.update({"w": torch.ones(1)}, state)[0]
         {'w': tensor([-0.5000])}
     """
-    owner = "inject_hyperparams"
-    if not callable(inner_factory):
-        raise TypeError(
-            f"{owner}: inner_factory must be a transform factory such as functopt.adam, got "
-            f"{type(inner_factory).__name__}. Fix: pass the factory itself, not a transform."
-        )
-    static = {static_args} if isinstance(static_args, str) else {*static_args}
-    if hyperparam_dtype is not None and (
-        not isinstance(hyperparam_dtype, torch.dtype) or not hyperparam_dtype.is_floating_point
-    ):
-        raise TypeError(
-            f"{owner}: hyperparam_dtype must be None or a floating torch.dtype, got "
-            f"{hyperparam_dtype!r}."
-        )
-    signature = inspect.signature(inner_factory)
-    name = getattr(inner_factory, "__name__", "inner_factory")
-    unknown = sorted(static - set(signature.parameters))
-    if unknown:
-        raise ValueError(
-            f"{owner}: static_args {unknown} are not parameters of {name}, whose parameters "
-            f"are {list(signature.parameters)}."
-        )
+    static, signature, name = _check_arguments(inner_factory, static_args, hyperparam_dtype)
     hints = _type_hints(inner_factory)
 
     @functools.wraps(inner_factory)
@@ -194,104 +168,139 @@ def inject_hyperparams(
         try:
             bound = signature.bind(*args, **kwargs)
         except TypeError as error:
-            raise TypeError(f"{owner}({name}): {error}. Its signature is {signature}.") from None
+            raise TypeError(f"{_OWNER}({name}): {error}. Its signature is {signature}.") from None
         bound.apply_defaults()
-        schedules: dict[str, Callable[[torch.Tensor], Any]] = {}
-        numeric: dict[str, Any] = {}
-        other: dict[str, Any] = {}
+        kinds: dict[str, dict[str, Any]] = {"static": {}, "numeric": {}, "schedule": {}}
         for arg, value in bound.arguments.items():
-            parameter = signature.parameters[arg]
-            if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD,
-                                  parameter.POSITIONAL_ONLY):
-                raise TypeError(
-                    f"{owner}({name}): {name} takes {arg!r} as {parameter.kind.description}; "
-                    f"inject_hyperparams rebuilds the transform by keyword, so it needs a "
-                    f"factory whose parameters can all be passed by name."
-                )
-            if arg in static or isinstance(value, bool):
-                other[arg] = value
-            elif _declared_int(parameter, hints) and (
-                _is_number(value)
-                or (isinstance(value, torch.Tensor) and value.dim() == 0
-                    and not value.is_floating_point())
-            ):
-                other[arg] = int(value)
-            elif isinstance(value, torch.Tensor) or _is_number(value):
-                numeric[arg] = value
-            elif callable(value):
-                schedules[arg] = value
-            else:
-                other[arg] = value
-
-        # Build once with the plain values, so that the factory's checks (which skip
-        # tensors) see the Python numbers and fail now, naming the bad value.
-        zero = torch.zeros((), dtype=torch.int32)
-        first = {k: _first_value(owner, name, k, f, zero) for k, f in schedules.items()}
-        probe = inner_factory(**other, **numeric, **first)
-
-        def as_tensor(key: str, value: Any, device: torch.device) -> torch.Tensor:
-            if isinstance(value, torch.Tensor):
-                if hyperparam_dtype is not None and value.is_floating_point():
-                    return value.to(hyperparam_dtype)
-                return value
-            if not _is_number(value):
-                raise TypeError(
-                    f"{owner}({name}): state.hyperparams[{key!r}] must be a number or a "
-                    f"tensor, got {type(value).__name__} {value!r}."
-                )
-            return torch.tensor(value, dtype=hyperparam_dtype or torch.float64, device=device)
-
-        def values_at(count: torch.Tensor, constants: dict[str, Any]) -> dict[str, torch.Tensor]:
-            device = count.device
-            hyperparams = {k: as_tensor(k, v, device) for k, v in constants.items()}
-            for k, f in schedules.items():
-                hyperparams[k] = as_tensor(k, _common.schedule_value(
-                    f"{owner}({name})", repr(k), f, count), device)
-            return hyperparams
-
-        def init_fn(params: Params) -> InjectHyperparamsState:
-            leaves, _ = _core.flatten(params)
-            count = _common.zero_count(leaves)
-            hyperparams = values_at(count, numeric)
-            inner = inner_factory(**other, **hyperparams)
-            return InjectHyperparamsState(count, hyperparams, inner.init(params))
-
-        def update_fn(
-            updates: Updates,
-            state: InjectHyperparamsState,
-            params: Params | None = None,
-            **extra_args: Any,
-        ) -> tuple[Updates, InjectHyperparamsState]:
-            if not isinstance(state, InjectHyperparamsState):
-                raise TypeError(
-                    f"{owner}({name}): expected an InjectHyperparamsState, "
-                    f"got {type(state).__name__}. Fix: pass the state returned by this "
-                    f"transform's init/update."
-                )
-            expected = sorted(numeric) + sorted(schedules)
-            if sorted(state.hyperparams) != sorted(expected):
-                raise ValueError(
-                    f"{owner}({name}): state.hyperparams has keys "
-                    f"{sorted(state.hyperparams)}, expected {sorted(expected)}. Fix: edit "
-                    f"the values of the existing keys only."
-                )
-            constants = {k: state.hyperparams[k] for k in numeric}
-            hyperparams = values_at(state.count, constants)
-            inner = with_extra_args_support(inner_factory(**other, **hyperparams))
-            updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
-            count = _common.safe_increment(state.count)
-            return updates, InjectHyperparamsState(count, hyperparams, inner_state)
-
-        del probe
-
-        def build(hyperparams: dict[str, Any]) -> GradientTransformation:
-            return inner_factory(**other, **hyperparams)
-
-        def initial(device: torch.device) -> dict[str, torch.Tensor]:
-            return values_at(torch.zeros((), dtype=torch.int32, device=device), numeric)
-
-        return specified(GradientTransformation(init_fn, update_fn), Injected(
-            build, tuple(sorted(numeric)) + tuple(sorted(schedules)), dict(schedules),
-            values_at, initial))
+            kind, value = _kind_of(name, signature.parameters[arg], value, static, hints)
+            kinds[kind][arg] = value
+        return _injected(inner_factory, name, hyperparam_dtype, other=kinds["static"],
+                         numeric=kinds["numeric"], schedules=kinds["schedule"])
 
     return wrapped_factory
+
+
+def _check_arguments(
+    inner_factory: Any, static_args: str | Iterable[str], hyperparam_dtype: Any
+) -> tuple[set[str], inspect.Signature, str]:
+    """The names in ``static_args``, the factory's signature and its name, once the
+    arguments of ``inject_hyperparams`` are checked."""
+    if not callable(inner_factory):
+        raise TypeError(
+            f"{_OWNER}: inner_factory must be a transform factory such as functopt.adam, got "
+            f"{type(inner_factory).__name__}. Fix: pass the factory itself, not a transform."
+        )
+    static = {static_args} if isinstance(static_args, str) else {*static_args}
+    if hyperparam_dtype is not None and (
+        not isinstance(hyperparam_dtype, torch.dtype) or not hyperparam_dtype.is_floating_point
+    ):
+        raise TypeError(
+            f"{_OWNER}: hyperparam_dtype must be None or a floating torch.dtype, got "
+            f"{hyperparam_dtype!r}."
+        )
+    signature = inspect.signature(inner_factory)
+    name = getattr(inner_factory, "__name__", "inner_factory")
+    unknown = sorted(static - set(signature.parameters))
+    if unknown:
+        raise ValueError(
+            f"{_OWNER}: static_args {unknown} are not parameters of {name}, whose parameters "
+            f"are {list(signature.parameters)}."
+        )
+    return static, signature, name
+
+
+def _kind_of(name: str, parameter: inspect.Parameter, value: Any, static: set[str],
+             hints: dict[str, Any]) -> tuple[str, Any]:
+    """``("static" | "numeric" | "schedule", value)``: how one bound argument is passed to
+    the factory (static ones as given, or as a Python int for an int parameter)."""
+    if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD,
+                          parameter.POSITIONAL_ONLY):
+        raise TypeError(
+            f"{_OWNER}({name}): {name} takes {parameter.name!r} as "
+            f"{parameter.kind.description}; inject_hyperparams rebuilds the transform by "
+            f"keyword, so it needs a factory whose parameters can all be passed by name."
+        )
+    if parameter.name in static or isinstance(value, bool):
+        return "static", value
+    if _declared_int(parameter, hints) and (
+        _is_number(value)
+        or (isinstance(value, torch.Tensor) and value.dim() == 0
+            and not value.is_floating_point())
+    ):
+        return "static", int(value)
+    if isinstance(value, torch.Tensor) or _is_number(value):
+        return "numeric", value
+    return ("schedule" if callable(value) else "static"), value
+
+
+def _injected(
+    inner_factory: Callable[..., GradientTransformation], name: str,
+    hyperparam_dtype: torch.dtype | None, *, other: dict[str, Any], numeric: dict[str, Any],
+    schedules: dict[str, Callable[[torch.Tensor], Any]],
+) -> GradientTransformation:
+    """The transform that rebuilds ``inner_factory(**other, **hyperparams)`` on every update,
+    its ``numeric`` hyperparameters and ``schedules``' values held in the state."""
+    owner = f"{_OWNER}({name})"
+    names = (*sorted(numeric), *sorted(schedules))
+
+    def build(hyperparams: dict[str, Any]) -> GradientTransformation:
+        return inner_factory(**other, **hyperparams)
+
+    # Build once with the plain values, so that the factory's checks (which skip
+    # tensors) see the Python numbers and fail now, naming the bad value.
+    zero = torch.zeros((), dtype=torch.int32)
+    build({**numeric, **{k: _first_value(name, k, f, zero) for k, f in schedules.items()}})
+
+    def as_tensor(key: str, value: Any, device: torch.device) -> torch.Tensor:
+        if isinstance(value, torch.Tensor):
+            if hyperparam_dtype is not None and value.is_floating_point():
+                return value.to(hyperparam_dtype)
+            return value
+        if not _is_number(value):
+            raise TypeError(
+                f"{owner}: state.hyperparams[{key!r}] must be a number or a "
+                f"tensor, got {type(value).__name__} {value!r}."
+            )
+        return torch.tensor(value, dtype=hyperparam_dtype or torch.float64, device=device)
+
+    def values_at(count: torch.Tensor, constants: dict[str, Any]) -> dict[str, torch.Tensor]:
+        device = count.device
+        hyperparams = {k: as_tensor(k, v, device) for k, v in constants.items()}
+        for k, f in schedules.items():
+            hyperparams[k] = as_tensor(k, _common.schedule_value(owner, repr(k), f, count),
+                                       device)
+        return hyperparams
+
+    def init_fn(params: Params) -> InjectHyperparamsState:
+        leaves, _ = _core.flatten(params)
+        count = _common.zero_count(leaves)
+        hyperparams = values_at(count, numeric)
+        return InjectHyperparamsState(count, hyperparams, build(hyperparams).init(params))
+
+    def update_fn(
+        updates: Updates,
+        state: InjectHyperparamsState,
+        params: Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[Updates, InjectHyperparamsState]:
+        if not isinstance(state, InjectHyperparamsState):
+            raise TypeError(
+                f"{owner}: expected an InjectHyperparamsState, got {type(state).__name__}. "
+                f"Fix: pass the state returned by this transform's init/update."
+            )
+        if sorted(state.hyperparams) != sorted(names):
+            raise ValueError(
+                f"{owner}: state.hyperparams has keys {sorted(state.hyperparams)}, expected "
+                f"{sorted(names)}. Fix: edit the values of the existing keys only."
+            )
+        hyperparams = values_at(state.count, {k: state.hyperparams[k] for k in numeric})
+        inner = with_extra_args_support(build(hyperparams))
+        updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+        count = _common.safe_increment(state.count)
+        return updates, InjectHyperparamsState(count, hyperparams, inner_state)
+
+    def initial(device: torch.device) -> dict[str, torch.Tensor]:
+        return values_at(torch.zeros((), dtype=torch.int32, device=device), numeric)
+
+    return specified(GradientTransformation(init_fn, update_fn), Injected(
+        build, names, dict(schedules), values_at, initial))

@@ -11,10 +11,7 @@ from functopt.transforms import _common
 from functopt.transforms.combining import _check_transform
 from functopt.tree import _core
 
-__all__ = [
-    "PartitionState",
-    "partition",
-]
+__all__ = ["PartitionState", "partition"]
 
 
 class PartitionState(NamedTuple):
@@ -40,6 +37,69 @@ def _flat_labels(labels: Any, tree: Any, treespec: _core.TreeSpec, *, what: str)
             f"whole subtree). Fix: build the labels from the same pytree as the params, with one "
             f"label at every leaf (None leaves included), or pass a function params -> labels."
         ) from None
+
+
+def _groups(flat: list[Any], txs: Mapping[Hashable, Any], treespec: _core.TreeSpec,
+            ) -> tuple[dict[Hashable, list[int]], list[int]]:
+    """The leaves of each label (``flat``: one label per leaf), and those labelled None
+    where no transform is keyed None."""
+    groups: dict[Hashable, list[int]] = {label: [] for label in txs}
+    unlabelled: list[int] = []
+    for i, label in enumerate(flat):
+        if label is None and None not in txs:
+            unlabelled.append(i)
+            continue
+        try:
+            groups[label].append(i)
+        except (KeyError, TypeError):
+            where = _core.paths(treespec)[i]
+            raise ValueError(
+                f"partition: leaf {where!r} has label {_describe_label(label)}, but "
+                f"transforms has no such key (its keys: {[*txs]}). Fix: add a "
+                f"transform for this label, or correct param_labels."
+            ) from None
+    return groups, unlabelled
+
+
+def _check_unlabelled(unlabelled: list[int], leaves: list[Any], treespec: _core.TreeSpec,
+                      what: str, txs: Mapping[Hashable, Any]) -> None:
+    """Label functions built with a tree map that skips None (optree's default) put a None
+    label where a param has no gradient: harmless there, since nothing is transformed, but
+    a tensor needs a transform."""
+    for i in unlabelled:
+        if leaves[i] is not None:
+            where = _core.paths(treespec)[i]
+            raise ValueError(
+                f"partition: leaf {where!r} of the {what} is "
+                f"{_core._describe(leaves[i])} but has the label None, which is allowed "
+                f"only where the {what} hold None. Fix: give it one of the labels "
+                f"{[*txs]}."
+            )
+
+
+def _inner_states(state: Any, txs: Mapping[Hashable, Any]) -> Mapping[Hashable, State]:
+    """``state.inner_states``, checked to hold one state per transform."""
+    _common.check_state("partition", state, PartitionState)
+    inner_states = getattr(state, "inner_states", None)
+    if not isinstance(inner_states, Mapping) or set(inner_states) != set(txs):
+        got = (
+            f"inner states for {list(inner_states)}"
+            if isinstance(inner_states, Mapping) else f"a {type(state).__name__}"
+        )
+        raise ValueError(
+            f"partition expects a PartitionState with inner states for "
+            f"{list(txs)}, got {got}. Fix: pass the state returned by this "
+            f"partition's init/update."
+        )
+    return inner_states
+
+
+def _masked(leaves: list[Any], indices: list[int], treespec: _core.TreeSpec) -> Any:
+    """The tree of ``leaves`` with None at every leaf not in ``indices``."""
+    out: list[Any] = [None] * len(leaves)
+    for i in indices:
+        out[i] = leaves[i]
+    return _core.unflatten(treespec, out)
 
 
 def partition(
@@ -116,55 +176,23 @@ def partition(
         tree: Any, leaves: list[Any], treespec: _core.TreeSpec, what: str
     ) -> dict[Hashable, list[int]]:
         groups: dict[Hashable, list[int]]
-        unlabelled: list[int]
         if not labels_are_fn and cache.get("treespec") == treespec:
             groups, unlabelled = cache["groups"], cache["unlabelled"]
         else:
             labels = param_labels(tree) if labels_are_fn else param_labels
-            flat = _flat_labels(labels, tree, treespec, what=what)
-            groups = {label: [] for label in txs}
-            unlabelled = []
-            for i, label in enumerate(flat):
-                if label is None and None not in txs:
-                    unlabelled.append(i)
-                    continue
-                try:
-                    groups[label].append(i)
-                except (KeyError, TypeError):
-                    where = _core.paths(treespec)[i]
-                    raise ValueError(
-                        f"partition: leaf {where!r} has label {_describe_label(label)}, but "
-                        f"transforms has no such key (its keys: {[*txs]}). Fix: add a "
-                        f"transform for this label, or correct param_labels."
-                    ) from None
+            groups, unlabelled = _groups(_flat_labels(labels, tree, treespec, what=what), txs,
+                                         treespec)
             if not labels_are_fn:
                 cache.update(treespec=treespec, groups=groups, unlabelled=unlabelled)
-        # Label functions built with a tree map that skips None (optree's default) put a
-        # None label where a param has no gradient: harmless there, since nothing is
-        # transformed, but a tensor needs a transform.
-        for i in unlabelled:
-            if leaves[i] is not None:
-                where = _core.paths(treespec)[i]
-                raise ValueError(
-                    f"partition: leaf {where!r} of the {what} is "
-                    f"{_core._describe(leaves[i])} but has the label None, which is allowed "
-                    f"only where the {what} hold None. Fix: give it one of the labels "
-                    f"{[*txs]}."
-                )
+        _check_unlabelled(unlabelled, leaves, treespec, what, txs)
         return groups
-
-    def masked(leaves: list[Any], indices: list[int], treespec: _core.TreeSpec) -> Any:
-        out: list[Any] = [None] * len(leaves)
-        for i in indices:
-            out[i] = leaves[i]
-        return _core.unflatten(treespec, out)
 
     def init_fn(params: Params) -> PartitionState:
         leaves, treespec = _core.flatten(params)
         groups = groups_of(params, leaves, treespec, "params")
         return PartitionState(
             inner_states={
-                label: tx.init(masked(leaves, groups[label], treespec))
+                label: tx.init(_masked(leaves, groups[label], treespec))
                 for label, tx in txs.items()
             }
         )
@@ -173,18 +201,7 @@ def partition(
         updates: Updates, state: PartitionState, params: Params | None = None,
         **extra_args: Any,
     ) -> tuple[Updates, PartitionState]:
-        _common.check_state("partition", state, PartitionState)
-        inner_states = getattr(state, "inner_states", None)
-        if not isinstance(inner_states, Mapping) or set(inner_states) != set(txs):
-            got = (
-                f"inner states for {list(inner_states)}"
-                if isinstance(inner_states, Mapping) else f"a {type(state).__name__}"
-            )
-            raise ValueError(
-                f"partition expects a PartitionState with inner states for "
-                f"{list(txs)}, got {got}. Fix: pass the state returned by this "
-                f"partition's init/update."
-            )
+        inner_states = _inner_states(state, txs)
         leaves, treespec = _core.flatten(updates)
         groups = groups_of(updates, leaves, treespec, "updates")
         param_leaves = (
@@ -196,9 +213,9 @@ def partition(
         for label, tx in txs.items():
             indices = groups[label]
             out, new_states[label] = tx.update(
-                masked(leaves, indices, treespec),
+                _masked(leaves, indices, treespec),
                 inner_states[label],
-                None if param_leaves is None else masked(param_leaves, indices, treespec),
+                None if param_leaves is None else _masked(param_leaves, indices, treespec),
                 **extra_args,
             )
             out_leaves = _core.flatten_like(

@@ -9,7 +9,7 @@ called as the planner matches and calls them), then the eager reference.
   that the compiler takes, over drawn pytrees (every layout, 0-d and empty leaves, ``None``
   gradients, inf and nan), donated or not: each step, from the pure step's params and
   state, equals the pure step within the tolerance the conformance suite allows the
-  planner's kernels (``conformance._assert_fast_close``), and bitwise where no kernel ran;
+  planner's kernels (``functopt/testing/_fast.py``), and bitwise where no kernel ran;
   it writes into no gradient, nor into the params and state when not donated;
 - the kernel table: Adam, AdamW, Adam with L2 decay, AMSGrad (torch's), maximize, SGD
   (plain, momentum, Nesterov, decay, dampening) and a partition of them, over several
@@ -39,7 +39,7 @@ from functopt import contrib
 from functopt.fast import FastPathWarning, _backends, _engine, make_step
 from functopt.fast._program import compile_program
 from functopt.optim import _chains
-from functopt.testing import assert_bitwise_equal, clone_tree, conformance
+from functopt.testing import _fast, assert_bitwise_equal, clone_tree, conformance
 from functopt.tree import _core
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -129,7 +129,7 @@ def test_registry_entry_on_the_kernels_equals_pure_path(
             assert_bitwise_equal(given[1:], inputs[1:], what=f"{what}: the state and params")
         for new, pure, before, part in ((new_params, pure_params, params, "params"),
                                         (new_state, pure_state, state, "state")):
-            conformance._assert_fast_close(new, pure, before, check="kernel backend",
+            _fast._assert_fast_close(new, pure, before, check="kernel backend",
                                            what=f"{what}, {part}", exact=not launched)
         params, state = pure_params, pure_state
 
@@ -365,9 +365,9 @@ def test_explain_names_the_backend_of_each_segment() -> None:
         warnings.simplefilter("ignore", FastPathWarning)
         new_params, new_state = make_step(tx)(_grads(0), state, params)
     assert launched == [1]
-    conformance._assert_fast_close(new_params, F.apply_updates(params, updates), params,
+    _fast._assert_fast_close(new_params, F.apply_updates(params, updates), params,
                                    check="explain", what="params", exact=False)
-    conformance._assert_fast_close(new_state, pure_state, state, check="explain",
+    _fast._assert_fast_close(new_state, pure_state, state, check="explain",
                                    what="state", exact=False)
 
 
