@@ -10,6 +10,11 @@ transform whose program cannot be built, or cannot run on these leaves, keeps th
 planner's path with a one-time [`FastPathWarning`][functopt.fast.FastPathWarning] per
 structure naming the reason. The switch goes away when the engine becomes the default.
 The adapters' flat entry points (``Step._step_leaves``) are not routed.
+
+`BACKENDS` names the backends the engine offers each segment of a program, in order
+(``functopt/fast/_backends.py``): a segment the faster ones refuse runs on the eager one
+(the rules' own updates), with a one-time ``FastPathWarning`` per program and reason;
+`explain` says, per segment, which backend takes it and why the others do not.
 """
 
 from __future__ import annotations
@@ -20,14 +25,15 @@ import weakref
 from typing import Any
 
 from functopt._collective.dtensor import _leaf_names
-from functopt.fast import _errors, _planner
+from functopt.fast import _backends, _errors, _planner
 from functopt.fast._execute import execute_leaves, problem
 from functopt.fast._program import Program, compile_program
 from functopt.tree import _core
 
-__all__ = ["ENABLED", "step"]
+__all__ = ["BACKENDS", "ENABLED", "explain", "step"]
 
 ENABLED: bool = os.environ.get("FUNCTOPT_ENGINE", "") == "program"
+BACKENDS: tuple[str, ...] = ("kernel", "eager")
 
 _KEPT = 8  # programs kept per step function (one per params and state structure)
 # per step function: its programs by (params structure, state structure), and the
@@ -75,5 +81,24 @@ def step(owner: Any, param_leaves: list[Any], treespec: _core.TreeSpec,
     if owner.donate:
         _planner.check_donation(param_leaves, name)
     values, leaves = execute_leaves(program, treespec, param_leaves, grad_leaves,
-                                    state_leaves, donate=owner.donate)
+                                    state_leaves, donate=owner.donate, backends=BACKENDS)
+    for refusal in _backends.unwarned(program):
+        warnings.warn(f"make_step: the program engine's {refusal}; the eager backend (the "
+                      f"rules' own updates) runs it.", _errors.FastPathWarning, stacklevel=4)
     return _core.unflatten(treespec, values), _core.unflatten(state_spec, leaves)
+
+
+def explain(tx: Any, params: Any, grads: Any, state: Any = None, *, donate: bool = False,
+            ) -> list[_backends.Explained] | str:
+    """Per segment of ``tx``'s program on these trees (``state``: ``tx.init(params)`` when
+    None), the backend of `BACKENDS` that takes it and the reasons of those before it; or
+    the reason the engine has no program for them."""
+    param_leaves, treespec = _core.flatten(params)
+    grad_leaves = _core.flatten_like(treespec, grads, name="grads", reference="params")
+    state_leaves, state_spec = _core.flatten(tx.init(params) if state is None else state)
+    program = compile_program(tx, params, treespec, param_leaves, state_leaves, state_spec)
+    reason = problem(program, param_leaves)
+    if reason is not None:
+        return reason
+    return _backends.explain(program, treespec, param_leaves, grad_leaves, state_leaves,
+                             donate=donate, backends=BACKENDS)

@@ -16,7 +16,10 @@ One entry point, `execute_leaves`, on the flat leaves of the params, gradients a
 4. adds the updates to the params (`Write`): one ``foreach`` add per (device, dtype) group,
    in place when donated.
 
-The backend is the eager one, the reference: a `Map` calls its rule's own pure ``update``
+At the first `Map` of each run of Maps (a *segment*) the backends of
+``functopt/fast/_backends.py`` are offered it in order (``backends``): a faster one that
+takes it (PyTorch's fused kernels) runs the whole segment. The last is the eager one, the
+reference, which takes the rest: a `Map` calls its rule's own pure ``update``
 (a `PerLeaf` rule's ``grouped`` update when it has one) on the params' tree with ``None``
 outside its leaves, as ``masked`` calls an inner transform; an elementwise rule is called
 once per (device, dtype) group of its leaves, the others once on all of them. A `Gate`
@@ -26,8 +29,8 @@ the pure update's own ``MultiSteps.window`` and runs the branch it picks, and it
 `Accumulate` ops take the mini-step into the window's state with ``MultiSteps``' own
 accumulation and counters (``Window.next_state``). The
 arithmetic is the pure path's, so the results equal it bitwise (tests/laws/test_program.py).
-It is not faster than the pure path: it is the reference the faster backends will be held
-to, and the program it runs is what they will share.
+It is not faster than the pure path: it is the reference the faster backends are held to
+(tests/laws/test_backends.py).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from functopt._collective.dtensor import (
     local_tensor,
 )
 from functopt._spec import Spec, describe
+from functopt.fast import _backends
 from functopt.fast._program import (
     Accumulate,
     Gate,
@@ -104,6 +108,11 @@ class _Run:
     # per window decided: (its MultiSteps, its state as it was, the verdict: a
     # ``multi_steps.Window``)
     windows: dict[int, tuple[Any, Any, Any]] = field(default_factory=dict)
+    donate: bool = False  # the params and state are handed over (a kernel writes in place)
+    # the backends offered each segment of Maps, in order (``functopt/fast/_backends.py``),
+    # and the Maps one other than the eager backend ran
+    backends: tuple[_backends.Backend, ...] = (_backends.EAGER,)
+    taken: set[Map] = field(default_factory=set)
 
     def tree(self, leaves: list[Any], sel: tuple[int, ...]) -> Any:
         chosen = set(sel)
@@ -175,6 +184,8 @@ def _groups(run: _Run, op: Map, spec: Any) -> list[tuple[int, ...]]:
 
 
 def _map(run: _Run, op: Map) -> None:
+    if _backends.take(run, op):  # (a faster backend ran it, with the rest of its segment)
+        return
     spec = run.spec(op.rule)
     state = run.state_of(op.rule)  # (every call from the state before the rule)
     update = getattr(spec, "grouped", None) or spec.update
@@ -362,12 +373,14 @@ def _apply(run: _Run, donate: bool) -> list[Any]:
 
 def execute_leaves(program: Program, treespec: _core.TreeSpec, param_leaves: list[Any],
                    grad_leaves: list[Any], state_leaves: list[Any], *, donate: bool = False,
-                   group: Any = INFERRED) -> tuple[list[Any], list[Any]]:
+                   group: Any = INFERRED, backends: tuple[str, ...] = ("eager",),
+                   ) -> tuple[list[Any], list[Any]]:
     """One step of ``program`` on flat leaves (``treespec``: the params' structure): the
     new params' leaves and the new state's leaves (of the state's structure). ``donate``:
     the params are updated in place and returned. ``group``: the process group the
     reductions are summed over (default: inferred from the DTensor leaves, None for plain
-    tensors)."""
+    tensors). ``backends``: the names of the backends offered each segment, in order
+    (``functopt/fast/_backends.py``; the last is ``"eager"``)."""
     reason = problem(program, param_leaves)
     if reason is not None:
         raise ValueError(f"the program cannot run: {reason}")
@@ -377,7 +390,8 @@ def execute_leaves(program: Program, treespec: _core.TreeSpec, param_leaves: lis
     device = next((local_tensor(g).device for g in grad_leaves if g is not None),
                   torch.device("cpu"))
     run = _Run(program, treespec, list(param_leaves), list(grad_leaves), list(state_leaves),
-               stats.counted_leaves(grad_leaves, name), group, device)
+               stats.counted_leaves(grad_leaves, name), group, device, donate=donate,
+               backends=_backends.table(backends))
     with torch.no_grad():
         _ops(run, program.ops)
         return _apply(run, donate), run.state

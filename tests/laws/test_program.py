@@ -1,9 +1,11 @@
 """The program engine's law: its step equals the pure step, bitwise.
 
 ``make_step`` with the private switch on (``functopt/fast/_engine.py``) compiles the
-transform into a program (``functopt/fast/_program.py``) and runs it with the eager
-executor (``functopt/fast/_execute.py``), whose arithmetic is the rules' own: its params
-and state after several steps are bitwise those of ``update`` then ``apply_updates``.
+transform into a program (``functopt/fast/_program.py``) and runs it with the executor
+(``functopt/fast/_execute.py``) on its eager backend alone, whose arithmetic is the rules'
+own: its params and state after several steps are bitwise those of ``update`` then
+``apply_updates``. (The faster backends' law, to the fast-path tolerance, is
+tests/laws/test_backends.py.)
 
 - the registry law: every transform and recipe of the conformance registry (and contrib's)
   that the compiler takes, over drawn pytrees (channels_last, transposed, strided, 0-d and
@@ -61,8 +63,9 @@ REFUSED: dict[str, str] = {
 
 
 @contextlib.contextmanager
-def engine() -> Iterator[list[int]]:
-    """The switch on, and a list that grows by one at each step the engine runs."""
+def engine(backends: tuple[str, ...] = ("eager",)) -> Iterator[list[int]]:
+    """The switch on with these backends (by default the eager one alone, the reference
+    this file's law is about), and a list that grows by one at each step the engine runs."""
     calls: list[int] = []
     run = _engine.execute_leaves
 
@@ -70,12 +73,14 @@ def engine() -> Iterator[list[int]]:
         calls.append(1)
         return run(*args, **kwargs)
 
-    before = _engine.ENABLED
-    _engine.ENABLED, _engine.execute_leaves = True, counted  # type: ignore[assignment]
+    before = _engine.ENABLED, _engine.BACKENDS
+    _engine.ENABLED, _engine.BACKENDS = True, backends
+    _engine.execute_leaves = counted  # type: ignore[assignment]
     try:
         yield calls
     finally:
-        _engine.ENABLED, _engine.execute_leaves = before, run  # type: ignore[assignment]
+        _engine.ENABLED, _engine.BACKENDS = before
+        _engine.execute_leaves = run  # type: ignore[assignment]
 
 
 def program_of(tx: Any, params: Any) -> Program:
@@ -179,6 +184,8 @@ CHAINS: dict[str, Callable[[], Any]] = {
         {"adam": F.chain(F.clip_by_global_norm(1.0), F.adam(1e-2)),
          "sgd": F.sgd(0.1, momentum=0.5), "frozen": F.set_to_zero()}, _labels),
     "masked decay": lambda: F.adamw(1e-2, weight_decay=0.1, mask=_weights),
+    "a part on no leaves": lambda: F.partition(  # (its count moves all the same)
+        {"adam": F.adam(1e-2), "sgd": F.sgd(0.1)}, lambda p: dict.fromkeys(p, "sgd")),
     "masked on no leaf": lambda: F.chain(F.masked(F.adam(1e-2), _nothing), F.sgd(0.1)),
     "guard": lambda: F.apply_if_finite(F.adam(1e-2), max_consecutive_errors=1),
     "guard after clip": lambda: F.chain(F.clip_by_global_norm(1.0),
