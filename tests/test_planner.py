@@ -609,3 +609,25 @@ def test_moments_strided_otherwise_on_size_1_dims_keep_the_fast_path(compile: bo
     _assert_close(got, want, "size-1 strides")
     other = (adam._replace(mu={"w": restrided(adam.mu["w"], (1, 2, 4, 4))}), *state[1:])
     assert not functopt.fast.explain(tx, params, other, grads, compile=compile).fast
+
+
+@pytest.mark.parametrize("before", [
+    lambda: functopt.scale_by_adam(),
+    lambda: functopt.trace(decay=0.9),
+    lambda: functopt.chain(functopt.scale_by_adam(), functopt.scale_by_schedule(
+        functopt.schedules.constant_schedule(1.0))),
+], ids=["adam", "trace", "adam-then-schedule"])
+def test_set_to_zero_after_rules_with_state_advances_their_state(before: Any) -> None:
+    # the updates are zero, but the rules before still move their moments and counts
+    make = lambda: functopt.chain(before(), functopt.set_to_zero())  # noqa: E731
+    params = {"w": torch.randn(4, 3), "b": torch.randn(3)}
+    grads = {"w": torch.randn(4, 3), "b": torch.randn(3)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FastPathWarning)
+        conformance.check_fast_path(make, params, grads, steps=3)
+    assert "set_to_zero after other rules" in str(explain(make(), params))
+
+
+def test_a_lone_set_to_zero_keeps_its_plan_of_no_work() -> None:
+    params = {"w": torch.randn(4, 3)}
+    assert "the updates are zero" in str(explain(functopt.set_to_zero(), params))

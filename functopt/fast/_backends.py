@@ -29,7 +29,7 @@ refuses what its arithmetic would not compute as the pure rules do: a rule insid
 ``inject_hyperparams`` or with a schedule or a tensor hyperparameter (the kernels take
 Python numbers, so a tensor would be read on the host and rounded to a double), a rule with
 tree sums, a layout or dtype the kernels do not take, a rule keeping shared state other than
-its count, ``set_to_zero`` after a rule with state (the zero plan writes nothing), a step
+its count, ``set_to_zero`` after a rule with state (the kernels' matching refuses it), a step
 whose gradients, params or state entries hold an element that is not finite or so large
 that the kernels' intermediates and the rules' overflow apart (checked at every step: one
 foreach 2-norm pass over them and one host read), and, when the step is donated, per-leaf
@@ -248,12 +248,6 @@ def _match(segment: Segment, run: Leaves) -> _Matched | str:
             return f"leaf {name(i)!r}: {plan}"
         if plan.kernel not in _KERNEL_PLANS:
             return f"leaf {name(i)!r}: {' -> '.join(map(repr, program))} has no fused kernel"
-        if plan.kernel == "zero" and any(op.kernel not in ("zero", "identity")
-                                         for op in program):
-            # (the zero plan writes nothing, where the rules before the zeros move their
-            # state: the pure chain(scale_by_adam(), set_to_zero()) updates the moments)
-            return (f"leaf {name(i)!r}: set_to_zero after {program[0]!r}, whose state the "
-                    f"kernels' zero plan would leave as it was")
         problem = next(filter(None, map(_binding_problem, program)), None)
         if problem is not None:
             return f"leaf {name(i)!r}: {problem}"

@@ -196,9 +196,12 @@ def _match_kernel(program: list[Any]) -> _KernelPlan | str:
         return (f"clip_by_global_norm after {before} has no fused form (only a leading clip "
                 f"folds into the kernel)")
     if "zero" in parts:
-        if parts[-1] == "zero":
-            return _KernelPlan("zero", None, guard=guard)
-        return "set_to_zero followed by other rules"
+        if parts[-1] != "zero":
+            return "set_to_zero followed by other rules"
+        if any(op.kind != "identity" for op in ops[:-1]) or maximize:
+            # the rules before still advance their state (moments, counts) on the pure path
+            return "set_to_zero after other rules (their state advances; the kernels write none)"
+        return _KernelPlan("zero", None, guard=guard)
     if parts[-1] not in _LR_KINDS:
         return f"the program {' -> '.join(kinds)} does not end with a learning rate"
     lr = _learning_rate(ops[-1])

@@ -299,7 +299,7 @@ REFUSALS: dict[str, tuple[Callable[[], Any], Callable[[], Any], Any, bool, str]]
         "not finite or beyond the kernels' range"),
     "set_to_zero after a rule with state": (
         lambda: F.chain(F.scale_by_adam(), F.set_to_zero()), _trio, None, False,
-        "set_to_zero after scale_by_adam, whose state the kernels' zero plan would leave"),
+        "set_to_zero after other rules (their state advances; the kernels write none)"),
     "optax's rmsprop": (lambda: F.rmsprop(1e-2), _trio, None, False,
                         "eps_in_sqrt=True or bias_correction=True is not torch's"),
     "bfloat16 rmsprop": (lambda: _chains.rmsprop(1e-2, 0.9, 1e-8),
