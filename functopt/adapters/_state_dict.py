@@ -44,6 +44,7 @@ from typing import Any
 
 import optree
 import torch
+import torch.distributed as dist
 
 from functopt.tree import _core
 
@@ -630,9 +631,12 @@ def seal(state_dict: dict[str, Any]) -> None:
     collective, as DCP's save around it is. A dict of plain tensors gets none (there is no
     other rank's file to tear it)."""
     from functopt.distributed import _integrity
-    flat = _flat(state_dict)
     groups = state_dict["param_groups"]
-    if groups and isinstance(groups[0].get(CONFIG_KEY), dict) and _integrity._sharded(flat):
+    if not (groups and isinstance(groups[0].get(CONFIG_KEY), dict)
+            and dist.is_available() and dist.is_initialized()):
+        return  # (no process group: no shard of another rank)
+    flat = _flat(state_dict)
+    if _integrity._sharded(flat):
         groups[0][CONFIG_KEY][INTEGRITY_KEY] = _integrity.make_record(flat).tolist()
 
 
