@@ -9,7 +9,9 @@ after its checks (not differentiated, ``fused=True``) takes the program instead;
 transform whose program cannot be built, or cannot run on these leaves, keeps the
 planner's path with a one-time [`FastPathWarning`][functopt.fast.FastPathWarning] per
 structure naming the reason. The switch goes away when the engine becomes the default.
-The adapters' flat entry points (``Step._step_leaves``) are not routed.
+The adapters' flat entry (``Step._step_flat``, which ``functopt.Optimizer`` and every
+``functopt.optim`` class step through) takes it on the same terms (`step_flat`), on the
+state's leaves as the caller keeps them: the state tree is never rebuilt.
 
 `BACKENDS` names the backends the engine offers each segment of a program, in order
 (``functopt/fast/_backends.py``): a segment the faster ones refuse runs on the eager one
@@ -30,7 +32,7 @@ from functopt.fast._execute import execute_leaves, problem
 from functopt.fast._program import Program, compile_program
 from functopt.tree import _core
 
-__all__ = ["BACKENDS", "ENABLED", "explain", "step"]
+__all__ = ["BACKENDS", "ENABLED", "explain", "step", "step_flat"]
 
 ENABLED: bool = os.environ.get("FUNCTOPT_ENGINE", "") == "program"
 BACKENDS: tuple[str, ...] = ("kernel", "eager")
@@ -63,9 +65,40 @@ def step(owner: Any, param_leaves: list[Any], treespec: _core.TreeSpec,
     """``owner``'s step (a `Step`, on checked leaves) on the program engine, or None when
     the engine does not take it (warned once per reason)."""
     state_leaves, state_spec = _core.flatten(state)
+    taken = _step_leaves(owner, param_leaves, treespec, grad_leaves, state_leaves,
+                         state_spec, params, extra_args)
+    if taken is None:
+        return None
+    return _core.unflatten(treespec, taken[0]), _core.unflatten(state_spec, taken[1])
+
+
+def step_flat(owner: Any, param_leaves: list[Any], treespec: _core.TreeSpec,
+              grad_leaves: list[Any], state_leaves: list[Any], state_spec: _core.TreeSpec,
+              ) -> tuple[list[Any], list[Any], _core.TreeSpec] | None:
+    """`step` for the adapters' flat entry (``Step._step_flat``, a step that is not
+    differentiated): the params, gradients and state given as their leaves, with
+    ``make_step``'s checks on them; the new params' and state's leaves and the state's
+    structure, or None when the engine does not take the step (warned once per reason)."""
+    _core.check_tensors(param_leaves, treespec, name="params", floating=True)
+    _core.check_tensors(grad_leaves, treespec, name="grads", floating=True)
+    _core.check_like(grad_leaves, param_leaves, treespec, name="grad", reference_name="param")
+    taken = _step_leaves(owner, param_leaves, treespec, grad_leaves, state_leaves,
+                         state_spec, None, {})
+    if taken is None:
+        return None
+    return taken[0], taken[1], state_spec
+
+
+def _step_leaves(owner: Any, param_leaves: list[Any], treespec: _core.TreeSpec,
+                 grad_leaves: list[Any], state_leaves: list[Any], state_spec: _core.TreeSpec,
+                 params: Any, extra_args: dict[str, Any]) -> tuple[list[Any], list[Any]] | None:
+    """The engine's step on checked leaves (``params``: their tree, or None to build it
+    when a program is compiled): the new params' and state's leaves, or None."""
     if extra_args:
         reason: str | None = "extra arguments to update have no program yet"
     else:
+        if params is None and (treespec, state_spec) not in _PROGRAMS.get(owner, {}):
+            params = _core.unflatten(treespec, param_leaves)
         program = program_of(owner, params, treespec, param_leaves, state_leaves, state_spec)
         reason = problem(program, param_leaves)
     if reason is not None:
@@ -75,7 +108,7 @@ def step(owner: Any, param_leaves: list[Any], treespec: _core.TreeSpec,
             warnings.warn(
                 f"make_step: the program engine (FUNCTOPT_ENGINE=program) does not take "
                 f"this step: {reason}; it runs on the planner's path.",
-                _errors.FastPathWarning, stacklevel=4)
+                _errors.FastPathWarning, stacklevel=5)
         return None
     name = _leaf_names(treespec)
     if owner.donate:
@@ -84,8 +117,8 @@ def step(owner: Any, param_leaves: list[Any], treespec: _core.TreeSpec,
                                     state_leaves, donate=owner.donate, backends=BACKENDS)
     for refusal in _backends.unwarned(program):
         warnings.warn(f"make_step: the program engine's {refusal}; the eager backend (the "
-                      f"rules' own updates) runs it.", _errors.FastPathWarning, stacklevel=4)
-    return _core.unflatten(treespec, values), _core.unflatten(state_spec, leaves)
+                      f"rules' own updates) runs it.", _errors.FastPathWarning, stacklevel=5)
+    return values, leaves
 
 
 def explain(tx: Any, params: Any, grads: Any, state: Any = None, *, donate: bool = False,

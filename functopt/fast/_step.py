@@ -555,6 +555,10 @@ class Step:
         a step on the inputs the last fused step saw, unchanged (`_Seen.match_leaves`),
         takes the kernels without building their trees; any other step builds them and
         takes `_step_leaves`. The new params are returned as leaves of ``treespec``."""
+        if _engine.ENABLED and self.fused and not differentiated(  # (the program engine)
+                param_leaves, grad_leaves, state_leaves) and (taken := _engine.step_flat(
+                    self, param_leaves, treespec, grad_leaves, state_leaves, state_spec)):
+            return self._flat_kept(param_leaves, treespec, state_leaves, state_spec, *taken)
         if self.fused and self._accumulated is None:
             for seen in self._seen:
                 lowered = seen.lowered
