@@ -400,8 +400,10 @@ def test_grad_scaler_drives_it_as_torch_optim() -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-# functopt's own options: keyword only, after torch's
-EXTRA_OPTIONS: dict[str, dict[str, Any]] = {"Muon": {"ns_dtype": torch.bfloat16}}
+# functopt's own options: keyword only, after torch's (every class: compile=False)
+EXTRA_OPTIONS: dict[str, dict[str, Any]] = {
+    name: {**({"ns_dtype": torch.bfloat16} if name == "Muon" else {}), "compile": False}
+    for name in CLASSES}
 
 
 @pytest.mark.parametrize("name", CLASSES)

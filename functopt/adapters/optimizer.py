@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import operator
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -36,14 +37,15 @@ from functopt.adapters._plan import (
     _python_value,
     _readable,
 )
-from functopt.fast import _planner
+from functopt.fast import _compiled, _planner
+from functopt.fast._errors import FastPathWarning
+from functopt.fast._step import Step, make_step
 from functopt.fast._step import _check as _step_checks
-from functopt.fast._step import make_step
 from functopt.optimizers import recipe_of
 from functopt.transforms.combining import _check_transform
 from functopt.tree import _core
 
-__all__ = ["OPTIMIZER_NOT_PICKLABLE", "Optimizer"]
+__all__ = ["COMPILE_NOT_FUSED", "OPTIMIZER_NOT_PICKLABLE", "Optimizer"]
 
 NO_TRANSFORM = (
     "functopt.Optimizer: expected a functopt transform after the params, got {given}. "
@@ -58,6 +60,18 @@ TORCH_OPTIMIZER = (
     "Fix: functopt.optim.{name}(params, ...) is the drop-in with torch's signature (if "
     "functopt.optim has it), or pass the matching recipe, e.g. "
     "functopt.Optimizer(params, functopt.adamw(1e-3))."
+)
+
+COMPILE_NOT_FUSED = (
+    "{owner}: compile=True with fused=False: the compiled tier is one of the fast paths, "
+    "and fused=False keeps every step on the pure update. Fix: leave fused at its default "
+    "with compile=True, or pass compile=False for the pure path."
+)
+
+COMPILE_IN_PLACE = (
+    "{owner}: compile=True, but the rule adds its updates into the params run by run "
+    "(a rule the compiled tier does not lower): the steps run on that rule's own foreach "
+    "path (correct, not compiled). Fix: pass compile=False to run it without this warning."
 )
 
 
@@ -178,6 +192,15 @@ class Optimizer(PlanState, AdapterBase):
         transform: the transform to run, e.g. ``functopt.adamw(1e-3, weight_decay=1e-2)``.
         fused: take the transform's fused kernel when it has one. False runs its pure
             update (bitwise ``transform.update`` then ``apply_updates_``).
+        compile: each group steps on the compiled tier of
+            [`make_step`][functopt.fast.make_step] (``compile=True``): its leaves whose
+            rules are elementwise run as one ``torch.compile``\ d call per (device, dtype)
+            group, Adam, AdamW and SGD included, instead of their kernels. The tier is a
+            fast path, so it needs ``fused=True``. A transform it cannot take runs on the
+            path ``fused`` gives, with a ``FastPathWarning`` naming the reason; a group that
+            steps under autograd takes the pure update. A group's first step compiles
+            (seconds); its state is made end to end in memory, so the tier updates it in
+            place. Copies and pickles keep the flag; the state dict is the same as without.
 
     Examples:
         >>> import torch, functopt
@@ -222,6 +245,7 @@ class Optimizer(PlanState, AdapterBase):
         transform: GradientTransformation | None = None,
         *,
         fused: bool = True,
+        compile: bool = False,
         **torch_kwargs: Any,
     ) -> None:
         owner = "functopt.Optimizer"
@@ -234,8 +258,11 @@ class Optimizer(PlanState, AdapterBase):
         self._transform = lift(_check_transform(owner, "transform", transform))
         # the recipe's call that built it, which a pickle stores in place of its closures
         self._source = recipe_of(transform)
-        _validate.check_flags(owner, fused=fused)
+        _validate.check_flags(owner, fused=fused, compile=compile)
+        if compile and not fused:
+            raise ValueError(COMPILE_NOT_FUSED.format(owner=self._step_owner()))
         self._fused = fused
+        self._compile = compile
         # Groups whose state is still the one add_param_group made (no step yet): a step
         # makes it again if the params moved to another dtype or device since.
         self._unstepped: dict[int, _Plan] = {}
@@ -585,16 +612,30 @@ class Optimizer(PlanState, AdapterBase):
             return
         donate = not self._state_shared
         if self._in_place_argument is not None:
+            if self._compile and not self.__dict__.get("_compile_warned"):
+                self._compile_warned = True
+                warnings.warn(COMPILE_IN_PLACE.format(owner=self._step_owner()),
+                              FastPathWarning, stacklevel=5)
             self._run_in_place(index, group, plan, state, entries, grads, params, donate)
             return
         steppers = self.__dict__.setdefault("_steppers", {})
         transform = plan.transform
         stepper = steppers.get((transform, donate))
         if stepper is None:  # one step function each: they cache their plans
+            fused = self._group_fused(transform)
             stepper = steppers[transform, donate] = make_step(
-                transform, donate=donate, fused=self._group_fused(transform))
+                transform, donate=donate, fused=fused, compile=self._compile and fused)
+        read = state
+        relaid: set[int] = self.__dict__.setdefault("_relaid", set())
+        if stepper.compile and (index not in relaid or (entries is None and plan.stateful)):
+            # (a fresh or loaded state: laid end to end, as Step.init lays it out, so that
+            # the compiled tier reads and writes it in place from now on)
+            read = _laid_flat(stepper, params, plan.pspec, state, plan.treespec)
+            relaid.add(index)
         new, new_state, treespec = stepper._step_flat(
-            params, grads, plan.pspec, state, plan.treespec)
+            params, grads, plan.pspec, read, plan.treespec)
+        if not donate:  # (the step wrote new tensors, laid out as it made them)
+            relaid.discard(index)
         if not donate:
             for p, n in zip(params, new, strict=True):
                 if n is not p:
@@ -681,6 +722,7 @@ class Optimizer(PlanState, AdapterBase):
         self.__dict__["_store"] = new_state
         self.param_groups = new_groups
         self._unstepped.clear()
+        self.__dict__.get("_relaid", set()).clear()
         self._counts.split.clear()
         for i, group in enumerate(self.param_groups):  # equal counts share their tensors
             held = self._plans[i] if i < len(self._plans) else None
@@ -700,7 +742,7 @@ class Optimizer(PlanState, AdapterBase):
         # A copy holds copies of the state tensors: it shares nothing with a state dict.
         state = {**torch.optim.Optimizer.__getstate__(self), "state": self._made_store(),
                  "_plans": [],
-                 "_fused": self._fused,
+                 "_fused": self._fused, "_compile": self._compile,
                  "_state_shared": False, "_unstepped": {}, "_pending": {},
                  "_counts": copy.deepcopy(self._counts)}
         state["_transform"] = HeldTransform(self._transform, self.__dict__.get("_source"))
@@ -718,6 +760,18 @@ class Optimizer(PlanState, AdapterBase):
         self.__dict__["_store"] = store
         self.__dict__.setdefault("_counts", _torch_state.Counts())
         self.__dict__.setdefault("_pending", {})
+        self.__dict__.setdefault("_compile", False)
+
+
+def _laid_flat(stepper: Step, params: list[Any], pspec: _core.TreeSpec, state: list[Any],
+               state_spec: _core.TreeSpec) -> list[Any]:
+    """``state`` (leaves of ``state_spec``) with the per-leaf entries of each group the
+    compiled tier steps moved into one buffer per entry, values equal, as ``Step.init``
+    lays them out; ``state`` itself where the tier takes no group."""
+    groups = stepper.planner.compiled_groups(pspec, params, state, state_spec)
+    if groups is None:
+        return state
+    return _compiled.flat_layout(params, [False] * len(params), state, groups)[1]
 
 
 # The names under which a pickled Optimizer holds its transform (its pickles keep them).

@@ -340,6 +340,7 @@ class Adafactor(_base.TorchOptimizer):
         *,
         foreach: bool | None = None,
         maximize: bool = False,
+        compile: bool = False,
     ) -> None:
         owner = "functopt.optim.Adafactor"
         _base.check_options(owner, foreach=foreach, maximize=maximize)
@@ -375,7 +376,7 @@ class Adafactor(_base.TorchOptimizer):
             fixed["weight_decay"] = weight_decay
         flags = {"eps1": eps1, "eps2": eps2, "maximize": maximize}
         super().__init__(params, adafactor, hyper, flags, fixed, lowerable=False,
-                         fused=None, differentiable=False)
+                         fused=None, differentiable=False, compile=compile)
 
 
 def adafactor(learning_rate: Any, beta2_decay: Any, d: Any, weight_decay: Any = None, *,

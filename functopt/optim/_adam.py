@@ -88,6 +88,7 @@ class Adam(_base.TorchOptimizer):
         differentiable: bool = False,
         fused: bool | None = None,
         decoupled_weight_decay: bool = False,
+        compile: bool = False,
     ) -> None:
         owner = f"functopt.optim.{type(self).__name__}"
         _base.check_options(owner, amsgrad=amsgrad, foreach=foreach, maximize=maximize,
@@ -112,7 +113,8 @@ class Adam(_base.TorchOptimizer):
         flags = {"decoupled": decoupled_weight_decay, "amsgrad": amsgrad, "maximize": maximize}
         lowerable = not (amsgrad or maximize or (decays and not decoupled_weight_decay))
         super().__init__(params, _chains.adam, hyper, flags, fixed, lowerable=lowerable,
-                         fused=fused, differentiable=differentiable)
+                         fused=fused, differentiable=differentiable,
+                         compile=compile)
 
 
 class AdamW(Adam):
@@ -152,11 +154,12 @@ class AdamW(Adam):
         capturable: bool = False,
         differentiable: bool = False,
         fused: bool | None = None,
+        compile: bool = False,
     ) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
                          maximize=maximize, capturable=capturable,
                          differentiable=differentiable, fused=fused,
-                         decoupled_weight_decay=True)
+                         decoupled_weight_decay=True, compile=compile)
 
 
 class NAdam(_base.TorchOptimizer):
@@ -198,6 +201,7 @@ class NAdam(_base.TorchOptimizer):
         maximize: bool = False,
         capturable: bool = False,
         differentiable: bool = False,
+        compile: bool = False,
     ) -> None:
         owner = "functopt.optim.NAdam"
         _base.check_options(owner, decoupled_weight_decay=decoupled_weight_decay, foreach=foreach,
@@ -219,7 +223,8 @@ class NAdam(_base.TorchOptimizer):
             fixed["weight_decay"] = weight_decay
         super().__init__(params, _chains.nadam, hyper,
                          {"decoupled": decoupled_weight_decay, "maximize": maximize}, fixed,
-                         lowerable=False, fused=None, differentiable=differentiable)
+                         lowerable=False, fused=None, differentiable=differentiable,
+                         compile=compile)
 
 
 class RAdam(_base.TorchOptimizer):
@@ -260,6 +265,7 @@ class RAdam(_base.TorchOptimizer):
         maximize: bool = False,
         capturable: bool = False,
         differentiable: bool = False,
+        compile: bool = False,
     ) -> None:
         owner = "functopt.optim.RAdam"
         _base.check_options(owner, decoupled_weight_decay=decoupled_weight_decay, foreach=foreach,
@@ -281,7 +287,8 @@ class RAdam(_base.TorchOptimizer):
             fixed["weight_decay"] = weight_decay
         super().__init__(params, _chains.radam, hyper,
                          {"decoupled": decoupled_weight_decay, "maximize": maximize}, fixed,
-                         lowerable=False, fused=None, differentiable=differentiable)
+                         lowerable=False, fused=None, differentiable=differentiable,
+                         compile=compile)
 
 
 class Adamax(_base.TorchOptimizer):
@@ -319,6 +326,7 @@ class Adamax(_base.TorchOptimizer):
         maximize: bool = False,
         differentiable: bool = False,
         capturable: bool = False,
+        compile: bool = False,
     ) -> None:
         owner = "functopt.optim.Adamax"
         _base.check_options(owner, foreach=foreach, maximize=maximize,
@@ -337,4 +345,5 @@ class Adamax(_base.TorchOptimizer):
         else:
             fixed["weight_decay"] = weight_decay
         super().__init__(params, _chains.adamax, hyper, {"maximize": maximize}, fixed,
-                         lowerable=False, fused=None, differentiable=differentiable)
+                         lowerable=False, fused=None, differentiable=differentiable,
+                         compile=compile)

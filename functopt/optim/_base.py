@@ -25,11 +25,18 @@ import torch
 from functopt import _validate
 from functopt._base import GradientTransformation
 from functopt.adapters import _torch_state, _torch_view
-from functopt.adapters.optimizer import Optimizer
+from functopt.adapters.optimizer import COMPILE_NOT_FUSED, Optimizer
 from functopt.transforms.hyperparams import inject_hyperparams
 from functopt.tree import _ops
 
 __all__: list[str] = []
+
+COMPILE_DIFFERENTIABLE = (
+    "{owner}: compile=True with differentiable=True: the compiled tier writes params and "
+    "state in place outside autograd, and a differentiable step runs the pure update in the "
+    "graph. Fix: pass compile=False with differentiable=True, or differentiable=False to "
+    "compile the step."
+)
 
 # Execution hints of torch.optim: they choose how torch runs the same maths, so any value
 # is accepted (and kept in the groups) here.
@@ -192,12 +199,18 @@ class TorchOptimizer(Optimizer):
         lowerable: bool,
         fused: bool | None,
         differentiable: bool,
+        compile: bool = False,
     ) -> None:
         owner = f"functopt.optim.{type(self).__name__}"
         if differentiable and fused:
             raise RuntimeError(f"`fused` does not support `differentiable` ({owner}: the fused "
                                f"kernels write in place outside autograd. Fix: leave fused "
                                f"unset with differentiable=True.)")
+        _validate.check_flags(owner, compile=compile)
+        if compile and differentiable:
+            raise ValueError(COMPILE_DIFFERENTIABLE.format(owner=owner))
+        if compile and fused is False:
+            raise ValueError(COMPILE_NOT_FUSED.format(owner=owner))
         if isinstance(params, torch.Tensor):
             raise TypeError(
                 f"{owner}: params argument given to the optimizer should be an iterable of "
@@ -215,6 +228,8 @@ class TorchOptimizer(Optimizer):
         # fused=None: the fused kernel where the planner has one, the pure path (no warning)
         # elsewhere, as torch picks foreach. fused=True where there is no kernel warns.
         kernel = (lowerable and not differentiable) if fused is None else bool(fused)
+        # compile=True: the compiled tier, a fast path, for every chain
+        kernel = kernel or compile
         if self.__dict__.get("_building"):  # a group's chain only: see _variant
             raise _Built(transform, kernel)
         self._recipe = (factory, dict(hyperparams), dict(flags))
@@ -232,7 +247,7 @@ class TorchOptimizer(Optimizer):
                 differentiable or not given_lr.requires_grad):
             self._given_defaults = {"lr": given_lr}
         self._differentiable_default = differentiable
-        super().__init__(params, transform, fused=kernel)
+        super().__init__(params, transform, fused=kernel, compile=compile)
         self.defaults.update(self._fixed)
 
     @property
@@ -368,6 +383,9 @@ class TorchOptimizer(Optimizer):
         try:
             check_group(owner, f"param group {len(self.param_groups) - 1}",
                         self.param_groups[-1])
+            if self.__dict__.get("_compile") and self.param_groups[-1].get("differentiable"):
+                raise ValueError(COMPILE_DIFFERENTIABLE.format(
+                    owner=f"{owner}: param group {len(self.param_groups) - 1}"))
         except ValueError:
             self.param_groups.pop()
             raise

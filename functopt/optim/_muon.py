@@ -87,6 +87,7 @@ class Muon(_base.TorchOptimizer):
         adjust_lr_fn: str | None = None,
         *,
         ns_dtype: torch.dtype | None = torch.bfloat16,
+        compile: bool = False,
     ) -> None:
         owner = "functopt.optim.Muon"
         _base.check_options(owner, nesterov=nesterov)
@@ -121,7 +122,7 @@ class Muon(_base.TorchOptimizer):
                  "eps": float(eps), "ns_steps": ns_steps, "adjust_lr_fn": adjust_lr_fn,
                  "ns_dtype": ns_dtype}
         super().__init__(params, _chains.muon, hyper, flags, fixed, lowerable=True,
-                         fused=None, differentiable=False)
+                         fused=None, differentiable=False, compile=compile)
         for i, group in enumerate(self.param_groups):
             _check_matrices(owner, i, group["params"])
 

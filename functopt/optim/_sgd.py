@@ -63,6 +63,7 @@ class SGD(_base.TorchOptimizer):
         foreach: bool | None = None,
         differentiable: bool = False,
         fused: bool | None = None,
+        compile: bool = False,
     ) -> None:
         owner = "functopt.optim.SGD"
         _base.check_options(owner, nesterov=nesterov, maximize=maximize, foreach=foreach,
@@ -92,7 +93,8 @@ class SGD(_base.TorchOptimizer):
             for v in (momentum, *_base.groups_set(params, "momentum")))
         super().__init__(params, _chains.sgd, hyper, flags, fixed,
                          lowerable=not maximize and damp == 0 and not no_buffer, fused=fused,
-                         differentiable=differentiable)
+                         differentiable=differentiable,
+                         compile=compile)
 
     def state_dict(self) -> dict[str, Any]:
         """torch.optim.SGD's state dict; the momentum buffer of a param that has had sparse
@@ -163,6 +165,8 @@ class RMSprop(_base.TorchOptimizer):
         foreach: bool | None = None,
         maximize: bool = False,
         differentiable: bool = False,
+        *,
+        compile: bool = False,
     ) -> None:
         owner = "functopt.optim.RMSprop"
         _base.check_options(owner, centered=centered, capturable=capturable, foreach=foreach,
@@ -183,7 +187,8 @@ class RMSprop(_base.TorchOptimizer):
                 fixed[key] = value
         super().__init__(params, _chains.rmsprop, hyper,
                          {"centered": centered, "maximize": maximize}, fixed,
-                         lowerable=False, fused=None, differentiable=differentiable)
+                         lowerable=False, fused=None, differentiable=differentiable,
+                         compile=compile)
 
 
 class Adagrad(_base.TorchOptimizer):
@@ -228,6 +233,7 @@ class Adagrad(_base.TorchOptimizer):
         maximize: bool = False,
         differentiable: bool = False,
         fused: bool | None = None,
+        compile: bool = False,
     ) -> None:
         owner = "functopt.optim.Adagrad"
         _base.check_options(owner, foreach=foreach, maximize=maximize,
@@ -244,7 +250,8 @@ class Adagrad(_base.TorchOptimizer):
         else:
             fixed["weight_decay"] = weight_decay
         super().__init__(params, _chains.adagrad, hyper, {"maximize": maximize}, fixed,
-                         lowerable=False, fused=fused, differentiable=differentiable)
+                         lowerable=False, fused=fused, differentiable=differentiable,
+                         compile=compile)
 
     def _sparse_refusal(self, group: dict[str, Any]) -> tuple[str, str] | None:
         if group.get("fused"):
@@ -294,6 +301,7 @@ class Adadelta(_base.TorchOptimizer):
         capturable: bool = False,
         maximize: bool = False,
         differentiable: bool = False,
+        compile: bool = False,
     ) -> None:
         owner = "functopt.optim.Adadelta"
         _base.check_options(owner, foreach=foreach, capturable=capturable, maximize=maximize,
@@ -311,7 +319,8 @@ class Adadelta(_base.TorchOptimizer):
         else:
             fixed["weight_decay"] = weight_decay
         super().__init__(params, _chains.adadelta, hyper, {"maximize": maximize}, fixed,
-                         lowerable=False, fused=None, differentiable=differentiable)
+                         lowerable=False, fused=None, differentiable=differentiable,
+                         compile=compile)
 
 
 class Rprop(_base.TorchOptimizer):
@@ -350,6 +359,7 @@ class Rprop(_base.TorchOptimizer):
         foreach: bool | None = None,
         maximize: bool = False,
         differentiable: bool = False,
+        compile: bool = False,
     ) -> None:
         owner = "functopt.optim.Rprop"
         _base.check_options(owner, capturable=capturable, foreach=foreach, maximize=maximize,
@@ -367,4 +377,5 @@ class Rprop(_base.TorchOptimizer):
                                  "capturable": capturable}
         flags = {"etas": (minus, plus), "step_sizes": (low, high), "maximize": maximize}
         super().__init__(params, _chains.rprop, hyper, flags, fixed, lowerable=False,
-                         fused=None, differentiable=differentiable)
+                         fused=None, differentiable=differentiable,
+                         compile=compile)
