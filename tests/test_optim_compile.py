@@ -36,6 +36,13 @@ def test_compile_with_differentiable_raises() -> None:
                              "differentiable": True})
 
 
+def test_adafactor_refuses_compile() -> None:
+    # its rule steps run by run, outside the compiled tier: no step would be compiled
+    with pytest.raises(ValueError, match="Adafactor: compile=True"):
+        functopt.optim.Adafactor(_params(), compile=True)
+    assert not functopt.optim.Adafactor(_params())._compile
+
+
 # AdamW leaves its torch kernel for the tier; NAdam has no kernel
 @pytest.mark.parametrize("name", ["AdamW", "NAdam"])
 def test_compiled_class_equals_eager_and_pickles_with_the_flag(name: str) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import operator
-import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -38,7 +37,6 @@ from functopt.adapters._plan import (
     _readable,
 )
 from functopt.fast import _compiled, _planner
-from functopt.fast._errors import FastPathWarning
 from functopt.fast._step import Step, make_step
 from functopt.fast._step import _check as _step_checks
 from functopt.optimizers import recipe_of
@@ -66,12 +64,6 @@ COMPILE_NOT_FUSED = (
     "{owner}: compile=True with fused=False: the compiled tier is one of the fast paths, "
     "and fused=False keeps every step on the pure update. Fix: leave fused at its default "
     "with compile=True, or pass compile=False for the pure path."
-)
-
-COMPILE_IN_PLACE = (
-    "{owner}: compile=True, but the rule adds its updates into the params run by run "
-    "(a rule the compiled tier does not lower): the steps run on that rule's own foreach "
-    "path (correct, not compiled). Fix: pass compile=False to run it without this warning."
 )
 
 
@@ -612,10 +604,6 @@ class Optimizer(PlanState, AdapterBase):
             return
         donate = not self._state_shared
         if self._in_place_argument is not None:
-            if self._compile and not self.__dict__.get("_compile_warned"):
-                self._compile_warned = True
-                warnings.warn(COMPILE_IN_PLACE.format(owner=self._step_owner()),
-                              FastPathWarning, stacklevel=5)
             self._run_in_place(index, group, plan, state, entries, grads, params, donate)
             return
         steppers = self.__dict__.setdefault("_steppers", {})

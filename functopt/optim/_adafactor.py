@@ -344,6 +344,12 @@ class Adafactor(_base.TorchOptimizer):
     ) -> None:
         owner = "functopt.optim.Adafactor"
         _base.check_options(owner, foreach=foreach, maximize=maximize)
+        if compile:
+            raise ValueError(
+                f"{owner}: compile=True, but the class's rule adds its updates into the "
+                f"params run by run, which the compiled tier does not lower: no step of it "
+                f"would be compiled. Fix: leave compile=False: the class steps on its own "
+                f"foreach path.")
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
             raise ValueError(f"{owner}: Tensor lr must be 1-element, got shape "
                              f"{tuple(lr.shape)}. Fix: pass a float or a 0-d tensor.")
