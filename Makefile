@@ -26,8 +26,10 @@ test: $(STAMP)
 
 # Two worker processes, one per core here; a worker takes a whole test file at a time, so
 # that a file's module-scoped fixtures (a pool of ranks, a built site) are set up once.
+# The timed laws (marked serial) run after them, in one process with no worker beside it.
 unit: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadfile
+	$(PY) -m pytest -n 2 --dist loadfile -m 'not slow and not serial'
+	$(PY) -m pytest -m 'serial and not slow'
 
 test-deep: $(STAMP)
 	HYPOTHESIS_PROFILE=deep $(PY) -m pytest

@@ -72,6 +72,7 @@ def _least(make: Make, params: dict[int, list[torch.Tensor]]) -> dict[str, dict[
     return out
 
 
+@pytest.mark.serial  # (timed: run alone, with no other test process beside it)
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", list(MAKERS))
 def test_construction_and_state_dict_grow_linearly(name: str) -> None:
