@@ -200,7 +200,10 @@ def test_a_group_option_trains_as_torch(name: str, key: str, value: Any) -> None
     assert torch.equal(got[0], alone[0]), (name, key)
     alone = _train(lambda ps: getattr(optim, name)(ps, **{**kwargs, key: value}))
     assert torch.equal(got[1], alone[1]), (name, key)
-    assert not torch.equal(got[1], _train(lambda ps: getattr(optim, name)(ps, **kwargs))[1])
+    # the option changes the second group's params wherever it changes torch's (AMSGrad's
+    # maximum of a second moment that never fell equals the moment itself)
+    if not torch.equal(expected[1], _train(lambda ps: getattr(torch.optim, name)(ps, **kwargs))[1]):
+        assert not torch.equal(got[1], _train(lambda ps: getattr(optim, name)(ps, **kwargs))[1])
 
     def added(ps: list[dict[str, Any]]) -> torch.optim.Optimizer:
         opt = getattr(optim, name)([ps[0]], **kwargs)

@@ -25,16 +25,20 @@ each accepts it (and then runs all of it) or gives the reason it does not:
 A kernel writes the new params (the updates and the write of a step in one pass), so the
 kernel backend takes only a segment whose updates go to the program's `Write` unread: one
 at the top of the program that no later op (a clip, a guard, a reduction) reads. It also
-refuses what its arithmetic would not compute as the pure rules do: a rule inside
-``inject_hyperparams`` or with a schedule or a tensor hyperparameter (the kernels take
-Python numbers, so a tensor would be read on the host and rounded to a double), a rule with
+refuses what its arithmetic would not compute as the pure rules do: a rule with a schedule
+of its own count or a tensor hyperparameter (the kernels take Python numbers, so a tensor
+would be read on the host and rounded to a double), a rule inside an ``inject_hyperparams``
+nested in another, a rule with
 tree sums, a layout or dtype the kernels do not take, a rule keeping shared state other than
 its count, ``set_to_zero`` after a rule with state (the kernels' matching refuses it), a step
 whose gradients, params or state entries hold an element that is not finite or so large
 that the kernels' intermediates and the rules' overflow apart (checked at every step: one
 foreach 2-norm pass over them and one host read), and, when the step is donated, per-leaf
 state entries sharing memory with each other or with a param (the kernels write them in
-place). No clip or loss scale reaches a
+place). A rule inside one ``inject_hyperparams`` is matched on its node in the inner transform built
+from placeholder tensors, which the match binds to the injection's values: at each step
+the kernels take this step's values (read on the host, as the planner reads them), so a
+``param_groups`` edit of a drop-in reaches them. No clip or loss scale reaches a
 kernel as its ``grad_scale``: a clip is a `Scale` op of its own, run before the segment.
 
 The kernels round once where the pure chain rounds at each stage, so their results equal
@@ -56,7 +60,7 @@ from typing import Any, Protocol
 import torch
 
 from functopt._collective.dtensor import _leaf_names, local_tensor
-from functopt._spec import Leafwise
+from functopt._spec import Leafwise, Spec, describe
 from functopt.fast._kernels import (
     _PLAIN,
     Group,
@@ -67,8 +71,8 @@ from functopt.fast._kernels import (
     _run_group,
 )
 from functopt.fast._planner import overlap
-from functopt.fast._program import Gate, Map, Op, Program
-from functopt.fast._programs import _Const, _Env, _Op
+from functopt.fast._program import Gate, Map, Op, Program, Rule, nodes_of, resolve_binding
+from functopt.fast._programs import _Const, _Env, _Hyper, _Op
 from functopt.fast._walk import _Mismatch, _Walk
 from functopt.transforms import _common
 from functopt.tree import _core
@@ -89,6 +93,10 @@ class Leaves(Protocol):
     updates: list[Any]  # per leaf: its update where the segment stands
     state: list[Any]  # the flat state
     donate: bool
+
+    def bound(self, index: int) -> tuple[dict[str, Any], list[Spec]]:
+        """Binding ``index``'s values and its inner transform's nodes at this step."""
+        ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -191,11 +199,23 @@ class _Matched:
 
     plans: dict[int, tuple[_KernelPlan, Any]]
     counts: tuple[int, ...]
+    bindings: frozenset[int] = frozenset()  # the inject_hyperparams its arguments read
+
+
+def _hyper_values(run: Leaves, bindings: frozenset[int]) -> list[dict[str, Any]]:
+    """Per binding of the program, this step's values where the kernels read them (the
+    `_Hyper` arguments of a match: ``hyperparams[key]`` of binding ``node``)."""
+    return [run.bound(i)[0] if i in bindings else {}
+            for i in range(len(run.program.bindings))]
 
 
 def _binding_problem(op: _Op) -> str | None:
-    """Why an argument of ``op`` is not a Python number the kernels take as it is."""
+    """Why an argument of ``op`` is not a Python number or an injected hyperparameter, which
+    the kernels take as they are (the second read at each step: a host read of a 0-d
+    tensor, once while it is the same tensor)."""
     for name, binding in op.args.items():
+        if isinstance(binding, _Hyper):
+            continue
         value = binding.value if isinstance(binding, _Const) else None
         if isinstance(value, torch.Tensor):
             return (f"{op.kind}'s {name} is a tensor, which the kernels take as a Python "
@@ -204,6 +224,32 @@ def _binding_problem(op: _Op) -> str | None:
             return (f"{op.kind}'s {name} is {binding!r}, a tensor at each step, which the "
                     f"kernels take as a Python number")
     return None
+
+
+def _bound_node(walker: _Walk, rule: Rule, run: Leaves, keep: list[torch.Tensor],
+                ) -> Spec | str:
+    """A rule inside ``inject_hyperparams`` as the kernels' match reads it: its node in the
+    inner transform built from placeholder tensors, which the walk binds to this step's
+    values (`_Hyper`); or why it is not matched."""
+    assert rule.bound is not None
+    index, position = rule.bound
+    binding = run.program.bindings[index]
+    if binding.parent is not None:
+        return (f"{rule.where}: an inject_hyperparams inside another, whose values the "
+                f"kernels' match does not bind")
+    placeholders = {}
+    for key, entry in binding.hyper:
+        current = run.state[entry]
+        held = (current.detach().clone() if isinstance(current, torch.Tensor)
+                else torch.tensor(current, dtype=torch.float64))
+        keep.append(held)
+        placeholders[key] = held
+        walker.placeholders[id(held)] = _Hyper(index, key)
+    node = nodes_of(describe(binding.spec.build(placeholders)))[position]
+    if type(node) is not type(rule.spec):
+        return (f"{rule.where}: the injected transform built anew has {node!r} where "
+                f"{rule.spec!r} was compiled")
+    return node
 
 
 def _shared(maps: tuple[Map, ...], treespec: _core.TreeSpec) -> set[int]:
@@ -224,16 +270,20 @@ def _match(segment: Segment, run: Leaves) -> _Matched | str:
         return ("its updates are read after it (by a clip, a guard or another reduction, "
                 "or it is inside apply_if_finite), and a kernel writes the params")
     walker = _Walk(None, run.treespec, run.params, run.state)
+    keep: list[torch.Tensor] = []  # (the placeholders, alive while the walk binds their ids)
+    bindings = frozenset(m.rule.bound[0] for m in segment.maps if m.rule.bound is not None)
     for m in segment.maps:
         rule = m.rule
+        spec: Spec | str = rule.spec
+        if m.totals is not None or not isinstance(spec, Leafwise) or spec.kernel is None:
+            return f"{rule.where or '<root>'}: {_kind(spec)} has no fused kernel"
         if rule.bound is not None:
-            return (f"{rule.where}: inside inject_hyperparams its hyperparameters are "
-                    f"tensors of the state, which the kernels take as Python numbers")
-        if m.totals is not None or not isinstance(rule.spec, Leafwise) or (
-                rule.spec.kernel is None):
-            return f"{rule.where or '<root>'}: {_kind(rule.spec)} has no fused kernel"
+            spec = _bound_node(walker, rule, run, keep)
+            if isinstance(spec, str):
+                return spec
+        assert isinstance(spec, Leafwise)
         try:
-            walker.leafwise(rule.spec, rule.state_at, list(m.sel), rule.where)
+            walker.leafwise(spec, rule.state_at, list(m.sel), rule.where)
         except _Mismatch as mismatch:
             return str(mismatch)
     structure = walker.out
@@ -258,7 +308,7 @@ def _match(segment: Segment, run: Leaves) -> _Matched | str:
     if extra:
         return (f"{segment.where}: a rule keeps shared state besides its count, which the "
                 f"kernels do not write")
-    return _Matched(plans, tuple(sorted(counts)))
+    return _Matched(plans, tuple(sorted(counts)), bindings)
 
 
 class _Kernel:
@@ -299,7 +349,7 @@ class _Kernel:
                                       Group(plan, p.device, p.dtype, [], []))
             group.leaves.append(i)
             group.plans.append(plan)
-        env = _Env(run.state, [])
+        env = _Env(run.state, _hyper_values(run, matched.bindings))
         resolved: list[tuple[Group, dict[str, Any]]] = []
         for group in groups.values():
             hp = {} if group.plan.kernel == "zero" else _hyperparameters(group.plan, env)
@@ -679,6 +729,10 @@ class _Given:
     updates: list[Any]
     state: list[Any]
     donate: bool
+    resolved: dict[int, tuple[dict[str, Any], list[Spec]]] = field(default_factory=dict)
+
+    def bound(self, index: int) -> tuple[dict[str, Any], list[Spec]]:
+        return resolve_binding(self.program, self.state, self.resolved, index)
 
 
 def explain(program: Program, treespec: _core.TreeSpec, param_leaves: list[Any],

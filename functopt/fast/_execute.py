@@ -49,7 +49,7 @@ from functopt._collective.dtensor import (
     is_dtensor,
     local_tensor,
 )
-from functopt._spec import Spec, describe
+from functopt._spec import Spec
 from functopt.fast import _backends
 from functopt.fast._program import (
     Accumulate,
@@ -63,7 +63,7 @@ from functopt.fast._program import (
     Scale,
     Window,
     Write,
-    nodes_of,
+    resolve_binding,
 )
 from functopt.transforms import _common
 from functopt.tree import _core
@@ -132,17 +132,8 @@ class _Run:
 
     def bound(self, index: int) -> tuple[dict[str, Any], list[Spec]]:
         """Binding ``index``'s values and its inner transform's nodes for this step,
-        resolved at first use (its outer bindings first), from its state entries, which
-        only its `Record` changes."""
-        found = self.resolved.get(index)
-        if found is None:
-            b = self.program.bindings[index]
-            node = b.spec if b.parent is None else self.bound(b.parent[0])[1][b.parent[1]]
-            constants = {k: self.state[i] for k, i in b.hyper if k in b.constants}
-            values = node.values_at(self.state[b.count], constants)  # type: ignore[attr-defined]
-            built = describe(node.build(values))  # type: ignore[attr-defined]
-            found = self.resolved[index] = (values, nodes_of(built))
-        return found
+        resolved at first use (`resolve_binding`)."""
+        return resolve_binding(self.program, self.state, self.resolved, index)
 
     def state_of(self, rule: Rule) -> Any:
         keys, spec = _core.flatten(rule.state_at)

@@ -74,7 +74,8 @@ from functopt.transforms.multi_steps import Accumulated, MultiSteps, MultiStepsS
 from functopt.tree import _core
 
 __all__ = ["Accumulate", "Binding", "Decide", "Gate", "Map", "Program", "Record", "Reduce",
-           "Rule", "Scale", "Window", "Write", "compile_program", "nodes_of", "rule_facts"]
+           "Rule", "Scale", "Window", "Write", "compile_program", "nodes_of", "resolve_binding",
+           "rule_facts"]
 
 def rule_facts(spec: Leafwise) -> tuple[tuple[str, ...], bool] | str:
     """A rule's per-leaf state fields and whether it is elementwise, as its spec states
@@ -279,6 +280,24 @@ def _reads(op: Op) -> int | None:
     if isinstance(op, Map):
         return op.totals
     return None
+
+
+def resolve_binding(program: Program, state: list[Any],
+                    resolved: dict[int, tuple[dict[str, Any], list[Spec]]], index: int,
+                    ) -> tuple[dict[str, Any], list[Spec]]:
+    """Binding ``index``'s values and its inner transform's nodes at a step whose flat state
+    is ``state``, kept in ``resolved`` (the step's, resolved once each): read from its state
+    entries, which only its `Record` changes, its outer bindings first."""
+    found = resolved.get(index)
+    if found is None:
+        b = program.bindings[index]
+        node = b.spec if b.parent is None else resolve_binding(
+            program, state, resolved, b.parent[0])[1][b.parent[1]]
+        constants = {k: state[i] for k, i in b.hyper if k in b.constants}
+        values = node.values_at(state[b.count], constants)  # type: ignore[attr-defined]
+        built = describe(node.build(values))  # type: ignore[attr-defined]
+        found = resolved[index] = (values, nodes_of(built))
+    return found
 
 
 # --- the compiler -----------------------------------------------------------------------

@@ -45,8 +45,8 @@ class Adam(_base.TorchOptimizer):
     ``weight_decay`` adds $\lambda p$ to the gradient first (L2; ``decoupled_weight_decay=True``
     makes it AdamW's); ``amsgrad=True`` uses torch's variant (the maximum of the raw second
     moment, corrected afterwards: ``scale_by_amsgrad(correct_after_max=True)``);
-    ``maximize=True`` negates the gradient first (``scale(-1)``). Those three run the pure
-    path. ``foreach``, ``fused`` and ``capturable`` are hints (``fused=True`` where there is
+    ``maximize=True`` negates the gradient first (``scale(-1)``). The kernel takes those
+    three too (``amsgrad``, ``maximize``, an L2 decay). ``foreach``, ``fused`` and ``capturable`` are hints (``fused=True`` where there is
     no kernel warns); with ``differentiable=True`` the pure chain steps in the autograd
     graph, as torch's does.
 
@@ -111,8 +111,7 @@ class Adam(_base.TorchOptimizer):
         else:
             fixed["weight_decay"] = weight_decay
         flags = {"decoupled": decoupled_weight_decay, "amsgrad": amsgrad, "maximize": maximize}
-        lowerable = not (amsgrad or maximize or (decays and not decoupled_weight_decay))
-        super().__init__(params, _chains.adam, hyper, flags, fixed, lowerable=lowerable,
+        super().__init__(params, _chains.adam, hyper, flags, fixed, lowerable=True,
                          fused=fused, differentiable=differentiable,
                          compile=compile)
 

@@ -26,8 +26,8 @@ class SGD(_base.TorchOptimizer):
     scale_by_learning_rate(lr))`` under ``inject_hyperparams``: the
     [`functopt.sgd`][functopt.sgd] chain with torch's weight decay, which takes PyTorch's
     fused SGD kernel. With ``dampening`` the momentum is
-    [`functopt.dampened_trace`][functopt.dampened_trace] (no kernel); ``maximize=True``
-    negates the gradient first (no kernel). ``lr``, ``weight_decay`` and ``momentum`` live
+    [`functopt.dampened_trace`][functopt.dampened_trace]; ``maximize=True`` negates the
+    gradient first; the kernel takes both. ``lr``, ``weight_decay`` and ``momentum`` live
     in ``param_groups``; a group may set its own ``dampening``, ``nesterov`` and
     ``maximize`` (it runs its own chain). A
     ``momentum`` of 0 in the constructor and in every group has no stage (the chain keeps
@@ -92,7 +92,7 @@ class SGD(_base.TorchOptimizer):
             _base.number(owner, "momentum", v) == 0
             for v in (momentum, *_base.groups_set(params, "momentum")))
         super().__init__(params, _chains.sgd, hyper, flags, fixed,
-                         lowerable=not maximize and damp == 0 and not no_buffer, fused=fused,
+                         lowerable=not no_buffer, fused=fused,
                          differentiable=differentiable,
                          compile=compile)
 

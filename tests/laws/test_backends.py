@@ -182,6 +182,15 @@ KERNEL_CHAINS: dict[str, Callable[[], Any]] = {
         _labels),
     "a part on no leaves": lambda: F.partition(  # (its count moves all the same)
         {"adam": F.adam(1e-2), "sgd": F.sgd(0.1)}, lambda p: dict.fromkeys(p, "sgd")),
+    # (the hyperparameters are state tensors, read on the host at each step)
+    "injected adamw": lambda: F.inject_hyperparams(F.adamw)(
+        learning_rate=1e-2, b1=0.8, weight_decay=0.1),
+    "injected sgd with a scheduled lr": lambda: F.inject_hyperparams(F.sgd)(
+        learning_rate=lambda count: 0.1 / (1 + count), momentum=0.9),
+    "injected in a partition": lambda: F.partition(
+        {"adam": F.inject_hyperparams(F.adam)(learning_rate=1e-2),
+         "sgd": F.inject_hyperparams(F.sgd)(learning_rate=0.1, momentum=0.5),
+         "frozen": F.set_to_zero()}, _labels),
 }
 
 
@@ -200,7 +209,10 @@ def test_kernel_chain_equals_the_planners_fast_path(chain: str, donate: bool) ->
             with engine() as launched:
                 engine_params, engine_state = engine_step(_grads(k), engine_state,
                                                           engine_params)
-        assert launched == [1], f"step {k + 1}: the kernel backend did not run"
+        # (one segment each, but three in a partition of injected transforms: the
+        # inject_hyperparams' records of their values stand between their rules)
+        expected = [1] * (3 if chain == "injected in a partition" else 1)
+        assert launched == expected, f"step {k + 1}: the kernel backend did not run"
         assert_bitwise_equal(engine_params, planner_params, what=f"params after step {k + 1}")
         assert_bitwise_equal(engine_state, planner_state, what=f"state after step {k + 1}")
 
@@ -260,6 +272,10 @@ def _inf_moment(tx: Any, params: Any) -> Any:
     return (state[0]._replace(nu=nu), *state[1:])
 
 
+def _injected_adamw(learning_rate: Any) -> Any:
+    return F.inject_hyperparams(F.adamw)(learning_rate=learning_rate)
+
+
 # name: (transform, params, state edit or None, donate, a part of the kernel's reason)
 REFUSALS: dict[str, tuple[Callable[[], Any], Callable[[], Any], Any, bool, str]] = {
     "a rule without a kernel": (lambda: F.lion(1e-3), _trio, None, False,
@@ -274,8 +290,8 @@ REFUSALS: dict[str, tuple[Callable[[], Any], Callable[[], Any], Any, bool, str]]
                     "learning_rate is a tensor"),
     "a schedule": (lambda: F.sgd(lambda count: 0.1 / (1 + count)), _trio, None, False,
                    "a tensor at each step"),
-    "injected": (lambda: F.inject_hyperparams(F.adamw)(learning_rate=0.1), _trio, None,
-                 False, "inside inject_hyperparams"),
+    "nested injected": (lambda: F.inject_hyperparams(_injected_adamw)(learning_rate=0.1),
+                        _trio, None, False, "an inject_hyperparams inside another"),
     "a clip after": (lambda: F.chain(F.adamw(1e-2), F.clip_by_global_norm(0.5)), _trio,
                      None, False, "its updates are read after it"),
     "inside apply_if_finite": (lambda: F.apply_if_finite(F.adam(1e-2), 1), _trio, None,

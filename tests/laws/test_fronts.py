@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import functopt.optim as O
-from functopt.fast import FastPathWarning
+from functopt.fast import FastPathWarning, _backends
 from functopt.testing import _fast, assert_bitwise_equal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -82,10 +82,13 @@ def _grads(params: list[torch.Tensor], k: int) -> list[torch.Tensor]:
 
 
 def _run(make: Callable[[list[torch.Tensor]], Any], two_d: bool,
+         before: Callable[[Any, int], None] | None = None,
          ) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
     params = _params(two_d)
     opt = make(params)
     for k in range(STEPS):
+        if before is not None:
+            before(opt, k)
         for p, g in zip(params, _grads(params, k), strict=True):
             p.grad = g
         opt.step()
@@ -141,5 +144,45 @@ def test_class_on_the_default_backends_equals_torch(case: tuple[str, dict[str, A
             {} if name in REFUSED else {"fused": True})), False)
     assert len(calls) == (0 if name in REFUSED else STEPS)
     for k, (p, e) in enumerate(zip(found[0], expected[0], strict=True)):
+        _fast._assert_fast_close(p, e, e, check="engine vs torch.optim", what=f"{name} {k}",
+                                 exact=False)
+
+
+# The drop-ins' options the kernels lower: their injected hyperparameters (the state's
+# tensors, which a user's ``param_groups`` edits write) are read on the host at each step,
+# so every step runs on the kernel backend.
+KERNEL_CASES: list[tuple[str, dict[str, Any]]] = [
+    ("Adam", {"weight_decay": 0.1}),
+    ("AdamW", {"amsgrad": True, "weight_decay": 0.05}),
+    ("SGD", {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
+]
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=[c for c, _ in KERNEL_CASES])
+def test_drop_in_steps_on_the_kernels_and_reads_group_edits(
+        case: tuple[str, dict[str, Any]]) -> None:
+    name, options = case
+    launched: list[int] = []
+    launch = _backends._launch
+
+    def counted(*args: Any) -> None:
+        launched.append(1)
+        launch(*args)
+
+    def halved(opt: Any, k: int) -> None:  # (a scheduler's edit before the last step)
+        if k == STEPS - 1:
+            for group in opt.param_groups:
+                group["lr"] *= 0.5
+
+    torch_opt = _run(lambda ps: getattr(torch.optim, name)(ps, **options), False, halved)
+    with engine(("kernel", "eager")) as calls, warnings.catch_warnings():
+        warnings.simplefilter("error", FastPathWarning)
+        _backends._launch = counted  # type: ignore[assignment]
+        try:
+            found = _run(lambda ps: getattr(O, name)(ps, **options), False, halved)
+        finally:
+            _backends._launch = launch  # type: ignore[assignment]
+    assert len(calls) == STEPS and len(launched) == STEPS, (calls, launched)
+    for k, (p, e) in enumerate(zip(found[0], torch_opt[0], strict=True)):
         _fast._assert_fast_close(p, e, e, check="engine vs torch.optim", what=f"{name} {k}",
                                  exact=False)
