@@ -172,6 +172,9 @@ class _Table:
     foreach: dict[Segment, dict[int, _RmsProp] | str | None] = field(default_factory=dict)
     refused: dict[str, None] = field(default_factory=dict)  # (ordered) since the last warning
     warned: set[str] = field(default_factory=set)
+    # per segment: the params and state entries its last kernel call wrote, as
+    # id -> (a weak reference, its version), which `_range_problem` does not read again
+    written: dict[Segment, dict[int, tuple[Any, int]]] = field(default_factory=dict)
 
 
 _TABLES: weakref.WeakKeyDictionary[Program, _Table] = weakref.WeakKeyDictionary()
@@ -358,14 +361,21 @@ class _Kernel:
             resolved.append((group, hp))
         written = [(group.dtype, group.leaves, _written_slots(group))
                    for group, _ in resolved if group.plan.kernel != "zero"]
-        problem = _range_problem(run, written)
+        problem = _range_problem(run, written, table.written.get(segment))
         if problem is None and run.donate:
             problem = _donation_problem(run, [i for _, leaves, _ in written for i in leaves],
                                         [k for _, _, entries in written for k in entries],
                                         name)
         if problem is not None:
             return problem
-        return lambda: _launch(segment, run, matched, resolved)
+
+        def launch() -> None:
+            _launch(segment, run, matched, resolved)
+            table.written[segment] = _versions(
+                [run.params[i] for _, leaves, _ in written for i in leaves]
+                + [run.state[k] for _, _, entries in written for k in entries])
+
+        return launch
 
 
 def _written_slots(group: Group) -> list[int]:
@@ -381,7 +391,7 @@ def _written_slots(group: Group) -> list[int]:
 
 
 def _range_problem(run: Leaves, groups: list[tuple[torch.dtype, list[int], list[int]]],
-                   ) -> str | None:
+                   written: dict[int, tuple[Any, int]] | None = None) -> str | None:
     """Why the kernels' results may not equal the rules' to rounding on these values: an
     element of a gradient, a param or a state entry (per group: its dtype, its leaves, the
     flat indices of its state entries) is not finite, or so large that an intermediate of
@@ -390,14 +400,26 @@ def _range_problem(run: Leaves, groups: list[tuple[torch.dtype, list[int], list[
     ``mu + (1 - b1) * (g - mu)`` against ``b1 * mu + (1 - b1) * g``), both computing in
     float32 (float64 for float64). Each tensor's 2-norm (a bound of its largest element,
     not finite where an element is not) is held to a sixteenth of that dtype's largest
-    value, a gradient's to a sixteenth of its root: one foreach pass, one host read."""
+    value, a gradient's to a sixteenth of its root: one foreach pass, one host read.
+
+    ``written``: the params and state entries the segment's last kernel call wrote (see
+    `_versions`), not read again while they are the same tensors, unmodified. From values
+    within these bounds the kernels write values within them: Adam's moments are convex
+    combinations of the old ones and of the gradient (or its square), SGD's trace grows by
+    at most the gradient's bound over ``1 - momentum`` per step, and a param moves by the
+    learning rate times a ratio bounded by the betas (Adam) or by that trace (SGD), far
+    from a sixteenth of the largest value at any learning rate that keeps the pure path
+    finite. (A write through ``.data`` does not advance a tensor's version: a param edited
+    so in place is not read again.)"""
     checks = []
     for dtype, leaves, entries in groups:
         wide = torch.float64 if dtype == torch.float64 else torch.float32
         largest = torch.finfo(wide).max
+        kept = [run.params[i] for i in leaves] + [run.state[k] for k in entries]
+        if written:
+            kept = [x for x in kept if not _unchanged(x, written)]
         for tensors, bound in (([run.updates[i] for i in leaves], math.sqrt(largest) / 16),
-                               ([run.params[i] for i in leaves]
-                                + [run.state[k] for k in entries], largest / 16)):
+                               (kept, largest / 16)):
             tensors = [x for x in map(local_tensor, tensors) if x.numel()]
             if tensors:
                 norms = torch._foreach_norm(tensors, 2, dtype=wide)
@@ -406,6 +428,16 @@ def _range_problem(run: Leaves, groups: list[tuple[torch.dtype, list[int], list[
         return None
     return ("an element of a gradient, param or state entry is not finite or beyond the "
             "kernels' range (where their arithmetic and the rules' overflow apart)")
+
+
+def _versions(tensors: list[Any]) -> dict[int, tuple[Any, int]]:
+    """The tensors a kernel call wrote, by id: a weak reference and the version."""
+    return {id(x): (weakref.ref(x), x._version) for x in tensors if isinstance(x, torch.Tensor)}
+
+
+def _unchanged(x: Any, written: dict[int, tuple[Any, int]]) -> bool:
+    found = written.get(id(x))
+    return found is not None and found[0]() is x and found[1] == x._version
 
 
 def _donation_problem(run: Leaves, leaves: list[int], entries: list[int],

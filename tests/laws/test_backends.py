@@ -408,3 +408,26 @@ def test_explain_gives_the_programs_own_reason() -> None:
 def test_the_backend_table_ends_with_eager(names: tuple[str, ...]) -> None:
     with pytest.raises(ValueError, match="ending with 'eager'"):
         _backends.table(names)
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["kept", "donated"])
+def test_a_state_entry_edited_after_a_kernel_step_is_checked_again(donate: bool) -> None:
+    # (the range check does not read again what the last kernel call wrote while it is
+    # unmodified: an edit in place advances its version, and the check reads it)
+    tx = F.adamw(1e-2)
+    params = _trio()
+    state, grads = tx.init(params), F.tree.full_like(params, 0.5)
+    step = make_step(tx, donate=donate)
+    for k in range(2):
+        with engine() as launched, warnings.catch_warnings():
+            warnings.simplefilter("error", FastPathWarning)
+            params, state = step(grads, state, params)
+        assert launched == [1], f"step {k + 1}: the kernel backend did not run"
+    state[0].nu["w"].fill_(float("inf"))
+    updates, pure_state = tx.update(grads, clone_tree(state), clone_tree(params))
+    pure_params = F.apply_updates(clone_tree(params), updates)
+    with engine() as launched, pytest.warns(FastPathWarning, match="beyond the kernels' range"):
+        params, state = step(grads, state, params)
+    assert launched == []
+    assert_bitwise_equal(params, pure_params, what="params after the edited state's step")
+    assert_bitwise_equal(state, pure_state, what="state after the edited state's step")
