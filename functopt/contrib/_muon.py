@@ -655,7 +655,8 @@ def _scale_by_shape(weight_dimension_numbers: WeightDimNumOrFn | None,
                 factor: Any = math.sqrt(max(fan_in, fan_out)) * consistent_rms
             else:  # an empty matrix has no width to transfer: its (empty) update stays
                 factor = math.sqrt(max(1.0, fan_out / fan_in)) if fan_in else 1.0
-            out.append(_common.scaled(g, factor))
+            # (a factor of exactly 1, a square or wide matrix's, leaves every bit as it is)
+            out.append(g if factor == 1.0 else _common.scaled(g, factor))
         return _common.unflatten(treespec, out), state
 
     # a per-leaf factor of the leaf's shape: not elementwise over leaves laid end to end
