@@ -83,12 +83,13 @@ def matrix_shapes(total: int, leaves: int) -> list[tuple[int, ...]]:
     return [(r * d, c * d) for r, c in kinds]
 
 
-def unavailable(cls: Any, options: dict[str, Any]) -> str | None:
+def unavailable(cls: Any, options: dict[str, Any], *, step: bool = True) -> str | None:
     """Why ``cls(params, **options)`` cannot step on the device, or None where it can.
 
     The options must be arguments of the constructor, and an optimizer built with them over
     one small float32 tensor must take a step (torch raises where, say, ``fused=True`` has
-    no kernel for the device).
+    no kernel for the device). ``step=False``: it must be built only (a compiled step
+    compiles at its first call, which the contender's own first call times).
     """
     accepted = inspect.signature(cls).parameters
     missing = [k for k in options if k not in accepted]
@@ -97,7 +98,9 @@ def unavailable(cls: Any, options: dict[str, Any]) -> str | None:
     p = torch.nn.Parameter(torch.ones(2, 2, device=C.DEVICE))
     p.grad = torch.full_like(p, 0.5)
     try:
-        cls([p], **options).step()
+        built = cls([p], **options)
+        if step:
+            built.step()
     except (RuntimeError, ValueError, TypeError, NotImplementedError) as error:
         return f"{type(error).__name__}: {str(error).splitlines()[0]}"
     return None
@@ -147,7 +150,7 @@ def contenders_for(name: str, params: list[torch.Tensor], grads: list[torch.Tens
                            f"{missing.get(REFERENCE)}; the check needs it as reference")
     built.append(C.OptimizerOver(FUNCTOPT, *_copies(params, grads), ours))
     if compile:
-        why = unavailable(ours, {"compile": True})
+        why = unavailable(ours, {"compile": True}, step=False)
         if why is None:
             built.append(Compiled(FUNCTOPT_COMPILE, *_copies(params, grads), ours,
                                   wrap=False, compile=True))
