@@ -37,7 +37,7 @@ foreach 2-norm pass over them and one host read), and, when the step is donated,
 state entries sharing memory with each other or with a param (the kernels write them in
 place). A rule inside one ``inject_hyperparams`` is matched on its node in the inner transform built
 from placeholder tensors, which the match binds to the injection's values: at each step
-the kernels take this step's values (read on the host, as the planner reads them), so a
+the kernels take this step's values (read on the host at each step), so a
 ``param_groups`` edit of a drop-in reaches them. No clip or loss scale reaches a
 kernel as its ``grad_scale``: a clip is a `Scale` op of its own, run before the segment.
 
@@ -71,7 +71,16 @@ from functopt.fast._kernels import (
     _run_group,
 )
 from functopt.fast._planner import overlap
-from functopt.fast._program import Gate, Map, Op, Program, Rule, nodes_of, resolve_binding
+from functopt.fast._program import (
+    Gate,
+    Map,
+    Op,
+    Program,
+    Resolved,
+    Rule,
+    nodes_of,
+    resolve_binding,
+)
 from functopt.fast._programs import _Const, _Env, _Hyper, _Op
 from functopt.fast._walk import _Mismatch, _Walk
 from functopt.transforms import _common
@@ -94,8 +103,8 @@ class Leaves(Protocol):
     state: list[Any]  # the flat state
     donate: bool
 
-    def bound(self, index: int) -> tuple[dict[str, Any], list[Spec]]:
-        """Binding ``index``'s values and its inner transform's nodes at this step."""
+    def bound(self, index: int) -> Resolved:
+        """Binding ``index`` at this step (its values; its inner transform's nodes)."""
         ...
 
 
@@ -208,14 +217,13 @@ class _Matched:
 def _hyper_values(run: Leaves, bindings: frozenset[int]) -> list[dict[str, Any]]:
     """Per binding of the program, this step's values where the kernels read them (the
     `_Hyper` arguments of a match: ``hyperparams[key]`` of binding ``node``)."""
-    return [run.bound(i)[0] if i in bindings else {}
+    return [run.bound(i).values if i in bindings else {}
             for i in range(len(run.program.bindings))]
 
 
 def _binding_problem(op: _Op) -> str | None:
-    """Why an argument of ``op`` is not a Python number or an injected hyperparameter, which
-    the kernels take as they are (the second read at each step: a host read of a 0-d
-    tensor, once while it is the same tensor)."""
+    """Why an argument of ``op`` is not a Python number or an injected hyperparameter (read
+    on the host at each step by `_Env.number`), which the kernels take."""
     for name, binding in op.args.items():
         if isinstance(binding, _Hyper):
             continue
@@ -229,8 +237,7 @@ def _binding_problem(op: _Op) -> str | None:
     return None
 
 
-def _bound_node(walker: _Walk, rule: Rule, run: Leaves, keep: list[torch.Tensor],
-                ) -> Spec | str:
+def _bound_node(walker: _Walk, rule: Rule, run: Leaves, keep: list[Any]) -> Spec | str:
     """A rule inside ``inject_hyperparams`` as the kernels' match reads it: its node in the
     inner transform built from placeholder tensors, which the walk binds to this step's
     values (`_Hyper`); or why it is not matched."""
@@ -240,14 +247,8 @@ def _bound_node(walker: _Walk, rule: Rule, run: Leaves, keep: list[torch.Tensor]
     if binding.parent is not None:
         return (f"{rule.where}: an inject_hyperparams inside another, whose values the "
                 f"kernels' match does not bind")
-    placeholders = {}
-    for key, entry in binding.hyper:
-        current = run.state[entry]
-        held = (current.detach().clone() if isinstance(current, torch.Tensor)
-                else torch.tensor(current, dtype=torch.float64))
-        keep.append(held)
-        placeholders[key] = held
-        walker.placeholders[id(held)] = _Hyper(index, key)
+    placeholders = walker.placeholders_of(binding.hyper, index)
+    keep.append(placeholders)
     node = nodes_of(describe(binding.spec.build(placeholders)))[position]
     if type(node) is not type(rule.spec):
         return (f"{rule.where}: the injected transform built anew has {node!r} where "
@@ -273,7 +274,7 @@ def _match(segment: Segment, run: Leaves) -> _Matched | str:
         return ("its updates are read after it (by a clip, a guard or another reduction, "
                 "or it is inside apply_if_finite), and a kernel writes the params")
     walker = _Walk(None, run.treespec, run.params, run.state)
-    keep: list[torch.Tensor] = []  # (the placeholders, alive while the walk binds their ids)
+    keep: list[Any] = []  # (the placeholders, alive while the walk binds their ids)
     bindings = frozenset(m.rule.bound[0] for m in segment.maps if m.rule.bound is not None)
     for m in segment.maps:
         rule = m.rule
@@ -761,9 +762,9 @@ class _Given:
     updates: list[Any]
     state: list[Any]
     donate: bool
-    resolved: dict[int, tuple[dict[str, Any], list[Spec]]] = field(default_factory=dict)
+    resolved: dict[int, Resolved] = field(default_factory=dict)
 
-    def bound(self, index: int) -> tuple[dict[str, Any], list[Spec]]:
+    def bound(self, index: int) -> Resolved:
         return resolve_binding(self.program, self.state, self.resolved, index)
 
 

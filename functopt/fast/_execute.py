@@ -49,7 +49,6 @@ from functopt._collective.dtensor import (
     is_dtensor,
     local_tensor,
 )
-from functopt._spec import Spec
 from functopt.fast import _backends
 from functopt.fast._program import (
     Accumulate,
@@ -59,6 +58,7 @@ from functopt.fast._program import (
     Program,
     Record,
     Reduce,
+    Resolved,
     Rule,
     Scale,
     Window,
@@ -104,7 +104,7 @@ class _Run:
     results: dict[int, Any] = field(default_factory=dict)
     pending: dict[int, Any] = field(default_factory=dict)
     # per binding resolved: its values and its inner transform's nodes (`bound`)
-    resolved: dict[int, tuple[dict[str, Any], list[Spec]]] = field(default_factory=dict)
+    resolved: dict[int, Resolved] = field(default_factory=dict)
     # per window decided: (its MultiSteps, its state as it was, the verdict: a
     # ``multi_steps.Window``)
     windows: dict[int, tuple[Any, Any, Any]] = field(default_factory=dict)
@@ -124,15 +124,14 @@ class _Run:
         if rule.bound is None:
             return rule.spec
         binding, position = rule.bound
-        node = self.bound(binding)[1][position]
+        node = self.bound(binding).nodes[position]
         if type(node) is not type(rule.spec):
             raise ValueError(f"{rule.where}: the injected transform built from this step's "
                              f"values has {node!r} where {rule.spec!r} was compiled")
         return node
 
-    def bound(self, index: int) -> tuple[dict[str, Any], list[Spec]]:
-        """Binding ``index``'s values and its inner transform's nodes for this step,
-        resolved at first use (`resolve_binding`)."""
+    def bound(self, index: int) -> Resolved:
+        """Binding ``index`` at this step, resolved at first use (`resolve_binding`)."""
         return resolve_binding(self.program, self.state, self.resolved, index)
 
     def state_of(self, rule: Rule) -> Any:
@@ -325,7 +324,7 @@ def _accumulate(run: _Run, op: Accumulate) -> None:
 
 def _record(run: _Run, op: Record) -> None:
     b = run.program.bindings[op.binding]
-    values = run.bound(op.binding)[0]
+    values = run.bound(op.binding).values
     run.state[b.count] = _common.safe_increment(run.state[b.count])
     for k, i in b.hyper:
         run.state[i] = values[k]

@@ -74,8 +74,8 @@ from functopt.transforms.multi_steps import Accumulated, MultiSteps, MultiStepsS
 from functopt.tree import _core
 
 __all__ = ["Accumulate", "Binding", "Decide", "Gate", "Map", "Program", "Record", "Reduce",
-           "Rule", "Scale", "Window", "Write", "compile_program", "nodes_of", "resolve_binding",
-           "rule_facts"]
+           "Resolved", "Rule", "Scale", "Window", "Write", "compile_program", "nodes_of",
+           "resolve_binding", "rule_facts"]
 
 def rule_facts(spec: Leafwise) -> tuple[tuple[str, ...], bool] | str:
     """A rule's per-leaf state fields and whether it is elementwise, as its spec states
@@ -282,21 +282,37 @@ def _reads(op: Op) -> int | None:
     return None
 
 
-def resolve_binding(program: Program, state: list[Any],
-                    resolved: dict[int, tuple[dict[str, Any], list[Spec]]], index: int,
-                    ) -> tuple[dict[str, Any], list[Spec]]:
-    """Binding ``index``'s values and its inner transform's nodes at a step whose flat state
-    is ``state``, kept in ``resolved`` (the step's, resolved once each): read from its state
-    entries, which only its `Record` changes, its outer bindings first."""
+@dataclass(eq=False)
+class Resolved:
+    """A binding at one step: its ``values``, and its inner transform's ``nodes`` (built
+    from them at first use: a backend that reads only the values builds nothing)."""
+
+    values: dict[str, Any]
+    spec: Injected  # the node the values are of (for an inner binding: the outer's build)
+    built: list[Spec] | None = None
+
+    @property
+    def nodes(self) -> list[Spec]:
+        if self.built is None:
+            self.built = nodes_of(describe(self.spec.build(self.values)))
+        return self.built
+
+
+def resolve_binding(program: Program, state: list[Any], resolved: dict[int, Resolved],
+                    index: int) -> Resolved:
+    """Binding ``index`` at a step whose flat state is ``state``, kept in ``resolved`` (the
+    step's, resolved once each): its values read from its state entries, which only its
+    `Record` changes, its outer bindings first."""
     found = resolved.get(index)
     if found is None:
         b = program.bindings[index]
         node = b.spec if b.parent is None else resolve_binding(
-            program, state, resolved, b.parent[0])[1][b.parent[1]]
+            program, state, resolved, b.parent[0]).nodes[b.parent[1]]
+        if not isinstance(node, Injected):
+            raise ValueError(f"the injected transform built from this step's values has "
+                             f"{node!r} where an inject_hyperparams was compiled")
         constants = {k: state[i] for k, i in b.hyper if k in b.constants}
-        values = node.values_at(state[b.count], constants)  # type: ignore[attr-defined]
-        built = describe(node.build(values))  # type: ignore[attr-defined]
-        found = resolved[index] = (values, nodes_of(built))
+        found = resolved[index] = Resolved(node.values_at(state[b.count], constants), node)
     return found
 
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -90,6 +90,20 @@ class _Walk:
     def node(self) -> int:
         self.out.nodes += 1
         return self.out.nodes
+
+    def placeholders_of(self, hyper: Iterable[tuple[str, int]], node: int,
+                        ) -> dict[str, torch.Tensor]:
+        """Fresh tensors holding the ``node``-th injection's values (``hyper``: key, flat
+        state index) to build its inner transform from: the walk binds each, where a rule
+        takes it, to ``hyperparams[key]`` of this step (`_Hyper`). The caller keeps them
+        alive while the walk binds their ids."""
+        placeholders = {}
+        for k, i in hyper:
+            current = self.state_leaves[i]
+            placeholders[k] = (current.detach().clone() if isinstance(current, torch.Tensor)
+                               else torch.tensor(current, dtype=torch.float64))
+            self.placeholders[id(placeholders[k])] = _Hyper(node, k)
+        return placeholders
 
     def bind(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor) and id(value) in self.placeholders:
@@ -324,12 +338,7 @@ class _Walk:
             parent = (outer[0], at)
         hyper_idx = {k: idx.hyperparams[k] for k in spec.names}
         node = len(self.out.injections)
-        placeholders = {}
-        for k, i in hyper_idx.items():
-            current = self.state_leaves[i]
-            placeholders[k] = (current.detach().clone() if isinstance(current, torch.Tensor)
-                               else torch.tensor(current, dtype=torch.float64))
-            self.placeholders[id(placeholders[k])] = _Hyper(node, k)
+        placeholders = self.placeholders_of(hyper_idx.items(), node)
         inner = spec.build(placeholders)
         self.out.injections.append(_Injection(
             count=idx.count, hyper=hyper_idx,

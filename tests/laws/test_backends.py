@@ -431,3 +431,25 @@ def test_a_state_entry_edited_after_a_kernel_step_is_checked_again(donate: bool)
     assert launched == []
     assert_bitwise_equal(params, pure_params, what="params after the edited state's step")
     assert_bitwise_equal(state, pure_state, what="state after the edited state's step")
+
+
+def test_the_kernels_read_an_injection_without_building_its_transform() -> None:
+    # (the kernels take the injected values only: the inner transform is built when the
+    # program is compiled and matched, not again at each step)
+    built: list[int] = []
+
+    def adamw(learning_rate: Any, weight_decay: Any) -> Any:
+        built.append(1)
+        return F.adamw(learning_rate, weight_decay=weight_decay)
+
+    tx = F.inject_hyperparams(adamw)(learning_rate=1e-2, weight_decay=0.1)
+    params = _trio()
+    state, step = tx.init(params), make_step(tx)
+    with engine() as launched, warnings.catch_warnings():
+        warnings.simplefilter("error", FastPathWarning)
+        params, state = step(F.tree.full_like(params, 0.5), state, params)
+        first = len(built)
+        for _ in range(3):
+            params, state = step(F.tree.full_like(params, 0.25), state, params)
+    assert launched == [1] * 4
+    assert len(built) == first, f"{len(built) - first} builds in 3 steps on the kernels"
