@@ -528,15 +528,20 @@ def test_the_facade_compiles_its_groups_and_lays_the_params_out() -> None:
         assert torch.equal(p.detach(), master.to(torch.bfloat16))
 
 
-def test_kernel_rules_take_the_compiled_tier_when_compiling() -> None:
-    """compile=True puts Adam and SGD on the compiled tier too (the kernels stay the
-    default), and so runs what the kernels refuse: moments in another dtype than the param
-    (a bfloat16 first moment of float32 params), equal to the pure path."""
+def test_kernel_rules_keep_their_kernels_when_compiling() -> None:
+    """compile=True leaves Adam and SGD on PyTorch's kernels (as fast as the compiled call
+    over laid-out tensors, faster than one gathering separate ones), while a mixed step
+    puts them on the compiled tier, whose call also writes the low-precision params; the
+    compiled tier runs what the kernels refuse: moments in another dtype than the param (a
+    bfloat16 first moment of float32 params), equal to the pure path."""
     params = {"w": torch.randn(6, 5, generator=torch.Generator().manual_seed(3))}
+    low = {"w": params["w"].to(torch.bfloat16)}
     for tx in (functopt.adamw(1e-2), functopt.sgd(1e-2, momentum=0.9)):
-        assert {g.kernel for g in fast.explain(tx, params).groups} != {"compiled"}
-        assert {g.kernel for g in fast.explain(tx, params, compile=True).groups} == {
-            "compiled"}
+        kernels = {g.kernel for g in fast.explain(tx, params).groups}
+        assert kernels and "compiled" not in kernels
+        assert {g.kernel for g in fast.explain(tx, params, compile=True).groups} == kernels
+        mixed = functopt.precision.mixed_precision(tx, compile=True)
+        assert {g.kernel for g in mixed.explain(low).groups} == {"compiled"}
     low_mu = functopt.adamw(1e-2, mu_dtype=torch.bfloat16)
     assert not fast.explain(low_mu, params).fast  # the kernels need one dtype per leaf
     assert fast.explain(low_mu, params, compile=True).fast

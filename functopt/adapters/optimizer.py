@@ -186,8 +186,9 @@ class Optimizer(PlanState, AdapterBase):
             update (bitwise ``transform.update`` then ``apply_updates_``).
         compile: each group steps on the compiled tier of
             [`make_step`][functopt.fast.make_step] (``compile=True``): its leaves whose
-            rules are elementwise run as one ``torch.compile``\ d call per (device, dtype)
-            group, Adam, AdamW and SGD included, instead of their kernels. The tier is a
+            rules are elementwise and have no PyTorch kernel run as one
+            ``torch.compile``\ d call per (device, dtype) group (Adam, AdamW and SGD keep
+            their kernels, as `make_step` does with ``compile=True``). The tier is a
             fast path, so it needs ``fused=True``. A transform it cannot take runs on the
             path ``fused`` gives, with a ``FastPathWarning`` naming the reason; a group that
             steps under autograd takes the pure update. A group's first step compiles

@@ -85,19 +85,21 @@ def _learning_rate(op: _Op) -> Any | None:
 
 
 def match(program: list[Any], compiled: bool = False, perleaf: bool = False,
-          ) -> _KernelPlan | str:
+          compiled_first: bool = False) -> _KernelPlan | str:
     """The kernel for one leaf's program, or the reason there is none. ``compiled``: a
-    program no kernel covers takes the compiled tier when it can. ``perleaf`` (the
+    program no PyTorch kernel covers takes the compiled tier when it can;
+    ``compiled_first`` as well, every program the compiled tier takes does (the mixed step:
+    its call also writes the low-precision params, and off the CPU reads the low-precision
+    gradients itself). ``perleaf`` (the
     transform has a rule that reduces within a leaf): a program neither covers takes the
     per-leaf tier when it can."""
     if any(getattr(op, "perleaf", False) for op in program):
         found: _KernelPlan | str = _perleaf.match(program, _KernelPlan)
         return found
     plan = _match_kernel(program)
-    if compiled:
-        # compiled first, the kernels for what it does not take: Adam and SGD compiled run
-        # as fast as their kernels, and in a mixed step the same loop writes the
-        # low-precision params (docs/architecture.md, "The compiled mixed step")
+    if compiled and (compiled_first or isinstance(plan, str)):
+        # (else a PyTorch kernel where one covers the program: as fast as the compiled
+        # call over laid-out tensors, and faster than one that gathers separate ones)
         alternative = _match_compiled(program)
         if isinstance(alternative, _KernelPlan):
             return alternative
@@ -111,6 +113,7 @@ def match(program: list[Any], compiled: bool = False, perleaf: bool = False,
 
 
 def _matches(programs: list[list[Any]], compiled: bool, perleaf: bool,
+             compiled_first: bool = False,
              ) -> list[tuple[_KernelPlan | str, tuple[Any, ...] | None]]:
     """Per program, `match`'s plan (or reason) and the plan's key (None with a reason).
     Programs of the same rules in the same order (the same nodes, clips and guards) differ
@@ -122,7 +125,7 @@ def _matches(programs: list[list[Any]], compiled: bool, perleaf: bool,
         signature = tuple([op.node if type(op) is _Op else op for op in program])
         found = seen.get(signature)
         if found is None:
-            plan = match(program, compiled, perleaf)
+            plan = match(program, compiled, perleaf, compiled_first)
             key = None if isinstance(plan, str) else plan.key()
             # (the positions in the program of the plan's rules with per-leaf entries)
             at: dict[str, Any] = {}

@@ -120,16 +120,18 @@ def _plain_number(value: Any) -> bool:
 
 def lower(structure: Structure, state_spec: _core.TreeSpec, values: list[Any],
           grads: list[Any], state_leaves: list[Any], name: Callable[[int], str], *,
-          compiled: bool = False) -> Lowered:
+          compiled: bool = False, compiled_first: bool = False) -> Lowered:
     """Group the leaves with a gradient by kernel, or say why this step stays pure.
-    ``compiled``: programs without a kernel take the compiled tier where they can."""
+    ``compiled``: programs without a kernel take the compiled tier where they can
+    (``compiled_first``: every program it takes, as `_kernels.match`)."""
     if structure.opaque:
         return Lowered(structure, state_spec, [], structure.opaque[0])
     groups: dict[tuple[Any, ...], Group] = {}
-    field = "matched_compiled" if compiled else "matched"
+    field = ("matched_compiled_first" if compiled_first else "matched_compiled") if (
+        compiled) else "matched"
     matched = getattr(structure, field)
     if matched is None:
-        matched = _matches(structure.programs, compiled, structure.perleaf)
+        matched = _matches(structure.programs, compiled, structure.perleaf, compiled_first)
         setattr(structure, field, matched)
     for i, (v, g) in enumerate(zip(values, grads, strict=True)):
         if v is None or g is None:
@@ -140,6 +142,13 @@ def lower(structure: Structure, state_spec: _core.TreeSpec, values: list[Any],
                 plan += " (make_step(tx, compile=True) compiles it)"
             return Lowered(structure, state_spec, [], f"leaf {name(i)!r}: {plan}")
         problem = _layout_problem(plan, v, state_leaves)
+        if problem is not None and compiled and plan.kernel not in ("compiled", "perleaf"):
+            # (a kernel refusing these tensors, moments in another dtype, say: the
+            # compiled tier where it takes them)
+            alternative = _match_compiled(structure.programs[i])
+            if isinstance(alternative, _KernelPlan) and _layout_problem(
+                    alternative, v, state_leaves) is None:
+                plan, plan_key, problem = alternative, alternative.key(), None
         if problem is not None:
             return Lowered(structure, state_spec, [], f"leaf {name(i)!r}: {problem}")
         key = (v.device, v.dtype, plan_key)

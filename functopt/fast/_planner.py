@@ -92,7 +92,8 @@ class Planner:
 
     def lower(self, structure: Structure, state_spec: _core.TreeSpec, values: list[Any],
               grads: list[Any], state_leaves: list[Any], name: Callable[[int], str], *,
-              donated: list[Any] | None = None, compiled: bool = False) -> Lowered:
+              donated: list[Any] | None = None, compiled: bool = False,
+              compiled_first: bool = False) -> Lowered:
         """`lower`, remembered for the same tensors; ``donated``: leaves written in place,
         checked with `check_donation` the first time."""
         # (counters move at every step; the per-leaf entries are what is checked)
@@ -101,7 +102,7 @@ class Planner:
         # as module.to() or .half() do: same object, new memory, maybe a new dtype; the
         # dtypes and strides one whose .data became another view of its memory, a
         # square weight's transpose, say)
-        key = (id(structure), compiled, tuple(map(id, values)),
+        key = (id(structure), compiled, compiled_first, tuple(map(id, values)),
                tuple([g is None for g in grads]),
                tuple(map(id, slots)), donated is not None,
                tuple([None if v is None else _address(v) for v in values]),
@@ -113,7 +114,7 @@ class Planner:
             return hit[1]
         spans = None if donated is None else check_donation(donated, name)
         lowered = lower(structure, state_spec, values, grads, state_leaves, name,
-                        compiled=compiled)
+                        compiled=compiled, compiled_first=compiled_first)
         if donated is not None and lowered.fast:
             check_state_donation(values, name, structure.slot_indices, state_leaves,
                                  state_spec, spans if donated is values else None)
@@ -126,14 +127,15 @@ class Planner:
 
     def compiled_groups(self, treespec: _core.TreeSpec, param_leaves: list[Any],
                         state_leaves: list[Any], state_spec: _core.TreeSpec,
-                        ) -> list[Group] | None:
+                        compiled_first: bool = False) -> list[Group] | None:
         """The groups of a step with the compiled tier on these params (values standing in
         for their gradients) and state, or None when it would not be fast: what
-        ``init`` and ``lay_out`` lay out before the first step."""
+        ``init`` and ``lay_out`` lay out before the first step (``compiled_first``: the
+        mixed step's, see `_kernels.match`)."""
         params = _core.unflatten(treespec, param_leaves)
         structure = self.structure(params, treespec, param_leaves, state_leaves, state_spec)
         lowered = lower(structure, state_spec, param_leaves, param_leaves, state_leaves,
-                        _leaf_names(treespec), compiled=True)
+                        _leaf_names(treespec), compiled=True, compiled_first=compiled_first)
         return lowered.groups if lowered.fast else None
 
     def structure(self, params: Any, treespec: _core.TreeSpec, param_leaves: list[Any],

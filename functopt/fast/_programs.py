@@ -273,6 +273,7 @@ class Structure:
     # per leaf: match(program) and the plan's key (None with a reason), computed once
     matched: list[Any] | None = None
     matched_compiled: list[Any] | None = None  # the same with the compiled tier
+    matched_compiled_first: list[Any] | None = None  # and with it first (the mixed step)
     compiled: dict[Any, Any] = field(default_factory=dict)  # the compiled tier's functions
     # the rules (nodes) that keep state beside their count that only their update moves
     shared: set[int] = field(default_factory=set)

@@ -113,11 +113,12 @@ def make_step(
         fused: False keeps every step on the pure ``update`` (with the grouped ``foreach``
             apply, and donation), without a warning: the reference path, for comparison.
         compile: the compiled tier: each group of leaves whose program of elementwise
-            rules it lowers (one program, one device and dtype; Adam, AdamW and SGD too,
-            instead of their kernels, and what the kernels refuse, such as moments in
-            another dtype than the param) is one ``torch.compile``\ d call over its
+            rules it lowers and no PyTorch kernel takes (one program, one device and
+            dtype; Lion, NAdam, ..., and what the kernels refuse, such as Adam's moments
+            in another dtype than the param) is one ``torch.compile``\ d call over its
             gradients, values and state laid end to end, running the rules' own
-            ``update``; the kernels keep the programs it does not lower. The first step
+            ``update``; Adam, AdamW and SGD keep their kernels (as fast as a compiled call
+            over laid-out tensors, faster than one gathering separate tensors). The first step
             of each group compiles (seconds; Inductor's on-disk cache makes later processes
             faster; a change of sizes recompiles). Initialise the state with
             ``step.init(params)`` so that it is read and written in place; params that are

@@ -286,7 +286,8 @@ def lay_out_params(planner: _planner.Planner, treespec: Any, params: list[Any],
              for p, s in zip(params, stores, strict=True)]
     _planner.check_donation(params, name)  # one buffer cannot hold params sharing memory
     inner_leaves, inner_spec = _core.flatten(inner.init(_core.unflatten(treespec, views)))
-    groups = planner.compiled_groups(treespec, views, inner_leaves, inner_spec)
+    groups = planner.compiled_groups(treespec, views, inner_leaves, inner_spec,
+                                     compiled_first=True)
     if groups is not None:
         with torch.no_grad():
             _compiled.lay_out_params(
@@ -300,7 +301,8 @@ def flat_init(planner: _planner.Planner, treespec: Any, stores: list[Any], views
     each compiled group's masters and per-leaf state entries as views of one buffer (equal
     values). Returns ``(stores, inner_state)``."""
     inner_leaves, inner_spec = _core.flatten(inner_state)
-    groups = planner.compiled_groups(treespec, views, inner_leaves, inner_spec)
+    groups = planner.compiled_groups(treespec, views, inner_leaves, inner_spec,
+                                     compiled_first=True)
     if groups is None:
         return stores, inner_state
     laid_views, laid = _compiled.flat_layout(
@@ -339,7 +341,7 @@ def _lowered(planner: _planner.Planner, treespec: Any, params: list[Any], stores
                 f"(the state that init makes, or functopt.tree.map(torch.clone, state)), or "
                 f"step without donate.")
     lowered = planner.lower(structure, inner_spec, views, proxies, inner_leaves, name,
-                            donated=donated, compiled=compiled)
+                            donated=donated, compiled=compiled, compiled_first=compiled)
     return structure, inner_leaves, lowered
 
 
