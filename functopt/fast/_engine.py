@@ -14,7 +14,9 @@ The adapters' flat entry (``Step._step_flat``, which ``functopt.Optimizer`` and 
 state's leaves as the caller keeps them: the state tree is never rebuilt.
 
 `BACKENDS` names the backends the engine offers each segment of a program, in order
-(``functopt/fast/_backends.py``): a segment the faster ones refuse runs on the eager one
+(``functopt/fast/_backends.py``: ``"kernel"``, the fused kernels; ``"foreach"``,
+torch.optim's foreach implementations, ``functopt/fast/_foreach.py``; ``"eager"``): a
+segment the faster ones refuse runs on the eager one
 (the rules' own updates), with a one-time ``FastPathWarning`` per program and reason;
 `explain` says, per segment, which backend takes it and why the others do not.
 """
@@ -35,7 +37,7 @@ from functopt.tree import _core
 __all__ = ["BACKENDS", "ENABLED", "explain", "step", "step_flat"]
 
 ENABLED: bool = os.environ.get("FUNCTOPT_ENGINE", "") == "program"
-BACKENDS: tuple[str, ...] = ("kernel", "eager")
+BACKENDS: tuple[str, ...] = ("kernel", "foreach", "eager")
 
 _KEPT = 8  # programs kept per step function (one per params and state structure)
 # per step function: its programs by (params structure, state structure), and the

@@ -18,7 +18,8 @@ One entry point, `execute_leaves`, on the flat leaves of the params, gradients a
 
 At the first `Map` of each run of Maps (a *segment*) the backends of
 ``functopt/fast/_backends.py`` are offered it in order (``backends``): a faster one that
-takes it (PyTorch's fused kernels) runs the whole segment. The last is the eager one, the
+takes it (PyTorch's fused kernels, torch.optim's foreach implementations) runs the
+whole segment. The last is the eager one, the
 reference, which takes the rest: a `Map` calls its rule's own pure ``update``
 (a `PerLeaf` rule's ``grouped`` update when it has one) on the params' tree with ``None``
 outside its leaves, as ``masked`` calls an inner transform; an elementwise rule is called

@@ -3,10 +3,12 @@ fast-path tolerance, and the planner's fast path bitwise.
 
 The executor offers each run of Maps of a program to its backends in order
 (``functopt/fast/_backends.py``): the kernel backend (PyTorch's fused kernels, matched and
-called as the planner matches and calls them), then the eager reference.
+called as the planner matches and calls them), the foreach backend (torch.optim's foreach
+implementations, ``functopt/fast/_foreach.py``; its own law: tests/laws/test_foreach.py),
+then the eager reference.
 
 - the registry law: every transform and recipe of the conformance registry (and contrib's)
-  that the compiler takes, over drawn pytrees (every layout, 0-d and empty leaves, ``None``
+  and the ``functopt.optim`` chains the foreach backend takes, that the compiler takes, over drawn pytrees (every layout, 0-d and empty leaves, ``None``
   gradients, inf and nan), donated or not: each step, from the pure step's params and
   state, equals the pure step within the tolerance the conformance suite allows the
   planner's kernels (``functopt/testing/_fast.py``), and bitwise where no kernel ran;
@@ -15,7 +17,8 @@ called as the planner matches and calls them), then the eager reference.
   (plain, momentum, Nesterov, decay, dampening) and a partition of them, over several
   steps: bitwise the planner's fast path (``make_step`` with the switch off), with the
   kernel seen to run;
-- the refusal table: what the kernel backend does not take, with its reason (`explain`),
+- the refusal table: what the kernel and foreach backends do not take, with a reason
+  (`explain`),
   one ``FastPathWarning`` per program and reason, and the step still the pure one;
 - `explain` per segment of a program cut by a clip; the backend table's names checked.
 """
@@ -36,7 +39,7 @@ from hypothesis import strategies as st
 
 import functopt as F
 from functopt import contrib
-from functopt.fast import FastPathWarning, _backends, _engine, make_step
+from functopt.fast import FastPathWarning, _backends, _engine, _foreach, make_step
 from functopt.fast._program import compile_program
 from functopt.optim import _chains
 from functopt.testing import _fast, assert_bitwise_equal, clone_tree, conformance
@@ -47,12 +50,23 @@ from test_conformance import REGISTRY
 from test_contrib import ENTRIES
 
 F64 = torch.float64
-# torch.optim.RMSprop's chains (functopt.optim), which torch's foreach RMSprop computes
+# torch.optim's chains (functopt.optim) that its foreach implementations compute (the
+# foreach backend: tests/laws/test_foreach.py)
 FOREACH: list[tuple[str, Callable[[], Any]]] = [
     ("optim.rmsprop", lambda: _chains.rmsprop(1e-2, 0.9, 1e-8)),
     ("optim.rmsprop[decay,momentum,maximize]",
      lambda: _chains.rmsprop(1e-2, 0.75, 1e-6, 0.1, 0.5, maximize=True)),
     ("optim.rmsprop[eps 0]", lambda: _chains.rmsprop(1e-2, 0.9, 0.0)),
+    ("optim.adamax[decay,maximize]",
+     lambda: _chains.adamax(1e-2, 0.9, 0.999, 1e-8, 0.1, maximize=True)),
+    ("optim.nadam[decay]", lambda: _chains.nadam(1e-2, 0.9, 0.999, 1e-8, 4e-3, 0.1)),
+    ("optim.nadam[decoupled,maximize]", lambda: _chains.nadam(
+        1e-2, 0.9, 0.999, 1e-8, 4e-3, 0.1, decoupled=True, maximize=True)),
+    ("optim.radam[decay]", lambda: _chains.radam(1e-2, 0.9, 0.999, 1e-8, 0.1)),
+    ("optim.adadelta[decay,maximize]",
+     lambda: _chains.adadelta(1.0, 0.9, 1e-6, 0.1, maximize=True)),
+    ("optim.rprop[maximize]", lambda: _chains.rprop(1e-2, maximize=True)),
+    ("optim.adagrad[decay]", lambda: _chains.adagrad(1e-2, 0.01, 0.0, 1e-10, 0.1)),
 ]
 _FACTORIES: list[tuple[str, Callable[[], Any]]] = (
     [(e.id, e.factory) for e in REGISTRY] + [(f"contrib.{e[0]}", e[2]) for e in ENTRIES]
@@ -60,11 +74,12 @@ _FACTORIES: list[tuple[str, Callable[[], Any]]] = (
 
 
 @contextlib.contextmanager
-def engine(backends: tuple[str, ...] = ("kernel", "eager")) -> Iterator[list[int]]:
+def engine(backends: tuple[str, ...] = ("kernel", "foreach", "eager"),
+           ) -> Iterator[list[int]]:
     """The switch on with these backends, and a list that grows by one at each segment the
-    kernel backend runs (on a fused kernel or a foreach implementation)."""
+    kernel or the foreach backend runs (on a fused kernel or a foreach implementation)."""
     launched: list[int] = []
-    launches = _backends._launch, _backends._foreach_launch
+    launches = _backends._launch, _foreach._launch
 
     def counted(launch: Callable[..., None]) -> Callable[..., None]:
         def run(*args: Any) -> None:
@@ -74,12 +89,12 @@ def engine(backends: tuple[str, ...] = ("kernel", "eager")) -> Iterator[list[int
 
     before = _engine.ENABLED, _engine.BACKENDS
     _engine.ENABLED, _engine.BACKENDS = True, backends
-    _backends._launch, _backends._foreach_launch = map(counted, launches)  # type: ignore[assignment]
+    _backends._launch, _foreach._launch = map(counted, launches)  # type: ignore[assignment]
     try:
         yield launched
     finally:
         _engine.ENABLED, _engine.BACKENDS = before
-        _backends._launch, _backends._foreach_launch = launches  # type: ignore[assignment]
+        _backends._launch, _foreach._launch = launches  # type: ignore[assignment]
 
 
 def _negated(tree: Any) -> Any:
@@ -217,40 +232,6 @@ def test_kernel_chain_equals_the_planners_fast_path(chain: str, donate: bool) ->
         assert_bitwise_equal(engine_state, planner_state, what=f"state after step {k + 1}")
 
 
-# --- torch's foreach RMSprop: bitwise torch.optim.RMSprop(foreach=True) -------------------
-
-RMSPROP: dict[str, dict[str, Any]] = {
-    "plain": {"alpha": 0.9, "eps": 1e-8},
-    "decay, momentum": {"alpha": 0.75, "eps": 1e-6, "weight_decay": 0.1, "momentum": 0.5},
-    "maximize": {"alpha": 0.9, "eps": 1e-8, "weight_decay": 0.01, "maximize": True},
-}
-
-
-@pytest.mark.parametrize("donate", [False, True], ids=["kept", "donated"])
-@pytest.mark.parametrize("case", list(RMSPROP), ids=list(RMSPROP))
-def test_rmsprop_equals_torchs_foreach_rmsprop(case: str, donate: bool) -> None:
-    kw = RMSPROP[case]
-    tx = _chains.rmsprop(0.1, kw["alpha"], kw["eps"], kw.get("weight_decay"),
-                         kw.get("momentum"), maximize=kw.get("maximize", False))
-    params = _params()
-    torch_params = [p.clone() for p in params.values()]
-    opt = torch.optim.RMSprop(torch_params, lr=0.1, foreach=True, **kw)
-    state, step = tx.init(params), make_step(tx, donate=donate)
-    for k in range(4):
-        grads = _grads(k)
-        for p, g in zip(torch_params, grads.values(), strict=True):
-            p.grad = None if g is None else g.clone()
-        opt.step()
-        with engine() as launched:
-            params, state = step(grads, state, params)
-        assert launched == [1], f"step {k + 1}: the kernel backend did not run"
-        assert_bitwise_equal(params, dict(zip(params, torch_params, strict=True)),
-                             what=f"params after step {k + 1}")
-        nus = {n: opt.state[p]["square_avg"] for n, p in zip(params, torch_params, strict=True)}
-        rms = next(part for part in state if hasattr(part, "nu"))
-        assert_bitwise_equal(rms.nu, nus, what=f"square averages after step {k + 1}")
-
-
 # --- the refusal table --------------------------------------------------------------------
 
 def _trio() -> dict[str, Any]:
@@ -316,13 +297,6 @@ REFUSALS: dict[str, tuple[Callable[[], Any], Callable[[], Any], Any, bool, str]]
     "set_to_zero after a rule with state": (
         lambda: F.chain(F.scale_by_adam(), F.set_to_zero()), _trio, None, False,
         "set_to_zero after other rules (their state advances; the kernels write none)"),
-    "optax's rmsprop": (lambda: F.rmsprop(1e-2), _trio, None, False,
-                        "eps_in_sqrt=True or bias_correction=True is not torch's"),
-    "bfloat16 rmsprop": (lambda: _chains.rmsprop(1e-2, 0.9, 1e-8),
-                         lambda: {"w": torch.ones(3, dtype=torch.bfloat16)}, None, False,
-                         "rounds torch.bfloat16 at each op"),
-    "rmsprop with eps 0": (lambda: _chains.rmsprop(1e-2, 0.9, 0.0), _trio, None, False,
-                           "whose reciprocal overflows"),
     "donated rmsprop sharing memory": (
         lambda: _chains.rmsprop(1e-2, 0.9, 1e-8), _trio,
         lambda tx, p: (tx.init(p)[0]._replace(nu={"w": p["w"], "b": torch.zeros(3)}),
@@ -338,8 +312,8 @@ def test_a_refused_segment_runs_eager_with_its_reason_warned_once(case: str) -> 
     grads = F.tree.full_like(params, 0.5)
     explained = _engine.explain(tx, params, grads, state, donate=donate)
     assert not isinstance(explained, str), explained
-    kernel_reasons = [e.reasons.get("kernel", "") for e in explained]
-    assert any(reason in r for r in kernel_reasons), kernel_reasons
+    reasons = ["; ".join(e.reasons.values()) for e in explained]
+    assert any(reason in r for r in reasons), reasons
     assert all(e.backend == "eager" for e in explained)
     updates, pure_state = tx.update(grads, clone_tree(state), params)
     pure_params = F.apply_updates(params, updates)

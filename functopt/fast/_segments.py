@@ -1,0 +1,260 @@
+r"""What the engine's backends share: a program's segments, and the checks of a backend
+that writes the params and state itself.
+
+The executor (``functopt/fast/_execute.py``) cuts a program (``functopt/fast/_program.py``)
+into *segments*: a run of consecutive `Map` ops, with the leaves they select and the state
+they hold (`segments`). The backends (``functopt/fast/_backends.py``: the fused kernels and
+the eager reference; ``functopt/fast/_foreach.py``: torch.optim's foreach implementations)
+are offered each segment and keep, per program, what they matched of it (`_table`). The
+faster ones read a rule inside one ``inject_hyperparams`` on its node built from
+placeholders (`_bound_node`) and this step's values (`_hyper_values`), and before they write
+check the values' range (`_range_problem`) and, when donated, that nothing they write in
+place shares memory (`_donation_problem`).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from functopt._collective.dtensor import local_tensor
+from functopt._spec import Spec, describe
+from functopt.fast._planner import overlap
+from functopt.fast._program import Gate, Map, Op, Program, Resolved, Rule, nodes_of
+from functopt.fast._walk import _Walk
+from functopt.tree import _core
+
+__all__ = ["Backend", "Leaves", "Segment", "Unclaimed", "segments"]
+
+
+class Unclaimed(str):
+    """A backend's reason for a segment holding no rule of its kind: `explain` gives it,
+    the engine does not warn about it (the faster backends' other reasons it does)."""
+
+
+class Leaves(Protocol):
+    """What a backend reads of a step in flight (the executor's run)."""
+
+    program: Program
+    treespec: _core.TreeSpec
+    params: list[Any]
+    updates: list[Any]  # per leaf: its update where the segment stands
+    state: list[Any]  # the flat state
+    donate: bool
+
+    def bound(self, index: int) -> Resolved:
+        """Binding ``index`` at this step (its values; its inner transform's nodes)."""
+        ...
+
+
+@dataclass(frozen=True, eq=False)
+class Segment:
+    """A run of consecutive `Map` ops: ``leaves`` (in index order) are those they select;
+    ``final``: it stands at the top of the program and no op after it reads its leaves'
+    updates, so a backend may add them to the params itself."""
+
+    maps: tuple[Map, ...]
+    leaves: tuple[int, ...]
+    final: bool
+
+    @property
+    def where(self) -> str:
+        """Its rules and their places in the transform, for messages."""
+        return ", ".join(f"{_kind(m.rule.spec)} at {m.rule.where or '<root>'}"
+                         for m in self.maps)
+
+
+def _kind(spec: Any) -> str:
+    return str(getattr(spec, "kind", type(spec).__name__))
+
+
+class Backend(Protocol):
+    name: str
+
+    def offer(self, segment: Segment, run: Leaves) -> Callable[[], None] | str:
+        """The call that runs ``segment`` on ``run``, or the reason this backend does not
+        take it (before anything is written)."""
+        ...
+
+
+# --- segments ---------------------------------------------------------------------------
+
+def _sel(op: Op) -> tuple[int, ...]:
+    """The leaves whose updates ``op`` reads or writes (every op with a ``sel``)."""
+    found: tuple[int, ...] = getattr(op, "sel", ())
+    return found
+
+
+def _cut(ops: tuple[Op, ...], top: bool) -> list[Segment]:
+    found: list[Segment] = []
+    run: list[Map] = []
+
+    def close(at: int) -> None:
+        if not run:
+            return
+        leaves = tuple(sorted({i for m in run for i in m.sel}))
+        mine = set(leaves)
+        final = top and not any(mine.intersection(_sel(later)) for later in ops[at:])
+        found.append(Segment(tuple(run), leaves, final))
+        run.clear()
+
+    for at, op in enumerate(ops):
+        if isinstance(op, Map):
+            run.append(op)
+            continue
+        close(at)
+        if isinstance(op, Gate):
+            found += _cut(op.then, False) + _cut(op.otherwise, False)
+    close(len(ops))
+    return found
+
+
+@dataclass(eq=False)
+class _Table:
+    """What the backends keep per program: its segments, by their first `Map`, each
+    backend's structural match per segment, and the refusals not yet warned about."""
+
+    segments: tuple[Segment, ...]
+    first: dict[Map, Segment]
+    # per backend, its structural match of each segment (what it keeps of it, or a reason)
+    matched: dict[tuple[str, Segment], Any] = field(default_factory=dict)
+    refused: dict[str, None] = field(default_factory=dict)  # (ordered) since the last warning
+    warned: set[str] = field(default_factory=set)
+    # per backend and segment: the params and state entries its last call wrote, as
+    # id -> (a weak reference, its version), which `_range_problem` does not read again
+    written: dict[tuple[str, Segment], dict[int, tuple[Any, int]]] = field(
+        default_factory=dict)
+
+
+_TABLES: weakref.WeakKeyDictionary[Program, _Table] = weakref.WeakKeyDictionary()
+
+
+def _table(program: Program) -> _Table:
+    found = _TABLES.get(program)
+    if found is None:
+        cut = tuple(_cut(program.ops, True))
+        found = _TABLES[program] = _Table(cut, {s.maps[0]: s for s in cut})
+    return found
+
+
+def segments(program: Program) -> tuple[Segment, ...]:
+    """The program's segments, in program order (a `Gate`'s after the ops before it)."""
+    return _table(program).segments
+
+
+def _hyper_values(run: Leaves, bindings: frozenset[int]) -> list[dict[str, Any]]:
+    """Per binding of the program, this step's values where the kernels read them (the
+    `_Hyper` arguments of a match: ``hyperparams[key]`` of binding ``node``)."""
+    return [run.bound(i).values if i in bindings else {}
+            for i in range(len(run.program.bindings))]
+
+
+
+def _bound_node(walker: _Walk, rule: Rule, run: Leaves, keep: list[Any]) -> Spec | str:
+    """A rule inside ``inject_hyperparams`` as the kernels' match reads it: its node in the
+    inner transform built from placeholder tensors, which the walk binds to this step's
+    values (`_Hyper`); or why it is not matched."""
+    assert rule.bound is not None
+    index, position = rule.bound
+    binding = run.program.bindings[index]
+    if binding.parent is not None:
+        return (f"{rule.where}: an inject_hyperparams inside another, whose values the "
+                f"kernels' match does not bind")
+    placeholders = walker.placeholders_of(binding.hyper, index)
+    keep.append(placeholders)
+    node = nodes_of(describe(binding.spec.build(placeholders)))[position]
+    if type(node) is not type(rule.spec):
+        return (f"{rule.where}: the injected transform built anew has {node!r} where "
+                f"{rule.spec!r} was compiled")
+    return node
+
+
+def _shared(maps: tuple[Map, ...], treespec: _core.TreeSpec) -> set[int]:
+    """The flat state entries of the segment's rules that are not per leaf."""
+    shared: set[int] = set()
+    for m in maps:
+        at = m.rule.state_at
+        per_leaf = {k for name in m.rule.slots
+                    for k in treespec.flatten_up_to(getattr(at, name)) if isinstance(k, int)}
+        shared |= {k for k in _core.flatten(at)[0] if isinstance(k, int)} - per_leaf
+    return shared
+
+
+# --- the checks of a backend writing in place ------------------------------------------
+
+def _range_problem(run: Leaves, groups: list[tuple[torch.dtype, list[int], list[int]]],
+                   written: dict[int, tuple[Any, int]] | None = None) -> str | None:
+    """Why the kernels' results may not equal the rules' to rounding on these values: an
+    element of a gradient, a param or a state entry (per group: its dtype, its leaves, the
+    flat indices of its state entries) is not finite, or so large that an intermediate of
+    the kernels' arithmetic and not of the rules' overflows (or the reverse: Adam's
+    ``(1 - b2) * g * g`` against the rule's ``(1 - b2) * (g * g)``, the kernels'
+    ``mu + (1 - b1) * (g - mu)`` against ``b1 * mu + (1 - b1) * g``), both computing in
+    float32 (float64 for float64). Each tensor's 2-norm (a bound of its largest element,
+    not finite where an element is not) is held to a sixteenth of that dtype's largest
+    value, a gradient's to a sixteenth of its root: one foreach pass, one host read.
+
+    ``written``: the params and state entries the segment's last kernel call wrote (see
+    `_versions`), not read again while they are the same tensors, unmodified. From values
+    within these bounds the kernels write values within them: Adam's moments are convex
+    combinations of the old ones and of the gradient (or its square), SGD's trace grows by
+    at most the gradient's bound over ``1 - momentum`` per step, and a param moves by the
+    learning rate times a ratio bounded by the betas (Adam) or by that trace (SGD), far
+    from a sixteenth of the largest value at any learning rate that keeps the pure path
+    finite. (A write through ``.data`` does not advance a tensor's version: a param edited
+    so in place is not read again.) The foreach rows pass ``written`` where what their
+    functions write stays so bounded (moments as convex combinations or maxima, RMSprop's
+    momentum by ``1 / sqrt(1 - alpha)`` per step, Rprop's step sizes clamped), and not for
+    Adagrad's sum of squares or Adadelta's squared deltas, which may grow at each step."""
+    checks = []
+    for dtype, leaves, entries in groups:
+        wide = torch.float64 if dtype == torch.float64 else torch.float32
+        largest = torch.finfo(wide).max
+        kept = [run.params[i] for i in leaves] + [run.state[k] for k in entries]
+        if written:
+            kept = [x for x in kept if not _unchanged(x, written)]
+        for tensors, bound in (([run.updates[i] for i in leaves], math.sqrt(largest) / 16),
+                               (kept, largest / 16)):
+            tensors = [x for x in map(local_tensor, tensors) if x.numel()]
+            if tensors:
+                norms = torch._foreach_norm(tensors, 2, dtype=wide)
+                checks.append((torch.stack(norms).max() <= bound).cpu())
+    if not checks or bool(torch.stack(checks).all()):
+        return None
+    return ("an element of a gradient, param or state entry is not finite or beyond the "
+            "kernels' range (where their arithmetic and the rules' overflow apart)")
+
+
+def _versions(tensors: list[Any]) -> dict[int, tuple[Any, int]]:
+    """The tensors a kernel call wrote, by id: a weak reference and the version."""
+    return {id(x): (weakref.ref(x), x._version) for x in tensors if isinstance(x, torch.Tensor)}
+
+
+def _unchanged(x: Any, written: dict[int, tuple[Any, int]]) -> bool:
+    found = written.get(id(x))
+    return found is not None and found[0]() is x and found[1] == x._version
+
+
+def _donation_problem(run: Leaves, leaves: list[int], entries: list[int],
+                      name: Callable[[int], str]) -> str | None:
+    """Why the kernels may not write these donated params (leaf indices) and state entries
+    (flat indices) in place: two of them share memory."""
+    # (what each tensor is, named only for a message: the paths cost a tree walk)
+    written = [("param", i) for i in leaves] + [("state", k) for k in entries]
+
+    def named(j: int) -> str:
+        kind, at = written[j]
+        return f"param {name(at)!r}" if kind == "param" else f"state entry {at}"
+
+    pair = overlap([run.params[at] if kind == "param" else run.state[at]
+                    for kind, at in written], named, "tensor")
+    if pair is None:
+        return None
+    return (f"{named(pair[0])} and {named(pair[1])} share memory, which the kernels would "
+            f"write in place")
+
