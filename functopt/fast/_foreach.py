@@ -543,7 +543,7 @@ class _Foreach:
         for leaves in groups.values():
             leaf = matched.leaves[leaves[0]]
             c = leaf.match.count
-            if c is not None and c not in steps:
+            if c is not None and c not in steps and leaf.row.problem is not None:
                 steps[c] = float(run.state[c]) + 1  # (torch's step number at this step)
             values = {k: env.number(b(env)) for k, b in leaf.match.numbers.items()}
             for key, (test, reason) in leaf.match.checks.items():
@@ -551,7 +551,7 @@ class _Foreach:
                     return f"leaf {name(leaves[0])!r}: {reason}"
             dtype = run.params[leaves[0]].dtype
             problem = (None if leaf.row.problem is None
-                       else leaf.row.problem(values, dtype, steps[c]))
+                       else leaf.row.problem(values, dtype, steps[c if c in steps else None]))
             if problem is not None:
                 return f"leaf {name(leaves[0])!r}: {problem}"
             kwargs = {k: v for k, v in values.items() if not k.startswith("_")}
