@@ -31,15 +31,18 @@ row. A row takes a leaf only where the function computes the rules as they compu
   written from the function's (torch.optim keeps it in the default dtype: float32 unless
   that is float64);
 - RAdam (``_multi_tensor_radam``): ``scale_by_radam(eps_before_correction=True)`` with
-  ``eps_root=0``, a threshold of 5, not Nesterov, L2 or decoupled decay; refused at a step
-  whose ``rho_t`` is exactly 5 (the function rectifies above 5, the rule from 5);
+  ``eps_root=0``, a threshold of 5, not Nesterov, L2 or decoupled decay, an ``eps`` above 0
+  (the function's unrectified step is a nan where ``sqrt(nu) + eps`` is 0, the rule's the
+  momentum); refused at a step whose ``rho_t`` is exactly 5 (the function rectifies above
+  5, the rule from 5);
 - Adadelta (``_multi_tensor_adadelta``): ``scale_by_adadelta``;
 - Rprop (``_multi_tensor_rprop``): ``scale_by_rprop`` then ``scale(-1)`` (its learning rate
   is the step sizes' initial value, in the state), no decay;
 - Adagrad (``_multi_tensor_adagrad``): ``scale_by_rss(eps_in_sqrt=False)`` and the learning
   rate ``functopt.optim``'s Adagrad schedules, ``learning_rate / (1 + count * lr_decay)`` of
   the schedule's own count, read from that schedule (any other schedule is refused: its
-  value is not read exactly).
+  value is not read exactly), and an ``eps`` above 0 (where a sum is 0 the rule's update
+  is 0, the function's ``0 / 0``).
 
 Torch's ``state_steps`` are incremented inside the functions: each row passes scratch step
 tensors (float64, holding the rule's count: exact where torch.optim's float32 steps are
@@ -287,6 +290,10 @@ def _radam(r: _Rules, m: _Match) -> str | None:
     if _static(h["nesterov"]) is not False or _static(h["eps_before_correction"]) is not True:
         return "scale_by_radam with nesterov=True or eps_before_correction=False is not torch's"
     m.lists.append(("steps", m.count))
+    # (before it rectifies, the function divides sqrt(nu) + eps by 0 and takes the
+    # reciprocal: a nan where both are 0, where the rule takes the momentum alone)
+    m.checks["eps"] = (lambda x: x > 0, "an eps of 0, whose nan where a second moment is 0 "
+                       "the function's unrectified steps take and the rule's do not")
     return _first(
         lambda: _check(m, "eps_root", h["eps_root"], "scale_by_radam's eps_root",
                        lambda x: x == 0.0, "scale_by_radam with eps_root > 0 is not torch's"),
@@ -358,6 +365,9 @@ def _adagrad(r: _Rules, m: _Match) -> str | None:
     m.lists += [("entry", r.entry(at.sum_of_squares)), ("steps", m.count),
                 ("none", None), ("none", None)]
     m.flags["has_sparse_grad"] = False
+    # (the rule's update is 0 where a sum is 0; the function's 0 / (0 + eps))
+    m.checks["eps"] = (lambda x: x > 0, "an eps of 0, where the function divides 0 by 0 "
+                       "for a sum of 0 and the rule gives 0")
     return _first(lambda: _number(m, "eps", h["eps"], "scale_by_rss' eps"),
                   lambda: _number(m, "lr", closed["learning_rate"], "the learning rate"),
                   lambda: _number(m, "lr_decay", closed["lr_decay"], "its lr_decay"),

@@ -193,6 +193,10 @@ REFUSALS: dict[str, tuple[Callable[[], Any], Callable[[], Any], str]] = {
     "radam with eps_root": (
         lambda: F.chain(F.scale_by_radam(eps_root=1e-8, eps_before_correction=True),
                         F.scale_by_learning_rate(1e-2)), _trio, "eps_root > 0"),
+    "radam with eps 0": (lambda: _chains.radam(1e-2, 0.9, 0.999, 0.0), _trio,
+                         "an eps of 0, whose nan where a second moment is 0"),
+    "adagrad with eps 0": (lambda: _chains.adagrad(1e-2, 0.0, 0.0, 0.0), _trio,
+                           "an eps of 0, where the function divides 0 by 0"),
     "adadelta with a schedule": (lambda: _chains.adadelta(lambda count: 1.0, 0.9, 1e-6),
                                  _trio, "which the function takes as a Python number"),
     "rprop scaled by another step": (
