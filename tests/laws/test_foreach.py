@@ -20,8 +20,10 @@ classes with no fused kernel on their ``_multi_tensor_*`` functions. For each ro
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,6 +34,9 @@ import functopt.optim as O
 from functopt.fast import FastPathWarning, _engine, _foreach, make_step
 from functopt.optim import _chains
 from functopt.testing import _fast, assert_bitwise_equal, clone_tree
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_fronts import _run
 
 STEPS = 7  # (RAdam rectifies from its sixth step)
 
@@ -143,6 +148,28 @@ def test_row_equals_torchs_foreach_class_and_the_pure_path(
                                      (state, pure_state, before[1], "state")):
             _fast._assert_fast_close(new, pure, old, check="foreach backend",
                                      what=f"{what}, {part}", exact=False)
+
+
+@pytest.mark.parametrize("options", [{}, {"lr_decay": 0.01, "weight_decay": 0.1}],
+                         ids=["defaults", "decay"])
+def test_the_adagrad_drop_in_steps_on_the_foreach_backend_and_reads_group_edits(
+        options: dict[str, Any]) -> None:
+    # (Adagrad takes fused=True, which the engine takes: torch has no fused Adagrad kernel
+    # the kernel backend runs, and its foreach function runs the class's chain); float64
+    # and float32 params, transposed and channels_last, the lr halved before the last step
+    def halved(opt: Any, k: int) -> None:
+        if k == 2:
+            for group in opt.param_groups:
+                group["lr"] *= 0.5
+
+    expected = _run(lambda ps: torch.optim.Adagrad(ps, foreach=True, **options), False,
+                    halved)
+    with engine() as launched, warnings.catch_warnings():
+        warnings.simplefilter("error", FastPathWarning)
+        found = _run(lambda ps: O.Adagrad(ps, fused=True, **options), False, halved)
+    assert len(launched) == 3, launched
+    for k, (p, e) in enumerate(zip(found[0], expected[0], strict=True)):
+        assert_bitwise_equal(p, e, what=f"param {k} vs torch.optim.Adagrad(foreach=True)")
 
 
 def test_the_foreach_backend_is_offered_after_the_kernels() -> None:
