@@ -339,11 +339,9 @@ def _rprop(r: _Rules, m: _Match) -> str | None:
 def _adagrad_schedule(fn: Any) -> dict[str, Any] | None:
     """``learning_rate`` and ``lr_decay`` of ``functopt.optim``'s Adagrad schedule (the
     function ``_chains.adagrad`` makes), or None for any other callable."""
-    from functopt.optim import _chains
-
     code = getattr(fn, "__code__", None)
     if code is None or code.co_qualname != "adagrad.<locals>.decayed" or (
-            fn.__module__ != _chains.__name__ or fn.__closure__ is None):
+            fn.__module__ != "functopt.optim._chains" or fn.__closure__ is None):
         return None
     return dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__), strict=True))
 
