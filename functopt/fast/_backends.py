@@ -18,6 +18,13 @@ reason it does not:
   kernel (RMSprop, Adamax, NAdam, RAdam, Adadelta, Rprop, Adagrad), for the leaves whose
   rules are the ``functopt.optim`` chain of one of them, where the function computes them
   as the rules do (``functopt/fast/_foreach.py`` says what each row takes).
+- ``"perleaf"``: a segment holding a rule that reduces within a leaf (a ``PerLeaf`` spec:
+  Muon's Newton-Schulz iteration, Adafactor's factored moments, a trust ratio), which
+  neither the kernels nor a foreach implementation computes: its rules' own updates are its
+  fast form (Muon's and Adafactor's ``grouped`` updates batch their leaves' matrix products
+  and foreach ops), which the executor's ``_map`` calls, as the eager backend's; claimed
+  here, so that no lost fast path is warned about. A segment with a leaf that no such rule
+  selects (Adam's leaves beside Muon's matrices) is refused: its rules have faster forms.
 - ``"eager"``: the reference, the rules' own pure updates (the executor's ``_map``); it
   takes every segment.
 
@@ -56,7 +63,7 @@ from typing import Any, Protocol
 import torch
 
 from functopt._collective.dtensor import _leaf_names
-from functopt._spec import Leafwise, Spec
+from functopt._spec import Leafwise, PerLeaf, Spec
 from functopt.fast._foreach import FOREACH
 from functopt.fast._kernels import (
     Group,
@@ -81,6 +88,8 @@ from functopt.fast._segments import (
     _shared,
     _table,
     _versions,
+    laid,
+    layout,
     segments,
 )
 from functopt.fast._walk import _Mismatch, _Walk
@@ -183,19 +192,22 @@ class _Kernel:
         if isinstance(matched, str):
             return matched
         name = _leaf_names(run.treespec)
-        groups: dict[Any, Group] = {}
-        for i in segment.leaves:
-            p, u = run.params[i], run.updates[i]
-            if p is None or u is None:
-                continue
-            plan, key = matched.plans[i]
-            problem = _layout_problem(plan, p, run.state)
-            if problem is not None:
-                return f"leaf {name(i)!r}: {problem}"
-            group = groups.setdefault((p.device, p.dtype, key),
-                                      Group(plan, p.device, p.dtype, [], []))
-            group.leaves.append(i)
-            group.plans.append(plan)
+        groups: dict[Any, Group] | None = laid(table, ("kernel", segment), run, segment)
+        checked = groups is not None
+        if groups is None:
+            groups = {}
+            for i in segment.leaves:
+                p, u = run.params[i], run.updates[i]
+                if p is None or u is None:
+                    continue
+                plan, key = matched.plans[i]
+                problem = _layout_problem(plan, p, run.state)
+                if problem is not None:
+                    return f"leaf {name(i)!r}: {problem}"
+                group = groups.setdefault((p.device, p.dtype, key),
+                                          Group(plan, p.device, p.dtype, [], []))
+                group.leaves.append(i)
+                group.plans.append(plan)
         env = _Env(run.state, _hyper_values(run, matched.bindings))
         resolved: list[tuple[Group, dict[str, Any]]] = []
         for group in groups.values():
@@ -206,12 +218,16 @@ class _Kernel:
         written = [(group.dtype, group.leaves, _written_slots(group))
                    for group, _ in resolved if group.plan.kernel != "zero"]
         problem = _range_problem(run, written, table.written.get(("kernel", segment)))
-        if problem is None and run.donate:
+        if problem is None and run.donate and not checked:
             problem = _donation_problem(run, [i for _, leaves, _ in written for i in leaves],
                                         [k for _, _, entries in written for k in entries],
                                         name)
         if problem is not None:
             return problem
+        if not checked:
+            entries = [k for _, _, ks in written for k in ks]
+            table.laid["kernel", segment] = (layout(run, segment.leaves, entries), groups,
+                                             entries)
 
         def launch() -> None:
             _launch(segment, run, matched, resolved)
@@ -253,7 +269,24 @@ def _launch(segment: Segment, run: Leaves, matched: _Matched,
         run.state[c] = count
 
 
-# --- the eager backend ------------------------------------------------------------------
+# --- the per-leaf and the eager backends -----------------------------------------------
+
+class _PerLeaf:
+    """The rules' own updates of a segment with a rule that reduces within a leaf (see the
+    module docstring)."""
+
+    name = "perleaf"
+
+    def offer(self, segment: Segment, run: Leaves) -> Callable[[], None] | str:
+        reduced = {i for m in segment.maps if isinstance(m.rule.spec, PerLeaf) for i in m.sel}
+        if not reduced:
+            return Unclaimed("no rule of the segment reduces within a leaf")
+        other = next((i for i in segment.leaves if i not in reduced), None)
+        if other is not None:
+            return (f"leaf {_leaf_names(run.treespec)(other)!r} has no rule that reduces "
+                    f"within a leaf, and its rules' own updates are not their fast form")
+        return _EAGER_RUNS
+
 
 class _Eager:
     """The rules' own pure updates: the executor's reference, which takes every segment."""
@@ -269,8 +302,9 @@ def _EAGER_RUNS() -> None:
 
 
 KERNEL: Backend = _Kernel()
+PERLEAF: Backend = _PerLeaf()
 EAGER: Backend = _Eager()
-BACKENDS: dict[str, Backend] = {b.name: b for b in (KERNEL, FOREACH, EAGER)}
+BACKENDS: dict[str, Backend] = {b.name: b for b in (KERNEL, FOREACH, PERLEAF, EAGER)}
 
 
 def table(names: tuple[str, ...]) -> tuple[Backend, ...]:
@@ -279,7 +313,8 @@ def table(names: tuple[str, ...]) -> tuple[Backend, ...]:
     if unknown or not names or names[-1] != "eager":
         raise ValueError(f"the engine's backends: got {names!r}; expected names among "
                          f"{tuple(BACKENDS)} ending with 'eager' (the reference, which takes "
-                         f"every segment). Fix: e.g. ('kernel', 'foreach', 'eager') or ('eager',).")
+                         f"every segment). Fix: e.g. ('kernel', 'foreach', 'perleaf', 'eager') or "
+                         f"('eager',).")
     return tuple(BACKENDS[n] for n in names)
 
 
@@ -323,6 +358,7 @@ def take(run: Running, op: Map) -> bool:
             message = f"{name} backend does not take {segment.where}: {reason}"
             if message not in found.warned:
                 found.refused[message] = None
+    if call is _EAGER_RUNS:  # (the executor's `_map` runs the segment's ops)
         return False
     call()
     run.taken.update(segment.maps)
@@ -367,7 +403,7 @@ class _Given:
 
 def explain(program: Program, treespec: _core.TreeSpec, param_leaves: list[Any],
             grad_leaves: list[Any], state_leaves: list[Any], *, donate: bool = False,
-            backends: tuple[str, ...] = ("kernel", "foreach", "eager"),
+            backends: tuple[str, ...] = ("kernel", "foreach", "perleaf", "eager"),
             ) -> list[Explained]:
     """Per segment of ``program`` on these leaves, which backend takes it and why the ones
     before it do not. Nothing is run: each segment is offered the gradients as its updates

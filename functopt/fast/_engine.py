@@ -37,7 +37,7 @@ from functopt.tree import _core
 __all__ = ["BACKENDS", "ENABLED", "explain", "step", "step_flat"]
 
 ENABLED: bool = os.environ.get("FUNCTOPT_ENGINE", "") == "program"
-BACKENDS: tuple[str, ...] = ("kernel", "foreach", "eager")
+BACKENDS: tuple[str, ...] = ("kernel", "foreach", "perleaf", "eager")
 
 _KEPT = 8  # programs kept per step function (one per params and state structure)
 # per step function: its programs by (params structure, state structure), and the

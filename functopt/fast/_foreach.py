@@ -78,6 +78,8 @@ from functopt.fast._segments import (
     _shared,
     _table,
     _versions,
+    laid,
+    layout,
 )
 from functopt.fast._walk import _Walk
 from functopt.transforms import _common
@@ -519,6 +521,22 @@ def _leaf_problem(leaf: _Leaf, p: Any, u: Any, state: list[Any]) -> str | None:
     return None
 
 
+def _grouped(matched: _Matched, segment: Segment, run: Leaves) -> dict[Any, list[int]] | str:
+    """The leaves of ``segment`` with an update, by call (device, dtype and rules), or the
+    first leaf's reason the function cannot take it."""
+    groups: dict[Any, list[int]] = {}
+    for i in segment.leaves:
+        p, u = run.params[i], run.updates[i]
+        if p is None or u is None:
+            continue
+        leaf = matched.leaves[i]
+        problem = _leaf_problem(leaf, p, u, run.state)
+        if problem is not None:
+            return f"leaf {_leaf_names(run.treespec)(i)!r}: {problem}"
+        groups.setdefault((p.device, p.dtype, leaf.maps), []).append(i)
+    return groups
+
+
 class _Foreach:
     """torch.optim's foreach implementations (see the module docstring)."""
 
@@ -532,16 +550,12 @@ class _Foreach:
         if isinstance(matched, str):
             return matched
         name = _leaf_names(run.treespec)
-        groups: dict[Any, list[int]] = {}
-        for i in segment.leaves:
-            p, u = run.params[i], run.updates[i]
-            if p is None or u is None:
-                continue
-            leaf = matched.leaves[i]
-            problem = _leaf_problem(leaf, p, u, run.state)
-            if problem is not None:
-                return f"leaf {name(i)!r}: {problem}"
-            groups.setdefault((p.device, p.dtype, leaf.maps), []).append(i)
+        groups = laid(table, ("foreach", segment), run, segment)
+        checked = groups is not None
+        if groups is None:
+            groups = _grouped(matched, segment, run)
+            if isinstance(groups, str):
+                return groups
         if not groups and matched.copied:
             return (f"no leaf has a gradient, and {matched.row.kind}'s shared state advances "
                     f"without one (the function writes it per leaf)")
@@ -571,11 +585,16 @@ class _Foreach:
         key = ("foreach", segment)
         problem = _range_problem(run, entries,
                                  table.written.get(key) if matched.row.bounded else None)
-        if problem is None and run.donate:
+        if problem is None and run.donate and not checked:
             problem = _donation_problem(run, [i for _, leaves, _ in entries for i in leaves],
                                         [k for _, _, ks in entries for k in ks], name)
         if problem is not None:
             return problem
+        if not checked:
+            # (the entries the leaf checks read: the shared copies' too)
+            read = [k for i in (j for _, leaves, _ in entries for j in leaves)
+                    for _, k in matched.leaves[i].match.lists if k is not None]
+            table.laid[key] = (layout(run, segment.leaves, read), groups, read)
 
         def launch() -> None:
             _launch(run, calls, matched.counts)

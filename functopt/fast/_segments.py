@@ -129,6 +129,10 @@ class _Table:
     # id -> (a weak reference, its version), which `_range_problem` does not read again
     written: dict[tuple[str, Segment], dict[int, tuple[Any, int]]] = field(
         default_factory=dict)
+    # per backend and segment: the layout its per-leaf and memory checks last passed on
+    # (`layout`) and what it built from them
+    laid: dict[tuple[str, Segment], tuple[tuple[Any, ...], Any, list[int]]] = field(
+        default_factory=dict)
 
 
 _TABLES: weakref.WeakKeyDictionary[Program, _Table] = weakref.WeakKeyDictionary()
@@ -186,6 +190,41 @@ def _shared(maps: tuple[Map, ...], treespec: _core.TreeSpec) -> set[int]:
 
 
 # --- the checks of a backend writing in place ------------------------------------------
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def layout(run: Leaves, leaves: tuple[int, ...], entries: list[int]) -> tuple[Any, ...]:
+    """What a backend's per-leaf layout checks and memory checks read of the params and
+    gradients of ``leaves`` and of the state ``entries``: where each plain tensor's
+    elements are and how they are read (a tensor of another type is a new object each
+    time: never the same layout), and whether the step is donated. A backend whose
+    checks passed on a layout takes it again unchecked (`laid`): every step of a donated
+    loop gives the same tensors, and a ``.data`` assignment moves the memory it reads."""
+    out: list[Any] = [run.donate]
+    for i in leaves:
+        p, u = run.params[i], run.updates[i]
+        if p is None or u is None:
+            out.append(None)
+        elif type(p) in _PLAIN_TENSORS and type(u) in _PLAIN_TENSORS:
+            out.append((p.data_ptr(), p.dtype, p.stride(), p.shape, p.device,
+                        u.dtype, u.shape, u.device))
+        else:
+            out.append(object())
+    for k in entries:
+        x = run.state[k]
+        out.append((x.data_ptr(), x.dtype, x.stride(), x.shape, x.device)
+                   if type(x) in _PLAIN_TENSORS else object())
+    return tuple(out)
+
+
+def laid(table: _Table, key: tuple[str, Segment], run: Leaves, segment: Segment) -> Any:
+    """What the backend ``key[0]`` built for ``segment`` the last time its layout and
+    memory checks passed, where these tensors have that layout; else None."""
+    found = table.laid.get(key)
+    if found is None or layout(run, segment.leaves, found[2]) != found[0]:
+        return None
+    return found[1]
 
 def _range_problem(run: Leaves, groups: list[tuple[torch.dtype, list[int], list[int]]],
                    written: dict[int, tuple[Any, int]] | None = None) -> str | None:

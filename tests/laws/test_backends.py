@@ -74,7 +74,7 @@ _FACTORIES: list[tuple[str, Callable[[], Any]]] = (
 
 
 @contextlib.contextmanager
-def engine(backends: tuple[str, ...] = ("kernel", "foreach", "eager"),
+def engine(backends: tuple[str, ...] = ("kernel", "foreach", "perleaf", "eager"),
            ) -> Iterator[list[int]]:
     """The switch on with these backends, and a list that grows by one at each segment the
     kernel or the foreach backend runs (on a fused kernel or a foreach implementation)."""
@@ -389,22 +389,34 @@ def test_a_state_entry_edited_after_a_kernel_step_is_checked_again(donate: bool)
     # (the range check does not read again what the last kernel call wrote while it is
     # unmodified: an edit in place advances its version, and the check reads it)
     tx = F.adamw(1e-2)
-    params = _trio()
+    step, params, state, grads = _fast_steps(tx, _trio(), donate)
+    state[0].nu["w"].fill_(float("inf"))
+    _refused_step_is_pure(tx, step, params, state, grads, "beyond the kernels' range")
+
+
+def _fast_steps(tx: Any, params: Any, donate: bool) -> tuple[Any, Any, Any, Any]:
+    """Two steps of ``tx`` on the engine, each run by a fast backend: the step function,
+    the params, the state and the gradients."""
     state, grads = tx.init(params), F.tree.full_like(params, 0.5)
     step = make_step(tx, donate=donate)
     for k in range(2):
         with engine() as launched, warnings.catch_warnings():
             warnings.simplefilter("error", FastPathWarning)
             params, state = step(grads, state, params)
-        assert launched == [1], f"step {k + 1}: the kernel backend did not run"
-    state[0].nu["w"].fill_(float("inf"))
+        assert launched == [1], f"step {k + 1}: no fast backend ran"
+    return step, params, state, grads
+
+
+def _refused_step_is_pure(tx: Any, step: Any, params: Any, state: Any, grads: Any,
+                          match: str | None = None) -> None:
+    """The next step warns that a fast backend refuses it and equals the pure step."""
     updates, pure_state = tx.update(grads, clone_tree(state), clone_tree(params))
     pure_params = F.apply_updates(clone_tree(params), updates)
-    with engine() as launched, pytest.warns(FastPathWarning, match="beyond the kernels' range"):
+    with engine() as launched, pytest.warns(FastPathWarning, match=match):
         params, state = step(grads, state, params)
     assert launched == []
-    assert_bitwise_equal(params, pure_params, what="params after the edited state's step")
-    assert_bitwise_equal(state, pure_state, what="state after the edited state's step")
+    assert_bitwise_equal(params, pure_params, what="params after the edited step")
+    assert_bitwise_equal(state, pure_state, what="state after the edited step")
 
 
 def test_the_kernels_read_an_injection_without_building_its_transform() -> None:
@@ -427,3 +439,78 @@ def test_the_kernels_read_an_injection_without_building_its_transform() -> None:
             params, state = step(F.tree.full_like(params, 0.25), state, params)
     assert launched == [1] * 4
     assert len(built) == first, f"{len(built) - first} builds in 3 steps on the kernels"
+
+
+def _alias_a_moment(params: Any, state: Any) -> None:
+    """A per-leaf state entry of ``"w"`` made a view of the param's memory."""
+    entry = next(x for x in _core.flatten(state)[0]
+                 if isinstance(x, torch.Tensor) and x.shape == params["w"].shape)
+    entry.data = params["w"].data
+
+
+def _transpose_a_param(params: Any, state: Any) -> None:
+    """The param ``"w"``'s ``.data`` made column-major (its moments stay row-major): the
+    fused kernels, which walk the params' and moments' memory in step, refuse it."""
+    params["w"].data = params["w"].data.t().contiguous().t()
+
+
+_ADAMW, _RMSPROP = (lambda: F.adamw(1e-2)), (lambda: _chains.rmsprop(1e-2, 0.9, 1e-8))
+
+
+@pytest.mark.parametrize(("make", "donate", "edit"), [
+    (_ADAMW, True, _alias_a_moment), (_RMSPROP, True, _alias_a_moment),
+    (_ADAMW, True, _transpose_a_param), (_ADAMW, False, _transpose_a_param)],
+    ids=["kernel donated, a moment aliasing its param",
+         "foreach donated, a moment aliasing its param",
+         "kernel donated, a param transposed", "kernel kept, a param transposed"])
+def test_a_layout_edited_after_a_step_is_checked_again(make: Callable[[], Any], donate: bool,
+                                                       edit: Callable[[Any, Any], None],
+                                                       ) -> None:
+    # (a backend whose layout and memory checks passed takes the same layout again
+    # unchecked: a .data assignment moves what the checks read, and they run again)
+    tx = make()
+    step, params, state, grads = _fast_steps(
+        tx, {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3)}, donate)
+    edit(params, state)
+    _refused_step_is_pure(tx, step, params, state, grads)
+
+
+# --- the per-leaf backend: rules that reduce within a leaf, on their own updates ----------
+
+_MATRICES = {"w": torch.arange(24.0).reshape(4, 6) / 24, "v": torch.ones(6, 4)}
+
+
+@pytest.mark.parametrize("make", [lambda: _chains.muon(1e-2, 0.95, 0.1),
+                                  lambda: F.adafactor(1e-2)], ids=["optim.muon", "adafactor"])
+@pytest.mark.parametrize("donate", [False, True], ids=["kept", "donated"])
+def test_a_rule_reducing_within_a_leaf_takes_the_perleaf_backend(make: Callable[[], Any],
+                                                                 donate: bool) -> None:
+    tx = make()
+    params = clone_tree(_MATRICES)
+    state = tx.init(params)
+    explained = _engine.explain(tx, params, F.tree.full_like(params, 0.5), state)
+    assert not isinstance(explained, str)
+    assert [e.backend for e in explained] == ["perleaf"], explained
+    step = make_step(tx, donate=donate)
+    pure_params, pure_state = clone_tree(params), clone_tree(state)
+    for k in range(3):
+        grads = F.tree.map(lambda p, k=k: torch.cos(p * (k + 1)), params)
+        updates, pure_state = tx.update(grads, pure_state, pure_params)
+        pure_params = F.apply_updates(pure_params, updates)
+        with engine() as launched, warnings.catch_warnings():
+            warnings.simplefilter("error", FastPathWarning)
+            params, state = step(grads, state, params)
+        assert launched == []  # (the rules' own updates: no kernel, no foreach call)
+    assert_bitwise_equal(params, pure_params, what="params on the per-leaf backend")
+    assert_bitwise_equal(state, pure_state, what="state on the per-leaf backend")
+
+
+def test_the_perleaf_backend_refuses_a_leaf_without_such_a_rule() -> None:
+    # (contrib.muon sends a vector to Adam: Adam's own updates are not its fast form)
+    tx = contrib.muon(1e-2)
+    params = {"w": torch.ones(4, 6), "b": torch.ones(6)}
+    explained = _engine.explain(tx, params, F.tree.full_like(params, 0.5))
+    assert not isinstance(explained, str)
+    perleaf = [e for e in explained if e.backend == "eager"
+               and "has no rule that reduces within a leaf" in e.reasons.get("perleaf", "")]
+    assert perleaf, explained

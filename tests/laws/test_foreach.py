@@ -53,7 +53,7 @@ def engine() -> Iterator[list[int]]:
         launch(*args)
 
     before = _engine.ENABLED, _engine.BACKENDS
-    _engine.ENABLED, _engine.BACKENDS = True, ("kernel", "foreach", "eager")
+    _engine.ENABLED, _engine.BACKENDS = True, ("kernel", "foreach", "perleaf", "eager")
     _foreach._launch = counted  # type: ignore[assignment]
     try:
         yield launched
@@ -173,7 +173,7 @@ def test_the_adagrad_drop_in_steps_on_the_foreach_backend_and_reads_group_edits(
 
 
 def test_the_foreach_backend_is_offered_after_the_kernels() -> None:
-    assert _engine.BACKENDS == ("kernel", "foreach", "eager")
+    assert _engine.BACKENDS == ("kernel", "foreach", "perleaf", "eager")
     tx = O.RMSprop([torch.zeros(2)]).transform
     params = _params()
     explained = _engine.explain(tx, params, _grads(0, params))
