@@ -23,8 +23,12 @@ reason it does not:
   neither the kernels nor a foreach implementation computes: its rules' own updates are its
   fast form (Muon's and Adafactor's ``grouped`` updates batch their leaves' matrix products
   and foreach ops), which the executor's ``_map`` calls, as the eager backend's; claimed
-  here, so that no lost fast path is warned about. A segment with a leaf that no such rule
-  selects (Adam's leaves beside Muon's matrices) is refused: its rules have faster forms.
+  here, so that no lost fast path is warned about. Such a rule's run of rules is cut into
+  its parts (a ``partition``'s transforms, ``functopt/fast/_segments.py``): a part beside
+  it that the faster backends refuse is claimed too (Muon's Adam leaves with
+  ``nesterov=True``, which neither a kernel nor a foreach implementation computes), and a
+  part with a leaf that no such rule selects is refused (a learning rate over every leaf
+  after Muon's: that leaf's rules have faster forms).
 - ``"eager"``: the reference, the rules' own pure updates (the executor's ``_map``); it
   takes every segment.
 
@@ -279,6 +283,8 @@ class _PerLeaf:
 
     def offer(self, segment: Segment, run: Leaves) -> Callable[[], None] | str:
         reduced = {i for m in segment.maps if isinstance(m.rule.spec, PerLeaf) for i in m.sel}
+        if not reduced and segment.beside:  # (the faster backends refused it)
+            return _EAGER_RUNS
         if not reduced:
             return Unclaimed("no rule of the segment reduces within a leaf")
         other = next((i for i in segment.leaves if i not in reduced), None)

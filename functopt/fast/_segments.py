@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from functopt._collective.dtensor import local_tensor
-from functopt._spec import Spec, describe
+from functopt._spec import PerLeaf, Spec, describe
 from functopt.fast._planner import overlap
 from functopt.fast._program import Gate, Map, Op, Program, Resolved, Rule, nodes_of
 from functopt.fast._walk import _Walk
@@ -54,13 +54,16 @@ class Leaves(Protocol):
 
 @dataclass(frozen=True, eq=False)
 class Segment:
-    """A run of consecutive `Map` ops: ``leaves`` (in index order) are those they select;
+    """A run of consecutive `Map` ops (one with a rule that reduces within a leaf: a part
+    of it joined by the leaves its Maps select, `_components`): ``leaves`` (in index
+    order) are those they select;
     ``final``: it stands at the top of the program and no op after it reads its leaves'
     updates, so a backend may add them to the params itself."""
 
     maps: tuple[Map, ...]
     leaves: tuple[int, ...]
     final: bool
+    beside: bool = False  # a part of a run with a rule that reduces within a leaf
 
     @property
     def where(self) -> str:
@@ -90,17 +93,39 @@ def _sel(op: Op) -> tuple[int, ...]:
     return found
 
 
+def _components(run: list[Map]) -> list[list[Map]]:
+    """A run of Maps split where no leaf joins its parts (a ``partition``'s transforms: each
+    part is a segment of its own, which a backend takes or refuses alone), each part in
+    program order, the parts in the order of their first Maps."""
+    order = {id(m): k for k, m in enumerate(run)}
+    parts: list[tuple[set[int], list[Map]]] = []
+    for m in run:
+        joined = [part for part in parts if part[0].intersection(m.sel)]
+        leaves, maps = set(m.sel), [m]
+        for part in joined:
+            leaves |= part[0]
+            maps += part[1]
+            parts.remove(part)
+        parts.append((leaves, sorted(maps, key=lambda x: order[id(x)])))
+    return [maps for _, maps in sorted(parts, key=lambda part: order[id(part[1][0])])]
+
+
 def _cut(ops: tuple[Op, ...], top: bool) -> list[Segment]:
     found: list[Segment] = []
     run: list[Map] = []
 
     def close(at: int) -> None:
+        # (a run with a rule that reduces within a leaf is cut into its parts: that rule's
+        # leaves take the per-leaf backend, the other parts' leaves a faster one; other
+        # runs stay whole, one backend call and one range check for all their leaves)
         if not run:
             return
-        leaves = tuple(sorted({i for m in run for i in m.sel}))
-        mine = set(leaves)
-        final = top and not any(mine.intersection(_sel(later)) for later in ops[at:])
-        found.append(Segment(tuple(run), leaves, final))
+        whole = not any(isinstance(m.rule.spec, PerLeaf) for m in run)
+        for maps in [list(run)] if whole else _components(run):
+            leaves = tuple(sorted({i for m in maps for i in m.sel}))
+            mine = set(leaves)
+            final = top and not any(mine.intersection(_sel(later)) for later in ops[at:])
+            found.append(Segment(tuple(maps), leaves, final, beside=not whole))
         run.clear()
 
     for at, op in enumerate(ops):

@@ -505,12 +505,19 @@ def test_a_rule_reducing_within_a_leaf_takes_the_perleaf_backend(make: Callable[
     assert_bitwise_equal(state, pure_state, what="state on the per-leaf backend")
 
 
-def test_the_perleaf_backend_refuses_a_leaf_without_such_a_rule() -> None:
-    # (contrib.muon sends a vector to Adam: Adam's own updates are not its fast form)
-    tx = contrib.muon(1e-2)
+def test_the_perleaf_backend_hosts_the_parts_beside_and_refuses_a_leaf_without_such_a_rule(
+        ) -> None:
+    # (contrib.muon sends a vector to Adam with nesterov=True, which no faster backend
+    # computes: that part is claimed beside Muon's; a learning rate over every leaf joins
+    # a vector with Muon's matrices, and that vector's rules have faster forms)
     params = {"w": torch.ones(4, 6), "b": torch.ones(6)}
-    explained = _engine.explain(tx, params, F.tree.full_like(params, 0.5))
+    grads = F.tree.full_like(params, 0.5)
+    explained = _engine.explain(contrib.muon(1e-2), params, grads)
     assert not isinstance(explained, str)
-    perleaf = [e for e in explained if e.backend == "eager"
-               and "has no rule that reduces within a leaf" in e.reasons.get("perleaf", "")]
-    assert perleaf, explained
+    assert [e.backend for e in explained] == ["perleaf", "perleaf"], explained
+    joined = F.chain(F.masked(contrib.scale_by_muon(), {"w": True, "b": False}),
+                     F.scale_by_learning_rate(1e-2))
+    explained = _engine.explain(joined, params, grads)
+    assert not isinstance(explained, str)
+    assert [e.backend for e in explained] == ["eager"], explained
+    assert "'b' has no rule that reduces within a leaf" in explained[0].reasons["perleaf"]
