@@ -501,6 +501,16 @@ def _match(segment: Segment, run: Leaves) -> _Matched | str:
     return _Matched(row, leaves, tuple(sorted(counts)), bindings, frozenset(copied))
 
 
+def _copies_problem(row: Any, copied: Any, state: list[Any]) -> str | None:
+    """Why the shared state entries ``copied`` (written at each step: checked at each) are
+    not what the function takes per leaf, copied: a float64 scalar."""
+    for k in copied:
+        x = state[k]
+        if type(x) not in _PLAIN or x.dtype != torch.float64 or x.dim():
+            return f"its {row.kind}'s shared state entry is not a float64 scalar"
+    return None
+
+
 def _leaf_problem(leaf: _Leaf, p: Any, u: Any, state: list[Any]) -> str | None:
     """Why the row's function cannot take this leaf as the rules compute it."""
     what = f"torch's foreach {leaf.row.name}"
@@ -508,11 +518,10 @@ def _leaf_problem(leaf: _Leaf, p: Any, u: Any, state: list[Any]) -> str | None:
         return f"{what} takes plain tensors (not a DTensor or a subclass)"
     if p.dtype not in _DTYPES:
         return f"{what} rounds {p.dtype} at each op, the rules once"
-    for kind, k in leaf.match.lists:
-        if kind == "copy" and k is not None:
-            x = state[k]
-            if type(x) not in _PLAIN or x.dtype != torch.float64 or x.dim():
-                return f"its {leaf.row.kind}'s shared state entry is not a float64 scalar"
+    problem = _copies_problem(leaf.row, {k for kind, k in leaf.match.lists
+                                         if kind == "copy" and k is not None}, state)
+    if problem is not None:
+        return problem
     entries = [state[k] for kind, k in leaf.match.lists if kind == "entry" and k is not None]
     for x in (u, *entries):
         if type(x) not in _PLAIN or x.dtype != p.dtype or x.shape != p.shape or (
@@ -521,9 +530,13 @@ def _leaf_problem(leaf: _Leaf, p: Any, u: Any, state: list[Any]) -> str | None:
     return None
 
 
-def _grouped(matched: _Matched, segment: Segment, run: Leaves) -> dict[Any, list[int]] | str:
+def _grouped(matched: _Matched, segment: Segment, run: Leaves,
+             before: dict[Any, list[int]] | None) -> dict[Any, list[int]] | str:
     """The leaves of ``segment`` with an update, by call (device, dtype and rules), or the
-    first leaf's reason the function cannot take it."""
+    first leaf's reason the function cannot take it; ``before``: the groups of a layout
+    checked before (`laid`), whose shared entries only are checked again."""
+    if before is not None:
+        return _copies_problem(matched.row, matched.copied, run.state) or before
     groups: dict[Any, list[int]] = {}
     for i in segment.leaves:
         p, u = run.params[i], run.updates[i]
@@ -550,12 +563,11 @@ class _Foreach:
         if isinstance(matched, str):
             return matched
         name = _leaf_names(run.treespec)
-        groups = laid(table, ("foreach", segment), run, segment)
-        checked = groups is not None
-        if groups is None:
-            groups = _grouped(matched, segment, run)
-            if isinstance(groups, str):
-                return groups
+        before = laid(table, ("foreach", segment), run, segment)
+        checked = before is not None
+        groups = _grouped(matched, segment, run, before)
+        if isinstance(groups, str):
+            return groups
         if not groups and matched.copied:
             return (f"no leaf has a gradient, and {matched.row.kind}'s shared state advances "
                     f"without one (the function writes it per leaf)")
@@ -591,9 +603,9 @@ class _Foreach:
         if problem is not None:
             return problem
         if not checked:
-            # (the entries the leaf checks read: the shared copies' too)
-            read = [k for i in (j for _, leaves, _ in entries for j in leaves)
-                    for _, k in matched.leaves[i].match.lists if k is not None]
+            # (the per-leaf entries the leaf checks read; the shared ones are written at
+            # each step, and checked at each)
+            read = [k for _, _, ks in entries for k in ks]
             table.laid[key] = (layout(run, segment.leaves, read), groups, read)
 
         def launch() -> None:
