@@ -43,7 +43,8 @@ tree sums, a layout or dtype the kernels do not take, a rule keeping shared stat
 its count, ``set_to_zero`` after a rule with state (the kernels' matching refuses it), a step
 whose gradients, params or state entries hold an element that is not finite or so large
 that the kernels' intermediates and the rules' overflow apart (checked at every step: one
-foreach 2-norm pass over them and one host read), and, when the step is donated, per-leaf
+foreach 2-norm pass over them and one host read; an update a clip scaled is bounded by
+the sum of squares that clip measured, and not read), and, when the step is donated, per-leaf
 state entries sharing memory with each other or with a param (the kernels write them in
 place). A rule inside one ``inject_hyperparams`` is matched on its node in the inner transform built
 from placeholder tensors, which the match binds to the injection's values: at each step
@@ -402,6 +403,7 @@ class _Given:
     state: list[Any]
     donate: bool
     resolved: dict[int, Resolved] = field(default_factory=dict)
+    clipped: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def bound(self, index: int) -> Resolved:
         return resolve_binding(self.program, self.state, self.resolved, index)

@@ -50,6 +50,7 @@ from functopt._collective.dtensor import (
     is_dtensor,
     local_tensor,
 )
+from functopt._spec import GlobalNormClip
 from functopt.fast import _backends
 from functopt.fast._program import (
     Accumulate,
@@ -114,6 +115,11 @@ class _Run:
     # and the Maps one other than the eager backend ran
     backends: tuple[_backends.Backend, ...] = (_backends.EAGER,)
     taken: set[Map] = field(default_factory=set)
+    # per reduction pending or resolved: the updates it measured; per leaf whose update a
+    # clip scaled since: the sum of squares that clip divided by (a bound of its update,
+    # which a backend's range check reads instead of the update)
+    measured: dict[int, dict[int, Any]] = field(default_factory=dict)
+    clipped: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def tree(self, leaves: list[Any], sel: tuple[int, ...]) -> Any:
         chosen = set(sel)
@@ -189,6 +195,7 @@ def _map(run: _Run, op: Map) -> None:
         flat = run.treespec.flatten_up_to(out)
         for i in leaves:
             run.updates[i] = flat[i]
+            run.clipped.pop(i, None)
         _written(run, op.rule, new, leaves, shared=j == 0)
 
 
@@ -228,14 +235,24 @@ def _reduce(run: _Run, op: Reduce) -> None:
     # (the leaves in index order: the order global_norm adds their squares in)
     measure = stats.clip_sums if op.kind == "sumsq" else stats.nonfinite_counts
     run.pending[op.out] = measure(tensors, run.counted, [sorted(chosen)], run.device)[0]
+    run.measured[op.out] = {i: run.updates[i] for i in chosen}
 
 
 def _scale(run: _Run, op: Scale) -> None:
     spec = run.spec(op.rule)
+    total = run.result(op.source)
     out, _ = spec.finish(run.tree(run.updates, op.sel), run.state_of(op.rule),
-                         run.tree(run.params, op.sel), (run.result(op.source),))
+                         run.tree(run.params, op.sel), (total,))
     flat = run.treespec.flatten_up_to(out)
+    measured = run.measured.get(op.source, {})
     for i in op.sel:
+        # (clip_by_global_norm scales by min(1, max_norm / norm): the norm of the updates
+        # it measured bounds each scaled one)
+        if (isinstance(spec, GlobalNormClip) and run.updates[i] is not None
+                and measured.get(i) is run.updates[i]):
+            run.clipped[i] = total
+        else:
+            run.clipped.pop(i, None)
         run.updates[i] = flat[i]
 
 
@@ -270,6 +287,7 @@ def _gate(run: _Run, op: Gate) -> None:
         u = taken_updates[i]
         run.updates[i] = None if u is None else torch.where(applied.on(u.device), u,
                                                             run.updates[i])
+        run.clipped.pop(i, None)
     run.state[d.notfinite_count], run.state[d.last_finite] = count, finite
     run.state[d.total_notfinite] = total
 
@@ -308,6 +326,7 @@ def _accumulate(run: _Run, op: Accumulate) -> None:
             g = run.updates[i]
             if g is not None:
                 run.updates[i] = multi_steps._accumulate(g, run.state[accs[i]], n).to(g.dtype)
+                run.clipped.pop(i, None)
         for k in accs:
             acc = run.state[k]
             run.state[k] = None if acc is None else torch.zeros_like(acc)

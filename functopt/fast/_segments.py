@@ -46,6 +46,8 @@ class Leaves(Protocol):
     updates: list[Any]  # per leaf: its update where the segment stands
     state: list[Any]  # the flat state
     donate: bool
+    # per leaf whose update a clip scaled: the sum of squares of the updates it measured
+    clipped: dict[int, torch.Tensor]
 
     def bound(self, index: int) -> Resolved:
         """Binding ``index`` at this step (its values; its inner transform's nodes)."""
@@ -274,7 +276,25 @@ def _range_problem(run: Leaves, groups: list[tuple[torch.dtype, list[int], list[
     so in place is not read again.) The foreach rows pass ``written`` where what their
     functions write stays so bounded (moments as convex combinations or maxima, RMSprop's
     momentum by ``1 / sqrt(1 - alpha)`` per step, Rprop's step sizes clamped), and not for
-    Adagrad's sum of squares or Adadelta's squared deltas, which may grow at each step."""
+    Adagrad's sum of squares or Adadelta's squared deltas, which may grow at each step.
+
+    An update a clip scaled (``run.clipped``) is not read: the sum of squares the clip
+    measured, over updates of which it is one, bounds its norm (``clip_by_global_norm``
+    scales by at most 1), and is held to the square of its bound. Where that sum is beyond
+    it (the clip's updates may still be in range), the updates are read as the others."""
+    if _in_range(run, groups, written, bounded=True):
+        return None
+    if any(i in run.clipped for _, leaves, _ in groups for i in leaves) and _in_range(
+            run, groups, written, bounded=False):
+        return None
+    return ("an element of a gradient, param or state entry is not finite or beyond the "
+            "kernels' range (where their arithmetic and the rules' overflow apart)")
+
+
+def _in_range(run: Leaves, groups: list[tuple[torch.dtype, list[int], list[int]]],
+              written: dict[int, tuple[Any, int]] | None, bounded: bool) -> bool:
+    """`_range_problem`'s check in one host read (``bounded``: the clips' sums of squares
+    for the updates they scaled)."""
     checks = []
     for dtype, leaves, entries in groups:
         wide = torch.float64 if dtype == torch.float64 else torch.float32
@@ -282,16 +302,15 @@ def _range_problem(run: Leaves, groups: list[tuple[torch.dtype, list[int], list[
         kept = [run.params[i] for i in leaves] + [run.state[k] for k in entries]
         if written:
             kept = [x for x in kept if not _unchanged(x, written)]
-        for tensors, bound in (([run.updates[i] for i in leaves], math.sqrt(largest) / 16),
-                               (kept, largest / 16)):
+        sums = {id(s): s for i in leaves if bounded and (s := run.clipped.get(i)) is not None}
+        checks += [(s <= largest / 256).cpu() for s in sums.values()]
+        updates = [run.updates[i] for i in leaves if not (bounded and i in run.clipped)]
+        for tensors, bound in ((updates, math.sqrt(largest) / 16), (kept, largest / 16)):
             tensors = [x for x in map(local_tensor, tensors) if x.numel()]
             if tensors:
                 norms = torch._foreach_norm(tensors, 2, dtype=wide)
                 checks.append((torch.stack(norms).max() <= bound).cpu())
-    if not checks or bool(torch.stack(checks).all()):
-        return None
-    return ("an element of a gradient, param or state entry is not finite or beyond the "
-            "kernels' range (where their arithmetic and the rules' overflow apart)")
+    return not checks or bool(torch.stack(checks).all())
 
 
 def _versions(tensors: list[Any]) -> dict[int, tuple[Any, int]]:

@@ -521,3 +521,52 @@ def test_the_perleaf_backend_hosts_the_parts_beside_and_refuses_a_leaf_without_s
     assert not isinstance(explained, str)
     assert [e.backend for e in explained] == ["eager"], explained
     assert "'b' has no rule that reduces within a leaf" in explained[0].reasons["perleaf"]
+
+
+# --- a clip's sum of squares bounds the updates it scaled --------------------------------
+
+@contextlib.contextmanager
+def _range_reads() -> Iterator[list[int]]:
+    """A list that grows by the number of tensors each foreach norm of the range check
+    reads (`_segments._in_range`)."""
+    reads: list[int] = []
+    norm = torch._foreach_norm
+
+    def counted(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        if sys._getframe(1).f_code.co_name == "_in_range":
+            reads.append(len(tensors))
+        return norm(tensors, *args, **kwargs)
+
+    torch._foreach_norm = counted  # type: ignore[assignment]
+    try:
+        yield reads
+    finally:
+        torch._foreach_norm = norm  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e30], ids=["in range", "clipped from beyond"])
+def test_a_clips_sum_of_squares_bounds_the_updates_it_scaled(scale: float) -> None:
+    # (the README's chain, donated: after the first step the range check reads neither the
+    # kernels' own writes nor the clipped updates, whose clip measured them; gradients
+    # whose squares overflow float32, clipped back into range, are read after all, and the
+    # kernel takes them as the pure chain does)
+    tx = F.chain(F.clip_by_global_norm(1.0), F.adamw(1e-2))
+    params = _trio()
+    state, step = tx.init(params), make_step(tx, donate=True)
+    grads = F.tree.full_like(params, 0.5)
+    with engine() as launched, warnings.catch_warnings():
+        warnings.simplefilter("error", FastPathWarning)
+        params, state = step(grads, state, params)
+    grads = F.tree.map(lambda g: g * scale, grads)
+    before = clone_tree((params, state))
+    updates, pure_state = tx.update(grads, clone_tree(state), clone_tree(params))
+    pure_params = F.apply_updates(clone_tree(params), updates)
+    with engine() as launched, _range_reads() as reads, warnings.catch_warnings():
+        warnings.simplefilter("error", FastPathWarning)
+        params, state = step(grads, state, params)
+    assert launched == [1]
+    assert reads == ([] if scale == 1.0 else [2]), reads
+    for new, pure, old, part in ((params, pure_params, before[0], "params"),
+                                 (state, pure_state, before[1], "state")):
+        _fast._assert_fast_close(new, pure, old, check="kernel backend", what=part,
+                                 exact=False)
