@@ -4,6 +4,7 @@ rules, the compiled tier taken, equal to the eager class, and the flag kept by a
 from __future__ import annotations
 
 import pickle
+from typing import Any
 
 import pytest
 import torch
@@ -43,6 +44,16 @@ def test_adafactor_refuses_compile() -> None:
     assert not functopt.optim.Adafactor(_params())._compile
 
 
+def _step_both(a: Any, eager: list[Any], b: Any, compiled: list[Any]) -> None:
+    """Three steps of two optimizers on the same gradients."""
+    for _ in range(3):
+        for p, q in zip(eager, compiled, strict=True):
+            grad = torch.randn(p.shape)
+            p.grad, q.grad = grad.clone(), grad.clone()
+        a.step()
+        b.step()
+
+
 # neither has a torch kernel: the compiled tier takes them
 @pytest.mark.parametrize("name", ["RAdam", "NAdam"])
 def test_compiled_class_equals_eager_and_pickles_with_the_flag(name: str) -> None:
@@ -55,12 +66,7 @@ def test_compiled_class_equals_eager_and_pickles_with_the_flag(name: str) -> Non
     assert {g.kernel for g in fast.explain(b.transform, compiled, compile=True).groups} == {
         "compiled"}
     before = counters["stats"]["unique_graphs"]
-    for _ in range(3):
-        for p, q in zip(eager, compiled, strict=True):
-            grad = torch.randn(p.shape)
-            p.grad, q.grad = grad.clone(), grad.clone()
-        a.step()
-        b.step()
+    _step_both(a, eager, b, compiled)
     assert counters["stats"]["unique_graphs"] > before  # the step ran compiled
     for p, q in zip(eager, compiled, strict=True):
         torch.testing.assert_close(q, p, rtol=3 * torch.finfo(torch.float32).eps, atol=1e-7)
@@ -83,12 +89,7 @@ def test_a_class_with_a_torch_kernel_keeps_it_when_compiling() -> None:
     assert {g.kernel for g in fast.explain(b.transform, compiled, compile=True).groups} == {
         "torch._fused_adamw_"}
     before = counters["stats"]["unique_graphs"]
-    for _ in range(3):
-        for p, q in zip(eager, compiled, strict=True):
-            grad = torch.randn(p.shape)
-            p.grad, q.grad = grad.clone(), grad.clone()
-        a.step()
-        b.step()
+    _step_both(a, eager, b, compiled)
     assert counters["stats"]["unique_graphs"] == before
     for p, q in zip(eager, compiled, strict=True):
         assert torch.equal(q, p)

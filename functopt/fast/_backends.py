@@ -86,15 +86,13 @@ from functopt.fast._segments import (
     Segment,
     Unclaimed,
     _bound_node,
-    _donation_problem,
     _hyper_values,
     _kind,
-    _range_problem,
     _shared,
     _table,
-    _versions,
+    checked_launch,
     laid,
-    layout,
+    matched_of,
     segments,
 )
 from functopt.fast._walk import _Mismatch, _Walk
@@ -190,14 +188,12 @@ class _Kernel:
     name = "kernel"
 
     def offer(self, segment: Segment, run: Leaves) -> Callable[[], None] | str:
-        table = _table(run.program)
-        matched = table.matched.get(("kernel", segment))
-        if matched is None:
-            matched = table.matched["kernel", segment] = _match(segment, run)
+        table, key = _table(run.program), ("kernel", segment)
+        matched = matched_of(table, key, lambda: _match(segment, run))
         if isinstance(matched, str):
             return matched
         name = _leaf_names(run.treespec)
-        groups: dict[Any, Group] | None = laid(table, ("kernel", segment), run, segment)
+        groups: dict[Any, Group] | None = laid(table, key, run, segment)
         checked = groups is not None
         if groups is None:
             groups = {}
@@ -205,11 +201,11 @@ class _Kernel:
                 p, u = run.params[i], run.updates[i]
                 if p is None or u is None:
                     continue
-                plan, key = matched.plans[i]
+                plan, plan_key = matched.plans[i]
                 problem = _layout_problem(plan, p, run.state)
                 if problem is not None:
                     return f"leaf {name(i)!r}: {problem}"
-                group = groups.setdefault((p.device, p.dtype, key),
+                group = groups.setdefault((p.device, p.dtype, plan_key),
                                           Group(plan, p.device, p.dtype, [], []))
                 group.leaves.append(i)
                 group.plans.append(plan)
@@ -222,25 +218,8 @@ class _Kernel:
             resolved.append((group, hp))
         written = [(group.dtype, group.leaves, _written_slots(group))
                    for group, _ in resolved if group.plan.kernel != "zero"]
-        problem = _range_problem(run, written, table.written.get(("kernel", segment)))
-        if problem is None and run.donate and not checked:
-            problem = _donation_problem(run, [i for _, leaves, _ in written for i in leaves],
-                                        [k for _, _, entries in written for k in entries],
-                                        name)
-        if problem is not None:
-            return problem
-        if not checked:
-            entries = [k for _, _, ks in written for k in ks]
-            table.laid["kernel", segment] = (layout(run, segment.leaves, entries), groups,
-                                             entries)
-
-        def launch() -> None:
-            _launch(segment, run, matched, resolved)
-            table.written["kernel", segment] = _versions(
-                [run.params[i] for _, leaves, _ in written for i in leaves]
-                + [run.state[k] for _, _, entries in written for k in entries])
-
-        return launch
+        return checked_launch(table, key, run, groups, written, checked, reread=False,
+                              launch=lambda: _launch(segment, run, matched, resolved))
 
 
 def _written_slots(group: Group) -> list[int]:

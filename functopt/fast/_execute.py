@@ -235,7 +235,8 @@ def _reduce(run: _Run, op: Reduce) -> None:
     # (the leaves in index order: the order global_norm adds their squares in)
     measure = stats.clip_sums if op.kind == "sumsq" else stats.nonfinite_counts
     run.pending[op.out] = measure(tensors, run.counted, [sorted(chosen)], run.device)[0]
-    run.measured[op.out] = {i: run.updates[i] for i in chosen}
+    if op.kind == "sumsq":  # (what a clip then scales: see `_scale`)
+        run.measured[op.out] = {i: run.updates[i] for i in chosen}
 
 
 def _scale(run: _Run, op: Scale) -> None:

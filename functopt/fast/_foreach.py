@@ -71,15 +71,13 @@ from functopt.fast._segments import (
     Segment,
     Unclaimed,
     _bound_node,
-    _donation_problem,
     _hyper_values,
     _kind,
-    _range_problem,
     _shared,
     _table,
-    _versions,
+    checked_launch,
     laid,
-    layout,
+    matched_of,
 )
 from functopt.fast._walk import _Walk
 from functopt.transforms import _common
@@ -556,14 +554,12 @@ class _Foreach:
     name = "foreach"
 
     def offer(self, segment: Segment, run: Leaves) -> Callable[[], None] | str:
-        table = _table(run.program)
-        matched = table.matched.get(("foreach", segment))
-        if matched is None:
-            matched = table.matched["foreach", segment] = _match(segment, run)
+        table, key = _table(run.program), ("foreach", segment)
+        matched = matched_of(table, key, lambda: _match(segment, run))
         if isinstance(matched, str):
             return matched
         name = _leaf_names(run.treespec)
-        before = laid(table, ("foreach", segment), run, segment)
+        before = laid(table, key, run, segment)
         checked = before is not None
         groups = _grouped(matched, segment, run, before)
         if isinstance(groups, str):
@@ -580,8 +576,8 @@ class _Foreach:
             if c is not None and c not in steps and leaf.row.problem is not None:
                 steps[c] = float(run.state[c]) + 1  # (torch's step number at this step)
             values = {k: env.number(b(env)) for k, b in leaf.match.numbers.items()}
-            for key, (test, reason) in leaf.match.checks.items():
-                if not test(values[key]):
+            for number, (test, reason) in leaf.match.checks.items():
+                if not test(values[number]):
                     return f"leaf {name(leaves[0])!r}: {reason}"
             dtype = run.params[leaves[0]].dtype
             problem = (None if leaf.row.problem is None
@@ -594,27 +590,10 @@ class _Foreach:
         entries = [(run.params[leaves[0]].dtype, leaves,
                     [k for i in leaves for kind, k in matched.leaves[i].match.lists
                      if kind == "entry" and k is not None]) for _, leaves, _ in calls]
-        key = ("foreach", segment)
-        problem = _range_problem(run, entries,
-                                 table.written.get(key) if matched.row.bounded else None)
-        if problem is None and run.donate and not checked:
-            problem = _donation_problem(run, [i for _, leaves, _ in entries for i in leaves],
-                                        [k for _, _, ks in entries for k in ks], name)
-        if problem is not None:
-            return problem
-        if not checked:
-            # (the per-leaf entries the leaf checks read; the shared ones are written at
-            # each step, and checked at each)
-            read = [k for _, _, ks in entries for k in ks]
-            table.laid[key] = (layout(run, segment.leaves, read), groups, read)
-
-        def launch() -> None:
-            _launch(run, calls, matched.counts)
-            table.written[key] = _versions(
-                [run.params[i] for _, leaves, _ in entries for i in leaves]
-                + [run.state[k] for _, _, ks in entries for k in ks])
-
-        return launch
+        # (the per-leaf entries; the shared ones are written at each step, checked at each)
+        return checked_launch(table, key, run, groups, entries, checked,
+                              reread=not matched.row.bounded,
+                              launch=lambda: _launch(run, calls, matched.counts))
 
 
 def _launch(run: Leaves, calls: list[tuple[list[_Leaf], list[int], dict[str, Any]]],

@@ -22,8 +22,9 @@ from typing import Any, Protocol
 
 import torch
 
-from functopt._collective.dtensor import local_tensor
+from functopt._collective.dtensor import _leaf_names, local_tensor
 from functopt._spec import PerLeaf, Spec, describe
+from functopt.fast._kernels import _PLAIN
 from functopt.fast._planner import overlap
 from functopt.fast._program import Gate, Map, Op, Program, Resolved, Rule, nodes_of
 from functopt.fast._walk import _Walk
@@ -218,9 +219,6 @@ def _shared(maps: tuple[Map, ...], treespec: _core.TreeSpec) -> set[int]:
 
 # --- the checks of a backend writing in place ------------------------------------------
 
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-
-
 def layout(run: Leaves, leaves: tuple[int, ...], entries: list[int]) -> tuple[Any, ...]:
     """What a backend's per-leaf layout checks and memory checks read of the params and
     gradients of ``leaves`` and of the state ``entries``: where each plain tensor's
@@ -233,7 +231,7 @@ def layout(run: Leaves, leaves: tuple[int, ...], entries: list[int]) -> tuple[An
         p, u = run.params[i], run.updates[i]
         if p is None or u is None:
             out.append(None)
-        elif type(p) in _PLAIN_TENSORS and type(u) in _PLAIN_TENSORS:
+        elif type(p) in _PLAIN and type(u) in _PLAIN:
             out.append((p.data_ptr(), p.dtype, p.stride(), p.shape, p.device,
                         u.dtype, u.shape, u.device))
         else:
@@ -241,8 +239,45 @@ def layout(run: Leaves, leaves: tuple[int, ...], entries: list[int]) -> tuple[An
     for k in entries:
         x = run.state[k]
         out.append((x.data_ptr(), x.dtype, x.stride(), x.shape, x.device)
-                   if type(x) in _PLAIN_TENSORS else object())
+                   if type(x) in _PLAIN else object())
     return tuple(out)
+
+
+def matched_of(table: _Table, key: tuple[str, Segment], match: Callable[[], Any]) -> Any:
+    """The backend ``key[0]``'s structural match of ``key[1]`` (``match()``, once per
+    program)."""
+    found = table.matched.get(key)
+    if found is None:
+        found = table.matched[key] = match()
+    return found
+
+
+def checked_launch(table: _Table, key: tuple[str, Segment], run: Leaves, groups: Any,
+                   written: list[tuple[torch.dtype, list[int], list[int]]], checked: bool,
+                   reread: bool, launch: Callable[[], None]) -> Callable[[], None] | str:
+    """The end of an offer of a backend writing params and state in place (``written``:
+    per call, its dtype, its leaves and the flat indices of the state entries it writes):
+    the values' range (``reread``: what the last call wrote is read again), the memory
+    when donated and the layout not ``checked`` before (`laid`), which is then
+    remembered with the backend's ``groups``; the call, which records what it wrote."""
+    segment = key[1]
+    problem = _range_problem(run, written, None if reread else table.written.get(key))
+    if problem is None and run.donate and not checked:
+        problem = _donation_problem(run, [i for _, leaves, _ in written for i in leaves],
+                                    [k for _, _, ks in written for k in ks],
+                                    _leaf_names(run.treespec))
+    if problem is not None:
+        return problem
+    entries = [k for _, _, ks in written for k in ks]
+    if not checked:
+        table.laid[key] = (layout(run, segment.leaves, entries), groups, entries)
+
+    def call() -> None:
+        launch()
+        table.written[key] = _versions([run.params[i] for _, leaves, _ in written
+                                        for i in leaves] + [run.state[k] for k in entries])
+
+    return call
 
 
 def laid(table: _Table, key: tuple[str, Segment], run: Leaves, segment: Segment) -> Any:
